@@ -1,0 +1,80 @@
+//! Human-readable numbers for live lines and summaries.
+
+/// Bytes as B/KiB/MiB/GiB.
+pub fn bytes(v: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = v;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{v:.0} {}", UNITS[i])
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+/// A count with k/M/G suffixes.
+pub fn count(v: f64) -> String {
+    if v >= 1e9 {
+        format!("{:.2} G", v / 1e9)
+    } else if v >= 1e6 {
+        format!("{:.2} M", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.1} k", v / 1e3)
+    } else {
+        format!("{v:.0} ")
+    }
+}
+
+/// A quantity in a workload's unit.
+pub fn amount(v: f64, unit: &str) -> String {
+    match unit {
+        "bytes" => bytes(v),
+        u => format!("{}{u}", count(v)),
+    }
+}
+
+/// A per-second rate in a workload's unit.
+pub fn rate(v: f64, unit: &str) -> String {
+    format!("{}/s", amount(v, unit))
+}
+
+/// Parses `10s`, `500ms`, `2m`, `1h` or plain seconds.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("'{text}' is not a duration (e.g. 10s, 500ms, 2m)"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1e3,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("'{text}': unknown unit '{unit}' (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || secs <= 0.0 || secs > 30.0 * 86400.0 {
+        return Err(format!("'{text}' is out of range (more than 0, at most 30 days)"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_and_parses() {
+        assert_eq!(bytes(512.0), "512 B");
+        assert_eq!(bytes(3.0 * 1048576.0), "3.0 MiB");
+        assert_eq!(rate(2.5e9, "ops"), "2.50 Gops/s");
+        assert_eq!(parse_duration("500ms").unwrap().as_millis(), 500);
+        assert_eq!(parse_duration("2m").unwrap().as_secs(), 120);
+        assert_eq!(parse_duration("3").unwrap().as_secs(), 3);
+        assert!(parse_duration("3 parsecs").is_err());
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+}

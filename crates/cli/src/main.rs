@@ -1,0 +1,68 @@
+//! The `ferry` command line: runs VMs and talks to them through their control sockets.
+
+mod format;
+mod run;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ferry", version, about = "A KVM virtual machine monitor built around live migration")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot the test guest with a workload and show its figures live.
+    Run(run::RunArgs),
+    /// Show a running VM's state through its control socket.
+    Status {
+        /// The VM's control socket (printed by `ferry run`).
+        socket: PathBuf,
+        /// Print JSON for machines.
+        #[arg(long)]
+        json: bool,
+        /// Include the guest's counters.
+        #[arg(long)]
+        metrics: bool,
+    },
+    /// Send a control command to a running VM.
+    Ctl {
+        /// The VM's control socket.
+        socket: PathBuf,
+        /// What to do.
+        #[arg(value_enum)]
+        action: status::Action,
+        /// Print JSON for machines.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Status { socket, json, metrics } => status::status(&socket, json, metrics),
+        Command::Ctl { socket, action, json } => status::ctl(&socket, action, json),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ferry: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

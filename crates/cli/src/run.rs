@@ -1,0 +1,338 @@
+//! `ferry run`: boot the test guest with a workload, sample its metrics every
+//! 10 ms, show a live line, and end with a summary.
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use ferry_vmm::boot::layout::parse_size;
+use ferry_vmm::control::{ControlServer, VmControl};
+use ferry_vmm::metrics::{rate, MetricsSnapshot};
+use ferry_vmm::workload::WORKLOAD_HELP;
+use ferry_vmm::{Vm, VmConfig, VmExit, WorkloadSet};
+use serde_json::json;
+
+use crate::format;
+
+const SAMPLE_EVERY: Duration = Duration::from_millis(10);
+const LIVE_EVERY: Duration = Duration::from_millis(500);
+
+fn parse_mem(s: &str) -> Result<u64, String> {
+    parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 4G)"))
+}
+
+#[derive(clap::Args)]
+#[command(after_help = WORKLOAD_HELP)]
+pub struct RunArgs {
+    /// Guest RAM (e.g. 512M, 4G).
+    #[arg(long, default_value = "512M", value_parser = parse_mem)]
+    mem: u64,
+    /// Number of vCPUs (1-8).
+    #[arg(long, default_value_t = 1)]
+    vcpus: u32,
+    /// What the guest runs (see below).
+    #[arg(long, default_value = "idle")]
+    workload: WorkloadSet,
+    /// Stop after this long (e.g. 10s, 500ms). Without it, the run ends when every
+    /// workload has finished, or at Ctrl-C / `ferry ctl SOCKET quit` for endless ones.
+    #[arg(long, value_parser = format::parse_duration)]
+    duration: Option<Duration>,
+    /// Write the 10 ms metric samples here as JSON lines.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    /// Control socket path (default: /tmp/ferry-<pid>.sock).
+    #[arg(long)]
+    control: Option<PathBuf>,
+    /// Guest kernel ELF (default: the one built into ferry).
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// Do not let the guest use KVM asynchronous page faults.
+    #[arg(long)]
+    no_apf: bool,
+    /// Guest timer ticks per second.
+    #[arg(long, default_value_t = 100)]
+    tick_hz: u32,
+    /// Seed for the workloads' random numbers.
+    #[arg(long, default_value_t = 0x5eed_f0e1)]
+    seed: u64,
+    /// KVM device.
+    #[arg(long, default_value = "/dev/kvm")]
+    kvm: String,
+    /// Print the summary as JSON on stdout (live line and guest console go to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Do not show the live line or guest console.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// Why the run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Ending {
+    Duration,
+    WorkloadsDone,
+    Interrupted,
+    ControlQuit,
+    GuestStopped,
+}
+
+pub fn run(args: RunArgs) -> Result<ExitCode> {
+    let quiet = args.quiet;
+    let console: Option<ferry_vmm::devices::serial::ConsoleSink> = if quiet {
+        None
+    } else {
+        Some(Arc::new(|line: &str| eprintln!("guest> {line}")))
+    };
+    let mut config = VmConfig::new(args.mem, args.vcpus, args.workload.clone());
+    config.kernel = args.kernel.clone();
+    config.apf = !args.no_apf;
+    config.tick_hz = args.tick_hz;
+    config.seed = args.seed;
+    config.kvm_path = args.kvm.clone();
+    config.console = console;
+
+    let t_create = Instant::now();
+    let vm = Arc::new(Vm::create(config).context("cannot create the VM")?);
+    let socket = args
+        .control
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("/tmp/ferry-{}.sock", std::process::id())));
+    let _server = ControlServer::start(&socket, Arc::new(VmControl::new(vm.clone())))?;
+    let mut timeline = match &args.timeline {
+        Some(p) => Some(BufWriter::new(
+            File::create(p).with_context(|| format!("cannot create timeline {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())?;
+    }
+    if !quiet {
+        eprintln!(
+            "ferry: VM with {} RAM, {} vCPU(s), workload {}; control socket {}",
+            format::bytes(args.mem as f64),
+            args.vcpus,
+            args.workload,
+            socket.display()
+        );
+    }
+
+    vm.start()?;
+    let t_start = Instant::now();
+    let mut first: Option<MetricsSnapshot> = None;
+    let mut boot_ms = None;
+    let mut last_live = Instant::now();
+    let mut live_base: Option<MetricsSnapshot> = None;
+    let mut next = Instant::now();
+    let live = !quiet && std::io::stderr().is_terminal();
+    let ending = loop {
+        next += SAMPLE_EVERY;
+        if let Some(exit) = vm.wait_exit(next.saturating_duration_since(Instant::now())) {
+            break match exit {
+                VmExit::Stopped if interrupted.load(Ordering::Relaxed) => Ending::Interrupted,
+                VmExit::Stopped => Ending::ControlQuit,
+                _ => Ending::GuestStopped,
+            };
+        }
+        let snap = vm.metrics()?;
+        if !snap.valid() {
+            continue;
+        }
+        if first.is_none() {
+            boot_ms = Some(t_create.elapsed().as_secs_f64() * 1e3);
+            first = Some(snap.clone());
+            live_base = Some(snap.clone());
+        }
+        if let Some(w) = timeline.as_mut() {
+            write_sample(w, &vm, &snap, t_start)?;
+        }
+        if live && last_live.elapsed() >= LIVE_EVERY {
+            if let Some(base) = &live_base {
+                eprint!("\r\x1b[2K{}", live_line(&vm, base, &snap, t_start));
+            }
+            live_base = Some(snap.clone());
+            last_live = Instant::now();
+        }
+        if interrupted.load(Ordering::Relaxed) {
+            break Ending::Interrupted;
+        }
+        if args.duration.is_some_and(|d| t_start.elapsed() >= d) {
+            break Ending::Duration;
+        }
+        let done = (0..vm.config().workloads.0.len()).all(|i| snap.tasks_done(i) >= snap.tasks_of(i));
+        if args.duration.is_none() && vm.config().workloads.finishes() && done {
+            break Ending::WorkloadsDone;
+        }
+    };
+    let ran = t_start.elapsed();
+    let last = vm.metrics()?;
+    let exit = vm.stop();
+    if live {
+        eprint!("\r\x1b[2K");
+    }
+    if let Some(mut w) = timeline {
+        w.flush()?;
+    }
+    let summary = summary_json(&vm, first.as_ref(), &last, ending, &exit, boot_ms, ran);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_summary(&vm, &summary, &exit);
+    }
+    let failed = exit.is_error()
+        || (0..vm.config().workloads.0.len()).any(|i| last.result(i) == 2);
+    Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+}
+
+fn write_sample(
+    w: &mut impl Write,
+    vm: &Vm,
+    s: &MetricsSnapshot,
+    t_start: Instant,
+) -> Result<()> {
+    let progress: Vec<u64> = (0..vm.config().workloads.0.len()).map(|i| s.progress(i)).collect();
+    let c = s.cpu_totals();
+    let line = json!({
+        "t_ms": s.at.saturating_duration_since(t_start).as_secs_f64() * 1e3,
+        "guest_ms": s.guest_ms(),
+        "progress": progress,
+        "apf_not_present": c.apf_not_present,
+        "apf_ready": c.apf_ready,
+        "apf_waiting": c.apf_waiting,
+        "context_switches": c.context_switches,
+        "idle_ms": c.idle_ms,
+    });
+    writeln!(w, "{line}")?;
+    Ok(())
+}
+
+fn live_line(vm: &Vm, base: &MetricsSnapshot, now: &MetricsSnapshot, t_start: Instant) -> String {
+    let mut parts = vec![format!("[{:6.1}s]", t_start.elapsed().as_secs_f64())];
+    for (i, w) in vm.config().workloads.0.iter().enumerate() {
+        let r = rate(base, now, base.progress(i), now.progress(i));
+        let label = if w.name() == "dirty" { "dirty rate" } else { w.name() };
+        let done = now.tasks_done(i);
+        let tasks = now.tasks_of(i);
+        if tasks > 0 && done == tasks {
+            parts.push(format!("{} done", w.name()));
+        } else if tasks > 0 {
+            parts.push(format!("{label} {}", format::rate(r, w.unit())));
+        }
+    }
+    let (a, b) = (base.cpu_totals(), now.cpu_totals());
+    let span = now.at.saturating_duration_since(base.at).as_secs_f64() * 1e3 * vm.config().vcpus as f64;
+    if span > 0.0 {
+        parts.push(format!("idle {:.0}%", 100.0 * (b.idle_ms - a.idle_ms).max(0.0) / span));
+    }
+    if b.apf_not_present > 0 {
+        parts.push(format!("APF {} ({} waiting)", b.apf_not_present, b.apf_waiting));
+    }
+    parts.join(" | ")
+}
+
+fn summary_json(
+    vm: &Vm,
+    first: Option<&MetricsSnapshot>,
+    last: &MetricsSnapshot,
+    ending: Ending,
+    exit: &VmExit,
+    boot_ms: Option<f64>,
+    ran: Duration,
+) -> serde_json::Value {
+    let workloads: Vec<_> = vm
+        .config()
+        .workloads
+        .0
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let r = first.map_or(0.0, |f| rate(f, last, f.progress(i), last.progress(i)));
+            let task_ms: Vec<Option<f64>> = last
+                .tasks()
+                .iter()
+                .filter(|t| t.workload == i as u64 && t.end_tsc != 0)
+                .map(|t| last.task_ms(t))
+                .collect();
+            json!({
+                "spec": w.to_string(),
+                "unit": w.unit(),
+                "progress": last.progress(i),
+                "rate_per_s": r,
+                "tasks": last.tasks_of(i),
+                "tasks_done": last.tasks_done(i),
+                "result": match last.result(i) { 1 => "ok", 2 => "FAILED", _ => "" },
+                "finished_task_ms": task_ms,
+            })
+        })
+        .collect();
+    json!({
+        "vm": {
+            "mem_bytes": vm.config().mem_bytes,
+            "vcpus": vm.config().vcpus,
+            "apf": vm.config().apf,
+            "tick_hz": vm.config().tick_hz,
+            "tsc_khz": vm.tsc_khz(),
+        },
+        "ending": ending,
+        "exit": exit,
+        "boot_to_first_sample_ms": boot_ms,
+        "ran_s": ran.as_secs_f64(),
+        "guest_ms": last.guest_ms(),
+        "workloads": workloads,
+        "kernel": last.cpu_totals(),
+        "unknown_port_accesses": 0,
+    })
+}
+
+fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    println!("── ferry run summary ─────────────────────────────────────────────");
+    println!(
+        "VM           {} RAM, {} vCPU(s), APF {}, tick {} Hz",
+        format::bytes(vm.config().mem_bytes as f64),
+        vm.config().vcpus,
+        if vm.config().apf { "on" } else { "off" },
+        vm.config().tick_hz
+    );
+    println!("ended        {} after {:.2} s ({exit})", s["ending"].as_str().unwrap_or("?"), f(&s["ran_s"]));
+    match s["boot_to_first_sample_ms"].as_f64() {
+        Some(ms) => println!("boot         first guest metrics {ms:.1} ms after VM creation began"),
+        None => println!("boot         the guest never published metrics"),
+    }
+    println!("{:<44} {:>12} {:>16} {:>8}", "workload", "total", "rate", "tasks");
+    for w in s["workloads"].as_array().into_iter().flatten() {
+        let unit = w["unit"].as_str().unwrap_or("");
+        let tasks = format!("{}/{}", w["tasks_done"], w["tasks"]);
+        println!(
+            "{:<44} {:>12} {:>16} {:>8} {}",
+            w["spec"].as_str().unwrap_or(""),
+            format::amount(f(&w["progress"]), unit),
+            format::rate(f(&w["rate_per_s"]), unit),
+            tasks,
+            w["result"].as_str().unwrap_or("")
+        );
+        let times: Vec<String> = w["finished_task_ms"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.as_f64())
+            .map(|t| format!("{t:.1}"))
+            .collect();
+        if !times.is_empty() {
+            println!("{:<44} task times (ms): {}", "", times.join(" "));
+        }
+    }
+    let k = &s["kernel"];
+    println!(
+        "guest kernel ticks {}  switches {}  syscalls {}  idle {:.0} ms  APF not-present {} ready {} double {}",
+        k["ticks"], k["context_switches"], k["syscalls"], f(&k["idle_ms"]),
+        k["apf_not_present"], k["apf_ready"], k["apf_double"]
+    );
+}

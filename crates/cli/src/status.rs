@@ -1,0 +1,60 @@
+//! `ferry status` and `ferry ctl`: clients of a VM's control socket.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use ferry_vmm::control::{ControlClient, Request};
+use serde_json::Value;
+
+/// Control actions `ferry ctl` sends.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Action {
+    /// Stop the vCPUs.
+    Pause,
+    /// Run them again.
+    Resume,
+    /// Stop the VM.
+    Quit,
+    /// Print the guest's counters.
+    Metrics,
+}
+
+pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
+    let mut c = ControlClient::connect(socket)?;
+    let mut s = c.call(&Request::Status)?;
+    if metrics {
+        s["metrics"] = c.call(&Request::Metrics)?["metrics"].take();
+    }
+    if json {
+        println!("{s}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("state       {}", s["state"].as_str().unwrap_or("?"));
+    println!("vCPUs       {}", s["vcpus"]);
+    println!("memory      {}", crate::format::bytes(s["mem_bytes"].as_f64().unwrap_or(0.0)));
+    println!("workloads   {}", s["workloads"].as_str().unwrap_or("?"));
+    println!("APF         {}", if s["apf"] == Value::Bool(true) { "on" } else { "off" });
+    println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
+    if metrics {
+        println!("metrics     {}", s["metrics"]);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn ctl(socket: &Path, action: Action, json: bool) -> Result<ExitCode> {
+    let mut c = ControlClient::connect(socket)?;
+    let req = match action {
+        Action::Pause => Request::Pause,
+        Action::Resume => Request::Resume,
+        Action::Quit => Request::Quit,
+        Action::Metrics => Request::Metrics,
+    };
+    let reply = c.call(&req)?;
+    if json || matches!(action, Action::Metrics) {
+        println!("{reply}");
+    } else {
+        println!("ok");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,344 @@
+//! The control socket: one unix socket per VM speaking JSON lines, like QMP.
+//!
+//! ```text
+//! client                                   VMM
+//!   {"cmd":"status"}\n          ──────▶
+//!                               ◀──────   {"ok":true,"state":"running",...}\n
+//!   {"cmd":"pause"}\n           ──────▶
+//!                               ◀──────   {"ok":true}\n
+//!   {"cmd":"bogus"}\n           ──────▶
+//!                               ◀──────   {"ok":false,"error":"..."}\n
+//! ```
+//! Commands: `status`, `metrics`, `pause`, `resume`, `quit`. A line longer
+//! than [`MAX_LINE`] bytes is refused and the connection closed.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::vmm::Vm;
+
+/// Longest request line accepted.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// A control request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "cmd", rename_all = "lowercase")]
+pub enum Request {
+    /// State, size, workloads, uptime.
+    Status,
+    /// The guest's counters.
+    Metrics,
+    /// Stop the vCPUs.
+    Pause,
+    /// Run them again.
+    Resume,
+    /// Stop the VM and end its VMM process.
+    Quit,
+}
+
+/// Why a control call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// Could not create the socket.
+    #[error("cannot listen on control socket {path}: {source}")]
+    Listen {
+        /// Socket path.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Another live VMM owns the socket.
+    #[error("control socket {0} is in use by another running VM")]
+    InUse(PathBuf),
+    /// Could not reach the VMM.
+    #[error("no VM answers on {path}: {source}")]
+    Connect {
+        /// Socket path.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// The connection failed midway.
+    #[error("control connection failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The VMM answered something that is not a control reply.
+    #[error("bad reply from the VMM: {0}")]
+    BadReply(String),
+    /// The VMM refused the request.
+    #[error("the VMM refused: {0}")]
+    Refused(String),
+}
+
+/// Serves requests; implemented by whatever owns the VM.
+pub trait ControlHandler: Send + Sync {
+    /// Handles one request: Ok(fields to add to the reply) or Err(message).
+    fn handle(&self, req: Request) -> Result<Value, String>;
+}
+
+/// A listening control socket; removed when dropped.
+pub struct ControlServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Listens on `path` and serves each connection on its own thread.
+    pub fn start(path: &Path, handler: Arc<dyn ControlHandler>) -> Result<Self, ControlError> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(ControlError::InUse(path.into()));
+            }
+            let _ = std::fs::remove_file(path); // stale socket of a VMM that died
+        }
+        let listen_err = |source| ControlError::Listen { path: path.into(), source };
+        let listener = UnixListener::bind(path).map_err(listen_err)?;
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || accept_loop(listener, handler, stop2))
+            .map_err(listen_err)?;
+        Ok(ControlServer { path: path.into(), stop, thread: Some(thread) })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn accept_loop(listener: UnixListener, handler: Arc<dyn ControlHandler>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let h = handler.clone();
+                let _ = std::thread::Builder::new()
+                    .name("control-conn".into())
+                    .spawn(move || serve(stream, h));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn serve(stream: UnixStream, handler: Arc<dyn ControlHandler>) {
+    let _ = stream.set_nonblocking(false);
+    let Ok(mut writer) = stream.try_clone() else { return };
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = Vec::new();
+        match (&mut reader).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if line.len() > MAX_LINE {
+            let reply = json!({"ok": false, "error": format!("request longer than {MAX_LINE} bytes")});
+            let _ = writeln!(writer, "{reply}");
+            return;
+        }
+        let reply = match serde_json::from_slice::<Request>(&line) {
+            Err(e) => json!({"ok": false, "error": format!(
+                "bad request ({e}); send one JSON object per line, e.g. {{\"cmd\":\"status\"}} \
+                 (commands: status, metrics, pause, resume, quit)")}),
+            Ok(req) => match handler.handle(req) {
+                Ok(Value::Object(mut fields)) => {
+                    fields.insert("ok".into(), Value::Bool(true));
+                    Value::Object(fields)
+                }
+                Ok(other) => json!({"ok": true, "value": other}),
+                Err(msg) => json!({"ok": false, "error": msg}),
+            },
+        };
+        if writeln!(writer, "{reply}").is_err() {
+            return;
+        }
+    }
+}
+
+/// A connection to a VMM's control socket.
+pub struct ControlClient {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl ControlClient {
+    /// Connects to `path`.
+    pub fn connect(path: &Path) -> Result<Self, ControlError> {
+        let stream = UnixStream::connect(path)
+            .map_err(|source| ControlError::Connect { path: path.into(), source })?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let writer = stream.try_clone()?;
+        Ok(ControlClient { reader: BufReader::new(stream), writer })
+    }
+
+    /// Sends a request and returns the reply's fields (without "ok").
+    pub fn call(&mut self, req: &Request) -> Result<Value, ControlError> {
+        let line = serde_json::to_string(req).map_err(|e| ControlError::BadReply(e.to_string()))?;
+        writeln!(self.writer, "{line}")?;
+        let mut reply = String::new();
+        if (&mut self.reader).take(16 << 20).read_line(&mut reply)? == 0 {
+            return Err(ControlError::BadReply("connection closed".into()));
+        }
+        let mut v: Value =
+            serde_json::from_str(&reply).map_err(|e| ControlError::BadReply(e.to_string()))?;
+        let obj = v.as_object_mut().ok_or_else(|| ControlError::BadReply(reply.clone()))?;
+        match obj.remove("ok") {
+            Some(Value::Bool(true)) => Ok(v),
+            Some(Value::Bool(false)) => Err(ControlError::Refused(
+                obj.get("error").and_then(Value::as_str).unwrap_or("no reason given").into(),
+            )),
+            _ => Err(ControlError::BadReply(reply)),
+        }
+    }
+}
+
+/// Serves the control requests of one [`Vm`].
+pub struct VmControl {
+    vm: Arc<Vm>,
+}
+
+impl VmControl {
+    /// A handler for `vm`.
+    pub fn new(vm: Arc<Vm>) -> Self {
+        VmControl { vm }
+    }
+}
+
+/// The guest's metrics as the control socket and `--json` outputs show them.
+pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
+    let m = vm.metrics().map_err(|e| e.to_string())?;
+    let workloads: Vec<Value> = vm
+        .config()
+        .workloads
+        .0
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            json!({
+                "spec": w.to_string(),
+                "unit": w.unit(),
+                "progress": m.progress(i),
+                "tasks": m.tasks_of(i),
+                "tasks_done": m.tasks_done(i),
+                "result": m.result(i),
+            })
+        })
+        .collect();
+    let tasks: Vec<Value> = m
+        .tasks()
+        .iter()
+        .map(|t| {
+            json!({
+                "workload": t.workload,
+                "cpu": t.cpu,
+                "state": t.state,
+                "progress": t.progress,
+                "ms": m.task_ms(t),
+                "done": t.end_tsc != 0,
+            })
+        })
+        .collect();
+    Ok(json!({
+        "valid": m.valid(),
+        "guest_ms": m.guest_ms(),
+        "cpu": m.cpu_totals(),
+        "workloads": workloads,
+        "tasks": tasks,
+    }))
+}
+
+impl ControlHandler for VmControl {
+    fn handle(&self, req: Request) -> Result<Value, String> {
+        let vm = &self.vm;
+        match req {
+            Request::Status => Ok(json!({
+                "state": vm.run_state(),
+                "vcpus": vm.config().vcpus,
+                "mem_bytes": vm.config().mem_bytes,
+                "workloads": vm.config().workloads.to_string(),
+                "apf": vm.config().apf,
+                "uptime_s": vm.uptime().as_secs_f64(),
+                "tsc_khz": vm.tsc_khz(),
+            })),
+            Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
+            Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
+            Request::Resume => vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
+            Request::Quit => {
+                vm.request_stop();
+                Ok(json!({}))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    struct Echo(Mutex<Vec<Request>>);
+    impl ControlHandler for Echo {
+        fn handle(&self, req: Request) -> Result<Value, String> {
+            self.0.lock().unwrap().push(req.clone());
+            match req {
+                Request::Quit => Err("no".into()),
+                _ => Ok(json!({"seen": true})),
+            }
+        }
+    }
+
+    #[test]
+    fn requests_replies_and_errors() {
+        let dir = std::env::temp_dir().join(format!("ferry-ctl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("vm.sock");
+        let handler = Arc::new(Echo(Mutex::new(Vec::new())));
+        let server = ControlServer::start(&path, handler.clone()).unwrap();
+        assert!(matches!(
+            ControlServer::start(&path, handler.clone()),
+            Err(ControlError::InUse(_))
+        ));
+        let mut c = ControlClient::connect(&path).unwrap();
+        assert_eq!(c.call(&Request::Status).unwrap()["seen"], true);
+        assert!(matches!(c.call(&Request::Quit), Err(ControlError::Refused(m)) if m == "no"));
+
+        // Garbage and oversized lines get an error reply, not a crash.
+        let mut raw = UnixStream::connect(&path).unwrap();
+        writeln!(raw, "{{\"cmd\":\"explode\"}}").unwrap();
+        let mut r = BufReader::new(raw.try_clone().unwrap());
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        assert!(line.contains("\"ok\":false") && line.contains("commands: status"), "{line}");
+        raw.write_all(&vec![b'x'; MAX_LINE + 10]).unwrap();
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        assert!(line.contains("longer than"), "{line}");
+
+        drop(server);
+        assert!(!path.exists());
+        assert!(matches!(ControlClient::connect(&path), Err(ControlError::Connect { .. })));
+        assert_eq!(handler.0.lock().unwrap().len(), 2);
+    }
+}

@@ -1,0 +1,82 @@
+//! Devices on the guest's port-I/O bus: the console and the exit port.
+
+pub mod serial;
+
+use crate::guest_abi::{EXIT_PANIC, PORT_EXIT};
+use serial::{ConsoleSink, Serial};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a port write asks of the VMM.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PioAction {
+    /// Keep running.
+    Continue,
+    /// The guest asked to stop with this code.
+    Exit(u32),
+    /// The guest panicked (its message is on the console).
+    Panic,
+}
+
+/// All port-I/O devices of a VM.
+pub struct Devices {
+    /// COM1 console.
+    pub serial: Serial,
+    unknown_accesses: AtomicU64,
+}
+
+impl Devices {
+    /// The device set, with console lines going to `console`.
+    pub fn new(console: Option<ConsoleSink>) -> Self {
+        Devices { serial: Serial::new(console), unknown_accesses: AtomicU64::new(0) }
+    }
+
+    /// Handles an `out` from the guest.
+    pub fn pio_write(&self, port: u16, data: &[u8]) -> PioAction {
+        if Serial::owns(port) {
+            self.serial.write(port, data);
+        } else if port == PORT_EXIT {
+            let mut raw = [0u8; 4];
+            let n = data.len().min(4);
+            raw[..n].copy_from_slice(&data[..n]);
+            return match u32::from_le_bytes(raw) {
+                EXIT_PANIC => PioAction::Panic,
+                code => PioAction::Exit(code),
+            };
+        } else {
+            self.unknown_accesses.fetch_add(1, Ordering::Relaxed);
+        }
+        PioAction::Continue
+    }
+
+    /// Handles an `in` from the guest; unknown ports read as all ones, like an empty bus.
+    pub fn pio_read(&self, port: u16, data: &mut [u8]) {
+        if Serial::owns(port) {
+            self.serial.read(port, data);
+        } else {
+            self.unknown_accesses.fetch_add(1, Ordering::Relaxed);
+            data.fill(0xff);
+        }
+    }
+
+    /// Accesses to ports no device owns (a guest bug if not zero).
+    pub fn unknown_accesses(&self) -> u64 {
+        self.unknown_accesses.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_port_decodes_codes() {
+        let d = Devices::new(None);
+        assert_eq!(d.pio_write(PORT_EXIT, &7u32.to_le_bytes()), PioAction::Exit(7));
+        assert_eq!(d.pio_write(PORT_EXIT, &EXIT_PANIC.to_le_bytes()), PioAction::Panic);
+        assert_eq!(d.pio_write(0x80, &[1]), PioAction::Continue);
+        let mut b = [0u8; 2];
+        d.pio_read(0x61, &mut b);
+        assert_eq!(b, [0xff, 0xff]);
+        assert_eq!(d.unknown_accesses(), 2);
+    }
+}

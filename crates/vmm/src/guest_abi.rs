@@ -1,0 +1,335 @@
+//! The contract with the test guest: memory layout, boot info, metrics page,
+//! ports and vectors. The C side is `guest/include/ferry_abi.h`; a test below
+//! compiles that header and checks that every offset and constant agrees.
+
+/// Version of this contract; the guest refuses boot info of another version.
+pub const ABI_VERSION: u32 = 1;
+
+/// Boot info page (VMM → guest).
+pub const BOOT_INFO_GPA: u64 = 0x1000;
+/// Global descriptor table.
+pub const GDT_GPA: u64 = 0x2000;
+/// Array of 64-bit TSSs, one per vCPU.
+pub const TSS_GPA: u64 = 0x3000;
+/// Bytes between two vCPUs' TSSs.
+pub const TSS_STRIDE: u64 = 0x80;
+/// Metrics page (guest → VMM).
+pub const METRICS_GPA: u64 = 0x4000;
+/// Bytes reserved for the metrics page.
+pub const METRICS_SIZE: u64 = 0x4000;
+/// Per-vCPU boot stacks, 4 KiB each.
+pub const BOOT_STACKS_GPA: u64 = 0x8000;
+/// Page tables built by the VMM.
+pub const PAGE_TABLES_GPA: u64 = 0x10000;
+/// Where the kernel image must be linked.
+pub const KERNEL_GPA: u64 = 0x10_0000;
+/// Start of the workload arena: memory only CPL3 tasks touch.
+pub const ARENA_BASE: u64 = 0x100_0000;
+/// RAM above this address continues at [`HIGH_RAM_BASE`].
+pub const LOW_RAM_MAX: u64 = 0xC000_0000;
+/// Start of RAM above the 32-bit hole.
+pub const HIGH_RAM_BASE: u64 = 0x1_0000_0000;
+
+/// Kernel code segment selector.
+pub const SEL_KCODE: u16 = 0x08;
+/// Kernel data segment selector.
+pub const SEL_KDATA: u16 = 0x10;
+/// First TSS selector (vCPU n uses `SEL_TSS0 + 16 * n`).
+pub const SEL_TSS0: u16 = 0x28;
+
+/// Most vCPUs the guest supports.
+pub const MAX_CPUS: usize = 8;
+/// Most tasks the guest supports.
+pub const MAX_TASKS: usize = 64;
+/// Most workloads one VM runs at once.
+pub const MAX_WORKLOADS: usize = 4;
+/// Parameters per workload.
+pub const MAX_PARAMS: usize = 8;
+/// RAM ranges in the boot info.
+pub const MAX_RAM_RANGES: usize = 4;
+
+/// COM1 data port: console bytes.
+pub const PORT_SERIAL: u16 = 0x3f8;
+/// Guest exit port: a 32-bit write ends the VM with that code.
+pub const PORT_EXIT: u16 = 0xf4;
+/// Exit code the guest writes after a panic.
+pub const EXIT_PANIC: u32 = 0xdead;
+
+/// Boot info magic ("FERROBI1").
+pub const BOOT_MAGIC: u64 = 0x3149_424f_5252_4546;
+/// Metrics page magic ("NFERRYM1").
+pub const METRICS_MAGIC: u64 = 0x314d_5952_5245_464e;
+
+/// Boot flag: enable KVM asynchronous page faults.
+pub const BOOT_APF: u32 = 1;
+
+/// Workload kinds as the guest numbers them.
+#[allow(missing_docs)]
+pub mod kind {
+    pub const IDLE: u32 = 1;
+    pub const DIRTY: u32 = 2;
+    pub const MEMTOUCH: u32 = 3;
+    pub const COMPUTE: u32 = 4;
+    pub const SORT: u32 = 5;
+    pub const FILL: u32 = 6;
+}
+
+/// Guest states in the metrics page.
+#[allow(missing_docs)]
+pub mod state {
+    pub const BOOTING: u64 = 0;
+    pub const RUNNING: u64 = 1;
+    pub const PANIC: u64 = 3;
+}
+
+/// Task states in the metrics page.
+#[allow(missing_docs)]
+pub mod task_state {
+    pub const UNUSED: u64 = 0;
+    pub const RUNNABLE: u64 = 1;
+    pub const SLEEPING: u64 = 2;
+    pub const APF_WAIT: u64 = 3;
+    pub const DONE: u64 = 4;
+}
+
+/// One RAM range.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RamRange {
+    /// Guest physical base.
+    pub base: u64,
+    /// Bytes.
+    pub size: u64,
+}
+
+/// One workload as the guest receives it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Workload {
+    /// One of [`kind`].
+    pub kind: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// Kind-specific parameters (see `ferry_abi.h`).
+    pub p: [u64; MAX_PARAMS],
+}
+
+/// The boot info page.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BootInfo {
+    /// [`BOOT_MAGIC`].
+    pub magic: u64,
+    /// [`ABI_VERSION`].
+    pub version: u32,
+    /// vCPUs.
+    pub ncpus: u32,
+    /// Guest TSC frequency.
+    pub tsc_khz: u64,
+    /// [`BOOT_APF`] and friends.
+    pub flags: u32,
+    /// Timer interrupts per second per vCPU.
+    pub tick_hz: u32,
+    /// Seed for the workloads' random numbers.
+    pub seed: u64,
+    /// Used entries of `ram`.
+    pub nranges: u32,
+    /// Used entries of `workloads`.
+    pub nworkloads: u32,
+    /// Guest RAM.
+    pub ram: [RamRange; MAX_RAM_RANGES],
+    /// What to run.
+    pub workloads: [Workload; MAX_WORKLOADS],
+}
+
+/// Per-vCPU counters (see `struct ferry_cpu_metrics`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct CpuMetrics {
+    pub ticks: u64,
+    pub context_switches: u64,
+    pub syscalls: u64,
+    pub idle_tsc: u64,
+    pub apf_not_present: u64,
+    pub apf_ready: u64,
+    pub apf_double: u64,
+    pub apf_wake_all: u64,
+    pub apf_waiting: u64,
+    pub apf_early_ready: u64,
+    pub reserved: [u64; 6],
+}
+
+/// Per-workload state (see `struct ferry_workload_metrics`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct WorkloadMetrics {
+    pub kind: u64,
+    pub tasks: u64,
+    pub tasks_done: u64,
+    pub result: u64,
+    pub reserved: [u64; 4],
+}
+
+/// Per-task counters (see `struct ferry_task_metrics`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct TaskMetrics {
+    pub workload: u64,
+    pub state: u64,
+    pub cpu: u64,
+    pub progress: u64,
+    pub start_tsc: u64,
+    pub end_tsc: u64,
+    pub reserved: [u64; 2],
+}
+
+/// The metrics page.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct Metrics {
+    pub magic: u64,
+    pub version: u64,
+    pub state: u64,
+    pub ncpus: u64,
+    pub tsc_khz: u64,
+    pub boot_tsc: u64,
+    pub guest_tsc: u64,
+    pub ntasks: u64,
+    pub cpu: [CpuMetrics; MAX_CPUS],
+    pub workloads: [WorkloadMetrics; MAX_WORKLOADS],
+    pub tasks: [TaskMetrics; MAX_TASKS],
+}
+
+impl Metrics {
+    /// Number of 64-bit words in the page: it is read word by word.
+    pub const WORDS: usize = std::mem::size_of::<Metrics>() / 8;
+}
+
+// The metrics page is made only of u64 words; reading it word by word relies on it.
+const _: () = assert!(std::mem::size_of::<Metrics>() % 8 == 0);
+const _: () = assert!(std::mem::size_of::<Metrics>() as u64 <= METRICS_SIZE);
+const _: () = assert!(std::mem::size_of::<BootInfo>() <= 4096);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+    use std::process::Command;
+
+    /// Compiles a C program against ferry_abi.h that prints the C view of the
+    /// layout, and compares it with this module's.
+    #[test]
+    fn rust_mirror_matches_c_header() {
+        let dir = std::env::temp_dir().join(format!("ferry-abi-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("abi.c");
+        let include = concat!(env!("CARGO_MANIFEST_DIR"), "/../../guest/include");
+        std::fs::write(
+            &src,
+            r#"#include <stdio.h>
+#include <stddef.h>
+#include "ferry_abi.h"
+#define P(x) printf("%s=%llu\n", #x, (unsigned long long)(x))
+int main(void) {
+  P(FERRY_ABI_VERSION); P(FERRY_BOOT_INFO_GPA); P(FERRY_GDT_GPA); P(FERRY_TSS_GPA);
+  P(FERRY_TSS_STRIDE); P(FERRY_METRICS_GPA); P(FERRY_METRICS_SIZE); P(FERRY_BOOT_STACKS_GPA);
+  P(FERRY_PAGE_TABLES_GPA); P(FERRY_KERNEL_GPA); P(FERRY_ARENA_BASE); P(FERRY_LOW_RAM_MAX);
+  P(FERRY_HIGH_RAM_BASE); P(FERRY_SEL_KCODE); P(FERRY_SEL_KDATA); P(FERRY_SEL_TSS0);
+  P(FERRY_MAX_CPUS); P(FERRY_MAX_TASKS); P(FERRY_MAX_WORKLOADS); P(FERRY_MAX_PARAMS);
+  P(FERRY_MAX_RAM_RANGES); P(FERRY_PORT_SERIAL); P(FERRY_PORT_EXIT); P(FERRY_EXIT_PANIC);
+  P(FERRY_BOOT_MAGIC); P(FERRY_METRICS_MAGIC); P(FERRY_BOOT_APF);
+  P(FERRY_WL_IDLE); P(FERRY_WL_DIRTY); P(FERRY_WL_MEMTOUCH); P(FERRY_WL_COMPUTE);
+  P(FERRY_WL_SORT); P(FERRY_WL_FILL); P(FERRY_STATE_RUNNING); P(FERRY_STATE_PANIC);
+  P(FERRY_TASK_DONE); P(FERRY_TASK_APF_WAIT);
+  P(sizeof(struct ferry_boot_info)); P(offsetof(struct ferry_boot_info, ram));
+  P(offsetof(struct ferry_boot_info, workloads)); P(sizeof(struct ferry_workload));
+  P(sizeof(struct ferry_metrics)); P(offsetof(struct ferry_metrics, cpu));
+  P(offsetof(struct ferry_metrics, workloads)); P(offsetof(struct ferry_metrics, tasks));
+  P(sizeof(struct ferry_cpu_metrics)); P(sizeof(struct ferry_task_metrics));
+  P(offsetof(struct ferry_cpu_metrics, apf_not_present));
+  P(offsetof(struct ferry_task_metrics, progress));
+  return 0;
+}
+"#,
+        )
+        .unwrap();
+        let exe = dir.join("abi");
+        let out = Command::new("cc")
+            .arg(format!("-I{include}"))
+            .arg(&src)
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .expect("a C compiler (cc) is needed to check the guest ABI");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(&exe).output().unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        let c: std::collections::HashMap<&str, u64> = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k, v.parse().unwrap()))
+            .collect();
+        let expect: &[(&str, u64)] = &[
+            ("FERRY_ABI_VERSION", ABI_VERSION as u64),
+            ("FERRY_BOOT_INFO_GPA", BOOT_INFO_GPA),
+            ("FERRY_GDT_GPA", GDT_GPA),
+            ("FERRY_TSS_GPA", TSS_GPA),
+            ("FERRY_TSS_STRIDE", TSS_STRIDE),
+            ("FERRY_METRICS_GPA", METRICS_GPA),
+            ("FERRY_METRICS_SIZE", METRICS_SIZE),
+            ("FERRY_BOOT_STACKS_GPA", BOOT_STACKS_GPA),
+            ("FERRY_PAGE_TABLES_GPA", PAGE_TABLES_GPA),
+            ("FERRY_KERNEL_GPA", KERNEL_GPA),
+            ("FERRY_ARENA_BASE", ARENA_BASE),
+            ("FERRY_LOW_RAM_MAX", LOW_RAM_MAX),
+            ("FERRY_HIGH_RAM_BASE", HIGH_RAM_BASE),
+            ("FERRY_SEL_KCODE", SEL_KCODE as u64),
+            ("FERRY_SEL_KDATA", SEL_KDATA as u64),
+            ("FERRY_SEL_TSS0", SEL_TSS0 as u64),
+            ("FERRY_MAX_CPUS", MAX_CPUS as u64),
+            ("FERRY_MAX_TASKS", MAX_TASKS as u64),
+            ("FERRY_MAX_WORKLOADS", MAX_WORKLOADS as u64),
+            ("FERRY_MAX_PARAMS", MAX_PARAMS as u64),
+            ("FERRY_MAX_RAM_RANGES", MAX_RAM_RANGES as u64),
+            ("FERRY_PORT_SERIAL", PORT_SERIAL as u64),
+            ("FERRY_PORT_EXIT", PORT_EXIT as u64),
+            ("FERRY_EXIT_PANIC", EXIT_PANIC as u64),
+            ("FERRY_BOOT_MAGIC", BOOT_MAGIC),
+            ("FERRY_METRICS_MAGIC", METRICS_MAGIC),
+            ("FERRY_BOOT_APF", BOOT_APF as u64),
+            ("FERRY_WL_IDLE", kind::IDLE as u64),
+            ("FERRY_WL_DIRTY", kind::DIRTY as u64),
+            ("FERRY_WL_MEMTOUCH", kind::MEMTOUCH as u64),
+            ("FERRY_WL_COMPUTE", kind::COMPUTE as u64),
+            ("FERRY_WL_SORT", kind::SORT as u64),
+            ("FERRY_WL_FILL", kind::FILL as u64),
+            ("FERRY_STATE_RUNNING", state::RUNNING),
+            ("FERRY_STATE_PANIC", state::PANIC),
+            ("FERRY_TASK_DONE", task_state::DONE),
+            ("FERRY_TASK_APF_WAIT", task_state::APF_WAIT),
+            ("sizeof(struct ferry_boot_info)", size_of::<BootInfo>() as u64),
+            ("offsetof(struct ferry_boot_info, ram)", offset_of!(BootInfo, ram) as u64),
+            ("offsetof(struct ferry_boot_info, workloads)", offset_of!(BootInfo, workloads) as u64),
+            ("sizeof(struct ferry_workload)", size_of::<Workload>() as u64),
+            ("sizeof(struct ferry_metrics)", size_of::<Metrics>() as u64),
+            ("offsetof(struct ferry_metrics, cpu)", offset_of!(Metrics, cpu) as u64),
+            ("offsetof(struct ferry_metrics, workloads)", offset_of!(Metrics, workloads) as u64),
+            ("offsetof(struct ferry_metrics, tasks)", offset_of!(Metrics, tasks) as u64),
+            ("sizeof(struct ferry_cpu_metrics)", size_of::<CpuMetrics>() as u64),
+            ("sizeof(struct ferry_task_metrics)", size_of::<TaskMetrics>() as u64),
+            (
+                "offsetof(struct ferry_cpu_metrics, apf_not_present)",
+                offset_of!(CpuMetrics, apf_not_present) as u64,
+            ),
+            ("offsetof(struct ferry_task_metrics, progress)", offset_of!(TaskMetrics, progress) as u64),
+        ];
+        for (name, rust) in expect {
+            assert_eq!(c.get(name), Some(rust), "{name}: C and Rust disagree");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

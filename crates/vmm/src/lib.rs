@@ -1,0 +1,22 @@
+//! ferry's virtual machine monitor: one KVM VM with its vCPU threads, the test
+//! guest it boots, the guest's devices and metrics, and the control socket.
+//!
+//! Layout: [`vstate`] holds the KVM objects, [`boot`] what the guest finds at
+//! entry, [`devices`] the port-I/O devices, [`guest_abi`] the contract with the
+//! guest, [`workload`] the workload specs, [`metrics`] the guest's counters,
+//! [`vmm`] the VM lifecycle and [`control`] its control socket.
+
+pub mod boot;
+pub mod control;
+pub mod devices;
+pub mod guest_abi;
+pub mod metrics;
+pub mod vmm;
+pub mod vstate;
+pub mod workload;
+
+pub use vmm::{RunState, Vm, VmConfig, VmError, VmExit};
+pub use workload::{Workload, WorkloadSet};
+
+/// The test guest kernel, built from `guest/` by this crate's build script.
+pub static GUEST_KERNEL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/guest/ferry-guest.elf"));

@@ -1,0 +1,544 @@
+//! One VM: builds it (memory, KVM, guest image, vCPUs), runs its vCPU threads,
+//! pauses, resumes and stops it, and says why it ended.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferry_memory::{GuestMemory, MemoryError};
+use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vmm_sys_util::signal::Killable;
+
+use crate::boot::layout::{LayoutError, MemoryLayout};
+use crate::boot::loader::{load_kernel, KernelError};
+use crate::boot::setup;
+use crate::devices::serial::ConsoleSink;
+use crate::devices::Devices;
+use crate::guest_abi::{self, BootInfo, BOOT_APF};
+use crate::metrics::MetricsSnapshot;
+use crate::vstate::kvm::{has_async_pf, open_kvm, KvmError};
+use crate::vstate::{vcpu, vm};
+use crate::workload::{SpecError, WorkloadSet};
+
+/// How to build a VM.
+#[derive(Clone)]
+pub struct VmConfig {
+    /// Guest RAM in bytes.
+    pub mem_bytes: u64,
+    /// Number of vCPUs (1..=8).
+    pub vcpus: u32,
+    /// What the guest runs.
+    pub workloads: WorkloadSet,
+    /// Guest kernel ELF; `None` = the one built into ferry.
+    pub kernel: Option<PathBuf>,
+    /// Let the guest use KVM asynchronous page faults.
+    pub apf: bool,
+    /// Guest timer interrupts per second per vCPU.
+    pub tick_hz: u32,
+    /// Seed for the workloads' random numbers.
+    pub seed: u64,
+    /// The KVM device.
+    pub kvm_path: String,
+    /// Where guest console lines go (besides being kept for reports).
+    pub console: Option<ConsoleSink>,
+}
+
+impl VmConfig {
+    /// A config with ferry's defaults for everything but size and workload.
+    pub fn new(mem_bytes: u64, vcpus: u32, workloads: WorkloadSet) -> Self {
+        VmConfig {
+            mem_bytes,
+            vcpus,
+            workloads,
+            kernel: None,
+            apf: true,
+            tick_hz: 100,
+            seed: 0x5eed_f0e1,
+            kvm_path: "/dev/kvm".into(),
+            console: None,
+        }
+    }
+}
+
+/// Why a VM could not be built or driven.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// Bad RAM size.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Bad workload.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// Bad guest image.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// KVM refused.
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    /// Guest memory could not be set up.
+    #[error("guest memory: {0}")]
+    Memory(#[from] MemoryError),
+    /// vCPU count out of range.
+    #[error("--vcpus {0} is out of range: the guest supports 1 to {max}", max = guest_abi::MAX_CPUS)]
+    VcpuCount(u32),
+    /// Tick rate out of range.
+    #[error("tick rate {0} Hz is out of range (1 to 1000)")]
+    TickRate(u32),
+    /// APF asked for but not available.
+    #[error("KVM on this host lacks KVM_CAP_ASYNC_PF_INT (asynchronous page faults): run with --no-apf")]
+    NoAsyncPf,
+    /// A thread or signal handler could not be set up.
+    #[error("cannot start vCPU threads: {0}")]
+    Thread(std::io::Error),
+    /// The vCPUs did not stop in time.
+    #[error("vCPUs did not pause within {0:?}")]
+    PauseTimeout(Duration),
+    /// The operation needs a VM in another state.
+    #[error("the VM is {0}")]
+    WrongState(&'static str),
+}
+
+/// What the vCPUs are asked to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunState {
+    /// Run the guest.
+    Running,
+    /// Stay out of KVM_RUN until resumed.
+    Paused,
+    /// Leave the run loop.
+    Stopped,
+}
+
+/// Why a VM stopped.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum VmExit {
+    /// The host asked it to stop.
+    Stopped,
+    /// The guest wrote its exit port.
+    GuestExit {
+        /// vCPU that wrote it.
+        cpu: u32,
+        /// Exit code.
+        code: u32,
+    },
+    /// The guest kernel panicked.
+    GuestPanic {
+        /// vCPU that panicked.
+        cpu: u32,
+        /// The guest's own message.
+        message: String,
+        /// Registers at the exit.
+        regs: vcpu::RegsReport,
+    },
+    /// Triple fault.
+    TripleFault {
+        /// vCPU.
+        cpu: u32,
+        /// Registers.
+        regs: vcpu::RegsReport,
+    },
+    /// KVM_EXIT_INTERNAL_ERROR, e.g. an instruction KVM could not emulate.
+    InternalError {
+        /// vCPU.
+        cpu: u32,
+        /// KVM's suberror (1 = emulation failure).
+        suberror: u32,
+        /// KVM's extra data.
+        data: Vec<u64>,
+        /// Registers.
+        regs: vcpu::RegsReport,
+    },
+    /// KVM_EXIT_FAIL_ENTRY.
+    FailEntry {
+        /// vCPU.
+        cpu: u32,
+        /// Hardware reason.
+        reason: u64,
+    },
+    /// An exit ferry does not handle.
+    UnexpectedExit {
+        /// vCPU.
+        cpu: u32,
+        /// The exit.
+        exit: String,
+        /// Registers.
+        regs: vcpu::RegsReport,
+    },
+    /// KVM_RUN itself failed.
+    RunFailed {
+        /// vCPU.
+        cpu: u32,
+        /// The error.
+        error: String,
+    },
+}
+
+impl VmExit {
+    /// True unless the host stopped the VM or the guest exited with code 0.
+    pub fn is_error(&self) -> bool {
+        !matches!(self, VmExit::Stopped | VmExit::GuestExit { code: 0, .. })
+    }
+}
+
+impl fmt::Display for VmExit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VmExit::Stopped => write!(f, "stopped by the host"),
+            VmExit::GuestExit { cpu, code } => write!(f, "guest exited with code {code} (vCPU {cpu})"),
+            VmExit::GuestPanic { cpu, message, regs } => {
+                write!(f, "guest panic on vCPU {cpu}: {message}\n  registers: {regs}")
+            }
+            VmExit::TripleFault { cpu, regs } => {
+                write!(f, "triple fault (KVM_EXIT_SHUTDOWN) on vCPU {cpu}\n  registers: {regs}")
+            }
+            VmExit::InternalError { cpu, suberror, data, regs } => write!(
+                f,
+                "KVM_EXIT_INTERNAL_ERROR on vCPU {cpu}: suberror {suberror}{} data {data:x?}\n  registers: {regs}",
+                if *suberror == 1 { " (instruction emulation failed)" } else { "" }
+            ),
+            VmExit::FailEntry { cpu, reason } => {
+                write!(f, "KVM_EXIT_FAIL_ENTRY on vCPU {cpu}: hardware reason {reason:#x}")
+            }
+            VmExit::UnexpectedExit { cpu, exit, regs } => {
+                write!(f, "unhandled exit {exit} on vCPU {cpu}\n  registers: {regs}")
+            }
+            VmExit::RunFailed { cpu, error } => write!(f, "KVM_RUN failed on vCPU {cpu}: {error}"),
+        }
+    }
+}
+
+struct Control {
+    parked: u32,
+    running_threads: u32,
+    exit: Option<VmExit>,
+}
+
+/// State shared between the VM handle and its vCPU threads.
+pub struct VmShared {
+    requested: AtomicU8,
+    control: Mutex<Control>,
+    changed: Condvar,
+    threads: Mutex<Vec<libc::pthread_t>>,
+    /// The VM's devices.
+    pub devices: Devices,
+}
+
+impl VmShared {
+    /// What the vCPUs should do now.
+    pub fn requested(&self) -> RunState {
+        match self.requested.load(Ordering::Acquire) {
+            0 => RunState::Running,
+            1 => RunState::Paused,
+            _ => RunState::Stopped,
+        }
+    }
+
+    fn set_requested(&self, s: RunState) {
+        self.requested.store(s as u8, Ordering::Release);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Called by a vCPU thread: wait while the VM is paused.
+    pub fn park(&self, _id: u32) {
+        let mut c = self.lock();
+        c.parked += 1;
+        self.changed.notify_all();
+        while self.requested() == RunState::Paused {
+            c = self.changed.wait(c).unwrap_or_else(|e| e.into_inner());
+        }
+        c.parked -= 1;
+    }
+
+    /// Records why the VM stops (the first reason wins) and stops every vCPU.
+    pub fn finish(&self, exit: VmExit) {
+        {
+            let mut c = self.lock();
+            c.exit.get_or_insert(exit);
+            self.set_requested(RunState::Stopped);
+            self.changed.notify_all();
+        }
+        self.kick_all();
+    }
+
+    /// Called by a vCPU thread as it leaves its loop.
+    pub fn vcpu_exited(&self) {
+        let mut c = self.lock();
+        c.running_threads -= 1;
+        self.changed.notify_all();
+    }
+
+    fn kick_all(&self) {
+        let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        for &t in threads.iter() {
+            // SAFETY: `t` is the pthread id of a vCPU thread we spawned and have
+            // not joined yet (ids are removed before joining).
+            unsafe { libc::pthread_kill(t, vcpu::kick_signal()) };
+        }
+    }
+}
+
+/// A VM and its vCPU threads.
+pub struct Vm {
+    config: VmConfig,
+    layout: MemoryLayout,
+    shared: Arc<VmShared>,
+    vcpus: Mutex<Vec<VcpuFd>>,
+    handles: Mutex<Vec<JoinHandle<VcpuFd>>>,
+    tsc_khz: u64,
+    started: Mutex<Option<Instant>>,
+    // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
+    _vm: VmFd,
+    _kvm: Kvm,
+    memory: Arc<GuestMemory>,
+}
+
+impl Vm {
+    /// Builds a VM ready to start: memory, KVM VM, guest image, boot data, vCPUs.
+    pub fn create(config: VmConfig) -> Result<Vm, VmError> {
+        if config.vcpus == 0 || config.vcpus as usize > guest_abi::MAX_CPUS {
+            return Err(VmError::VcpuCount(config.vcpus));
+        }
+        if !(1..=1000).contains(&config.tick_hz) {
+            return Err(VmError::TickRate(config.tick_hz));
+        }
+        let layout = MemoryLayout::for_size(config.mem_bytes)?;
+        config.workloads.check_fits(config.vcpus, layout.arena_bytes())?;
+        let image = match &config.kernel {
+            Some(path) => std::fs::read(path).map_err(|source| KernelError::Read {
+                path: path.display().to_string(),
+                source,
+            })?,
+            None => crate::GUEST_KERNEL.to_vec(),
+        };
+        let kvm = open_kvm(&config.kvm_path)?;
+        if config.apf && !has_async_pf(&kvm) {
+            return Err(VmError::NoAsyncPf);
+        }
+        let memory = Arc::new(GuestMemory::new(layout.ranges())?);
+        let entry = load_kernel(&memory, &image)?;
+        setup::write_gdt(&memory, config.vcpus)?;
+        setup::write_page_tables(&memory, &layout)?;
+
+        let vm_fd = vm::create_vm(&kvm)?;
+        vm::register_memory(&vm_fd, &memory)?;
+        let cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| KvmError::Ioctl { op: "KVM_GET_SUPPORTED_CPUID", source })?;
+        let mut vcpus = Vec::new();
+        for id in 0..config.vcpus {
+            let fd = vm_fd
+                .create_vcpu(id as u64)
+                .map_err(|source| KvmError::Ioctl { op: "KVM_CREATE_VCPU", source })?;
+            vcpu::configure(&fd, id, &cpuid, entry)?;
+            vcpus.push(fd);
+        }
+        let tsc_khz = match vcpus[0].get_tsc_khz() {
+            Ok(khz) if khz > 0 => khz as u64,
+            _ => measure_tsc_khz(),
+        };
+        let mut info = BootInfo {
+            magic: guest_abi::BOOT_MAGIC,
+            version: guest_abi::ABI_VERSION,
+            ncpus: config.vcpus,
+            tsc_khz,
+            flags: if config.apf { BOOT_APF } else { 0 },
+            tick_hz: config.tick_hz,
+            seed: config.seed,
+            nworkloads: config.workloads.0.len() as u32,
+            ..Default::default()
+        };
+        for (slot, w) in info.workloads.iter_mut().zip(&config.workloads.0) {
+            *slot = w.to_guest(config.vcpus);
+        }
+        setup::write_boot_info(&memory, &layout, info)?;
+
+        let shared = Arc::new(VmShared {
+            requested: AtomicU8::new(RunState::Running as u8),
+            control: Mutex::new(Control { parked: 0, running_threads: 0, exit: None }),
+            changed: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+            devices: Devices::new(config.console.clone()),
+        });
+        Ok(Vm {
+            config,
+            layout,
+            memory,
+            shared,
+            vcpus: Mutex::new(vcpus),
+            handles: Mutex::new(Vec::new()),
+            tsc_khz,
+            started: Mutex::new(None),
+            _vm: vm_fd,
+            _kvm: kvm,
+        })
+    }
+
+    /// Starts one thread per vCPU.
+    pub fn start(&self) -> Result<(), VmError> {
+        vcpu::install_kick_handler().map_err(VmError::Thread)?;
+        let vcpus: Vec<VcpuFd> = std::mem::take(&mut *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()));
+        if vcpus.is_empty() {
+            return Err(VmError::WrongState("already started"));
+        }
+        *self.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        let mut threads = self.shared.threads.lock().unwrap_or_else(|e| e.into_inner());
+        self.shared.lock().running_threads = vcpus.len() as u32;
+        for (id, fd) in vcpus.into_iter().enumerate() {
+            let shared = self.shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || vcpu::run_loop(fd, id as u32, shared))
+                .map_err(VmError::Thread)?;
+            threads.push(h.pthread_handle());
+            handles.push(h);
+        }
+        Ok(())
+    }
+
+    /// Stops the vCPUs at their next exit and waits until all are parked.
+    pub fn pause(&self) -> Result<(), VmError> {
+        let timeout = Duration::from_secs(2);
+        let n = self.config.vcpus;
+        if self.shared.requested() == RunState::Stopped {
+            return Err(VmError::WrongState("stopped"));
+        }
+        self.shared.set_requested(RunState::Paused);
+        self.shared.kick_all();
+        let deadline = Instant::now() + timeout;
+        let mut c = self.shared.lock();
+        while c.parked < c.running_threads.min(n) && c.exit.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(VmError::PauseTimeout(timeout));
+            }
+            c = self.shared.changed.wait_timeout(c, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        Ok(())
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) -> Result<(), VmError> {
+        let _c = self.shared.lock();
+        match self.shared.requested() {
+            RunState::Stopped => Err(VmError::WrongState("stopped")),
+            _ => {
+                self.shared.set_requested(RunState::Running);
+                self.shared.changed.notify_all();
+                Ok(())
+            }
+        }
+    }
+
+    /// Asks the VM to stop without waiting (used by `quit`).
+    pub fn request_stop(&self) {
+        self.shared.finish(VmExit::Stopped);
+    }
+
+    /// Waits up to `timeout` for the VM to stop by itself or on request.
+    pub fn wait_exit(&self, timeout: Duration) -> Option<VmExit> {
+        let deadline = Instant::now() + timeout;
+        let mut c = self.shared.lock();
+        loop {
+            if let Some(e) = &c.exit {
+                return Some(e.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            c = self.shared.changed.wait_timeout(c, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Stops the VM, joins the vCPU threads and says why it stopped.
+    pub fn stop(&self) -> VmExit {
+        self.shared.finish(VmExit::Stopped);
+        let handles: Vec<_> = std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
+        // Keep kicking until every thread is out: a kick can race a thread that
+        // is between checking its state and entering KVM_RUN.
+        let mut c = self.shared.lock();
+        while c.running_threads > 0 {
+            drop(c);
+            self.shared.kick_all();
+            std::thread::sleep(Duration::from_millis(1));
+            c = self.shared.lock();
+        }
+        let exit = c.exit.clone().unwrap_or(VmExit::Stopped);
+        drop(c);
+        self.shared.threads.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        let mut vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        for h in handles {
+            if let Ok(fd) = h.join() {
+                vcpus.push(fd);
+            }
+        }
+        exit
+    }
+
+    /// What the vCPUs are asked to do now.
+    pub fn run_state(&self) -> RunState {
+        self.shared.requested()
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &Arc<GuestMemory> {
+        &self.memory
+    }
+
+    /// The RAM layout.
+    pub fn layout(&self) -> &MemoryLayout {
+        &self.layout
+    }
+
+    /// The configuration it was built from.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Guest TSC frequency.
+    pub fn tsc_khz(&self) -> u64 {
+        self.tsc_khz
+    }
+
+    /// Time since start.
+    pub fn uptime(&self) -> Duration {
+        self.started.lock().unwrap_or_else(|e| e.into_inner()).map_or(Duration::ZERO, |s| s.elapsed())
+    }
+
+    /// Reads the guest's metrics page now.
+    pub fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
+        MetricsSnapshot::read(&self.memory)
+    }
+
+    /// The guest's most recent console lines.
+    pub fn console_lines(&self) -> Vec<String> {
+        self.shared.devices.serial.lines()
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Fallback when KVM cannot say: the host TSC rate measured over 20 ms.
+fn measure_tsc_khz() -> u64 {
+    // SAFETY: rdtsc has no preconditions on x86-64.
+    let t0 = unsafe { core::arch::x86_64::_rdtsc() };
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_millis(20));
+    // SAFETY: as above.
+    let t1 = unsafe { core::arch::x86_64::_rdtsc() };
+    ((t1 - t0) as f64 / start.elapsed().as_secs_f64() / 1000.0) as u64
+}

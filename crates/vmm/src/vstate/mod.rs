@@ -1,0 +1,5 @@
+//! KVM state: the system fd, the VM and its vCPUs.
+
+pub mod kvm;
+pub mod vcpu;
+pub mod vm;

@@ -1,0 +1,231 @@
+//! Boots real guests on /dev/kvm and checks what they do, through the guest's
+//! own counters. Skips loudly where KVM is not usable.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_vmm::control::{ControlClient, ControlServer, Request, VmControl};
+use ferry_vmm::guest_abi::{task_state, ARENA_BASE};
+use ferry_vmm::metrics::MetricsSnapshot;
+use ferry_vmm::{Vm, VmConfig, VmExit};
+
+const MIB: u64 = 1 << 20;
+
+fn kvm_usable() -> bool {
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: /dev/kvm is not usable here ({e}); this test needs KVM");
+            false
+        }
+    }
+}
+
+fn boot(mem: u64, vcpus: u32, workload: &str) -> Vm {
+    let config = VmConfig::new(mem, vcpus, workload.parse().unwrap());
+    boot_with(config)
+}
+
+fn boot_with(config: VmConfig) -> Vm {
+    let vm = Vm::create(config).expect("create VM");
+    vm.start().expect("start VM");
+    wait_for(&vm, Duration::from_secs(5), "guest metrics page", |m| m.valid());
+    vm
+}
+
+/// Polls the guest's metrics until `cond` holds; fails with the console on timeout or exit.
+fn wait_for(
+    vm: &Vm,
+    timeout: Duration,
+    what: &str,
+    cond: impl Fn(&MetricsSnapshot) -> bool,
+) -> MetricsSnapshot {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let m = vm.metrics().unwrap();
+        if cond(&m) {
+            return m;
+        }
+        if let Some(exit) = vm.wait_exit(Duration::from_millis(10)) {
+            panic!("VM stopped while waiting for {what}: {exit}\nconsole:\n{}", vm.console_lines().join("\n"));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}\nconsole:\n{}",
+            vm.console_lines().join("\n")
+        );
+    }
+}
+
+fn settle(vm: &Vm, d: Duration) {
+    if let Some(exit) = vm.wait_exit(d) {
+        panic!("VM stopped: {exit}\nconsole:\n{}", vm.console_lines().join("\n"));
+    }
+}
+
+#[test]
+fn idle_guest_boots_ticks_and_halts() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(64 * MIB, 1, "idle");
+    let a = vm.metrics().unwrap();
+    settle(&vm, Duration::from_millis(500));
+    let b = vm.metrics().unwrap();
+    let ticks = b.cpu_totals().ticks - a.cpu_totals().ticks;
+    // 100 Hz for 0.5 s; allow for a slow, shared machine.
+    assert!((20..=80).contains(&ticks), "ticks in 0.5 s: {ticks}");
+    let idle = b.cpu_totals().idle_ms - a.cpu_totals().idle_ms;
+    assert!(idle > 300.0, "an idle guest should be halted most of the time, idle {idle:.0} ms of 500");
+    assert!(vm.console_lines().iter().any(|l| l.contains("ferry guest: 1 vCPUs")));
+    assert_eq!(vm.stop(), VmExit::Stopped);
+}
+
+#[test]
+fn compute_runs_at_native_speed_order() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(64 * MIB, 1, "compute");
+    let a = vm.metrics().unwrap();
+    settle(&vm, Duration::from_secs(1));
+    let b = vm.metrics().unwrap();
+    let ops = ferry_vmm::metrics::rate(&a, &b, a.progress(0), b.progress(0));
+    // A native CPL3 loop does ~1e9 adds/s; emulated code would manage ~1e6.
+    assert!(ops > 1e8, "compute ops/s {ops:.3e}");
+}
+
+#[test]
+fn dirty_rate_follows_the_request() {
+    if !kvm_usable() {
+        return;
+    }
+    for (rate_mib, pattern) in [(32u64, "seq"), (128, "random")] {
+        let vm = boot(128 * MIB, 1, &format!("dirty:rate={rate_mib},wss=32,pattern={pattern}"));
+        settle(&vm, Duration::from_millis(300));
+        let a = vm.metrics().unwrap();
+        settle(&vm, Duration::from_secs(2));
+        let b = vm.metrics().unwrap();
+        let got = ferry_vmm::metrics::rate(&a, &b, a.progress(0), b.progress(0)) / MIB as f64;
+        let want = rate_mib as f64;
+        assert!(
+            (got - want).abs() < want * 0.2,
+            "dirty rate {got:.1} MiB/s for a request of {want} MiB/s ({pattern})"
+        );
+    }
+}
+
+#[test]
+fn memtouch_tasks_finish_with_plausible_times() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(128 * MIB, 1, "memtouch:tasks=4,mib=8");
+    let m = wait_for(&vm, Duration::from_secs(20), "memtouch tasks", |m| m.tasks_done(0) == 4);
+    assert_eq!(m.tasks().len(), 4);
+    for t in m.tasks() {
+        assert_eq!(t.state, task_state::DONE);
+        assert_eq!(t.progress, 8 * MIB, "each task touches every page of its 8 MiB");
+        let ms = m.task_ms(t).unwrap();
+        assert!(ms > 0.0 && ms < 10_000.0, "task time {ms} ms");
+    }
+    // The guest really wrote one byte per page: check a page in host memory.
+    let mut b = [0u8; 1];
+    vm.memory().read_bytes(ARENA_BASE + 5 * 4096, &mut b).unwrap();
+    assert_eq!(b[0], 5 | 1);
+}
+
+#[test]
+fn sort_is_checked_by_the_guest() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(128 * MIB, 1, "sort:mib=16");
+    let m = wait_for(&vm, Duration::from_secs(30), "sort", |m| m.tasks_done(0) == 1);
+    assert_eq!(m.result(0), 1, "guest reports the keys sorted and checksums equal");
+    assert_eq!(m.progress(0), 8 * (16 * MIB / 8), "8 radix passes over every key");
+    assert!(vm.console_lines().iter().any(|l| l.contains("sorted, checksums match")));
+}
+
+#[test]
+fn fill_writes_known_content() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(64 * MIB, 1, "fill:content=best,mib=8");
+    wait_for(&vm, Duration::from_secs(10), "fill", |m| m.tasks_done(0) == 1);
+    let mut page = vec![0u8; 4096];
+    vm.memory().read_bytes(ARENA_BASE + 3 * 4096, &mut page).unwrap();
+    assert!(page.iter().all(|&b| b == 3), "best-case page 3 is one repeated byte");
+}
+
+#[test]
+fn two_and_four_vcpus_all_run_tasks() {
+    if !kvm_usable() {
+        return;
+    }
+    for vcpus in [2u32, 4] {
+        let vm = boot(64 * MIB, vcpus, &format!("compute:tasks={}", vcpus * 2));
+        settle(&vm, Duration::from_millis(800));
+        let m = vm.metrics().unwrap();
+        let mut cpus: Vec<u64> = m.tasks().iter().map(|t| t.cpu).collect();
+        cpus.sort();
+        cpus.dedup();
+        assert_eq!(cpus.len(), vcpus as usize, "tasks are spread over every vCPU");
+        for t in m.tasks() {
+            assert!(t.progress > 0, "task on vCPU {} made no progress", t.cpu);
+        }
+        for (i, c) in m.raw.cpu[..vcpus as usize].iter().enumerate() {
+            assert!(c.ticks > 10 && c.context_switches > 0, "vCPU {i} ticks {}", c.ticks);
+        }
+    }
+}
+
+#[test]
+fn pause_stops_counters_and_resume_restarts_them() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = Arc::new(boot(64 * MIB, 2, "compute"));
+    let dir = std::env::temp_dir().join(format!("ferry-pause-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vm.sock");
+    let _server = ControlServer::start(&sock, Arc::new(VmControl::new(vm.clone()))).unwrap();
+    let mut ctl = ControlClient::connect(&sock).unwrap();
+    settle(&vm, Duration::from_millis(200));
+
+    ctl.call(&Request::Pause).unwrap();
+    assert_eq!(ctl.call(&Request::Status).unwrap()["state"], "paused");
+    let p1 = vm.metrics().unwrap().progress(0);
+    std::thread::sleep(Duration::from_millis(300));
+    let p2 = vm.metrics().unwrap().progress(0);
+    assert_eq!(p1, p2, "counters must not move while paused");
+
+    ctl.call(&Request::Resume).unwrap();
+    settle(&vm, Duration::from_millis(300));
+    let p3 = vm.metrics().unwrap().progress(0);
+    assert!(p3 > p2 + 10_000_000, "counters advance after resume: {p2} -> {p3}");
+
+    ctl.call(&Request::Quit).unwrap();
+    assert_eq!(vm.wait_exit(Duration::from_secs(5)), Some(VmExit::Stopped));
+}
+
+#[test]
+fn bad_configs_are_refused_clearly() {
+    let cfg = |mem, vcpus| VmConfig::new(mem, vcpus, "idle".parse().unwrap());
+    let err = |c| Vm::create(c).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err(cfg(16 * MIB, 1)).contains("too small"));
+    assert!(err(cfg(64 * MIB + 1, 1)).contains("multiple of the 4 KiB page"));
+    assert!(err(cfg(64 * MIB, 0)).contains("out of range"));
+    assert!(err(cfg(64 * MIB, 9)).contains("out of range"));
+    let mut c = cfg(64 * MIB, 1);
+    c.kvm_path = "/nonexistent/kvm".into();
+    let e = err(c);
+    assert!(e.contains("cannot open /nonexistent/kvm") && e.contains("KVM is not available"), "{e}");
+    let mut c = cfg(64 * MIB, 1);
+    c.workloads = "memtouch:tasks=8,mib=64".parse().unwrap();
+    assert!(err(c).contains("raise --mem"));
+    let mut c = cfg(64 * MIB, 1);
+    c.kernel = Some("/nonexistent/guest.elf".into());
+    assert!(err(c).contains("cannot read guest kernel /nonexistent/guest.elf"));
+}

@@ -1,0 +1,176 @@
+/* ferry_abi.h - the contract between the ferry VMM and its test guest.
+ *
+ * Mirrored in Rust by crates/vmm/src/guest_abi.rs; a test in that crate compiles
+ * this header and checks every offset and constant. Change both together and bump
+ * FERRY_ABI_VERSION.
+ *
+ * Guest physical layout (all addresses are identity-mapped by the VMM's page tables):
+ *
+ *   0x0000_0000  null page (left unused)
+ *   0x0000_1000  boot info (VMM -> guest, struct ferry_boot_info)
+ *   0x0000_2000  GDT (null, kcode 0x08, kdata 0x10, ucode 0x18|3, udata 0x20|3, TSS 0x28 + 16*cpu)
+ *   0x0000_3000  TSS array (FERRY_TSS_STRIDE bytes per vCPU)
+ *   0x0000_4000  metrics page (guest -> VMM, struct ferry_metrics), 16 KiB
+ *   0x0000_8000  per-vCPU boot stacks (4 KiB each, top = 0x9000 + cpu*0x1000)
+ *   0x0001_0000  page tables (PML4, PDPT, PDs), built by the VMM
+ *   0x0010_0000  kernel image (ELF, physical = virtual)
+ *   ...          kernel pool: task structs and stacks, up to FERRY_ARENA_BASE
+ *   0x0100_0000  workload arena: memory the workloads touch, up to the end of RAM
+ *                (RAM above 3 GiB continues at 4 GiB, see boot info ram[])
+ */
+#ifndef FERRY_ABI_H
+#define FERRY_ABI_H
+
+#define FERRY_ABI_VERSION 1
+
+#define FERRY_BOOT_INFO_GPA 0x1000UL
+#define FERRY_GDT_GPA 0x2000UL
+#define FERRY_TSS_GPA 0x3000UL
+#define FERRY_TSS_STRIDE 0x80UL
+#define FERRY_METRICS_GPA 0x4000UL
+#define FERRY_METRICS_SIZE 0x4000UL
+#define FERRY_BOOT_STACKS_GPA 0x8000UL
+#define FERRY_PAGE_TABLES_GPA 0x10000UL
+#define FERRY_KERNEL_GPA 0x100000UL
+#define FERRY_ARENA_BASE 0x1000000UL
+#define FERRY_LOW_RAM_MAX 0xC0000000UL /* RAM above this continues at 4 GiB */
+#define FERRY_HIGH_RAM_BASE 0x100000000UL
+
+#define FERRY_SEL_KCODE 0x08
+#define FERRY_SEL_KDATA 0x10
+#define FERRY_SEL_UCODE 0x1b
+#define FERRY_SEL_UDATA 0x23
+#define FERRY_SEL_TSS0 0x28
+
+#define FERRY_MAX_CPUS 8
+#define FERRY_MAX_TASKS 64
+#define FERRY_MAX_WORKLOADS 4
+#define FERRY_MAX_PARAMS 8
+#define FERRY_MAX_RAM_RANGES 4
+
+/* I/O ports the guest uses. */
+#define FERRY_PORT_SERIAL 0x3f8 /* COM1 data register: console bytes */
+#define FERRY_PORT_EXIT 0xf4    /* 32-bit write: guest exit with this code */
+#define FERRY_EXIT_PANIC 0xdead /* exit code written after a guest panic */
+
+/* Interrupt vectors. */
+#define FERRY_VEC_TIMER 0x20
+#define FERRY_VEC_APF_READY 0xec
+#define FERRY_VEC_SPURIOUS 0xff
+
+#define FERRY_BOOT_MAGIC 0x3149424f52524546ULL    /* "FERROBI1" little-endian */
+#define FERRY_METRICS_MAGIC 0x314d59525245464eULL /* "NFERRYM1" little-endian */
+
+/* Boot flags. */
+#define FERRY_BOOT_APF (1u << 0) /* enable KVM async page faults */
+
+#ifndef __ASSEMBLER__
+/* Workload kinds and their parameters (p[i]); the VMM validates, the guest trusts. */
+enum ferry_workload_kind {
+  FERRY_WL_NONE = 0,
+  FERRY_WL_IDLE = 1,
+  FERRY_WL_DIRTY = 2,    /* p0 rate B/s (0 = max), p1 wss B, p2 pattern, p3 content, p4 tasks */
+  FERRY_WL_MEMTOUCH = 3, /* p0 tasks, p1 bytes per task */
+  FERRY_WL_COMPUTE = 4,  /* p0 tasks */
+  FERRY_WL_SORT = 5,     /* p0 bytes of 64-bit keys */
+  FERRY_WL_FILL = 6,     /* p0 content (fill_content), p1 bytes (0 = whole arena share) */
+};
+enum ferry_dirty_pattern { FERRY_PAT_SEQ = 0, FERRY_PAT_RANDOM = 1, FERRY_PAT_HOTCOLD = 2 };
+enum ferry_content { FERRY_CONTENT_RANDOM = 0, FERRY_CONTENT_ZERO = 1, FERRY_CONTENT_TEXT = 2 };
+enum ferry_fill_content { FERRY_FILL_BEST = 0, FERRY_FILL_WORST = 1, FERRY_FILL_MIXED = 2 };
+
+typedef unsigned long long ferry_u64;
+typedef unsigned int ferry_u32;
+
+struct ferry_ram_range {
+  ferry_u64 base;
+  ferry_u64 size;
+};
+
+struct ferry_workload {
+  ferry_u32 kind; /* enum ferry_workload_kind */
+  ferry_u32 reserved;
+  ferry_u64 p[FERRY_MAX_PARAMS];
+}; /* 72 bytes */
+
+struct ferry_boot_info {
+  ferry_u64 magic;
+  ferry_u32 version;
+  ferry_u32 ncpus;
+  ferry_u64 tsc_khz;
+  ferry_u32 flags;
+  ferry_u32 tick_hz;
+  ferry_u64 seed;
+  ferry_u32 nranges;
+  ferry_u32 nworkloads;
+  struct ferry_ram_range ram[FERRY_MAX_RAM_RANGES];
+  struct ferry_workload workloads[FERRY_MAX_WORKLOADS];
+};
+
+/* Metrics: written by the guest, read by the VMM every 10 ms without exits.
+ * Every field is a naturally aligned 64-bit word written with plain stores. */
+enum ferry_guest_state {
+  FERRY_STATE_BOOTING = 0,
+  FERRY_STATE_RUNNING = 1,
+  FERRY_STATE_PANIC = 3,
+};
+enum ferry_task_state {
+  FERRY_TASK_UNUSED = 0,
+  FERRY_TASK_RUNNABLE = 1,
+  FERRY_TASK_SLEEPING = 2,
+  FERRY_TASK_APF_WAIT = 3,
+  FERRY_TASK_DONE = 4,
+};
+
+struct ferry_cpu_metrics {
+  ferry_u64 ticks;
+  ferry_u64 context_switches;
+  ferry_u64 syscalls;
+  ferry_u64 idle_tsc;          /* TSC cycles spent in the idle loop */
+  ferry_u64 apf_not_present;   /* 'page not present' events: a task was blocked */
+  ferry_u64 apf_ready;         /* 'page ready' events */
+  ferry_u64 apf_double;        /* not-present for a token already awaited */
+  ferry_u64 apf_wake_all;      /* 'page ready' with the wake-all token */
+  ferry_u64 apf_waiting;       /* tasks blocked on APF right now */
+  ferry_u64 apf_early_ready;   /* 'page ready' seen before its 'not present' */
+  ferry_u64 reserved[6];
+}; /* 128 bytes */
+
+struct ferry_workload_metrics {
+  ferry_u64 kind;
+  ferry_u64 tasks;
+  ferry_u64 tasks_done;
+  ferry_u64 result;   /* workload-defined: sort 1 = verified sorted, 2 = NOT sorted */
+  ferry_u64 reserved[4];
+}; /* 64 bytes */
+
+struct ferry_task_metrics {
+  ferry_u64 workload; /* index into workloads[] */
+  ferry_u64 state;    /* enum ferry_task_state */
+  ferry_u64 cpu;
+  ferry_u64 progress; /* workload units: bytes written/touched, ops, keys sorted */
+  ferry_u64 start_tsc;
+  ferry_u64 end_tsc;  /* 0 while running */
+  ferry_u64 reserved[2];
+}; /* 64 bytes */
+
+struct ferry_metrics {
+  ferry_u64 magic;
+  ferry_u64 version;
+  ferry_u64 state;     /* enum ferry_guest_state */
+  ferry_u64 ncpus;
+  ferry_u64 tsc_khz;
+  ferry_u64 boot_tsc;  /* TSC when the kernel started */
+  ferry_u64 guest_tsc; /* TSC at the latest timer tick of vCPU 0 */
+  ferry_u64 ntasks;
+  struct ferry_cpu_metrics cpu[FERRY_MAX_CPUS];
+  struct ferry_workload_metrics workloads[FERRY_MAX_WORKLOADS];
+  struct ferry_task_metrics tasks[FERRY_MAX_TASKS];
+};
+
+#define FERRY_METRICS_OFF_CPU 64
+#define FERRY_METRICS_OFF_WORKLOADS (64 + 128 * FERRY_MAX_CPUS)
+#define FERRY_METRICS_OFF_TASKS (FERRY_METRICS_OFF_WORKLOADS + 64 * FERRY_MAX_WORKLOADS)
+#endif
+
+#endif

@@ -1,0 +1,79 @@
+/* apf.c - KVM asynchronous page faults, as Linux guests use them.
+ *
+ * When the host must fetch a page the guest touched (userfaultfd, swap), KVM can
+ * tell the guest instead of stopping the vCPU: a #PF with apf.flags = 1 and a
+ * token in CR2 means 'page not present' -- block only the faulting task and run
+ * another; interrupt FERRY_VEC_APF_READY with apf.token means 'page ready' --
+ * wake the task waiting on that token. KVM delivers these only for faults taken
+ * at CPL3. If the same page faults again while in flight (another task touches
+ * it), KVM halts the vCPU until it arrives: the paper's 'double fault'. */
+#include "kernel.h"
+
+#define APF_EN_ENABLED (1ULL << 0)
+#define APF_EN_SEND_ALWAYS (1ULL << 1)
+#define APF_EN_DELIVERY_AS_INT (1ULL << 3)
+#define APF_PAGE_NOT_PRESENT 1
+#define APF_WAKE_ALL 0xffffffffu
+
+void apf_enable(struct percpu *c) {
+  wrmsr(MSR_KVM_ASYNC_PF_INT, FERRY_VEC_APF_READY);
+  wrmsr(MSR_KVM_ASYNC_PF_EN,
+        (u64)&c->apf | APF_EN_ENABLED | APF_EN_SEND_ALWAYS | APF_EN_DELIVERY_AS_INT);
+}
+
+static int take_early_ready(struct percpu *c, u32 token) {
+  for (int i = 0; i < EARLY_READY_SLOTS; i++) {
+    if (c->early_ready[i] == token) {
+      c->early_ready[i] = 0;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Returns 1 if this #PF was an APF 'page not present' and has been handled. */
+int apf_not_present(struct percpu *c, struct frame *f) {
+  if (!(c->apf.flags & APF_PAGE_NOT_PRESENT)) return 0;
+  u32 token = (u32)read_cr2();
+  c->apf.flags = 0;
+  c->m->apf_not_present++;
+  /* Nothing to block (idle or kernel): returning retries the access and KVM
+   * waits for the page synchronously. Same if the page is already there. */
+  if (!c->cur || (f->cs & 3) != 3 || take_early_ready(c, token)) return 1;
+  for (u32 i = 0; i < c->ntasks; i++)
+    if (c->tasks[i]->state == FERRY_TASK_APF_WAIT && c->tasks[i]->apf_token == token)
+      c->m->apf_double++;
+  c->cur->apf_token = token;
+  c->m->apf_waiting++;
+  sched_block_current(c, f, FERRY_TASK_APF_WAIT);
+  return 1;
+}
+
+void apf_page_ready(struct percpu *c, struct frame *f) {
+  u32 token = c->apf.token;
+  c->apf.token = 0;
+  wrmsr(MSR_KVM_ASYNC_PF_ACK, 1);
+  lapic_eoi();
+  c->m->apf_ready++;
+  if (token == APF_WAKE_ALL) c->m->apf_wake_all++;
+  int woke = 0;
+  for (u32 i = 0; i < c->ntasks; i++) {
+    struct task *t = c->tasks[i];
+    if (t->state == FERRY_TASK_APF_WAIT && (token == APF_WAKE_ALL || t->apf_token == token)) {
+      t->state = FERRY_TASK_RUNNABLE;
+      t->m->state = FERRY_TASK_RUNNABLE;
+      c->m->apf_waiting--;
+      woke++;
+    }
+  }
+  if (!woke && token != APF_WAKE_ALL) {
+    c->m->apf_early_ready++;
+    for (int i = 0; i < EARLY_READY_SLOTS; i++)
+      if (!c->early_ready[i]) {
+        c->early_ready[i] = token;
+        break;
+      }
+  }
+  /* A woken task runs at once if the vCPU was idle; else at the next tick. */
+  if (woke && !c->cur) sched_switch(c, f, sched_pick(c));
+}

@@ -1,0 +1,39 @@
+/* workload.h - what the kernel hands a workload task, and the task entry points.
+ * Everything here runs at CPL3, natively. */
+#ifndef WORKLOAD_H
+#define WORKLOAD_H
+
+#include "ferry_abi.h"
+#include "lib.h"
+
+struct mem_range {
+  u64 base, size;
+};
+
+/* Built by the kernel for each task; passed in rdi to the task's entry. */
+struct task_ctx {
+  u32 id;    /* global task index (metrics->tasks[id]) */
+  u32 index; /* index within its workload */
+  u32 count; /* tasks in its workload */
+  u32 cpu;
+  u64 tsc_khz;
+  u64 seed;
+  const struct ferry_workload *wl;
+  volatile struct ferry_task_metrics *m;
+  volatile struct ferry_workload_metrics *wm;
+  struct mem_range mem[2]; /* memory this task owns (size 0 = none) */
+};
+
+typedef void (*task_fn)(struct task_ctx *);
+
+void wl_dirty(struct task_ctx *t);
+void wl_memtouch(struct task_ctx *t);
+void wl_compute(struct task_ctx *t);
+void wl_sort(struct task_ctx *t);
+void wl_fill(struct task_ctx *t);
+
+/* Shared by workloads: console output from CPL3 and guest time. */
+void uprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static inline u64 tsc_to_ms(const struct task_ctx *t, u64 tsc) { return tsc / t->tsc_khz; }
+
+#endif

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# ferry's tests: formatting, lints, unit tests and the integration tests that
+# boot real guests on /dev/kvm (they skip loudly where KVM is missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh >/dev/null
+export PATH="$HOME/.cargo/bin:$PATH"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -q -- -D warnings
+cargo test --workspace --release -- --test-threads=2
