@@ -18,6 +18,11 @@ fn main() {
         .arg(&guest)
         .arg(format!("O={}", out.display()))
         .status()
-        .unwrap_or_else(|e| panic!("cannot run make to build the guest (install make and gcc): {e}"));
-    assert!(status.success(), "building the guest kernel failed (see the gcc output above)");
+        .unwrap_or_else(|e| {
+            panic!("cannot run make to build the guest (install make and gcc): {e}")
+        });
+    assert!(
+        status.success(),
+        "building the guest kernel failed (see the gcc output above)"
+    );
 }

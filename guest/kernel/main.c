@@ -55,7 +55,6 @@ void kmain(u64 cpu) {
     if (boot->ncpus == 0 || boot->ncpus > FERRY_MAX_CPUS || boot->tick_hz == 0 ||
         boot->tsc_khz == 0)
       early_fail("ferry guest: bad boot info\n");
-    metrics->magic = FERRY_METRICS_MAGIC;
     metrics->version = FERRY_ABI_VERSION;
     metrics->ncpus = boot->ncpus;
     metrics->tsc_khz = boot->tsc_khz;
@@ -63,6 +62,8 @@ void kmain(u64 cpu) {
     idt_init();
     for (u32 i = 0; i < boot->ncpus; i++) percpu_init(&percpus[i], i);
     tasks_create();
+    /* Last: the VMM treats the page as valid once it sees the magic. */
+    __atomic_store_n(&metrics->magic, FERRY_METRICS_MAGIC, __ATOMIC_RELEASE);
     __atomic_store_n(&boot_done, 1, __ATOMIC_RELEASE);
   } else {
     while (!__atomic_load_n(&boot_done, __ATOMIC_ACQUIRE)) cpu_relax();

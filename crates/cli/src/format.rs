@@ -45,18 +45,28 @@ pub fn rate(v: f64, unit: &str) -> String {
 /// Parses `10s`, `500ms`, `2m`, `1h` or plain seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("'{text}' is not a duration (e.g. 10s, 500ms, 2m)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{text}' is not a duration (e.g. 10s, 500ms, 2m)"))?;
     let secs = match unit {
         "" | "s" => n,
         "ms" => n / 1e3,
         "m" | "min" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("'{text}': unknown unit '{unit}' (use ms, s, m or h)")),
+        _ => {
+            return Err(format!(
+                "'{text}': unknown unit '{unit}' (use ms, s, m or h)"
+            ))
+        }
     };
     if !secs.is_finite() || secs <= 0.0 || secs > 30.0 * 86400.0 {
-        return Err(format!("'{text}' is out of range (more than 0, at most 30 days)"));
+        return Err(format!(
+            "'{text}' is out of range (more than 0, at most 30 days)"
+        ));
     }
     Ok(std::time::Duration::from_secs_f64(secs))
 }

@@ -10,7 +10,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ferry", version, about = "A KVM virtual machine monitor built around live migration")]
+#[command(
+    name = "ferry",
+    version,
+    about = "A KVM virtual machine monitor built around live migration"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -55,8 +59,16 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Run(args) => run::run(args),
-        Command::Status { socket, json, metrics } => status::status(&socket, json, metrics),
-        Command::Ctl { socket, action, json } => status::ctl(&socket, action, json),
+        Command::Status {
+            socket,
+            json,
+            metrics,
+        } => status::status(&socket, json, metrics),
+        Command::Ctl {
+            socket,
+            action,
+            json,
+        } => status::ctl(&socket, action, json),
     };
     match result {
         Ok(code) => code,

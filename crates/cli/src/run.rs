@@ -105,9 +105,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         .unwrap_or_else(|| PathBuf::from(format!("/tmp/ferry-{}.sock", std::process::id())));
     let _server = ControlServer::start(&socket, Arc::new(VmControl::new(vm.clone())))?;
     let mut timeline = match &args.timeline {
-        Some(p) => Some(BufWriter::new(
-            File::create(p).with_context(|| format!("cannot create timeline {}", p.display()))?,
-        )),
+        Some(p) => {
+            Some(BufWriter::new(File::create(p).with_context(|| {
+                format!("cannot create timeline {}", p.display())
+            })?))
+        }
         None => None,
     };
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -166,7 +168,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         if args.duration.is_some_and(|d| t_start.elapsed() >= d) {
             break Ending::Duration;
         }
-        let done = (0..vm.config().workloads.0.len()).all(|i| snap.tasks_done(i) >= snap.tasks_of(i));
+        let done =
+            (0..vm.config().workloads.0.len()).all(|i| snap.tasks_done(i) >= snap.tasks_of(i));
         if args.duration.is_none() && vm.config().workloads.finishes() && done {
             break Ending::WorkloadsDone;
         }
@@ -186,18 +189,18 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     } else {
         print_summary(&vm, &summary, &exit);
     }
-    let failed = exit.is_error()
-        || (0..vm.config().workloads.0.len()).any(|i| last.result(i) == 2);
-    Ok(if failed { ExitCode::from(2) } else { ExitCode::SUCCESS })
+    let failed = exit.is_error() || (0..vm.config().workloads.0.len()).any(|i| last.result(i) == 2);
+    Ok(if failed {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
-fn write_sample(
-    w: &mut impl Write,
-    vm: &Vm,
-    s: &MetricsSnapshot,
-    t_start: Instant,
-) -> Result<()> {
-    let progress: Vec<u64> = (0..vm.config().workloads.0.len()).map(|i| s.progress(i)).collect();
+fn write_sample(w: &mut impl Write, vm: &Vm, s: &MetricsSnapshot, t_start: Instant) -> Result<()> {
+    let progress: Vec<u64> = (0..vm.config().workloads.0.len())
+        .map(|i| s.progress(i))
+        .collect();
     let c = s.cpu_totals();
     let line = json!({
         "t_ms": s.at.saturating_duration_since(t_start).as_secs_f64() * 1e3,
@@ -217,7 +220,11 @@ fn live_line(vm: &Vm, base: &MetricsSnapshot, now: &MetricsSnapshot, t_start: In
     let mut parts = vec![format!("[{:6.1}s]", t_start.elapsed().as_secs_f64())];
     for (i, w) in vm.config().workloads.0.iter().enumerate() {
         let r = rate(base, now, base.progress(i), now.progress(i));
-        let label = if w.name() == "dirty" { "dirty rate" } else { w.name() };
+        let label = if w.name() == "dirty" {
+            "dirty rate"
+        } else {
+            w.name()
+        };
         let done = now.tasks_done(i);
         let tasks = now.tasks_of(i);
         if tasks > 0 && done == tasks {
@@ -227,12 +234,19 @@ fn live_line(vm: &Vm, base: &MetricsSnapshot, now: &MetricsSnapshot, t_start: In
         }
     }
     let (a, b) = (base.cpu_totals(), now.cpu_totals());
-    let span = now.at.saturating_duration_since(base.at).as_secs_f64() * 1e3 * vm.config().vcpus as f64;
+    let span =
+        now.at.saturating_duration_since(base.at).as_secs_f64() * 1e3 * vm.config().vcpus as f64;
     if span > 0.0 {
-        parts.push(format!("idle {:.0}%", 100.0 * (b.idle_ms - a.idle_ms).max(0.0) / span));
+        parts.push(format!(
+            "idle {:.0}%",
+            100.0 * (b.idle_ms - a.idle_ms).max(0.0) / span
+        ));
     }
     if b.apf_not_present > 0 {
-        parts.push(format!("APF {} ({} waiting)", b.apf_not_present, b.apf_waiting));
+        parts.push(format!(
+            "APF {} ({} waiting)",
+            b.apf_not_present, b.apf_waiting
+        ));
     }
     parts.join(" | ")
 }
@@ -301,12 +315,19 @@ fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
         if vm.config().apf { "on" } else { "off" },
         vm.config().tick_hz
     );
-    println!("ended        {} after {:.2} s ({exit})", s["ending"].as_str().unwrap_or("?"), f(&s["ran_s"]));
+    println!(
+        "ended        {} after {:.2} s ({exit})",
+        s["ending"].as_str().unwrap_or("?"),
+        f(&s["ran_s"])
+    );
     match s["boot_to_first_sample_ms"].as_f64() {
         Some(ms) => println!("boot         first guest metrics {ms:.1} ms after VM creation began"),
         None => println!("boot         the guest never published metrics"),
     }
-    println!("{:<44} {:>12} {:>16} {:>8}", "workload", "total", "rate", "tasks");
+    println!(
+        "{:<44} {:>12} {:>16} {:>8}",
+        "workload", "total", "rate", "tasks"
+    );
     for w in s["workloads"].as_array().into_iter().flatten() {
         let unit = w["unit"].as_str().unwrap_or("");
         let tasks = format!("{}/{}", w["tasks_done"], w["tasks"]);

@@ -32,9 +32,19 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     }
     println!("state       {}", s["state"].as_str().unwrap_or("?"));
     println!("vCPUs       {}", s["vcpus"]);
-    println!("memory      {}", crate::format::bytes(s["mem_bytes"].as_f64().unwrap_or(0.0)));
+    println!(
+        "memory      {}",
+        crate::format::bytes(s["mem_bytes"].as_f64().unwrap_or(0.0))
+    );
     println!("workloads   {}", s["workloads"].as_str().unwrap_or("?"));
-    println!("APF         {}", if s["apf"] == Value::Bool(true) { "on" } else { "off" });
+    println!(
+        "APF         {}",
+        if s["apf"] == Value::Bool(true) {
+            "on"
+        } else {
+            "off"
+        }
+    );
     println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
     if metrics {
         println!("metrics     {}", s["metrics"]);

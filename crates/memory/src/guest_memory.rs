@@ -166,8 +166,14 @@ mod tests {
             GuestMemory::new(&[(0, 8192), (4096, 4096)]),
             Err(MemoryError::Overlap { .. })
         ));
-        assert!(matches!(GuestMemory::new(&[(100, 4096)]), Err(MemoryError::Misaligned { .. })));
-        assert!(matches!(GuestMemory::new(&[(0, 100)]), Err(MemoryError::Region(_))));
+        assert!(matches!(
+            GuestMemory::new(&[(100, 4096)]),
+            Err(MemoryError::Misaligned { .. })
+        ));
+        assert!(matches!(
+            GuestMemory::new(&[(0, 100)]),
+            Err(MemoryError::Region(_))
+        ));
     }
 
     #[test]
@@ -181,8 +187,14 @@ mod tests {
         let mut b = [0u8; 5];
         m.read_bytes((1 << 20) + 100, &mut b).unwrap();
         assert_eq!(&b, b"ferry");
-        assert!(matches!(m.write_bytes(8190, b"abcd"), Err(MemoryError::OutOfRange { .. })));
-        assert!(matches!(m.read_obj::<u64>(0x9000), Err(MemoryError::OutOfRange { .. })));
+        assert!(matches!(
+            m.write_bytes(8190, b"abcd"),
+            Err(MemoryError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            m.read_obj::<u64>(0x9000),
+            Err(MemoryError::OutOfRange { .. })
+        ));
         assert!(m.read_u64_volatile(4).is_err());
     }
 }

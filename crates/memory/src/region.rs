@@ -71,7 +71,11 @@ impl MemfdRegion {
     /// Creates a memfd of `size` bytes for guest physical address `gpa` and maps it.
     pub fn new(name: &str, gpa: u64, size: u64) -> Result<Self, RegionError> {
         check_size(size)?;
-        let memfd_err = |source| RegionError::Memfd { name: name.into(), size, source };
+        let memfd_err = |source| RegionError::Memfd {
+            name: name.into(),
+            size,
+            source,
+        };
         let cname = std::ffi::CString::new(name)
             .map_err(|_| memfd_err(std::io::Error::from(std::io::ErrorKind::InvalidInput)))?;
         // SAFETY: cname is a valid NUL-terminated string; the result is checked.
@@ -104,9 +108,18 @@ impl MemfdRegion {
             )
         };
         if host == libc::MAP_FAILED {
-            return Err(RegionError::Mmap { size, source: std::io::Error::last_os_error() });
+            return Err(RegionError::Mmap {
+                size,
+                source: std::io::Error::last_os_error(),
+            });
         }
-        Ok(MemfdRegion { name: name.into(), gpa, size, fd, host: host.cast() })
+        Ok(MemfdRegion {
+            name: name.into(),
+            gpa,
+            size,
+            fd,
+            host: host.cast(),
+        })
     }
 
     /// Region name.
@@ -136,13 +149,20 @@ impl MemfdRegion {
 
     /// True if `[gpa, gpa+len)` lies inside this region.
     pub fn contains(&self, gpa: u64, len: u64) -> bool {
-        gpa >= self.gpa && gpa.checked_add(len).is_some_and(|end| end <= self.gpa + self.size)
+        gpa >= self.gpa
+            && gpa
+                .checked_add(len)
+                .is_some_and(|end| end <= self.gpa + self.size)
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), RegionError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
-            _ => Err(RegionError::OutOfRange { offset, len, size: self.size }),
+            _ => Err(RegionError::OutOfRange {
+                offset,
+                len,
+                size: self.size,
+            }),
         }
     }
 
@@ -160,7 +180,10 @@ impl MemfdRegion {
             )
         };
         if r < 0 {
-            return Err(RegionError::Advise { op: "fallocate(PUNCH_HOLE)", source: std::io::Error::last_os_error() });
+            return Err(RegionError::Advise {
+                op: "fallocate(PUNCH_HOLE)",
+                source: std::io::Error::last_os_error(),
+            });
         }
         Ok(())
     }
@@ -171,10 +194,17 @@ impl MemfdRegion {
         self.check_range(offset, len)?;
         // SAFETY: the range lies inside our own mapping (checked above).
         let r = unsafe {
-            libc::madvise(self.host.add(offset as usize).cast(), len as usize, libc::MADV_DONTNEED)
+            libc::madvise(
+                self.host.add(offset as usize).cast(),
+                len as usize,
+                libc::MADV_DONTNEED,
+            )
         };
         if r < 0 {
-            return Err(RegionError::Advise { op: "madvise(DONTNEED)", source: std::io::Error::last_os_error() });
+            return Err(RegionError::Advise {
+                op: "madvise(DONTNEED)",
+                source: std::io::Error::last_os_error(),
+            });
         }
         Ok(())
     }
@@ -204,15 +234,26 @@ mod tests {
         // SAFETY: offset 4096 + 1 byte is inside the 16 KiB mapping.
         unsafe { *r.host_addr().add(4096) = 0xab };
         // SAFETY: as above.
-        assert_eq!(unsafe { *r.host_addr().add(4096) }, 0xab);
+        let before = unsafe { *r.host_addr().add(4096) };
+        assert_eq!(before, 0xab);
         r.punch_hole(4096, 4096).unwrap();
         // SAFETY: as above.
-        assert_eq!(unsafe { *r.host_addr().add(4096) }, 0, "a punched page reads back zero");
+        let after = unsafe { *r.host_addr().add(4096) };
+        assert_eq!(after, 0, "a punched page reads back zero");
         assert!(r.contains(0x1000, 4 * PAGE_SIZE));
         assert!(!r.contains(0x1000, 4 * PAGE_SIZE + 1));
-        assert!(matches!(r.punch_hole(3 * 4096, 8192), Err(RegionError::OutOfRange { .. })));
-        assert!(matches!(MemfdRegion::new("x", 0, 100), Err(RegionError::BadSize { .. })));
-        assert!(matches!(MemfdRegion::new("x", 0, 0), Err(RegionError::BadSize { .. })));
+        assert!(matches!(
+            r.punch_hole(3 * 4096, 8192),
+            Err(RegionError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            MemfdRegion::new("x", 0, 100),
+            Err(RegionError::BadSize { .. })
+        ));
+        assert!(matches!(
+            MemfdRegion::new("x", 0, 0),
+            Err(RegionError::BadSize { .. })
+        ));
     }
 
     #[test]
@@ -222,6 +263,7 @@ mod tests {
         unsafe { *r.host_addr().add(10) = 7 };
         r.discard(0, PAGE_SIZE).unwrap();
         // SAFETY: as above.
-        assert_eq!(unsafe { *r.host_addr().add(10) }, 7, "shared memfd data survives MADV_DONTNEED");
+        let after = unsafe { *r.host_addr().add(10) };
+        assert_eq!(after, 7, "shared memfd data survives MADV_DONTNEED");
     }
 }

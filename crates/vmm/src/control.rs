@@ -98,7 +98,10 @@ impl ControlServer {
             }
             let _ = std::fs::remove_file(path); // stale socket of a VMM that died
         }
-        let listen_err = |source| ControlError::Listen { path: path.into(), source };
+        let listen_err = |source| ControlError::Listen {
+            path: path.into(),
+            source,
+        };
         let listener = UnixListener::bind(path).map_err(listen_err)?;
         listener.set_nonblocking(true).map_err(listen_err)?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -107,7 +110,11 @@ impl ControlServer {
             .name("control".into())
             .spawn(move || accept_loop(listener, handler, stop2))
             .map_err(listen_err)?;
-        Ok(ControlServer { path: path.into(), stop, thread: Some(thread) })
+        Ok(ControlServer {
+            path: path.into(),
+            stop,
+            thread: Some(thread),
+        })
     }
 
     /// The socket path.
@@ -145,16 +152,22 @@ fn accept_loop(listener: UnixListener, handler: Arc<dyn ControlHandler>, stop: A
 
 fn serve(stream: UnixStream, handler: Arc<dyn ControlHandler>) {
     let _ = stream.set_nonblocking(false);
-    let Ok(mut writer) = stream.try_clone() else { return };
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
     let mut reader = BufReader::new(stream);
     loop {
         let mut line = Vec::new();
-        match (&mut reader).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line) {
+        match (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
         if line.len() > MAX_LINE {
-            let reply = json!({"ok": false, "error": format!("request longer than {MAX_LINE} bytes")});
+            let reply =
+                json!({"ok": false, "error": format!("request longer than {MAX_LINE} bytes")});
             let _ = writeln!(writer, "{reply}");
             return;
         }
@@ -186,11 +199,16 @@ pub struct ControlClient {
 impl ControlClient {
     /// Connects to `path`.
     pub fn connect(path: &Path) -> Result<Self, ControlError> {
-        let stream = UnixStream::connect(path)
-            .map_err(|source| ControlError::Connect { path: path.into(), source })?;
+        let stream = UnixStream::connect(path).map_err(|source| ControlError::Connect {
+            path: path.into(),
+            source,
+        })?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         let writer = stream.try_clone()?;
-        Ok(ControlClient { reader: BufReader::new(stream), writer })
+        Ok(ControlClient {
+            reader: BufReader::new(stream),
+            writer,
+        })
     }
 
     /// Sends a request and returns the reply's fields (without "ok").
@@ -203,11 +221,16 @@ impl ControlClient {
         }
         let mut v: Value =
             serde_json::from_str(&reply).map_err(|e| ControlError::BadReply(e.to_string()))?;
-        let obj = v.as_object_mut().ok_or_else(|| ControlError::BadReply(reply.clone()))?;
+        let obj = v
+            .as_object_mut()
+            .ok_or_else(|| ControlError::BadReply(reply.clone()))?;
         match obj.remove("ok") {
             Some(Value::Bool(true)) => Ok(v),
             Some(Value::Bool(false)) => Err(ControlError::Refused(
-                obj.get("error").and_then(Value::as_str).unwrap_or("no reason given").into(),
+                obj.get("error")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no reason given")
+                    .into(),
             )),
             _ => Err(ControlError::BadReply(reply)),
         }
@@ -330,7 +353,10 @@ mod tests {
         let mut r = BufReader::new(raw.try_clone().unwrap());
         let mut line = String::new();
         r.read_line(&mut line).unwrap();
-        assert!(line.contains("\"ok\":false") && line.contains("commands: status"), "{line}");
+        assert!(
+            line.contains("\"ok\":false") && line.contains("commands: status"),
+            "{line}"
+        );
         raw.write_all(&vec![b'x'; MAX_LINE + 10]).unwrap();
         line.clear();
         r.read_line(&mut line).unwrap();
@@ -338,7 +364,10 @@ mod tests {
 
         drop(server);
         assert!(!path.exists());
-        assert!(matches!(ControlClient::connect(&path), Err(ControlError::Connect { .. })));
+        assert!(matches!(
+            ControlClient::connect(&path),
+            Err(ControlError::Connect { .. })
+        ));
         assert_eq!(handler.0.lock().unwrap().len(), 2);
     }
 }

@@ -265,7 +265,11 @@ int main(void) {
             .arg(&exe)
             .output()
             .expect("a C compiler (cc) is needed to check the guest ABI");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let out = Command::new(&exe).output().unwrap();
         let text = String::from_utf8(out.stdout).unwrap();
         let c: std::collections::HashMap<&str, u64> = text
@@ -311,21 +315,51 @@ int main(void) {
             ("FERRY_STATE_PANIC", state::PANIC),
             ("FERRY_TASK_DONE", task_state::DONE),
             ("FERRY_TASK_APF_WAIT", task_state::APF_WAIT),
-            ("sizeof(struct ferry_boot_info)", size_of::<BootInfo>() as u64),
-            ("offsetof(struct ferry_boot_info, ram)", offset_of!(BootInfo, ram) as u64),
-            ("offsetof(struct ferry_boot_info, workloads)", offset_of!(BootInfo, workloads) as u64),
-            ("sizeof(struct ferry_workload)", size_of::<Workload>() as u64),
+            (
+                "sizeof(struct ferry_boot_info)",
+                size_of::<BootInfo>() as u64,
+            ),
+            (
+                "offsetof(struct ferry_boot_info, ram)",
+                offset_of!(BootInfo, ram) as u64,
+            ),
+            (
+                "offsetof(struct ferry_boot_info, workloads)",
+                offset_of!(BootInfo, workloads) as u64,
+            ),
+            (
+                "sizeof(struct ferry_workload)",
+                size_of::<Workload>() as u64,
+            ),
             ("sizeof(struct ferry_metrics)", size_of::<Metrics>() as u64),
-            ("offsetof(struct ferry_metrics, cpu)", offset_of!(Metrics, cpu) as u64),
-            ("offsetof(struct ferry_metrics, workloads)", offset_of!(Metrics, workloads) as u64),
-            ("offsetof(struct ferry_metrics, tasks)", offset_of!(Metrics, tasks) as u64),
-            ("sizeof(struct ferry_cpu_metrics)", size_of::<CpuMetrics>() as u64),
-            ("sizeof(struct ferry_task_metrics)", size_of::<TaskMetrics>() as u64),
+            (
+                "offsetof(struct ferry_metrics, cpu)",
+                offset_of!(Metrics, cpu) as u64,
+            ),
+            (
+                "offsetof(struct ferry_metrics, workloads)",
+                offset_of!(Metrics, workloads) as u64,
+            ),
+            (
+                "offsetof(struct ferry_metrics, tasks)",
+                offset_of!(Metrics, tasks) as u64,
+            ),
+            (
+                "sizeof(struct ferry_cpu_metrics)",
+                size_of::<CpuMetrics>() as u64,
+            ),
+            (
+                "sizeof(struct ferry_task_metrics)",
+                size_of::<TaskMetrics>() as u64,
+            ),
             (
                 "offsetof(struct ferry_cpu_metrics, apf_not_present)",
                 offset_of!(CpuMetrics, apf_not_present) as u64,
             ),
-            ("offsetof(struct ferry_task_metrics, progress)", offset_of!(TaskMetrics, progress) as u64),
+            (
+                "offsetof(struct ferry_task_metrics, progress)",
+                offset_of!(TaskMetrics, progress) as u64,
+            ),
         ];
         for (name, rust) in expect {
             assert_eq!(c.get(name), Some(rust), "{name}: C and Rust disagree");

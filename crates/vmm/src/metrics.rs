@@ -31,7 +31,10 @@ impl MetricsSnapshot {
         // (checked by a const assertion in guest_abi), so any bit pattern of
         // the same size is a valid value.
         let raw: Metrics = unsafe { std::mem::transmute(words) };
-        Ok(MetricsSnapshot { at: Instant::now(), raw })
+        Ok(MetricsSnapshot {
+            at: Instant::now(),
+            raw,
+        })
     }
 
     /// True once the guest kernel has set the page up.
@@ -57,7 +60,11 @@ impl MetricsSnapshot {
 
     /// Sum of the progress counters of workload `w`'s tasks.
     pub fn progress(&self, w: usize) -> u64 {
-        self.tasks().iter().filter(|t| t.workload == w as u64).map(|t| t.progress).sum()
+        self.tasks()
+            .iter()
+            .filter(|t| t.workload == w as u64)
+            .map(|t| t.progress)
+            .sum()
     }
 
     /// Tasks of workload `w` that have finished.
@@ -88,7 +95,11 @@ impl MetricsSnapshot {
         if t.start_tsc == 0 || self.raw.tsc_khz == 0 {
             return None;
         }
-        let end = if t.end_tsc != 0 { t.end_tsc } else { self.raw.guest_tsc.max(t.start_tsc) };
+        let end = if t.end_tsc != 0 {
+            t.end_tsc
+        } else {
+            self.raw.guest_tsc.max(t.start_tsc)
+        };
         Some((end - t.start_tsc) as f64 / self.raw.tsc_khz as f64)
     }
 
@@ -99,7 +110,11 @@ impl MetricsSnapshot {
             t.ticks += c.ticks;
             t.context_switches += c.context_switches;
             t.syscalls += c.syscalls;
-            t.idle_ms += if self.raw.tsc_khz > 0 { c.idle_tsc as f64 / self.raw.tsc_khz as f64 } else { 0.0 };
+            t.idle_ms += if self.raw.tsc_khz > 0 {
+                c.idle_tsc as f64 / self.raw.tsc_khz as f64
+            } else {
+                0.0
+            };
             t.apf_not_present += c.apf_not_present;
             t.apf_ready += c.apf_ready;
             t.apf_double += c.apf_double;

@@ -89,7 +89,9 @@ pub enum VmError {
     #[error("tick rate {0} Hz is out of range (1 to 1000)")]
     TickRate(u32),
     /// APF asked for but not available.
-    #[error("KVM on this host lacks KVM_CAP_ASYNC_PF_INT (asynchronous page faults): run with --no-apf")]
+    #[error(
+        "KVM on this host lacks KVM_CAP_ASYNC_PF_INT (asynchronous page faults): run with --no-apf"
+    )]
     NoAsyncPf,
     /// A thread or signal handler could not be set up.
     #[error("cannot start vCPU threads: {0}")]
@@ -311,7 +313,9 @@ impl Vm {
             return Err(VmError::TickRate(config.tick_hz));
         }
         let layout = MemoryLayout::for_size(config.mem_bytes)?;
-        config.workloads.check_fits(config.vcpus, layout.arena_bytes())?;
+        config
+            .workloads
+            .check_fits(config.vcpus, layout.arena_bytes())?;
         let image = match &config.kernel {
             Some(path) => std::fs::read(path).map_err(|source| KernelError::Read {
                 path: path.display().to_string(),
@@ -332,12 +336,18 @@ impl Vm {
         vm::register_memory(&vm_fd, &memory)?;
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| KvmError::Ioctl { op: "KVM_GET_SUPPORTED_CPUID", source })?;
+            .map_err(|source| KvmError::Ioctl {
+                op: "KVM_GET_SUPPORTED_CPUID",
+                source,
+            })?;
         let mut vcpus = Vec::new();
         for id in 0..config.vcpus {
             let fd = vm_fd
                 .create_vcpu(id as u64)
-                .map_err(|source| KvmError::Ioctl { op: "KVM_CREATE_VCPU", source })?;
+                .map_err(|source| KvmError::Ioctl {
+                    op: "KVM_CREATE_VCPU",
+                    source,
+                })?;
             vcpu::configure(&fd, id, &cpuid, entry)?;
             vcpus.push(fd);
         }
@@ -363,7 +373,11 @@ impl Vm {
 
         let shared = Arc::new(VmShared {
             requested: AtomicU8::new(RunState::Running as u8),
-            control: Mutex::new(Control { parked: 0, running_threads: 0, exit: None }),
+            control: Mutex::new(Control {
+                parked: 0,
+                running_threads: 0,
+                exit: None,
+            }),
             changed: Condvar::new(),
             threads: Mutex::new(Vec::new()),
             devices: Devices::new(config.console.clone()),
@@ -385,13 +399,18 @@ impl Vm {
     /// Starts one thread per vCPU.
     pub fn start(&self) -> Result<(), VmError> {
         vcpu::install_kick_handler().map_err(VmError::Thread)?;
-        let vcpus: Vec<VcpuFd> = std::mem::take(&mut *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()));
+        let vcpus: Vec<VcpuFd> =
+            std::mem::take(&mut *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()));
         if vcpus.is_empty() {
             return Err(VmError::WrongState("already started"));
         }
         *self.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
-        let mut threads = self.shared.threads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut threads = self
+            .shared
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         self.shared.lock().running_threads = vcpus.len() as u32;
         for (id, fd) in vcpus.into_iter().enumerate() {
             let shared = self.shared.clone();
@@ -421,7 +440,12 @@ impl Vm {
             if left.is_zero() {
                 return Err(VmError::PauseTimeout(timeout));
             }
-            c = self.shared.changed.wait_timeout(c, left).unwrap_or_else(|e| e.into_inner()).0;
+            c = self
+                .shared
+                .changed
+                .wait_timeout(c, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         Ok(())
     }
@@ -456,14 +480,20 @@ impl Vm {
             if left.is_zero() {
                 return None;
             }
-            c = self.shared.changed.wait_timeout(c, left).unwrap_or_else(|e| e.into_inner()).0;
+            c = self
+                .shared
+                .changed
+                .wait_timeout(c, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
     /// Stops the VM, joins the vCPU threads and says why it stopped.
     pub fn stop(&self) -> VmExit {
         self.shared.finish(VmExit::Stopped);
-        let handles: Vec<_> = std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
+        let handles: Vec<_> =
+            std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
         // Keep kicking until every thread is out: a kick can race a thread that
         // is between checking its state and entering KVM_RUN.
         let mut c = self.shared.lock();
@@ -475,7 +505,11 @@ impl Vm {
         }
         let exit = c.exit.clone().unwrap_or(VmExit::Stopped);
         drop(c);
-        self.shared.threads.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.shared
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         let mut vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
         for h in handles {
             if let Ok(fd) = h.join() {
@@ -512,7 +546,10 @@ impl Vm {
 
     /// Time since start.
     pub fn uptime(&self) -> Duration {
-        self.started.lock().unwrap_or_else(|e| e.into_inner()).map_or(Duration::ZERO, |s| s.elapsed())
+        self.started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map_or(Duration::ZERO, |s| s.elapsed())
     }
 
     /// Reads the guest's metrics page now.

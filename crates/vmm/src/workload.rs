@@ -195,7 +195,12 @@ fn parse_num(
 ) -> Result<u64, SpecError> {
     match value.parse::<u64>() {
         Ok(v) if (min..=max).contains(&v) => Ok(v),
-        _ => Err(SpecError::BadValue { workload, param, value: value.into(), expected }),
+        _ => Err(SpecError::BadValue {
+            workload,
+            param,
+            value: value.into(),
+            expected,
+        }),
     }
 }
 
@@ -221,33 +226,49 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
         "memtouch" => Workload::Memtouch { tasks: 4, mib: 16 },
         "compute" => Workload::Compute { tasks: None },
         "sort" => Workload::Sort { mib: 64 },
-        _ => Workload::Fill { content: FillContent::Mixed, mib: None },
+        _ => Workload::Fill {
+            content: FillContent::Mixed,
+            mib: None,
+        },
     };
     for arg in args.split(',').map(str::trim).filter(|a| !a.is_empty()) {
         let (key, value) = arg.split_once('=').ok_or_else(|| SpecError::MissingValue {
             workload,
             param: arg.into(),
         })?;
-        let param: &'static str =
-            params_of(workload).iter().copied().find(|p| *p == key.trim()).ok_or_else(|| {
-                SpecError::UnknownParam {
-                    workload,
-                    param: key.into(),
-                    valid: match params_of(workload) {
-                        [] => "none".into(),
-                        ps => ps.join(", "),
-                    },
-                }
+        let param: &'static str = params_of(workload)
+            .iter()
+            .copied()
+            .find(|p| *p == key.trim())
+            .ok_or_else(|| SpecError::UnknownParam {
+                workload,
+                param: key.into(),
+                valid: match params_of(workload) {
+                    [] => "none".into(),
+                    ps => ps.join(", "),
+                },
             })?;
         let value = value.trim();
-        let bad = |expected| SpecError::BadValue { workload, param, value: value.into(), expected };
+        let bad = |expected| SpecError::BadValue {
+            workload,
+            param,
+            value: value.into(),
+            expected,
+        };
         let tasks_max = guest_abi::MAX_TASKS as u64;
         match (&mut w, param) {
             (Workload::Dirty { rate_mib, .. }, "rate") => {
                 *rate_mib = if value == "max" {
                     None
                 } else {
-                    Some(parse_num(workload, param, value, 1, 1 << 20, "MiB/s from 1, or max")?)
+                    Some(parse_num(
+                        workload,
+                        param,
+                        value,
+                        1,
+                        1 << 20,
+                        "MiB/s from 1, or max",
+                    )?)
                 }
             }
             (Workload::Dirty { wss_mib, .. }, "wss") => {
@@ -287,7 +308,14 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
                 }
             }
             (Workload::Fill { mib, .. }, "mib") => {
-                *mib = Some(parse_num(workload, param, value, 1, 1 << 20, "MiB, at least 1")?)
+                *mib = Some(parse_num(
+                    workload,
+                    param,
+                    value,
+                    1,
+                    1 << 20,
+                    "MiB, at least 1",
+                )?)
             }
             _ => unreachable!("params_of lists only handled parameters"),
         }
@@ -369,7 +397,13 @@ impl Workload {
         let mut p = [0u64; guest_abi::MAX_PARAMS];
         let kind = match self {
             Workload::Idle => kind::IDLE,
-            Workload::Dirty { rate_mib, wss_mib, pattern, content, .. } => {
+            Workload::Dirty {
+                rate_mib,
+                wss_mib,
+                pattern,
+                content,
+                ..
+            } => {
                 p[0] = rate_mib.map_or(0, |r| r * MIB);
                 p[1] = wss_mib * MIB;
                 p[2] = *pattern as u64;
@@ -396,7 +430,11 @@ impl Workload {
                 kind::FILL
             }
         };
-        guest_abi::Workload { kind, reserved: 0, p }
+        guest_abi::Workload {
+            kind,
+            reserved: 0,
+            p,
+        }
     }
 }
 
@@ -412,7 +450,10 @@ impl WorkloadSet {
         // RAM range, so keep one MiB of slack per workload.
         let need: u64 = self.0.iter().map(|w| w.arena_bytes() + MIB).sum();
         if need > arena {
-            return Err(SpecError::NoRoom { need_mib: need / MIB, have_mib: arena / MIB });
+            return Err(SpecError::NoRoom {
+                need_mib: need / MIB,
+                have_mib: arena / MIB,
+            });
         }
         Ok(())
     }
@@ -427,7 +468,13 @@ impl fmt::Display for Workload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Workload::Idle => write!(f, "idle"),
-            Workload::Dirty { rate_mib, wss_mib, pattern, content, tasks } => {
+            Workload::Dirty {
+                rate_mib,
+                wss_mib,
+                pattern,
+                content,
+                tasks,
+            } => {
                 let rate = rate_mib.map_or("max".to_string(), |r| r.to_string());
                 let pattern = match pattern {
                     DirtyPattern::Seq => "seq",
@@ -439,7 +486,10 @@ impl fmt::Display for Workload {
                     DirtyContent::Zero => "zero",
                     DirtyContent::Text => "text",
                 };
-                write!(f, "dirty:rate={rate},wss={wss_mib},pattern={pattern},content={content}")?;
+                write!(
+                    f,
+                    "dirty:rate={rate},wss={wss_mib},pattern={pattern},content={content}"
+                )?;
                 if let Some(t) = tasks {
                     write!(f, ",tasks={t}")?;
                 }
@@ -498,30 +548,59 @@ mod tests {
                 tasks: None
             }
         );
-        assert_eq!(parse("memtouch").unwrap().0[0], Workload::Memtouch { tasks: 4, mib: 16 });
+        assert_eq!(
+            parse("memtouch").unwrap().0[0],
+            Workload::Memtouch { tasks: 4, mib: 16 }
+        );
         assert_eq!(parse("dirty:rate=max").unwrap().0[0].to_guest(2).p[0], 0);
     }
 
     #[test]
     fn combined_workloads_round_trip_through_display() {
-        for s in ["memtouch:tasks=4,mib=8+compute:tasks=1", "idle", "fill:content=best,mib=32"] {
+        for s in [
+            "memtouch:tasks=4,mib=8+compute:tasks=1",
+            "idle",
+            "fill:content=best,mib=32",
+        ] {
             let w = parse(s).unwrap();
             assert_eq!(parse(&w.to_string()).unwrap(), w);
         }
-        assert_eq!(parse("memtouch:tasks=4,mib=8+compute:tasks=1").unwrap().0.len(), 2);
+        assert_eq!(
+            parse("memtouch:tasks=4,mib=8+compute:tasks=1")
+                .unwrap()
+                .0
+                .len(),
+            2
+        );
     }
 
     #[test]
     fn errors_name_what_is_valid() {
         let e = parse("dirt").unwrap_err();
-        assert!(e.to_string().contains("valid workloads: idle, dirty"), "{e}");
+        assert!(
+            e.to_string().contains("valid workloads: idle, dirty"),
+            "{e}"
+        );
         let e = parse("dirty:speed=3").unwrap_err();
-        assert!(e.to_string().contains("valid: rate, wss, pattern, content, tasks"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("valid: rate, wss, pattern, content, tasks"),
+            "{e}"
+        );
         let e = parse("dirty:pattern=zigzag").unwrap_err();
         assert!(e.to_string().contains("seq, random or hotcold"), "{e}");
-        assert!(matches!(parse("memtouch:tasks=0"), Err(SpecError::BadValue { .. })));
-        assert!(matches!(parse("memtouch:tasks"), Err(SpecError::MissingValue { .. })));
-        assert!(matches!(parse("idle:x=1"), Err(SpecError::UnknownParam { .. })));
+        assert!(matches!(
+            parse("memtouch:tasks=0"),
+            Err(SpecError::BadValue { .. })
+        ));
+        assert!(matches!(
+            parse("memtouch:tasks"),
+            Err(SpecError::MissingValue { .. })
+        ));
+        assert!(matches!(
+            parse("idle:x=1"),
+            Err(SpecError::UnknownParam { .. })
+        ));
         assert!(matches!(parse(""), Err(SpecError::Empty)));
         assert!(matches!(
             parse("idle+idle+idle+idle+idle"),
@@ -533,9 +612,15 @@ mod tests {
     fn fit_checks_memory_and_tasks() {
         let w = parse("memtouch:tasks=4,mib=64").unwrap();
         assert!(w.check_fits(1, 512 * MIB).is_ok());
-        assert!(matches!(w.check_fits(1, 200 * MIB), Err(SpecError::NoRoom { .. })));
+        assert!(matches!(
+            w.check_fits(1, 200 * MIB),
+            Err(SpecError::NoRoom { .. })
+        ));
         let w = parse("compute:tasks=40+memtouch:tasks=40,mib=1").unwrap();
-        assert!(matches!(w.check_fits(1, 512 * MIB), Err(SpecError::TooManyTasks { got: 80 })));
+        assert!(matches!(
+            w.check_fits(1, 512 * MIB),
+            Err(SpecError::TooManyTasks { got: 80 })
+        ));
     }
 
     #[test]

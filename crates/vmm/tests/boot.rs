@@ -12,7 +12,11 @@ use ferry_vmm::{Vm, VmConfig, VmExit};
 const MIB: u64 = 1 << 20;
 
 fn kvm_usable() -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => true,
         Err(e) => {
             eprintln!("SKIP: /dev/kvm is not usable here ({e}); this test needs KVM");
@@ -29,7 +33,9 @@ fn boot(mem: u64, vcpus: u32, workload: &str) -> Vm {
 fn boot_with(config: VmConfig) -> Vm {
     let vm = Vm::create(config).expect("create VM");
     vm.start().expect("start VM");
-    wait_for(&vm, Duration::from_secs(5), "guest metrics page", |m| m.valid());
+    wait_for(&vm, Duration::from_secs(5), "guest metrics page", |m| {
+        m.valid()
+    });
     vm
 }
 
@@ -47,7 +53,10 @@ fn wait_for(
             return m;
         }
         if let Some(exit) = vm.wait_exit(Duration::from_millis(10)) {
-            panic!("VM stopped while waiting for {what}: {exit}\nconsole:\n{}", vm.console_lines().join("\n"));
+            panic!(
+                "VM stopped while waiting for {what}: {exit}\nconsole:\n{}",
+                vm.console_lines().join("\n")
+            );
         }
         assert!(
             Instant::now() < deadline,
@@ -59,7 +68,10 @@ fn wait_for(
 
 fn settle(vm: &Vm, d: Duration) {
     if let Some(exit) = vm.wait_exit(d) {
-        panic!("VM stopped: {exit}\nconsole:\n{}", vm.console_lines().join("\n"));
+        panic!(
+            "VM stopped: {exit}\nconsole:\n{}",
+            vm.console_lines().join("\n")
+        );
     }
 }
 
@@ -76,8 +88,14 @@ fn idle_guest_boots_ticks_and_halts() {
     // 100 Hz for 0.5 s; allow for a slow, shared machine.
     assert!((20..=80).contains(&ticks), "ticks in 0.5 s: {ticks}");
     let idle = b.cpu_totals().idle_ms - a.cpu_totals().idle_ms;
-    assert!(idle > 300.0, "an idle guest should be halted most of the time, idle {idle:.0} ms of 500");
-    assert!(vm.console_lines().iter().any(|l| l.contains("ferry guest: 1 vCPUs")));
+    assert!(
+        idle > 300.0,
+        "an idle guest should be halted most of the time, idle {idle:.0} ms of 500"
+    );
+    assert!(vm
+        .console_lines()
+        .iter()
+        .any(|l| l.contains("ferry guest: 1 vCPUs")));
     assert_eq!(vm.stop(), VmExit::Stopped);
 }
 
@@ -101,7 +119,11 @@ fn dirty_rate_follows_the_request() {
         return;
     }
     for (rate_mib, pattern) in [(32u64, "seq"), (128, "random")] {
-        let vm = boot(128 * MIB, 1, &format!("dirty:rate={rate_mib},wss=32,pattern={pattern}"));
+        let vm = boot(
+            128 * MIB,
+            1,
+            &format!("dirty:rate={rate_mib},wss=32,pattern={pattern}"),
+        );
         settle(&vm, Duration::from_millis(300));
         let a = vm.metrics().unwrap();
         settle(&vm, Duration::from_secs(2));
@@ -121,17 +143,25 @@ fn memtouch_tasks_finish_with_plausible_times() {
         return;
     }
     let vm = boot(128 * MIB, 1, "memtouch:tasks=4,mib=8");
-    let m = wait_for(&vm, Duration::from_secs(20), "memtouch tasks", |m| m.tasks_done(0) == 4);
+    let m = wait_for(&vm, Duration::from_secs(20), "memtouch tasks", |m| {
+        m.tasks_done(0) == 4
+    });
     assert_eq!(m.tasks().len(), 4);
     for t in m.tasks() {
         assert_eq!(t.state, task_state::DONE);
-        assert_eq!(t.progress, 8 * MIB, "each task touches every page of its 8 MiB");
+        assert_eq!(
+            t.progress,
+            8 * MIB,
+            "each task touches every page of its 8 MiB"
+        );
         let ms = m.task_ms(t).unwrap();
         assert!(ms > 0.0 && ms < 10_000.0, "task time {ms} ms");
     }
     // The guest really wrote one byte per page: check a page in host memory.
     let mut b = [0u8; 1];
-    vm.memory().read_bytes(ARENA_BASE + 5 * 4096, &mut b).unwrap();
+    vm.memory()
+        .read_bytes(ARENA_BASE + 5 * 4096, &mut b)
+        .unwrap();
     assert_eq!(b[0], 5 | 1);
 }
 
@@ -141,10 +171,23 @@ fn sort_is_checked_by_the_guest() {
         return;
     }
     let vm = boot(128 * MIB, 1, "sort:mib=16");
-    let m = wait_for(&vm, Duration::from_secs(30), "sort", |m| m.tasks_done(0) == 1);
-    assert_eq!(m.result(0), 1, "guest reports the keys sorted and checksums equal");
-    assert_eq!(m.progress(0), 8 * (16 * MIB / 8), "8 radix passes over every key");
-    assert!(vm.console_lines().iter().any(|l| l.contains("sorted, checksums match")));
+    let m = wait_for(&vm, Duration::from_secs(30), "sort", |m| {
+        m.tasks_done(0) == 1
+    });
+    assert_eq!(
+        m.result(0),
+        1,
+        "guest reports the keys sorted and checksums equal"
+    );
+    assert_eq!(
+        m.progress(0),
+        8 * (16 * MIB / 8),
+        "8 radix passes over every key"
+    );
+    assert!(vm
+        .console_lines()
+        .iter()
+        .any(|l| l.contains("sorted, checksums match")));
 }
 
 #[test]
@@ -153,10 +196,17 @@ fn fill_writes_known_content() {
         return;
     }
     let vm = boot(64 * MIB, 1, "fill:content=best,mib=8");
-    wait_for(&vm, Duration::from_secs(10), "fill", |m| m.tasks_done(0) == 1);
+    wait_for(&vm, Duration::from_secs(10), "fill", |m| {
+        m.tasks_done(0) == 1
+    });
     let mut page = vec![0u8; 4096];
-    vm.memory().read_bytes(ARENA_BASE + 3 * 4096, &mut page).unwrap();
-    assert!(page.iter().all(|&b| b == 3), "best-case page 3 is one repeated byte");
+    vm.memory()
+        .read_bytes(ARENA_BASE + 3 * 4096, &mut page)
+        .unwrap();
+    assert!(
+        page.iter().all(|&b| b == 3),
+        "best-case page 3 is one repeated byte"
+    );
 }
 
 #[test]
@@ -171,12 +221,20 @@ fn two_and_four_vcpus_all_run_tasks() {
         let mut cpus: Vec<u64> = m.tasks().iter().map(|t| t.cpu).collect();
         cpus.sort();
         cpus.dedup();
-        assert_eq!(cpus.len(), vcpus as usize, "tasks are spread over every vCPU");
+        assert_eq!(
+            cpus.len(),
+            vcpus as usize,
+            "tasks are spread over every vCPU"
+        );
         for t in m.tasks() {
             assert!(t.progress > 0, "task on vCPU {} made no progress", t.cpu);
         }
         for (i, c) in m.raw.cpu[..vcpus as usize].iter().enumerate() {
-            assert!(c.ticks > 10 && c.context_switches > 0, "vCPU {i} ticks {}", c.ticks);
+            assert!(
+                c.ticks > 10 && c.context_switches > 0,
+                "vCPU {i} ticks {}",
+                c.ticks
+            );
         }
     }
 }
@@ -204,7 +262,10 @@ fn pause_stops_counters_and_resume_restarts_them() {
     ctl.call(&Request::Resume).unwrap();
     settle(&vm, Duration::from_millis(300));
     let p3 = vm.metrics().unwrap().progress(0);
-    assert!(p3 > p2 + 10_000_000, "counters advance after resume: {p2} -> {p3}");
+    assert!(
+        p3 > p2 + 10_000_000,
+        "counters advance after resume: {p2} -> {p3}"
+    );
 
     ctl.call(&Request::Quit).unwrap();
     assert_eq!(vm.wait_exit(Duration::from_secs(5)), Some(VmExit::Stopped));
@@ -213,7 +274,12 @@ fn pause_stops_counters_and_resume_restarts_them() {
 #[test]
 fn bad_configs_are_refused_clearly() {
     let cfg = |mem, vcpus| VmConfig::new(mem, vcpus, "idle".parse().unwrap());
-    let err = |c| Vm::create(c).err().map(|e| e.to_string()).unwrap_or_default();
+    let err = |c| {
+        Vm::create(c)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
     assert!(err(cfg(16 * MIB, 1)).contains("too small"));
     assert!(err(cfg(64 * MIB + 1, 1)).contains("multiple of the 4 KiB page"));
     assert!(err(cfg(64 * MIB, 0)).contains("out of range"));
@@ -221,7 +287,10 @@ fn bad_configs_are_refused_clearly() {
     let mut c = cfg(64 * MIB, 1);
     c.kvm_path = "/nonexistent/kvm".into();
     let e = err(c);
-    assert!(e.contains("cannot open /nonexistent/kvm") && e.contains("KVM is not available"), "{e}");
+    assert!(
+        e.contains("cannot open /nonexistent/kvm") && e.contains("KVM is not available"),
+        "{e}"
+    );
     let mut c = cfg(64 * MIB, 1);
     c.workloads = "memtouch:tasks=8,mib=64".parse().unwrap();
     assert!(err(c).contains("raise --mem"));

@@ -111,12 +111,18 @@ mod tests {
 
     #[test]
     fn refuses_bad_sizes() {
-        assert!(matches!(MemoryLayout::for_size(16 << 20), Err(LayoutError::TooSmall { .. })));
+        assert!(matches!(
+            MemoryLayout::for_size(16 << 20),
+            Err(LayoutError::TooSmall { .. })
+        ));
         assert!(matches!(
             MemoryLayout::for_size((64 << 20) + 1),
             Err(LayoutError::NotPageAligned { .. })
         ));
-        assert!(matches!(MemoryLayout::for_size(100 << 30), Err(LayoutError::TooLarge { .. })));
+        assert!(matches!(
+            MemoryLayout::for_size(100 << 30),
+            Err(LayoutError::TooLarge { .. })
+        ));
     }
 
     #[test]

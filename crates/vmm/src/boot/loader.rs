@@ -62,9 +62,19 @@ pub fn load_kernel(memory: &GuestMemory, image: &[u8]) -> Result<u64, KernelErro
     }
     let mut loaded = 0;
     let mut entry_ok = false;
-    for (index, ph) in elf.program_headers.iter().enumerate().filter(|(_, p)| p.p_type == PT_LOAD) {
+    for (index, ph) in elf
+        .program_headers
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.p_type == PT_LOAD)
+    {
         let (addr, size) = (ph.p_paddr, ph.p_memsz);
-        let seg = |reason| KernelError::Segment { index, addr, size, reason };
+        let seg = |reason| KernelError::Segment {
+            index,
+            addr,
+            size,
+            reason,
+        };
         let end = addr.checked_add(size).ok_or(seg("wraps around"))?;
         if addr < KERNEL_GPA || end > ARENA_BASE {
             return Err(seg("is outside the kernel area 1 MiB..16 MiB"));
@@ -78,7 +88,9 @@ pub fn load_kernel(memory: &GuestMemory, image: &[u8]) -> Result<u64, KernelErro
             .checked_add(len)
             .and_then(|e| image.get(off..e))
             .ok_or(seg("runs past the end of the file"))?;
-        memory.write_bytes(addr, bytes).map_err(|_| seg("is outside guest RAM"))?;
+        memory
+            .write_bytes(addr, bytes)
+            .map_err(|_| seg("is outside guest RAM"))?;
         // Guest RAM starts zeroed (fresh memfd), which covers the rest (bss).
         entry_ok |= (addr..end).contains(&h.e_entry);
         loaded += 1;
@@ -87,7 +99,9 @@ pub fn load_kernel(memory: &GuestMemory, image: &[u8]) -> Result<u64, KernelErro
         return Err(KernelError::Layout("no loadable segments"));
     }
     if !entry_ok {
-        return Err(KernelError::Layout("an entry point outside its loaded segments"));
+        return Err(KernelError::Layout(
+            "an entry point outside its loaded segments",
+        ));
     }
     Ok(h.e_entry)
 }
@@ -108,7 +122,10 @@ mod tests {
 
     #[test]
     fn refuses_garbage_and_truncation() {
-        assert!(matches!(load_kernel(&memory(), b"not an elf"), Err(KernelError::Parse(_))));
+        assert!(matches!(
+            load_kernel(&memory(), b"not an elf"),
+            Err(KernelError::Parse(_))
+        ));
         let img = crate::GUEST_KERNEL;
         let cut = &img[..img.len() / 2];
         assert!(load_kernel(&memory(), cut).is_err());

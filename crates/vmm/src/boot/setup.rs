@@ -8,8 +8,8 @@ use ferry_memory::GuestMemory;
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 
 use crate::guest_abi::{
-    BootInfo, RamRange, BOOT_INFO_GPA, BOOT_STACKS_GPA, GDT_GPA, MAX_RAM_RANGES,
-    PAGE_TABLES_GPA, SEL_KCODE, SEL_KDATA, SEL_TSS0, TSS_GPA, TSS_STRIDE,
+    BootInfo, RamRange, BOOT_INFO_GPA, BOOT_STACKS_GPA, GDT_GPA, MAX_RAM_RANGES, PAGE_TABLES_GPA,
+    SEL_KCODE, SEL_KDATA, SEL_TSS0, TSS_GPA, TSS_STRIDE,
 };
 
 use super::layout::MemoryLayout;
@@ -70,14 +70,18 @@ pub fn write_page_tables(
     memory.write_obj(pml4, &(pdpt | flags))?;
     let gib_count = layout.end().div_ceil(ONE_GIB);
     for gib in 0..gib_count {
-        memory.write_obj(pdpt + gib * 8, &(pds + gib * 0x1000 | flags))?;
+        memory.write_obj(pdpt + gib * 8, &((pds + gib * 0x1000) | flags))?;
     }
     for &(base, size) in layout.ranges() {
         let mut addr = base & !(TWO_MIB - 1);
         while addr < base + size {
             let pd = pds + (addr / ONE_GIB) * 0x1000;
             let index = (addr % ONE_GIB) / TWO_MIB;
-            let ad = if std::env::var_os("FERRY_PDE_AD").is_some() { 0x60 } else { 0 };
+            let ad = if std::env::var_os("FERRY_PDE_AD").is_some() {
+                0x60
+            } else {
+                0
+            };
             memory.write_obj(pd + index * 8, &(addr | flags | PDE_HUGE | ad))?;
             addr += TWO_MIB;
         }
@@ -159,14 +163,15 @@ mod tests {
         let mem = GuestMemory::new(&[(0, 1 << 20)]).unwrap();
         write_page_tables(&mem, &layout).unwrap();
         let pd = |gib: u64, i: u64| -> u64 {
-            mem.read_obj(PAGE_TABLES_GPA + 0x2000 + gib * 0x1000 + i * 8).unwrap()
+            mem.read_obj(PAGE_TABLES_GPA + 0x2000 + gib * 0x1000 + i * 8)
+                .unwrap()
         };
         assert_eq!(pd(0, 0), 0x87);
-        assert_eq!(pd(2, 511), (3 << 30) - TWO_MIB | 0x87);
+        assert_eq!(pd(2, 511), ((3 << 30) - TWO_MIB) | 0x87);
         assert_eq!(pd(3, 0), 0, "the 3-4 GiB hole is not mapped");
         assert_eq!(pd(4, 0), (4 << 30) | 0x87);
         let pdpt4: u64 = mem.read_obj(PAGE_TABLES_GPA + 0x1000 + 4 * 8).unwrap();
-        assert_eq!(pdpt4, PAGE_TABLES_GPA + 0x2000 + 4 * 0x1000 | 7);
+        assert_eq!(pdpt4, (PAGE_TABLES_GPA + 0x2000 + 4 * 0x1000) | 7);
     }
 
     #[test]

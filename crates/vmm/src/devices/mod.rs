@@ -27,7 +27,10 @@ pub struct Devices {
 impl Devices {
     /// The device set, with console lines going to `console`.
     pub fn new(console: Option<ConsoleSink>) -> Self {
-        Devices { serial: Serial::new(console), unknown_accesses: AtomicU64::new(0) }
+        Devices {
+            serial: Serial::new(console),
+            unknown_accesses: AtomicU64::new(0),
+        }
     }
 
     /// Handles an `out` from the guest.
@@ -71,8 +74,14 @@ mod tests {
     #[test]
     fn exit_port_decodes_codes() {
         let d = Devices::new(None);
-        assert_eq!(d.pio_write(PORT_EXIT, &7u32.to_le_bytes()), PioAction::Exit(7));
-        assert_eq!(d.pio_write(PORT_EXIT, &EXIT_PANIC.to_le_bytes()), PioAction::Panic);
+        assert_eq!(
+            d.pio_write(PORT_EXIT, &7u32.to_le_bytes()),
+            PioAction::Exit(7)
+        );
+        assert_eq!(
+            d.pio_write(PORT_EXIT, &EXIT_PANIC.to_le_bytes()),
+            PioAction::Panic
+        );
         assert_eq!(d.pio_write(0x80, &[1]), PioAction::Continue);
         let mut b = [0u8; 2];
         d.pio_read(0x61, &mut b);

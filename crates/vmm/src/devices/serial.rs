@@ -33,7 +33,10 @@ pub struct Serial {
 impl Serial {
     /// A console that hands each finished line to `sink` (if any) and keeps the last ones.
     pub fn new(sink: Option<ConsoleSink>) -> Self {
-        Serial { state: Mutex::default(), sink }
+        Serial {
+            state: Mutex::default(),
+            sink,
+        }
     }
 
     /// True for the eight ports of COM1.
@@ -73,7 +76,11 @@ impl Serial {
 
     /// A guest read of one of the ports.
     pub fn read(&self, port: u16, data: &mut [u8]) {
-        let value = if port == PORT_SERIAL + 5 { LSR_TX_EMPTY } else { 0 };
+        let value = if port == PORT_SERIAL + 5 {
+            LSR_TX_EMPTY
+        } else {
+            0
+        };
         data.fill(value);
     }
 
@@ -92,7 +99,9 @@ mod tests {
     fn assembles_lines_and_bounds_them() {
         let got = Arc::new(Mutex::new(Vec::new()));
         let g = got.clone();
-        let s = Serial::new(Some(Arc::new(move |l: &str| g.lock().unwrap().push(l.to_string()))));
+        let s = Serial::new(Some(Arc::new(move |l: &str| {
+            g.lock().unwrap().push(l.to_string())
+        })));
         for b in b"hello\r\nworld\n" {
             s.write(PORT_SERIAL, &[*b]);
         }

@@ -55,8 +55,11 @@ pub fn open_kvm(path: &str) -> Result<Kvm, KvmError> {
         (Cap::Pit2, "KVM_CAP_PIT2"),
         (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
     ];
-    let missing: Vec<&'static str> =
-        required.iter().filter(|(c, _)| !kvm.check_extension(*c)).map(|(_, n)| *n).collect();
+    let missing: Vec<&'static str> = required
+        .iter()
+        .filter(|(c, _)| !kvm.check_extension(*c))
+        .map(|(_, n)| *n)
+        .collect();
     if !missing.is_empty() {
         return Err(KvmError::MissingCapabilities { missing });
     }

@@ -94,12 +94,7 @@ impl fmt::Display for RegsReport {
 }
 
 /// Gives vCPU `id` its CPUID (APIC id patched in) and long-mode entry state.
-pub fn configure(
-    vcpu: &VcpuFd,
-    id: u32,
-    cpuid: &CpuId,
-    entry: u64,
-) -> Result<(), KvmError> {
+pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, entry: u64) -> Result<(), KvmError> {
     let mut cpuid = cpuid.clone();
     for e in cpuid.as_mut_slice() {
         match e.function {
@@ -111,11 +106,15 @@ pub fn configure(
     let err = |op| move |source| KvmError::Ioctl { op, source };
     vcpu.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
     let sregs = vcpu.get_sregs().map_err(err("KVM_GET_SREGS"))?;
-    vcpu.set_sregs(&setup::long_mode_sregs(sregs, id)).map_err(err("KVM_SET_SREGS"))?;
-    vcpu.set_regs(&setup::entry_regs(entry, id)).map_err(err("KVM_SET_REGS"))?;
+    vcpu.set_sregs(&setup::long_mode_sregs(sregs, id))
+        .map_err(err("KVM_SET_SREGS"))?;
+    vcpu.set_regs(&setup::entry_regs(entry, id))
+        .map_err(err("KVM_SET_REGS"))?;
     if id > 0 {
         // Application processors start in INIT-wait; make them run at once.
-        let mp = kvm_mp_state { mp_state: KVM_MP_STATE_RUNNABLE };
+        let mp = kvm_mp_state {
+            mp_state: KVM_MP_STATE_RUNNABLE,
+        };
         vcpu.set_mp_state(mp).map_err(err("KVM_SET_MP_STATE"))?;
     }
     Ok(())
@@ -162,12 +161,18 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
                 None
             }
             Ok(VcpuExit::MmioWrite(..)) | Ok(VcpuExit::Intr) => None,
-            Ok(VcpuExit::Shutdown) => {
-                Some(VmExit::TripleFault { cpu: id, regs: RegsReport::read(&vcpu) })
-            }
+            Ok(VcpuExit::Shutdown) => Some(VmExit::TripleFault {
+                cpu: id,
+                regs: RegsReport::read(&vcpu),
+            }),
             Ok(VcpuExit::InternalError) => {
                 let (suberror, data) = internal_error_details(&mut vcpu);
-                Some(VmExit::InternalError { cpu: id, suberror, data, regs: RegsReport::read(&vcpu) })
+                Some(VmExit::InternalError {
+                    cpu: id,
+                    suberror,
+                    data,
+                    regs: RegsReport::read(&vcpu),
+                })
             }
             Ok(VcpuExit::FailEntry(reason, _)) => Some(VmExit::FailEntry { cpu: id, reason }),
             Ok(other) => Some(VmExit::UnexpectedExit {
@@ -176,7 +181,10 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
                 regs: RegsReport::read(&vcpu),
             }),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
-            Err(e) => Some(VmExit::RunFailed { cpu: id, error: e.to_string() }),
+            Err(e) => Some(VmExit::RunFailed {
+                cpu: id,
+                error: e.to_string(),
+            }),
         };
         if let Some(exit) = exit {
             shared.finish(exit);

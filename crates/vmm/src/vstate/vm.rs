@@ -16,9 +16,13 @@ fn ioctl(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> KvmError {
 /// Creates a VM with an in-kernel irqchip (LAPICs, IOAPIC, PIC) and PIT.
 pub fn create_vm(kvm: &Kvm) -> Result<VmFd, KvmError> {
     let vm = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
-    vm.set_tss_address(KVM_TSS_ADDRESS).map_err(ioctl("KVM_SET_TSS_ADDR"))?;
+    vm.set_tss_address(KVM_TSS_ADDRESS)
+        .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
     vm.create_irq_chip().map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
-    let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
     vm.create_pit2(pit).map_err(ioctl("KVM_CREATE_PIT2"))?;
     Ok(vm)
 }

@@ -1,0 +1,172 @@
+//! The `ferry` binary as a user meets it: bad input gets a clear error and a
+//! non-zero exit (never a panic); a good run prints its summary and JSON.
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+fn ferry(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .output()
+        .expect("run ferry")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn kvm_usable() -> bool {
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    if !ok {
+        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
+    }
+    ok
+}
+
+/// Runs ferry and checks it failed cleanly with `needle` in its message.
+fn refused(args: &[&str], needle: &str) {
+    let o = ferry(args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{args:?} should fail");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected '{needle}' in: {err}"
+    );
+}
+
+#[test]
+fn bad_flags_and_specs_are_refused_clearly() {
+    refused(
+        &["run", "--workload", "dirt"],
+        "valid workloads: idle, dirty, memtouch",
+    );
+    refused(
+        &["run", "--workload", "dirty:speed=4"],
+        "valid: rate, wss, pattern, content, tasks",
+    );
+    refused(
+        &["run", "--workload", "sort:mib=x"],
+        "expected MiB, at least 1",
+    );
+    refused(&["run", "--mem", "12Q"], "is not a size");
+    refused(&["run", "--duration", "forever"], "is not a duration");
+    refused(&["run", "--mem", "16M", "--duration", "1s"], "too small");
+    refused(
+        &["run", "--mem", "67108865", "--duration", "1s"],
+        "multiple of the 4 KiB page",
+    );
+    refused(&["run", "--vcpus", "9", "--duration", "1s"], "out of range");
+    refused(
+        &["run", "--kvm", "/nonexistent/kvm", "--duration", "1s"],
+        "cannot open /nonexistent/kvm",
+    );
+    refused(
+        &["run", "--kernel", "/nonexistent.elf", "--duration", "1s"],
+        "cannot read guest kernel",
+    );
+    refused(
+        &["status", "/nonexistent/ferry.sock"],
+        "no VM answers on /nonexistent/ferry.sock",
+    );
+}
+
+#[test]
+fn a_malformed_kernel_is_refused() {
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.elf");
+    std::fs::write(&bad, b"\x7fELF garbage that is not a kernel").unwrap();
+    refused(
+        &["run", "--kernel", bad.to_str().unwrap(), "--duration", "1s"],
+        "not a valid ELF",
+    );
+    refused(
+        &["run", "--kernel", "/bin/true", "--duration", "1s"],
+        "guest kernel",
+    );
+}
+
+#[test]
+fn sort_run_reports_json() {
+    if !kvm_usable() {
+        return;
+    }
+    let o = ferry(&[
+        "run",
+        "--mem",
+        "128M",
+        "--workload",
+        "sort:mib=8",
+        "--json",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON summary on stdout");
+    assert_eq!(v["ending"], "workloads_done");
+    assert_eq!(v["workloads"][0]["result"], "ok");
+    assert_eq!(v["workloads"][0]["tasks_done"], 1);
+    assert!(v["boot_to_first_sample_ms"].as_f64().unwrap() < 1000.0);
+}
+
+#[test]
+fn run_writes_a_timeline_and_status_answers() {
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-tl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tl = dir.join("t.jsonl");
+    let sock = dir.join("vm.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "run",
+            "--mem",
+            "64M",
+            "--workload",
+            "compute",
+            "--duration",
+            "3s",
+            "--quiet",
+        ])
+        .arg("--timeline")
+        .arg(&tl)
+        .arg("--control")
+        .arg(&sock)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut status = None;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(50));
+        let o = ferry(&["status", sock.to_str().unwrap(), "--json"]);
+        if o.status.success() {
+            status = Some(serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap());
+            break;
+        }
+    }
+    let status = status.expect("ferry status answers while the VM runs");
+    assert_eq!(status["state"], "running");
+    assert_eq!(status["workloads"], "compute");
+    assert!(child.wait().unwrap().success());
+    let text = std::fs::read_to_string(&tl).unwrap();
+    let samples: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // 10 ms samples over ~3 s; a loaded machine may miss some.
+    assert!(samples.len() > 150, "only {} samples", samples.len());
+    let first = samples[0]["progress"][0].as_u64().unwrap();
+    let last = samples.last().unwrap()["progress"][0].as_u64().unwrap();
+    assert!(
+        last > first,
+        "compute progress advances across the timeline"
+    );
+}
