@@ -571,11 +571,8 @@ mod tests {
         };
         assert!(wp && write);
         // SAFETY: reading the page while the writer is blocked.
-        assert_eq!(
-            unsafe { *r.host_addr() },
-            1,
-            "the write waits for the handler"
-        );
+        let during = unsafe { *r.host_addr() };
+        assert_eq!(during, 1, "the write waits for the handler");
         u.write_protect(base, 4096, false).unwrap();
         writer.join().unwrap();
         // SAFETY: as above.
