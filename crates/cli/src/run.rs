@@ -129,6 +129,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     vm.start()?;
     let t_start = Instant::now();
     let mut first: Option<MetricsSnapshot> = None;
+    // Per workload: the first sample where it had made progress. Rates are
+    // measured from there, so set-up (e.g. dirty touching its working set
+    // once) does not dilute them.
+    let nworkloads = vm.config().workloads.0.len();
+    let mut started: Vec<Option<MetricsSnapshot>> = vec![None; nworkloads];
     let mut boot_ms = None;
     let mut last_live = Instant::now();
     let mut live_base: Option<MetricsSnapshot> = None;
@@ -151,6 +156,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             boot_ms = Some(t_create.elapsed().as_secs_f64() * 1e3);
             first = Some(snap.clone());
             live_base = Some(snap.clone());
+        }
+        for (i, s) in started.iter_mut().enumerate() {
+            if s.is_none() && snap.progress(i) > 0 {
+                *s = Some(snap.clone());
+            }
         }
         if let Some(w) = timeline.as_mut() {
             write_sample(w, &vm, &snap, t_start)?;
@@ -183,7 +193,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     if let Some(mut w) = timeline {
         w.flush()?;
     }
-    let summary = summary_json(&vm, first.as_ref(), &last, ending, &exit, boot_ms, ran);
+    let summary = summary_json(&vm, &started, &last, ending, &exit, boot_ms, ran);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -253,7 +263,7 @@ fn live_line(vm: &Vm, base: &MetricsSnapshot, now: &MetricsSnapshot, t_start: In
 
 fn summary_json(
     vm: &Vm,
-    first: Option<&MetricsSnapshot>,
+    started: &[Option<MetricsSnapshot>],
     last: &MetricsSnapshot,
     ending: Ending,
     exit: &VmExit,
@@ -267,7 +277,9 @@ fn summary_json(
         .iter()
         .enumerate()
         .map(|(i, w)| {
-            let r = first.map_or(0.0, |f| rate(f, last, f.progress(i), last.progress(i)));
+            let r = started[i]
+                .as_ref()
+                .map_or(0.0, |f| rate(f, last, f.progress(i), last.progress(i)));
             let task_ms: Vec<Option<f64>> = last
                 .tasks()
                 .iter()
