@@ -14,7 +14,8 @@
  *   0x0000_8000  per-vCPU boot stacks (4 KiB each, top = 0x9000 + cpu*0x1000)
  *   0x0001_0000  page tables (PML4, PDPT, PDs), built by the VMM
  *   0x0010_0000  kernel image (ELF, physical = virtual)
- *   ...          kernel pool: task structs and stacks, up to FERRY_ARENA_BASE
+ *   ...          kernel pool: task structs and stacks
+ *   0x0080_0000  service ring (struct ferry_svc_header + slots), 4 MiB
  *   0x0100_0000  workload arena: memory the workloads touch, up to the end of RAM
  *                (RAM above 3 GiB continues at 4 GiB, see boot info ram[])
  */
@@ -32,7 +33,13 @@
 #define FERRY_BOOT_STACKS_GPA 0x8000UL
 #define FERRY_PAGE_TABLES_GPA 0x10000UL
 #define FERRY_KERNEL_GPA 0x100000UL
+#define FERRY_SVC_GPA 0x800000UL
+#define FERRY_SVC_SIZE 0x400000UL
 #define FERRY_ARENA_BASE 0x1000000UL
+/* Service doorbell: a 32-bit store of a slot index from a task (MMIO, in the
+ * 32-bit hole, mapped user-accessible by the VMM). Port I/O is not an option:
+ * PVM ignores IOPL for CPL3 code. */
+#define FERRY_SVC_DOORBELL_GPA 0xD0000000UL
 #define FERRY_LOW_RAM_MAX 0xC0000000UL /* RAM above this continues at 4 GiB */
 #define FERRY_HIGH_RAM_BASE 0x100000000UL
 
@@ -55,11 +62,13 @@
 
 /* Interrupt vectors. */
 #define FERRY_VEC_TIMER 0x20
+#define FERRY_VEC_SVC 0x41 /* service device: a request was posted */
 #define FERRY_VEC_APF_READY 0xec
 #define FERRY_VEC_SPURIOUS 0xff
 
 #define FERRY_BOOT_MAGIC 0x3149424f52524546ULL    /* "FERROBI1" little-endian */
 #define FERRY_METRICS_MAGIC 0x314d59525245464eULL /* "NFERRYM1" little-endian */
+#define FERRY_SVC_MAGIC 0x3156535952524546ULL     /* "FERRYSV1" little-endian */
 
 /* Boot flags. */
 #define FERRY_BOOT_APF (1u << 0) /* enable KVM async page faults */
@@ -74,6 +83,7 @@ enum ferry_workload_kind {
   FERRY_WL_COMPUTE = 4,  /* p0 tasks */
   FERRY_WL_SORT = 5,     /* p0 bytes of 64-bit keys */
   FERRY_WL_FILL = 6,     /* p0 content (fill_content), p1 bytes (0 = whole arena share) */
+  FERRY_WL_KV = 7,       /* p0 workers, p1 keys, p2 value bytes */
 };
 enum ferry_dirty_pattern { FERRY_PAT_SEQ = 0, FERRY_PAT_RANDOM = 1, FERRY_PAT_HOTCOLD = 2 };
 enum ferry_content { FERRY_CONTENT_RANDOM = 0, FERRY_CONTENT_ZERO = 1, FERRY_CONTENT_TEXT = 2 };
@@ -120,6 +130,7 @@ enum ferry_task_state {
   FERRY_TASK_SLEEPING = 2,
   FERRY_TASK_APF_WAIT = 3,
   FERRY_TASK_DONE = 4,
+  FERRY_TASK_SVC_WAIT = 5,
 };
 
 struct ferry_cpu_metrics {
@@ -167,6 +178,111 @@ struct ferry_metrics {
   struct ferry_workload_metrics workloads[FERRY_MAX_WORKLOADS];
   struct ferry_task_metrics tasks[FERRY_MAX_TASKS];
 };
+
+/* Service ring (see docs/service.md). The VMM posts requests into FREE slots
+ * and raises FERRY_VEC_SVC on a vCPU with sleepers; a worker claims a POSTED
+ * slot (CAS to TAKEN), writes its response in place, marks it DONE and rings
+ * FERRY_SVC_DOORBELL_GPA; the VMM sends the response and frees the slot. */
+#define FERRY_SVC_SLOTS 128
+#define FERRY_SVC_SLOT_SIZE 0x4000UL
+#define FERRY_SVC_SLOT_HEADER 64
+#define FERRY_SVC_MAX_BODY (FERRY_SVC_SLOT_SIZE - FERRY_SVC_SLOT_HEADER)
+#define FERRY_SVC_HEADER_SIZE 0x1000UL
+enum ferry_svc_slot_state {
+  FERRY_SLOT_FREE = 0,
+  FERRY_SLOT_POSTED = 1,
+  FERRY_SLOT_TAKEN = 2,
+  FERRY_SLOT_DONE = 3,
+};
+
+struct ferry_svc_header {
+  ferry_u64 magic;      /* written by the guest when it serves */
+  ferry_u64 version;
+  ferry_u64 ready;      /* guest: 1 once the workload can answer */
+  ferry_u64 posted;     /* VMM: requests posted so far */
+  ferry_u64 taken;      /* guest: requests claimed so far */
+  ferry_u64 completed;  /* guest: responses written so far */
+  ferry_u64 keys;       /* guest: kv table size, for INFO */
+  ferry_u64 value_size; /* guest: kv value bytes, for INFO */
+  ferry_u64 sleepers[FERRY_MAX_CPUS]; /* workers blocked in the kernel, per vCPU */
+};
+
+struct ferry_svc_slot {
+  ferry_u32 state; /* enum ferry_svc_slot_state */
+  ferry_u32 len;   /* bytes of body in data: request when POSTED, response when DONE */
+  ferry_u64 tag;   /* the VMM's own: which connection; the guest copies nothing from it */
+  ferry_u64 post_tsc;
+  ferry_u64 done_tsc;
+  ferry_u64 reserved[4];
+  unsigned char data[FERRY_SVC_MAX_BODY];
+};
+
+/* Request and response bodies: the wire frames without their u32 length
+ * prefix (docs/service.md). All integers little-endian. */
+enum ferry_svc_op {
+  FERRY_OP_GET = 1,  /* value of key */
+  FERRY_OP_SET = 2,  /* store value (seed names its content) */
+  FERRY_OP_ECHO = 3, /* answered by the VMM's device itself: device-only latency */
+  FERRY_OP_INFO = 4, /* key = number of keys, seed = value size */
+  FERRY_OP_NOP = 5,  /* answered by a guest worker doing nothing */
+};
+enum ferry_svc_status {
+  FERRY_ST_OK = 0,
+  FERRY_ST_BAD_KEY = 1,
+  FERRY_ST_BAD_REQUEST = 2,
+  FERRY_ST_TOO_LARGE = 3,
+  FERRY_ST_NOT_READY = 4,
+  FERRY_ST_BAD_VALUE = 5,
+};
+struct ferry_svc_request {
+  unsigned char op, flags;
+  unsigned short reserved;
+  ferry_u32 value_len;
+  ferry_u64 id, key, seed;
+  /* value_len bytes of value follow (SET) */
+};
+struct ferry_svc_response {
+  unsigned char status, op;
+  unsigned short reserved;
+  ferry_u32 value_len;
+  ferry_u64 id, key, seed, checksum;
+  /* value_len bytes follow (GET; error text when status != OK) */
+};
+
+/* An unaligned, aliasing 64-bit load/store type (x86 allows unaligned access). */
+typedef ferry_u64 __attribute__((may_alias, aligned(1))) ferry_u64_unaligned;
+
+/* Checksum of a value, computed the same way by guest, device and clients:
+ * little-endian 64-bit words (the last one zero-padded), FNV-style mixing. */
+static inline ferry_u64 ferry_csum(const unsigned char *p, ferry_u64 len) {
+  ferry_u64 h = 0x9E3779B97F4A7C15ULL ^ len;
+  for (ferry_u64 i = 0; i < len; i += 8) {
+    ferry_u64 w = 0;
+    if (i + 8 <= len)
+      w = *(const ferry_u64_unaligned *)(p + i);
+    else
+      for (ferry_u64 b = 0; i + b < len; b++) w |= (ferry_u64)p[i + b] << (8 * b);
+    h = (h ^ w) * 0x100000001B3ULL;
+    h ^= h >> 29;
+  }
+  return h;
+}
+
+/* The content of key's value written with `seed`: xorshift64* words. */
+static inline void ferry_value(unsigned char *out, ferry_u64 len, ferry_u64 key, ferry_u64 seed) {
+  ferry_u64 s = seed ^ (0x9E3779B97F4A7C15ULL * (key + 1));
+  if (!s) s = 1;
+  for (ferry_u64 i = 0; i < len; i += 8) {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    ferry_u64 w = s * 0x2545F4914F6CDD1DULL;
+    if (i + 8 <= len)
+      *(ferry_u64_unaligned *)(out + i) = w;
+    else
+      for (ferry_u64 b = 0; i + b < len; b++) out[i + b] = (unsigned char)(w >> (8 * b));
+  }
+}
 
 #define FERRY_METRICS_OFF_CPU 64
 #define FERRY_METRICS_OFF_WORKLOADS (64 + 128 * FERRY_MAX_CPUS)

@@ -125,6 +125,10 @@ void apf_enable(struct percpu *c);
 int apf_not_present(struct percpu *c, struct frame *f);
 void apf_page_ready(struct percpu *c, struct frame *f);
 
+/* svc.c */
+void svc_wait(struct percpu *c, struct frame *f);
+void svc_interrupt(struct percpu *c, struct frame *f);
+
 /* tasks.c */
 void tasks_create(void);
 

@@ -112,6 +112,9 @@ void syscall_dispatch(struct percpu *c, struct frame *f) {
   case SYS_WRITE:
     console_write((const char *)f->rdi, f->rsi < 1024 ? f->rsi : 1024);
     return;
+  case SYS_SVC_WAIT:
+    svc_wait(c, f);
+    return;
   case SYS_FAIL:
     panic_frame(f, "task %u failed: %s", c->cur->id, (const char *)f->rdi);
   default:

@@ -133,6 +133,13 @@ void tasks_create(void) {
       }
       break;
     }
+    case FERRY_WL_KV: {
+      u32 n = (u32)max1(p[0]);
+      u64 entry = kv_entry_size(p[2]);
+      struct mem_range table = arena_alloc(p[1] * entry, "kv table");
+      for (u32 i = 0; i < n; i++) task_new(w, i, n, wl_kv)->mem[0] = table;
+      break;
+    }
     default:
       panic("unknown workload kind %u", wl->kind);
     }

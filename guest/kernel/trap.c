@@ -61,6 +61,9 @@ void trap_dispatch(struct frame *f) {
   case FERRY_VEC_APF_READY:
     apf_page_ready(c, f);
     return;
+  case FERRY_VEC_SVC:
+    svc_interrupt(c, f);
+    return;
   case 14:
     if (apf_not_present(c, f)) return;
     break;

@@ -31,6 +31,10 @@ void wl_memtouch(struct task_ctx *t);
 void wl_compute(struct task_ctx *t);
 void wl_sort(struct task_ctx *t);
 void wl_fill(struct task_ctx *t);
+void wl_kv(struct task_ctx *t);
+
+/* kv table entry: a lock word, the seed of the value's content, the value. */
+static inline u64 kv_entry_size(u64 value_bytes) { return (16 + value_bytes + 7) & ~7UL; }
 
 /* Shared by workloads: console output from CPL3 and guest time. */
 void uprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -1,6 +1,7 @@
 //! The `ferry` command line: runs VMs and talks to them through their control sockets.
 
 mod format;
+mod load;
 mod run;
 mod status;
 
@@ -24,6 +25,8 @@ struct Cli {
 enum Command {
     /// Boot the test guest with a workload and show its figures live.
     Run(run::RunArgs),
+    /// Send requests to a VM's service device from C concurrent clients.
+    Load(load::LoadArgs),
     /// Show a running VM's state through its control socket.
     Status {
         /// The VM's control socket (printed by `ferry run`).
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Load(args) => load::load(args),
         Command::Status {
             socket,
             json,

@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// Write the 10 ms metric samples here as JSON lines.
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Give the VM a service port here (HOST:PORT, port 0 picks one). A kv
+    /// workload gets 127.0.0.1 with any port when this is not given.
+    #[arg(long)]
+    serve: Option<std::net::SocketAddr>,
     /// Control socket path (default: /tmp/ferry-<pid>.sock).
     #[arg(long)]
     control: Option<PathBuf>,
@@ -96,6 +100,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     config.seed = args.seed;
     config.kvm_path = args.kvm.clone();
     config.console = console;
+    config.serve = args.serve;
 
     let t_create = Instant::now();
     let vm = Arc::new(Vm::create(config).context("cannot create the VM")?);
@@ -124,6 +129,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             args.workload,
             socket.display()
         );
+        if let Some(s) = vm.service() {
+            eprintln!("ferry: service device listening on {}", s.local_addr());
+        }
     }
 
     vm.start()?;
@@ -313,7 +321,22 @@ fn summary_json(
         "guest_ms": last.guest_ms(),
         "workloads": workloads,
         "kernel": last.cpu_totals(),
-        "unknown_port_accesses": 0,
+        "service": vm.service().map(|s| service_json(s)),
+    })
+}
+
+fn service_json(s: &ferry_vmm::devices::service::ServiceDevice) -> serde_json::Value {
+    let st = &s.stats;
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    json!({
+        "address": s.local_addr().to_string(),
+        "connections": n(&st.connections),
+        "posted": n(&st.posted),
+        "responses": n(&st.responses),
+        "echoes": n(&st.echoes),
+        "bad_frames": n(&st.bad_frames),
+        "not_ready": n(&st.not_ready),
+        "guest_errors": n(&st.guest_errors),
     })
 }
 
@@ -361,6 +384,13 @@ fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
         if !times.is_empty() {
             println!("{:<44} task times (ms): {}", "", times.join(" "));
         }
+    }
+    if let Some(svc) = s["service"].as_object() {
+        println!(
+            "service      {}: {} connections, {} requests to the guest, {} answered, {} echoes, {} bad frames",
+            svc["address"].as_str().unwrap_or(""),
+            svc["connections"], svc["posted"], svc["responses"], svc["echoes"], svc["bad_frames"]
+        );
     }
     let k = &s["kernel"];
     println!(

@@ -143,6 +143,38 @@ impl GuestMemory {
         Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
     }
 
+    /// Writes an aligned 64-bit word the guest may be reading right now.
+    pub fn write_u64_volatile(&self, gpa: u64, value: u64) -> Result<(), MemoryError> {
+        if gpa % 8 != 0 {
+            return Err(MemoryError::OutOfRange { gpa, len: 8 });
+        }
+        let p = self.host_ptr(gpa, 8)?;
+        // SAFETY: aligned, inside a live mapping; volatile because the guest reads it concurrently.
+        unsafe { std::ptr::write_volatile(p.cast::<u64>(), value) };
+        Ok(())
+    }
+
+    /// Reads an aligned 32-bit word the guest may be writing right now.
+    pub fn read_u32_volatile(&self, gpa: u64) -> Result<u32, MemoryError> {
+        if gpa % 4 != 0 {
+            return Err(MemoryError::OutOfRange { gpa, len: 4 });
+        }
+        let p = self.host_ptr(gpa, 4)?;
+        // SAFETY: aligned, inside a live mapping; volatile as above.
+        Ok(unsafe { std::ptr::read_volatile(p.cast::<u32>()) })
+    }
+
+    /// Writes an aligned 32-bit word the guest may be reading right now.
+    pub fn write_u32_volatile(&self, gpa: u64, value: u32) -> Result<(), MemoryError> {
+        if gpa % 4 != 0 {
+            return Err(MemoryError::OutOfRange { gpa, len: 4 });
+        }
+        let p = self.host_ptr(gpa, 4)?;
+        // SAFETY: aligned, inside a live mapping; volatile as above.
+        unsafe { std::ptr::write_volatile(p.cast::<u32>(), value) };
+        Ok(())
+    }
+
     /// Reads an aligned 64-bit word the guest may be writing right now.
     pub fn read_u64_volatile(&self, gpa: u64) -> Result<u64, MemoryError> {
         if gpa % 8 != 0 {
@@ -196,5 +228,10 @@ mod tests {
             Err(MemoryError::OutOfRange { .. })
         ));
         assert!(m.read_u64_volatile(4).is_err());
+        m.write_u32_volatile(12, 0xdead_beef).unwrap();
+        assert_eq!(m.read_u32_volatile(12).unwrap(), 0xdead_beef);
+        m.write_u64_volatile(16, 5).unwrap();
+        assert_eq!(m.read_u64_volatile(16).unwrap(), 5);
+        assert!(m.write_u32_volatile(13, 0).is_err());
     }
 }

@@ -304,6 +304,7 @@ impl ControlHandler for VmControl {
                 "apf": vm.config().apf,
                 "uptime_s": vm.uptime().as_secs_f64(),
                 "tsc_khz": vm.tsc_khz(),
+                "service": vm.service().map(|s| s.local_addr().to_string()),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),

@@ -23,6 +23,75 @@ pub const BOOT_STACKS_GPA: u64 = 0x8000;
 pub const PAGE_TABLES_GPA: u64 = 0x10000;
 /// Where the kernel image must be linked.
 pub const KERNEL_GPA: u64 = 0x10_0000;
+/// Service ring: header then slots (see `devices::service`).
+pub const SVC_GPA: u64 = 0x80_0000;
+/// Bytes reserved for the service ring.
+pub const SVC_SIZE: u64 = 0x40_0000;
+/// Slots in the ring.
+pub const SVC_SLOTS: usize = 128;
+/// Bytes per slot.
+pub const SVC_SLOT_SIZE: u64 = 0x4000;
+/// Bytes of slot header before the body.
+pub const SVC_SLOT_HEADER: u64 = 64;
+/// Largest request or response body a slot holds.
+pub const SVC_MAX_BODY: u64 = SVC_SLOT_SIZE - SVC_SLOT_HEADER;
+/// Bytes of ring header before the first slot.
+pub const SVC_HEADER_SIZE: u64 = 0x1000;
+/// Service ring magic ("FERRYSV1").
+pub const SVC_MAGIC: u64 = 0x3156_5359_5252_4546;
+/// Doorbell (MMIO in the 32-bit hole): a task stores a slot index when its response is DONE.
+pub const SVC_DOORBELL_GPA: u64 = 0xD000_0000;
+/// Vector the VMM raises when it posts a request to parked workers.
+pub const VEC_SVC: u32 = 0x41;
+
+/// Slot states.
+#[allow(missing_docs)]
+pub mod slot_state {
+    pub const FREE: u32 = 0;
+    pub const POSTED: u32 = 1;
+    pub const TAKEN: u32 = 2;
+    pub const DONE: u32 = 3;
+}
+
+/// Service ring header (see `struct ferry_svc_header`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct SvcHeader {
+    pub magic: u64,
+    pub version: u64,
+    pub ready: u64,
+    pub posted: u64,
+    pub taken: u64,
+    pub completed: u64,
+    pub keys: u64,
+    pub value_size: u64,
+    pub sleepers: [u64; MAX_CPUS],
+}
+
+/// Byte offsets of `SvcHeader` fields the VMM touches while the guest runs.
+#[allow(missing_docs)]
+pub mod svc_off {
+    pub const READY: u64 = 16;
+    pub const POSTED: u64 = 24;
+    pub const TAKEN: u64 = 32;
+    pub const COMPLETED: u64 = 40;
+    pub const KEYS: u64 = 48;
+    pub const VALUE_SIZE: u64 = 56;
+    pub const SLEEPERS: u64 = 64;
+    /// Within a slot.
+    pub const SLOT_STATE: u64 = 0;
+    pub const SLOT_LEN: u64 = 4;
+    pub const SLOT_TAG: u64 = 8;
+    pub const SLOT_POST_TSC: u64 = 16;
+    pub const SLOT_DONE_TSC: u64 = 24;
+}
+
+/// Guest physical address of slot `i`.
+pub const fn svc_slot_gpa(i: usize) -> u64 {
+    SVC_GPA + SVC_HEADER_SIZE + i as u64 * SVC_SLOT_SIZE
+}
+
 /// Start of the workload arena: memory only CPL3 tasks touch.
 pub const ARENA_BASE: u64 = 0x100_0000;
 /// RAM above this address continues at [`HIGH_RAM_BASE`].
@@ -72,6 +141,7 @@ pub mod kind {
     pub const COMPUTE: u32 = 4;
     pub const SORT: u32 = 5;
     pub const FILL: u32 = 6;
+    pub const KV: u32 = 7;
 }
 
 /// Guest states in the metrics page.
@@ -90,6 +160,7 @@ pub mod task_state {
     pub const SLEEPING: u64 = 2;
     pub const APF_WAIT: u64 = 3;
     pub const DONE: u64 = 4;
+    pub const SVC_WAIT: u64 = 5;
 }
 
 /// One RAM range.
@@ -213,10 +284,13 @@ impl Metrics {
 const _: () = assert!(std::mem::size_of::<Metrics>() % 8 == 0);
 const _: () = assert!(std::mem::size_of::<Metrics>() as u64 <= METRICS_SIZE);
 const _: () = assert!(std::mem::size_of::<BootInfo>() <= 4096);
+const _: () = assert!(SVC_HEADER_SIZE + SVC_SLOTS as u64 * SVC_SLOT_SIZE <= SVC_SIZE);
+const _: () = assert!(SVC_GPA + SVC_SIZE <= ARENA_BASE);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::service::wire;
     use std::mem::{offset_of, size_of};
     use std::process::Command;
 
@@ -252,6 +326,26 @@ int main(void) {
   P(sizeof(struct ferry_cpu_metrics)); P(sizeof(struct ferry_task_metrics));
   P(offsetof(struct ferry_cpu_metrics, apf_not_present));
   P(offsetof(struct ferry_task_metrics, progress));
+  P(FERRY_SVC_GPA); P(FERRY_SVC_SIZE); P(FERRY_SVC_SLOTS); P(FERRY_SVC_SLOT_SIZE);
+  P(FERRY_SVC_SLOT_HEADER); P(FERRY_SVC_MAX_BODY); P(FERRY_SVC_HEADER_SIZE); P(FERRY_SVC_MAGIC);
+  P(FERRY_SVC_DOORBELL_GPA); P(FERRY_VEC_SVC); P(FERRY_WL_KV); P(FERRY_TASK_SVC_WAIT);
+  P(FERRY_SLOT_DONE); P(FERRY_SLOT_POSTED);
+  P(offsetof(struct ferry_svc_header, ready)); P(offsetof(struct ferry_svc_header, posted));
+  P(offsetof(struct ferry_svc_header, taken)); P(offsetof(struct ferry_svc_header, completed));
+  P(offsetof(struct ferry_svc_header, keys)); P(offsetof(struct ferry_svc_header, value_size));
+  P(offsetof(struct ferry_svc_header, sleepers)); P(sizeof(struct ferry_svc_header));
+  P(offsetof(struct ferry_svc_slot, len)); P(offsetof(struct ferry_svc_slot, tag));
+  P(offsetof(struct ferry_svc_slot, post_tsc)); P(offsetof(struct ferry_svc_slot, done_tsc));
+  P(offsetof(struct ferry_svc_slot, data)); P(sizeof(struct ferry_svc_slot));
+  P(sizeof(struct ferry_svc_request)); P(sizeof(struct ferry_svc_response));
+  P(offsetof(struct ferry_svc_response, checksum));
+  {
+    unsigned char v[100];
+    ferry_value(v, sizeof v, 5, 7);
+    P(ferry_csum(v, sizeof v));
+    P(ferry_csum(v, 0));
+    P(v[99]);
+  }
   return 0;
 }
 "#,
@@ -360,6 +454,67 @@ int main(void) {
                 "offsetof(struct ferry_task_metrics, progress)",
                 offset_of!(TaskMetrics, progress) as u64,
             ),
+            ("FERRY_SVC_GPA", SVC_GPA),
+            ("FERRY_SVC_SIZE", SVC_SIZE),
+            ("FERRY_SVC_SLOTS", SVC_SLOTS as u64),
+            ("FERRY_SVC_SLOT_SIZE", SVC_SLOT_SIZE),
+            ("FERRY_SVC_SLOT_HEADER", SVC_SLOT_HEADER),
+            ("FERRY_SVC_MAX_BODY", SVC_MAX_BODY),
+            ("FERRY_SVC_HEADER_SIZE", SVC_HEADER_SIZE),
+            ("FERRY_SVC_MAGIC", SVC_MAGIC),
+            ("FERRY_SVC_DOORBELL_GPA", SVC_DOORBELL_GPA),
+            ("FERRY_VEC_SVC", VEC_SVC as u64),
+            ("FERRY_WL_KV", kind::KV as u64),
+            ("FERRY_TASK_SVC_WAIT", task_state::SVC_WAIT),
+            ("FERRY_SLOT_DONE", slot_state::DONE as u64),
+            ("FERRY_SLOT_POSTED", slot_state::POSTED as u64),
+            ("offsetof(struct ferry_svc_header, ready)", svc_off::READY),
+            ("offsetof(struct ferry_svc_header, posted)", svc_off::POSTED),
+            ("offsetof(struct ferry_svc_header, taken)", svc_off::TAKEN),
+            (
+                "offsetof(struct ferry_svc_header, completed)",
+                svc_off::COMPLETED,
+            ),
+            ("offsetof(struct ferry_svc_header, keys)", svc_off::KEYS),
+            (
+                "offsetof(struct ferry_svc_header, value_size)",
+                svc_off::VALUE_SIZE,
+            ),
+            (
+                "offsetof(struct ferry_svc_header, sleepers)",
+                svc_off::SLEEPERS,
+            ),
+            (
+                "sizeof(struct ferry_svc_header)",
+                size_of::<SvcHeader>() as u64,
+            ),
+            ("offsetof(struct ferry_svc_slot, len)", svc_off::SLOT_LEN),
+            ("offsetof(struct ferry_svc_slot, tag)", svc_off::SLOT_TAG),
+            (
+                "offsetof(struct ferry_svc_slot, post_tsc)",
+                svc_off::SLOT_POST_TSC,
+            ),
+            (
+                "offsetof(struct ferry_svc_slot, done_tsc)",
+                svc_off::SLOT_DONE_TSC,
+            ),
+            ("offsetof(struct ferry_svc_slot, data)", SVC_SLOT_HEADER),
+            ("sizeof(struct ferry_svc_slot)", SVC_SLOT_SIZE),
+            (
+                "sizeof(struct ferry_svc_request)",
+                wire::REQUEST_HEADER as u64,
+            ),
+            (
+                "sizeof(struct ferry_svc_response)",
+                wire::RESPONSE_HEADER as u64,
+            ),
+            ("offsetof(struct ferry_svc_response, checksum)", 32),
+            (
+                "ferry_csum(v, sizeof v)",
+                wire::csum(&wire::value(100, 5, 7)),
+            ),
+            ("ferry_csum(v, 0)", wire::csum(&[])),
+            ("v[99]", wire::value(100, 5, 7)[99] as u64),
         ];
         for (name, rust) in expect {
             assert_eq!(c.get(name), Some(rust), "{name}: C and Rust disagree");

@@ -2,6 +2,7 @@
 //! pauses, resumes and stops it, and says why it ended.
 
 use std::fmt;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,6 +18,7 @@ use crate::boot::layout::{LayoutError, MemoryLayout};
 use crate::boot::loader::{load_kernel, KernelError};
 use crate::boot::setup;
 use crate::devices::serial::ConsoleSink;
+use crate::devices::service::{ServiceDevice, ServiceError};
 use crate::devices::Devices;
 use crate::guest_abi::{self, BootInfo, BOOT_APF};
 use crate::metrics::MetricsSnapshot;
@@ -45,6 +47,9 @@ pub struct VmConfig {
     pub kvm_path: String,
     /// Where guest console lines go (besides being kept for reports).
     pub console: Option<ConsoleSink>,
+    /// TCP address of the service device (port 0 picks one); `None` = no
+    /// device, unless a `kv` workload runs (then 127.0.0.1, any port).
+    pub serve: Option<SocketAddr>,
 }
 
 impl VmConfig {
@@ -60,6 +65,7 @@ impl VmConfig {
             seed: 0x5eed_f0e1,
             kvm_path: "/dev/kvm".into(),
             console: None,
+            serve: None,
         }
     }
 }
@@ -102,6 +108,9 @@ pub enum VmError {
     /// The operation needs a VM in another state.
     #[error("the VM is {0}")]
     WrongState(&'static str),
+    /// The service device could not start.
+    #[error(transparent)]
+    Service(#[from] ServiceError),
 }
 
 /// What the vCPUs are asked to do.
@@ -298,7 +307,7 @@ pub struct Vm {
     tsc_khz: u64,
     started: Mutex<Option<Instant>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
-    _vm: VmFd,
+    _vm: Arc<VmFd>,
     _kvm: Kvm,
     memory: Arc<GuestMemory>,
 }
@@ -332,7 +341,7 @@ impl Vm {
         setup::write_gdt(&memory, config.vcpus)?;
         setup::write_page_tables(&memory, &layout)?;
 
-        let vm_fd = vm::create_vm(&kvm)?;
+        let vm_fd = Arc::new(vm::create_vm(&kvm)?);
         vm::register_memory(&vm_fd, &memory)?;
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
@@ -371,6 +380,21 @@ impl Vm {
         }
         setup::write_boot_info(&memory, &layout, info)?;
 
+        let serve = config.serve.or_else(|| {
+            config
+                .workloads
+                .serves()
+                .then(|| SocketAddr::from(([127, 0, 0, 1], 0)))
+        });
+        let service = match serve {
+            Some(addr) => Some(ServiceDevice::start(
+                addr,
+                memory.clone(),
+                vm_fd.clone(),
+                config.vcpus,
+            )?),
+            None => None,
+        };
         let shared = Arc::new(VmShared {
             requested: AtomicU8::new(RunState::Running as u8),
             control: Mutex::new(Control {
@@ -380,7 +404,7 @@ impl Vm {
             }),
             changed: Condvar::new(),
             threads: Mutex::new(Vec::new()),
-            devices: Devices::new(config.console.clone()),
+            devices: Devices::new(config.console.clone(), service),
         });
         Ok(Vm {
             config,
@@ -492,6 +516,9 @@ impl Vm {
     /// Stops the VM, joins the vCPU threads and says why it stopped.
     pub fn stop(&self) -> VmExit {
         self.shared.finish(VmExit::Stopped);
+        if let Some(s) = &self.shared.devices.service {
+            s.shutdown();
+        }
         let handles: Vec<_> =
             std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
         // Keep kicking until every thread is out: a kick can race a thread that
@@ -555,6 +582,11 @@ impl Vm {
     /// Reads the guest's metrics page now.
     pub fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
         MetricsSnapshot::read(&self.memory)
+    }
+
+    /// The service device, if the VM has one.
+    pub fn service(&self) -> Option<&Arc<ServiceDevice>> {
+        self.shared.devices.service.as_ref()
     }
 
     /// The guest's most recent console lines.

@@ -25,7 +25,11 @@ Workloads (join several with '+', e.g. memtouch:tasks=4,mib=8+compute):
                              order and checksums itself (default mib=64; uses 2N MiB)
   fill[:content=best|worst|mixed,mib=N]
                              fills N MiB (default: all free guest memory) with content of
-                             known compressibility, then stays resident (default mixed)";
+                             known compressibility, then stays resident (default mixed)
+  kv[:workers=G,keys=K,value=B]
+                             G worker tasks serve GET/SET on K values of B bytes from the
+                             service device (--serve); drive it with `ferry load`
+                             (defaults: workers=4 keys=65536 value=1024)";
 
 /// Page-choice pattern of the `dirty` workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +99,15 @@ pub enum Workload {
         /// MiB of keys.
         mib: u64,
     },
+    /// Serves GET/SET requests from the service device.
+    Kv {
+        /// Worker tasks.
+        workers: u32,
+        /// Number of keys.
+        keys: u64,
+        /// Bytes per value.
+        value: u64,
+    },
     /// Fills memory with known content.
     Fill {
         /// Content class.
@@ -158,6 +171,9 @@ pub enum SpecError {
         /// Tasks asked for.
         got: u64,
     },
+    /// Two kv workloads would share one service ring.
+    #[error("at most one kv workload per VM (it owns the service device)")]
+    TwoServers,
     /// The workloads do not fit in guest memory.
     #[error(
         "the workloads need {need_mib} MiB of guest memory but only {have_mib} MiB are free \
@@ -171,8 +187,16 @@ pub enum SpecError {
     },
 }
 
+/// Largest kv value: a GET response must fit one service ring slot.
+pub const MAX_KV_VALUE: u64 = 8192;
+
+/// Bytes of one kv table entry (lock, seed, value), as the guest lays it out.
+pub fn kv_entry_size(value: u64) -> u64 {
+    (16 + value + 7) & !7
+}
+
 /// Names of all workloads, for error messages.
-pub const NAMES: &[&str] = &["idle", "dirty", "memtouch", "compute", "sort", "fill"];
+pub const NAMES: &[&str] = &["idle", "dirty", "memtouch", "compute", "sort", "fill", "kv"];
 
 fn params_of(workload: &str) -> &'static [&'static str] {
     match workload {
@@ -181,6 +205,7 @@ fn params_of(workload: &str) -> &'static [&'static str] {
         "compute" => &["tasks"],
         "sort" => &["mib"],
         "fill" => &["content", "mib"],
+        "kv" => &["workers", "keys", "value"],
         _ => &[],
     }
 }
@@ -226,6 +251,11 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
         "memtouch" => Workload::Memtouch { tasks: 4, mib: 16 },
         "compute" => Workload::Compute { tasks: None },
         "sort" => Workload::Sort { mib: 64 },
+        "kv" => Workload::Kv {
+            workers: 4,
+            keys: 65536,
+            value: 1024,
+        },
         _ => Workload::Fill {
             content: FillContent::Mixed,
             mib: None,
@@ -307,6 +337,15 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
                     _ => return Err(bad("best, worst or mixed")),
                 }
             }
+            (Workload::Kv { workers, .. }, "workers") => {
+                *workers = parse_num(workload, param, value, 1, tasks_max, "1 to 64")? as u32
+            }
+            (Workload::Kv { keys, .. }, "keys") => {
+                *keys = parse_num(workload, param, value, 1, 1 << 32, "1 to 2^32 keys")?
+            }
+            (Workload::Kv { value: v, .. }, "value") => {
+                *v = parse_num(workload, param, value, 8, MAX_KV_VALUE, "8 to 8192 bytes")?
+            }
             (Workload::Fill { mib, .. }, "mib") => {
                 *mib = Some(parse_num(
                     workload,
@@ -317,7 +356,15 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
                     "MiB, at least 1",
                 )?)
             }
-            _ => unreachable!("params_of lists only handled parameters"),
+            // params_of and this match list the same parameters; a mismatch is
+            // reported like an unknown parameter rather than trusted.
+            _ => {
+                return Err(SpecError::UnknownParam {
+                    workload,
+                    param: param.into(),
+                    valid: params_of(workload).join(", "),
+                })
+            }
         }
     }
     Ok(w)
@@ -337,6 +384,14 @@ impl FromStr for WorkloadSet {
         if list.len() > guest_abi::MAX_WORKLOADS {
             return Err(SpecError::TooMany { got: list.len() });
         }
+        if list
+            .iter()
+            .filter(|w| matches!(w, Workload::Kv { .. }))
+            .count()
+            > 1
+        {
+            return Err(SpecError::TwoServers);
+        }
         Ok(WorkloadSet(list))
     }
 }
@@ -351,6 +406,7 @@ impl Workload {
             Workload::Compute { .. } => "compute",
             Workload::Sort { .. } => "sort",
             Workload::Fill { .. } => "fill",
+            Workload::Kv { .. } => "kv",
         }
     }
 
@@ -367,6 +423,7 @@ impl Workload {
                 tasks.unwrap_or(vcpus) as u64
             }
             Workload::Memtouch { tasks, .. } => *tasks as u64,
+            Workload::Kv { workers, .. } => *workers as u64,
             Workload::Sort { .. } | Workload::Fill { .. } => 1,
         }
     }
@@ -379,6 +436,7 @@ impl Workload {
             Workload::Memtouch { tasks, mib } => *tasks as u64 * mib * MIB,
             Workload::Sort { mib } => 2 * mib * MIB,
             Workload::Fill { mib, .. } => mib.unwrap_or(0) * MIB,
+            Workload::Kv { keys, value, .. } => keys * kv_entry_size(*value),
             Workload::Idle | Workload::Compute { .. } => 0,
         }
     }
@@ -388,6 +446,7 @@ impl Workload {
         match self {
             Workload::Compute { .. } => "ops",
             Workload::Sort { .. } => "keys",
+            Workload::Kv { .. } => "requests",
             _ => "bytes",
         }
     }
@@ -429,6 +488,16 @@ impl Workload {
                 p[1] = mib.unwrap_or(0) * MIB;
                 kind::FILL
             }
+            Workload::Kv {
+                workers,
+                keys,
+                value,
+            } => {
+                p[0] = *workers as u64;
+                p[1] = *keys;
+                p[2] = *value;
+                kind::KV
+            }
         };
         guest_abi::Workload {
             kind,
@@ -456,6 +525,11 @@ impl WorkloadSet {
             });
         }
         Ok(())
+    }
+
+    /// True if a workload serves requests (and so needs the service device).
+    pub fn serves(&self) -> bool {
+        self.0.iter().any(|w| matches!(w, Workload::Kv { .. }))
     }
 
     /// True if every workload finishes by itself.
@@ -499,6 +573,13 @@ impl fmt::Display for Workload {
             Workload::Compute { tasks: Some(t) } => write!(f, "compute:tasks={t}"),
             Workload::Compute { tasks: None } => write!(f, "compute"),
             Workload::Sort { mib } => write!(f, "sort:mib={mib}"),
+            Workload::Kv {
+                workers,
+                keys,
+                value,
+            } => {
+                write!(f, "kv:workers={workers},keys={keys},value={value}")
+            }
             Workload::Fill { content, mib } => {
                 let c = match content {
                     FillContent::Best => "best",
@@ -602,6 +683,11 @@ mod tests {
             Err(SpecError::UnknownParam { .. })
         ));
         assert!(matches!(parse(""), Err(SpecError::Empty)));
+        assert!(matches!(parse("kv+kv"), Err(SpecError::TwoServers)));
+        assert!(matches!(
+            parse("kv:value=9000"),
+            Err(SpecError::BadValue { .. })
+        ));
         assert!(matches!(
             parse("idle+idle+idle+idle+idle"),
             Err(SpecError::TooMany { got: 5 })

@@ -18,6 +18,7 @@ const PTE_PRESENT: u64 = 1 << 0;
 const PTE_WRITE: u64 = 1 << 1;
 const PTE_USER: u64 = 1 << 2;
 const PDE_HUGE: u64 = 1 << 7;
+const PTE_PCD: u64 = 1 << 4;
 const TWO_MIB: u64 = 2 << 20;
 const ONE_GIB: u64 = 1 << 30;
 
@@ -68,10 +69,19 @@ pub fn write_page_tables(
     let pds = pdpt + 0x1000;
     let flags = PTE_PRESENT | PTE_WRITE | PTE_USER;
     memory.write_obj(pml4, &(pdpt | flags))?;
-    let gib_count = layout.end().div_ceil(ONE_GIB);
+    // At least 4 GiB: the device page in the 32-bit hole needs its directory.
+    let gib_count = layout.end().div_ceil(ONE_GIB).max(4);
     for gib in 0..gib_count {
         memory.write_obj(pdpt + gib * 8, &((pds + gib * 0x1000) | flags))?;
     }
+    // The device page in the 32-bit hole (no RAM behind it: accesses exit
+    // to the VMM as MMIO), uncached, user-accessible for the service doorbell.
+    let hole = crate::guest_abi::SVC_DOORBELL_GPA & !(TWO_MIB - 1);
+    let pd = pds + (hole / ONE_GIB) * 0x1000;
+    memory.write_obj(
+        pd + ((hole % ONE_GIB) / TWO_MIB) * 8,
+        &(hole | flags | PDE_HUGE | PTE_PCD),
+    )?;
     for &(base, size) in layout.ranges() {
         let mut addr = base & !(TWO_MIB - 1);
         while addr < base + size {
@@ -169,6 +179,11 @@ mod tests {
         assert_eq!(pd(0, 0), 0x87);
         assert_eq!(pd(2, 511), ((3 << 30) - TWO_MIB) | 0x87);
         assert_eq!(pd(3, 0), 0, "the 3-4 GiB hole is not mapped");
+        assert_eq!(
+            pd(3, 128),
+            0xD000_0000 | 0x97,
+            "except the device page, uncached"
+        );
         assert_eq!(pd(4, 0), (4 << 30) | 0x87);
         let pdpt4: u64 = mem.read_obj(PAGE_TABLES_GPA + 0x1000 + 4 * 8).unwrap();
         assert_eq!(pdpt4, (PAGE_TABLES_GPA + 0x2000 + 4 * 0x1000) | 7);

@@ -1,10 +1,14 @@
-//! Devices on the guest's port-I/O bus: the console and the exit port.
+//! Devices on the guest's I/O buses: the console and exit port (port I/O)
+//! and the service device's doorbell (MMIO).
 
 pub mod serial;
+pub mod service;
 
-use crate::guest_abi::{EXIT_PANIC, PORT_EXIT};
+use crate::guest_abi::{EXIT_PANIC, PORT_EXIT, SVC_DOORBELL_GPA};
 use serial::{ConsoleSink, Serial};
+use service::ServiceDevice;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// What a port write asks of the VMM.
 #[derive(Debug, PartialEq, Eq)]
@@ -21,14 +25,17 @@ pub enum PioAction {
 pub struct Devices {
     /// COM1 console.
     pub serial: Serial,
+    /// The service device, if the VM serves requests.
+    pub service: Option<Arc<ServiceDevice>>,
     unknown_accesses: AtomicU64,
 }
 
 impl Devices {
     /// The device set, with console lines going to `console`.
-    pub fn new(console: Option<ConsoleSink>) -> Self {
+    pub fn new(console: Option<ConsoleSink>, service: Option<Arc<ServiceDevice>>) -> Self {
         Devices {
             serial: Serial::new(console),
+            service,
             unknown_accesses: AtomicU64::new(0),
         }
     }
@@ -38,10 +45,7 @@ impl Devices {
         if Serial::owns(port) {
             self.serial.write(port, data);
         } else if port == PORT_EXIT {
-            let mut raw = [0u8; 4];
-            let n = data.len().min(4);
-            raw[..n].copy_from_slice(&data[..n]);
-            return match u32::from_le_bytes(raw) {
+            return match le_u32(data) {
                 EXIT_PANIC => PioAction::Panic,
                 code => PioAction::Exit(code),
             };
@@ -49,6 +53,16 @@ impl Devices {
             self.unknown_accesses.fetch_add(1, Ordering::Relaxed);
         }
         PioAction::Continue
+    }
+
+    /// Handles a guest store to an address with no RAM behind it.
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) {
+        match (addr, &self.service) {
+            (SVC_DOORBELL_GPA, Some(s)) => s.doorbell(le_u32(data)),
+            _ => {
+                self.unknown_accesses.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Handles an `in` from the guest; unknown ports read as all ones, like an empty bus.
@@ -67,13 +81,20 @@ impl Devices {
     }
 }
 
+fn le_u32(data: &[u8]) -> u32 {
+    let mut raw = [0u8; 4];
+    let n = data.len().min(4);
+    raw[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(raw)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn exit_port_decodes_codes() {
-        let d = Devices::new(None);
+        let d = Devices::new(None, None);
         assert_eq!(
             d.pio_write(PORT_EXIT, &7u32.to_le_bytes()),
             PioAction::Exit(7)

@@ -160,7 +160,11 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
                 data.fill(0xff);
                 None
             }
-            Ok(VcpuExit::MmioWrite(..)) | Ok(VcpuExit::Intr) => None,
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                shared.devices.mmio_write(addr, data);
+                None
+            }
+            Ok(VcpuExit::Intr) => None,
             Ok(VcpuExit::Shutdown) => Some(VmExit::TripleFault {
                 cpu: id,
                 regs: RegsReport::read(&vcpu),

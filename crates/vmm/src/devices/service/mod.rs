@@ -1,0 +1,383 @@
+//! The service device: gives the VM a TCP port on its host and carries
+//! length-prefixed request frames between client connections and a request
+//! ring in guest memory (docs/service.md).
+//!
+//! ```text
+//! client ──frame──▶ reader thread ──post──▶ slot POSTED ──▶ guest worker (CPL3)
+//!                                  (MSI if workers are parked)      │ writes response in place,
+//! client ◀──frame── writer thread ◀──────── doorbell (vCPU exit) ◀──┘ slot DONE, out 0xf8
+//! ```
+//! Requests never wait in the device: a reader posts its frame straight into a
+//! free slot (or waits for one), so the ring in guest memory holds every
+//! queued request, and the device's own state is only which connection each
+//! slot belongs to ([`ServiceState`]).
+
+pub mod wire;
+
+use std::collections::HashMap;
+use std::io::{BufReader, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use ferry_memory::{GuestMemory, MemoryError};
+use kvm_bindings::kvm_msi;
+use kvm_ioctls::VmFd;
+
+use crate::guest_abi::{self, slot_state, svc_off, svc_slot_gpa, SVC_GPA, SVC_SLOTS};
+use wire::{Op, Request, Response, Status, WireError, MAX_BODY};
+
+/// Why the device could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The port could not be bound.
+    #[error("service device cannot listen on {addr}: {source}")]
+    Listen {
+        /// Address asked for.
+        addr: SocketAddr,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// Counters of what the device did.
+#[derive(Debug, Default)]
+pub struct ServiceStats {
+    /// Connections accepted.
+    pub connections: AtomicU64,
+    /// Requests posted to the guest.
+    pub posted: AtomicU64,
+    /// Responses returned by the guest.
+    pub responses: AtomicU64,
+    /// ECHO requests answered by the device itself.
+    pub echoes: AtomicU64,
+    /// Malformed or oversized frames refused.
+    pub bad_frames: AtomicU64,
+    /// Requests refused because the guest was not serving yet.
+    pub not_ready: AtomicU64,
+    /// Doorbells for a slot that was not DONE (a guest bug).
+    pub guest_errors: AtomicU64,
+}
+
+/// The device's own state besides guest memory, for save/restore: which
+/// connection each slot in flight belongs to. (Client connections themselves
+/// stay on the source host; migration redirects them.)
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ServiceState {
+    /// Port the VM's service listens on.
+    pub port: u16,
+    /// Next connection id.
+    pub next_conn: u64,
+    /// Slots owned by the device (FREE in the ring).
+    pub free_slots: Vec<u16>,
+}
+
+struct Conn {
+    tx: Sender<Vec<u8>>,
+    stream: TcpStream,
+}
+
+struct Ring {
+    free: Vec<usize>,
+    next_irq_cpu: usize,
+}
+
+/// A running service device.
+pub struct ServiceDevice {
+    memory: Arc<GuestMemory>,
+    vm: Arc<VmFd>,
+    vcpus: usize,
+    addr: SocketAddr,
+    ring: Mutex<Ring>,
+    slot_freed: Condvar,
+    conns: Mutex<HashMap<u64, Conn>>,
+    next_conn: AtomicU64,
+    stop: AtomicBool,
+    /// What it did.
+    pub stats: ServiceStats,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ServiceDevice {
+    /// Binds `addr` (port 0 picks one) and starts accepting clients.
+    pub fn start(
+        addr: SocketAddr,
+        memory: Arc<GuestMemory>,
+        vm: Arc<VmFd>,
+        vcpus: u32,
+    ) -> Result<Arc<Self>, ServiceError> {
+        let listen_err = |source| ServiceError::Listen { addr, source };
+        let listener = TcpListener::bind(addr).map_err(listen_err)?;
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        let local = listener.local_addr().map_err(listen_err)?;
+        let dev = Arc::new(ServiceDevice {
+            memory,
+            vm,
+            vcpus: vcpus as usize,
+            addr: local,
+            ring: Mutex::new(Ring {
+                free: (0..SVC_SLOTS).rev().collect(),
+                next_irq_cpu: 0,
+            }),
+            slot_freed: Condvar::new(),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            stop: AtomicBool::new(false),
+            stats: ServiceStats::default(),
+        });
+        let d = dev.clone();
+        std::thread::Builder::new()
+            .name("svc-accept".into())
+            .spawn(move || d.accept_loop(listener))
+            .map_err(listen_err)?;
+        Ok(dev)
+    }
+
+    /// The address clients connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// True once the guest's workload answers requests.
+    pub fn guest_ready(&self) -> bool {
+        self.memory
+            .read_u64_volatile(SVC_GPA + svc_off::READY)
+            .unwrap_or(0)
+            == 1
+    }
+
+    /// Stops accepting, closes every connection and wakes waiting readers.
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        for (_, c) in lock(&self.conns).drain() {
+            let _ = c.stream.shutdown(Shutdown::Both);
+        }
+        self.slot_freed.notify_all();
+    }
+
+    /// The device state besides guest memory.
+    pub fn state(&self) -> ServiceState {
+        ServiceState {
+            port: self.addr.port(),
+            next_conn: self.next_conn.load(Ordering::Relaxed),
+            free_slots: lock(&self.ring).free.iter().map(|&i| i as u16).collect(),
+        }
+    }
+
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        while !self.stop.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                    let d = self.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("svc-conn".into())
+                        .spawn(move || d.serve_connection(stream));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    fn serve_connection(&self, stream: TcpStream) {
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_nodelay(true);
+        let (Ok(mut writer), Ok(shut)) = (stream.try_clone(), stream.try_clone()) else {
+            return;
+        };
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = channel::<Vec<u8>>();
+        lock(&self.conns).insert(
+            id,
+            Conn {
+                tx: tx.clone(),
+                stream: shut,
+            },
+        );
+        let writer_thread = std::thread::Builder::new()
+            .name("svc-write".into())
+            .spawn(move || {
+                for frame in rx {
+                    if writer.write_all(&frame).is_err() {
+                        break;
+                    }
+                }
+                let _ = writer.shutdown(Shutdown::Write);
+            });
+        let mut reader = BufReader::new(stream);
+        while !self.stop.load(Ordering::Acquire) {
+            let body = match wire::read_frame(&mut reader, MAX_BODY) {
+                Ok(Some(b)) => b,
+                Ok(None) | Err(WireError::Truncated) | Err(WireError::Io(_)) => break,
+                Err(e @ WireError::TooLarge { .. }) => {
+                    // The stream cannot be resynchronised: answer, then close.
+                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    let _ =
+                        tx.send(Response::error(Status::TooLarge, 0, 0, &e.to_string()).encode());
+                    break;
+                }
+                Err(e) => {
+                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    let _ =
+                        tx.send(Response::error(Status::BadRequest, 0, 0, &e.to_string()).encode());
+                    break;
+                }
+            };
+            match Request::decode(&body) {
+                Err(e) => {
+                    // Framing is intact: refuse this request, keep the connection.
+                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    let id = body
+                        .get(8..16)
+                        .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+                    let op = body.first().copied().unwrap_or(0);
+                    let _ = tx
+                        .send(Response::error(Status::BadRequest, op, id, &e.to_string()).encode());
+                }
+                Ok(req) if req.op == Op::Echo => {
+                    self.stats.echoes.fetch_add(1, Ordering::Relaxed);
+                    let resp = Response {
+                        status: Status::Ok,
+                        op: Op::Echo as u8,
+                        id: req.id,
+                        key: req.key,
+                        seed: req.seed,
+                        checksum: wire::csum(&req.value),
+                        value: req.value,
+                    };
+                    let _ = tx.send(resp.encode());
+                }
+                Ok(req) if !self.guest_ready() => {
+                    self.stats.not_ready.fetch_add(1, Ordering::Relaxed);
+                    let msg = "the guest is not serving yet (is a kv workload running?)";
+                    let _ = tx.send(
+                        Response::error(Status::NotReady, req.op as u8, req.id, msg).encode(),
+                    );
+                }
+                Ok(_) => {
+                    if self.post(&body, id).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        lock(&self.conns).remove(&id);
+        drop(tx);
+        if let Ok(t) = writer_thread {
+            let _ = t.join();
+        }
+    }
+
+    /// Puts a request body into a free slot and tells the guest.
+    fn post(&self, body: &[u8], conn: u64) -> Result<(), MemoryError> {
+        let mut ring = lock(&self.ring);
+        let slot = loop {
+            if self.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            if let Some(i) = ring.free.pop() {
+                break i;
+            }
+            ring = self
+                .slot_freed
+                .wait_timeout(ring, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        let gpa = svc_slot_gpa(slot);
+        let m = &self.memory;
+        m.write_bytes(gpa + guest_abi::SVC_SLOT_HEADER, body)?;
+        m.write_u32_volatile(gpa + svc_off::SLOT_LEN, body.len() as u32)?;
+        m.write_u64_volatile(gpa + svc_off::SLOT_TAG, conn)?;
+        m.write_u64_volatile(gpa + svc_off::SLOT_POST_TSC, rdtsc())?;
+        fence(Ordering::Release);
+        m.write_u32_volatile(gpa + svc_off::SLOT_STATE, slot_state::POSTED)?;
+        let posted = m.read_u64_volatile(SVC_GPA + svc_off::POSTED)? + 1;
+        m.write_u64_volatile(SVC_GPA + svc_off::POSTED, posted)?;
+        self.stats.posted.fetch_add(1, Ordering::Relaxed);
+        // Posted before reading the sleepers; the guest raises its sleeper
+        // count before checking `posted`: one of us sees the other.
+        fence(Ordering::SeqCst);
+        for n in 0..self.vcpus {
+            let cpu = (ring.next_irq_cpu + n) % self.vcpus;
+            if m.read_u64_volatile(SVC_GPA + svc_off::SLEEPERS + 8 * cpu as u64)? > 0 {
+                ring.next_irq_cpu = cpu + 1;
+                self.interrupt(cpu);
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn interrupt(&self, cpu: usize) {
+        let msi = kvm_msi {
+            address_lo: 0xfee0_0000 | ((cpu as u32) << 12),
+            data: guest_abi::VEC_SVC,
+            ..Default::default()
+        };
+        let _ = self.vm.signal_msi(msi);
+    }
+
+    /// A guest worker finished the request in `slot` (called on the vCPU thread).
+    pub fn doorbell(&self, slot: u32) {
+        let slot = slot as usize;
+        if slot >= SVC_SLOTS {
+            self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let gpa = svc_slot_gpa(slot);
+        let m = &self.memory;
+        if m.read_u32_volatile(gpa + svc_off::SLOT_STATE).ok() != Some(slot_state::DONE) {
+            self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        fence(Ordering::Acquire);
+        let len = m.read_u32_volatile(gpa + svc_off::SLOT_LEN).unwrap_or(0) as usize;
+        let conn = m.read_u64_volatile(gpa + svc_off::SLOT_TAG).unwrap_or(0);
+        let mut frame = vec![0u8; 4 + len.min(MAX_BODY)];
+        frame[..4].copy_from_slice(&(len.min(MAX_BODY) as u32).to_le_bytes());
+        let ok = len <= MAX_BODY
+            && m.read_bytes(gpa + guest_abi::SVC_SLOT_HEADER, &mut frame[4..])
+                .is_ok();
+        let _ = m.write_u32_volatile(gpa + svc_off::SLOT_STATE, slot_state::FREE);
+        lock(&self.ring).free.push(slot);
+        self.slot_freed.notify_one();
+        if !ok {
+            self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.stats.responses.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = lock(&self.conns).get(&conn) {
+            let _ = c.tx.send(frame);
+        }
+    }
+}
+
+fn rdtsc() -> u64 {
+    // SAFETY: rdtsc has no preconditions on x86-64.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_state_round_trips() {
+        let s = ServiceState {
+            port: 4000,
+            next_conn: 17,
+            free_slots: vec![3, 1, 2],
+        };
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<ServiceState>(&text).unwrap(), s);
+    }
+}
