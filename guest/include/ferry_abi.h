@@ -205,6 +205,7 @@ struct ferry_svc_header {
   ferry_u64 keys;       /* guest: kv table size, for INFO */
   ferry_u64 value_size; /* guest: kv value bytes, for INFO */
   ferry_u64 sleepers[FERRY_MAX_CPUS]; /* workers blocked in the kernel, per vCPU */
+  ferry_u64 spinner; /* guest: 1 + task id of the one worker polling the ring, or 0 */
 };
 
 struct ferry_svc_slot {

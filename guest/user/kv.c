@@ -128,22 +128,32 @@ static void init_share(struct task_ctx *t) {
   }
 }
 
+/* At most one worker polls the ring at a time (the "spinner"); the others
+ * park in the kernel until the VMM interrupts them. One polling vCPU keeps
+ * single-client latency low without taking every host core away from the
+ * VMM's own threads. */
+static int become_spinner(struct task_ctx *t) {
+  ferry_u64 none = 0;
+  return __atomic_compare_exchange_n(&svc->spinner, &none, (ferry_u64)t->id + 1, 0,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_RELAXED);
+}
+static void stop_spinning(void) { __atomic_store_n(&svc->spinner, 0, __ATOMIC_SEQ_CST); }
+
 void wl_kv(struct task_ctx *t) {
   u64 spin = t->tsc_khz * SPIN_US / 1000;
   u32 cursor = t->index * (FERRY_SVC_SLOTS / t->count), index = 0;
   t->m->start_tsc = rdtsc();
   init_share(t);
   while (!__atomic_load_n(&svc->ready, __ATOMIC_ACQUIRE)) sys_yield();
-  u64 idle_since = rdtsc();
   for (;;) {
     struct ferry_svc_slot *s = claim(&cursor, &index);
+    if (!s && become_spinner(t)) {
+      u64 until = rdtsc() + spin;
+      while (!(s = claim(&cursor, &index)) && rdtsc() < until) asm volatile("pause");
+      stop_spinning(); /* before serving, so another worker can poll meanwhile */
+    }
     if (!s) {
-      if (rdtsc() - idle_since < spin) {
-        asm volatile("pause");
-        continue;
-      }
       sys_svc_wait();
-      idle_since = rdtsc();
       continue;
     }
     s->len = serve(t, s);
@@ -152,6 +162,5 @@ void wl_kv(struct task_ctx *t) {
     __atomic_fetch_add(&svc->completed, 1, __ATOMIC_RELAXED);
     t->m->progress++;
     *(volatile u32 *)FERRY_SVC_DOORBELL_GPA = index; /* MMIO exit to the VMM */
-    idle_since = rdtsc();
   }
 }

@@ -67,6 +67,7 @@ pub struct SvcHeader {
     pub keys: u64,
     pub value_size: u64,
     pub sleepers: [u64; MAX_CPUS],
+    pub spinner: u64,
 }
 
 /// Byte offsets of `SvcHeader` fields the VMM touches while the guest runs.
@@ -79,6 +80,7 @@ pub mod svc_off {
     pub const KEYS: u64 = 48;
     pub const VALUE_SIZE: u64 = 56;
     pub const SLEEPERS: u64 = 64;
+    pub const SPINNER: u64 = 128;
     /// Within a slot.
     pub const SLOT_STATE: u64 = 0;
     pub const SLOT_LEN: u64 = 4;
@@ -334,6 +336,7 @@ int main(void) {
   P(offsetof(struct ferry_svc_header, taken)); P(offsetof(struct ferry_svc_header, completed));
   P(offsetof(struct ferry_svc_header, keys)); P(offsetof(struct ferry_svc_header, value_size));
   P(offsetof(struct ferry_svc_header, sleepers)); P(sizeof(struct ferry_svc_header));
+  P(offsetof(struct ferry_svc_header, spinner));
   P(offsetof(struct ferry_svc_slot, len)); P(offsetof(struct ferry_svc_slot, tag));
   P(offsetof(struct ferry_svc_slot, post_tsc)); P(offsetof(struct ferry_svc_slot, done_tsc));
   P(offsetof(struct ferry_svc_slot, data)); P(sizeof(struct ferry_svc_slot));
@@ -487,6 +490,10 @@ int main(void) {
             (
                 "sizeof(struct ferry_svc_header)",
                 size_of::<SvcHeader>() as u64,
+            ),
+            (
+                "offsetof(struct ferry_svc_header, spinner)",
+                svc_off::SPINNER,
             ),
             ("offsetof(struct ferry_svc_slot, len)", svc_off::SLOT_LEN),
             ("offsetof(struct ferry_svc_slot, tag)", svc_off::SLOT_TAG),

@@ -303,9 +303,13 @@ impl ServiceDevice {
         let posted = m.read_u64_volatile(SVC_GPA + svc_off::POSTED)? + 1;
         m.write_u64_volatile(SVC_GPA + svc_off::POSTED, posted)?;
         self.stats.posted.fetch_add(1, Ordering::Relaxed);
-        // Posted before reading the sleepers; the guest raises its sleeper
-        // count before checking `posted`: one of us sees the other.
+        // Posted before reading `spinner` and the sleepers; the guest clears
+        // `spinner` / raises its sleeper count before checking `posted`: one
+        // of us sees the other, so a request is never left unseen.
         fence(Ordering::SeqCst);
+        if m.read_u64_volatile(SVC_GPA + svc_off::SPINNER)? != 0 {
+            return Ok(()); // a worker is polling the ring: no interrupt needed
+        }
         for n in 0..self.vcpus {
             let cpu = (ring.next_irq_cpu + n) % self.vcpus;
             if m.read_u64_volatile(SVC_GPA + svc_off::SLEEPERS + 8 * cpu as u64)? > 0 {
