@@ -15,7 +15,7 @@ pub mod vmm;
 pub mod vstate;
 pub mod workload;
 
-pub use vmm::{RunState, Vm, VmConfig, VmError, VmExit};
+pub use vmm::{RunState, Vm, VmConfig, VmError, VmExit, VmState};
 pub use workload::{Workload, WorkloadSet};
 
 /// The test guest kernel, built from `guest/` by this crate's build script.

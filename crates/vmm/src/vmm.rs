@@ -23,6 +23,7 @@ use crate::devices::Devices;
 use crate::guest_abi::{self, BootInfo, BOOT_APF};
 use crate::metrics::MetricsSnapshot;
 use crate::vstate::kvm::{has_async_pf, open_kvm, KvmError};
+use crate::vstate::persist::{self, KvmVmState, PersistError, VcpuState};
 use crate::vstate::{vcpu, vm};
 use crate::workload::{SpecError, WorkloadSet};
 
@@ -105,12 +106,29 @@ pub enum VmError {
     /// The vCPUs did not stop in time.
     #[error("vCPUs did not pause within {0:?}")]
     PauseTimeout(Duration),
+    /// A vCPU thread could not save its state.
+    #[error("saving vCPU state failed: {0}")]
+    SaveFailed(String),
     /// The operation needs a VM in another state.
     #[error("the VM is {0}")]
     WrongState(&'static str),
+    /// Saving or restoring state failed.
+    #[error(transparent)]
+    Persist(#[from] PersistError),
     /// The service device could not start.
     #[error(transparent)]
     Service(#[from] ServiceError),
+}
+
+/// A whole VM's state besides guest memory.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct VmState {
+    /// Every vCPU.
+    pub vcpus: Vec<VcpuState>,
+    /// irqchip, PIT, clock.
+    pub kvm: KvmVmState,
+    /// The service device, if any.
+    pub service: Option<crate::devices::service::ServiceState>,
 }
 
 /// What the vCPUs are asked to do.
@@ -228,6 +246,9 @@ struct Control {
     parked: u32,
     running_threads: u32,
     exit: Option<VmExit>,
+    /// Per vCPU: a state save asked of its parked thread, and the answer.
+    save_requested: Vec<bool>,
+    saved: Vec<Option<Result<VcpuState, String>>>,
 }
 
 /// State shared between the VM handle and its vCPU threads.
@@ -236,6 +257,8 @@ pub struct VmShared {
     control: Mutex<Control>,
     changed: Condvar,
     threads: Mutex<Vec<libc::pthread_t>>,
+    /// MSRs saved with each vCPU.
+    pub msr_indices: Vec<u32>,
     /// The VM's devices.
     pub devices: Devices,
 }
@@ -259,11 +282,24 @@ impl VmShared {
     }
 
     /// Called by a vCPU thread: wait while the VM is paused.
-    pub fn park(&self, _id: u32) {
+    /// Called by a vCPU thread: wait while the VM is paused, saving the
+    /// vCPU's state with `save` whenever the VMM asks (vCPU fds live on their
+    /// threads, and KVM state can only be read while the vCPU is out of KVM_RUN).
+    pub fn park(&self, id: u32, save: &mut dyn FnMut() -> Result<VcpuState, String>) {
+        let id = id as usize;
         let mut c = self.lock();
         c.parked += 1;
         self.changed.notify_all();
         while self.requested() == RunState::Paused {
+            if c.save_requested.get(id).copied().unwrap_or(false) {
+                c.save_requested[id] = false;
+                drop(c);
+                let state = save();
+                c = self.lock();
+                c.saved[id] = Some(state);
+                self.changed.notify_all();
+                continue;
+            }
             c = self.changed.wait(c).unwrap_or_else(|e| e.into_inner());
         }
         c.parked -= 1;
@@ -360,6 +396,7 @@ impl Vm {
             vcpu::configure(&fd, id, &cpuid, entry)?;
             vcpus.push(fd);
         }
+        let msr_indices = persist::saveable_msrs(&kvm, &vcpus[0])?;
         let tsc_khz = match vcpus[0].get_tsc_khz() {
             Ok(khz) if khz > 0 => khz as u64,
             _ => measure_tsc_khz(),
@@ -401,7 +438,10 @@ impl Vm {
                 parked: 0,
                 running_threads: 0,
                 exit: None,
+                save_requested: vec![false; config.vcpus as usize],
+                saved: vec![None; config.vcpus as usize],
             }),
+            msr_indices,
             changed: Condvar::new(),
             threads: Mutex::new(Vec::new()),
             devices: Devices::new(config.console.clone(), service),
@@ -485,6 +525,81 @@ impl Vm {
                 Ok(())
             }
         }
+    }
+
+    /// Saves the whole VM state; the VM must be paused (or not started yet).
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        let n = self.config.vcpus as usize;
+        let idle = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        let vcpus = if idle.len() == n {
+            // Not running: the fds are here.
+            let mut out = Vec::new();
+            for (id, fd) in idle.iter().enumerate() {
+                out.push(persist::save_vcpu(fd, id as u32, &self.shared.msr_indices)?);
+            }
+            out
+        } else {
+            drop(idle);
+            if self.shared.requested() != RunState::Paused {
+                return Err(VmError::WrongState(
+                    "not paused: pause it before saving its state",
+                ));
+            }
+            let mut c = self.shared.lock();
+            for id in 0..n {
+                c.save_requested[id] = true;
+                c.saved[id] = None;
+            }
+            self.shared.changed.notify_all();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while c.saved.iter().any(Option::is_none) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(VmError::PauseTimeout(Duration::from_secs(5)));
+                }
+                c = self
+                    .shared
+                    .changed
+                    .wait_timeout(c, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            let mut out = Vec::new();
+            for s in c.saved.iter_mut() {
+                match s.take() {
+                    Some(Ok(state)) => out.push(state),
+                    Some(Err(e)) => return Err(VmError::SaveFailed(e)),
+                    None => unreachable!("checked above"),
+                }
+            }
+            out
+        };
+        Ok(VmState {
+            vcpus,
+            kvm: persist::save_vm(&self._vm)?,
+            service: self.service().map(|s| s.state()),
+        })
+    }
+
+    /// Restores a saved state into this VM, which must not have started.
+    /// Guest memory is restored separately (it is most of the migration).
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
+        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        if vcpus.len() != self.config.vcpus as usize {
+            return Err(VmError::WrongState("already started: restore before start"));
+        }
+        if state.vcpus.len() != vcpus.len() {
+            return Err(PersistError::Shape {
+                saved: state.vcpus.len(),
+                have: vcpus.len(),
+            }
+            .into());
+        }
+        persist::restore_vm(&self._vm, &state.kvm)?;
+        for (fd, s) in vcpus.iter().zip(&state.vcpus) {
+            persist::restore_vcpu(fd, s)?;
+        }
+        Ok(())
     }
 
     /// Asks the VM to stop without waiting (used by `quit`).

@@ -14,6 +14,7 @@ use kvm_bindings::{kvm_mp_state, kvm_run, CpuId, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use super::kvm::KvmError;
+use super::persist;
 use crate::boot::setup;
 use crate::devices::PioAction;
 use crate::vmm::{RunState, VmExit, VmShared};
@@ -137,7 +138,10 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
         match shared.requested() {
             RunState::Running => {}
             RunState::Paused => {
-                shared.park(id);
+                let msrs = shared.msr_indices.clone();
+                shared.park(id, &mut || {
+                    persist::save_vcpu(&vcpu, id, &msrs).map_err(|e| e.to_string())
+                });
                 continue;
             }
             RunState::Stopped => break,
