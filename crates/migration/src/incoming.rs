@@ -1,0 +1,347 @@
+//! The receiving side: accepts one migration session on a listener, writes
+//! pages into the waiting VM, restores its state and starts it.
+//!
+//! The incoming stream is treated as hostile: every frame is checked (magic,
+//! length limit, checksum), every page address must lie in guest RAM, and the
+//! VM is started only after Complete. Any failure before that returns an
+//! error with the VM never started.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::protocol::{self, Hello, Kind, Layout, ProtocolError, Role, RoundDone, PAGE};
+use crate::vm::{IncomingVm, RegionView};
+use crate::MigrationError;
+
+/// What the destination saw.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct IncomingStats {
+    /// Pages written.
+    pub pages: u64,
+    /// Zero pages.
+    pub zero_pages: u64,
+    /// Rounds.
+    pub rounds: u32,
+    /// Pages verified (0 without verification).
+    pub verified_pages: u64,
+    /// Complete received to vCPUs started (ms).
+    pub restore_ms: f64,
+}
+
+fn accept(
+    listener: &TcpListener,
+    timeout: Duration,
+) -> Result<(BufReader<TcpStream>, TcpStream), MigrationError> {
+    listener.set_nonblocking(true).map_err(ProtocolError::Io)?;
+    let deadline = Instant::now() + timeout;
+    let s = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
+            Err(e) => return Err(ProtocolError::Io(e).into()),
+        }
+    };
+    s.set_nonblocking(false).map_err(ProtocolError::Io)?;
+    s.set_nodelay(true).map_err(ProtocolError::Io)?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(ProtocolError::Io)?;
+    let w = s.try_clone().map_err(ProtocolError::Io)?;
+    Ok((BufReader::with_capacity(1 << 20, s), w))
+}
+
+struct Progress {
+    frames: Vec<AtomicU64>,
+    failed: Mutex<Option<String>>,
+    changed: Condvar,
+    lock: Mutex<()>,
+    stop: AtomicBool,
+    pages: AtomicU64,
+    zero_pages: AtomicU64,
+}
+
+fn write_pages(regions: &[RegionView], body: &[u8]) -> Result<u64, ProtocolError> {
+    let (gpas, data) = protocol::decode_pages(body)?;
+    for (i, gpa) in gpas.iter().enumerate() {
+        let ok = gpa % PAGE as u64 == 0
+            && regions
+                .iter()
+                .any(|r| r.contains(*gpa) && r.write(*gpa, &data[i * PAGE..(i + 1) * PAGE]));
+        if !ok {
+            return Err(ProtocolError::Malformed {
+                kind: Kind::Pages,
+                reason: format!("page address {gpa:#x} is not in guest RAM"),
+            });
+        }
+    }
+    Ok(gpas.len() as u64)
+}
+
+fn bulk_loop(
+    vm: &dyn IncomingVm,
+    regions: &[RegionView],
+    mut r: BufReader<TcpStream>,
+    idx: usize,
+    p: &Progress,
+) -> Result<(), MigrationError> {
+    while !p.stop.load(Ordering::Acquire) {
+        let f = match protocol::read_frame(&mut r) {
+            Err(ProtocolError::Closed) => return Ok(()),
+            Err(ProtocolError::Io(e)) if p.stop.load(Ordering::Acquire) => {
+                let _ = e;
+                return Ok(());
+            }
+            other => other?,
+        };
+        match f.kind {
+            Kind::Pages => {
+                p.pages
+                    .fetch_add(write_pages(regions, &f.body)?, Ordering::Relaxed);
+            }
+            Kind::ZeroRanges => {
+                let ranges: Vec<(u64, u64)> = protocol::decode(&f, Kind::ZeroRanges)?;
+                for (gpa, n) in ranges {
+                    let len = n.checked_mul(PAGE as u64).filter(|l| {
+                        regions
+                            .iter()
+                            .any(|r| r.contains(gpa) && gpa - r.gpa + l <= r.size)
+                    });
+                    let Some(len) = len else {
+                        return Err(ProtocolError::Malformed {
+                            kind: Kind::ZeroRanges,
+                            reason: format!("range {gpa:#x}+{n} pages is not in guest RAM"),
+                        }
+                        .into());
+                    };
+                    vm.zero(gpa, len)
+                        .map_err(MigrationError::vm("zero pages"))?;
+                    p.zero_pages.fetch_add(n, Ordering::Relaxed);
+                }
+            }
+            k => {
+                return Err(ProtocolError::Unexpected {
+                    got: k,
+                    want: "Pages or ZeroRanges on a bulk stream",
+                }
+                .into())
+            }
+        }
+        p.frames[idx].fetch_add(1, Ordering::Release);
+        let _g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
+        p.changed.notify_all();
+    }
+    Ok(())
+}
+
+/// Receives one migration into `vm` through `listener`. Returns once the VM
+/// has been started (and the source told so).
+pub fn receive(
+    vm: &dyn IncomingVm,
+    listener: &TcpListener,
+    timeout: Duration,
+) -> Result<IncomingStats, MigrationError> {
+    // The first connection must be the control one.
+    let (mut ctl_r, ctl_w) = accept(listener, Duration::from_secs(24 * 3600))?;
+    let mut ctl_w = BufWriter::new(ctl_w);
+    let result = receive_on(vm, listener, timeout, &mut ctl_r, &mut ctl_w);
+    if let Err(e) = &result {
+        if !matches!(e, MigrationError::Protocol(ProtocolError::Aborted(_))) {
+            let _ = protocol::write_frame(&mut ctl_w, Kind::Abort, e.to_string().as_bytes());
+            let _ = ctl_w.flush();
+        }
+    }
+    result
+}
+
+fn receive_on(
+    vm: &dyn IncomingVm,
+    listener: &TcpListener,
+    timeout: Duration,
+    ctl_r: &mut BufReader<TcpStream>,
+    ctl_w: &mut BufWriter<TcpStream>,
+) -> Result<IncomingStats, MigrationError> {
+    let hello: Hello = protocol::recv(ctl_r, Kind::Hello)?;
+    if hello.role != Role::Control {
+        return Err(ProtocolError::Unexpected {
+            got: Kind::Hello,
+            want: "a control Hello first",
+        }
+        .into());
+    }
+    let version = protocol::negotiate(&hello)?;
+    protocol::send(ctl_w, Kind::HelloAck, &version)?;
+    ctl_w.flush().map_err(ProtocolError::Io)?;
+    let layout: Layout = protocol::recv(ctl_r, Kind::Layout)?;
+    let regions = vm.regions();
+    let mine: Vec<(u64, u64)> = regions.iter().map(|r| (r.gpa, r.size)).collect();
+    if layout.regions != mine || layout.vcpus != vm.vcpus() {
+        return Err(MigrationError::Mismatch(format!(
+            "source has memory {:?} and {} vCPUs, this VM {:?} and {} vCPUs",
+            layout.regions,
+            layout.vcpus,
+            mine,
+            vm.vcpus()
+        )));
+    }
+    let n = hello.streams.clamp(1, 64) as usize;
+    let mut streams: Vec<Option<BufReader<TcpStream>>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let (mut r, _w) = accept(listener, timeout)?;
+        let h: Hello = protocol::recv(&mut r, Kind::Hello)?;
+        match h.role {
+            Role::Bulk(i)
+                if h.session == hello.session
+                    && (i as usize) < n
+                    && streams[i as usize].is_none() =>
+            {
+                streams[i as usize] = Some(r)
+            }
+            _ => {
+                return Err(ProtocolError::Unexpected {
+                    got: Kind::Hello,
+                    want: "a bulk Hello of this session",
+                }
+                .into())
+            }
+        }
+    }
+    let p = Progress {
+        frames: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        failed: Mutex::new(None),
+        changed: Condvar::new(),
+        lock: Mutex::new(()),
+        stop: AtomicBool::new(false),
+        pages: AtomicU64::new(0),
+        zero_pages: AtomicU64::new(0),
+    };
+    let p = Arc::new(p);
+    let mut stats = IncomingStats::default();
+    std::thread::scope(|s| -> Result<(), MigrationError> {
+        for (i, r) in streams.into_iter().enumerate() {
+            let (p, regions) = (p.clone(), &regions);
+            let r = r.ok_or(ProtocolError::Closed)?;
+            s.spawn(move || {
+                if let Err(e) = bulk_loop(vm, regions, r, i, &p) {
+                    *p.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                    let _g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
+                    p.changed.notify_all();
+                }
+            });
+        }
+        let r = control_loop(vm, &regions, ctl_r, ctl_w, timeout, &p, &mut stats);
+        p.stop.store(true, Ordering::Release);
+        r
+    })?;
+    stats.pages = p.pages.load(Ordering::Relaxed);
+    stats.zero_pages = p.zero_pages.load(Ordering::Relaxed);
+    Ok(stats)
+}
+
+fn control_loop(
+    vm: &dyn IncomingVm,
+    regions: &[RegionView],
+    ctl_r: &mut BufReader<TcpStream>,
+    ctl_w: &mut BufWriter<TcpStream>,
+    timeout: Duration,
+    p: &Progress,
+    stats: &mut IncomingStats,
+) -> Result<(), MigrationError> {
+    let mut state: Option<Vec<u8>> = None;
+    loop {
+        let f = protocol::read_frame(ctl_r)?;
+        match f.kind {
+            Kind::RoundDone => {
+                let rd: RoundDone = protocol::decode(&f, Kind::RoundDone)?;
+                if rd.frames.len() != p.frames.len() {
+                    return Err(ProtocolError::Malformed {
+                        kind: Kind::RoundDone,
+                        reason: "wrong stream count".into(),
+                    }
+                    .into());
+                }
+                // Wait until every bulk stream has applied its share of the round.
+                let deadline = Instant::now() + timeout;
+                let mut g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(e) = p.failed.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                        return Err(MigrationError::Vm {
+                            op: "receive pages",
+                            reason: e,
+                        });
+                    }
+                    let done = p
+                        .frames
+                        .iter()
+                        .zip(&rd.frames)
+                        .all(|(a, want)| a.load(Ordering::Acquire) >= *want);
+                    if done {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(ProtocolError::Io(std::io::ErrorKind::TimedOut.into()).into());
+                    }
+                    g = p
+                        .changed
+                        .wait_timeout(g, Duration::from_millis(50))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                drop(g);
+                for f in &p.frames {
+                    f.store(0, Ordering::Release);
+                }
+                stats.rounds = rd.round + 1;
+                protocol::send(ctl_w, Kind::RoundAck, &rd.round)?;
+                ctl_w.flush().map_err(ProtocolError::Io)?;
+            }
+            Kind::State => state = Some(f.body),
+            Kind::Verify => {
+                let (mut bad, mut first, mut total) = (0u64, 0u64, 0u64);
+                let mut words = f.body.chunks_exact(8);
+                for r in regions {
+                    for i in 0..r.pages() {
+                        let theirs = words
+                            .next()
+                            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
+                        total += 1;
+                        if theirs != Some(protocol::page_hash(r.page(i))) {
+                            if bad == 0 {
+                                first = r.gpa + i * PAGE as u64;
+                            }
+                            bad += 1;
+                        }
+                    }
+                }
+                if bad > 0 || words.next().is_some() {
+                    return Err(MigrationError::Verify { bad, total, first });
+                }
+                stats.verified_pages = total;
+            }
+            Kind::Complete => {
+                let t = Instant::now();
+                let state = state.ok_or(ProtocolError::Unexpected {
+                    got: Kind::Complete,
+                    want: "State before Complete",
+                })?;
+                vm.restore_state(&state)
+                    .map_err(MigrationError::vm("restore state"))?;
+                vm.start().map_err(MigrationError::vm("start"))?;
+                stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+                protocol::write_frame(ctl_w, Kind::Started, &[]).map_err(ProtocolError::Io)?;
+                ctl_w.flush().map_err(ProtocolError::Io)?;
+                return Ok(());
+            }
+            k => {
+                return Err(ProtocolError::Unexpected {
+                    got: k,
+                    want: "RoundDone, State, Verify or Complete",
+                }
+                .into())
+            }
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! Precopy, the sending side: copy all memory while the guest runs, then the
+//! pages it dirtied, round after round, until the rest fits the downtime
+//! target at the measured bandwidth; then pause, send the rest and the state.
+//!
+//! Safety rule (after QEMU's "the source must not be changed or destroyed by
+//! an outgoing migration"): until the destination says Started, any failure
+//! stops dirty tracking, resumes the VM if it was paused, tells the peer to
+//! abort, and returns the error. The VM keeps running here with nothing lost.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::protocol::{self, Hello, Kind, Layout, Role, RoundDone, MAX_BATCH, PAGE};
+use crate::stats::{secs, MigrationStats, Progress, RoundStats};
+use crate::vm::{MigratableVm, RegionView};
+use crate::MigrationError;
+
+/// How to migrate.
+#[derive(Clone, Debug)]
+pub struct PrecopyOptions {
+    /// Parallel bulk connections.
+    pub streams: u16,
+    /// Stop iterating when the rest would take at most this long (ms).
+    pub downtime_ms: f64,
+    /// Stop iterating after this many dirty rounds regardless.
+    pub max_rounds: u32,
+    /// Compare per-page hashes at the end.
+    pub verify: bool,
+    /// How long to wait for the destination at each step.
+    pub timeout: Duration,
+}
+
+impl Default for PrecopyOptions {
+    fn default() -> Self {
+        PrecopyOptions {
+            streams: 2,
+            downtime_ms: 10.0,
+            max_rounds: 30,
+            verify: false,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A page set to send: (gpa of first page, number of pages) runs.
+type Runs = Vec<(u64, u64)>;
+
+struct Conn {
+    reader: BufReader<TcpStream>,
+    writer: BufWriter<TcpStream>,
+}
+
+fn connect(addr: SocketAddr, timeout: Duration) -> Result<Conn, MigrationError> {
+    let s =
+        TcpStream::connect_timeout(&addr, timeout).map_err(|source| MigrationError::Connect {
+            addr: addr.to_string(),
+            source,
+        })?;
+    s.set_nodelay(true).map_err(crate::ProtocolError::Io)?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(crate::ProtocolError::Io)?;
+    s.set_write_timeout(Some(timeout))
+        .map_err(crate::ProtocolError::Io)?;
+    let w = s.try_clone().map_err(crate::ProtocolError::Io)?;
+    Ok(Conn {
+        reader: BufReader::new(s),
+        writer: BufWriter::with_capacity(1 << 20, w),
+    })
+}
+
+fn is_zero(page: &[u8]) -> bool {
+    page.chunks_exact(8).all(|c| c == [0u8; 8])
+}
+
+/// Every page of every region, as runs.
+fn all_pages(regions: &[RegionView]) -> Runs {
+    regions.iter().map(|r| (r.gpa, r.pages())).collect()
+}
+
+/// Runs of set bits in per-region dirty bitmaps.
+fn dirty_runs(regions: &[RegionView], bitmaps: &[Vec<u64>]) -> (Runs, u64) {
+    let mut runs = Vec::new();
+    let mut total = 0;
+    for (r, bm) in regions.iter().zip(bitmaps) {
+        let mut start: Option<u64> = None;
+        for i in 0..r.pages() {
+            let set = bm
+                .get((i / 64) as usize)
+                .is_some_and(|w| w >> (i % 64) & 1 == 1);
+            match (set, start) {
+                (true, None) => start = Some(i),
+                (false, Some(s)) => {
+                    runs.push((r.gpa + s * PAGE as u64, i - s));
+                    start = None;
+                }
+                _ => {}
+            }
+            total += set as u64;
+        }
+        if let Some(s) = start {
+            runs.push((r.gpa + s * PAGE as u64, r.pages() - s));
+        }
+    }
+    (runs, total)
+}
+
+fn page_at(regions: &[RegionView], gpa: u64) -> Option<&[u8]> {
+    let r = regions.iter().find(|r| r.contains(gpa))?;
+    Some(r.page((gpa - r.gpa) / PAGE as u64))
+}
+
+/// Sends `runs` over the bulk streams in parallel; returns the round's figures.
+fn send_round(
+    regions: &[RegionView],
+    bulk: &mut [Conn],
+    runs: &Runs,
+    round: u32,
+) -> Result<(RoundStats, Vec<u64>), MigrationError> {
+    let t0 = Instant::now();
+    // Work items: batches of up to MAX_BATCH consecutive pages.
+    let mut work: Vec<(u64, u64)> = Vec::new();
+    for &(gpa, n) in runs {
+        let mut off = 0;
+        while off < n {
+            let k = (n - off).min(MAX_BATCH as u64);
+            work.push((gpa + off * PAGE as u64, k));
+            off += k;
+        }
+    }
+    let queue = Mutex::new(work.into_iter());
+    let (pages, zero, bytes) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    let results: Vec<Result<u64, MigrationError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bulk
+            .iter_mut()
+            .map(|conn| {
+                let (queue, pages, zero, bytes) = (&queue, &pages, &zero, &bytes);
+                s.spawn(move || -> Result<u64, MigrationError> {
+                    let mut frames = 0u64;
+                    let mut gpas = Vec::with_capacity(MAX_BATCH);
+                    let mut data = Vec::with_capacity(MAX_BATCH * PAGE);
+                    loop {
+                        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                        let Some((base, n)) = next else { break };
+                        gpas.clear();
+                        data.clear();
+                        let mut zeros: Vec<(u64, u64)> = Vec::new();
+                        for i in 0..n {
+                            let gpa = base + i * PAGE as u64;
+                            let Some(page) = page_at(regions, gpa) else {
+                                continue;
+                            };
+                            if is_zero(page) {
+                                match zeros.last_mut() {
+                                    Some((g, k)) if *g + *k * PAGE as u64 == gpa => *k += 1,
+                                    _ => zeros.push((gpa, 1)),
+                                }
+                            } else {
+                                gpas.push(gpa);
+                                data.extend_from_slice(page);
+                            }
+                        }
+                        if !zeros.is_empty() {
+                            let body = postcard::to_stdvec(&zeros).map_err(|e| {
+                                crate::ProtocolError::Malformed {
+                                    kind: Kind::ZeroRanges,
+                                    reason: e.to_string(),
+                                }
+                            })?;
+                            protocol::write_frame(&mut conn.writer, Kind::ZeroRanges, &body)
+                                .map_err(crate::ProtocolError::Io)?;
+                            bytes.fetch_add(
+                                (protocol::HEADER + body.len()) as u64,
+                                Ordering::Relaxed,
+                            );
+                            zero.fetch_add(zeros.iter().map(|z| z.1).sum(), Ordering::Relaxed);
+                            frames += 1;
+                        }
+                        if !gpas.is_empty() {
+                            let body = protocol::encode_pages(&gpas, &data);
+                            protocol::write_frame(&mut conn.writer, Kind::Pages, &body)
+                                .map_err(crate::ProtocolError::Io)?;
+                            bytes.fetch_add(
+                                (protocol::HEADER + body.len()) as u64,
+                                Ordering::Relaxed,
+                            );
+                            pages.fetch_add(gpas.len() as u64, Ordering::Relaxed);
+                            frames += 1;
+                        }
+                    }
+                    conn.writer.flush().map_err(crate::ProtocolError::Io)?;
+                    Ok(frames)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(Ok(0)))
+            .collect()
+    });
+    let frames = results.into_iter().collect::<Result<Vec<u64>, _>>()?;
+    let elapsed = secs(t0.elapsed()).max(1e-9);
+    let bytes = bytes.load(Ordering::Relaxed);
+    Ok((
+        RoundStats {
+            round,
+            pages: pages.load(Ordering::Relaxed),
+            zero_pages: zero.load(Ordering::Relaxed),
+            bytes,
+            secs: elapsed,
+            throughput: bytes as f64 / elapsed,
+            dirty_rate: 0.0,
+        },
+        frames,
+    ))
+}
+
+/// Ends a round on the control connection and waits until the destination
+/// has applied it (so a later round's copy of a page can never be overtaken).
+fn barrier(ctl: &mut Conn, round: u32, frames: Vec<u64>) -> Result<(), MigrationError> {
+    protocol::send(
+        &mut ctl.writer,
+        Kind::RoundDone,
+        &RoundDone { round, frames },
+    )?;
+    ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
+    let ack: u32 = protocol::recv(&mut ctl.reader, Kind::RoundAck)?;
+    if ack != round {
+        return Err(crate::ProtocolError::Malformed {
+            kind: Kind::RoundAck,
+            reason: format!("ack for round {ack}, expected {round}"),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Migrates `vm` to the ferry destination at `to`. On success the VM runs at
+/// the destination and the caller must release it here (it stays paused).
+pub fn migrate(
+    vm: &dyn MigratableVm,
+    to: SocketAddr,
+    opts: &PrecopyOptions,
+    progress: &dyn Fn(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    let mut paused = false;
+    let mut ctl_slot: Option<Conn> = None;
+    let result = run(vm, to, opts, progress, &mut paused, &mut ctl_slot);
+    if result.is_err() {
+        let _ = vm.stop_dirty_log();
+        if paused {
+            let _ = vm.resume();
+        }
+        if let (Some(ctl), Err(e)) = (ctl_slot.as_mut(), &result) {
+            let _ = protocol::write_frame(&mut ctl.writer, Kind::Abort, e.to_string().as_bytes());
+            let _ = ctl.writer.flush();
+        }
+    }
+    result
+}
+
+fn run(
+    vm: &dyn MigratableVm,
+    to: SocketAddr,
+    opts: &PrecopyOptions,
+    progress: &dyn Fn(&Progress),
+    paused: &mut bool,
+    ctl_slot: &mut Option<Conn>,
+) -> Result<MigrationStats, MigrationError> {
+    let t_start = Instant::now();
+    let regions = vm.regions();
+    let session = t_start.elapsed().as_nanos() as u64 ^ std::process::id() as u64;
+    let streams = opts.streams.max(1);
+    let ctl = ctl_slot.insert(connect(to, opts.timeout)?);
+    let hello = |role| Hello {
+        version_min: protocol::VERSION_MIN,
+        version_max: protocol::VERSION_MAX,
+        role,
+        session,
+        streams,
+    };
+    protocol::send(&mut ctl.writer, Kind::Hello, &hello(Role::Control))?;
+    ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
+    let _version: u16 = protocol::recv(&mut ctl.reader, Kind::HelloAck)?;
+    let layout = Layout {
+        regions: regions.iter().map(|r| (r.gpa, r.size)).collect(),
+        vcpus: vm.vcpus(),
+    };
+    protocol::send(&mut ctl.writer, Kind::Layout, &layout)?;
+    ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
+    let mut bulk = Vec::new();
+    for i in 0..streams {
+        let mut c = connect(to, opts.timeout)?;
+        protocol::send(&mut c.writer, Kind::Hello, &hello(Role::Bulk(i)))?;
+        c.writer.flush().map_err(crate::ProtocolError::Io)?;
+        bulk.push(c);
+    }
+    let ctl = ctl_slot.as_mut().ok_or(crate::ProtocolError::Closed)?;
+
+    let mut stats = MigrationStats::default();
+    vm.start_dirty_log()
+        .map_err(MigrationError::vm("start dirty log"))?;
+    let mut runs = all_pages(&regions);
+    let mut round = 0u32;
+    let mut bandwidth;
+    loop {
+        let remaining: u64 = runs.iter().map(|r| r.1).sum();
+        progress(&Progress {
+            round,
+            remaining_pages: remaining,
+            throughput: 0.0,
+            bytes: stats.bytes,
+            phase: "copy",
+        });
+        let (mut rs, frames) = send_round(&regions, &mut bulk, &runs, round)?;
+        barrier(ctl, round, frames)?;
+        let (next, dirty) = dirty_runs(
+            &regions,
+            &vm.take_dirty()
+                .map_err(MigrationError::vm("read dirty log"))?,
+        );
+        rs.dirty_rate = (dirty * PAGE as u64) as f64 / rs.secs;
+        bandwidth = rs.throughput.max(1.0);
+        stats.bytes += rs.bytes;
+        stats.pages += rs.pages;
+        stats.zero_pages += rs.zero_pages;
+        stats.rounds.push(rs);
+        runs = next;
+        round += 1;
+        let expected_ms = (dirty * (PAGE as u64 + 8)) as f64 / bandwidth * 1e3;
+        if expected_ms <= opts.downtime_ms {
+            stats.converged = format!("remainder of {dirty} pages fits {:.1} ms", opts.downtime_ms);
+            break;
+        }
+        if round > opts.max_rounds {
+            stats.converged = format!(
+                "max rounds ({}) reached with {dirty} pages dirty",
+                opts.max_rounds
+            );
+            break;
+        }
+    }
+
+    // Stop and copy.
+    let t_pause = Instant::now();
+    vm.pause().map_err(MigrationError::vm("pause"))?;
+    *paused = true;
+    let (mut last, _) = dirty_runs(
+        &regions,
+        &vm.take_dirty()
+            .map_err(MigrationError::vm("read dirty log"))?,
+    );
+    last.extend(runs);
+    last.extend(
+        vm.host_written_ranges()
+            .into_iter()
+            .map(|(gpa, len)| (gpa, len.div_ceil(PAGE as u64))),
+    );
+    last.sort_unstable();
+    last.dedup();
+    let last = merge_runs(last);
+    let remaining: u64 = last.iter().map(|r| r.1).sum();
+    progress(&Progress {
+        round,
+        remaining_pages: remaining,
+        throughput: bandwidth,
+        bytes: stats.bytes,
+        phase: "stop-and-copy",
+    });
+    let (rs, frames) = send_round(&regions, &mut bulk, &last, round)?;
+    barrier(ctl, round, frames)?;
+    stats.bytes += rs.bytes;
+    stats.pages += rs.pages;
+    stats.zero_pages += rs.zero_pages;
+    stats.rounds.push(rs);
+    vm.stop_dirty_log()
+        .map_err(MigrationError::vm("stop dirty log"))?;
+
+    let state = vm.save_state().map_err(MigrationError::vm("save state"))?;
+    protocol::write_frame(&mut ctl.writer, Kind::State, &state)
+        .map_err(crate::ProtocolError::Io)?;
+    stats.state_bytes = state.len() as u64;
+    stats.bytes += (protocol::HEADER + state.len()) as u64;
+    if opts.verify {
+        progress(&Progress {
+            round,
+            remaining_pages: 0,
+            throughput: bandwidth,
+            bytes: stats.bytes,
+            phase: "verify",
+        });
+        let mut hashes = Vec::new();
+        for r in &regions {
+            for i in 0..r.pages() {
+                hashes.extend_from_slice(&protocol::page_hash(r.page(i)).to_le_bytes());
+            }
+        }
+        protocol::write_frame(&mut ctl.writer, Kind::Verify, &hashes)
+            .map_err(crate::ProtocolError::Io)?;
+        stats.verified_pages = (hashes.len() / 8) as u64;
+        stats.bytes += (protocol::HEADER + hashes.len()) as u64;
+    }
+    protocol::write_frame(&mut ctl.writer, Kind::Complete, &[])
+        .map_err(crate::ProtocolError::Io)?;
+    ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
+    let frame = protocol::read_frame(&mut ctl.reader)?;
+    if frame.kind != Kind::Started {
+        return Err(crate::ProtocolError::Unexpected {
+            got: frame.kind,
+            want: "Started",
+        }
+        .into());
+    }
+    stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
+    stats.total_secs = secs(t_start.elapsed());
+    progress(&Progress {
+        round,
+        remaining_pages: 0,
+        throughput: bandwidth,
+        bytes: stats.bytes,
+        phase: "done",
+    });
+    Ok(stats)
+}
+
+/// Merges sorted, possibly overlapping runs.
+fn merge_runs(sorted: Runs) -> Runs {
+    let mut out: Runs = Vec::new();
+    for (gpa, n) in sorted {
+        match out.last_mut() {
+            Some((g, k)) if gpa <= *g + *k * PAGE as u64 => {
+                let end = (gpa + n * PAGE as u64).max(*g + *k * PAGE as u64);
+                *k = (end - *g) / PAGE as u64;
+            }
+            _ => out.push((gpa, n)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_from_bitmaps_and_merging() {
+        let mut mem = vec![0u8; 8 * PAGE];
+        let r = RegionView {
+            gpa: 0x10000,
+            size: 8 * PAGE as u64,
+            host: mem.as_mut_ptr(),
+        };
+        let (runs, n) = dirty_runs(&[r], &[vec![0b1011_0110]]);
+        assert_eq!(n, 5);
+        assert_eq!(runs, vec![(0x11000, 2), (0x14000, 2), (0x17000, 1)]);
+        assert_eq!(
+            merge_runs(vec![(0, 2), (0x1000, 3), (0x8000, 1)]),
+            vec![(0, 4), (0x8000, 1)]
+        );
+        assert!(is_zero(&mem[..PAGE]));
+        mem[PAGE + 4095] = 1;
+        assert!(!is_zero(&mem[PAGE..2 * PAGE]));
+    }
+}

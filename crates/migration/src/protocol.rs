@@ -1,0 +1,459 @@
+//! ferry migration wire protocol, version 1 (full text: docs/protocol.md).
+//!
+//! Every message is one frame:
+//!
+//! ```text
+//! +--------+--------+--------+--------+--------+
+//! | magic  | kind   | flags  | len    | crc32c |   16-byte header, little-endian
+//! | u32    | u16    | u16    | u32    | u32    |   crc32c covers the body
+//! +--------+--------+--------+--------+--------+
+//! | body: len bytes (postcard, or raw pages)   |   len <= MAX_BODY
+//! +--------------------------------------------+
+//! ```
+//!
+//! A session is one control connection plus N bulk connections, each opened
+//! by the source with a `Hello` naming its role:
+//!
+//! ```text
+//! source                                         destination
+//!  ctl  Hello{versions 1..=1, Control, streams}  ──▶
+//!                                                ◀──  HelloAck{version 1}  (or Abort: version/shape)
+//!  ctl  Layout{regions, vcpus}                   ──▶   (checked against the waiting VM)
+//!  bulk Hello{Bulk} ... ; Pages / ZeroRanges     ──▶   written into guest memory
+//!  ctl  RoundDone{round, frames per stream}      ──▶   (waits for that many frames per stream)
+//!  ...  dirty rounds ..., then the source pauses the VM, sends the last dirty pages
+//!  ctl  State{vm state}                          ──▶
+//!  ctl  Verify{page hashes}                      ──▶   (optional) compared with its own
+//!  ctl  Complete                                 ──▶   restores state, starts vCPUs
+//!                                                ◀──  Started   (source releases the VM)
+//!  either side: Abort{reason} at any point; the source then resumes its VM.
+//! ```
+
+use std::io::{self, Read, Write};
+
+/// Frame magic "FRYM".
+pub const MAGIC: u32 = 0x4d59_5246;
+/// Oldest protocol version this build speaks.
+pub const VERSION_MIN: u16 = 1;
+/// Newest protocol version this build speaks.
+pub const VERSION_MAX: u16 = 1;
+/// Bytes of frame header.
+pub const HEADER: usize = 16;
+/// Largest frame body accepted from a peer.
+pub const MAX_BODY: usize = 32 << 20;
+/// Guest page size, the unit of transfer.
+pub const PAGE: usize = 4096;
+/// Most pages in one Pages frame.
+pub const MAX_BATCH: usize = 1024;
+
+/// Message kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    /// Opens a connection: versions, role.
+    Hello = 1,
+    /// Accepts a Hello: chosen version.
+    HelloAck = 2,
+    /// Guest memory layout and vCPU count.
+    Layout = 3,
+    /// A batch of pages: count, addresses, contents.
+    Pages = 4,
+    /// Ranges of zero pages.
+    ZeroRanges = 5,
+    /// End of a round: how many frames each bulk stream carried in it.
+    RoundDone = 6,
+    /// VM state (vCPUs, devices).
+    State = 7,
+    /// Per-page hashes for end-to-end verification.
+    Verify = 8,
+    /// Everything sent: restore and run.
+    Complete = 9,
+    /// The destination runs the VM.
+    Started = 10,
+    /// Give up; the reason is in the body.
+    Abort = 11,
+    /// Receipt of a round (destination to source).
+    RoundAck = 12,
+}
+
+impl Kind {
+    fn from_u16(v: u16) -> Option<Kind> {
+        use Kind::*;
+        Some(match v {
+            1 => Hello,
+            2 => HelloAck,
+            3 => Layout,
+            4 => Pages,
+            5 => ZeroRanges,
+            6 => RoundDone,
+            7 => State,
+            8 => Verify,
+            9 => Complete,
+            10 => Started,
+            11 => Abort,
+            12 => RoundAck,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a frame or message was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// Socket error.
+    #[error("migration connection failed: {0}")]
+    Io(#[from] io::Error),
+    /// The peer closed the connection.
+    #[error("the peer closed the migration connection")]
+    Closed,
+    /// The stream ended inside a frame.
+    #[error("migration stream truncated inside a frame")]
+    Truncated,
+    /// Not a ferry migration stream.
+    #[error("not a ferry migration stream (magic {0:#x}): is the peer a ferry destination?")]
+    BadMagic(u32),
+    /// Unknown message kind.
+    #[error("unknown message kind {0}")]
+    BadKind(u16),
+    /// Body too large.
+    #[error("frame body of {0} bytes exceeds the {MAX_BODY}-byte limit")]
+    TooLarge(u32),
+    /// Checksum mismatch.
+    #[error("frame checksum mismatch (kind {kind:?}, {len} bytes): corrupt stream")]
+    Checksum {
+        /// Kind of the corrupt frame.
+        kind: Kind,
+        /// Its length.
+        len: u32,
+    },
+    /// The body does not decode.
+    #[error("malformed {kind:?} message: {reason}")]
+    Malformed {
+        /// Kind.
+        kind: Kind,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No common version.
+    #[error("peer speaks protocol versions {min}..={max}, this ferry speaks {VERSION_MIN}..={VERSION_MAX}")]
+    Version {
+        /// Peer's oldest.
+        min: u16,
+        /// Peer's newest.
+        max: u16,
+    },
+    /// A message that does not belong here.
+    #[error("unexpected {got:?} message while waiting for {want}")]
+    Unexpected {
+        /// What came.
+        got: Kind,
+        /// What was expected.
+        want: &'static str,
+    },
+    /// The peer gave up.
+    #[error("the peer aborted the migration: {0}")]
+    Aborted(String),
+}
+
+/// Role of a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Role {
+    /// The control connection.
+    Control,
+    /// Bulk page stream number n.
+    Bulk(u16),
+}
+
+/// Opens a connection.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Hello {
+    /// Oldest version the sender speaks.
+    pub version_min: u16,
+    /// Newest version the sender speaks.
+    pub version_max: u16,
+    /// This connection's role.
+    pub role: Role,
+    /// Session id chosen by the source (ties bulk connections to the control one).
+    pub session: u64,
+    /// Bulk streams that will follow (control only).
+    pub streams: u16,
+}
+
+/// Guest memory layout and shape.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Layout {
+    /// (guest physical address, bytes) per region.
+    pub regions: Vec<(u64, u64)>,
+    /// vCPUs.
+    pub vcpus: u32,
+}
+
+/// End of a round.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RoundDone {
+    /// Round number (0 = full copy).
+    pub round: u32,
+    /// Frames each bulk stream sent in this round.
+    pub frames: Vec<u64>,
+}
+
+/// A decoded frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// Kind.
+    pub kind: Kind,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+/// Writes one frame.
+pub fn write_frame(w: &mut impl Write, kind: Kind, body: &[u8]) -> io::Result<()> {
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&(kind as u16).to_le_bytes());
+    h[8..12].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    h[12..16].copy_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    w.write_all(&h)?;
+    w.write_all(body)
+}
+
+/// Writes a message with a postcard body.
+pub fn send<T: serde::Serialize>(
+    w: &mut impl Write,
+    kind: Kind,
+    msg: &T,
+) -> Result<(), ProtocolError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| ProtocolError::Malformed {
+        kind,
+        reason: e.to_string(),
+    })?;
+    write_frame(w, kind, &body)?;
+    Ok(())
+}
+
+/// Reads one frame, checking magic, kind, length limit and checksum.
+pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
+    let mut h = [0u8; HEADER];
+    let mut got = 0;
+    while got < HEADER {
+        match r.read(&mut h[got..]) {
+            Ok(0) if got == 0 => return Err(ProtocolError::Closed),
+            Ok(0) => return Err(ProtocolError::Truncated),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    if magic != MAGIC {
+        return Err(ProtocolError::BadMagic(magic));
+    }
+    let raw_kind = u16::from_le_bytes([h[4], h[5]]);
+    let kind = Kind::from_u16(raw_kind).ok_or(ProtocolError::BadKind(raw_kind))?;
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    if len as usize > MAX_BODY {
+        return Err(ProtocolError::TooLarge(len));
+    }
+    let crc = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => ProtocolError::Truncated,
+        _ => ProtocolError::Io(e),
+    })?;
+    if crc32c::crc32c(&body) != crc {
+        return Err(ProtocolError::Checksum { kind, len });
+    }
+    if kind == Kind::Abort {
+        return Err(ProtocolError::Aborted(
+            String::from_utf8_lossy(&body).into_owned(),
+        ));
+    }
+    Ok(Frame { kind, body })
+}
+
+/// Decodes a postcard body of the expected kind.
+pub fn decode<T: serde::de::DeserializeOwned>(f: &Frame, want: Kind) -> Result<T, ProtocolError> {
+    if f.kind != want {
+        return Err(ProtocolError::Unexpected {
+            got: f.kind,
+            want: kind_name(want),
+        });
+    }
+    postcard::from_bytes(&f.body).map_err(|e| ProtocolError::Malformed {
+        kind: f.kind,
+        reason: e.to_string(),
+    })
+}
+
+/// Reads the next frame and decodes it as `want`.
+pub fn recv<T: serde::de::DeserializeOwned>(
+    r: &mut impl Read,
+    want: Kind,
+) -> Result<T, ProtocolError> {
+    decode(&read_frame(r)?, want)
+}
+
+fn kind_name(k: Kind) -> &'static str {
+    match k {
+        Kind::Hello => "Hello",
+        Kind::HelloAck => "HelloAck",
+        Kind::Layout => "Layout",
+        Kind::Pages => "Pages",
+        Kind::ZeroRanges => "ZeroRanges",
+        Kind::RoundDone => "RoundDone",
+        Kind::State => "State",
+        Kind::Verify => "Verify",
+        Kind::Complete => "Complete",
+        Kind::Started => "Started",
+        Kind::Abort => "Abort",
+        Kind::RoundAck => "RoundAck",
+    }
+}
+
+/// Picks the version both sides speak, or says why there is none.
+pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
+    let v = h.version_max.min(VERSION_MAX);
+    if v < h.version_min.max(VERSION_MIN) {
+        return Err(ProtocolError::Version {
+            min: h.version_min,
+            max: h.version_max,
+        });
+    }
+    Ok(v)
+}
+
+/// Encodes a Pages body: `count:u32 | count x gpa:u64 | count x 4096 bytes`.
+pub fn encode_pages(gpas: &[u64], data: &[u8]) -> Vec<u8> {
+    debug_assert_eq!(data.len(), gpas.len() * PAGE);
+    let mut b = Vec::with_capacity(4 + gpas.len() * (8 + PAGE));
+    b.extend_from_slice(&(gpas.len() as u32).to_le_bytes());
+    for g in gpas {
+        b.extend_from_slice(&g.to_le_bytes());
+    }
+    b.extend_from_slice(data);
+    b
+}
+
+/// Splits a Pages body into (addresses, page data), checking its shape.
+pub fn decode_pages(body: &[u8]) -> Result<(Vec<u64>, &[u8]), ProtocolError> {
+    let bad = |reason: String| ProtocolError::Malformed {
+        kind: Kind::Pages,
+        reason,
+    };
+    if body.len() < 4 {
+        return Err(bad("shorter than its count".into()));
+    }
+    let n = u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize;
+    if n > MAX_BATCH || body.len() != 4 + n * (8 + PAGE) {
+        return Err(bad(format!("{n} pages do not match {} bytes", body.len())));
+    }
+    let gpas = body[4..4 + 8 * n]
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect();
+    Ok((gpas, &body[4 + 8 * n..]))
+}
+
+/// Hash of one page for end-to-end verification.
+pub fn page_hash(page: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(page)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let mut buf = Vec::new();
+        let hello = Hello {
+            version_min: 1,
+            version_max: 1,
+            role: Role::Bulk(2),
+            session: 9,
+            streams: 0,
+        };
+        send(&mut buf, Kind::Hello, &hello).unwrap();
+        let gpas = [0x1000u64, 0x5000];
+        let data = vec![7u8; 2 * PAGE];
+        write_frame(&mut buf, Kind::Pages, &encode_pages(&gpas, &data)).unwrap();
+        let mut r = &buf[..];
+        assert_eq!(recv::<Hello>(&mut r, Kind::Hello).unwrap(), hello);
+        let f = read_frame(&mut r).unwrap();
+        let (g, d) = decode_pages(&f.body).unwrap();
+        assert_eq!((g.as_slice(), d), (&gpas[..], &data[..]));
+        assert!(matches!(read_frame(&mut r), Err(ProtocolError::Closed)));
+    }
+
+    #[test]
+    fn corrupt_truncated_and_foreign_streams_are_refused() {
+        let mut buf = Vec::new();
+        send(
+            &mut buf,
+            Kind::Layout,
+            &Layout {
+                regions: vec![(0, 4096)],
+                vcpus: 1,
+            },
+        )
+        .unwrap();
+        let mut flipped = buf.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(matches!(
+            read_frame(&mut &flipped[..]),
+            Err(ProtocolError::Checksum { .. })
+        ));
+        assert!(matches!(
+            read_frame(&mut &buf[..buf.len() - 1]),
+            Err(ProtocolError::Truncated)
+        ));
+        assert!(matches!(
+            read_frame(&mut &buf[..5]),
+            Err(ProtocolError::Truncated)
+        ));
+        assert!(matches!(
+            read_frame(&mut &b"GET / HTTP/1.1\r\n\r\n"[..]),
+            Err(ProtocolError::BadMagic(_))
+        ));
+        let mut big = buf.clone();
+        big[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            read_frame(&mut &big[..]),
+            Err(ProtocolError::TooLarge(_))
+        ));
+        let mut kind = buf.clone();
+        kind[4] = 99;
+        assert!(matches!(
+            read_frame(&mut &kind[..]),
+            Err(ProtocolError::BadKind(99))
+        ));
+        let mut r = &buf[..];
+        assert!(matches!(
+            recv::<Hello>(&mut r, Kind::Hello),
+            Err(ProtocolError::Unexpected { .. })
+        ));
+        assert!(decode_pages(&[1, 0, 0, 0, 1]).is_err());
+        assert!(decode_pages(&[0xff, 0xff, 0, 0]).is_err());
+        let mut a = Vec::new();
+        write_frame(&mut a, Kind::Abort, b"disk full").unwrap();
+        assert!(
+            matches!(read_frame(&mut &a[..]), Err(ProtocolError::Aborted(m)) if m == "disk full")
+        );
+    }
+
+    #[test]
+    fn versions_are_negotiated() {
+        let h = |min, max| Hello {
+            version_min: min,
+            version_max: max,
+            role: Role::Control,
+            session: 0,
+            streams: 1,
+        };
+        assert_eq!(negotiate(&h(1, 5)).unwrap(), 1);
+        assert!(matches!(
+            negotiate(&h(2, 3)),
+            Err(ProtocolError::Version { min: 2, max: 3 })
+        ));
+    }
+}

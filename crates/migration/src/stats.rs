@@ -1,0 +1,65 @@
+//! What a migration measured (definitions in shared DESIGN.md, "Measurements").
+
+use std::time::Duration;
+
+/// One precopy round.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct RoundStats {
+    /// 0 = full copy; the last is the stop-and-copy round.
+    pub round: u32,
+    /// Non-zero pages sent.
+    pub pages: u64,
+    /// Zero pages sent as ranges.
+    pub zero_pages: u64,
+    /// Bytes written to the sockets.
+    pub bytes: u64,
+    /// Wall time of the round.
+    pub secs: f64,
+    /// Bytes per second achieved.
+    pub throughput: f64,
+    /// Guest dirty rate measured over the round (bytes/s).
+    pub dirty_rate: f64,
+}
+
+/// A whole migration, as the source saw it.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct MigrationStats {
+    /// Start to source released (seconds).
+    pub total_secs: f64,
+    /// Source vCPUs paused to destination vCPUs running (ms), measured at
+    /// the source: pause until the destination's Started arrived.
+    pub downtime_ms: f64,
+    /// Every round.
+    pub rounds: Vec<RoundStats>,
+    /// Bytes on the wire, all connections.
+    pub bytes: u64,
+    /// Non-zero pages sent (all rounds).
+    pub pages: u64,
+    /// Zero pages sent as ranges.
+    pub zero_pages: u64,
+    /// Encoded VM state bytes.
+    pub state_bytes: u64,
+    /// Pages compared end to end (0 without --verify).
+    pub verified_pages: u64,
+    /// Why precopy stopped iterating.
+    pub converged: String,
+}
+
+/// Live progress for a bar.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Progress {
+    /// Current round.
+    pub round: u32,
+    /// Pages left in it.
+    pub remaining_pages: u64,
+    /// Bytes/s of the last round.
+    pub throughput: f64,
+    /// Bytes sent so far.
+    pub bytes: u64,
+    /// Phase: "copy", "stop-and-copy", "state", "verify", "done".
+    pub phase: &'static str,
+}
+
+pub(crate) fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}

@@ -1,0 +1,212 @@
+//! The engine on plain memory over loopback TCP: no KVM involved.
+
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use ferry_migration::{
+    incoming, migrate, IncomingVm, MigratableVm, MigrationError, PrecopyOptions, RegionView,
+};
+
+const PAGE: usize = 4096;
+
+struct FakeVm {
+    mem: Vec<Mutex<Vec<u8>>>,
+    layout: Vec<(u64, u64)>,
+    /// Pages "dirtied" per take_dirty call, scripted.
+    dirty_script: Mutex<Vec<Vec<u64>>>,
+    pauses: AtomicU32,
+    resumes: AtomicU32,
+    state: Mutex<Vec<u8>>,
+    started: AtomicU32,
+}
+
+impl FakeVm {
+    fn new(layout: &[(u64, u64)], fill: bool) -> FakeVm {
+        let mem = layout
+            .iter()
+            .map(|&(_, size)| {
+                let mut v = vec![0u8; size as usize];
+                if fill {
+                    for (i, b) in v.iter_mut().enumerate() {
+                        // Every third page stays zero.
+                        if (i / PAGE) % 3 != 0 {
+                            *b = (i as u64).wrapping_mul(2654435761).to_le_bytes()[3];
+                        }
+                    }
+                }
+                Mutex::new(v)
+            })
+            .collect();
+        FakeVm {
+            mem,
+            layout: layout.to_vec(),
+            dirty_script: Mutex::new(Vec::new()),
+            pauses: AtomicU32::new(0),
+            resumes: AtomicU32::new(0),
+            state: Mutex::new(b"vcpu state".to_vec()),
+            started: AtomicU32::new(0),
+        }
+    }
+}
+
+impl MigratableVm for FakeVm {
+    fn regions(&self) -> Vec<RegionView> {
+        self.layout
+            .iter()
+            .zip(&self.mem)
+            .map(|(&(gpa, size), m)| RegionView {
+                gpa,
+                size,
+                host: m.lock().unwrap().as_mut_ptr(),
+            })
+            .collect()
+    }
+    fn vcpus(&self) -> u32 {
+        1
+    }
+    fn start_dirty_log(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, String> {
+        // Each call: the scripted pages of region 0 get new content and are reported dirty.
+        let pages = self.dirty_script.lock().unwrap().pop().unwrap_or_default();
+        let mut bm = vec![0u64; (self.layout[0].1 as usize / PAGE).div_ceil(64)];
+        let mut m = self.mem[0].lock().unwrap();
+        for p in pages {
+            m[p as usize * PAGE] ^= 0xff;
+            bm[(p / 64) as usize] |= 1 << (p % 64);
+        }
+        let mut out = vec![bm];
+        out.extend(
+            self.layout[1..]
+                .iter()
+                .map(|r| vec![0u64; (r.1 as usize / PAGE).div_ceil(64)]),
+        );
+        Ok(out)
+    }
+    fn stop_dirty_log(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn pause(&self) -> Result<(), String> {
+        self.pauses.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn resume(&self) -> Result<(), String> {
+        self.resumes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn save_state(&self) -> Result<Vec<u8>, String> {
+        Ok(self.state.lock().unwrap().clone())
+    }
+    fn host_written_ranges(&self) -> Vec<(u64, u64)> {
+        vec![(self.layout[0].0, PAGE as u64)]
+    }
+}
+
+impl IncomingVm for FakeVm {
+    fn regions(&self) -> Vec<RegionView> {
+        MigratableVm::regions(self)
+    }
+    fn vcpus(&self) -> u32 {
+        1
+    }
+    fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {
+        for (i, &(base, size)) in self.layout.iter().enumerate() {
+            if gpa >= base && gpa + len <= base + size {
+                let off = (gpa - base) as usize;
+                self.mem[i].lock().unwrap()[off..off + len as usize].fill(0);
+                return Ok(());
+            }
+        }
+        Err("zero outside memory".into())
+    }
+    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
+        *self.state.lock().unwrap() = state.to_vec();
+        Ok(())
+    }
+    fn start(&self) -> Result<(), String> {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+const LAYOUT: &[(u64, u64)] = &[(0, 64 * PAGE as u64), (0x10_0000, 200 * PAGE as u64)];
+
+#[test]
+fn precopy_moves_every_page_and_the_state() {
+    let src = FakeVm::new(LAYOUT, true);
+    *src.dirty_script.lock().unwrap() = vec![vec![], vec![1, 2, 3], (0..40).collect()];
+    let dst = FakeVm::new(LAYOUT, false);
+    // Garbage the destination must overwrite, including where the source has zeros.
+    dst.mem[1].lock().unwrap().fill(0xee);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = PrecopyOptions {
+        streams: 3,
+        downtime_ms: 0.0,
+        max_rounds: 2,
+        verify: true,
+        ..Default::default()
+    };
+    let (stats, istats) = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        (st, d.join().unwrap().unwrap())
+    });
+    for (a, b) in src.mem.iter().zip(&dst.mem) {
+        assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
+    }
+    assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
+    assert_eq!(dst.started.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        (
+            src.pauses.load(Ordering::SeqCst),
+            src.resumes.load(Ordering::SeqCst)
+        ),
+        (1, 0)
+    );
+    assert_eq!(stats.verified_pages, 264);
+    assert_eq!(istats.verified_pages, 264);
+    // Round 0 sends 2/3 of the pages as data and 1/3 as zero ranges.
+    assert_eq!(stats.rounds[0].pages + stats.rounds[0].zero_pages, 264);
+    assert!(stats.rounds[0].zero_pages >= 80);
+    assert!(
+        stats.rounds.len() >= 3,
+        "max_rounds 2 plus stop-and-copy: {:?}",
+        stats.rounds.len()
+    );
+}
+
+#[test]
+fn a_mismatched_destination_refuses_and_the_source_resumes_untouched() {
+    let src = FakeVm::new(LAYOUT, true);
+    let dst = FakeVm::new(&LAYOUT[..1], false);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let before = src.mem[0].lock().unwrap().clone();
+    let (err, derr) = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let e = migrate(&src, addr, &PrecopyOptions::default(), &|_| {}).unwrap_err();
+        (e, d.join().unwrap().unwrap_err())
+    });
+    assert!(matches!(derr, MigrationError::Mismatch(_)), "{derr}");
+    assert!(
+        err.to_string().contains("does not match") || err.to_string().contains("aborted"),
+        "{err}"
+    );
+    assert_eq!(dst.started.load(Ordering::SeqCst), 0);
+    assert_eq!(src.pauses.load(Ordering::SeqCst), 0);
+    assert!(*src.mem[0].lock().unwrap() == before);
+}
+
+#[test]
+fn a_dead_destination_is_a_clear_error() {
+    let src = FakeVm::new(LAYOUT, true);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let e = migrate(&src, addr, &PrecopyOptions::default(), &|_| {}).unwrap_err();
+    assert!(matches!(e, MigrationError::Connect { .. }), "{e}");
+}
