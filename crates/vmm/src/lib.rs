@@ -11,6 +11,7 @@ pub mod control;
 pub mod devices;
 pub mod guest_abi;
 pub mod metrics;
+pub mod migration;
 pub mod vmm;
 pub mod vstate;
 pub mod workload;

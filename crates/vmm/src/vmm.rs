@@ -343,7 +343,7 @@ pub struct Vm {
     tsc_khz: u64,
     started: Mutex<Option<Instant>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
-    _vm: Arc<VmFd>,
+    vm_fd: Arc<VmFd>,
     _kvm: Kvm,
     memory: Arc<GuestMemory>,
 }
@@ -378,7 +378,7 @@ impl Vm {
         setup::write_page_tables(&memory, &layout)?;
 
         let vm_fd = Arc::new(vm::create_vm(&kvm)?);
-        vm::register_memory(&vm_fd, &memory)?;
+        vm::register_memory(&vm_fd, &memory, false)?;
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|source| KvmError::Ioctl {
@@ -455,7 +455,7 @@ impl Vm {
             handles: Mutex::new(Vec::new()),
             tsc_khz,
             started: Mutex::new(None),
-            _vm: vm_fd,
+            vm_fd,
             _kvm: kvm,
         })
     }
@@ -576,7 +576,7 @@ impl Vm {
         };
         Ok(VmState {
             vcpus,
-            kvm: persist::save_vm(&self._vm)?,
+            kvm: persist::save_vm(&self.vm_fd)?,
             service: self.service().map(|s| s.state()),
         })
     }
@@ -595,7 +595,7 @@ impl Vm {
             }
             .into());
         }
-        persist::restore_vm(&self._vm, &state.kvm)?;
+        persist::restore_vm(&self.vm_fd, &state.kvm)?;
         for (fd, s) in vcpus.iter().zip(&state.vcpus) {
             persist::restore_vcpu(fd, s)?;
         }
@@ -702,6 +702,11 @@ impl Vm {
     /// The service device, if the VM has one.
     pub fn service(&self) -> Option<&Arc<ServiceDevice>> {
         self.shared.devices.service.as_ref()
+    }
+
+    /// The KVM VM.
+    pub fn vm_fd(&self) -> &Arc<VmFd> {
+        &self.vm_fd
     }
 
     /// The guest's most recent console lines.

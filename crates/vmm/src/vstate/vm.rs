@@ -1,7 +1,9 @@
 //! The KVM VM: in-kernel irqchip and PIT, guest RAM as memslots.
 
 use ferry_memory::GuestMemory;
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Kvm, VmFd};
 
 use super::kvm::KvmError;
@@ -27,12 +29,17 @@ pub fn create_vm(kvm: &Kvm) -> Result<VmFd, KvmError> {
     Ok(vm)
 }
 
-/// Registers every memory region as a memslot (slot n = region n).
-pub fn register_memory(vm: &VmFd, memory: &GuestMemory) -> Result<(), KvmError> {
+/// Registers every memory region as a memslot (slot n = region n), with
+/// KVM's dirty page log on or off.
+pub fn register_memory(vm: &VmFd, memory: &GuestMemory, dirty_log: bool) -> Result<(), KvmError> {
     for (slot, region) in memory.regions().iter().enumerate() {
         let mem_region = kvm_userspace_memory_region {
             slot: slot as u32,
-            flags: 0,
+            flags: if dirty_log {
+                KVM_MEM_LOG_DIRTY_PAGES
+            } else {
+                0
+            },
             guest_phys_addr: region.gpa(),
             memory_size: region.size(),
             userspace_addr: region.host_addr() as u64,
@@ -44,4 +51,17 @@ pub fn register_memory(vm: &VmFd, memory: &GuestMemory) -> Result<(), KvmError> 
             .map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
     }
     Ok(())
+}
+
+/// Per memslot, the pages written since the last call (KVM clears the log).
+pub fn take_dirty_log(vm: &VmFd, memory: &GuestMemory) -> Result<Vec<Vec<u64>>, KvmError> {
+    memory
+        .regions()
+        .iter()
+        .enumerate()
+        .map(|(slot, r)| {
+            vm.get_dirty_log(slot as u32, r.size() as usize)
+                .map_err(ioctl("KVM_GET_DIRTY_LOG"))
+        })
+        .collect()
 }
