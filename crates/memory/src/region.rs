@@ -188,6 +188,37 @@ impl MemfdRegion {
         Ok(())
     }
 
+    /// The populated parts of the memfd as (offset, length) runs, found with
+    /// SEEK_DATA/SEEK_HOLE without touching the memory: reading a hole of a
+    /// shared memfd would allocate a page for it.
+    pub fn data_ranges(&self) -> Vec<(u64, u64)> {
+        let fd = self.fd.as_raw_fd();
+        let mut out = Vec::new();
+        let mut pos: i64 = 0;
+        let size = self.size as i64;
+        while pos < size {
+            // SAFETY: lseek on our own fd with a valid whence has no memory effects.
+            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+            if data < 0 {
+                if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
+                    // SEEK_DATA unsupported: report everything as data.
+                    return vec![(0, self.size)];
+                }
+                break; // ENXIO: no data after pos
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.min(size);
+            if hole <= data {
+                return vec![(0, self.size)];
+            }
+            let start = data as u64 & !(PAGE_SIZE - 1);
+            let end = (hole as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+            out.push((start, end.min(self.size) - start));
+            pos = hole;
+        }
+        out
+    }
+
     /// Drops this mapping's page table entries for a range (the memfd keeps the
     /// data); the next access maps them again (a MINOR fault under userfaultfd).
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), RegionError> {
@@ -254,6 +285,25 @@ mod tests {
             MemfdRegion::new("x", 0, 0),
             Err(RegionError::BadSize { .. })
         ));
+    }
+
+    #[test]
+    fn data_ranges_skip_holes() {
+        let r = MemfdRegion::new("holes", 0, 16 * PAGE_SIZE).unwrap();
+        assert!(r.data_ranges().is_empty(), "a fresh memfd is all hole");
+        for p in [2u64, 3, 9] {
+            // SAFETY: page p < 16 of the mapping.
+            unsafe { *r.host_addr().add((p * PAGE_SIZE) as usize) = 1 };
+        }
+        assert_eq!(
+            r.data_ranges(),
+            vec![(2 * PAGE_SIZE, 2 * PAGE_SIZE), (9 * PAGE_SIZE, PAGE_SIZE)]
+        );
+        r.punch_hole(2 * PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert_eq!(
+            r.data_ranges(),
+            vec![(3 * PAGE_SIZE, PAGE_SIZE), (9 * PAGE_SIZE, PAGE_SIZE)]
+        );
     }
 
     #[test]

@@ -302,13 +302,14 @@ fn control_loop(
             Kind::Verify => {
                 let (mut bad, mut first, mut total) = (0u64, 0u64, 0u64);
                 let mut words = f.body.chunks_exact(8);
-                for r in regions {
-                    for i in 0..r.pages() {
+                for (ri, r) in regions.iter().enumerate() {
+                    let mine = crate::vm::region_hashes(r, &vm.data_ranges(ri));
+                    for (i, h) in (0u64..).zip(mine) {
                         let theirs = words
                             .next()
                             .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
                         total += 1;
-                        if theirs != Some(protocol::page_hash(r.page(i))) {
+                        if theirs != Some(h) {
                             if bad == 0 {
                                 first = r.gpa + i * PAGE as u64;
                             }

@@ -75,9 +75,23 @@ fn is_zero(page: &[u8]) -> bool {
     page.chunks_exact(8).all(|c| c == [0u8; 8])
 }
 
-/// Every page of every region, as runs.
-fn all_pages(regions: &[RegionView]) -> Runs {
-    regions.iter().map(|r| (r.gpa, r.pages())).collect()
+/// Round 0: the pages that may hold data, and the holes (known zeros).
+fn first_round(vm: &dyn MigratableVm, regions: &[RegionView]) -> (Runs, Runs) {
+    let (mut data, mut holes) = (Vec::new(), Vec::new());
+    for (i, r) in regions.iter().enumerate() {
+        let mut at = 0;
+        for (off, len) in vm.data_ranges(i) {
+            if off > at {
+                holes.push((r.gpa + at, (off - at) / PAGE as u64));
+            }
+            data.push((r.gpa + off, len / PAGE as u64));
+            at = off + len;
+        }
+        if at < r.size {
+            holes.push((r.gpa + at, (r.size - at) / PAGE as u64));
+        }
+    }
+    (data, holes)
 }
 
 /// Runs of set bits in per-region dirty bitmaps.
@@ -117,9 +131,24 @@ fn send_round(
     regions: &[RegionView],
     bulk: &mut [Conn],
     runs: &Runs,
+    holes: &Runs,
     round: u32,
 ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
     let t0 = Instant::now();
+    // Known zero ranges go first, unread, on stream 0.
+    let mut hole_frames = 0u64;
+    let mut hole_bytes = 0u64;
+    for chunk in holes.chunks(4096) {
+        let body = postcard::to_stdvec(chunk).map_err(|e| crate::ProtocolError::Malformed {
+            kind: Kind::ZeroRanges,
+            reason: e.to_string(),
+        })?;
+        protocol::write_frame(&mut bulk[0].writer, Kind::ZeroRanges, &body)
+            .map_err(crate::ProtocolError::Io)?;
+        hole_frames += 1;
+        hole_bytes += (protocol::HEADER + body.len()) as u64;
+    }
+    let hole_pages: u64 = holes.iter().map(|h| h.1).sum();
     // Work items: batches of up to MAX_BATCH consecutive pages.
     let mut work: Vec<(u64, u64)> = Vec::new();
     for &(gpa, n) in runs {
@@ -200,14 +229,15 @@ fn send_round(
             .map(|h| h.join().unwrap_or(Ok(0)))
             .collect()
     });
-    let frames = results.into_iter().collect::<Result<Vec<u64>, _>>()?;
+    let mut frames = results.into_iter().collect::<Result<Vec<u64>, _>>()?;
+    frames[0] += hole_frames;
     let elapsed = secs(t0.elapsed()).max(1e-9);
-    let bytes = bytes.load(Ordering::Relaxed);
+    let bytes = bytes.load(Ordering::Relaxed) + hole_bytes;
     Ok((
         RoundStats {
             round,
             pages: pages.load(Ordering::Relaxed),
-            zero_pages: zero.load(Ordering::Relaxed),
+            zero_pages: zero.load(Ordering::Relaxed) + hole_pages,
             bytes,
             secs: elapsed,
             throughput: bytes as f64 / elapsed,
@@ -302,7 +332,7 @@ fn run(
     let mut stats = MigrationStats::default();
     vm.start_dirty_log()
         .map_err(MigrationError::vm("start dirty log"))?;
-    let mut runs = all_pages(&regions);
+    let (mut runs, mut holes) = first_round(vm, &regions);
     let mut round = 0u32;
     let mut bandwidth;
     loop {
@@ -314,7 +344,7 @@ fn run(
             bytes: stats.bytes,
             phase: "copy",
         });
-        let (mut rs, frames) = send_round(&regions, &mut bulk, &runs, round)?;
+        let (mut rs, frames) = send_round(&regions, &mut bulk, &runs, &holes, round)?;
         barrier(ctl, round, frames)?;
         let (next, dirty) = dirty_runs(
             &regions,
@@ -328,6 +358,7 @@ fn run(
         stats.zero_pages += rs.zero_pages;
         stats.rounds.push(rs);
         runs = next;
+        holes.clear();
         round += 1;
         let expected_ms = (dirty * (PAGE as u64 + 8)) as f64 / bandwidth * 1e3;
         if expected_ms <= opts.downtime_ms {
@@ -347,6 +378,13 @@ fn run(
     let t_pause = Instant::now();
     vm.pause().map_err(MigrationError::vm("pause"))?;
     *paused = true;
+    let mut mark = t_pause;
+    let mut lap = || {
+        let ms = secs(mark.elapsed()) * 1e3;
+        mark = Instant::now();
+        ms
+    };
+    stats.downtime_parts.pause = lap();
     let (mut last, _) = dirty_runs(
         &regions,
         &vm.take_dirty()
@@ -369,7 +407,7 @@ fn run(
         bytes: stats.bytes,
         phase: "stop-and-copy",
     });
-    let (rs, frames) = send_round(&regions, &mut bulk, &last, round)?;
+    let (rs, frames) = send_round(&regions, &mut bulk, &last, &Vec::new(), round)?;
     barrier(ctl, round, frames)?;
     stats.bytes += rs.bytes;
     stats.pages += rs.pages;
@@ -377,12 +415,14 @@ fn run(
     stats.rounds.push(rs);
     vm.stop_dirty_log()
         .map_err(MigrationError::vm("stop dirty log"))?;
+    stats.downtime_parts.last_round = lap();
 
     let state = vm.save_state().map_err(MigrationError::vm("save state"))?;
     protocol::write_frame(&mut ctl.writer, Kind::State, &state)
         .map_err(crate::ProtocolError::Io)?;
     stats.state_bytes = state.len() as u64;
     stats.bytes += (protocol::HEADER + state.len()) as u64;
+    stats.downtime_parts.save_state = lap();
     if opts.verify {
         progress(&Progress {
             round,
@@ -392,9 +432,9 @@ fn run(
             phase: "verify",
         });
         let mut hashes = Vec::new();
-        for r in &regions {
-            for i in 0..r.pages() {
-                hashes.extend_from_slice(&protocol::page_hash(r.page(i)).to_le_bytes());
+        for (i, r) in regions.iter().enumerate() {
+            for h in crate::vm::region_hashes(r, &vm.data_ranges(i)) {
+                hashes.extend_from_slice(&h.to_le_bytes());
             }
         }
         protocol::write_frame(&mut ctl.writer, Kind::Verify, &hashes)
@@ -402,6 +442,7 @@ fn run(
         stats.verified_pages = (hashes.len() / 8) as u64;
         stats.bytes += (protocol::HEADER + hashes.len()) as u64;
     }
+    stats.downtime_parts.verify = lap();
     protocol::write_frame(&mut ctl.writer, Kind::Complete, &[])
         .map_err(crate::ProtocolError::Io)?;
     ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
@@ -413,6 +454,7 @@ fn run(
         }
         .into());
     }
+    stats.downtime_parts.destination = lap();
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     stats.total_secs = secs(t_start.elapsed());
     progress(&Progress {

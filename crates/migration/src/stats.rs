@@ -43,6 +43,25 @@ pub struct MigrationStats {
     pub verified_pages: u64,
     /// Why precopy stopped iterating.
     pub converged: String,
+    /// Where the downtime went (ms): pausing the vCPUs, the last round,
+    /// saving the state, hashing for verification, and the destination's
+    /// restore and start (with the network round trip).
+    pub downtime_parts: DowntimeParts,
+}
+
+/// Downtime broken down by phase (ms).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct DowntimeParts {
+    /// vCPUs out of KVM_RUN and parked.
+    pub pause: f64,
+    /// Reading the last dirty log and sending those pages.
+    pub last_round: f64,
+    /// Saving the VM state.
+    pub save_state: f64,
+    /// Hashing every page (only with verification).
+    pub verify: f64,
+    /// From Complete sent to Started received.
+    pub destination: f64,
 }
 
 /// Live progress for a bar.

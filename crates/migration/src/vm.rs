@@ -56,6 +56,19 @@ impl RegionView {
     }
 }
 
+/// Per-page hashes of a region, reading only its data ranges (holes hash
+/// as zero pages): both sides of a verified migration use this.
+pub fn region_hashes(r: &RegionView, data: &[(u64, u64)]) -> Vec<u64> {
+    let zero = crate::protocol::page_hash(&[0u8; 4096]);
+    let mut out = vec![zero; r.pages() as usize];
+    for &(off, len) in data {
+        for i in off / 4096..((off + len) / 4096).min(r.pages()) {
+            out[i as usize] = crate::protocol::page_hash(r.page(i));
+        }
+    }
+    out
+}
+
 /// A running VM that can be migrated away.
 pub trait MigratableVm: Send + Sync {
     /// Guest RAM regions.
@@ -75,6 +88,13 @@ pub trait MigratableVm: Send + Sync {
     fn resume(&self) -> Result<(), String>;
     /// The VM's state besides memory (vCPUs, devices), encoded.
     fn save_state(&self) -> Result<Vec<u8>, String>;
+    /// The parts of region `index` that may hold data, as (offset, length);
+    /// the rest is known to read as zeros and need not be read at all.
+    fn data_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        self.regions()
+            .get(index)
+            .map_or(Vec::new(), |r| vec![(0, r.size)])
+    }
     /// Guest ranges the VMM itself writes (not seen by the dirty log): sent
     /// again in the final round.
     fn host_written_ranges(&self) -> Vec<(u64, u64)>;
@@ -86,6 +106,12 @@ pub trait IncomingVm: Send + Sync {
     fn regions(&self) -> Vec<RegionView>;
     /// Number of vCPUs.
     fn vcpus(&self) -> u32;
+    /// As [`MigratableVm::data_ranges`].
+    fn data_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        self.regions()
+            .get(index)
+            .map_or(Vec::new(), |r| vec![(0, r.size)])
+    }
     /// Makes a range read as zeros.
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String>;
     /// Restores the state `save_state` produced.

@@ -56,6 +56,13 @@ impl MigratableVm for Vm {
         persist::encode(&state).map_err(|e| e.to_string())
     }
 
+    fn data_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        self.memory()
+            .regions()
+            .get(index)
+            .map_or(Vec::new(), |r| r.data_ranges())
+    }
+
     /// The service ring: the device writes requests into it from the host,
     /// which KVM's dirty log does not see.
     fn host_written_ranges(&self) -> Vec<(u64, u64)> {
@@ -73,6 +80,13 @@ impl IncomingVm for Vm {
 
     fn vcpus(&self) -> u32 {
         self.config().vcpus
+    }
+
+    fn data_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        self.memory()
+            .regions()
+            .get(index)
+            .map_or(Vec::new(), |r| r.data_ranges())
     }
 
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {

@@ -43,7 +43,7 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
         verify: true,
         ..Default::default()
     };
-    let (stats, _) = std::thread::scope(|s| {
+    let (stats, istats) = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(30)));
         let st = migrate(&src, addr, &opts, &|_| {}).expect("migration");
         (st, d.join().unwrap().expect("incoming"))
@@ -69,10 +69,12 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
         );
     }
     // Idle memory is mostly zero: far fewer bytes than RAM went on the wire.
+    eprintln!("destination restore+start {:.2} ms", istats.restore_ms);
     eprintln!(
-        "{workload}: total {:.3} s, downtime {:.2} ms, {} rounds, {} pages, {} zero pages, {} bytes ({})",
+        "{workload}: total {:.3} s, downtime {:.2} ms {:?}, {} rounds, {} pages, {} zero pages, {} bytes ({})",
         stats.total_secs,
         stats.downtime_ms,
+        stats.downtime_parts,
         stats.rounds.len(),
         stats.pages,
         stats.zero_pages,
