@@ -2,6 +2,7 @@
 
 mod format;
 mod load;
+mod migrate;
 mod run;
 mod status;
 
@@ -27,6 +28,8 @@ enum Command {
     Run(run::RunArgs),
     /// Send requests to a VM's service device from C concurrent clients.
     Load(load::LoadArgs),
+    /// Live-migrate a running VM to a destination started with `ferry run --incoming`.
+    Migrate(migrate::MigrateArgs),
     /// Show a running VM's state through its control socket.
     Status {
         /// The VM's control socket (printed by `ferry run`).
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Load(args) => load::load(args),
+        Command::Migrate(args) => migrate::migrate(args),
         Command::Status {
             socket,
             json,

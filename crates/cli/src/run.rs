@@ -49,6 +49,10 @@ pub struct RunArgs {
     /// workload gets 127.0.0.1 with any port when this is not given.
     #[arg(long)]
     serve: Option<std::net::SocketAddr>,
+    /// Wait for a live migration on tcp:HOST:PORT instead of booting; the
+    /// VM shape (--mem, --vcpus) must match the source's.
+    #[arg(long)]
+    incoming: Option<String>,
     /// Control socket path (default: /tmp/ferry-<pid>.sock).
     #[arg(long)]
     control: Option<PathBuf>,
@@ -79,6 +83,7 @@ pub struct RunArgs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 enum Ending {
+    Migrated,
     Duration,
     WorkloadsDone,
     Interrupted,
@@ -134,7 +139,28 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         }
     }
 
-    vm.start()?;
+    match &args.incoming {
+        None => vm.start()?,
+        Some(addr) => {
+            let at = ferry_vmm::control::parse_tcp(addr).map_err(anyhow::Error::msg)?;
+            let listener = std::net::TcpListener::bind(at)
+                .with_context(|| format!("cannot listen for the incoming migration on {at}"))?;
+            if !quiet {
+                eprintln!(
+                    "ferry: waiting for an incoming migration on {}",
+                    listener.local_addr()?
+                );
+            }
+            let got = ferry_migration::incoming::receive(&*vm, &listener, Duration::from_secs(30))
+                .context("incoming migration failed; no VM was started here")?;
+            if !quiet {
+                eprintln!(
+                    "ferry: migration received ({} pages, {} zero pages, {} rounds, {} verified); VM running",
+                    got.pages, got.zero_pages, got.rounds, got.verified_pages
+                );
+            }
+        }
+    }
     let t_start = Instant::now();
     let mut first: Option<MetricsSnapshot> = None;
     // Per workload: the first sample where it had made progress. Rates are
@@ -153,6 +179,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             break match exit {
                 VmExit::Stopped if interrupted.load(Ordering::Relaxed) => Ending::Interrupted,
                 VmExit::Stopped => Ending::ControlQuit,
+                VmExit::Migrated { .. } => Ending::Migrated,
                 _ => Ending::GuestStopped,
             };
         }

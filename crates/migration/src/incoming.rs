@@ -144,10 +144,26 @@ pub fn receive(
     listener: &TcpListener,
     timeout: Duration,
 ) -> Result<IncomingStats, MigrationError> {
-    // The first connection must be the control one.
-    let (mut ctl_r, ctl_w) = accept(listener, Duration::from_secs(24 * 3600))?;
-    let mut ctl_w = BufWriter::new(ctl_w);
-    let result = receive_on(vm, listener, timeout, &mut ctl_r, &mut ctl_w);
+    // Wait for a control connection. Connections that close without a word
+    // (port probes, health checks) are ignored; anything else that is not a
+    // control Hello gets an Abort and is dropped. The VM is untouched so far.
+    let (mut ctl_r, mut ctl_w, hello) = loop {
+        let (mut r, w) = accept(listener, Duration::from_secs(24 * 3600))?;
+        let mut w = BufWriter::new(w);
+        match protocol::recv::<Hello>(&mut r, Kind::Hello) {
+            Ok(h) if h.role == Role::Control => break (r, w, h),
+            Err(ProtocolError::Closed) => continue,
+            Ok(_) | Err(_) => {
+                let _ = protocol::write_frame(
+                    &mut w,
+                    Kind::Abort,
+                    b"expected a ferry migration control Hello",
+                );
+                let _ = w.flush();
+            }
+        }
+    };
+    let result = receive_on(vm, listener, timeout, hello, &mut ctl_r, &mut ctl_w);
     if let Err(e) = &result {
         if !matches!(e, MigrationError::Protocol(ProtocolError::Aborted(_))) {
             let _ = protocol::write_frame(&mut ctl_w, Kind::Abort, e.to_string().as_bytes());
@@ -161,17 +177,10 @@ fn receive_on(
     vm: &dyn IncomingVm,
     listener: &TcpListener,
     timeout: Duration,
+    hello: Hello,
     ctl_r: &mut BufReader<TcpStream>,
     ctl_w: &mut BufWriter<TcpStream>,
 ) -> Result<IncomingStats, MigrationError> {
-    let hello: Hello = protocol::recv(ctl_r, Kind::Hello)?;
-    if hello.role != Role::Control {
-        return Err(ProtocolError::Unexpected {
-            got: Kind::Hello,
-            want: "a control Hello first",
-        }
-        .into());
-    }
     let version = protocol::negotiate(&hello)?;
     protocol::send(ctl_w, Kind::HelloAck, &version)?;
     ctl_w.flush().map_err(ProtocolError::Io)?;

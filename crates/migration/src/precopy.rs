@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crate::protocol::{self, Hello, Kind, Layout, Role, RoundDone, MAX_BATCH, PAGE};
 use crate::stats::{secs, MigrationStats, Progress, RoundStats};
 use crate::vm::{MigratableVm, RegionView};
-use crate::MigrationError;
+use crate::{MigrationError, ProtocolError};
 
 /// How to migrate.
 #[derive(Clone, Debug)]
@@ -277,7 +277,29 @@ pub fn migrate(
 ) -> Result<MigrationStats, MigrationError> {
     let mut paused = false;
     let mut ctl_slot: Option<Conn> = None;
-    let result = run(vm, to, opts, progress, &mut paused, &mut ctl_slot);
+    let mut result = run(vm, to, opts, progress, &mut paused, &mut ctl_slot);
+    // A broken connection often means the destination refused and closed:
+    // its Abort, if it sent one, says why better than "connection reset".
+    if let (
+        Err(MigrationError::Protocol(ProtocolError::Io(_) | ProtocolError::Closed)),
+        Some(ctl),
+    ) = (&result, ctl_slot.as_mut())
+    {
+        let _ = ctl
+            .reader
+            .get_ref()
+            .set_read_timeout(Some(Duration::from_millis(500)));
+        loop {
+            match protocol::read_frame(&mut ctl.reader) {
+                Ok(_) => continue,
+                Err(e @ ProtocolError::Aborted(_)) => {
+                    result = Err(e.into());
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+    }
     if result.is_err() {
         let _ = vm.stop_dirty_log();
         if paused {

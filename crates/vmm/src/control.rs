@@ -28,7 +28,7 @@ use crate::vmm::Vm;
 pub const MAX_LINE: usize = 64 * 1024;
 
 /// A control request.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "cmd", rename_all = "lowercase")]
 pub enum Request {
     /// State, size, workloads, uptime.
@@ -41,6 +41,47 @@ pub enum Request {
     Resume,
     /// Stop the VM and end its VMM process.
     Quit,
+    /// Live-migrate the VM; progress lines precede the final reply.
+    Migrate(MigrateRequest),
+}
+
+/// Parameters of a migration request.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MigrateRequest {
+    /// Destination, `tcp:HOST:PORT`.
+    pub to: String,
+    /// Parallel bulk connections.
+    #[serde(default = "default_streams")]
+    pub streams: u16,
+    /// Downtime target, ms.
+    #[serde(default = "default_downtime")]
+    pub downtime_ms: f64,
+    /// Most dirty rounds before stop-and-copy.
+    #[serde(default = "default_rounds")]
+    pub max_rounds: u32,
+    /// Compare per-page hashes at the end.
+    #[serde(default)]
+    pub verify: bool,
+}
+
+fn default_streams() -> u16 {
+    2
+}
+fn default_downtime() -> f64 {
+    10.0
+}
+fn default_rounds() -> u32 {
+    30
+}
+
+/// Parses `tcp:HOST:PORT` (or `HOST:PORT`).
+pub fn parse_tcp(addr: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let a = addr.strip_prefix("tcp:").unwrap_or(addr);
+    a.to_socket_addrs()
+        .map_err(|e| format!("'{addr}' is not a tcp:HOST:PORT address ({e})"))?
+        .next()
+        .ok_or_else(|| format!("'{addr}' resolves to no address"))
 }
 
 /// Why a control call failed.
@@ -79,7 +120,7 @@ pub enum ControlError {
 /// Serves requests; implemented by whatever owns the VM.
 pub trait ControlHandler: Send + Sync {
     /// Handles one request: Ok(fields to add to the reply) or Err(message).
-    fn handle(&self, req: Request) -> Result<Value, String>;
+    fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, String>;
 }
 
 /// A listening control socket; removed when dropped.
@@ -175,7 +216,9 @@ fn serve(stream: UnixStream, handler: Arc<dyn ControlHandler>) {
             Err(e) => json!({"ok": false, "error": format!(
                 "bad request ({e}); send one JSON object per line, e.g. {{\"cmd\":\"status\"}} \
                  (commands: status, metrics, pause, resume, quit)")}),
-            Ok(req) => match handler.handle(req) {
+            Ok(req) => match handler.handle(req, &mut |p| {
+                let _ = writeln!(writer, "{}", json!({ "progress": p }));
+            }) {
                 Ok(Value::Object(mut fields)) => {
                     fields.insert("ok".into(), Value::Bool(true));
                     Value::Object(fields)
@@ -213,14 +256,29 @@ impl ControlClient {
 
     /// Sends a request and returns the reply's fields (without "ok").
     pub fn call(&mut self, req: &Request) -> Result<Value, ControlError> {
+        self.call_with_progress(req, &mut |_| {})
+    }
+
+    /// Like [`call`](Self::call), handing progress lines to `on_progress`.
+    pub fn call_with_progress(
+        &mut self,
+        req: &Request,
+        on_progress: &mut dyn FnMut(&Value),
+    ) -> Result<Value, ControlError> {
         let line = serde_json::to_string(req).map_err(|e| ControlError::BadReply(e.to_string()))?;
         writeln!(self.writer, "{line}")?;
-        let mut reply = String::new();
-        if (&mut self.reader).take(16 << 20).read_line(&mut reply)? == 0 {
-            return Err(ControlError::BadReply("connection closed".into()));
-        }
-        let mut v: Value =
-            serde_json::from_str(&reply).map_err(|e| ControlError::BadReply(e.to_string()))?;
+        let (reply, mut v) = loop {
+            let mut reply = String::new();
+            if (&mut self.reader).take(16 << 20).read_line(&mut reply)? == 0 {
+                return Err(ControlError::BadReply("connection closed".into()));
+            }
+            let v: Value =
+                serde_json::from_str(&reply).map_err(|e| ControlError::BadReply(e.to_string()))?;
+            match v.get("progress") {
+                Some(p) => on_progress(p),
+                None => break (reply, v),
+            }
+        };
         let obj = v
             .as_object_mut()
             .ok_or_else(|| ControlError::BadReply(reply.clone()))?;
@@ -293,7 +351,7 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
 }
 
 impl ControlHandler for VmControl {
-    fn handle(&self, req: Request) -> Result<Value, String> {
+    fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, String> {
         let vm = &self.vm;
         match req {
             Request::Status => Ok(json!({
@@ -313,6 +371,31 @@ impl ControlHandler for VmControl {
                 vm.request_stop();
                 Ok(json!({}))
             }
+            Request::Migrate(m) => {
+                let to = parse_tcp(&m.to)?;
+                if vm.run_state() != crate::RunState::Running {
+                    return Err(format!(
+                        "the VM is {:?}: only a running VM migrates",
+                        vm.run_state()
+                    ));
+                }
+                let opts = ferry_migration::PrecopyOptions {
+                    streams: m.streams.clamp(1, 16),
+                    downtime_ms: m.downtime_ms.max(0.0),
+                    max_rounds: m.max_rounds,
+                    verify: m.verify,
+                    ..Default::default()
+                };
+                let progress = std::sync::Mutex::new(progress);
+                let stats = ferry_migration::migrate(&**vm, to, &opts, &|p| {
+                    if let Ok(v) = serde_json::to_value(p) {
+                        (progress.lock().unwrap_or_else(|e| e.into_inner()))(v);
+                    }
+                })
+                .map_err(|e| format!("migration failed, the VM keeps running here: {e}"))?;
+                vm.finish_migrated(to.to_string());
+                Ok(json!({ "stats": stats }))
+            }
         }
     }
 }
@@ -324,7 +407,7 @@ mod tests {
 
     struct Echo(Mutex<Vec<Request>>);
     impl ControlHandler for Echo {
-        fn handle(&self, req: Request) -> Result<Value, String> {
+        fn handle(&self, req: Request, _: &mut dyn FnMut(Value)) -> Result<Value, String> {
             self.0.lock().unwrap().push(req.clone());
             match req {
                 Request::Quit => Err("no".into()),

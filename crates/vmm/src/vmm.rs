@@ -149,6 +149,11 @@ pub enum RunState {
 pub enum VmExit {
     /// The host asked it to stop.
     Stopped,
+    /// It now runs on another host; this copy was released.
+    Migrated {
+        /// Where it went.
+        to: String,
+    },
     /// The guest wrote its exit port.
     GuestExit {
         /// vCPU that wrote it.
@@ -211,7 +216,10 @@ pub enum VmExit {
 impl VmExit {
     /// True unless the host stopped the VM or the guest exited with code 0.
     pub fn is_error(&self) -> bool {
-        !matches!(self, VmExit::Stopped | VmExit::GuestExit { code: 0, .. })
+        !matches!(
+            self,
+            VmExit::Stopped | VmExit::Migrated { .. } | VmExit::GuestExit { code: 0, .. }
+        )
     }
 }
 
@@ -219,6 +227,7 @@ impl fmt::Display for VmExit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             VmExit::Stopped => write!(f, "stopped by the host"),
+            VmExit::Migrated { to } => write!(f, "migrated to {to}"),
             VmExit::GuestExit { cpu, code } => write!(f, "guest exited with code {code} (vCPU {cpu})"),
             VmExit::GuestPanic { cpu, message, regs } => {
                 write!(f, "guest panic on vCPU {cpu}: {message}\n  registers: {regs}")
@@ -600,6 +609,11 @@ impl Vm {
             persist::restore_vcpu(fd, s)?;
         }
         Ok(())
+    }
+
+    /// Releases a VM that now runs elsewhere (it is paused here).
+    pub fn finish_migrated(&self, to: String) {
+        self.shared.finish(VmExit::Migrated { to });
     }
 
     /// Asks the VM to stop without waiting (used by `quit`).

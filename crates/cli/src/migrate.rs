@@ -1,0 +1,128 @@
+//! `ferry migrate`: asks a VM's VMM (through its control socket) to live-migrate
+//! it, shows progress, and ends with a table of what the migration cost.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use ferry_vmm::control::{ControlClient, MigrateRequest, Request};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+
+use crate::format;
+
+#[derive(clap::Args)]
+pub struct MigrateArgs {
+    /// The source VM's control socket.
+    socket: PathBuf,
+    /// Destination, tcp:HOST:PORT (a `ferry run --incoming` there).
+    #[arg(long)]
+    to: String,
+    /// Migration mode.
+    #[arg(long, default_value = "precopy", value_parser = ["precopy"])]
+    mode: String,
+    /// Parallel bulk connections.
+    #[arg(long, default_value_t = 2)]
+    streams: u16,
+    /// Stop iterating when the rest fits this downtime (ms).
+    #[arg(long, default_value_t = 10.0)]
+    downtime_ms: f64,
+    /// Most dirty rounds before stop-and-copy.
+    #[arg(long, default_value_t = 30)]
+    max_rounds: u32,
+    /// Compare per-page hashes of all memory at the end.
+    #[arg(long)]
+    verify: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
+    ferry_vmm::control::parse_tcp(&args.to).map_err(anyhow::Error::msg)?;
+    let mut c = ControlClient::connect(&args.socket)?;
+    let req = Request::Migrate(MigrateRequest {
+        to: args.to.clone(),
+        streams: args.streams,
+        downtime_ms: args.downtime_ms,
+        max_rounds: args.max_rounds,
+        verify: args.verify,
+    });
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new_spinner()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let reply = c.call_with_progress(&req, &mut |p| {
+        let rem = p["remaining_pages"].as_f64().unwrap_or(0.0) * 4096.0;
+        let rate = p["throughput"].as_f64().unwrap_or(0.0);
+        let eta = if rate > 0.0 {
+            format!("{:.2} s", rem / rate)
+        } else {
+            "?".into()
+        };
+        bar.set_message(format!(
+            "{:<14} round {:>3}  remaining {:>10}  rate {:>12}  sent {:>10}  ETA {eta}",
+            p["phase"].as_str().unwrap_or(""),
+            p["round"],
+            format::bytes(rem),
+            format!("{}/s", format::bytes(rate)),
+            format::bytes(p["bytes"].as_f64().unwrap_or(0.0)),
+        ));
+    });
+    bar.finish_and_clear();
+    let stats = reply?["stats"].take();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+    } else {
+        print_table(&args.to, &stats);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_table(to: &str, s: &Value) {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    println!("── ferry migrate: precopy to {to} ─────────────────────────────────");
+    println!("total time   {:.3} s", f(&s["total_secs"]));
+    let d = &s["downtime_parts"];
+    println!(
+        "downtime     {:.2} ms  (pause {:.2}, last round {:.2}, state {:.2}, verify {:.2}, destination {:.2})",
+        f(&s["downtime_ms"]), f(&d["pause"]), f(&d["last_round"]), f(&d["save_state"]), f(&d["verify"]), f(&d["destination"])
+    );
+    println!(
+        "sent         {} on the wire: {} pages, {} zero pages (as ranges), state {}",
+        format::bytes(f(&s["bytes"])),
+        s["pages"],
+        s["zero_pages"],
+        format::bytes(f(&s["state_bytes"]))
+    );
+    println!("converged    {}", s["converged"].as_str().unwrap_or(""));
+    if s["verified_pages"].as_u64().unwrap_or(0) > 0 {
+        println!(
+            "verified     {} pages identical on both sides",
+            s["verified_pages"]
+        );
+    }
+    println!(
+        "{:>6} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14}",
+        "round", "pages", "zero", "bytes", "secs", "throughput", "dirty rate"
+    );
+    for r in s["rounds"].as_array().into_iter().flatten() {
+        println!(
+            "{:>6} {:>10} {:>10} {:>12} {:>10.4} {:>14} {:>14}",
+            r["round"].as_u64().unwrap_or(0),
+            r["pages"].as_u64().unwrap_or(0),
+            r["zero_pages"].as_u64().unwrap_or(0),
+            format::bytes(f(&r["bytes"])),
+            f(&r["secs"]),
+            format!("{}/s", format::bytes(f(&r["throughput"]))),
+            format!("{}/s", format::bytes(f(&r["dirty_rate"]))),
+        );
+    }
+}
