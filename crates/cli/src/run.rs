@@ -228,7 +228,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     if let Some(mut w) = timeline {
         w.flush()?;
     }
-    let summary = summary_json(&vm, &started, &last, ending, &exit, boot_ms, ran);
+    let mut summary = summary_json(&vm, &started, &last, ending, &exit, boot_ms, ran);
+    summary["incoming"] = serde_json::Value::Bool(args.incoming.is_some());
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -383,6 +384,9 @@ fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
         f(&s["ran_s"])
     );
     match s["boot_to_first_sample_ms"].as_f64() {
+        Some(ms) if s["incoming"] == true => {
+            println!("incoming     guest running {ms:.1} ms after VM creation (includes waiting for the source)")
+        }
         Some(ms) => println!("boot         first guest metrics {ms:.1} ms after VM creation began"),
         None => println!("boot         the guest never published metrics"),
     }
