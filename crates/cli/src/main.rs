@@ -1,6 +1,7 @@
 //! The `ferry` command line: runs VMs and talks to them through their control sockets.
 
 mod format;
+mod lab;
 mod load;
 mod migrate;
 mod run;
@@ -30,6 +31,9 @@ enum Command {
     Load(load::LoadArgs),
     /// Live-migrate a running VM to a destination started with `ferry run --incoming`.
     Migrate(migrate::MigrateArgs),
+    /// Test hosts as network namespaces (for migrations across a real network).
+    #[command(subcommand)]
+    Lab(lab::LabCommand),
     /// Show a running VM's state through its control socket.
     Status {
         /// The VM's control socket (printed by `ferry run`).
@@ -66,6 +70,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Load(args) => load::load(args),
+        Command::Lab(cmd) => lab::lab(cmd),
         Command::Migrate(args) => migrate::migrate(args),
         Command::Status {
             socket,

@@ -1,0 +1,187 @@
+//! `ferry lab`: test hosts as network namespaces on this machine, so
+//! migrations cross a real network stack (and, shaped, a 1 Gbit or 10 Gbit link).
+//!
+//! ```text
+//!  ferry-h1 (10.77.0.1)   ferry-h2 (10.77.0.2)   ...
+//!      eth0                   eth0
+//!       │ veth                  │ veth
+//!  ┌────┴──────────── ferry-sw: bridge br0 ─────┴──────┐   (a namespace of its own:
+//!  └──────────────────────────────────────────────────┘    the host's network is untouched)
+//! ```
+//! Only these namespaces' addresses are ever used.
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context, Result};
+
+const SWITCH: &str = "ferry-sw";
+const SUBNET: &str = "10.77.0";
+
+#[derive(clap::Subcommand)]
+pub enum LabCommand {
+    /// Create N hosts (ferry-h1..ferry-hN) joined by a bridge.
+    Up {
+        /// Number of hosts.
+        n: u32,
+        /// Shape each host's link to this rate (tc rate syntax: 1gbit, 10gbit, 500mbit).
+        #[arg(long)]
+        bandwidth: Option<String>,
+        /// Add this one-way delay on each host's link (e.g. 0.1ms).
+        #[arg(long)]
+        delay: Option<String>,
+    },
+    /// Remove every lab host.
+    Down,
+    /// List the lab hosts and their addresses.
+    List,
+}
+
+/// Namespace name of host `i` (1-based).
+pub fn host(i: u32) -> String {
+    format!("ferry-h{i}")
+}
+
+/// Address of host `i`.
+pub fn addr(i: u32) -> String {
+    format!("{SUBNET}.{i}")
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("cannot run `ip` (install iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn in_ns(ns: &str, cmd: &[&str]) -> Result<()> {
+    let mut args = vec!["netns", "exec", ns];
+    args.extend_from_slice(cmd);
+    ip(&args)
+}
+
+fn namespaces() -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("ferry-"))
+        .map(str::to_string)
+        .collect()
+}
+
+pub fn up(n: u32, bandwidth: Option<&str>, delay: Option<&str>) -> Result<()> {
+    if !(1..=200).contains(&n) {
+        bail!("a lab has 1 to 200 hosts");
+    }
+    down()?;
+    let r = build(n, bandwidth, delay);
+    if r.is_err() {
+        let _ = down(); // leave nothing half-built
+    }
+    r
+}
+
+fn build(n: u32, bandwidth: Option<&str>, delay: Option<&str>) -> Result<()> {
+    ip(&["netns", "add", SWITCH]).context("cannot create network namespaces (needs root)")?;
+    in_ns(SWITCH, &["ip", "link", "add", "br0", "type", "bridge"])?;
+    in_ns(SWITCH, &["ip", "link", "set", "br0", "up"])?;
+    for i in 1..=n {
+        let ns = host(i);
+        let (outer, inner) = (format!("fh{i}"), format!("fh{i}i"));
+        ip(&["netns", "add", &ns])?;
+        ip(&[
+            "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+        ])?;
+        ip(&["link", "set", &outer, "netns", SWITCH])?;
+        ip(&["link", "set", &inner, "netns", &ns])?;
+        in_ns(SWITCH, &["ip", "link", "set", &outer, "master", "br0"])?;
+        in_ns(SWITCH, &["ip", "link", "set", &outer, "up"])?;
+        in_ns(&ns, &["ip", "link", "set", &inner, "name", "eth0"])?;
+        in_ns(
+            &ns,
+            &[
+                "ip",
+                "addr",
+                "add",
+                &format!("{}/24", addr(i)),
+                "dev",
+                "eth0",
+            ],
+        )?;
+        in_ns(&ns, &["ip", "link", "set", "eth0", "up"])?;
+        in_ns(&ns, &["ip", "link", "set", "lo", "up"])?;
+        shape(&ns, bandwidth, delay)?;
+    }
+    Ok(())
+}
+
+/// Delay needs netem; a rate alone uses tbf, which more kernels have.
+fn shape(ns: &str, bandwidth: Option<&str>, delay: Option<&str>) -> Result<()> {
+    match (bandwidth, delay) {
+        (None, None) => Ok(()),
+        (Some(b), None) => in_ns(
+            ns,
+            &[
+                "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", b, "burst", "256kb",
+                "latency", "50ms",
+            ],
+        )
+        .context("cannot limit the link's rate (tc tbf)"),
+        (b, Some(d)) => {
+            let mut tc = vec![
+                "tc", "qdisc", "add", "dev", "eth0", "root", "netem", "delay", d, "limit", "100000",
+            ];
+            if let Some(b) = b {
+                tc.extend_from_slice(&["rate", b]);
+            }
+            in_ns(ns, &tc).context(
+                "cannot add link delay: it needs the kernel's sch_netem (tc netem), which this host may lack; \
+                 --bandwidth alone works with tbf",
+            )
+        }
+    }
+}
+
+pub fn down() -> Result<()> {
+    for ns in namespaces() {
+        ip(&["netns", "del", &ns])?;
+    }
+    Ok(())
+}
+
+pub fn lab(cmd: LabCommand) -> Result<ExitCode> {
+    match cmd {
+        LabCommand::Up {
+            n,
+            bandwidth,
+            delay,
+        } => {
+            up(n, bandwidth.as_deref(), delay.as_deref())?;
+            for i in 1..=n {
+                println!("{}  {}", host(i), addr(i));
+            }
+            println!(
+                "run a command on a host: ip netns exec {} ferry run ...",
+                host(1)
+            );
+        }
+        LabCommand::Down => down()?,
+        LabCommand::List => {
+            for ns in namespaces().into_iter().filter(|n| n != SWITCH) {
+                let i = ns.trim_start_matches("ferry-h");
+                println!("{ns}  {SUBNET}.{i}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
