@@ -61,7 +61,13 @@ fn progress(status: &serde_json::Value) -> u64 {
 
 fn wait_listening(port: u16) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    // A connect to a port nobody listens on can "succeed" by connecting the
+    // socket to itself (TCP simultaneous open): only a real peer counts.
+    let listening = || {
+        std::net::TcpStream::connect(("127.0.0.1", port))
+            .is_ok_and(|s| s.local_addr().ok() != s.peer_addr().ok())
+    };
+    while !listening() {
         assert!(Instant::now() < deadline, "destination never listened");
         std::thread::sleep(Duration::from_millis(20));
     }
