@@ -219,6 +219,23 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             break Ending::WorkloadsDone;
         }
     };
+    if let (Ending::Migrated, Some(svc)) = (ending, vm.service()) {
+        if let Some(to) = svc.redirected_to() {
+            // Like a moved IP address: this host keeps the VM's service port and
+            // forwards to the new host until the run's time is up (or Ctrl-C).
+            if !quiet {
+                eprintln!(
+                    "ferry: VM migrated; forwarding its service port {} to {to}",
+                    svc.local_addr()
+                );
+            }
+            while !interrupted.load(Ordering::Relaxed)
+                && args.duration.is_none_or(|d| t_start.elapsed() < d)
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
     let ran = t_start.elapsed();
     let last = vm.metrics()?;
     let exit = vm.stop();
@@ -365,6 +382,8 @@ fn service_json(s: &ferry_vmm::devices::service::ServiceDevice) -> serde_json::V
         "bad_frames": n(&st.bad_frames),
         "not_ready": n(&st.not_ready),
         "guest_errors": n(&st.guest_errors),
+        "forwarded": n(&st.forwarded),
+        "redirected_to": s.redirected_to().map(|a| a.to_string()),
     })
 }
 

@@ -5,6 +5,10 @@
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// These tests pick free ports and run several VMMs each: run them one at a
+/// time so one test's VMM can never take a port another just picked.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn kvm_usable() -> bool {
     let ok = std::fs::OpenOptions::new()
         .read(true)
@@ -31,6 +35,30 @@ fn spawn(args: &[&str]) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap()
+}
+
+/// Starts `ferry run --incoming ...` and returns once it listens (it says so
+/// on stderr; probing the port instead could self-connect and steal it).
+fn spawn_incoming(args: &[&str]) -> Child {
+    use std::io::BufRead;
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("the destination said it listens")
+            .unwrap();
+        if line.contains("waiting for an incoming migration") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    c
 }
 
 fn free_port() -> u16 {
@@ -75,6 +103,7 @@ fn wait_listening(port: u16) {
 
 #[test]
 fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     if !kvm_usable() {
         return;
     }
@@ -99,7 +128,7 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
     // A destination of another shape refuses; the source keeps running.
     let bad_port = free_port();
     let bad_to = format!("tcp:127.0.0.1:{bad_port}");
-    let mut bad = spawn(&[
+    let mut bad = spawn_incoming(&[
         "run",
         "--mem",
         "64M",
@@ -107,9 +136,7 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
         wl,
         "--incoming",
         &bad_to,
-        "--quiet",
     ]);
-    wait_listening(bad_port);
     let o = ferry(&["migrate", &src_sock, "--to", &bad_to]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
@@ -131,7 +158,7 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
     let port = free_port();
     let to = format!("tcp:127.0.0.1:{port}");
     let dst_sock = dir.join("dst.sock").to_string_lossy().into_owned();
-    let dst = spawn(&[
+    let dst = spawn_incoming(&[
         "run",
         "--mem",
         "128M",
@@ -145,7 +172,6 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
         "2s",
         "--json",
     ]);
-    wait_listening(port);
     let o = ferry(&["migrate", &src_sock, "--to", &to, "--verify", "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -162,4 +188,76 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
     );
     let dst_out = dst.wait_with_output().unwrap();
     assert!(dst_out.status.success());
+}
+
+#[test]
+fn kv_clients_see_no_errors_across_a_migration() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-migkv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
+    let (svc_port, mig_port) = (free_port(), free_port());
+    let svc = format!("127.0.0.1:{svc_port}");
+    let to = format!("tcp:127.0.0.1:{mig_port}");
+    let wl = "kv:workers=4,keys=4096,value=1024";
+    // The source forwards its service port after the migration until killed.
+    let mut src = spawn(&[
+        "run",
+        "--mem",
+        "128M",
+        "--vcpus",
+        "2",
+        "--workload",
+        wl,
+        "--serve",
+        &svc,
+        "--control",
+        &src_sock,
+        "--quiet",
+    ]);
+    let dst = spawn_incoming(&[
+        "run",
+        "--mem",
+        "128M",
+        "--vcpus",
+        "2",
+        "--workload",
+        wl,
+        "--serve",
+        "127.0.0.1:0",
+        "--incoming",
+        &to,
+        "--duration",
+        "8s",
+    ]);
+    wait_listening(svc_port);
+    let load = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "load",
+            "--target",
+            &svc,
+            "--clients",
+            "16",
+            "--duration",
+            "3s",
+            "--json",
+            "--quiet",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let o = ferry(&["migrate", &src_sock, "--to", &to, "--verify", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = load.wait_with_output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let _ = src.kill();
+    let _ = src.wait();
+    drop(dst);
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["wrong_values"], 0, "{v}");
+    assert!(v["requests"].as_u64().unwrap() > 1000, "{v}");
 }

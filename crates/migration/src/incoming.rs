@@ -341,7 +341,9 @@ fn control_loop(
                     .map_err(MigrationError::vm("restore state"))?;
                 vm.start().map_err(MigrationError::vm("start"))?;
                 stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
-                protocol::write_frame(ctl_w, Kind::Started, &[]).map_err(ProtocolError::Io)?;
+                let service = vm.service_addr().unwrap_or_default();
+                protocol::write_frame(ctl_w, Kind::Started, service.as_bytes())
+                    .map_err(ProtocolError::Io)?;
                 ctl_w.flush().map_err(ProtocolError::Io)?;
                 return Ok(());
             }

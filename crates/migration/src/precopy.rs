@@ -278,10 +278,14 @@ pub fn migrate(
     let mut paused = false;
     let mut ctl_slot: Option<Conn> = None;
     let mut result = run(vm, to, opts, progress, &mut paused, &mut ctl_slot);
-    // A broken connection often means the destination refused and closed:
-    // its Abort, if it sent one, says why better than "connection reset".
+    // A broken or refused connection often means the destination refused the
+    // session and closed: its Abort, if it sent one, says why better than
+    // "connection reset" (a bulk connect can race its exit).
     if let (
-        Err(MigrationError::Protocol(ProtocolError::Io(_) | ProtocolError::Closed)),
+        Err(
+            MigrationError::Protocol(ProtocolError::Io(_) | ProtocolError::Closed)
+            | MigrationError::Connect { .. },
+        ),
         Some(ctl),
     ) = (&result, ctl_slot.as_mut())
     {
@@ -477,6 +481,9 @@ fn run(
         .into());
     }
     stats.downtime_parts.destination = lap();
+    if !frame.body.is_empty() {
+        stats.destination_service = Some(String::from_utf8_lossy(&frame.body).into_owned());
+    }
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     stats.total_secs = secs(t_start.elapsed());
     progress(&Progress {

@@ -43,6 +43,8 @@ pub struct MigrationStats {
     pub verified_pages: u64,
     /// Why precopy stopped iterating.
     pub converged: String,
+    /// Where the VM's request service listens at the destination, if it has one.
+    pub destination_service: Option<String>,
     /// Where the downtime went (ms): pausing the vCPUs, the last round,
     /// saving the state, hashing for verification, and the destination's
     /// restore and start (with the network round trip).

@@ -118,4 +118,9 @@ pub trait IncomingVm: Send + Sync {
     fn restore_state(&self, state: &[u8]) -> Result<(), String>;
     /// Starts the vCPUs.
     fn start(&self) -> Result<(), String>;
+    /// Where this VM's request service listens, told to the source so it
+    /// can forward its clients here.
+    fn service_addr(&self) -> Option<String> {
+        None
+    }
 }

@@ -393,6 +393,17 @@ impl ControlHandler for VmControl {
                     }
                 })
                 .map_err(|e| format!("migration failed, the VM keeps running here: {e}"))?;
+                if let (Some(svc), Some(addr)) = (vm.service(), &stats.destination_service) {
+                    // Clients keep using this host's port; their requests now go
+                    // to the destination (an unspecified address there means the
+                    // host we migrated to).
+                    if let Ok(mut a) = addr.parse::<std::net::SocketAddr>() {
+                        if a.ip().is_unspecified() {
+                            a.set_ip(to.ip());
+                        }
+                        svc.redirect(a);
+                    }
+                }
                 vm.finish_migrated(to.to_string());
                 Ok(json!({ "stats": stats }))
             }

@@ -43,12 +43,21 @@ impl MigratableVm for Vm {
         vm::register_memory(self.vm_fd(), self.memory(), false).map_err(|e| e.to_string())
     }
 
+    /// Requests in the service ring are answered here before the pause, so
+    /// every answer the destination's guest writes is for a request it got.
     fn pause(&self) -> Result<(), String> {
+        if let Some(s) = self.service() {
+            s.hold_and_drain(std::time::Duration::from_secs(2))?;
+        }
         Vm::pause(self).map_err(|e| e.to_string())
     }
 
     fn resume(&self) -> Result<(), String> {
-        Vm::resume(self).map_err(|e| e.to_string())
+        let r = Vm::resume(self).map_err(|e| e.to_string());
+        if let Some(s) = self.service() {
+            s.release();
+        }
+        r
     }
 
     fn save_state(&self) -> Result<Vec<u8>, String> {
@@ -104,5 +113,9 @@ impl IncomingVm for Vm {
 
     fn start(&self) -> Result<(), String> {
         Vm::start(self).map_err(|e| e.to_string())
+    }
+
+    fn service_addr(&self) -> Option<String> {
+        self.service().map(|s| s.local_addr().to_string())
     }
 }

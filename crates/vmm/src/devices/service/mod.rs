@@ -59,6 +59,8 @@ pub struct ServiceStats {
     pub not_ready: AtomicU64,
     /// Doorbells for a slot that was not DONE (a guest bug).
     pub guest_errors: AtomicU64,
+    /// Requests forwarded to the VM's new host after a migration.
+    pub forwarded: AtomicU64,
 }
 
 /// The device's own state besides guest memory, for save/restore: which
@@ -95,8 +97,24 @@ pub struct ServiceDevice {
     conns: Mutex<HashMap<u64, Conn>>,
     next_conn: AtomicU64,
     stop: AtomicBool,
+    /// Migration: readers stop posting into the ring (requests wait in the
+    /// device) while the VM's memory is being switched over.
+    held: AtomicBool,
+    /// After a migration: where the VM's service now listens; every request
+    /// is forwarded there, like a moved IP address.
+    redirect: Mutex<Option<SocketAddr>>,
     /// What it did.
     pub stats: ServiceStats,
+}
+
+/// What happens to a request frame.
+enum Route {
+    /// Into this VM's ring.
+    Posted,
+    /// To the VM's new host.
+    Forward(SocketAddr),
+    /// The device is shutting down.
+    Closed,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -128,6 +146,8 @@ impl ServiceDevice {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stop: AtomicBool::new(false),
+            held: AtomicBool::new(false),
+            redirect: Mutex::new(None),
             stats: ServiceStats::default(),
         });
         let d = dev.clone();
@@ -149,6 +169,49 @@ impl ServiceDevice {
             .read_u64_volatile(SVC_GPA + svc_off::READY)
             .unwrap_or(0)
             == 1
+    }
+
+    /// Migration is about to pause the VM: stop posting new requests and wait
+    /// until the guest has answered every request in the ring, so nothing in
+    /// flight belongs to a connection the destination does not know.
+    pub fn hold_and_drain(&self, timeout: Duration) -> Result<(), String> {
+        self.held.store(true, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + timeout;
+        let mut ring = lock(&self.ring);
+        while ring.free.len() < SVC_SLOTS {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "the guest did not answer {} in-flight service requests within {timeout:?}",
+                    SVC_SLOTS - ring.free.len()
+                ));
+            }
+            ring = self
+                .slot_freed
+                .wait_timeout(ring, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// The migration failed: post requests into the ring again.
+    pub fn release(&self) {
+        self.held.store(false, Ordering::SeqCst);
+        self.slot_freed.notify_all();
+    }
+
+    /// The VM now runs elsewhere: forward every request (waiting ones
+    /// first) to its service there.
+    pub fn redirect(&self, to: SocketAddr) {
+        *lock(&self.redirect) = Some(to);
+        self.held.store(false, Ordering::SeqCst);
+        self.slot_freed.notify_all();
+    }
+
+    /// Where requests are forwarded, if the VM moved.
+    pub fn redirected_to(&self) -> Option<SocketAddr> {
+        *lock(&self.redirect)
     }
 
     /// Stops accepting, closes every connection and wakes waiting readers.
@@ -213,6 +276,7 @@ impl ServiceDevice {
                 let _ = writer.shutdown(Shutdown::Write);
             });
         let mut reader = BufReader::new(stream);
+        let mut upstream: Option<TcpStream> = None;
         while !self.stop.load(Ordering::Acquire) {
             let body = match wire::read_frame(&mut reader, MAX_BODY) {
                 Ok(Some(b)) => b,
@@ -255,19 +319,31 @@ impl ServiceDevice {
                     };
                     let _ = tx.send(resp.encode());
                 }
-                Ok(req) if !self.guest_ready() => {
+                Ok(req) if !self.guest_ready() && self.redirected_to().is_none() => {
                     self.stats.not_ready.fetch_add(1, Ordering::Relaxed);
                     let msg = "the guest is not serving yet (is a kv workload running?)";
                     let _ = tx.send(
                         Response::error(Status::NotReady, req.op as u8, req.id, msg).encode(),
                     );
                 }
-                Ok(_) => {
-                    if self.post(&body, id).is_err() {
-                        break;
+                Ok(_) => match self.post(&body, id) {
+                    Ok(Route::Posted) => {}
+                    Ok(Route::Forward(to)) => {
+                        if self.forward(&mut upstream, to, &body, &tx).is_err() {
+                            let msg = format!(
+                                "the VM moved to {to} and its service there does not answer"
+                            );
+                            let _ = tx
+                                .send(Response::error(Status::NotReady, body[0], 0, &msg).encode());
+                            break;
+                        }
                     }
-                }
+                    Ok(Route::Closed) | Err(_) => break,
+                },
             }
+        }
+        if let Some(up) = &upstream {
+            let _ = up.shutdown(Shutdown::Both);
         }
         lock(&self.conns).remove(&id);
         drop(tx);
@@ -276,15 +352,56 @@ impl ServiceDevice {
         }
     }
 
-    /// Puts a request body into a free slot and tells the guest.
-    fn post(&self, body: &[u8], conn: u64) -> Result<(), MemoryError> {
+    /// Sends a request frame to the VM's new host on this connection's own
+    /// upstream connection; a thread copies the answers back to the client.
+    fn forward(
+        &self,
+        upstream: &mut Option<TcpStream>,
+        to: SocketAddr,
+        body: &[u8],
+        tx: &Sender<Vec<u8>>,
+    ) -> std::io::Result<()> {
+        if upstream.is_none() {
+            let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
+            s.set_nodelay(true)?;
+            let mut r = BufReader::new(s.try_clone()?);
+            let tx = tx.clone();
+            std::thread::Builder::new()
+                .name("svc-fwd".into())
+                .spawn(move || {
+                    while let Ok(Some(b)) = wire::read_frame(&mut r, MAX_BODY) {
+                        let mut f = (b.len() as u32).to_le_bytes().to_vec();
+                        f.extend_from_slice(&b);
+                        if tx.send(f).is_err() {
+                            break;
+                        }
+                    }
+                })?;
+            *upstream = Some(s);
+        }
+        let s = upstream.as_mut().ok_or(std::io::ErrorKind::NotConnected)?;
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend_from_slice(body);
+        s.write_all(&f)?;
+        self.stats.forwarded.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Puts a request body into a free slot and tells the guest, or says
+    /// where it must go instead.
+    fn post(&self, body: &[u8], conn: u64) -> Result<Route, MemoryError> {
         let mut ring = lock(&self.ring);
         let slot = loop {
             if self.stop.load(Ordering::Acquire) {
-                return Ok(());
+                return Ok(Route::Closed);
             }
-            if let Some(i) = ring.free.pop() {
-                break i;
+            if let Some(to) = *lock(&self.redirect) {
+                return Ok(Route::Forward(to));
+            }
+            if !self.held.load(Ordering::SeqCst) {
+                if let Some(i) = ring.free.pop() {
+                    break i;
+                }
             }
             ring = self
                 .slot_freed
@@ -308,7 +425,7 @@ impl ServiceDevice {
         // of us sees the other, so a request is never left unseen.
         fence(Ordering::SeqCst);
         if m.read_u64_volatile(SVC_GPA + svc_off::SPINNER)? != 0 {
-            return Ok(()); // a worker is polling the ring: no interrupt needed
+            return Ok(Route::Posted); // a worker is polling the ring: no interrupt needed
         }
         for n in 0..self.vcpus {
             let cpu = (ring.next_irq_cpu + n) % self.vcpus;
@@ -318,7 +435,7 @@ impl ServiceDevice {
                 break;
             }
         }
-        Ok(())
+        Ok(Route::Posted)
     }
 
     fn interrupt(&self, cpu: usize) {
@@ -353,7 +470,7 @@ impl ServiceDevice {
                 .is_ok();
         let _ = m.write_u32_volatile(gpa + svc_off::SLOT_STATE, slot_state::FREE);
         lock(&self.ring).free.push(slot);
-        self.slot_freed.notify_one();
+        self.slot_freed.notify_all();
         if !ok {
             self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
             return;
