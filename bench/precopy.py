@@ -58,14 +58,17 @@ def migrate_once(ferry, mem, workload, tmp):
     vcpus = "2"
     dst = subprocess.Popen(["ip", "netns", "exec", DST[0], ferry, "run", "--mem", mem, "--vcpus", vcpus,
                             "--workload", workload, "--incoming", f"tcp:{DST[1]}:7400", "--control", dst_sock,
-                            "--duration", "1s", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            "--duration", "1s", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     src = subprocess.Popen(["ip", "netns", "exec", SRC[0], ferry, "run", "--mem", mem, "--vcpus", vcpus,
                             "--workload", workload, "--control", src_sock, "--duration", "120s", "--quiet"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 20
     while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
+        for p in (src, dst):
+            if p.poll() is not None:
+                sys.exit(f"a VMM exited: {p.stderr.read()}")
         if time.time() > deadline:
-            sys.exit("VMMs did not start")
+            sys.exit("VMMs did not start within 20 s")
         time.sleep(0.02)
     time.sleep(1.5)  # the workload runs (and the dirty workload touches its working set)
     out = sh("ip", "netns", "exec", SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{DST[1]}:7400",
@@ -86,7 +89,7 @@ def main():
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target", "release", "ferry"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "precopy"))
     a = ap.parse_args()
-    workloads = ["idle"] + [f"dirty:rate={r},wss=256,pattern=random" for r in a.rates.split(",")]
+    workloads = ["idle"] + [f"dirty:rate={r},wss=128,pattern=random" for r in a.rates.split(",")]
     rows, baselines = [], {}
     tmp = tempfile.mkdtemp()
     try:

@@ -1,6 +1,9 @@
 //! The `ferry` binary as a user meets it: bad input gets a clear error and a
 //! non-zero exit (never a panic); a good run prints its summary and JSON.
 
+mod common;
+use common::kvm_usable;
+
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -13,18 +16,6 @@ fn ferry(args: &[&str]) -> Output {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn kvm_usable() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
-    }
-    ok
 }
 
 /// Runs ferry and checks it failed cleanly with `needle` in its message.

@@ -1,6 +1,9 @@
 //! A migration across the network stack: two lab hosts (network namespaces
 //! joined by a bridge), the VM moves from ferry-h1 to ferry-h2 over TCP.
 
+mod common;
+use common::kvm_usable;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,13 +26,7 @@ impl Drop for Lab {
 
 #[test]
 fn vm_migrates_between_namespace_hosts_with_verification() {
-    if std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_err()
-    {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
+    if !kvm_usable() {
         return;
     }
     let up = Command::new(ferry())

@@ -2,24 +2,15 @@
 //! keeps running at the destination, memory verifies, and a failed migration
 //! leaves the VM running at the source, ready for a later one.
 
+mod common;
+use common::kvm_usable;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// These tests pick free ports and run several VMMs each: run them one at a
 /// time so one test's VMM can never take a port another just picked.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn kvm_usable() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
-    }
-    ok
-}
 
 fn ferry(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferry"))

@@ -2,24 +2,15 @@
 //! TCP clients (`ferry load`), and bad frames are refused without harming the
 //! VM or other clients.
 
+mod common;
+use common::kvm_usable;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ferry_vmm::devices::service::wire::{self, Op, Request, Response, Status};
-
-fn kvm_usable() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
-    }
-    ok
-}
 
 /// A `ferry run` serving kv; stopped on drop.
 struct Server {

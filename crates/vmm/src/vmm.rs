@@ -291,6 +291,29 @@ impl VmShared {
     }
 
     /// Called by a vCPU thread: wait while the VM is paused.
+    /// Waits up to `timeout` for `done` to hold; gives the guard back either
+    /// way (Err on timeout).
+    fn wait_until<'a>(
+        &self,
+        mut c: std::sync::MutexGuard<'a, Control>,
+        timeout: Duration,
+        done: impl Fn(&Control) -> bool,
+    ) -> Result<std::sync::MutexGuard<'a, Control>, std::sync::MutexGuard<'a, Control>> {
+        let deadline = Instant::now() + timeout;
+        while !done(&c) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(c);
+            }
+            c = self
+                .changed
+                .wait_timeout(c, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(c)
+    }
+
     /// Called by a vCPU thread: wait while the VM is paused, saving the
     /// vCPU's state with `save` whenever the VMM asks (vCPU fds live on their
     /// threads, and KVM state can only be read while the vCPU is out of KVM_RUN).
@@ -506,21 +529,13 @@ impl Vm {
         }
         self.shared.set_requested(RunState::Paused);
         self.shared.kick_all();
-        let deadline = Instant::now() + timeout;
-        let mut c = self.shared.lock();
-        while c.parked < c.running_threads.min(n) && c.exit.is_none() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(VmError::PauseTimeout(timeout));
-            }
-            c = self
-                .shared
-                .changed
-                .wait_timeout(c, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        Ok(())
+        let c = self.shared.lock();
+        self.shared
+            .wait_until(c, timeout, |c| {
+                c.parked >= c.running_threads.min(n) || c.exit.is_some()
+            })
+            .map(|_| ())
+            .map_err(|_| VmError::PauseTimeout(timeout))
     }
 
     /// Lets paused vCPUs run again.
@@ -560,19 +575,11 @@ impl Vm {
                 c.saved[id] = None;
             }
             self.shared.changed.notify_all();
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while c.saved.iter().any(Option::is_none) {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(VmError::PauseTimeout(Duration::from_secs(5)));
-                }
-                c = self
-                    .shared
-                    .changed
-                    .wait_timeout(c, left)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
+            let timeout = Duration::from_secs(5);
+            let mut c = self
+                .shared
+                .wait_until(c, timeout, |c| c.saved.iter().all(Option::is_some))
+                .map_err(|_| VmError::PauseTimeout(timeout))?;
             let mut out = Vec::new();
             for s in c.saved.iter_mut() {
                 match s.take() {
@@ -623,22 +630,10 @@ impl Vm {
 
     /// Waits up to `timeout` for the VM to stop by itself or on request.
     pub fn wait_exit(&self, timeout: Duration) -> Option<VmExit> {
-        let deadline = Instant::now() + timeout;
-        let mut c = self.shared.lock();
-        loop {
-            if let Some(e) = &c.exit {
-                return Some(e.clone());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            c = self
-                .shared
-                .changed
-                .wait_timeout(c, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        let c = self.shared.lock();
+        match self.shared.wait_until(c, timeout, |c| c.exit.is_some()) {
+            Ok(c) => c.exit.clone(),
+            Err(_) => None,
         }
     }
 

@@ -4,6 +4,9 @@
 //! another; without it, the whole vCPU waits in the host. The guest's own
 //! counters show the difference.
 
+mod common;
+use common::kvm_usable;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -125,13 +128,7 @@ fn run(apf: bool) -> Option<Outcome> {
 
 #[test]
 fn apf_lets_other_tasks_run_while_a_task_waits_for_a_page() {
-    if std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_err()
-    {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
+    if !kvm_usable() {
         return;
     }
     let Some(on) = run(true) else { return };

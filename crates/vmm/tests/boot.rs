@@ -1,6 +1,9 @@
 //! Boots real guests on /dev/kvm and checks what they do, through the guest's
 //! own counters. Skips loudly where KVM is not usable.
 
+mod common;
+use common::kvm_usable;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,20 +13,6 @@ use ferry_vmm::metrics::MetricsSnapshot;
 use ferry_vmm::{Vm, VmConfig, VmExit};
 
 const MIB: u64 = 1 << 20;
-
-fn kvm_usable() -> bool {
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: /dev/kvm is not usable here ({e}); this test needs KVM");
-            false
-        }
-    }
-}
 
 fn boot(mem: u64, vcpus: u32, workload: &str) -> Vm {
     let config = VmConfig::new(mem, vcpus, workload.parse().unwrap());

@@ -1,6 +1,9 @@
 //! Live precopy migration of real KVM guests between two VMs over loopback TCP,
 //! with end-to-end page verification.
 
+mod common;
+use common::kvm_usable;
+
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
@@ -8,18 +11,6 @@ use ferry_migration::{incoming, migrate, PrecopyOptions};
 use ferry_vmm::{Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
-
-fn kvm_usable() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
-    }
-    ok
-}
 
 fn running(workload: &str, vcpus: u32) -> Vm {
     let vm = Vm::create(VmConfig::new(128 * MIB, vcpus, workload.parse().unwrap())).unwrap();

@@ -2,24 +2,15 @@
 //! saved, encoded and decoded, and a second VM built from that state and a
 //! copy of the memory carries on where the first stopped.
 
+mod common;
+use common::kvm_usable;
+
 use std::time::{Duration, Instant};
 
 use ferry_vmm::vstate::persist::{self, PersistError};
 use ferry_vmm::{Vm, VmConfig, VmState};
 
 const MIB: u64 = 1 << 20;
-
-fn kvm_usable() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here; this test needs KVM");
-    }
-    ok
-}
 
 fn config() -> VmConfig {
     VmConfig::new(
