@@ -34,6 +34,9 @@ pub struct MigrateArgs {
     /// Compare per-page hashes of all memory at the end.
     #[arg(long)]
     verify: bool,
+    /// Never throttle the vCPUs (auto-converge is on by default).
+    #[arg(long)]
+    no_auto_converge: bool,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -48,6 +51,7 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         downtime_ms: args.downtime_ms,
         max_rounds: args.max_rounds,
         verify: args.verify,
+        auto_converge: !args.no_auto_converge,
     });
     let bar = if args.json {
         ProgressBar::hidden()
@@ -110,12 +114,12 @@ fn print_table(to: &str, s: &Value) {
         );
     }
     println!(
-        "{:>6} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14}",
-        "round", "pages", "zero", "bytes", "secs", "throughput", "dirty rate"
+        "{:>6} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14} {:>9}",
+        "round", "pages", "zero", "bytes", "secs", "throughput", "dirty rate", "throttle"
     );
     for r in s["rounds"].as_array().into_iter().flatten() {
         println!(
-            "{:>6} {:>10} {:>10} {:>12} {:>10.4} {:>14} {:>14}",
+            "{:>6} {:>10} {:>10} {:>12} {:>10.4} {:>14} {:>14} {:>8}%",
             r["round"].as_u64().unwrap_or(0),
             r["pages"].as_u64().unwrap_or(0),
             r["zero_pages"].as_u64().unwrap_or(0),
@@ -123,6 +127,7 @@ fn print_table(to: &str, s: &Value) {
             f(&r["secs"]),
             format!("{}/s", format::bytes(f(&r["throughput"]))),
             format!("{}/s", format::bytes(f(&r["dirty_rate"]))),
+            r["throttle_pct"].as_u64().unwrap_or(0),
         );
     }
 }

@@ -29,6 +29,9 @@ pub struct PrecopyOptions {
     pub max_rounds: u32,
     /// Compare per-page hashes at the end.
     pub verify: bool,
+    /// Throttle the vCPUs step by step when the guest dirties memory faster
+    /// than the link carries it.
+    pub auto_converge: bool,
     /// How long to wait for the destination at each step.
     pub timeout: Duration,
 }
@@ -40,6 +43,7 @@ impl Default for PrecopyOptions {
             downtime_ms: 10.0,
             max_rounds: 30,
             verify: false,
+            auto_converge: true,
             timeout: Duration::from_secs(30),
         }
     }
@@ -242,6 +246,7 @@ fn send_round(
             secs: elapsed,
             throughput: bytes as f64 / elapsed,
             dirty_rate: 0.0,
+            throttle_pct: 0,
         },
         frames,
     ))
@@ -305,6 +310,7 @@ pub fn migrate(
         }
     }
     if result.is_err() {
+        let _ = vm.throttle(0);
         let _ = vm.stop_dirty_log();
         if paused {
             let _ = vm.resume();
@@ -361,6 +367,7 @@ fn run(
     let (mut runs, mut holes) = first_round(vm, &regions);
     let mut round = 0u32;
     let mut bandwidth;
+    let mut throttle = 0u32;
     loop {
         let remaining: u64 = runs.iter().map(|r| r.1).sum();
         progress(&Progress {
@@ -378,7 +385,20 @@ fn run(
                 .map_err(MigrationError::vm("read dirty log"))?,
         );
         rs.dirty_rate = (dirty * PAGE as u64) as f64 / rs.secs;
+        rs.throttle_pct = throttle;
         bandwidth = rs.throughput.max(1.0);
+        // Auto-converge (after the full copy): when the guest dirtied more
+        // than half of what the round could send, take away more vCPU time,
+        // 20% at first, then 10% more each round, up to 99%.
+        if opts.auto_converge && round >= 1 && rs.dirty_rate > 0.5 * rs.throughput {
+            throttle = if throttle == 0 {
+                20
+            } else {
+                (throttle + 10).min(99)
+            };
+            vm.throttle(throttle)
+                .map_err(MigrationError::vm("throttle"))?;
+        }
         stats.bytes += rs.bytes;
         stats.pages += rs.pages;
         stats.zero_pages += rs.zero_pages;

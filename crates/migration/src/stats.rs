@@ -19,6 +19,8 @@ pub struct RoundStats {
     pub throughput: f64,
     /// Guest dirty rate measured over the round (bytes/s).
     pub dirty_rate: f64,
+    /// Auto-converge throttle in force during the round (percent).
+    pub throttle_pct: u32,
 }
 
 /// A whole migration, as the source saw it.

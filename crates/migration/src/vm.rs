@@ -95,6 +95,12 @@ pub trait MigratableVm: Send + Sync {
             .get(index)
             .map_or(Vec::new(), |r| vec![(0, r.size)])
     }
+    /// Auto-converge: slow the guest so it dirties memory more slowly
+    /// (percent of vCPU time taken away, 0 = off). VMs that cannot throttle
+    /// keep the default, which does nothing.
+    fn throttle(&self, _pct: u32) -> Result<(), String> {
+        Ok(())
+    }
     /// Guest ranges the VMM itself writes (not seen by the dirty log): sent
     /// again in the final round.
     fn host_written_ranges(&self) -> Vec<(u64, u64)>;

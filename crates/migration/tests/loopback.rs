@@ -20,6 +20,7 @@ struct FakeVm {
     resumes: AtomicU32,
     state: Mutex<Vec<u8>>,
     started: AtomicU32,
+    throttles: Mutex<Vec<u32>>,
 }
 
 impl FakeVm {
@@ -47,6 +48,7 @@ impl FakeVm {
             resumes: AtomicU32::new(0),
             state: Mutex::new(b"vcpu state".to_vec()),
             started: AtomicU32::new(0),
+            throttles: Mutex::new(Vec::new()),
         }
     }
 }
@@ -99,6 +101,10 @@ impl MigratableVm for FakeVm {
     }
     fn save_state(&self) -> Result<Vec<u8>, String> {
         Ok(self.state.lock().unwrap().clone())
+    }
+    fn throttle(&self, pct: u32) -> Result<(), String> {
+        self.throttles.lock().unwrap().push(pct);
+        Ok(())
     }
     fn host_written_ranges(&self) -> Vec<(u64, u64)> {
         vec![(self.layout[0].0, PAGE as u64)]
@@ -209,4 +215,35 @@ fn a_dead_destination_is_a_clear_error() {
     drop(listener);
     let e = migrate(&src, addr, &PrecopyOptions::default(), &|_| {}).unwrap_err();
     assert!(matches!(e, MigrationError::Connect { .. }), "{e}");
+}
+
+#[test]
+fn auto_converge_throttles_a_guest_that_outruns_the_link() {
+    let src = FakeVm::new(LAYOUT, true);
+    // The same 48 pages dirtied every round: the guest never lets up.
+    *src.dirty_script.lock().unwrap() = (0..8).map(|_| (0..48).collect()).collect();
+    let dst = FakeVm::new(LAYOUT, false);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = PrecopyOptions {
+        downtime_ms: 0.0,
+        max_rounds: 4,
+        ..Default::default()
+    };
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        d.join().unwrap().unwrap();
+        st
+    });
+    let t = src.throttles.lock().unwrap().clone();
+    assert_eq!(
+        &t[..2],
+        &[20, 30],
+        "20% first, then 10% more per round: {t:?}"
+    );
+    assert!(stats.rounds.iter().any(|r| r.throttle_pct > 0));
+    for (a, b) in src.mem.iter().zip(&dst.mem) {
+        assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
+    }
 }

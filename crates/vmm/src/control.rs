@@ -62,6 +62,13 @@ pub struct MigrateRequest {
     /// Compare per-page hashes at the end.
     #[serde(default)]
     pub verify: bool,
+    /// Throttle the vCPUs when the guest dirties faster than the link carries.
+    #[serde(default = "default_true")]
+    pub auto_converge: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_streams() -> u16 {
@@ -384,6 +391,7 @@ impl ControlHandler for VmControl {
                     downtime_ms: m.downtime_ms.max(0.0),
                     max_rounds: m.max_rounds,
                     verify: m.verify,
+                    auto_converge: m.auto_converge,
                     ..Default::default()
                 };
                 let progress = std::sync::Mutex::new(progress);

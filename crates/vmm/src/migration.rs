@@ -72,6 +72,11 @@ impl MigratableVm for Vm {
             .map_or(Vec::new(), |r| r.data_ranges())
     }
 
+    fn throttle(&self, pct: u32) -> Result<(), String> {
+        self.set_throttle(pct);
+        Ok(())
+    }
+
     /// The service ring: the device writes requests into it from the host,
     /// which KVM's dirty log does not see.
     fn host_written_ranges(&self) -> Vec<(u64, u64)> {

@@ -263,6 +263,10 @@ struct Control {
 /// State shared between the VM handle and its vCPU threads.
 pub struct VmShared {
     requested: AtomicU8,
+    /// Auto-converge: percent of each THROTTLE_PERIOD the vCPUs sit out.
+    throttle_pct: std::sync::atomic::AtomicU32,
+    /// Per vCPU: a throttle period has started and it has not slept yet.
+    throttle_pending: Vec<std::sync::atomic::AtomicBool>,
     control: Mutex<Control>,
     changed: Condvar,
     threads: Mutex<Vec<libc::pthread_t>>,
@@ -291,6 +295,18 @@ impl VmShared {
     }
 
     /// Called by a vCPU thread: wait while the VM is paused.
+    /// True (once per period) if vCPU `id` should sleep for the throttle.
+    pub fn throttle_due(&self, id: u32) -> bool {
+        self.throttle_pending
+            .get(id as usize)
+            .is_some_and(|p| p.swap(false, Ordering::AcqRel))
+    }
+
+    /// How long a throttled vCPU sleeps each period.
+    pub fn throttle_sleep(&self) -> Duration {
+        THROTTLE_PERIOD * self.throttle_pct.load(Ordering::Relaxed) / 100
+    }
+
     /// Waits up to `timeout` for `done` to hold; gives the guard back either
     /// way (Err on timeout).
     fn wait_until<'a>(
@@ -364,6 +380,9 @@ impl VmShared {
         }
     }
 }
+
+/// Throttle period: a throttled vCPU sleeps pct% of every period.
+const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
 
 /// A VM and its vCPU threads.
 pub struct Vm {
@@ -466,6 +485,10 @@ impl Vm {
         };
         let shared = Arc::new(VmShared {
             requested: AtomicU8::new(RunState::Running as u8),
+            throttle_pct: std::sync::atomic::AtomicU32::new(0),
+            throttle_pending: (0..config.vcpus)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
             control: Mutex::new(Control {
                 parked: 0,
                 running_threads: 0,
@@ -621,6 +644,35 @@ impl Vm {
     /// Releases a VM that now runs elsewhere (it is paused here).
     pub fn finish_migrated(&self, to: String) {
         self.shared.finish(VmExit::Migrated { to });
+    }
+
+    /// Slows the guest for auto-converge: every vCPU sits out `pct`% (0-99)
+    /// of each 10 ms. A helper thread kicks the vCPUs out of KVM_RUN once per
+    /// period while the throttle is on; 0 stops it.
+    pub fn set_throttle(&self, pct: u32) {
+        let pct = pct.min(99);
+        let was = self.shared.throttle_pct.swap(pct, Ordering::AcqRel);
+        if pct > 0 && was == 0 {
+            let shared = self.shared.clone();
+            let _ = std::thread::Builder::new()
+                .name("throttle".into())
+                .spawn(move || {
+                    while shared.throttle_pct.load(Ordering::Acquire) > 0
+                        && shared.requested() != RunState::Stopped
+                    {
+                        for p in &shared.throttle_pending {
+                            p.store(true, Ordering::Release);
+                        }
+                        shared.kick_all();
+                        std::thread::sleep(THROTTLE_PERIOD);
+                    }
+                });
+        }
+    }
+
+    /// The current auto-converge throttle (percent).
+    pub fn throttle(&self) -> u32 {
+        self.shared.throttle_pct.load(Ordering::Acquire)
     }
 
     /// Asks the VM to stop without waiting (used by `quit`).

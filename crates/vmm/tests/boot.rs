@@ -287,3 +287,32 @@ fn bad_configs_are_refused_clearly() {
     c.kernel = Some("/nonexistent/guest.elf".into());
     assert!(err(c).contains("cannot read guest kernel /nonexistent/guest.elf"));
 }
+
+#[test]
+fn throttle_takes_vcpu_time_away_and_gives_it_back() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(64 * MIB, 1, "compute");
+    let rate = |vm: &Vm| {
+        let a = vm.metrics().unwrap();
+        settle(vm, Duration::from_millis(500));
+        let b = vm.metrics().unwrap();
+        ferry_vmm::metrics::rate(&a, &b, a.progress(0), b.progress(0))
+    };
+    let free = rate(&vm);
+    vm.set_throttle(75);
+    settle(&vm, Duration::from_millis(50));
+    let throttled = rate(&vm);
+    vm.set_throttle(0);
+    settle(&vm, Duration::from_millis(50));
+    let after = rate(&vm);
+    assert!(
+        throttled < free * 0.5,
+        "75% throttle: {throttled:.3e} vs {free:.3e} ops/s"
+    );
+    assert!(
+        after > free * 0.7,
+        "unthrottled again: {after:.3e} vs {free:.3e} ops/s"
+    );
+}

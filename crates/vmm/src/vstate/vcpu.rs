@@ -136,7 +136,13 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
     loop {
         vcpu.set_kvm_immediate_exit(0);
         match shared.requested() {
-            RunState::Running => {}
+            RunState::Running => {
+                // Auto-converge: the throttle thread kicks us every period;
+                // sit out our share of it.
+                if shared.throttle_due(id) {
+                    std::thread::sleep(shared.throttle_sleep());
+                }
+            }
             RunState::Paused => {
                 let msrs = shared.msr_indices.clone();
                 shared.park(id, &mut || {
