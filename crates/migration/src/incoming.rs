@@ -88,22 +88,21 @@ fn bulk_loop(
     idx: usize,
     p: &Progress,
 ) -> Result<(), MigrationError> {
+    let mut body = Vec::new();
     while !p.stop.load(Ordering::Acquire) {
-        let f = match protocol::read_frame(&mut r) {
+        let kind = match protocol::read_frame_into(&mut r, &mut body) {
             Err(ProtocolError::Closed) => return Ok(()),
-            Err(ProtocolError::Io(e)) if p.stop.load(Ordering::Acquire) => {
-                let _ = e;
-                return Ok(());
-            }
+            Err(ProtocolError::Io(_)) if p.stop.load(Ordering::Acquire) => return Ok(()),
             other => other?,
         };
-        match f.kind {
+        match kind {
             Kind::Pages => {
-                p.pages
-                    .fetch_add(write_pages(regions, &f.body)?, Ordering::Relaxed);
+                p.pages.fetch_add(write_pages(regions, &body)?, Ordering::Relaxed);
             }
             Kind::ZeroRanges => {
-                let ranges: Vec<(u64, u64)> = protocol::decode(&f, Kind::ZeroRanges)?;
+                let ranges: Vec<(u64, u64)> = postcard::from_bytes(&body).map_err(|e| {
+                    ProtocolError::Malformed { kind: Kind::ZeroRanges, reason: e.to_string() }
+                })?;
                 for (gpa, n) in ranges {
                     let len = n.checked_mul(PAGE as u64).filter(|l| {
                         regions

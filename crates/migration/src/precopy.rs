@@ -212,11 +212,19 @@ fn send_round(
                             frames += 1;
                         }
                         if !gpas.is_empty() {
-                            let body = protocol::encode_pages(&gpas, &data);
-                            protocol::write_frame(&mut conn.writer, Kind::Pages, &body)
-                                .map_err(crate::ProtocolError::Io)?;
+                            // The pages were copied once, into `data` (so the
+                            // checksum covers exactly what is sent while the
+                            // guest keeps writing); the frame goes out in parts.
+                            let count = (gpas.len() as u32).to_le_bytes();
+                            let addrs: Vec<u8> = gpas.iter().flat_map(|g: &u64| g.to_le_bytes()).collect();
+                            protocol::write_frame_parts(
+                                &mut conn.writer,
+                                Kind::Pages,
+                                &[&count, &addrs, &data],
+                            )
+                            .map_err(crate::ProtocolError::Io)?;
                             bytes.fetch_add(
-                                (protocol::HEADER + body.len()) as u64,
+                                (protocol::HEADER + 4 + addrs.len() + data.len()) as u64,
                                 Ordering::Relaxed,
                             );
                             pages.fetch_add(gpas.len() as u64, Ordering::Relaxed);

@@ -217,6 +217,23 @@ pub fn write_frame(w: &mut impl Write, kind: Kind, body: &[u8]) -> io::Result<()
     w.write_all(body)
 }
 
+/// Writes one frame whose body is the concatenation of `parts`, without
+/// concatenating them in memory (Pages: count, addresses, page data).
+pub fn write_frame_parts(w: &mut impl Write, kind: Kind, parts: &[&[u8]]) -> io::Result<()> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let crc = parts.iter().fold(0u32, |c, p| crc32c::crc32c_append(c, p));
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&(kind as u16).to_le_bytes());
+    h[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+    h[12..16].copy_from_slice(&crc.to_le_bytes());
+    w.write_all(&h)?;
+    for p in parts {
+        w.write_all(p)?;
+    }
+    Ok(())
+}
+
 /// Writes a message with a postcard body.
 pub fn send<T: serde::Serialize>(
     w: &mut impl Write,
@@ -233,6 +250,14 @@ pub fn send<T: serde::Serialize>(
 
 /// Reads one frame, checking magic, kind, length limit and checksum.
 pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
+    let mut body = Vec::new();
+    let kind = read_frame_into(r, &mut body)?;
+    Ok(Frame { kind, body })
+}
+
+/// Like [`read_frame`], reusing `body`'s allocation (bulk streams read
+/// thousands of 4 MiB frames: a fresh buffer each time costs page faults).
+pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, ProtocolError> {
     let mut h = [0u8; HEADER];
     let mut got = 0;
     while got < HEADER {
@@ -255,20 +280,18 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
         return Err(ProtocolError::TooLarge(len));
     }
     let crc = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).map_err(|e| match e.kind() {
+    body.resize(len as usize, 0);
+    r.read_exact(body).map_err(|e| match e.kind() {
         io::ErrorKind::UnexpectedEof => ProtocolError::Truncated,
         _ => ProtocolError::Io(e),
     })?;
-    if crc32c::crc32c(&body) != crc {
+    if crc32c::crc32c(body) != crc {
         return Err(ProtocolError::Checksum { kind, len });
     }
     if kind == Kind::Abort {
-        return Err(ProtocolError::Aborted(
-            String::from_utf8_lossy(&body).into_owned(),
-        ));
+        return Err(ProtocolError::Aborted(String::from_utf8_lossy(body).into_owned()));
     }
-    Ok(Frame { kind, body })
+    Ok(kind)
 }
 
 /// Decodes a postcard body of the expected kind.
@@ -362,6 +385,15 @@ pub fn page_hash(page: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_written_in_parts_reads_back_whole() {
+        let mut a = Vec::new();
+        write_frame_parts(&mut a, Kind::Pages, &[b"ab", b"", b"cde"]).unwrap();
+        let mut b = Vec::new();
+        write_frame(&mut b, Kind::Pages, b"abcde").unwrap();
+        assert_eq!(a, b);
+    }
 
     #[test]
     fn frames_round_trip() {
