@@ -64,19 +64,27 @@ struct Progress {
     zero_pages: AtomicU64,
 }
 
-fn write_pages(regions: &[RegionView], body: &[u8]) -> Result<u64, ProtocolError> {
+fn write_pages(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u64, MigrationError> {
     let (gpas, data) = protocol::decode_pages(body)?;
-    for (i, gpa) in gpas.iter().enumerate() {
-        let ok = gpa % PAGE as u64 == 0
-            && regions
-                .iter()
-                .any(|r| r.contains(*gpa) && r.write(*gpa, &data[i * PAGE..(i + 1) * PAGE]));
-        if !ok {
+    // Check every address first, then write runs of consecutive pages at once.
+    for gpa in &gpas {
+        if gpa % PAGE as u64 != 0 || !regions.iter().any(|r| r.contains(*gpa)) {
             return Err(ProtocolError::Malformed {
                 kind: Kind::Pages,
                 reason: format!("page address {gpa:#x} is not in guest RAM"),
-            });
+            }
+            .into());
         }
+    }
+    let mut i = 0;
+    while i < gpas.len() {
+        let mut n = 1;
+        while i + n < gpas.len() && gpas[i + n] == gpas[i] + (n * PAGE) as u64 {
+            n += 1;
+        }
+        vm.write_pages(gpas[i], &data[i * PAGE..(i + n) * PAGE])
+            .map_err(|reason| ProtocolError::Malformed { kind: Kind::Pages, reason })?;
+        i += n;
     }
     Ok(gpas.len() as u64)
 }
@@ -97,7 +105,7 @@ fn bulk_loop(
         };
         match kind {
             Kind::Pages => {
-                p.pages.fetch_add(write_pages(regions, &body)?, Ordering::Relaxed);
+                p.pages.fetch_add(write_pages(vm, regions, &body)?, Ordering::Relaxed);
             }
             Kind::ZeroRanges => {
                 let ranges: Vec<(u64, u64)> = postcard::from_bytes(&body).map_err(|e| {
