@@ -114,6 +114,8 @@ def main():
                         "nonzero_pages": med(lambda r: r["pages"]),
                         "rounds": med(lambda r: len(r["rounds"])),
                         "round0_throughput": med(lambda r: r["rounds"][0]["throughput"]),
+                        "src_cpu_s": med(lambda r: r["source_cpu_s"]),
+                        "dst_cpu_s": med(lambda r: r["destination_cpu_s"]),
                         "converged": ok[0]["converged"],
                     }
                     rows.append(row)
@@ -129,18 +131,18 @@ def main():
     with open(a.out + ".md", "w") as f:
         f.write(f"# Precopy benchmark\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; 2 vCPUs; lab hosts are network namespaces on one 2-core machine "
-                f"(PVM KVM); 1gbit = tbf shaping; --max-rounds 15; median of {a.runs} runs.\n\n"
+                f"(PVM KVM); 1gbit = tbf shaping; --max-rounds 15; auto-converge on; median of {a.runs} runs.\n\n"
                 "One plain TCP stream between the hosts, measured in the same run: "
                 + ", ".join(f"{k} {v / 2**20:.0f} MiB/s" for k, v in baselines.items()) + "\n\n"
-                "| link | RAM | workload | total s | downtime ms | MiB on wire | non-zero pages | rounds | round-0 MiB/s |\n"
-                "|---|---|---|---|---|---|---|---|---|\n")
+                "| link | RAM | workload | total s | downtime ms | MiB on wire | non-zero pages | rounds | round-0 MiB/s | CPU s src / dst |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             if "error" in r:
                 f.write(f"| {r['link']} | {r['mem']} | {r['workload']} | failed: {r['error'][:60]} |||||||\n")
                 continue
             f.write(f"| {r['link']} | {r['mem']} | {r['workload']} | {r['total_s']:.3f} | {r['downtime_ms']:.2f} | "
                     f"{r['bytes'] / 2**20:.1f} | {r['nonzero_pages']:.0f} | {r['rounds']:.0f} | "
-                    f"{r['round0_throughput'] / 2**20:.0f} |\n")
+                    f"{r['round0_throughput'] / 2**20:.0f} | {r['src_cpu_s']:.3f} / {r['dst_cpu_s']:.3f} |\n")
     print(f"wrote {a.out}.json and {a.out}.md")
 
 

@@ -107,6 +107,11 @@ fn print_table(to: &str, s: &Value) {
         format::bytes(f(&s["state_bytes"]))
     );
     println!("converged    {}", s["converged"].as_str().unwrap_or(""));
+    println!(
+        "host CPU     source {:.3} s, destination {:.3} s (migration threads)",
+        f(&s["source_cpu_s"]),
+        f(&s["destination_cpu_s"])
+    );
     if s["verified_pages"].as_u64().unwrap_or(0) > 0 {
         println!(
             "verified     {} pages identical on both sides",

@@ -62,9 +62,16 @@ struct Progress {
     stop: AtomicBool,
     pages: AtomicU64,
     zero_pages: AtomicU64,
+    /// CPU seconds of the bulk threads, and the control thread's start value.
+    cpu: crate::stats::CpuMeter,
+    ctl_cpu0: f64,
 }
 
-fn write_pages(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u64, MigrationError> {
+fn write_pages(
+    vm: &dyn IncomingVm,
+    regions: &[RegionView],
+    body: &[u8],
+) -> Result<u64, MigrationError> {
     let (gpas, data) = protocol::decode_pages(body)?;
     // Check every address first, then write runs of consecutive pages at once.
     for gpa in &gpas {
@@ -83,7 +90,10 @@ fn write_pages(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Resu
             n += 1;
         }
         vm.write_pages(gpas[i], &data[i * PAGE..(i + n) * PAGE])
-            .map_err(|reason| ProtocolError::Malformed { kind: Kind::Pages, reason })?;
+            .map_err(|reason| ProtocolError::Malformed {
+                kind: Kind::Pages,
+                reason,
+            })?;
         i += n;
     }
     Ok(gpas.len() as u64)
@@ -97,6 +107,7 @@ fn bulk_loop(
     p: &Progress,
 ) -> Result<(), MigrationError> {
     let mut body = Vec::new();
+    let mut cpu_mark = crate::stats::thread_cpu_secs();
     while !p.stop.load(Ordering::Acquire) {
         let kind = match protocol::read_frame_into(&mut r, &mut body) {
             Err(ProtocolError::Closed) => return Ok(()),
@@ -105,12 +116,15 @@ fn bulk_loop(
         };
         match kind {
             Kind::Pages => {
-                p.pages.fetch_add(write_pages(vm, regions, &body)?, Ordering::Relaxed);
+                p.pages
+                    .fetch_add(write_pages(vm, regions, &body)?, Ordering::Relaxed);
             }
             Kind::ZeroRanges => {
-                let ranges: Vec<(u64, u64)> = postcard::from_bytes(&body).map_err(|e| {
-                    ProtocolError::Malformed { kind: Kind::ZeroRanges, reason: e.to_string() }
-                })?;
+                let ranges: Vec<(u64, u64)> =
+                    postcard::from_bytes(&body).map_err(|e| ProtocolError::Malformed {
+                        kind: Kind::ZeroRanges,
+                        reason: e.to_string(),
+                    })?;
                 for (gpa, n) in ranges {
                     let len = n.checked_mul(PAGE as u64).filter(|l| {
                         regions
@@ -137,6 +151,11 @@ fn bulk_loop(
                 .into())
             }
         }
+        // CPU is counted per frame: the Started report goes out before these
+        // threads end.
+        let now = crate::stats::thread_cpu_secs();
+        p.cpu.add(now - cpu_mark);
+        cpu_mark = now;
         p.frames[idx].fetch_add(1, Ordering::Release);
         let _g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
         p.changed.notify_all();
@@ -233,6 +252,8 @@ fn receive_on(
         stop: AtomicBool::new(false),
         pages: AtomicU64::new(0),
         zero_pages: AtomicU64::new(0),
+        cpu: crate::stats::CpuMeter::default(),
+        ctl_cpu0: crate::stats::thread_cpu_secs(),
     };
     let p = Arc::new(p);
     let mut stats = IncomingStats::default();
@@ -348,9 +369,11 @@ fn control_loop(
                     .map_err(MigrationError::vm("restore state"))?;
                 vm.start().map_err(MigrationError::vm("start"))?;
                 stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
-                let service = vm.service_addr().unwrap_or_default();
-                protocol::write_frame(ctl_w, Kind::Started, service.as_bytes())
-                    .map_err(ProtocolError::Io)?;
+                let report = crate::stats::StartedReport {
+                    service: vm.service_addr(),
+                    cpu_s: p.cpu.secs() + crate::stats::thread_cpu_secs() - p.ctl_cpu0,
+                };
+                protocol::send(ctl_w, Kind::Started, &report)?;
                 ctl_w.flush().map_err(ProtocolError::Io)?;
                 return Ok(());
             }

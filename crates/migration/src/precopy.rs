@@ -137,6 +137,7 @@ fn send_round(
     runs: &Runs,
     holes: &Runs,
     round: u32,
+    cpu: &crate::stats::CpuMeter,
 ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
     let t0 = Instant::now();
     // Known zero ranges go first, unread, on stream 0.
@@ -171,6 +172,7 @@ fn send_round(
             .map(|conn| {
                 let (queue, pages, zero, bytes) = (&queue, &pages, &zero, &bytes);
                 s.spawn(move || -> Result<u64, MigrationError> {
+                    let cpu0 = crate::stats::thread_cpu_secs();
                     let mut frames = 0u64;
                     let mut gpas = Vec::with_capacity(MAX_BATCH);
                     let mut data = Vec::with_capacity(MAX_BATCH * PAGE);
@@ -216,7 +218,8 @@ fn send_round(
                             // checksum covers exactly what is sent while the
                             // guest keeps writing); the frame goes out in parts.
                             let count = (gpas.len() as u32).to_le_bytes();
-                            let addrs: Vec<u8> = gpas.iter().flat_map(|g: &u64| g.to_le_bytes()).collect();
+                            let addrs: Vec<u8> =
+                                gpas.iter().flat_map(|g: &u64| g.to_le_bytes()).collect();
                             protocol::write_frame_parts(
                                 &mut conn.writer,
                                 Kind::Pages,
@@ -232,6 +235,7 @@ fn send_round(
                         }
                     }
                     conn.writer.flush().map_err(crate::ProtocolError::Io)?;
+                    cpu.add(crate::stats::thread_cpu_secs() - cpu0);
                     Ok(frames)
                 })
             })
@@ -340,6 +344,8 @@ fn run(
     ctl_slot: &mut Option<Conn>,
 ) -> Result<MigrationStats, MigrationError> {
     let t_start = Instant::now();
+    let cpu = crate::stats::CpuMeter::default();
+    let ctl_cpu0 = crate::stats::thread_cpu_secs();
     let regions = vm.regions();
     let session = t_start.elapsed().as_nanos() as u64 ^ std::process::id() as u64;
     let streams = opts.streams.max(1);
@@ -385,7 +391,7 @@ fn run(
             bytes: stats.bytes,
             phase: "copy",
         });
-        let (mut rs, frames) = send_round(&regions, &mut bulk, &runs, &holes, round)?;
+        let (mut rs, frames) = send_round(&regions, &mut bulk, &runs, &holes, round, &cpu)?;
         barrier(ctl, round, frames)?;
         let (next, dirty) = dirty_runs(
             &regions,
@@ -461,7 +467,7 @@ fn run(
         bytes: stats.bytes,
         phase: "stop-and-copy",
     });
-    let (rs, frames) = send_round(&regions, &mut bulk, &last, &Vec::new(), round)?;
+    let (rs, frames) = send_round(&regions, &mut bulk, &last, &Vec::new(), round, &cpu)?;
     barrier(ctl, round, frames)?;
     stats.bytes += rs.bytes;
     stats.pages += rs.pages;
@@ -509,9 +515,10 @@ fn run(
         .into());
     }
     stats.downtime_parts.destination = lap();
-    if !frame.body.is_empty() {
-        stats.destination_service = Some(String::from_utf8_lossy(&frame.body).into_owned());
-    }
+    let report: crate::stats::StartedReport = protocol::decode(&frame, Kind::Started)?;
+    stats.destination_service = report.service;
+    stats.destination_cpu_s = report.cpu_s;
+    stats.source_cpu_s = cpu.secs() + crate::stats::thread_cpu_secs() - ctl_cpu0;
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     stats.total_secs = secs(t_start.elapsed());
     progress(&Progress {

@@ -289,7 +289,9 @@ pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, Pr
         return Err(ProtocolError::Checksum { kind, len });
     }
     if kind == Kind::Abort {
-        return Err(ProtocolError::Aborted(String::from_utf8_lossy(body).into_owned()));
+        return Err(ProtocolError::Aborted(
+            String::from_utf8_lossy(body).into_owned(),
+        ));
     }
     Ok(kind)
 }

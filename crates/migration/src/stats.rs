@@ -47,6 +47,10 @@ pub struct MigrationStats {
     pub converged: String,
     /// Where the VM's request service listens at the destination, if it has one.
     pub destination_service: Option<String>,
+    /// Host CPU seconds the migration used on the source (engine threads).
+    pub source_cpu_s: f64,
+    /// Host CPU seconds the migration used on the destination (its report).
+    pub destination_cpu_s: f64,
     /// Where the downtime went (ms): pausing the vCPUs, the last round,
     /// saving the state, hashing for verification, and the destination's
     /// restore and start (with the network round trip).
@@ -68,6 +72,15 @@ pub struct DowntimeParts {
     pub destination: f64,
 }
 
+/// What the destination reports in its Started message.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StartedReport {
+    /// Its request service address, if the VM has one.
+    pub service: Option<String>,
+    /// Host CPU seconds its receiving threads used.
+    pub cpu_s: f64,
+}
+
 /// Live progress for a bar.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Progress {
@@ -85,4 +98,31 @@ pub struct Progress {
 
 pub(crate) fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
+}
+
+/// CPU time the calling thread has used, in seconds.
+pub(crate) fn thread_cpu_secs() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// Sums CPU seconds from several threads.
+#[derive(Default)]
+pub(crate) struct CpuMeter(std::sync::atomic::AtomicU64);
+
+impl CpuMeter {
+    /// Adds `secs` (kept in nanoseconds).
+    pub(crate) fn add(&self, secs: f64) {
+        self.0
+            .fetch_add((secs * 1e9) as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Total in seconds.
+    pub(crate) fn secs(&self) -> f64 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9
+    }
 }

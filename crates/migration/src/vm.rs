@@ -121,8 +121,15 @@ pub trait IncomingVm: Send + Sync {
     /// Writes received pages (whole pages inside one region). The default
     /// copies through the mapping; a VMM may write through the memory's file.
     fn write_pages(&self, gpa: u64, data: &[u8]) -> Result<(), String> {
-        let ok = self.regions().iter().any(|r| r.contains(gpa) && r.write(gpa, data));
-        if ok { Ok(()) } else { Err(format!("{:#x}+{} is not in guest RAM", gpa, data.len())) }
+        let ok = self
+            .regions()
+            .iter()
+            .any(|r| r.contains(gpa) && r.write(gpa, data));
+        if ok {
+            Ok(())
+        } else {
+            Err(format!("{:#x}+{} is not in guest RAM", gpa, data.len()))
+        }
     }
     /// Makes a range read as zeros.
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String>;
