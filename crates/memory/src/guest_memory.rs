@@ -36,6 +36,25 @@ pub enum MemoryError {
     Region(#[from] RegionError),
 }
 
+/// Plain data that [`GuestMemory::read_obj`] may build from any bytes the
+/// guest left behind.
+///
+/// # Safety
+///
+/// Every bit pattern of `size_of::<Self>()` bytes must be a valid value
+/// (no `bool`, `char`, enums, references or pointers with validity rules).
+pub unsafe trait Plain: Copy {}
+
+macro_rules! plain {
+    ($($t:ty),*) => {$(
+        // SAFETY: integers are valid for every bit pattern.
+        unsafe impl Plain for $t {}
+    )*};
+}
+plain!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+// SAFETY: an array of plain values has no other bytes than its elements.
+unsafe impl<T: Plain, const N: usize> Plain for [T; N] {}
+
 /// A VM's RAM: non-overlapping memfd regions in address order.
 pub struct GuestMemory {
     regions: Vec<MemfdRegion>,
@@ -128,7 +147,8 @@ impl GuestMemory {
         Ok(())
     }
 
-    /// Writes a plain-data value at `gpa`.
+    /// Writes a plain-data value at `gpa` (padding bytes, if `T` has any,
+    /// land in guest memory unspecified: prefer `repr(C)` types without).
     pub fn write_obj<T: Copy>(&self, gpa: u64, value: &T) -> Result<(), MemoryError> {
         let p = self.host_ptr(gpa, std::mem::size_of::<T>() as u64)?;
         // SAFETY: the destination is inside a live mapping; unaligned is allowed.
@@ -136,10 +156,12 @@ impl GuestMemory {
         Ok(())
     }
 
-    /// Reads a plain-data value at `gpa`. `T` must be valid for any bit pattern.
-    pub fn read_obj<T: Copy>(&self, gpa: u64) -> Result<T, MemoryError> {
+    /// Reads a plain-data value at `gpa`. The guest controls these bytes,
+    /// so `T` must be valid for any bit pattern ([`Plain`]).
+    pub fn read_obj<T: Plain>(&self, gpa: u64) -> Result<T, MemoryError> {
         let p = self.host_ptr(gpa, std::mem::size_of::<T>() as u64)?;
-        // SAFETY: the source is inside a live mapping; callers use plain-data types.
+        // SAFETY: the source is inside a live mapping (host_ptr) and any bytes
+        // there form a valid T (Plain); unaligned reads are allowed.
         Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
     }
 
@@ -206,6 +228,14 @@ mod tests {
             GuestMemory::new(&[(0, 100)]),
             Err(MemoryError::Region(_))
         ));
+        assert!(matches!(
+            GuestMemory::new(&[(0, 4096), (!4095u64, 4096)]),
+            Err(MemoryError::Region(RegionError::AddressOverflow { .. }))
+        ));
+        assert!(matches!(
+            GuestMemory::new(&[(0, 4096), (4096, 4096)]).map(|m| m.total_size()),
+            Ok(8192)
+        ));
     }
 
     #[test]
@@ -233,5 +263,19 @@ mod tests {
         m.write_u64_volatile(16, 5).unwrap();
         assert_eq!(m.read_u64_volatile(16).unwrap(), 5);
         assert!(m.write_u32_volatile(13, 0).is_err());
+        assert_eq!(m.read_obj::<[u32; 2]>(12).unwrap(), [0xdead_beef, 5]);
+        assert_eq!(m.page_count(), 4);
+        assert!(matches!(
+            m.host_ptr(u64::MAX - 1, 8),
+            Err(MemoryError::OutOfRange { len: 8, .. })
+        ));
+        assert!(
+            m.write_bytes(8192, &[]).is_ok(),
+            "empty range at a region's end"
+        );
+        assert!(
+            m.write_bytes(0x9000, &[]).is_err(),
+            "empty range outside RAM"
+        );
     }
 }

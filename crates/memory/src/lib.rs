@@ -1,14 +1,20 @@
 //! Guest memory for ferry: RAM regions backed by memfds and mapped shared
 //! (so they can be handed to another process, punched, and put under
 //! userfaultfd), and the guest-physical view over them.
+//!
+//! - [`region`]: one memfd-backed region ([`MemfdRegion`]).
+//! - [`guest_memory`]: the VM's regions as one guest-physical address space
+//!   ([`GuestMemory`]), with bounds-checked reads and writes.
+//! - [`uffd`]: userfaultfd for postcopy, access sampling and write protection
+//!   ([`Userfaultfd`]).
 
 pub mod guest_memory;
 pub mod region;
 pub mod uffd;
 
-pub use guest_memory::{GuestMemory, MemoryError};
+pub use guest_memory::{GuestMemory, MemoryError, Plain};
 pub use region::{MemfdRegion, RegionError};
-pub use uffd::{Event, Features, RegisterMode, UffdError, Userfaultfd};
+pub use uffd::{Event, Features, Ioctls, RegisterMode, UffdError, Userfaultfd};
 
 /// The unit of guest memory accounting.
 pub const PAGE_SIZE: u64 = 4096;

@@ -31,6 +31,22 @@ pub enum RegionError {
         /// OS error.
         source: std::io::Error,
     },
+    /// The file handed to [`MemfdRegion::from_fd`] is shorter than the region.
+    #[error("memfd holds {file_size:#x} bytes, the region needs {size:#x}")]
+    FileTooSmall {
+        /// Region size.
+        size: u64,
+        /// The file's size.
+        file_size: u64,
+    },
+    /// The region would end past the top of the guest physical address space.
+    #[error("region at {gpa:#x} of {size:#x} bytes ends past 2^64")]
+    AddressOverflow {
+        /// Guest physical base.
+        gpa: u64,
+        /// Size.
+        size: u64,
+    },
     /// A range outside the region.
     #[error("range {offset:#x}+{len:#x} is outside the region of {size:#x} bytes")]
     OutOfRange {
@@ -93,10 +109,21 @@ impl MemfdRegion {
     }
 
     /// Maps an existing memfd (e.g. one received from another VMM process).
+    /// The file must hold at least `size` bytes (checked): touching a
+    /// mapping past its file's end raises SIGBUS.
     pub fn from_fd(name: &str, gpa: u64, size: u64, fd: OwnedFd) -> Result<Self, RegionError> {
         check_size(size)?;
+        if gpa.checked_add(size).is_none() {
+            return Err(RegionError::AddressOverflow { gpa, size });
+        }
+        let file_size = file_size(&fd).map_err(|source| RegionError::Mmap { size, source })?;
+        if file_size < size {
+            return Err(RegionError::FileTooSmall { size, file_size });
+        }
         // SAFETY: mapping a file we own with a checked size at an address the
-        // kernel chooses; the result is checked before use.
+        // kernel chooses; the result is checked before use. MAP_NORESERVE:
+        // guest RAM is sparse, so no swap is reserved up front (a memfd is
+        // created without accounting anyway; this keeps received fds alike).
         let host = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -149,10 +176,9 @@ impl MemfdRegion {
 
     /// True if `[gpa, gpa+len)` lies inside this region.
     pub fn contains(&self, gpa: u64, len: u64) -> bool {
-        gpa >= self.gpa
-            && gpa
-                .checked_add(len)
-                .is_some_and(|end| end <= self.gpa + self.size)
+        // No overflow: from_fd checked that gpa + size fits.
+        let end = self.gpa + self.size;
+        gpa >= self.gpa && gpa.checked_add(len).is_some_and(|e| e <= end)
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), RegionError> {
@@ -248,6 +274,17 @@ impl Drop for MemfdRegion {
     }
 }
 
+/// The size of the file behind `fd`.
+fn file_size(fd: &OwnedFd) -> Result<u64, std::io::Error> {
+    // SAFETY: all-zero is a valid `struct stat` (plain integers).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open and `st` is a live, writable struct stat.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(u64::try_from(st.st_size).unwrap_or(0))
+}
+
 fn check_size(size: u64) -> Result<(), RegionError> {
     if size == 0 || size % PAGE_SIZE != 0 || usize::try_from(size).is_err() {
         return Err(RegionError::BadSize { size });
@@ -284,6 +321,38 @@ mod tests {
         assert!(matches!(
             MemfdRegion::new("x", 0, 0),
             Err(RegionError::BadSize { .. })
+        ));
+        assert!(matches!(
+            MemfdRegion::new("x", !4095u64, 8192),
+            Err(RegionError::AddressOverflow { .. })
+        ));
+        assert!(matches!(
+            MemfdRegion::new("x", 0, !4095u64),
+            Err(RegionError::Memfd { .. } | RegionError::Mmap { .. })
+        ));
+        assert!(matches!(
+            MemfdRegion::new("nul\0name", 0, 4096),
+            Err(RegionError::Memfd { .. })
+        ));
+    }
+
+    #[test]
+    fn from_fd_shares_the_memory() {
+        let a = MemfdRegion::new("shared", 0x10_0000, 2 * PAGE_SIZE).unwrap();
+        // SAFETY: byte 4097 of the two-page mapping.
+        unsafe { *a.host_addr().add(4097) = 0x5a };
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        let b = MemfdRegion::from_fd("shared-view", 0x10_0000, 2 * PAGE_SIZE, fd).unwrap();
+        assert_ne!(a.host_addr(), b.host_addr());
+        // SAFETY: as above, through the second mapping.
+        assert_eq!(unsafe { *b.host_addr().add(4097) }, 0x5a);
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        assert!(matches!(
+            MemfdRegion::from_fd("too-big", 0, 4 * PAGE_SIZE, fd),
+            Err(RegionError::FileTooSmall {
+                file_size: 8192,
+                ..
+            })
         ));
     }
 
