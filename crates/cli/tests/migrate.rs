@@ -31,6 +31,11 @@ fn spawn(args: &[&str]) -> Child {
 /// Starts `ferry run --incoming ...` and returns once it listens (it says so
 /// on stderr; probing the port instead could self-connect and steal it).
 fn spawn_incoming(args: &[&str]) -> Child {
+    spawn_incoming_logged(args).0
+}
+
+/// As [`spawn_incoming`], also keeping what the destination prints on stderr.
+fn spawn_incoming_logged(args: &[&str]) -> (Child, std::sync::Arc<std::sync::Mutex<String>>) {
     use std::io::BufRead;
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
@@ -48,8 +53,16 @@ fn spawn_incoming(args: &[&str]) -> Child {
             break;
         }
     }
-    std::thread::spawn(move || for _ in lines {});
-    c
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let l = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            let mut l = l.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+    });
+    (c, log)
 }
 
 fn free_port() -> u16 {
@@ -251,4 +264,136 @@ fn kv_clients_see_no_errors_across_a_migration() {
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["wrong_values"], 0, "{v}");
     assert!(v["requests"].as_u64().unwrap() > 1000, "{v}");
+}
+
+/// Forwards TCP connections from `listen` to `to`, flipping one byte of the
+/// source-to-destination stream once `after` bytes have passed on one connection.
+fn corrupting_proxy(to: u16, after: usize) -> u16 {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let flipped = Arc::new(AtomicBool::new(false));
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { break };
+            let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", to)) else {
+                continue;
+            };
+            let (mut c_r, mut c_w) = (client.try_clone().unwrap(), client);
+            let (mut s_r, mut s_w) = (server.try_clone().unwrap(), server);
+            let flipped = flipped.clone();
+            std::thread::spawn(move || {
+                let (mut buf, mut seen) = (vec![0u8; 65536], 0usize);
+                while let Ok(n) = c_r.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    if seen + n > after && !flipped.swap(true, Ordering::SeqCst) {
+                        let i = after.saturating_sub(seen).min(n - 1);
+                        buf[i] ^= 0x40;
+                    }
+                    seen += n;
+                    if s_w.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = s_w.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut s_r, &mut c_w);
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-migfail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
+    // 384 MiB of incompressible memory: round 0 takes long enough to interrupt.
+    let wl = "compute+fill:content=worst,mib=384";
+    let mut src = spawn(&[
+        "run",
+        "--mem",
+        "512M",
+        "--workload",
+        wl,
+        "--control",
+        &src_sock,
+        "--quiet",
+    ]);
+    wait_status(&src_sock);
+    std::thread::sleep(Duration::from_millis(1500));
+    let still_running = |what: &str| {
+        let a = wait_status(&src_sock);
+        std::thread::sleep(Duration::from_millis(300));
+        let b = wait_status(&src_sock);
+        assert_eq!(b["state"], "running", "after {what}");
+        assert!(
+            progress(&b) > progress(&a),
+            "the source VM still runs after {what}"
+        );
+    };
+
+    // 1. The destination is killed in the middle of the copy.
+    let port = free_port();
+    let to = format!("tcp:127.0.0.1:{port}");
+    let mut dst = spawn_incoming(&["run", "--mem", "512M", "--workload", wl, "--incoming", &to]);
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(150));
+        let _ = dst.kill();
+        let _ = dst.wait();
+    });
+    let o = ferry(&["migrate", &src_sock, "--to", &to]);
+    killer.join().unwrap();
+    assert!(
+        !o.status.success(),
+        "migration to a killed destination must fail"
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("keeps running here"));
+    still_running("a killed destination");
+
+    // 2. One byte flipped on the wire after 1 MiB.
+    let port = free_port();
+    let (dst, dst_log) = spawn_incoming_logged(&[
+        "run",
+        "--mem",
+        "512M",
+        "--workload",
+        wl,
+        "--incoming",
+        &format!("tcp:127.0.0.1:{port}"),
+    ]);
+    let proxy = corrupting_proxy(port, 1 << 20);
+    let o = ferry(&[
+        "migrate",
+        &src_sock,
+        "--to",
+        &format!("tcp:127.0.0.1:{proxy}"),
+    ]);
+    assert!(
+        !o.status.success(),
+        "a corrupt stream must fail the migration"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("keeps running here"), "{err}");
+    let d = dst.wait_with_output().unwrap();
+    assert!(
+        !d.status.success(),
+        "the destination refuses the corrupt stream and starts nothing"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    let log = dst_log.lock().unwrap().clone();
+    assert!(log.contains("checksum mismatch"), "destination said: {log}");
+    still_running("a corrupt frame");
+    let _ = src.kill();
+    let _ = src.wait();
 }

@@ -194,6 +194,14 @@ pub fn receive(
         if !matches!(e, MigrationError::Protocol(ProtocolError::Aborted(_))) {
             let _ = protocol::write_frame(&mut ctl_w, Kind::Abort, e.to_string().as_bytes());
             let _ = ctl_w.flush();
+            // Close the control connection gracefully: unread bytes at close
+            // would turn into a reset, and the source would lose the reason.
+            let _ = ctl_w.get_ref().shutdown(std::net::Shutdown::Write);
+            let _ = ctl_r
+                .get_ref()
+                .set_read_timeout(Some(Duration::from_secs(1)));
+            let mut sink = [0u8; 65536];
+            while matches!(std::io::Read::read(&mut ctl_r, &mut sink), Ok(n) if n > 0) {}
         }
     }
     result
@@ -271,7 +279,18 @@ fn receive_on(
         }
         let r = control_loop(vm, &regions, ctl_r, ctl_w, timeout, &p, &mut stats);
         p.stop.store(true, Ordering::Release);
-        r
+        // A bulk stream that failed (corrupt frame, bad address) is the real
+        // cause even when the control connection saw something else first.
+        match (
+            r,
+            p.failed.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        ) {
+            (Err(_), Some(bulk)) => Err(MigrationError::Vm {
+                op: "receive pages",
+                reason: bulk,
+            }),
+            (r, _) => r,
+        }
     })?;
     stats.pages = p.pages.load(Ordering::Relaxed);
     stats.zero_pages = p.zero_pages.load(Ordering::Relaxed);
