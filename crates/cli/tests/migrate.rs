@@ -19,6 +19,18 @@ fn ferry(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// Kills its VMM when dropped, so a failing test leaves no VM running.
+struct Reaper(Option<Child>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 fn spawn(args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
@@ -208,7 +220,7 @@ fn kv_clients_see_no_errors_across_a_migration() {
     let to = format!("tcp:127.0.0.1:{mig_port}");
     let wl = "kv:workers=4,keys=4096,value=1024";
     // The source forwards its service port after the migration until killed.
-    let mut src = spawn(&[
+    let _src = Reaper(Some(spawn(&[
         "run",
         "--mem",
         "128M",
@@ -220,9 +232,11 @@ fn kv_clients_see_no_errors_across_a_migration() {
         &svc,
         "--control",
         &src_sock,
+        "--duration",
+        "120s",
         "--quiet",
-    ]);
-    let dst = spawn_incoming(&[
+    ])));
+    let _dst = Reaper(Some(spawn_incoming(&[
         "run",
         "--mem",
         "128M",
@@ -236,7 +250,7 @@ fn kv_clients_see_no_errors_across_a_migration() {
         &to,
         "--duration",
         "8s",
-    ]);
+    ])));
     wait_listening(svc_port);
     let load = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args([
@@ -258,9 +272,6 @@ fn kv_clients_see_no_errors_across_a_migration() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = load.wait_with_output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let _ = src.kill();
-    let _ = src.wait();
-    drop(dst);
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["wrong_values"], 0, "{v}");
     assert!(v["requests"].as_u64().unwrap() > 1000, "{v}");
@@ -320,7 +331,7 @@ fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     // 384 MiB of incompressible memory: round 0 takes long enough to interrupt.
     let wl = "compute+fill:content=worst,mib=384";
-    let mut src = spawn(&[
+    let _src = Reaper(Some(spawn(&[
         "run",
         "--mem",
         "512M",
@@ -328,8 +339,10 @@ fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
         wl,
         "--control",
         &src_sock,
+        "--duration",
+        "120s",
         "--quiet",
-    ]);
+    ])));
     wait_status(&src_sock);
     std::thread::sleep(Duration::from_millis(1500));
     let still_running = |what: &str| {
@@ -394,6 +407,4 @@ fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
     let log = dst_log.lock().unwrap().clone();
     assert!(log.contains("checksum mismatch"), "destination said: {log}");
     still_running("a corrupt frame");
-    let _ = src.kill();
-    let _ = src.wait();
 }
