@@ -46,10 +46,18 @@ impl MigratableVm for Vm {
     /// Requests in the service ring are answered here before the pause, so
     /// every answer the destination's guest writes is for a request it got.
     fn pause(&self) -> Result<(), String> {
-        if let Some(s) = self.service() {
-            s.hold_and_drain(std::time::Duration::from_secs(2))?;
+        let drained = match self.service() {
+            Some(s) => s.hold_and_drain(std::time::Duration::from_secs(2)),
+            None => Ok(()),
+        };
+        let paused = drained.and_then(|_| Vm::pause(self).map_err(|e| e.to_string()));
+        if paused.is_err() {
+            // The engine resumes only a VM it paused: undo the hold here.
+            if let Some(s) = self.service() {
+                s.release();
+            }
         }
-        Vm::pause(self).map_err(|e| e.to_string())
+        paused
     }
 
     fn resume(&self) -> Result<(), String> {

@@ -553,12 +553,18 @@ impl Vm {
         self.shared.set_requested(RunState::Paused);
         self.shared.kick_all();
         let c = self.shared.lock();
-        self.shared
+        let parked = self
+            .shared
             .wait_until(c, timeout, |c| {
                 c.parked >= c.running_threads.min(n) || c.exit.is_some()
             })
-            .map(|_| ())
-            .map_err(|_| VmError::PauseTimeout(timeout))
+            .is_ok();
+        if !parked {
+            // Never leave a VM half-paused: let every vCPU run again.
+            let _ = self.resume();
+            return Err(VmError::PauseTimeout(timeout));
+        }
+        Ok(())
     }
 
     /// Lets paused vCPUs run again.
