@@ -34,12 +34,38 @@ pub struct MigrateArgs {
     /// Compare per-page hashes of all memory at the end.
     #[arg(long)]
     verify: bool,
+    /// Limit the migration's bandwidth: bytes/s with K/M/G suffix (e.g. 100M),
+    /// or bits/s ending in "bit" (e.g. 1gbit, 500mbit).
+    #[arg(long, value_parser = parse_rate)]
+    bandwidth: Option<u64>,
     /// Never throttle the vCPUs (auto-converge is on by default).
     #[arg(long)]
     no_auto_converge: bool,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// Parses `100M` (bytes/s) or `1gbit` (bits/s) into bytes per second.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    let lower = s.trim().to_ascii_lowercase();
+    let bytes = match lower.strip_suffix("bit") {
+        Some(bits) => ferry_vmm::boot::layout::parse_size(bits).map(|b| {
+            // Link rates use powers of ten: 1gbit = 10^9 bits/s.
+            let scale = match bits.chars().last() {
+                Some('k') => 1000.0 / 1024.0,
+                Some('m') => 1e6 / (1u64 << 20) as f64,
+                Some('g') => 1e9 / (1u64 << 30) as f64,
+                _ => 1.0,
+            };
+            (b as f64 * scale / 8.0) as u64
+        }),
+        None => ferry_vmm::boot::layout::parse_size(&lower),
+    };
+    match bytes {
+        Some(b) if b > 0 => Ok(b),
+        _ => Err(format!("'{s}' is not a rate (e.g. 100M bytes/s or 1gbit)")),
+    }
 }
 
 pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
@@ -52,6 +78,7 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         max_rounds: args.max_rounds,
         verify: args.verify,
         auto_converge: !args.no_auto_converge,
+        bandwidth: args.bandwidth,
     });
     let bar = if args.json {
         ProgressBar::hidden()

@@ -32,6 +32,8 @@ pub struct PrecopyOptions {
     /// Throttle the vCPUs step by step when the guest dirties memory faster
     /// than the link carries it.
     pub auto_converge: bool,
+    /// Most bytes per second on the wire, all streams together.
+    pub bandwidth: Option<f64>,
     /// How long to wait for the destination at each step.
     pub timeout: Duration,
 }
@@ -44,6 +46,7 @@ impl Default for PrecopyOptions {
             max_rounds: 30,
             verify: false,
             auto_converge: true,
+            bandwidth: None,
             timeout: Duration::from_secs(30),
         }
     }
@@ -138,6 +141,7 @@ fn send_round(
     holes: &Runs,
     round: u32,
     cpu: &crate::stats::CpuMeter,
+    limit: Option<f64>,
 ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
     let t0 = Instant::now();
     // Known zero ranges go first, unread, on stream 0.
@@ -232,6 +236,15 @@ fn send_round(
                             );
                             pages.fetch_add(gpas.len() as u64, Ordering::Relaxed);
                             frames += 1;
+                        }
+                        // --bandwidth: all streams together stay under the limit.
+                        if let Some(rate) = limit {
+                            let sent = bytes.load(Ordering::Relaxed) as f64;
+                            let ahead = sent / rate - secs(t0.elapsed());
+                            if ahead > 0.0 {
+                                conn.writer.flush().map_err(crate::ProtocolError::Io)?;
+                                std::thread::sleep(Duration::from_secs_f64(ahead));
+                            }
                         }
                     }
                     conn.writer.flush().map_err(crate::ProtocolError::Io)?;
@@ -391,7 +404,15 @@ fn run(
             bytes: stats.bytes,
             phase: "copy",
         });
-        let (mut rs, frames) = send_round(&regions, &mut bulk, &runs, &holes, round, &cpu)?;
+        let (mut rs, frames) = send_round(
+            &regions,
+            &mut bulk,
+            &runs,
+            &holes,
+            round,
+            &cpu,
+            opts.bandwidth,
+        )?;
         barrier(ctl, round, frames)?;
         let (next, dirty) = dirty_runs(
             &regions,
@@ -467,7 +488,15 @@ fn run(
         bytes: stats.bytes,
         phase: "stop-and-copy",
     });
-    let (rs, frames) = send_round(&regions, &mut bulk, &last, &Vec::new(), round, &cpu)?;
+    let (rs, frames) = send_round(
+        &regions,
+        &mut bulk,
+        &last,
+        &Vec::new(),
+        round,
+        &cpu,
+        opts.bandwidth,
+    )?;
     barrier(ctl, round, frames)?;
     stats.bytes += rs.bytes;
     stats.pages += rs.pages;

@@ -247,3 +247,33 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
         assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
     }
 }
+
+#[test]
+fn bandwidth_limit_paces_the_copy() {
+    let src = FakeVm::new(LAYOUT, true);
+    let dst = FakeVm::new(LAYOUT, false);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // About 0.7 MiB of non-zero pages at 1 MiB/s.
+    let opts = PrecopyOptions {
+        bandwidth: Some(1024.0 * 1024.0),
+        ..Default::default()
+    };
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        d.join().unwrap().unwrap();
+        st
+    });
+    let r0 = &stats.rounds[0];
+    assert!(
+        r0.throughput < 1.3 * 1024.0 * 1024.0,
+        "round 0 at {:.0} B/s",
+        r0.throughput
+    );
+    assert!(
+        stats.total_secs > 0.5,
+        "paced copy took {:.3} s",
+        stats.total_secs
+    );
+}

@@ -65,6 +65,9 @@ pub struct MigrateRequest {
     /// Throttle the vCPUs when the guest dirties faster than the link carries.
     #[serde(default = "default_true")]
     pub auto_converge: bool,
+    /// Most bytes per second on the wire (None = as fast as the link goes).
+    #[serde(default)]
+    pub bandwidth: Option<u64>,
 }
 
 fn default_true() -> bool {
@@ -392,6 +395,7 @@ impl ControlHandler for VmControl {
                     max_rounds: m.max_rounds,
                     verify: m.verify,
                     auto_converge: m.auto_converge,
+                    bandwidth: m.bandwidth.filter(|&b| b > 0).map(|b| b as f64),
                     ..Default::default()
                 };
                 let progress = std::sync::Mutex::new(progress);
