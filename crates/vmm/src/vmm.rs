@@ -614,7 +614,7 @@ impl Vm {
                 match s.take() {
                     Some(Ok(state)) => out.push(state),
                     Some(Err(e)) => return Err(VmError::SaveFailed(e)),
-                    None => unreachable!("checked above"),
+                    None => return Err(VmError::SaveFailed("a vCPU gave no state".into())),
                 }
             }
             out
