@@ -122,10 +122,6 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         }
         None => None,
     };
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, interrupted.clone())?;
-    }
     if !quiet {
         eprintln!(
             "ferry: VM with {} RAM, {} vCPU(s), workload {}; control socket {}",
@@ -160,6 +156,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                 );
             }
         }
+    }
+    // Only now catch Ctrl-C / SIGTERM (to end with a summary): while an
+    // incoming VMM waits for its migration, they simply end the process.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())?;
     }
     let t_start = Instant::now();
     let mut first: Option<MetricsSnapshot> = None;

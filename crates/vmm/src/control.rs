@@ -131,6 +131,11 @@ pub enum ControlError {
 pub trait ControlHandler: Send + Sync {
     /// Handles one request: Ok(fields to add to the reply) or Err(message).
     fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, String>;
+
+    /// Runs once the reply to a request has been written: effects that may
+    /// end the VMM process (a finished migration) wait for it, so the client
+    /// always gets its whole answer.
+    fn after_reply(&self) {}
 }
 
 /// A listening control socket; removed when dropped.
@@ -237,7 +242,9 @@ fn serve(stream: UnixStream, handler: Arc<dyn ControlHandler>) {
                 Err(msg) => json!({"ok": false, "error": msg}),
             },
         };
-        if writeln!(writer, "{reply}").is_err() {
+        let written = writeln!(writer, "{reply}").and_then(|_| writer.flush());
+        handler.after_reply();
+        if written.is_err() {
             return;
         }
     }
@@ -308,12 +315,18 @@ impl ControlClient {
 /// Serves the control requests of one [`Vm`].
 pub struct VmControl {
     vm: Arc<Vm>,
+    /// What to do once the reply is out: stop the VM (quit), or release it
+    /// after a completed migration (Some(destination)).
+    after: std::sync::Mutex<Option<Option<String>>>,
 }
 
 impl VmControl {
     /// A handler for `vm`.
     pub fn new(vm: Arc<Vm>) -> Self {
-        VmControl { vm }
+        VmControl {
+            vm,
+            after: std::sync::Mutex::new(None),
+        }
     }
 }
 
@@ -361,6 +374,14 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
 }
 
 impl ControlHandler for VmControl {
+    fn after_reply(&self) {
+        match self.after.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(Some(to)) => self.vm.finish_migrated(to),
+            Some(None) => self.vm.request_stop(),
+            None => {}
+        }
+    }
+
     fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, String> {
         let vm = &self.vm;
         match req {
@@ -378,7 +399,7 @@ impl ControlHandler for VmControl {
             Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
             Request::Resume => vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
             Request::Quit => {
-                vm.request_stop();
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(None);
                 Ok(json!({}))
             }
             Request::Migrate(m) => {
@@ -416,7 +437,7 @@ impl ControlHandler for VmControl {
                         svc.redirect(a);
                     }
                 }
-                vm.finish_migrated(to.to_string());
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(Some(to.to_string()));
                 Ok(json!({ "stats": stats }))
             }
         }
