@@ -1,5 +1,6 @@
 //! The `ferry` command line: runs VMs and talks to them through their control sockets.
 
+mod bench;
 mod format;
 mod lab;
 mod load;
@@ -31,6 +32,8 @@ enum Command {
     Load(load::LoadArgs),
     /// Live-migrate a running VM to a destination started with `ferry run --incoming`.
     Migrate(migrate::MigrateArgs),
+    /// Run a benchmark suite (results go to bench/results/ with their command).
+    Bench(bench::BenchArgs),
     /// Test hosts as network namespaces (for migrations across a real network).
     #[command(subcommand)]
     Lab(lab::LabCommand),
@@ -71,6 +74,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Load(args) => load::load(args),
         Command::Lab(cmd) => lab::lab(cmd),
+        Command::Bench(args) => bench::bench(args),
         Command::Migrate(args) => migrate::migrate(args),
         Command::Status {
             socket,

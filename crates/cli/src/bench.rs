@@ -1,0 +1,59 @@
+//! `ferry bench SUITE`: runs one of the benchmark suites under `bench/`
+//! (Python drivers of this same binary; results and their commands land in
+//! `bench/results/`).
+
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context, Result};
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Suite {
+    /// Live precopy migrations between lab hosts: sizes x dirty rates x links.
+    Precopy,
+    /// The kv service: clients x vCPUs, device-only latency.
+    Kv,
+    /// The guest alone: boot time, dirty rate accuracy, compute vs host.
+    Guest,
+}
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Which suite.
+    #[arg(value_enum)]
+    suite: Suite,
+    /// Passed to the suite (e.g. --runs 5 --sizes 256M,1G).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
+}
+
+fn bench_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench")
+}
+
+pub fn bench(args: BenchArgs) -> Result<ExitCode> {
+    let script = bench_dir().join(match args.suite {
+        Suite::Precopy => "precopy.py",
+        Suite::Kv => "kv_baseline.py",
+        Suite::Guest => "guest_baseline.py",
+    });
+    if !script.exists() {
+        bail!(
+            "{} is missing: `ferry bench` runs from a ferry source tree",
+            script.display()
+        );
+    }
+    let ferry = std::env::current_exe().context("cannot find the ferry binary")?;
+    let status = Command::new("python3")
+        .arg(&script)
+        .arg("--ferry")
+        .arg(&ferry)
+        .args(&args.args)
+        .status()
+        .context("cannot run python3 (install it to run the benchmarks)")?;
+    Ok(if status.success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
