@@ -19,6 +19,13 @@ fn views(vm: &Vm) -> Vec<RegionView> {
         .collect()
 }
 
+fn data_ranges(vm: &Vm, index: usize) -> Vec<(u64, u64)> {
+    vm.memory()
+        .regions()
+        .get(index)
+        .map_or(Vec::new(), |r| r.data_ranges())
+}
+
 impl MigratableVm for Vm {
     fn regions(&self) -> Vec<RegionView> {
         views(self)
@@ -74,10 +81,7 @@ impl MigratableVm for Vm {
     }
 
     fn data_ranges(&self, index: usize) -> Vec<(u64, u64)> {
-        self.memory()
-            .regions()
-            .get(index)
-            .map_or(Vec::new(), |r| r.data_ranges())
+        data_ranges(self, index)
     }
 
     fn throttle(&self, pct: u32) -> Result<(), String> {
@@ -105,10 +109,7 @@ impl IncomingVm for Vm {
     }
 
     fn data_ranges(&self, index: usize) -> Vec<(u64, u64)> {
-        self.memory()
-            .regions()
-            .get(index)
-            .map_or(Vec::new(), |r| r.data_ranges())
+        data_ranges(self, index)
     }
 
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {
