@@ -22,9 +22,10 @@ pub struct MigrateArgs {
     /// Migration mode.
     #[arg(long, default_value = "precopy", value_parser = ["precopy"])]
     mode: String,
-    /// Parallel bulk connections.
-    #[arg(long, default_value_t = 2)]
-    streams: u16,
+    /// Parallel bulk connections (default: 1 on machines with up to 4 cores,
+    /// where a second stream only competes for CPU, else 2).
+    #[arg(long)]
+    streams: Option<u16>,
     /// Stop iterating when the rest fits this downtime (ms).
     #[arg(long, default_value_t = 10.0)]
     downtime_ms: f64,
@@ -73,7 +74,9 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     let mut c = ControlClient::connect(&args.socket)?;
     let req = Request::Migrate(MigrateRequest {
         to: args.to.clone(),
-        streams: args.streams,
+        streams: args
+            .streams
+            .unwrap_or_else(ferry_migration::precopy::default_streams),
         downtime_ms: args.downtime_ms,
         max_rounds: args.max_rounds,
         verify: args.verify,

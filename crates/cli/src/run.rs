@@ -59,6 +59,11 @@ pub struct RunArgs {
     /// Guest kernel ELF (default: the one built into ferry).
     #[arg(long)]
     kernel: Option<PathBuf>,
+    /// Allocate all guest RAM before the VM boots or the migration starts
+    /// (like QEMU's -mem-prealloc): the first touch of host memory then
+    /// happens outside the guest's and the migration's time.
+    #[arg(long)]
+    prealloc: bool,
     /// Do not let the guest use KVM asynchronous page faults.
     #[arg(long)]
     no_apf: bool,
@@ -135,6 +140,20 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         }
     }
 
+    if args.prealloc {
+        let t = Instant::now();
+        for r in vm.memory().regions() {
+            r.populate(0, r.size())
+                .with_context(|| format!("cannot preallocate guest RAM region {}", r.name()))?;
+        }
+        if !quiet {
+            eprintln!(
+                "ferry: preallocated {} of guest RAM in {:.2} s",
+                format::bytes(args.mem as f64),
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
     match &args.incoming {
         None => vm.start()?,
         Some(addr) => {

@@ -51,7 +51,7 @@ fn accept(
     s.set_read_timeout(Some(timeout))
         .map_err(ProtocolError::Io)?;
     let w = s.try_clone().map_err(ProtocolError::Io)?;
-    Ok((BufReader::with_capacity(1 << 20, s), w))
+    Ok((BufReader::with_capacity(64 << 10, s), w))
 }
 
 struct Progress {
@@ -67,38 +67,6 @@ struct Progress {
     ctl_cpu0: f64,
 }
 
-fn write_pages(
-    vm: &dyn IncomingVm,
-    regions: &[RegionView],
-    body: &[u8],
-) -> Result<u64, MigrationError> {
-    let (gpas, data) = protocol::decode_pages(body)?;
-    // Check every address first, then write runs of consecutive pages at once.
-    for gpa in &gpas {
-        if gpa % PAGE as u64 != 0 || !regions.iter().any(|r| r.contains(*gpa)) {
-            return Err(ProtocolError::Malformed {
-                kind: Kind::Pages,
-                reason: format!("page address {gpa:#x} is not in guest RAM"),
-            }
-            .into());
-        }
-    }
-    let mut i = 0;
-    while i < gpas.len() {
-        let mut n = 1;
-        while i + n < gpas.len() && gpas[i + n] == gpas[i] + (n * PAGE) as u64 {
-            n += 1;
-        }
-        vm.write_pages(gpas[i], &data[i * PAGE..(i + n) * PAGE])
-            .map_err(|reason| ProtocolError::Malformed {
-                kind: Kind::Pages,
-                reason,
-            })?;
-        i += n;
-    }
-    Ok(gpas.len() as u64)
-}
-
 fn bulk_loop(
     vm: &dyn IncomingVm,
     regions: &[RegionView],
@@ -109,16 +77,19 @@ fn bulk_loop(
     let mut body = Vec::new();
     let mut cpu_mark = crate::stats::thread_cpu_secs();
     while !p.stop.load(Ordering::Acquire) {
-        let kind = match protocol::read_frame_into(&mut r, &mut body) {
+        let h = match protocol::read_header(&mut r) {
             Err(ProtocolError::Closed) => return Ok(()),
             Err(ProtocolError::Io(_)) if p.stop.load(Ordering::Acquire) => return Ok(()),
             other => other?,
         };
-        match kind {
-            Kind::Pages => {
-                p.pages
-                    .fetch_add(write_pages(vm, regions, &body)?, Ordering::Relaxed);
-            }
+        if h.kind == Kind::Pages {
+            let n = crate::pagein::read_pages(&mut r, &h, regions, &mut body)?;
+            p.pages.fetch_add(n, Ordering::Relaxed);
+        } else {
+            protocol::read_body_into(&mut r, &h, &mut body)?;
+        }
+        match h.kind {
+            Kind::Pages => {}
             Kind::ZeroRanges => {
                 let ranges: Vec<(u64, u64)> =
                     postcard::from_bytes(&body).map_err(|e| ProtocolError::Malformed {

@@ -6,6 +6,7 @@
 //! [`incoming`] the receiving side, [`stats`] what a migration measured.
 
 pub mod incoming;
+pub mod pagein;
 pub mod precopy;
 pub mod protocol;
 pub mod stats;

@@ -41,7 +41,7 @@ pub struct PrecopyOptions {
 impl Default for PrecopyOptions {
     fn default() -> Self {
         PrecopyOptions {
-            streams: 2,
+            streams: default_streams(),
             downtime_ms: 10.0,
             max_rounds: 30,
             verify: false,
@@ -49,6 +49,15 @@ impl Default for PrecopyOptions {
             bandwidth: None,
             timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// Bulk streams by default: one where cores are few (both ends of a test
+/// often share them, and a second stream only adds switching), else two.
+pub fn default_streams() -> u16 {
+    match std::thread::available_parallelism().map(|n| n.get()) {
+        Ok(n) if n > 4 => 2,
+        _ => 1,
     }
 }
 
@@ -197,6 +206,7 @@ fn send_round(
                         gpas.clear();
                         data.clear();
                         let mut zeros: Vec<(u64, u64)> = Vec::new();
+                        let mut data_crc = 0u32;
                         for i in 0..n {
                             let gpa = base + i * PAGE as u64;
                             let Some(page) = page_at(regions, gpa) else {
@@ -208,8 +218,11 @@ fn send_round(
                                     _ => zeros.push((gpa, 1)),
                                 }
                             } else {
+                                // Copy, then checksum while the copy is hot.
                                 gpas.push(gpa);
+                                let at = data.len();
                                 data.extend_from_slice(page);
+                                data_crc = crc32c::crc32c_append(data_crc, &data[at..]);
                             }
                         }
                         if !zeros.is_empty() {
@@ -235,10 +248,12 @@ fn send_round(
                             let count = (gpas.len() as u32).to_le_bytes();
                             let addrs: Vec<u8> =
                                 gpas.iter().flat_map(|g: &u64| g.to_le_bytes()).collect();
-                            protocol::write_frame_parts(
+                            protocol::write_pages_frame(
                                 &mut conn.writer,
-                                Kind::Pages,
-                                &[&count, &addrs, &data],
+                                &count,
+                                &addrs,
+                                &data,
+                                data_crc,
                             )
                             .map_err(crate::ProtocolError::Io)?;
                             bytes.fetch_add(

@@ -234,6 +234,29 @@ pub fn write_frame_parts(w: &mut impl Write, kind: Kind, parts: &[&[u8]]) -> io:
     Ok(())
 }
 
+/// Writes a Pages frame whose page data's crc32c the caller already knows
+/// (computed page by page while each page was hot in cache).
+pub fn write_pages_frame(
+    w: &mut impl Write,
+    count: &[u8],
+    addrs: &[u8],
+    data: &[u8],
+    data_crc: u32,
+) -> io::Result<()> {
+    let head = crc32c::crc32c_append(crc32c::crc32c(count), addrs);
+    let crc = crc32c::crc32c_combine(head, data_crc, data.len());
+    let len = count.len() + addrs.len() + data.len();
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&(Kind::Pages as u16).to_le_bytes());
+    h[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+    h[12..16].copy_from_slice(&crc.to_le_bytes());
+    w.write_all(&h)?;
+    w.write_all(count)?;
+    w.write_all(addrs)?;
+    w.write_all(data)
+}
+
 /// Writes a message with a postcard body.
 pub fn send<T: serde::Serialize>(
     w: &mut impl Write,
@@ -255,9 +278,20 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
     Ok(Frame { kind, body })
 }
 
-/// Like [`read_frame`], reusing `body`'s allocation (bulk streams read
-/// thousands of 4 MiB frames: a fresh buffer each time costs page faults).
-pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, ProtocolError> {
+/// A frame header, checked (magic, kind, length limit) but not its body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Kind.
+    pub kind: Kind,
+    /// Body length in bytes (at most [`MAX_BODY`]).
+    pub len: u32,
+    /// crc32c of the body.
+    pub crc: u32,
+}
+
+/// Reads and checks one frame header. A clean end of stream before the
+/// first byte is `Closed`; in the middle, `Truncated`.
+pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     let mut h = [0u8; HEADER];
     let mut got = 0;
     while got < HEADER {
@@ -280,20 +314,46 @@ pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, Pr
         return Err(ProtocolError::TooLarge(len));
     }
     let crc = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
-    body.resize(len as usize, 0);
-    r.read_exact(body).map_err(|e| match e.kind() {
+    Ok(Header { kind, len, crc })
+}
+
+/// Maps a short read to `Truncated`.
+pub fn eof_is_truncated(e: io::Error) -> ProtocolError {
+    match e.kind() {
         io::ErrorKind::UnexpectedEof => ProtocolError::Truncated,
         _ => ProtocolError::Io(e),
-    })?;
-    if crc32c::crc32c(body) != crc {
-        return Err(ProtocolError::Checksum { kind, len });
     }
-    if kind == Kind::Abort {
+}
+
+/// Like [`read_frame`], reusing `body`'s allocation (bulk streams read
+/// thousands of 4 MiB frames: a fresh buffer each time costs page faults).
+pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, ProtocolError> {
+    let h = read_header(r)?;
+    read_body_into(r, &h, body)?;
+    Ok(h.kind)
+}
+
+/// Reads the body that `h` announced and checks its checksum (an Abort
+/// frame becomes the `Aborted` error).
+pub fn read_body_into(
+    r: &mut impl Read,
+    h: &Header,
+    body: &mut Vec<u8>,
+) -> Result<(), ProtocolError> {
+    body.resize(h.len as usize, 0);
+    r.read_exact(body).map_err(eof_is_truncated)?;
+    if crc32c::crc32c(body) != h.crc {
+        return Err(ProtocolError::Checksum {
+            kind: h.kind,
+            len: h.len,
+        });
+    }
+    if h.kind == Kind::Abort {
         return Err(ProtocolError::Aborted(
             String::from_utf8_lossy(body).into_owned(),
         ));
     }
-    Ok(kind)
+    Ok(())
 }
 
 /// Decodes a postcard body of the expected kind.
@@ -387,6 +447,19 @@ pub fn page_hash(page: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pages_frame_with_a_precomputed_data_crc_reads_back() {
+        let data: Vec<u8> = (0..2 * PAGE).map(|i| (i * 7) as u8).collect();
+        let addrs = [0x1000u64.to_le_bytes(), 0x5000u64.to_le_bytes()].concat();
+        let crc = data
+            .chunks(PAGE)
+            .fold(0, crc32c::crc32c_append);
+        let mut buf = Vec::new();
+        write_pages_frame(&mut buf, &2u32.to_le_bytes(), &addrs, &data, crc).unwrap();
+        let f = read_frame(&mut &buf[..]).unwrap();
+        assert_eq!(f.body, encode_pages(&[0x1000, 0x5000], &data));
+    }
 
     #[test]
     fn a_frame_written_in_parts_reads_back_whole() {
