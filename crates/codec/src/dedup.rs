@@ -1,0 +1,101 @@
+//! dedup: 256-byte chunks found in the chunk cache travel as 4-byte references.
+
+use crate::error::CodecError;
+use crate::sets::{alloc, sets_for, SetState};
+use crate::CHUNK;
+
+/// Most sets a chunk cache may have, so that every reference `set * 2 + way` fits a u32.
+const MAX_SETS: u64 = 1 << 31;
+
+/// 2-way set-associative cache of chunks, keyed by their SuperFastHash.
+///
+/// entries = bytes / 256, sets = entries / 2 (at least 1, at most 2^31);
+/// set = hash % sets; each way holds (hash, content); LRU within a set. A chunk
+/// is found only when a way has the same hash *and* the same 256 bytes.
+#[derive(Clone, Debug)]
+pub struct ChunkCache {
+    sets: usize,
+    state: SetState,
+    /// Hash of way w of set s at `s * 2 + w`.
+    hashes: Vec<u32>,
+    /// Content of way w of set s at `s * 2 + w`.
+    chunks: Vec<[u8; CHUNK]>,
+}
+
+impl ChunkCache {
+    /// An empty cache of `bytes` bytes (see the type for the geometry).
+    pub fn new(bytes: u64) -> Result<Self, CodecError> {
+        let too_big = || CodecError::CacheSize {
+            what: "dedup",
+            bytes,
+        };
+        let sets = sets_for(bytes, CHUNK);
+        if sets > MAX_SETS {
+            return Err(too_big());
+        }
+        let sets = usize::try_from(sets).map_err(|_| too_big())?;
+        let ways = sets.checked_mul(2).ok_or_else(too_big)?;
+        Ok(ChunkCache {
+            sets,
+            state: SetState::new(sets).ok_or_else(too_big)?,
+            hashes: alloc(ways, 0).ok_or_else(too_big)?,
+            chunks: alloc(ways, [0; CHUNK]).ok_or_else(too_big)?,
+        })
+    }
+
+    /// Number of sets.
+    pub fn sets(&self) -> usize {
+        self.sets
+    }
+
+    /// The set a hash maps to.
+    pub fn set_of(&self, hash: u32) -> usize {
+        // sets >= 1, and u32 -> usize is lossless on the 64-bit hosts ferry runs on.
+        hash as usize % self.sets
+    }
+
+    fn way_of(&self, hash: u32, chunk: &[u8; CHUNK]) -> Option<usize> {
+        let set = self.set_of(hash);
+        (0..2).find(|&w| {
+            let slot = set * 2 + w;
+            self.state.valid(set, w)
+                && self.hashes.get(slot) == Some(&hash)
+                && self.chunks.get(slot) == Some(chunk)
+        })
+    }
+
+    /// The reference (`set * 2 + way`) of a cached chunk equal to `chunk`, whose hash is `hash`.
+    pub fn lookup(&self, hash: u32, chunk: &[u8; CHUNK]) -> Option<u32> {
+        let way = self.way_of(hash, chunk)?;
+        // set * 2 + way < 2 * MAX_SETS = 2^32.
+        u32::try_from(self.set_of(hash) * 2 + way).ok()
+    }
+
+    /// The chunk a reference points at; `None` when out of range or empty.
+    pub fn get(&self, index: u32) -> Option<&[u8; CHUNK]> {
+        let slot = usize::try_from(index).ok()?;
+        if !self.state.valid(slot / 2, slot % 2) {
+            return None;
+        }
+        self.chunks.get(slot)
+    }
+
+    /// Records a chunk just sent: the way holding it (same hash and content)
+    /// becomes MRU, else it replaces the set's LRU way and becomes MRU.
+    pub fn touch(&mut self, hash: u32, chunk: &[u8; CHUNK]) {
+        let set = self.set_of(hash);
+        let way = match self.way_of(hash, chunk) {
+            Some(way) => way,
+            None => {
+                let way = self.state.lru(set);
+                let slot = set * 2 + way;
+                if let (Some(h), Some(c)) = (self.hashes.get_mut(slot), self.chunks.get_mut(slot)) {
+                    *h = hash;
+                    *c = *chunk;
+                }
+                way
+            }
+        };
+        self.state.make_mru(set, way);
+    }
+}
