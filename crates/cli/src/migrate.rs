@@ -42,9 +42,39 @@ pub struct MigrateArgs {
     /// Never throttle the vCPUs (auto-converge is on by default).
     #[arg(long)]
     no_auto_converge: bool,
+    /// Compression: auto (measure and pick per batch), none, rle, xbzrle,
+    /// dedup, lz4, zstd or zstd:LEVEL.
+    #[arg(long, default_value = "none", value_parser = parse_compress)]
+    compress: String,
+    /// Where the codecs run: cpu, or cuda (falls back to the CPU, saying
+    /// so, where no CUDA device is found).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    compress_backend: String,
+    /// Fetch, encode and send in turn on one thread per stream instead of
+    /// the three-stage pipeline.
+    #[arg(long)]
+    no_pipeline: bool,
+    /// Encoder threads per bulk stream.
+    #[arg(long, default_value_t = 1)]
+    compress_threads: u8,
+    /// xbzrle page cache per encoder thread (e.g. 64M).
+    #[arg(long, value_parser = parse_mem_size)]
+    xbzrle_cache: Option<u64>,
+    /// dedup chunk cache per encoder thread (e.g. 64M).
+    #[arg(long, value_parser = parse_mem_size)]
+    dedup_cache: Option<u64>,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_compress(s: &str) -> Result<String, String> {
+    s.parse::<ferry_migration::Compress>()?;
+    Ok(s.to_string())
+}
+
+fn parse_mem_size(s: &str) -> Result<u64, String> {
+    ferry_vmm::boot::layout::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 64M)"))
 }
 
 /// Parses `100M` (bytes/s) or `1gbit` (bits/s) into bytes per second.
@@ -82,6 +112,12 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         verify: args.verify,
         auto_converge: !args.no_auto_converge,
         bandwidth: args.bandwidth,
+        compress: args.compress.clone(),
+        compress_backend: args.compress_backend.clone(),
+        pipeline: !args.no_pipeline,
+        compress_threads: args.compress_threads,
+        xbzrle_cache: args.xbzrle_cache,
+        dedup_cache: args.dedup_cache,
     });
     let bar = if args.json {
         ProgressBar::hidden()
@@ -142,6 +178,34 @@ fn print_table(to: &str, s: &Value) {
         f(&s["source_cpu_s"]),
         f(&s["destination_cpu_s"])
     );
+    let c = &s["compression"];
+    if c["asked"].as_str().is_some_and(|a| a != "none") {
+        let (i, o) = (f(&c["encoded_in"]), f(&c["encoded_out"]));
+        println!(
+            "compression  {} ({}): batches {}; {} of pages became {}{}{}",
+            c["asked"].as_str().unwrap_or(""),
+            if c["pipeline"] == true {
+                "pipelined"
+            } else {
+                "no pipeline"
+            },
+            c["batches"]
+                .as_str()
+                .filter(|b| !b.is_empty())
+                .unwrap_or("none"),
+            format::bytes(i),
+            format::bytes(o),
+            if i > 0.0 {
+                format!(" (ratio {:.2})", i / o.max(1.0))
+            } else {
+                String::new()
+            },
+            c["note"]
+                .as_str()
+                .map(|n| format!("; {n}"))
+                .unwrap_or_default(),
+        );
+    }
     if s["verified_pages"].as_u64().unwrap_or(0) > 0 {
         println!(
             "verified     {} pages identical on both sides",

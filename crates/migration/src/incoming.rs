@@ -9,7 +9,10 @@
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
+
+use ferry_codec::StreamDecoder;
 use std::time::{Duration, Instant};
 
 use crate::protocol::{self, Hello, Kind, Layout, ProtocolError, Role, RoundDone, PAGE};
@@ -67,6 +70,100 @@ struct Progress {
     ctl_cpu0: f64,
 }
 
+/// Counts a frame as applied and wakes the control thread's barrier.
+fn applied(p: &Progress, idx: usize, cpu_mark: &mut f64) {
+    // CPU is counted per frame: the Started report goes out before these
+    // threads end.
+    let now = crate::stats::thread_cpu_secs();
+    p.cpu.add(now - *cpu_mark);
+    *cpu_mark = now;
+    p.frames[idx].fetch_add(1, Ordering::Release);
+    let _g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
+    p.changed.notify_all();
+}
+
+fn zero_ranges(
+    vm: &dyn IncomingVm,
+    regions: &[RegionView],
+    body: &[u8],
+    p: &Progress,
+) -> Result<(), MigrationError> {
+    let ranges: Vec<(u64, u64)> =
+        postcard::from_bytes(body).map_err(|e| ProtocolError::Malformed {
+            kind: Kind::ZeroRanges,
+            reason: e.to_string(),
+        })?;
+    for (gpa, n) in ranges {
+        let len = n.checked_mul(PAGE as u64).filter(|l| {
+            regions
+                .iter()
+                .any(|r| r.contains(gpa) && gpa - r.gpa + l <= r.size)
+        });
+        let Some(len) = len else {
+            return Err(ProtocolError::Malformed {
+                kind: Kind::ZeroRanges,
+                reason: format!("range {gpa:#x}+{n} pages is not in guest RAM"),
+            }
+            .into());
+        };
+        vm.zero(gpa, len)
+            .map_err(MigrationError::vm("zero pages"))?;
+        p.zero_pages.fetch_add(n, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// The decode stage of a compressed stream: decodes each Encoded body with
+/// its shard's decoder (caches mirrored from the source) and writes the
+/// pages; buffers go back to the receiving thread.
+fn decode_loop(
+    vm: &dyn IncomingVm,
+    regions: &[RegionView],
+    rx: Receiver<Vec<u8>>,
+    back: Sender<Vec<u8>>,
+    mut decoders: Vec<StreamDecoder>,
+    idx: usize,
+    p: &Progress,
+) -> Result<(), MigrationError> {
+    let mut cpu_mark = crate::stats::thread_cpu_secs();
+    let mut out = Vec::new();
+    let bad = |reason: String| ProtocolError::Malformed {
+        kind: Kind::Encoded,
+        reason,
+    };
+    for body in rx {
+        let f = crate::encoded::parse_encoded(&body)?;
+        let shards = decoders.len();
+        let dec = decoders
+            .get_mut(f.shard as usize)
+            .ok_or_else(|| bad(format!("shard {} of {shards}", f.shard)))?;
+        let mut pages = Vec::with_capacity(f.gpas.len());
+        for &gpa in &f.gpas {
+            if gpa % PAGE as u64 != 0 || !regions.iter().any(|r| r.contains(gpa)) {
+                return Err(bad(format!("page address {gpa:#x} is not in guest RAM")).into());
+            }
+            pages.push(gpa / PAGE as u64);
+        }
+        out.resize(pages.len() * PAGE, 0);
+        dec.decode(f.method, &pages, &f.codecs, &f.lens, f.payload, &mut out)
+            .map_err(|e| bad(e.to_string()))?;
+        let mut i = 0;
+        while i < f.gpas.len() {
+            let mut n = 1;
+            while i + n < f.gpas.len() && f.gpas[i + n] == f.gpas[i] + (n * PAGE) as u64 {
+                n += 1;
+            }
+            vm.write_pages(f.gpas[i], &out[i * PAGE..(i + n) * PAGE])
+                .map_err(bad)?;
+            i += n;
+        }
+        p.pages.fetch_add(f.gpas.len() as u64, Ordering::Relaxed);
+        applied(p, idx, &mut cpu_mark);
+        let _ = back.send(body);
+    }
+    Ok(())
+}
+
 fn bulk_loop(
     vm: &dyn IncomingVm,
     regions: &[RegionView],
@@ -76,62 +173,107 @@ fn bulk_loop(
 ) -> Result<(), MigrationError> {
     let mut body = Vec::new();
     let mut cpu_mark = crate::stats::thread_cpu_secs();
-    while !p.stop.load(Ordering::Acquire) {
-        let h = match protocol::read_header(&mut r) {
-            Err(ProtocolError::Closed) => return Ok(()),
-            Err(ProtocolError::Io(_)) if p.stop.load(Ordering::Acquire) => return Ok(()),
-            other => other?,
-        };
-        if h.kind == Kind::Pages {
-            let n = crate::pagein::read_pages(&mut r, &h, regions, &mut body)?;
-            p.pages.fetch_add(n, Ordering::Relaxed);
-        } else {
-            protocol::read_body_into(&mut r, &h, &mut body)?;
-        }
-        match h.kind {
-            Kind::Pages => {}
-            Kind::ZeroRanges => {
-                let ranges: Vec<(u64, u64)> =
-                    postcard::from_bytes(&body).map_err(|e| ProtocolError::Malformed {
-                        kind: Kind::ZeroRanges,
-                        reason: e.to_string(),
-                    })?;
-                for (gpa, n) in ranges {
-                    let len = n.checked_mul(PAGE as u64).filter(|l| {
-                        regions
-                            .iter()
-                            .any(|r| r.contains(gpa) && gpa - r.gpa + l <= r.size)
-                    });
-                    let Some(len) = len else {
-                        return Err(ProtocolError::Malformed {
-                            kind: Kind::ZeroRanges,
-                            reason: format!("range {gpa:#x}+{n} pages is not in guest RAM"),
+    // Compressed streams get a decode thread; Encoded bodies travel to it
+    // through three buffers and come back empty.
+    let (back_tx, back_rx) = channel::<Vec<u8>>();
+    std::thread::scope(|sc| {
+        let mut decode: Option<(SyncSender<Vec<u8>>, _)> = None;
+        let mut first = true;
+        let result = loop {
+            if p.stop.load(Ordering::Acquire) {
+                break Ok(());
+            }
+            let h = match protocol::read_header(&mut r) {
+                Err(ProtocolError::Closed) => break Ok(()),
+                Err(ProtocolError::Io(_)) if p.stop.load(Ordering::Acquire) => break Ok(()),
+                Err(e) => break Err(e.into()),
+                Ok(h) => h,
+            };
+            let step = (|| -> Result<bool, MigrationError> {
+                match h.kind {
+                    Kind::Pages => {
+                        let n = crate::pagein::read_pages(&mut r, &h, regions, &mut body)?;
+                        p.pages.fetch_add(n, Ordering::Relaxed);
+                    }
+                    Kind::ZeroRanges => {
+                        protocol::read_body_into(&mut r, &h, &mut body)?;
+                        zero_ranges(vm, regions, &body, p)?;
+                    }
+                    Kind::Codec if first => {
+                        protocol::read_body_into(&mut r, &h, &mut body)?;
+                        let setup: crate::encoded::CodecSetup = postcard::from_bytes(&body)
+                            .map_err(|e| ProtocolError::Malformed {
+                                kind: Kind::Codec,
+                                reason: e.to_string(),
+                            })?;
+                        let caches = setup.check()?;
+                        let decoders = (0..setup.shards)
+                            .map(|_| StreamDecoder::new(caches))
+                            .collect();
+                        let (tx, rx) = sync_channel::<Vec<u8>>(3);
+                        let back = back_tx.clone();
+                        let handle = sc.spawn(move || {
+                            let r = decode_loop(vm, regions, rx, back, decoders, idx, p);
+                            if let Err(e) = &r {
+                                // Tell the control thread now: the receiving
+                                // thread may be waiting for a frame that the
+                                // source will not send before its RoundAck.
+                                *p.failed.lock().unwrap_or_else(|e| e.into_inner()) =
+                                    Some(e.to_string());
+                                let _g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
+                                p.changed.notify_all();
+                            }
+                            r
+                        });
+                        decode = Some((tx, handle));
+                        return Ok(false);
+                    }
+                    Kind::Encoded => {
+                        let Some((tx, _)) = &decode else {
+                            return Err(ProtocolError::Unexpected {
+                                got: Kind::Encoded,
+                                want: "a Codec frame first",
+                            }
+                            .into());
+                        };
+                        let mut buf = back_rx.try_recv().unwrap_or_default();
+                        protocol::read_body_into(&mut r, &h, &mut buf)?;
+                        if tx.send(buf).is_err() {
+                            // The decoder stopped: its error is collected below.
+                            return Err(ProtocolError::Closed.into());
                         }
-                        .into());
-                    };
-                    vm.zero(gpa, len)
-                        .map_err(MigrationError::vm("zero pages"))?;
-                    p.zero_pages.fetch_add(n, Ordering::Relaxed);
+                        return Ok(false);
+                    }
+                    k => {
+                        return Err(ProtocolError::Unexpected {
+                            got: k,
+                            want: "Pages, ZeroRanges or Encoded on a bulk stream",
+                        }
+                        .into())
+                    }
                 }
+                Ok(true)
+            })();
+            first = false;
+            match step {
+                Ok(true) => applied(p, idx, &mut cpu_mark),
+                Ok(false) => {}
+                Err(e) => break Err(e),
             }
-            k => {
-                return Err(ProtocolError::Unexpected {
-                    got: k,
-                    want: "Pages or ZeroRanges on a bulk stream",
-                }
-                .into())
+        };
+        // The decoder's own error says more than "closed".
+        let decoded = match decode {
+            Some((tx, handle)) => {
+                drop(tx);
+                handle.join().unwrap_or(Ok(()))
             }
+            None => Ok(()),
+        };
+        match (result, decoded) {
+            (_, Err(e)) => Err(e),
+            (r, Ok(())) => r,
         }
-        // CPU is counted per frame: the Started report goes out before these
-        // threads end.
-        let now = crate::stats::thread_cpu_secs();
-        p.cpu.add(now - cpu_mark);
-        cpu_mark = now;
-        p.frames[idx].fetch_add(1, Ordering::Release);
-        let _g = p.lock.lock().unwrap_or_else(|e| e.into_inner());
-        p.changed.notify_all();
-    }
-    Ok(())
+    })
 }
 
 /// Receives one migration into `vm` through `listener`. Returns once the VM

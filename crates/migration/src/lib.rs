@@ -5,17 +5,21 @@
 //! Layout: [`protocol`] is the wire format, [`precopy`] the sending side,
 //! [`incoming`] the receiving side, [`stats`] what a migration measured.
 
+pub mod compress;
+pub mod encoded;
 pub mod incoming;
 pub mod pagein;
+pub(crate) mod pipeline;
 pub mod precopy;
 pub mod protocol;
 pub mod stats;
 pub mod vm;
 
+pub use compress::{Compress, CompressOptions};
 pub use incoming::receive;
 pub use precopy::{migrate, PrecopyOptions};
 pub use protocol::ProtocolError;
-pub use stats::{MigrationStats, Progress, RoundStats};
+pub use stats::{CompressionStats, MigrationStats, Progress, RoundStats};
 pub use vm::{IncomingVm, MigratableVm, RegionView};
 
 /// Why a migration failed. On the source, every failure leaves the VM
@@ -46,6 +50,9 @@ pub enum MigrationError {
         /// First differing guest address.
         first: u64,
     },
+    /// A codec failed on the source's own pages (a bug, not bad input).
+    #[error("encoding a batch failed: {0}")]
+    Codec(String),
     /// Could not connect.
     #[error("cannot connect to {addr}: {source}")]
     Connect {

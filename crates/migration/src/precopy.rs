@@ -36,6 +36,8 @@ pub struct PrecopyOptions {
     pub bandwidth: Option<f64>,
     /// How long to wait for the destination at each step.
     pub timeout: Duration,
+    /// Compression and the pipelined data path.
+    pub compression: crate::compress::CompressOptions,
 }
 
 impl Default for PrecopyOptions {
@@ -48,6 +50,7 @@ impl Default for PrecopyOptions {
             auto_converge: true,
             bandwidth: None,
             timeout: Duration::from_secs(30),
+            compression: Default::default(),
         }
     }
 }
@@ -64,7 +67,7 @@ pub fn default_streams() -> u16 {
 /// A page set to send: (gpa of first page, number of pages) runs.
 type Runs = Vec<(u64, u64)>;
 
-struct Conn {
+pub(crate) struct Conn {
     reader: BufReader<TcpStream>,
     writer: BufWriter<TcpStream>,
 }
@@ -298,6 +301,94 @@ fn send_round(
             throughput: bytes as f64 / elapsed,
             dirty_rate: 0.0,
             throttle_pct: 0,
+            encoded_in: 0,
+            encoded_out: 0,
+        },
+        frames,
+    ))
+}
+
+/// The compressed path's round: zero holes first on stream 0, then each
+/// stream sends its blocks through its pipeline.
+#[allow(clippy::too_many_arguments)]
+fn send_round_encoded(
+    regions: &[RegionView],
+    bulk: &mut [Conn],
+    enc: &mut [crate::pipeline::EncState],
+    runs: &Runs,
+    holes: &Runs,
+    round: u32,
+    final_bytes: Option<u64>,
+    policy: &crate::compress::Policy,
+    opts: &PrecopyOptions,
+    cpu: &crate::stats::CpuMeter,
+) -> Result<(RoundStats, Vec<u64>), MigrationError> {
+    let t0 = Instant::now();
+    let mut hole_frames = 0u64;
+    let mut hole_bytes = 0u64;
+    for chunk in holes.chunks(4096) {
+        let body = postcard::to_stdvec(chunk).map_err(|e| crate::ProtocolError::Malformed {
+            kind: Kind::ZeroRanges,
+            reason: e.to_string(),
+        })?;
+        protocol::write_frame(&mut bulk[0].writer, Kind::ZeroRanges, &body)
+            .map_err(crate::ProtocolError::Io)?;
+        hole_frames += 1;
+        hole_bytes += (protocol::HEADER + body.len()) as u64;
+    }
+    let ctx = crate::pipeline::RoundCtx {
+        regions,
+        round,
+        final_bytes,
+        policy,
+        pipeline: opts.compression.pipeline,
+        limit: opts.bandwidth,
+        t0,
+        cpu,
+        pages: AtomicU64::new(0),
+        zero: AtomicU64::new(0),
+        bytes: AtomicU64::new(hole_bytes),
+        encoded_in: AtomicU64::new(0),
+        encoded_out: AtomicU64::new(0),
+        raw_in: AtomicU64::new(0),
+    };
+    let streams = bulk.len();
+    let dealt = crate::pipeline::deal(runs, streams);
+    let results: Vec<Result<u64, MigrationError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bulk
+            .iter_mut()
+            .zip(enc.iter_mut())
+            .zip(dealt)
+            .map(|((conn, st), items)| {
+                let ctx = &ctx;
+                s.spawn(move || {
+                    crate::pipeline::run_stream(ctx, &mut conn.writer, st, items, streams)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(Ok(0)))
+            .collect()
+    });
+    let mut frames = results.into_iter().collect::<Result<Vec<u64>, _>>()?;
+    frames[0] += hole_frames;
+    let elapsed = secs(t0.elapsed()).max(1e-9);
+    let bytes = ctx.bytes.load(Ordering::Relaxed);
+    let encoded_in = ctx.encoded_in.load(Ordering::Relaxed);
+    policy.observe_round(bytes as f64 / elapsed, elapsed, encoded_in == 0);
+    Ok((
+        RoundStats {
+            round,
+            pages: ctx.pages.load(Ordering::Relaxed),
+            zero_pages: ctx.zero.load(Ordering::Relaxed) + holes.iter().map(|h| h.1).sum::<u64>(),
+            bytes,
+            secs: elapsed,
+            throughput: bytes as f64 / elapsed,
+            dirty_rate: 0.0,
+            throttle_pct: 0,
+            encoded_in,
+            encoded_out: ctx.encoded_out.load(Ordering::Relaxed),
         },
         frames,
     ))
@@ -398,7 +489,17 @@ fn run(
     };
     protocol::send(&mut ctl.writer, Kind::Hello, &hello(Role::Control))?;
     ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
-    let _version: u16 = protocol::recv(&mut ctl.reader, Kind::HelloAck)?;
+    let version: u16 = protocol::recv(&mut ctl.reader, Kind::HelloAck)?;
+    let copt = &opts.compression;
+    let compressed = copt.enabled() && version >= 2;
+    let mut stats = MigrationStats::default();
+    stats.compression.asked = copt.compress.to_string();
+    stats.compression.pipeline = compressed && copt.pipeline;
+    if copt.enabled() && !compressed {
+        stats.compression.note = Some(format!(
+            "the destination speaks protocol v{version}, compression needs v2: sent raw"
+        ));
+    }
     let layout = Layout {
         regions: regions.iter().map(|r| (r.gpa, r.size)).collect(),
         vcpus: vm.vcpus(),
@@ -409,12 +510,37 @@ fn run(
     for i in 0..streams {
         let mut c = connect(to, opts.timeout)?;
         protocol::send(&mut c.writer, Kind::Hello, &hello(Role::Bulk(i)))?;
+        if compressed {
+            let setup = crate::encoded::CodecSetup {
+                xbzrle_bytes: copt.caches.xbzrle_bytes,
+                dedup_bytes: copt.caches.dedup_bytes,
+                shards: copt.workers.clamp(1, crate::encoded::MAX_SHARDS),
+            };
+            protocol::send(&mut c.writer, Kind::Codec, &setup)?;
+        }
         c.writer.flush().map_err(crate::ProtocolError::Io)?;
         bulk.push(c);
     }
     let ctl = ctl_slot.as_mut().ok_or(crate::ProtocolError::Closed)?;
+    let mut enc: Vec<crate::pipeline::EncState> = (0..bulk.len())
+        .map(|_| {
+            crate::pipeline::EncState::new(
+                (0..copt.workers.clamp(1, crate::encoded::MAX_SHARDS))
+                    .map(|_| ferry_codec::StreamEncoder::new(copt.caches))
+                    .collect(),
+            )
+        })
+        .collect();
+    let policy = crate::compress::Policy::new(
+        copt,
+        opts.bandwidth,
+        &if compressed {
+            sample_pages(vm, &regions, 256)
+        } else {
+            Vec::new()
+        },
+    );
 
-    let mut stats = MigrationStats::default();
     vm.start_dirty_log()
         .map_err(MigrationError::vm("start dirty log"))?;
     let (mut runs, mut holes) = first_round(vm, &regions);
@@ -430,15 +556,21 @@ fn run(
             bytes: stats.bytes,
             phase: "copy",
         });
-        let (mut rs, frames) = send_round(
-            &regions,
-            &mut bulk,
-            &runs,
-            &holes,
-            round,
-            &cpu,
-            opts.bandwidth,
-        )?;
+        let (mut rs, frames) = if compressed {
+            send_round_encoded(
+                &regions, &mut bulk, &mut enc, &runs, &holes, round, None, &policy, opts, &cpu,
+            )?
+        } else {
+            send_round(
+                &regions,
+                &mut bulk,
+                &runs,
+                &holes,
+                round,
+                &cpu,
+                opts.bandwidth,
+            )?
+        };
         barrier(ctl, round, frames)?;
         let (next, dirty) = dirty_runs(
             &regions,
@@ -514,15 +646,30 @@ fn run(
         bytes: stats.bytes,
         phase: "stop-and-copy",
     });
-    let (rs, frames) = send_round(
-        &regions,
-        &mut bulk,
-        &last,
-        &Vec::new(),
-        round,
-        &cpu,
-        opts.bandwidth,
-    )?;
+    let (rs, frames) = if compressed {
+        send_round_encoded(
+            &regions,
+            &mut bulk,
+            &mut enc,
+            &last,
+            &Vec::new(),
+            round,
+            Some(remaining * PAGE as u64),
+            &policy,
+            opts,
+            &cpu,
+        )?
+    } else {
+        send_round(
+            &regions,
+            &mut bulk,
+            &last,
+            &Vec::new(),
+            round,
+            &cpu,
+            opts.bandwidth,
+        )?
+    };
     barrier(ctl, round, frames)?;
     stats.bytes += rs.bytes;
     stats.pages += rs.pages;
@@ -572,6 +719,12 @@ fn run(
     stats.downtime_parts.destination = lap();
     let report: crate::stats::StartedReport = protocol::decode(&frame, Kind::Started)?;
     stats.destination_service = report.service;
+    if compressed {
+        stats.compression.batches = policy.summary();
+        stats.compression.link_bandwidth = policy.link();
+    }
+    stats.compression.encoded_in = stats.rounds.iter().map(|r| r.encoded_in).sum();
+    stats.compression.encoded_out = stats.rounds.iter().map(|r| r.encoded_out).sum();
     stats.destination_cpu_s = report.cpu_s;
     stats.source_cpu_s = cpu.secs() + crate::stats::thread_cpu_secs() - ctl_cpu0;
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
@@ -584,6 +737,32 @@ fn run(
         phase: "done",
     });
     Ok(stats)
+}
+
+/// Up to `max` non-zero pages spread evenly over the VM's data, for the
+/// compression policy to measure its codecs on.
+fn sample_pages(vm: &dyn MigratableVm, regions: &[RegionView], max: usize) -> Vec<u8> {
+    let mut candidates = Vec::new();
+    for (i, r) in regions.iter().enumerate() {
+        for (off, len) in vm.data_ranges(i) {
+            candidates.push((r, off / PAGE as u64, len / PAGE as u64));
+        }
+    }
+    let total: u64 = candidates.iter().map(|c| c.2).sum();
+    let stride = (total / (4 * max as u64).max(1)).max(1);
+    let mut out = Vec::with_capacity(max * PAGE);
+    let mut at = 0u64;
+    for (r, first, n) in candidates {
+        while at < n && out.len() < max * PAGE {
+            let page = r.page(first + at);
+            if !is_zero(page) {
+                out.extend_from_slice(page);
+            }
+            at += stride;
+        }
+        at = at.saturating_sub(n);
+    }
+    out
 }
 
 /// Merges sorted, possibly overlapping runs.

@@ -36,7 +36,7 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 1;
+pub const VERSION_MAX: u16 = 2;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -74,6 +74,10 @@ pub enum Kind {
     Abort = 11,
     /// Receipt of a round (destination to source).
     RoundAck = 12,
+    /// v2, first frame of a compressed bulk stream: its codec caches.
+    Codec = 13,
+    /// v2: a batch of pages in ferry-codec's encoding.
+    Encoded = 14,
 }
 
 impl Kind {
@@ -92,6 +96,8 @@ impl Kind {
             10 => Started,
             11 => Abort,
             12 => RoundAck,
+            13 => Codec,
+            14 => Encoded,
             _ => return None,
         })
     }
@@ -392,6 +398,8 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::Started => "Started",
         Kind::Abort => "Abort",
         Kind::RoundAck => "RoundAck",
+        Kind::Codec => "Codec",
+        Kind::Encoded => "Encoded",
     }
 }
 
@@ -452,9 +460,7 @@ mod tests {
     fn a_pages_frame_with_a_precomputed_data_crc_reads_back() {
         let data: Vec<u8> = (0..2 * PAGE).map(|i| (i * 7) as u8).collect();
         let addrs = [0x1000u64.to_le_bytes(), 0x5000u64.to_le_bytes()].concat();
-        let crc = data
-            .chunks(PAGE)
-            .fold(0, crc32c::crc32c_append);
+        let crc = data.chunks(PAGE).fold(0, crc32c::crc32c_append);
         let mut buf = Vec::new();
         write_pages_frame(&mut buf, &2u32.to_le_bytes(), &addrs, &data, crc).unwrap();
         let f = read_frame(&mut &buf[..]).unwrap();
@@ -557,10 +563,12 @@ mod tests {
             session: 0,
             streams: 1,
         };
-        assert_eq!(negotiate(&h(1, 5)).unwrap(), 1);
+        assert_eq!(negotiate(&h(1, 5)).unwrap(), 2);
+        assert_eq!(negotiate(&h(1, 1)).unwrap(), 1);
+        assert_eq!(negotiate(&h(2, 3)).unwrap(), 2);
         assert!(matches!(
-            negotiate(&h(2, 3)),
-            Err(ProtocolError::Version { min: 2, max: 3 })
+            negotiate(&h(3, 4)),
+            Err(ProtocolError::Version { min: 3, max: 4 })
         ));
     }
 }

@@ -21,6 +21,10 @@ pub struct RoundStats {
     pub dirty_rate: f64,
     /// Auto-converge throttle in force during the round (percent).
     pub throttle_pct: u32,
+    /// Page bytes that went through a codec, and the bytes they became.
+    pub encoded_in: u64,
+    /// Wire bytes of the encoded batches.
+    pub encoded_out: u64,
 }
 
 /// A whole migration, as the source saw it.
@@ -55,6 +59,27 @@ pub struct MigrationStats {
     /// saving the state, hashing for verification, and the destination's
     /// restore and start (with the network round trip).
     pub downtime_parts: DowntimeParts,
+    /// Compression asked for ("none", "auto", a codec) and what happened.
+    pub compression: CompressionStats,
+}
+
+/// What compression did.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct CompressionStats {
+    /// What was asked for.
+    pub asked: String,
+    /// Batches per method, e.g. "rle 812, none 6".
+    pub batches: String,
+    /// Fetch, encode and send on separate threads.
+    pub pipeline: bool,
+    /// Page bytes that went through a codec.
+    pub encoded_in: u64,
+    /// Wire bytes of the encoded batches.
+    pub encoded_out: u64,
+    /// Link bandwidth the policy used (bytes/s), when it measured or was told one.
+    pub link_bandwidth: Option<f64>,
+    /// Why compression was not used although asked for, if so.
+    pub note: Option<String>,
 }
 
 /// Downtime broken down by phase (ms).

@@ -68,6 +68,36 @@ pub struct MigrateRequest {
     /// Most bytes per second on the wire (None = as fast as the link goes).
     #[serde(default)]
     pub bandwidth: Option<u64>,
+    /// Compression: auto, none, rle, xbzrle, dedup, lz4, zstd[:level].
+    #[serde(default = "default_compress")]
+    pub compress: String,
+    /// Where the codecs run: "cpu" or "cuda".
+    #[serde(default = "default_backend")]
+    pub compress_backend: String,
+    /// Fetch, encode and send on separate threads.
+    #[serde(default = "default_true")]
+    pub pipeline: bool,
+    /// Encoder threads per bulk stream.
+    #[serde(default = "default_one")]
+    pub compress_threads: u8,
+    /// xbzrle page cache bytes per encoder (None = the codec's default).
+    #[serde(default)]
+    pub xbzrle_cache: Option<u64>,
+    /// dedup chunk cache bytes per encoder (None = the codec's default).
+    #[serde(default)]
+    pub dedup_cache: Option<u64>,
+}
+
+fn default_compress() -> String {
+    "none".into()
+}
+
+fn default_backend() -> String {
+    "cpu".into()
+}
+
+fn default_one() -> u8 {
+    1
 }
 
 fn default_true() -> bool {
@@ -417,6 +447,7 @@ impl ControlHandler for VmControl {
                     verify: m.verify,
                     auto_converge: m.auto_converge,
                     bandwidth: m.bandwidth.filter(|&b| b > 0).map(|b| b as f64),
+                    compression: compress_options(&m)?,
                     ..Default::default()
                 };
                 let progress = std::sync::Mutex::new(progress);
@@ -442,6 +473,39 @@ impl ControlHandler for VmControl {
             }
         }
     }
+}
+
+/// The engine's compression options from a request, refusing bad values.
+fn compress_options(m: &MigrateRequest) -> Result<ferry_migration::CompressOptions, String> {
+    let compress: ferry_migration::Compress = m.compress.parse()?;
+    let mut caches = ferry_codec::CacheSizes::default();
+    let limit = ferry_migration::encoded::MAX_CACHE_BYTES;
+    for (asked, slot, name) in [
+        (m.xbzrle_cache, &mut caches.xbzrle_bytes, "xbzrle"),
+        (m.dedup_cache, &mut caches.dedup_bytes, "dedup"),
+    ] {
+        if let Some(b) = asked {
+            if !(8192..=limit).contains(&b) {
+                return Err(format!(
+                    "the {name} cache must be 8 KiB to {} MiB",
+                    limit >> 20
+                ));
+            }
+            *slot = b;
+        }
+    }
+    if !(1..=ferry_migration::encoded::MAX_SHARDS).contains(&m.compress_threads) {
+        return Err(format!(
+            "compress threads must be 1 to {}",
+            ferry_migration::encoded::MAX_SHARDS
+        ));
+    }
+    Ok(ferry_migration::CompressOptions {
+        compress,
+        pipeline: m.pipeline,
+        workers: m.compress_threads,
+        caches,
+    })
 }
 
 #[cfg(test)]

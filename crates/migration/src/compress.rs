@@ -1,0 +1,378 @@
+//! Which codec each batch gets: a fixed one, none, or `auto`.
+//!
+//! `auto` follows what the GMigrate paper learned: compression pays only
+//! where the link, not the CPU, limits the copy. It measures every codec's
+//! ratio and speed on the VM's own pages before the first round, the link's
+//! bandwidth while the first megabytes go out uncompressed (or takes
+//! `--bandwidth`), and then per batch picks the codec whose effective rate
+//!
+//! ```text
+//! min(link bytes/s / ratio, encode bytes/s x workers)
+//! ```
+//!
+//! is highest, keeping the estimates current with every batch it encodes.
+//! Compression must beat sending raw by 10% to be used, so incompressible
+//! memory goes raw; xbzrle is tried only for re-sent pages (round 1 on); and
+//! a stop-and-copy whose remainder goes raw in a couple of milliseconds
+//! goes raw.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use ferry_codec::{CacheSizes, EncodedBatch, Method, StreamEncoder, PAGE};
+
+/// What the user asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compress {
+    /// Let the policy decide per batch.
+    Auto,
+    /// Always this method (`Method::None` = no compression at all).
+    Fixed(Method),
+}
+
+impl std::str::FromStr for Compress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(Compress::Auto);
+        }
+        s.parse::<Method>()
+            .map(Compress::Fixed)
+            .map_err(|e| format!("{e} (or 'auto')"))
+    }
+}
+
+impl std::fmt::Display for Compress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Compress::Auto => f.write_str("auto"),
+            Compress::Fixed(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+/// Compression settings of a migration.
+#[derive(Clone, Debug)]
+pub struct CompressOptions {
+    /// The codec choice.
+    pub compress: Compress,
+    /// Fetch, encode and send on separate threads with bounded buffers
+    /// (false: one thread does all three in turn, per stream).
+    pub pipeline: bool,
+    /// Encoder threads (shards) per bulk stream.
+    pub workers: u8,
+    /// Cache sizes per shard (mirrored at the destination).
+    pub caches: CacheSizes,
+}
+
+impl Default for CompressOptions {
+    fn default() -> Self {
+        CompressOptions {
+            compress: Compress::Fixed(Method::None),
+            pipeline: true,
+            workers: 1,
+            caches: CacheSizes::default(),
+        }
+    }
+}
+
+impl CompressOptions {
+    /// True when batches may be encoded (protocol v2 streams).
+    pub fn enabled(&self) -> bool {
+        self.compress != Compress::Fixed(Method::None)
+    }
+}
+
+/// Bytes on the wire per page besides its payload: address and metadata.
+const PER_PAGE_META: f64 = 13.0;
+/// Raw pages sent before the link bandwidth is trusted, and how many of the
+/// first ones are ignored (they only fill socket buffers).
+const PROBE_BYTES: u64 = 24 << 20;
+const PROBE_SKIP: u64 = 8 << 20;
+/// A codec must beat raw by this factor to be used.
+const MARGIN: f64 = 1.10;
+/// A stop-and-copy that goes raw within this long goes raw.
+const SMALL_FINAL_SECS: f64 = 0.002;
+
+#[derive(Clone, Copy, Debug)]
+struct Estimate {
+    /// Wire bytes per input byte.
+    ratio: f64,
+    /// Input bytes per second of one encoder thread.
+    speed: f64,
+}
+
+struct State {
+    link: Option<f64>,
+    probe_sent: u64,
+    probe_mark: Option<(Instant, u64)>,
+    est: Vec<(Method, Estimate)>,
+    /// Batches per method name, for the report.
+    used: Vec<(String, u64)>,
+}
+
+/// The per-migration policy, shared by all streams' threads.
+pub struct Policy {
+    compress: Compress,
+    workers: f64,
+    user_bandwidth: Option<f64>,
+    state: Mutex<State>,
+}
+
+/// Codecs `auto` considers for first-time pages (xbzrle joins for re-sent ones).
+const CANDIDATES: [Method; 4] = [Method::Rle, Method::Dedup, Method::Lz4, Method::Zstd(1)];
+
+impl Policy {
+    /// A policy; `sample` is a set of the VM's non-zero pages to calibrate
+    /// `auto` on (ignored otherwise).
+    pub fn new(opts: &CompressOptions, user_bandwidth: Option<f64>, sample: &[u8]) -> Policy {
+        let est = if opts.compress == Compress::Auto {
+            calibrate(sample)
+        } else {
+            Vec::new()
+        };
+        Policy {
+            compress: opts.compress,
+            workers: f64::from(opts.workers.max(1)),
+            user_bandwidth,
+            state: Mutex::new(State {
+                link: user_bandwidth,
+                probe_sent: 0,
+                probe_mark: None,
+                est,
+                used: Vec::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The method for the next batch of `round`; `final_bytes` is the whole
+    /// stop-and-copy remainder when this is the stop-and-copy.
+    pub fn choose(&self, round: u32, final_bytes: Option<u64>) -> Method {
+        let m = match self.compress {
+            Compress::Fixed(m) => m,
+            Compress::Auto => self.choose_auto(round, final_bytes),
+        };
+        let mut st = self.lock();
+        let name = m.to_string();
+        match st.used.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, k)) => *k += 1,
+            None => st.used.push((name, 1)),
+        }
+        m
+    }
+
+    fn choose_auto(&self, round: u32, final_bytes: Option<u64>) -> Method {
+        let st = self.lock();
+        let Some(link) = st.link else {
+            return Method::None; // still probing the link
+        };
+        if final_bytes.is_some_and(|b| b as f64 / link <= SMALL_FINAL_SECS) {
+            return Method::None;
+        }
+        let raw = link * PAGE as f64 / (PAGE as f64 + PER_PAGE_META);
+        let mut best = (Method::None, raw);
+        for &(m, e) in &st.est {
+            if m == Method::Xbzrle && round == 0 {
+                continue;
+            }
+            let rate = (link / e.ratio.max(1e-3)).min(e.speed * self.workers);
+            if rate > best.1 {
+                best = (m, rate);
+            }
+        }
+        if best.1 < raw * MARGIN {
+            return Method::None;
+        }
+        best.0
+    }
+
+    /// Records an encoded batch: `input` page bytes became `wire` bytes in
+    /// `secs` of one encoder thread.
+    pub fn observe_encode(&self, method: Method, input: u64, wire: u64, secs: f64) {
+        if self.compress != Compress::Auto || method == Method::None || input == 0 {
+            return;
+        }
+        let ratio = wire as f64 / input as f64;
+        let speed = input as f64 / secs.max(1e-7);
+        let mut st = self.lock();
+        match st.est.iter_mut().find(|(m, _)| *m == method) {
+            Some((_, e)) => {
+                e.ratio = 0.7 * e.ratio + 0.3 * ratio;
+                e.speed = 0.7 * e.speed + 0.3 * speed;
+            }
+            None => st.est.push((method, Estimate { ratio, speed })),
+        }
+    }
+
+    /// Records raw bytes written to the link (while probing its bandwidth).
+    pub fn observe_raw_sent(&self, bytes: u64) {
+        if self.compress != Compress::Auto {
+            return;
+        }
+        let mut st = self.lock();
+        if st.link.is_some() && self.user_bandwidth.is_some() {
+            return;
+        }
+        st.probe_sent += bytes;
+        let sent = st.probe_sent;
+        match st.probe_mark {
+            None if sent >= PROBE_SKIP => st.probe_mark = Some((Instant::now(), sent)),
+            Some((t, at)) if sent >= PROBE_BYTES && st.link.is_none() => {
+                let secs = t.elapsed().as_secs_f64().max(1e-6);
+                st.link = Some((sent - at) as f64 / secs);
+            }
+            _ => {}
+        }
+    }
+
+    /// Records a whole round's wire throughput: a round that went raw and
+    /// took long enough to mean something also measures the link.
+    pub fn observe_round(&self, throughput: f64, secs: f64, raw: bool) {
+        if self.compress != Compress::Auto || !raw || secs < 0.05 {
+            return;
+        }
+        let mut st = self.lock();
+        let bw = match self.user_bandwidth {
+            Some(u) => throughput.min(u),
+            None => throughput,
+        };
+        st.link = Some(st.link.map_or(bw, |l| l.max(bw)));
+    }
+
+    /// The link bandwidth the policy believes in, if any yet.
+    pub fn link(&self) -> Option<f64> {
+        self.lock().link
+    }
+
+    /// Batches per method so far, e.g. "rle 812, none 6".
+    pub fn summary(&self) -> String {
+        let st = self.lock();
+        let mut used = st.used.clone();
+        used.sort_by_key(|u| std::cmp::Reverse(u.1));
+        used.iter()
+            .map(|(n, k)| format!("{n} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Measures each candidate on the sample (two halves, so the second sees the
+/// first in the dedup cache as later batches would).
+fn calibrate(sample: &[u8]) -> Vec<(Method, Estimate)> {
+    let pages = sample.len() / PAGE;
+    if pages < 2 {
+        return Vec::new();
+    }
+    let half = pages / 2 * PAGE;
+    let idx: Vec<u64> = (0..pages as u64).collect();
+    let mut out = Vec::new();
+    let mut batch = EncodedBatch::default();
+    for m in CANDIDATES {
+        let mut enc = StreamEncoder::new(CacheSizes {
+            xbzrle_bytes: 1 << 20,
+            dedup_bytes: 4 << 20,
+        });
+        let t = Instant::now();
+        let mut wire = 0usize;
+        let mut ok = true;
+        for (i, part) in [&sample[..half], &sample[half..pages * PAGE]]
+            .iter()
+            .enumerate()
+        {
+            let ids = &idx[i * (half / PAGE)..i * (half / PAGE) + part.len() / PAGE];
+            batch.clear();
+            if enc.encode(m, ids, part, &mut batch).is_err() {
+                ok = false;
+                break;
+            }
+            wire += batch.payload.len() + batch.len() * PER_PAGE_META as usize;
+        }
+        if ok {
+            let secs = t.elapsed().as_secs_f64().max(1e-7);
+            let input = (pages * PAGE) as f64;
+            out.push((
+                m,
+                Estimate {
+                    ratio: wire as f64 / input,
+                    speed: input / secs,
+                },
+            ));
+        }
+    }
+    // Re-sent pages: xbzrle starts from rle's figures (its misses are rle).
+    if let Some(&(_, e)) = out.iter().find(|(m, _)| *m == Method::Rle) {
+        out.push((Method::Xbzrle, e));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(c: Compress) -> CompressOptions {
+        CompressOptions {
+            compress: c,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn auto_compresses_constant_memory_on_a_slow_link_and_not_random_memory() {
+        let best: Vec<u8> = (0..64 * PAGE).map(|i| (i / PAGE) as u8 | 1).collect();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let worst: Vec<u8> = (0..64 * PAGE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let gbit = Some(117e6);
+        let p = Policy::new(&opts(Compress::Auto), gbit, &best);
+        let m = p.choose(0, None);
+        assert_ne!(
+            m,
+            Method::None,
+            "constant pages on 1 Gbit must be compressed"
+        );
+        assert_ne!(m, Method::Xbzrle, "xbzrle is for re-sent pages");
+        // A tiny stop-and-copy goes raw.
+        assert_eq!(p.choose(3, Some(64 << 10)), Method::None);
+        let p = Policy::new(&opts(Compress::Auto), gbit, &worst);
+        assert_eq!(p.choose(0, None), Method::None);
+        // Without a bandwidth, auto sends raw until the probe has measured the link.
+        let p = Policy::new(&opts(Compress::Auto), None, &best);
+        assert_eq!(p.choose(0, None), Method::None);
+        p.observe_raw_sent(PROBE_SKIP);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        p.observe_raw_sent(PROBE_BYTES);
+        assert!(p.link().is_some());
+        // Estimates follow what batches really do: a codec that stops paying is dropped.
+        let p = Policy::new(&opts(Compress::Auto), gbit, &best);
+        let m = p.choose(0, None);
+        for _ in 0..20 {
+            p.observe_encode(m, 1 << 22, 1 << 22, 0.01);
+        }
+        let after = p.choose(0, None);
+        assert!(
+            after == Method::None || after != m,
+            "{m} kept after it stopped paying"
+        );
+        assert_eq!(
+            Policy::new(&opts(Compress::Fixed(Method::Lz4)), None, &[]).choose(0, None),
+            Method::Lz4
+        );
+        assert!(p.summary().contains(&m.to_string()));
+        assert_eq!(
+            "zstd:5".parse::<Compress>(),
+            Ok(Compress::Fixed(Method::Zstd(5)))
+        );
+        assert!("gzip".parse::<Compress>().is_err());
+    }
+}
