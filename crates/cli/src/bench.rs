@@ -13,6 +13,9 @@ pub enum Suite {
     Precopy,
     /// The kv service: clients x vCPUs, device-only latency.
     Kv,
+    /// Compressed migrations over a 1 Gbit lab link: fill best / worst /
+    /// mixed and dirty VMs x codecs (and auto) x pipeline on / off.
+    Compression,
     /// The guest alone: boot time, dirty rate accuracy, compute vs host.
     Guest,
 }
@@ -35,6 +38,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
     let script = bench_dir().join(match args.suite {
         Suite::Precopy => "precopy.py",
         Suite::Kv => "kv_baseline.py",
+        Suite::Compression => "compression.py",
         Suite::Guest => "guest_baseline.py",
     });
     if !script.exists() {

@@ -91,6 +91,8 @@ const PROBE_BYTES: u64 = 24 << 20;
 const PROBE_SKIP: u64 = 8 << 20;
 /// A codec must beat raw by this factor to be used.
 const MARGIN: f64 = 1.10;
+/// One batch in this many tries another codec (auto).
+const EXPLORE_EVERY: u64 = 16;
 /// A stop-and-copy that goes raw within this long goes raw.
 const SMALL_FINAL_SECS: f64 = 0.002;
 
@@ -109,6 +111,8 @@ struct State {
     est: Vec<(Method, Estimate)>,
     /// Batches per method name, for the report.
     used: Vec<(String, u64)>,
+    /// Batches decided so far (auto).
+    decisions: u64,
 }
 
 /// The per-migration policy, shared by all streams' threads.
@@ -131,6 +135,12 @@ impl Policy {
         } else {
             Vec::new()
         };
+        if std::env::var_os("FERRY_DEBUG_POLICY").is_some() {
+            eprintln!(
+                "policy: {} sample pages, estimates {est:?}",
+                sample.len() / PAGE
+            );
+        }
         Policy {
             compress: opts.compress,
             workers: f64::from(opts.workers.max(1)),
@@ -141,6 +151,7 @@ impl Policy {
                 probe_mark: None,
                 est,
                 used: Vec::new(),
+                decisions: 0,
             }),
         }
     }
@@ -166,12 +177,27 @@ impl Policy {
     }
 
     fn choose_auto(&self, round: u32, final_bytes: Option<u64>) -> Method {
-        let st = self.lock();
+        let mut st = self.lock();
         let Some(link) = st.link else {
             return Method::None; // still probing the link
         };
         if final_bytes.is_some_and(|b| b as f64 / link <= SMALL_FINAL_SECS) {
             return Method::None;
+        }
+        // Now and then a batch tries another codec, so the estimates follow
+        // memory whose content changes from one region to the next.
+        st.decisions += 1;
+        if final_bytes.is_none() && st.decisions % EXPLORE_EVERY == 0 {
+            let tries: Vec<Method> = st
+                .est
+                .iter()
+                .map(|e| e.0)
+                .filter(|&m| m != Method::Xbzrle || round > 0)
+                .collect();
+            if !tries.is_empty() {
+                let k = (st.decisions / EXPLORE_EVERY) as usize % tries.len();
+                return tries[k];
+            }
         }
         let raw = link * PAGE as f64 / (PAGE as f64 + PER_PAGE_META);
         let mut best = (Method::None, raw);
@@ -271,11 +297,25 @@ fn calibrate(sample: &[u8]) -> Vec<(Method, Estimate)> {
     let idx: Vec<u64> = (0..pages as u64).collect();
     let mut out = Vec::new();
     let mut batch = EncodedBatch::default();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let warm: Vec<u8> = (0..PAGE)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 56) as u8
+        })
+        .collect();
     for m in CANDIDATES {
         let mut enc = StreamEncoder::new(CacheSizes {
             xbzrle_bytes: 1 << 20,
             dedup_bytes: 4 << 20,
         });
+        // Warm up (contexts, output buffers) so the timing is the codec's,
+        // on pages of its own: sample pages would prime the dedup cache.
+        if enc.encode(m, &[u64::MAX - 1], &warm, &mut batch).is_err() {
+            continue;
+        }
         let t = Instant::now();
         let mut wire = 0usize;
         let mut ok = true;

@@ -80,32 +80,59 @@ pub(crate) struct RoundCtx<'a> {
     pub(crate) raw_in: AtomicU64,
 }
 
-/// Splits runs into batches that never cross a 1024-page block, and deals
-/// them to streams by block number.
-pub(crate) fn deal(runs: &[(u64, u64)], streams: usize) -> Vec<Vec<(u64, u64)>> {
-    let mut out = vec![Vec::new(); streams.max(1)];
+/// One batch to fetch: runs of pages inside one 1024-page block.
+pub(crate) type Item = Vec<(u64, u64)>;
+
+/// Groups sorted runs into batches: each holds the runs (or pieces of runs)
+/// of one 1024-page block, so fragmented memory still travels in full
+/// batches and a page's block decides its stream and shard.
+pub(crate) fn group(runs: &[(u64, u64)]) -> Vec<Item> {
+    let mut out: Vec<Item> = Vec::new();
+    let mut current: Option<u64> = None;
     for &(gpa, n) in runs {
         let mut page = gpa / PAGE as u64;
         let end = page + n;
         while page < end {
             let block = page / MAX_BATCH as u64;
             let stop = ((block + 1) * MAX_BATCH as u64).min(end);
-            out[(block % streams.max(1) as u64) as usize].push((page * PAGE as u64, stop - page));
+            let piece = (page * PAGE as u64, stop - page);
+            match out.last_mut() {
+                Some(item) if current == Some(block) => item.push(piece),
+                _ => out.push(vec![piece]),
+            }
+            current = Some(block);
             page = stop;
         }
     }
     out
 }
 
-fn fetch(regions: &[RegionView], (base, n): (u64, u64), b: &mut Batch) {
+fn block_of(item: &Item) -> u64 {
+    item.first()
+        .map_or(0, |r| r.0 / PAGE as u64 / MAX_BATCH as u64)
+}
+
+/// [`group`], then deals the batches to streams by block number.
+pub(crate) fn deal(runs: &[(u64, u64)], streams: usize) -> Vec<Vec<Item>> {
+    let mut out = vec![Vec::new(); streams.max(1)];
+    for item in group(runs) {
+        out[(block_of(&item) % streams.max(1) as u64) as usize].push(item);
+    }
+    out
+}
+
+fn fetch(regions: &[RegionView], item: &Item, b: &mut Batch) {
     b.gpas.clear();
     b.idx.clear();
     b.data.clear();
     b.zeros.clear();
     b.enc.clear();
     b.method = None;
-    for i in 0..n {
-        let gpa = base + i * PAGE as u64;
+    for i in item
+        .iter()
+        .flat_map(|&(base, n)| (0..n).map(move |i| base + i * PAGE as u64))
+    {
+        let gpa = i;
         let Some(r) = regions.iter().find(|r| r.contains(gpa)) else {
             continue;
         };
@@ -124,9 +151,12 @@ fn fetch(regions: &[RegionView], (base, n): (u64, u64), b: &mut Batch) {
 }
 
 fn encode(ctx: &RoundCtx, enc: &mut StreamEncoder, b: &mut Batch) -> Result<(), MigrationError> {
+    if b.gpas.is_empty() {
+        return Ok(()); // only zero pages: ranges, nothing to encode
+    }
     let method = ctx.policy.choose(ctx.round, ctx.final_bytes);
     b.method = Some(method);
-    if method == Method::None || b.gpas.is_empty() {
+    if method == Method::None {
         return Ok(());
     }
     let t = Instant::now();
@@ -189,9 +219,8 @@ fn send<W: Write>(ctx: &RoundCtx, w: &mut W, b: &Batch) -> Result<u64, Migration
     Ok(frames)
 }
 
-fn shard_of(base: u64, streams: usize, shards: usize) -> usize {
-    let block = base / PAGE as u64 / MAX_BATCH as u64;
-    ((block / streams.max(1) as u64) % shards.max(1) as u64) as usize
+fn shard_of(item: &Item, streams: usize, shards: usize) -> usize {
+    ((block_of(item) / streams.max(1) as u64) % shards.max(1) as u64) as usize
 }
 
 /// Sends one stream's share of a round; returns the frames it wrote.
@@ -199,7 +228,7 @@ pub(crate) fn run_stream<W: Write + Send>(
     ctx: &RoundCtx,
     w: &mut W,
     s: &mut EncState,
-    items: Vec<(u64, u64)>,
+    items: Vec<Item>,
     streams: usize,
 ) -> Result<u64, MigrationError> {
     let cpu0 = thread_cpu_secs();
@@ -214,8 +243,8 @@ pub(crate) fn run_stream<W: Write + Send>(
         let mut b = s.pool.pop().unwrap_or_default();
         let mut out = Ok(());
         for item in items {
-            let shard = shard_of(item.0, streams, shards);
-            fetch(ctx.regions, item, &mut b);
+            let shard = shard_of(&item, streams, shards);
+            fetch(ctx.regions, &item, &mut b);
             b.shard = shard as u8;
             out = encode(ctx, &mut s.shards[shard], &mut b)
                 .and_then(|_| send(ctx, w, &b).map(|f| frames += f));
@@ -237,7 +266,7 @@ fn run_pipelined<W: Write + Send>(
     ctx: &RoundCtx,
     writer: &mut W,
     s: &mut EncState,
-    items: Vec<(u64, u64)>,
+    items: Vec<Item>,
     streams: usize,
 ) -> Result<u64, MigrationError> {
     let shards = s.shards.len().max(1);
@@ -270,8 +299,8 @@ fn run_pipelined<W: Write + Send>(
             let cpu0 = thread_cpu_secs();
             for item in items {
                 let Ok(mut b) = free_rx.recv() else { break };
-                let shard = shard_of(item.0, streams, shards);
-                fetch(ctx.regions, item, &mut b);
+                let shard = shard_of(&item, streams, shards);
+                fetch(ctx.regions, &item, &mut b);
                 b.shard = shard as u8;
                 if to_shard[shard].send(b).is_err() {
                     break;
@@ -311,14 +340,27 @@ mod tests {
     #[test]
     fn batches_stay_inside_blocks_and_blocks_keep_their_stream() {
         let p = PAGE as u64;
-        let runs = [(0, 1500), (3000 * p, 10)];
+        // Fragmented runs of one block travel as one batch.
+        let runs = [(0, 3), (4 * p, 3), (8 * p, 1500), (3000 * p, 10)];
         let dealt = deal(&runs, 2);
-        assert_eq!(dealt[0], vec![(0, 1024), (3000 * p, 10)]);
-        assert_eq!(dealt[1], vec![(1024 * p, 476)]);
+        assert_eq!(
+            dealt[0],
+            vec![
+                vec![(0, 3), (4 * p, 3), (8 * p, 1016)],
+                vec![(3000 * p, 10)]
+            ]
+        );
+        assert_eq!(dealt[1], vec![vec![(1024 * p, 484)]]);
         // Same page, same stream and shard, whatever run it arrives in.
         let again = deal(&[(1100 * p, 1)], 2);
-        assert_eq!(again[1], vec![(1100 * p, 1)]);
-        assert_eq!(shard_of(1024 * p, 2, 3), shard_of(2047 * p, 2, 3));
-        assert_ne!(shard_of(0, 1, 2), shard_of(1024 * p, 1, 2));
+        assert_eq!(again[1], vec![vec![(1100 * p, 1)]]);
+        assert_eq!(
+            shard_of(&vec![(1024 * p, 1)], 2, 3),
+            shard_of(&vec![(2047 * p, 1)], 2, 3)
+        );
+        assert_ne!(
+            shard_of(&vec![(0, 1)], 1, 2),
+            shard_of(&vec![(1024 * p, 1)], 1, 2)
+        );
     }
 }

@@ -182,15 +182,8 @@ fn send_round(
     }
     let hole_pages: u64 = holes.iter().map(|h| h.1).sum();
     // Work items: batches of up to MAX_BATCH consecutive pages.
-    let mut work: Vec<(u64, u64)> = Vec::new();
-    for &(gpa, n) in runs {
-        let mut off = 0;
-        while off < n {
-            let k = (n - off).min(MAX_BATCH as u64);
-            work.push((gpa + off * PAGE as u64, k));
-            off += k;
-        }
-    }
+    // Work items: one batch per 1024-page block, fragmented runs included.
+    let work = crate::pipeline::group(runs);
     let queue = Mutex::new(work.into_iter());
     let (pages, zero, bytes) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
     let results: Vec<Result<u64, MigrationError>> = std::thread::scope(|s| {
@@ -205,13 +198,15 @@ fn send_round(
                     let mut data = Vec::with_capacity(MAX_BATCH * PAGE);
                     loop {
                         let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                        let Some((base, n)) = next else { break };
+                        let Some(item) = next else { break };
                         gpas.clear();
                         data.clear();
                         let mut zeros: Vec<(u64, u64)> = Vec::new();
                         let mut data_crc = 0u32;
-                        for i in 0..n {
-                            let gpa = base + i * PAGE as u64;
+                        let pages_of = item
+                            .iter()
+                            .flat_map(|&(base, n)| (0..n).map(move |i| base + i * PAGE as u64));
+                        for gpa in pages_of {
                             let Some(page) = page_at(regions, gpa) else {
                                 continue;
                             };
@@ -739,28 +734,41 @@ fn run(
     Ok(stats)
 }
 
-/// Up to `max` non-zero pages spread evenly over the VM's data, for the
-/// compression policy to measure its codecs on.
+/// Up to `max` non-zero pages picked at random over the VM's data, for the
+/// compression policy to measure its codecs on. Random, not strided: a
+/// regular stride can alias with a regular layout and see one kind of page.
 fn sample_pages(vm: &dyn MigratableVm, regions: &[RegionView], max: usize) -> Vec<u8> {
-    let mut candidates = Vec::new();
+    let mut ranges = Vec::new();
     for (i, r) in regions.iter().enumerate() {
         for (off, len) in vm.data_ranges(i) {
-            candidates.push((r, off / PAGE as u64, len / PAGE as u64));
+            ranges.push((r, off / PAGE as u64, len / PAGE as u64));
         }
     }
-    let total: u64 = candidates.iter().map(|c| c.2).sum();
-    let stride = (total / (4 * max as u64).max(1)).max(1);
+    let total: u64 = ranges.iter().map(|c| c.2).sum();
     let mut out = Vec::with_capacity(max * PAGE);
-    let mut at = 0u64;
-    for (r, first, n) in candidates {
-        while at < n && out.len() < max * PAGE {
-            let page = r.page(first + at);
-            if !is_zero(page) {
-                out.extend_from_slice(page);
-            }
-            at += stride;
+    if total == 0 {
+        return out;
+    }
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..4 * max {
+        if out.len() >= max * PAGE {
+            break;
         }
-        at = at.saturating_sub(n);
+        // xorshift64: cheap, and the same sample every run.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let mut k = x % total;
+        for &(r, first, n) in &ranges {
+            if k < n {
+                let page = r.page(first + k);
+                if !is_zero(page) {
+                    out.extend_from_slice(page);
+                }
+                break;
+            }
+            k -= n;
+        }
     }
     out
 }
