@@ -13,6 +13,8 @@ pub enum Suite {
     Precopy,
     /// The kv service: clients x vCPUs, device-only latency.
     Kv,
+    /// Precopy's bulk copy rate against one plain TCP stream, same run.
+    Throughput,
     /// Compressed migrations over a 1 Gbit lab link: fill best / worst /
     /// mixed and dirty VMs x codecs (and auto) x pipeline on / off.
     Compression,
@@ -39,6 +41,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Precopy => "precopy.py",
         Suite::Kv => "kv_baseline.py",
         Suite::Compression => "compression.py",
+        Suite::Throughput => "throughput.py",
         Suite::Guest => "guest_baseline.py",
     });
     if !script.exists() {

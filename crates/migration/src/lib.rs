@@ -50,6 +50,10 @@ pub enum MigrationError {
         /// First differing guest address.
         first: u64,
     },
+    /// Complete was sent but no Started came back: the destination may or
+    /// may not run the VM. The source keeps it paused.
+    #[error("the destination got everything but did not confirm the start ({0}); the VM stays paused here: resume it only if the destination did not start it")]
+    InDoubt(String),
     /// A codec failed on the source's own pages (a bug, not bad input).
     #[error("encoding a batch failed: {0}")]
     Codec(String),

@@ -6,6 +6,10 @@
 //! an outgoing migration"): until the destination says Started, any failure
 //! stops dirty tracking, resumes the VM if it was paused, tells the peer to
 //! abort, and returns the error. The VM keeps running here with nothing lost.
+//! Once Complete has gone out, only an Abort proves the destination did not
+//! start the VM; any other failure is `InDoubt` and the VM stays paused here
+//! (never two running copies; the operator resumes it if the destination
+//! did not start).
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -446,6 +450,11 @@ pub fn migrate(
             }
         }
     }
+    if let Err(MigrationError::InDoubt(_)) = &result {
+        // The VM may run at the destination: keep it paused here.
+        let _ = vm.stop_dirty_log();
+        return result;
+    }
     if result.is_err() {
         let _ = vm.throttle(0);
         let _ = vm.stop_dirty_log();
@@ -703,14 +712,20 @@ fn run(
     protocol::write_frame(&mut ctl.writer, Kind::Complete, &[])
         .map_err(crate::ProtocolError::Io)?;
     ctl.writer.flush().map_err(crate::ProtocolError::Io)?;
-    let frame = protocol::read_frame(&mut ctl.reader)?;
-    if frame.kind != Kind::Started {
-        return Err(crate::ProtocolError::Unexpected {
-            got: frame.kind,
-            want: "Started",
+    // From here the destination may start the VM at any moment. An Abort
+    // means it did not; anything else but Started leaves the outcome unknown,
+    // and resuming here could run the VM twice.
+    let frame = match protocol::read_frame(&mut ctl.reader) {
+        Ok(f) if f.kind == Kind::Started => f,
+        Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
+        Ok(f) => {
+            return Err(MigrationError::InDoubt(format!(
+                "the destination answered Complete with {:?}",
+                f.kind
+            )))
         }
-        .into());
-    }
+        Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
+    };
     stats.downtime_parts.destination = lap();
     let report: crate::stats::StartedReport = protocol::decode(&frame, Kind::Started)?;
     stats.destination_service = report.service;

@@ -21,6 +21,8 @@ struct FakeVm {
     state: Mutex<Vec<u8>>,
     started: AtomicU32,
     throttles: Mutex<Vec<u32>>,
+    /// How long start() takes (a destination that hangs while starting).
+    start_delay: Mutex<Duration>,
 }
 
 impl FakeVm {
@@ -49,6 +51,7 @@ impl FakeVm {
             state: Mutex::new(b"vcpu state".to_vec()),
             started: AtomicU32::new(0),
             throttles: Mutex::new(Vec::new()),
+            start_delay: Mutex::new(Duration::ZERO),
         }
     }
 }
@@ -133,6 +136,7 @@ impl IncomingVm for FakeVm {
         Ok(())
     }
     fn start(&self) -> Result<(), String> {
+        std::thread::sleep(*self.start_delay.lock().unwrap());
         self.started.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -356,4 +360,35 @@ fn every_codec_moves_memory_exactly_with_and_without_the_pipeline() {
             r.encoded_out
         );
     }
+}
+
+/// A destination that got everything but never confirms the start: the
+/// source cannot know whether the VM runs there, so it keeps it paused
+/// rather than risk two running copies.
+#[test]
+fn no_confirmation_after_complete_keeps_the_source_paused() {
+    let src = FakeVm::new(LAYOUT, true);
+    let dst = FakeVm::new(LAYOUT, false);
+    *dst.start_delay.lock().unwrap() = Duration::from_millis(1500);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = PrecopyOptions {
+        downtime_ms: 1000.0,
+        timeout: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let err = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let e = migrate(&src, addr, &opts, &|_| {}).unwrap_err();
+        let _ = d.join();
+        e
+    });
+    assert!(matches!(err, MigrationError::InDoubt(_)), "{err}");
+    assert!(err.to_string().contains("stays paused"), "{err}");
+    assert_eq!(src.pauses.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        src.resumes.load(Ordering::SeqCst),
+        0,
+        "resumed an in-doubt VM"
+    );
 }

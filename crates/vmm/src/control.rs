@@ -456,7 +456,12 @@ impl ControlHandler for VmControl {
                         (progress.lock().unwrap_or_else(|e| e.into_inner()))(v);
                     }
                 })
-                .map_err(|e| format!("migration failed, the VM keeps running here: {e}"))?;
+                .map_err(|e| match e {
+                    ferry_migration::MigrationError::InDoubt(_) => {
+                        format!("migration outcome unknown: {e}")
+                    }
+                    e => format!("migration failed, the VM keeps running here: {e}"),
+                })?;
                 if let (Some(svc), Some(addr)) = (vm.service(), &stats.destination_service) {
                     // Clients keep using this host's port; their requests now go
                     // to the destination (an unspecified address there means the
