@@ -205,6 +205,9 @@ fn print_table(to: &str, s: &Value) {
                 .map(|n| format!("; {n}"))
                 .unwrap_or_default(),
         );
+        if let Some(n) = c["backend_note"].as_str() {
+            println!("backend      {n}");
+        }
     }
     if s["verified_pages"].as_u64().unwrap_or(0) > 0 {
         println!(

@@ -16,7 +16,7 @@
 //! a stop-and-copy whose remainder goes raw in a couple of milliseconds
 //! goes raw.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ferry_codec::{CacheSizes, EncodedBatch, Method, StreamEncoder, PAGE};
@@ -51,6 +51,62 @@ impl std::fmt::Display for Compress {
     }
 }
 
+/// Encodes batches for one shard: ferry-codec's CPU encoder, or another
+/// backend producing the same bytes (the CUDA one).
+pub trait BatchEncoder: Send {
+    /// As [`StreamEncoder::encode`].
+    fn encode(
+        &mut self,
+        method: Method,
+        pages: &[u64],
+        data: &[u8],
+        out: &mut EncodedBatch,
+    ) -> Result<(), String>;
+}
+
+impl BatchEncoder for StreamEncoder {
+    fn encode(
+        &mut self,
+        method: Method,
+        pages: &[u64],
+        data: &[u8],
+        out: &mut EncodedBatch,
+    ) -> Result<(), String> {
+        StreamEncoder::encode(self, method, pages, data, out).map_err(|e| e.to_string())
+    }
+}
+
+/// Makes one encoder per shard.
+pub type MakeEncoder = Arc<dyn Fn(CacheSizes) -> Box<dyn BatchEncoder> + Send + Sync>;
+
+/// Where the codecs run.
+#[derive(Clone)]
+pub struct Backend {
+    /// "cpu", "cuda", ...
+    pub name: String,
+    /// Why another backend was asked for but this one runs, if so.
+    pub note: Option<String>,
+    /// The encoder factory.
+    pub make: MakeEncoder,
+}
+
+impl Backend {
+    /// ferry-codec on the CPU.
+    pub fn cpu() -> Backend {
+        Backend {
+            name: "cpu".into(),
+            note: None,
+            make: Arc::new(|c| Box::new(StreamEncoder::new(c))),
+        }
+    }
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Backend({})", self.name)
+    }
+}
+
 /// Compression settings of a migration.
 #[derive(Clone, Debug)]
 pub struct CompressOptions {
@@ -63,6 +119,8 @@ pub struct CompressOptions {
     pub workers: u8,
     /// Cache sizes per shard (mirrored at the destination).
     pub caches: CacheSizes,
+    /// Where the codecs run.
+    pub backend: Backend,
 }
 
 impl Default for CompressOptions {
@@ -72,6 +130,7 @@ impl Default for CompressOptions {
             pipeline: true,
             workers: 1,
             caches: CacheSizes::default(),
+            backend: Backend::cpu(),
         }
     }
 }

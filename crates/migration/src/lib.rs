@@ -15,7 +15,7 @@ pub mod protocol;
 pub mod stats;
 pub mod vm;
 
-pub use compress::{Compress, CompressOptions};
+pub use compress::{Backend, BatchEncoder, Compress, CompressOptions};
 pub use incoming::receive;
 pub use precopy::{migrate, PrecopyOptions};
 pub use protocol::ProtocolError;

@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::time::{Duration, Instant};
 
-use ferry_codec::{EncodedBatch, Method, StreamEncoder};
+use ferry_codec::{EncodedBatch, Method};
 
-use crate::compress::Policy;
+use crate::compress::{BatchEncoder, Policy};
 use crate::protocol::{self, Kind, MAX_BATCH, PAGE};
 use crate::stats::{secs, thread_cpu_secs, CpuMeter};
 use crate::vm::RegionView;
@@ -46,12 +46,12 @@ pub(crate) struct Batch {
 /// A compressed bulk stream's encoder shards and buffers, kept across
 /// rounds (the caches must be).
 pub(crate) struct EncState {
-    pub(crate) shards: Vec<StreamEncoder>,
+    pub(crate) shards: Vec<Box<dyn BatchEncoder>>,
     pool: Vec<Batch>,
 }
 
 impl EncState {
-    pub(crate) fn new(shards: Vec<StreamEncoder>) -> Self {
+    pub(crate) fn new(shards: Vec<Box<dyn BatchEncoder>>) -> Self {
         EncState {
             shards,
             pool: Vec::new(),
@@ -150,7 +150,7 @@ fn fetch(regions: &[RegionView], item: &Item, b: &mut Batch) {
     }
 }
 
-fn encode(ctx: &RoundCtx, enc: &mut StreamEncoder, b: &mut Batch) -> Result<(), MigrationError> {
+fn encode(ctx: &RoundCtx, enc: &mut dyn BatchEncoder, b: &mut Batch) -> Result<(), MigrationError> {
     if b.gpas.is_empty() {
         return Ok(()); // only zero pages: ranges, nothing to encode
     }
@@ -161,7 +161,7 @@ fn encode(ctx: &RoundCtx, enc: &mut StreamEncoder, b: &mut Batch) -> Result<(), 
     }
     let t = Instant::now();
     enc.encode(method, &b.idx, &b.data, &mut b.enc)
-        .map_err(|e| MigrationError::Codec(e.to_string()))?;
+        .map_err(MigrationError::Codec)?;
     let wire = b.enc.payload.len() + 13 * b.gpas.len();
     ctx.policy
         .observe_encode(method, b.data.len() as u64, wire as u64, secs(t.elapsed()));
@@ -246,7 +246,7 @@ pub(crate) fn run_stream<W: Write + Send>(
             let shard = shard_of(&item, streams, shards);
             fetch(ctx.regions, &item, &mut b);
             b.shard = shard as u8;
-            out = encode(ctx, &mut s.shards[shard], &mut b)
+            out = encode(ctx, s.shards[shard].as_mut(), &mut b)
                 .and_then(|_| send(ctx, w, &b).map(|f| frames += f));
             if out.is_err() {
                 break;
@@ -285,7 +285,7 @@ fn run_pipelined<W: Write + Send>(
             sc.spawn(move || {
                 let cpu0 = thread_cpu_secs();
                 for mut b in rx {
-                    let r = encode(ctx, enc, &mut b).map(|_| b);
+                    let r = encode(ctx, enc.as_mut(), &mut b).map(|_| b);
                     let failed = r.is_err();
                     if out.send(r).is_err() || failed {
                         break;

@@ -499,6 +499,8 @@ fn run(
     let mut stats = MigrationStats::default();
     stats.compression.asked = copt.compress.to_string();
     stats.compression.pipeline = compressed && copt.pipeline;
+    stats.compression.backend = copt.backend.name.clone();
+    stats.compression.backend_note = copt.backend.note.clone();
     if copt.enabled() && !compressed {
         stats.compression.note = Some(format!(
             "the destination speaks protocol v{version}, compression needs v2: sent raw"
@@ -530,7 +532,7 @@ fn run(
         .map(|_| {
             crate::pipeline::EncState::new(
                 (0..copt.workers.clamp(1, crate::encoded::MAX_SHARDS))
-                    .map(|_| ferry_codec::StreamEncoder::new(copt.caches))
+                    .map(|_| (copt.backend.make)(copt.caches))
                     .collect(),
             )
         })

@@ -72,6 +72,10 @@ pub struct CompressionStats {
     pub batches: String,
     /// Fetch, encode and send on separate threads.
     pub pipeline: bool,
+    /// Where the codecs ran ("cpu", "cuda").
+    pub backend: String,
+    /// Why the backend asked for did not run, if so.
+    pub backend_note: Option<String>,
     /// Page bytes that went through a codec.
     pub encoded_in: u64,
     /// Wire bytes of the encoded batches.

@@ -312,6 +312,7 @@ fn migrate_compressed(compress: &str, pipeline: bool) -> ferry_migration::Migrat
                 xbzrle_bytes: 8 << 20,
                 dedup_bytes: 1 << 20,
             },
+            ..Default::default()
         },
         ..Default::default()
     };

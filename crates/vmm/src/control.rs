@@ -505,11 +505,17 @@ fn compress_options(m: &MigrateRequest) -> Result<ferry_migration::CompressOptio
             ferry_migration::encoded::MAX_SHARDS
         ));
     }
+    let backend = match m.compress_backend.as_str() {
+        "cpu" => ferry_migration::Backend::cpu(),
+        "cuda" => crate::codec_backend::cuda(),
+        other => return Err(format!("unknown compress backend '{other}' (cpu or cuda)")),
+    };
     Ok(ferry_migration::CompressOptions {
         compress,
         pipeline: m.pipeline,
         workers: m.compress_threads,
         caches,
+        backend,
     })
 }
 

@@ -7,6 +7,7 @@
 //! [`vmm`] the VM lifecycle and [`control`] its control socket.
 
 pub mod boot;
+pub mod codec_backend;
 pub mod control;
 pub mod devices;
 pub mod guest_abi;
