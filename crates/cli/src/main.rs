@@ -55,6 +55,9 @@ enum Command {
         /// What to do.
         #[arg(value_enum)]
         action: status::Action,
+        /// For `dump`: the file to write the guest's non-zero pages to.
+        #[arg(long, required_if_eq("action", "dump"))]
+        out: Option<PathBuf>,
         /// Print JSON for machines.
         #[arg(long)]
         json: bool,
@@ -84,8 +87,9 @@ fn main() -> ExitCode {
         Command::Ctl {
             socket,
             action,
+            out,
             json,
-        } => status::ctl(&socket, action, json),
+        } => status::ctl(&socket, action, out, json),
     };
     match result {
         Ok(code) => code,

@@ -1,6 +1,6 @@
 //! `ferry status` and `ferry ctl`: clients of a VM's control socket.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Result;
@@ -18,6 +18,9 @@ pub enum Action {
     Quit,
     /// Print the guest's counters.
     Metrics,
+    /// Write the guest's non-zero pages to --out (codec benchmarks use it
+    /// as real guest memory).
+    Dump,
 }
 
 pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
@@ -52,16 +55,21 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn ctl(socket: &Path, action: Action, json: bool) -> Result<ExitCode> {
+pub fn ctl(socket: &Path, action: Action, out: Option<PathBuf>, json: bool) -> Result<ExitCode> {
     let mut c = ControlClient::connect(socket)?;
     let req = match action {
         Action::Pause => Request::Pause,
         Action::Resume => Request::Resume,
         Action::Quit => Request::Quit,
         Action::Metrics => Request::Metrics,
+        Action::Dump => Request::Dump {
+            path: out
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        },
     };
     let reply = c.call(&req)?;
-    if json || matches!(action, Action::Metrics) {
+    if json || matches!(action, Action::Metrics | Action::Dump) {
         println!("{reply}");
     } else {
         println!("ok");
