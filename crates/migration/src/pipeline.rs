@@ -137,7 +137,7 @@ fn fetch(regions: &[RegionView], item: &Item, b: &mut Batch) {
             continue;
         };
         let page = r.page((gpa - r.gpa) / PAGE as u64);
-        if page.chunks_exact(8).all(|c| c == [0u8; 8]) {
+        if crate::precopy::is_zero(page) {
             match b.zeros.last_mut() {
                 Some((g, k)) if *g + *k * PAGE as u64 == gpa => *k += 1,
                 _ => b.zeros.push((gpa, 1)),
@@ -173,12 +173,7 @@ fn send<W: Write>(ctx: &RoundCtx, w: &mut W, b: &Batch) -> Result<u64, Migration
     let mut frames = 0;
     let mut bytes = 0u64;
     if !b.zeros.is_empty() {
-        let body = postcard::to_stdvec(&b.zeros).map_err(|e| ProtocolError::Malformed {
-            kind: Kind::ZeroRanges,
-            reason: e.to_string(),
-        })?;
-        protocol::write_frame(w, Kind::ZeroRanges, &body).map_err(ProtocolError::Io)?;
-        bytes += (protocol::HEADER + body.len()) as u64;
+        bytes += protocol::write_zero_ranges(w, &b.zeros)?;
         ctx.zero
             .fetch_add(b.zeros.iter().map(|z| z.1).sum(), Ordering::Relaxed);
         frames += 1;

@@ -94,7 +94,7 @@ fn connect(addr: SocketAddr, timeout: Duration) -> Result<Conn, MigrationError> 
     })
 }
 
-fn is_zero(page: &[u8]) -> bool {
+pub(crate) fn is_zero(page: &[u8]) -> bool {
     page.chunks_exact(8).all(|c| c == [0u8; 8])
 }
 
@@ -172,20 +172,8 @@ fn send_round(
 ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
     let t0 = Instant::now();
     // Known zero ranges go first, unread, on stream 0.
-    let mut hole_frames = 0u64;
-    let mut hole_bytes = 0u64;
-    for chunk in holes.chunks(4096) {
-        let body = postcard::to_stdvec(chunk).map_err(|e| crate::ProtocolError::Malformed {
-            kind: Kind::ZeroRanges,
-            reason: e.to_string(),
-        })?;
-        protocol::write_frame(&mut bulk[0].writer, Kind::ZeroRanges, &body)
-            .map_err(crate::ProtocolError::Io)?;
-        hole_frames += 1;
-        hole_bytes += (protocol::HEADER + body.len()) as u64;
-    }
+    let (hole_frames, hole_bytes) = protocol::write_holes(&mut bulk[0].writer, holes)?;
     let hole_pages: u64 = holes.iter().map(|h| h.1).sum();
-    // Work items: batches of up to MAX_BATCH consecutive pages.
     // Work items: one batch per 1024-page block, fragmented runs included.
     let work = crate::pipeline::group(runs);
     let queue = Mutex::new(work.into_iter());
@@ -228,18 +216,8 @@ fn send_round(
                             }
                         }
                         if !zeros.is_empty() {
-                            let body = postcard::to_stdvec(&zeros).map_err(|e| {
-                                crate::ProtocolError::Malformed {
-                                    kind: Kind::ZeroRanges,
-                                    reason: e.to_string(),
-                                }
-                            })?;
-                            protocol::write_frame(&mut conn.writer, Kind::ZeroRanges, &body)
-                                .map_err(crate::ProtocolError::Io)?;
-                            bytes.fetch_add(
-                                (protocol::HEADER + body.len()) as u64,
-                                Ordering::Relaxed,
-                            );
+                            let n = protocol::write_zero_ranges(&mut conn.writer, &zeros)?;
+                            bytes.fetch_add(n, Ordering::Relaxed);
                             zero.fetch_add(zeros.iter().map(|z| z.1).sum(), Ordering::Relaxed);
                             frames += 1;
                         }
@@ -323,18 +301,7 @@ fn send_round_encoded(
     cpu: &crate::stats::CpuMeter,
 ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
     let t0 = Instant::now();
-    let mut hole_frames = 0u64;
-    let mut hole_bytes = 0u64;
-    for chunk in holes.chunks(4096) {
-        let body = postcard::to_stdvec(chunk).map_err(|e| crate::ProtocolError::Malformed {
-            kind: Kind::ZeroRanges,
-            reason: e.to_string(),
-        })?;
-        protocol::write_frame(&mut bulk[0].writer, Kind::ZeroRanges, &body)
-            .map_err(crate::ProtocolError::Io)?;
-        hole_frames += 1;
-        hole_bytes += (protocol::HEADER + body.len()) as u64;
-    }
+    let (hole_frames, hole_bytes) = protocol::write_holes(&mut bulk[0].writer, holes)?;
     let ctx = crate::pipeline::RoundCtx {
         regions,
         round,

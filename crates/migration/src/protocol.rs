@@ -263,6 +263,27 @@ pub fn write_pages_frame(
     w.write_all(data)
 }
 
+/// Writes a ZeroRanges frame of `(gpa, pages)` runs; returns its wire bytes.
+pub fn write_zero_ranges(w: &mut impl Write, ranges: &[(u64, u64)]) -> Result<u64, ProtocolError> {
+    let body = postcard::to_stdvec(ranges).map_err(|e| ProtocolError::Malformed {
+        kind: Kind::ZeroRanges,
+        reason: e.to_string(),
+    })?;
+    write_frame(w, Kind::ZeroRanges, &body)?;
+    Ok((HEADER + body.len()) as u64)
+}
+
+/// Writes known-zero holes as ZeroRanges frames (4096 runs each); returns
+/// (frames, wire bytes).
+pub fn write_holes(w: &mut impl Write, holes: &[(u64, u64)]) -> Result<(u64, u64), ProtocolError> {
+    let (mut frames, mut bytes) = (0, 0);
+    for chunk in holes.chunks(4096) {
+        bytes += write_zero_ranges(w, chunk)?;
+        frames += 1;
+    }
+    Ok((frames, bytes))
+}
+
 /// Writes a message with a postcard body.
 pub fn send<T: serde::Serialize>(
     w: &mut impl Write,
