@@ -16,7 +16,8 @@
 //! a stop-and-copy whose remainder goes raw in a couple of milliseconds
 //! goes raw.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 use std::time::Instant;
 
 use ferry_codec::{CacheSizes, EncodedBatch, Method, StreamEncoder, PAGE};
@@ -144,10 +145,12 @@ impl CompressOptions {
 
 /// Bytes on the wire per page besides its payload: address and metadata.
 const PER_PAGE_META: f64 = 13.0;
-/// Raw pages sent before the link bandwidth is trusted, and how many of the
+/// Raw pages sent before the link bandwidth is known, and how many of the
 /// first ones are ignored (they only fill socket buffers).
-const PROBE_BYTES: u64 = 24 << 20;
-const PROBE_SKIP: u64 = 8 << 20;
+const PROBE_BYTES: u64 = 12 << 20;
+const PROBE_SKIP: u64 = 4 << 20;
+/// Longest wait for the probe's measurement before staying raw.
+const PROBE_WAIT: Duration = Duration::from_secs(2);
 /// A codec must beat raw by this factor to be used.
 const MARGIN: f64 = 1.10;
 /// One batch in this many tries another codec (auto).
@@ -167,6 +170,12 @@ struct State {
     link: Option<f64>,
     probe_sent: u64,
     probe_mark: Option<(Instant, u64)>,
+    /// Raw bytes decided while probing (decisions run ahead of sends).
+    probe_decided: u64,
+    /// The kernel's delivery-rate samples while probing (TCP_INFO).
+    probe_rates: Vec<f64>,
+    /// The probe gave nothing usable: stay raw without waiting again.
+    probe_failed: bool,
     est: Vec<(Method, Estimate)>,
     /// Batches per method name, for the report.
     used: Vec<(String, u64)>,
@@ -180,6 +189,8 @@ pub struct Policy {
     workers: f64,
     user_bandwidth: Option<f64>,
     state: Mutex<State>,
+    /// Signalled when the probe has measured the link.
+    measured: Condvar,
 }
 
 /// Codecs `auto` considers for first-time pages (xbzrle joins for re-sent ones).
@@ -211,7 +222,11 @@ impl Policy {
                 est,
                 used: Vec::new(),
                 decisions: 0,
+                probe_decided: 0,
+                probe_rates: Vec::new(),
+                probe_failed: false,
             }),
+            measured: Condvar::new(),
         }
     }
 
@@ -219,12 +234,13 @@ impl Policy {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The method for the next batch of `round`; `final_bytes` is the whole
-    /// stop-and-copy remainder when this is the stop-and-copy.
-    pub fn choose(&self, round: u32, final_bytes: Option<u64>) -> Method {
+    /// The method for the next batch (`bytes` of pages) of `round`;
+    /// `final_bytes` is the whole stop-and-copy remainder when this is the
+    /// stop-and-copy.
+    pub fn choose(&self, round: u32, final_bytes: Option<u64>, bytes: u64) -> Method {
         let m = match self.compress {
             Compress::Fixed(m) => m,
-            Compress::Auto => self.choose_auto(round, final_bytes),
+            Compress::Auto => self.choose_auto(round, final_bytes, bytes),
         };
         let mut st = self.lock();
         let name = m.to_string();
@@ -235,10 +251,27 @@ impl Policy {
         m
     }
 
-    fn choose_auto(&self, round: u32, final_bytes: Option<u64>) -> Method {
+    fn choose_auto(&self, round: u32, final_bytes: Option<u64>, bytes: u64) -> Method {
         let mut st = self.lock();
+        if st.link.is_none() && !st.probe_failed {
+            if st.probe_decided < PROBE_BYTES {
+                st.probe_decided += bytes;
+                return Method::None; // probing the link with raw batches
+            }
+            // Enough raw batches are on their way; rather than decide more
+            // of them raw (a pipeline runs ahead of its sends), wait for the
+            // measurement.
+            st = self
+                .measured
+                .wait_timeout_while(st, PROBE_WAIT, |s| s.link.is_none())
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+            if st.link.is_none() {
+                st.probe_failed = true;
+            }
+        }
         let Some(link) = st.link else {
-            return Method::None; // still probing the link
+            return Method::None;
         };
         if final_bytes.is_some_and(|b| b as f64 / link <= SMALL_FINAL_SECS) {
             return Method::None;
@@ -293,22 +326,34 @@ impl Policy {
         }
     }
 
-    /// Records raw bytes written to the link (while probing its bandwidth).
-    pub fn observe_raw_sent(&self, bytes: u64) {
+    /// Records raw bytes written to the link while probing its bandwidth,
+    /// with the kernel's delivery rate of the connection if it has one.
+    pub fn observe_raw_sent(&self, bytes: u64, delivery_rate: Option<f64>) {
         if self.compress != Compress::Auto {
             return;
         }
         let mut st = self.lock();
-        if st.link.is_some() && self.user_bandwidth.is_some() {
+        if st.link.is_some() {
             return;
         }
         st.probe_sent += bytes;
         let sent = st.probe_sent;
+        if sent >= PROBE_SKIP {
+            st.probe_rates.extend(delivery_rate.filter(|r| *r > 0.0));
+        }
         match st.probe_mark {
             None if sent >= PROBE_SKIP => st.probe_mark = Some((Instant::now(), sent)),
-            Some((t, at)) if sent >= PROBE_BYTES && st.link.is_none() => {
-                let secs = t.elapsed().as_secs_f64().max(1e-6);
-                st.link = Some((sent - at) as f64 / secs);
+            Some((t, at)) if sent >= PROBE_BYTES => {
+                // TCP's own delivery-rate samples measure the path; time
+                // over bytes is the fallback where there are none.
+                let timed = (sent - at) as f64 / t.elapsed().as_secs_f64().max(1e-6);
+                let rate = st
+                    .probe_rates
+                    .iter()
+                    .copied()
+                    .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
+                st.link = Some(rate.unwrap_or(timed));
+                self.measured.notify_all();
             }
             _ => {}
         }
@@ -434,7 +479,7 @@ mod tests {
             .collect();
         let gbit = Some(117e6);
         let p = Policy::new(&opts(Compress::Auto), gbit, &best);
-        let m = p.choose(0, None);
+        let m = p.choose(0, None, 1 << 22);
         assert_ne!(
             m,
             Method::None,
@@ -442,29 +487,40 @@ mod tests {
         );
         assert_ne!(m, Method::Xbzrle, "xbzrle is for re-sent pages");
         // A tiny stop-and-copy goes raw.
-        assert_eq!(p.choose(3, Some(64 << 10)), Method::None);
+        assert_eq!(p.choose(3, Some(64 << 10), 1 << 16), Method::None);
         let p = Policy::new(&opts(Compress::Auto), gbit, &worst);
-        assert_eq!(p.choose(0, None), Method::None);
+        assert_eq!(p.choose(0, None, 1 << 22), Method::None);
         // Without a bandwidth, auto sends raw until the probe has measured the link.
         let p = Policy::new(&opts(Compress::Auto), None, &best);
-        assert_eq!(p.choose(0, None), Method::None);
-        p.observe_raw_sent(PROBE_SKIP);
+        assert_eq!(p.choose(0, None, 1 << 22), Method::None);
+        p.observe_raw_sent(PROBE_SKIP, None);
         std::thread::sleep(std::time::Duration::from_millis(20));
-        p.observe_raw_sent(PROBE_BYTES);
-        assert!(p.link().is_some());
+        p.observe_raw_sent(PROBE_BYTES, Some(117e6));
+        assert_eq!(p.link(), Some(117e6), "the kernel's delivery rate wins");
+        // Decisions that ran ahead of the probe wait for it, then compress.
+        let p = std::sync::Arc::new(Policy::new(&opts(Compress::Auto), None, &best));
+        assert_eq!(p.choose(0, None, PROBE_BYTES), Method::None);
+        let q = p.clone();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            q.observe_raw_sent(PROBE_SKIP, None);
+            q.observe_raw_sent(PROBE_BYTES, Some(117e6));
+        });
+        assert_ne!(p.choose(0, None, 1 << 22), Method::None);
+        sender.join().unwrap();
         // Estimates follow what batches really do: a codec that stops paying is dropped.
         let p = Policy::new(&opts(Compress::Auto), gbit, &best);
-        let m = p.choose(0, None);
+        let m = p.choose(0, None, 1 << 22);
         for _ in 0..20 {
             p.observe_encode(m, 1 << 22, 1 << 22, 0.01);
         }
-        let after = p.choose(0, None);
+        let after = p.choose(0, None, 1 << 22);
         assert!(
             after == Method::None || after != m,
             "{m} kept after it stopped paying"
         );
         assert_eq!(
-            Policy::new(&opts(Compress::Fixed(Method::Lz4)), None, &[]).choose(0, None),
+            Policy::new(&opts(Compress::Fixed(Method::Lz4)), None, &[]).choose(0, None, 1 << 22),
             Method::Lz4
         );
         assert!(p.summary().contains(&m.to_string()));

@@ -16,6 +16,7 @@
 //! in the same order.
 
 use std::io::Write;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::time::{Duration, Instant};
@@ -154,7 +155,9 @@ fn encode(ctx: &RoundCtx, enc: &mut dyn BatchEncoder, b: &mut Batch) -> Result<(
     if b.gpas.is_empty() {
         return Ok(()); // only zero pages: ranges, nothing to encode
     }
-    let method = ctx.policy.choose(ctx.round, ctx.final_bytes);
+    let method = ctx
+        .policy
+        .choose(ctx.round, ctx.final_bytes, b.data.len() as u64);
     b.method = Some(method);
     if method == Method::None {
         return Ok(());
@@ -168,8 +171,14 @@ fn encode(ctx: &RoundCtx, enc: &mut dyn BatchEncoder, b: &mut Batch) -> Result<(
     Ok(())
 }
 
-/// Writes a batch's frames; returns how many.
-fn send<W: Write>(ctx: &RoundCtx, w: &mut W, b: &Batch) -> Result<u64, MigrationError> {
+/// Writes a batch's frames; returns how many. `sock` is the connection's
+/// socket, for the kernel's delivery rate while the policy probes the link.
+fn send<W: Write>(
+    ctx: &RoundCtx,
+    w: &mut W,
+    sock: Option<RawFd>,
+    b: &Batch,
+) -> Result<u64, MigrationError> {
     let mut frames = 0;
     let mut bytes = 0u64;
     if !b.zeros.is_empty() {
@@ -188,7 +197,8 @@ fn send<W: Write>(ctx: &RoundCtx, w: &mut W, b: &Batch) -> Result<u64, Migration
                 let n = (protocol::HEADER + 4 + addrs.len() + b.data.len()) as u64;
                 bytes += n;
                 ctx.raw_in.fetch_add(b.data.len() as u64, Ordering::Relaxed);
-                ctx.policy.observe_raw_sent(n);
+                ctx.policy
+                    .observe_raw_sent(n, sock.and_then(crate::stats::delivery_rate));
             }
             m => {
                 let n = crate::encoded::write_encoded(w, m, b.shard, &b.gpas, &b.enc)
@@ -222,6 +232,7 @@ fn shard_of(item: &Item, streams: usize, shards: usize) -> usize {
 pub(crate) fn run_stream<W: Write + Send>(
     ctx: &RoundCtx,
     w: &mut W,
+    sock: Option<RawFd>,
     s: &mut EncState,
     items: Vec<Item>,
     streams: usize,
@@ -232,7 +243,7 @@ pub(crate) fn run_stream<W: Write + Send>(
         s.pool.push(Batch::default());
     }
     let result = if ctx.pipeline {
-        run_pipelined(ctx, w, s, items, streams)
+        run_pipelined(ctx, w, sock, s, items, streams)
     } else {
         let mut frames = 0;
         let mut b = s.pool.pop().unwrap_or_default();
@@ -242,7 +253,7 @@ pub(crate) fn run_stream<W: Write + Send>(
             fetch(ctx.regions, &item, &mut b);
             b.shard = shard as u8;
             out = encode(ctx, s.shards[shard].as_mut(), &mut b)
-                .and_then(|_| send(ctx, w, &b).map(|f| frames += f));
+                .and_then(|_| send(ctx, w, sock, &b).map(|f| frames += f));
             if out.is_err() {
                 break;
             }
@@ -260,6 +271,7 @@ pub(crate) fn run_stream<W: Write + Send>(
 fn run_pipelined<W: Write + Send>(
     ctx: &RoundCtx,
     writer: &mut W,
+    sock: Option<RawFd>,
     s: &mut EncState,
     items: Vec<Item>,
     streams: usize,
@@ -309,7 +321,7 @@ fn run_pipelined<W: Write + Send>(
             let mut frames = 0;
             for r in out_rx.iter() {
                 let b = r?;
-                frames += send(ctx, writer, &b)?;
+                frames += send(ctx, writer, sock, &b)?;
                 let _ = free_tx.send(b);
             }
             Ok(frames)

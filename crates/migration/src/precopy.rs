@@ -13,6 +13,7 @@
 
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -327,8 +328,9 @@ fn send_round_encoded(
             .zip(dealt)
             .map(|((conn, st), items)| {
                 let ctx = &ctx;
+                let sock = Some(conn.writer.get_ref().as_raw_fd());
                 s.spawn(move || {
-                    crate::pipeline::run_stream(ctx, &mut conn.writer, st, items, streams)
+                    crate::pipeline::run_stream(ctx, &mut conn.writer, sock, st, items, streams)
                 })
             })
             .collect();
