@@ -119,7 +119,8 @@ def main():
     for r in rows:
         if "error" not in r and r["workload"] in base:
             r["speedup_vs_none"] = base[r["workload"]] / r["total_s"]
-    res = {"command": " ".join(["python3", "bench/compression.py", *sys.argv[1:]]),
+    argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
+    res = {"command": " ".join(["python3", "bench/compression.py", *argv]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "link": a.link, "mem": a.mem,
            "fill_mib": a.fill_mib, "rows": rows}
     with open(a.out + ".json", "w") as f:
