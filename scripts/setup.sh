@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building and testing ferry needs on a Debian machine: a C
-# toolchain for the guest, make, and Rust (via rustup if cargo is missing).
+# toolchain for the guest, C++ for the host build of the GPU kernels the
+# codec tests run, make, and Rust (via rustup if cargo is missing).
 set -euo pipefail
 need=()
-for tool in gcc make ld; do command -v "$tool" >/dev/null || need+=("$tool"); done
+for tool in gcc c++ make ld; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing build-essential (missing: ${need[*]})"
   apt-get update -qq && apt-get install -y -qq build-essential >/dev/null

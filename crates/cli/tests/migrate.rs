@@ -425,6 +425,7 @@ fn compressed_migrations_verify_and_the_workload_continues() {
         &["--compress", "xbzrle", "--compress-threads", "2"][..],
         &["--compress", "auto", "--bandwidth", "200M"][..],
         &["--compress", "zstd:3", "--no-pipeline"][..],
+        &["--compress", "dedup", "--compress-backend", "cuda"][..],
     ]
     .iter()
     .enumerate()
@@ -478,6 +479,13 @@ fn compressed_migrations_verify_and_the_workload_continues() {
         let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(stats["verified_pages"], 128 * 256, "{extra:?}");
         let c = &stats["compression"];
+        // With a GPU the CUDA backend coded it (the verify above checked it);
+        // without one the CPU did, and the summary says why.
+        if extra.contains(&"cuda") && c["backend"] != "cuda" {
+            let note = c["backend_note"].as_str().unwrap_or_default();
+            eprintln!("{note}");
+            assert!(note.contains("CUDA backend cannot run"), "{c}");
+        }
         if extra[1] != "auto" {
             assert!(
                 c["encoded_in"].as_u64().unwrap() > c["encoded_out"].as_u64().unwrap(),

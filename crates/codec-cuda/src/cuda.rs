@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    sys::CUevent_flags, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    sys::CUevent_flags, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use ferry_codec::{MAX_BATCH_PAGES, PAGE};
 
@@ -50,11 +50,16 @@ impl CudaGpu {
         }
         let ctx = CudaContext::new(0).map_err(driver("context"))?;
         let name = ctx.name().unwrap_or_else(|_| "GPU 0".into());
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS_CU).map_err(|e| GpuError::Compile(e.to_string()))?;
+        let ptx =
+            cudarc::nvrtc::compile_ptx(KERNELS_CU).map_err(|e| GpuError::Compile(e.to_string()))?;
         let module = ctx.load_module(ptx).map_err(driver("module load"))?;
         let functions = Kernel::ALL
             .iter()
-            .map(|k| module.load_function(k.name()).map_err(driver("kernel lookup")))
+            .map(|k| {
+                module
+                    .load_function(k.name())
+                    .map_err(driver("kernel lookup"))
+            })
             .collect::<Result<_, _>>()?;
         Ok(Arc::new(CudaGpu {
             ctx,
@@ -154,9 +159,15 @@ impl Device for CudaDevice {
             .map_err(driver("upload"))
     }
 
-    fn launch(&self, kernel: Kernel, threads: u32, args: &[Arg<'_, CudaSlice<u8>>]) -> Result<(), GpuError> {
+    fn launch(
+        &self,
+        kernel: Kernel,
+        threads: u32,
+        args: &[Arg<'_, CudaSlice<u8>>],
+    ) -> Result<(), GpuError> {
         self.begin()?;
-        let function = &self.gpu.functions[Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)];
+        let function =
+            &self.gpu.functions[Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)];
         let mut launch = self.stream.launch_builder(function);
         for arg in args {
             match arg {
@@ -186,13 +197,18 @@ impl Device for CudaDevice {
                 .map_err(driver("event"))?;
             // Sleep-before-sync: a batch never finishes sooner than the
             // shortest one did, so sleep that long instead of spinning.
-            if let Some(left) = self.shortest.get().and_then(|s| s.checked_sub(since.elapsed())) {
+            if let Some(left) = self
+                .shortest
+                .get()
+                .and_then(|s| s.checked_sub(since.elapsed()))
+            {
                 std::thread::sleep(left);
             }
             self.stream.synchronize().map_err(driver("synchronize"))?;
             let ms = start.elapsed_ms(&end).map_err(driver("event timing"))?;
             let took = Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
-            self.shortest.set(Some(self.shortest.get().map_or(took, |s| s.min(took))));
+            self.shortest
+                .set(Some(self.shortest.get().map_or(took, |s| s.min(took))));
         }
         if dst.is_empty() {
             return Ok(());

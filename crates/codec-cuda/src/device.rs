@@ -80,7 +80,12 @@ pub trait Device {
         self.upload(src, dst)
     }
     /// Queues `kernel` with `threads` threads (each checks its index).
-    fn launch(&self, kernel: Kernel, threads: u32, args: &[Arg<'_, Self::Buf>]) -> Result<(), GpuError>;
+    fn launch(
+        &self,
+        kernel: Kernel,
+        threads: u32,
+        args: &[Arg<'_, Self::Buf>],
+    ) -> Result<(), GpuError>;
     /// Waits for everything queued, then copies the first `dst.len()` bytes
     /// of `src` into `dst`.
     fn fetch(&self, src: &Self::Buf, dst: &mut [u8]) -> Result<(), GpuError>;

@@ -2,7 +2,10 @@
 //! pack, fetch; then update the caches. Mirrors ferry-codec's StreamEncoder
 //! for none, rle, xbzrle and dedup.
 
-use ferry_codec::{CacheSizes, CodecError, EncodedBatch, Method, PageCodec, CHUNK, CHUNKS_PER_PAGE, MAX_BATCH_PAGES, PAGE};
+use ferry_codec::{
+    CacheSizes, CodecError, EncodedBatch, Method, PageCodec, CHUNK, CHUNKS_PER_PAGE,
+    MAX_BATCH_PAGES, PAGE,
+};
 
 use crate::device::{Arg, Device, Kernel};
 use crate::GpuError;
@@ -71,7 +74,9 @@ pub struct GpuEncoder<D: Device> {
 }
 
 fn u32s(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
-    bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
 }
 
 /// Groups `items` (key, item) by key, keeping item order within a key:
@@ -134,23 +139,33 @@ impl<D: Device> GpuEncoder<D> {
         if self.xbz.is_none() {
             let bytes = self.sizes.xbzrle_bytes;
             let sets = (bytes / PAGE as u64 / 2).max(1);
-            let too_big = || CodecError::CacheSize { what: "xbzrle", bytes };
+            let too_big = || CodecError::CacheSize {
+                what: "xbzrle",
+                bytes,
+            };
             let ways = usize::try_from(sets * 2).map_err(|_| too_big())?;
             self.xbz = Some(XbzCache {
                 sets,
                 state: self.dev.alloc(ways / 2)?,
                 tags: self.dev.alloc(ways.checked_mul(8).ok_or_else(too_big)?)?,
-                pages: self.dev.alloc(ways.checked_mul(PAGE).ok_or_else(too_big)?)?,
+                pages: self
+                    .dev
+                    .alloc(ways.checked_mul(PAGE).ok_or_else(too_big)?)?,
             });
         }
-        self.xbz.as_ref().ok_or(GpuError::Inconsistent("no xbzrle cache".into()))
+        self.xbz
+            .as_ref()
+            .ok_or(GpuError::Inconsistent("no xbzrle cache".into()))
     }
 
     fn dedup_cache(&mut self) -> Result<&DedupCache<D::Buf>, GpuError> {
         if self.dedup.is_none() {
             let bytes = self.sizes.dedup_bytes;
             let sets = (bytes / CHUNK as u64 / 2).max(1);
-            let too_big = || CodecError::CacheSize { what: "dedup", bytes };
+            let too_big = || CodecError::CacheSize {
+                what: "dedup",
+                bytes,
+            };
             if sets > MAX_DEDUP_SETS {
                 return Err(too_big().into());
             }
@@ -159,16 +174,26 @@ impl<D: Device> GpuEncoder<D> {
                 sets: sets as u32,
                 state: self.dev.alloc(ways / 2)?,
                 hashes: self.dev.alloc(ways.checked_mul(4).ok_or_else(too_big)?)?,
-                chunks: self.dev.alloc(ways.checked_mul(CHUNK).ok_or_else(too_big)?)?,
+                chunks: self
+                    .dev
+                    .alloc(ways.checked_mul(CHUNK).ok_or_else(too_big)?)?,
             });
         }
-        self.dedup.as_ref().ok_or(GpuError::Inconsistent("no dedup cache".into()))
+        self.dedup
+            .as_ref()
+            .ok_or(GpuError::Inconsistent("no dedup cache".into()))
     }
 
     /// Encodes a batch exactly as `StreamEncoder::encode` would (methods none,
     /// rle, xbzrle and dedup): `pages` are page indices, `data` their
     /// contents. `out` is cleared first.
-    pub fn encode(&mut self, method: Method, pages: &[u64], data: &[u8], out: &mut EncodedBatch) -> Result<(), GpuError> {
+    pub fn encode(
+        &mut self,
+        method: Method,
+        pages: &[u64],
+        data: &[u8],
+        out: &mut EncodedBatch,
+    ) -> Result<(), GpuError> {
         out.clear();
         let n = pages.len();
         if n > MAX_BATCH_PAGES {
@@ -197,7 +222,11 @@ impl<D: Device> GpuEncoder<D> {
         dev.upload_pages(data, &mut b.data)?;
         match (method, &self.xbz, &self.dedup) {
             (Method::None, _, _) => {
-                dev.launch(Kernel::ZeroChunks, nchunks, &[Arg::U32(nchunks), Arg::Buf(&b.data), Arg::Buf(&b.czero)])?;
+                dev.launch(
+                    Kernel::ZeroChunks,
+                    nchunks,
+                    &[Arg::U32(nchunks), Arg::Buf(&b.data), Arg::Buf(&b.czero)],
+                )?;
             }
             (Method::Rle, _, _) => {
                 dev.launch(
@@ -222,7 +251,14 @@ impl<D: Device> GpuEncoder<D> {
                 dev.launch(
                     Kernel::XbzLookup,
                     n32,
-                    &[Arg::U32(n32), Arg::Buf(&b.idx), Arg::U64(x.sets), Arg::Buf(&x.state), Arg::Buf(&x.tags), Arg::Buf(&b.hit)],
+                    &[
+                        Arg::U32(n32),
+                        Arg::Buf(&b.idx),
+                        Arg::U64(x.sets),
+                        Arg::Buf(&x.state),
+                        Arg::Buf(&x.tags),
+                        Arg::Buf(&b.hit),
+                    ],
                 )?;
                 dev.launch(
                     Kernel::RleChunks,
@@ -275,7 +311,11 @@ impl<D: Device> GpuEncoder<D> {
                 Arg::Buf(&b.coff),
             ],
         )?;
-        dev.launch(Kernel::ScanOffsets, 1, &[Arg::U32(n32), Arg::Buf(&b.plen), Arg::Buf(&b.poff)])?;
+        dev.launch(
+            Kernel::ScanOffsets,
+            1,
+            &[Arg::U32(n32), Arg::Buf(&b.plen), Arg::Buf(&b.poff)],
+        )?;
         dev.launch(
             Kernel::Pack,
             nchunks,
@@ -300,7 +340,8 @@ impl<D: Device> GpuEncoder<D> {
         dev.fetch(&b.poff, &mut self.poff)?;
         let total = u32s(&self.poff).nth(n).unwrap_or(0) as usize;
         for (i, len) in u32s(&self.plen).enumerate() {
-            let codec = PageCodec::try_from(self.pcodec[i]).map_err(|e| GpuError::Inconsistent(e.to_string()))?;
+            let codec = PageCodec::try_from(self.pcodec[i])
+                .map_err(|e| GpuError::Inconsistent(e.to_string()))?;
             if len as usize > PAGE {
                 return Err(GpuError::Inconsistent(format!("page {i} has {len} bytes")));
             }
@@ -316,7 +357,11 @@ impl<D: Device> GpuEncoder<D> {
         // GPU while the caller sends this batch).
         match (method, &self.xbz, &self.dedup) {
             (Method::Xbzrle, Some(x), _) => {
-                let items = pages.iter().enumerate().map(|(i, &p)| (p % x.sets, i as u32)).collect();
+                let items = pages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| (p % x.sets, i as u32))
+                    .collect();
                 let (mut order, mut gstart) = (Vec::new(), Vec::new());
                 let groups = group(items, &mut order, &mut gstart);
                 dev.upload(&order, &mut b.order)?;
@@ -381,7 +426,11 @@ mod tests {
     #[test]
     fn groups_keep_batch_order_within_a_set() {
         let (mut order, mut gstart) = (Vec::new(), Vec::new());
-        let groups = group(vec![(5, 0), (2, 1), (5, 2), (2, 3), (9, 4)], &mut order, &mut gstart);
+        let groups = group(
+            vec![(5, 0), (2, 1), (5, 2), (2, 3), (9, 4)],
+            &mut order,
+            &mut gstart,
+        );
         assert_eq!(groups, 3);
         assert_eq!(u32s(&order).collect::<Vec<_>>(), [1, 3, 0, 2, 4]);
         assert_eq!(u32s(&gstart).collect::<Vec<_>>(), [0, 2, 4, 5]);

@@ -82,17 +82,23 @@ fn the_documented_page_vectors() {
     let mut gpu = GpuEncoder::new(dev, CacheSizes::default()).expect("encoder");
     let mut out = EncodedBatch::default();
     // 4096 x 07 coded Rle: sixteen headers 03 00, then sixteen times 07 00 FE.
-    gpu.encode(Method::Rle, &[1], &[7u8; PAGE], &mut out).unwrap();
+    gpu.encode(Method::Rle, &[1], &[7u8; PAGE], &mut out)
+        .unwrap();
     let mut want: Vec<u8> = [3u8, 0].repeat(16);
     want.extend([7u8, 0, 0xfe].repeat(16));
     assert_eq!((out.codecs[0], out.payload.clone()), (PageCodec::Rle, want));
     // The same page again through xbzrle: a miss (Rle), then a hit, 64 bytes.
-    gpu.encode(Method::Xbzrle, &[1], &[7u8; PAGE], &mut out).unwrap();
+    gpu.encode(Method::Xbzrle, &[1], &[7u8; PAGE], &mut out)
+        .unwrap();
     assert_eq!(out.codecs[0], PageCodec::Rle);
-    gpu.encode(Method::Xbzrle, &[1], &[7u8; PAGE], &mut out).unwrap();
+    gpu.encode(Method::Xbzrle, &[1], &[7u8; PAGE], &mut out)
+        .unwrap();
     let mut want: Vec<u8> = [2u8, 0].repeat(16);
     want.extend([0u8, 0xff].repeat(16));
-    assert_eq!((out.codecs[0], out.payload.clone()), (PageCodec::Xbzrle, want));
+    assert_eq!(
+        (out.codecs[0], out.payload.clone()),
+        (PageCodec::Xbzrle, want)
+    );
     // A zero page is Zero whatever the method; random bytes go Raw.
     let mut rng = Rng(1);
     let noise = page(&mut rng, 1);
@@ -119,17 +125,29 @@ fn refusals() {
     let Some(dev) = emu() else { return };
     let mut gpu = GpuEncoder::new(dev, CacheSizes::default()).expect("encoder");
     let mut out = EncodedBatch::default();
-    assert!(matches!(gpu.encode(Method::Lz4, &[1], &[1u8; PAGE], &mut out), Err(GpuError::NotOnGpu(Method::Lz4))));
-    assert!(matches!(gpu.encode(Method::Rle, &[1, 2], &[1u8; PAGE], &mut out), Err(GpuError::Codec(_))));
+    assert!(matches!(
+        gpu.encode(Method::Lz4, &[1], &[1u8; PAGE], &mut out),
+        Err(GpuError::NotOnGpu(Method::Lz4))
+    ));
+    assert!(matches!(
+        gpu.encode(Method::Rle, &[1, 2], &[1u8; PAGE], &mut out),
+        Err(GpuError::Codec(_))
+    ));
     let too_many = vec![0u64; 1025];
     let data = vec![0u8; 1025 * PAGE];
-    assert!(matches!(gpu.encode(Method::Rle, &too_many, &data, &mut out), Err(GpuError::Codec(_))));
+    assert!(matches!(
+        gpu.encode(Method::Rle, &too_many, &data, &mut out),
+        Err(GpuError::Codec(_))
+    ));
     let huge = CacheSizes {
         dedup_bytes: u64::MAX,
         ..CacheSizes::default()
     };
     let mut gpu = GpuEncoder::new(emu().unwrap(), huge).expect("encoder");
-    assert!(matches!(gpu.encode(Method::Dedup, &[1], &[1u8; PAGE], &mut out), Err(GpuError::Codec(_))));
+    assert!(matches!(
+        gpu.encode(Method::Dedup, &[1], &[1u8; PAGE], &mut out),
+        Err(GpuError::Codec(_))
+    ));
     gpu.encode(Method::Rle, &[], &[], &mut out).unwrap();
     assert!(out.is_empty());
 }

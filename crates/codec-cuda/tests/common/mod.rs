@@ -41,7 +41,15 @@ pub fn emu() -> Option<EmuDevice> {
         let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ferry-kernels-emu.so");
         let kernels = dir.join("src/kernels.cu");
         let built = Command::new("c++")
-            .args(["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror"])
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+            ])
             .arg(format!("-DKERNELS=\"{}\"", kernels.display()))
             .arg(dir.join("tests/emu/shim.cpp"))
             .arg("-o")
@@ -51,12 +59,16 @@ pub fn emu() -> Option<EmuDevice> {
             Ok(s) if s.success() => {}
             Ok(s) => panic!("compiling kernels.cu for the host failed ({s})"),
             Err(e) => {
-                eprintln!("SKIPPED: no C++ compiler (c++: {e}); the GPU kernels cannot be emulated here");
+                eprintln!(
+                    "SKIPPED: no C++ compiler (c++: {e}); the GPU kernels cannot be emulated here"
+                );
                 return None;
             }
         }
         // SAFETY: our own library, built just now; its constructors do nothing.
-        Some(Arc::new(unsafe { libloading::Library::new(&out) }.expect("load the host kernels")))
+        Some(Arc::new(
+            unsafe { libloading::Library::new(&out) }.expect("load the host kernels"),
+        ))
     });
     lib.as_ref().map(|lib| EmuDevice { lib: lib.clone() })
 }
@@ -79,7 +91,12 @@ impl Device for EmuDevice {
         Ok(())
     }
 
-    fn launch(&self, kernel: Kernel, threads: u32, args: &[Arg<'_, EmuBuf>]) -> Result<(), GpuError> {
+    fn launch(
+        &self,
+        kernel: Kernel,
+        threads: u32,
+        args: &[Arg<'_, EmuBuf>],
+    ) -> Result<(), GpuError> {
         let words: Vec<u64> = args
             .iter()
             .map(|a| match a {
@@ -143,7 +160,10 @@ pub fn page(rng: &mut Rng, kind: u64) -> Vec<u8> {
             }
         }
         4 => p.fill(rng.next() as u8 | 1),
-        5 => p.iter_mut().enumerate().for_each(|(i, b)| *b = (i / 3) as u8),
+        5 => p
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i / 3) as u8),
         _ => {
             let from = rng.below(PAGE as u64) as usize;
             p[from..].iter_mut().for_each(|b| *b = rng.next() as u8);
@@ -159,27 +179,43 @@ pub fn same_as_cpu<D: Device>(dev: D, sizes: CacheSizes, batches: &[(Method, Vec
     let mut dec = StreamDecoder::new(sizes);
     let (mut g, mut c) = (EncodedBatch::default(), EncodedBatch::default());
     for (i, (method, pages, data)) in batches.iter().enumerate() {
-        gpu.encode(*method, pages, data, &mut g).expect("gpu encode");
-        cpu.encode(*method, pages, data, &mut c).expect("cpu encode");
+        gpu.encode(*method, pages, data, &mut g)
+            .expect("gpu encode");
+        cpu.encode(*method, pages, data, &mut c)
+            .expect("cpu encode");
         assert_eq!(g.codecs, c.codecs, "batch {i} ({method}): codecs differ");
         assert_eq!(g.lens, c.lens, "batch {i} ({method}): lengths differ");
-        assert!(g.payload == c.payload, "batch {i} ({method}): payloads differ");
+        assert!(
+            g.payload == c.payload,
+            "batch {i} ({method}): payloads differ"
+        );
         let mut back = vec![0u8; data.len()];
-        dec.decode_batch(*method, pages, &g, &mut back).expect("decode");
-        assert!(&back == data, "batch {i} ({method}): decodes to other pages");
+        dec.decode_batch(*method, pages, &g, &mut back)
+            .expect("decode");
+        assert!(
+            &back == data,
+            "batch {i} ({method}): decodes to other pages"
+        );
     }
 }
 
 pub fn batch(rng: &mut Rng, n: usize, index_space: u64) -> (Vec<u64>, Vec<u8>) {
     let pages: Vec<u64> = (0..n).map(|_| rng.below(index_space)).collect();
     let kind = rng.next();
-    let data = (0..n).flat_map(|i| page(rng, kind.wrapping_add(i as u64 / 3))).collect();
+    let data = (0..n)
+        .flat_map(|i| page(rng, kind.wrapping_add(i as u64 / 3)))
+        .collect();
     (pages, data)
 }
 
 /// Pages re-sent with small changes, indices repeating within and across
 /// batches, a cache small enough to evict: hits, misses, overflows, LRU.
-pub fn resends(rng: &mut Rng, rounds: usize, n: usize, space: u64) -> Vec<(Method, Vec<u64>, Vec<u8>)> {
+pub fn resends(
+    rng: &mut Rng,
+    rounds: usize,
+    n: usize,
+    space: u64,
+) -> Vec<(Method, Vec<u64>, Vec<u8>)> {
     let mut current: Vec<Vec<u8>> = (0..space).map(|i| page(rng, i)).collect();
     let mut out = Vec::new();
     for _ in 0..rounds {
@@ -202,23 +238,31 @@ pub fn resends(rng: &mut Rng, rounds: usize, n: usize, space: u64) -> Vec<(Metho
 }
 
 /// Pages made of chunks from a small pool: hits across and within batches.
-pub fn pooled(rng: &mut Rng, batches: usize, n: usize, pool: usize) -> Vec<(Method, Vec<u64>, Vec<u8>)> {
-    let chunks: Vec<Vec<u8>> = (0..pool).map(|i| page(rng, i as u64 + 1)[..256].to_vec()).collect();
+pub fn pooled(
+    rng: &mut Rng,
+    batches: usize,
+    n: usize,
+    pool: usize,
+) -> Vec<(Method, Vec<u64>, Vec<u8>)> {
+    let chunks: Vec<Vec<u8>> = (0..pool)
+        .map(|i| page(rng, i as u64 + 1)[..256].to_vec())
+        .collect();
     (0..batches)
         .map(|b| {
             let pages: Vec<u64> = (0..n as u64).map(|i| b as u64 * n as u64 + i).collect();
             let data = (0..n)
                 .flat_map(|_| {
                     let kind = rng.below(4);
-                    (0..16).flat_map(|_| match kind {
-                        0 => vec![0u8; 256],
-                        1 => page(rng, 1)[..256].to_vec(),
-                        _ => chunks[rng.below(pool as u64) as usize].clone(),
-                    }).collect::<Vec<u8>>()
+                    (0..16)
+                        .flat_map(|_| match kind {
+                            0 => vec![0u8; 256],
+                            1 => page(rng, 1)[..256].to_vec(),
+                            _ => chunks[rng.below(pool as u64) as usize].clone(),
+                        })
+                        .collect::<Vec<u8>>()
                 })
                 .collect();
             (Method::Dedup, pages, data)
         })
         .collect()
 }
-
