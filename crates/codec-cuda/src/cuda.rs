@@ -37,7 +37,24 @@ impl CudaGpu {
     /// Loads the driver and NVRTC, opens GPU 0 and compiles the kernels;
     /// says plainly what is missing when it cannot.
     pub fn open() -> Result<Arc<CudaGpu>, GpuError> {
-        // SAFETY: these only try to dlopen the libraries by name; nothing is called.
+        // cudarc's loader panics on a library that lacks a symbol it expects
+        // (a driver older than the API ferry is built against): that is one
+        // more reason the backend cannot run, not a reason to stop the VMM.
+        std::panic::catch_unwind(Self::open_inner).unwrap_or_else(|panic| {
+            let detail = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the CUDA loader panicked".into());
+            Err(GpuError::Driver {
+                what: "library",
+                detail,
+            })
+        })
+    }
+
+    fn open_inner() -> Result<Arc<CudaGpu>, GpuError> {
+        // SAFETY: these only try to dlopen the libraries and resolve their symbols.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(GpuError::NoDriver);
         }
@@ -45,14 +62,25 @@ impl CudaGpu {
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return Err(GpuError::NoNvrtc);
         }
-        if CudaContext::device_count().map_err(driver("device count"))? < 1 {
+        let count = CudaContext::device_count().map_err(|e| match e.0 {
+            cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NO_DEVICE => GpuError::NoDevice,
+            _ => driver("device count")(e),
+        })?;
+        if count < 1 {
             return Err(GpuError::NoDevice);
         }
         let ctx = CudaContext::new(0).map_err(driver("context"))?;
+        // Each encoder's buffers stay on its own stream: no cross-stream
+        // events are needed (they would cost two driver calls per argument).
+        // SAFETY: nothing is allocated yet, and no buffer is shared between streams.
+        unsafe { ctx.disable_event_tracking() };
         let name = ctx.name().unwrap_or_else(|_| "GPU 0".into());
         let ptx =
             cudarc::nvrtc::compile_ptx(KERNELS_CU).map_err(|e| GpuError::Compile(e.to_string()))?;
-        let module = ctx.load_module(ptx).map_err(driver("module load"))?;
+        // A driver older than NVRTC cannot load its PTX; that fails here, plainly.
+        let module = ctx
+            .load_module(ptx)
+            .map_err(driver("module load (is the driver older than NVRTC?)"))?;
         let functions = Kernel::ALL
             .iter()
             .map(|k| {
@@ -84,6 +112,7 @@ impl CudaGpu {
             stream,
             staging: RefCell::new(staging),
             started: RefCell::new(None),
+            staged: Cell::new(false),
             shortest: Cell::new(None),
         })
     }
@@ -96,23 +125,22 @@ pub struct CudaDevice {
     gpu: Arc<CudaGpu>,
     stream: Arc<CudaStream>,
     staging: RefCell<PinnedHostSlice<u8>>,
-    /// When and where (an event) the work since the last fetch began.
+    /// When and where (an event) the current batch's work began.
     started: RefCell<Option<(Instant, CudaEvent)>>,
+    /// A copy from the staging buffer may still be running (no fetch since).
+    staged: Cell<bool>,
     /// The shortest GPU time of a batch so far.
     shortest: Cell<Option<Duration>>,
 }
 
 impl CudaDevice {
-    /// Marks the start of a batch's work on the stream (once per fetch).
+    /// Marks the start of a batch's work on the stream (its pages going up).
     fn begin(&self) -> Result<(), GpuError> {
-        let mut started = self.started.borrow_mut();
-        if started.is_none() {
-            let event = self
-                .stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(driver("event"))?;
-            *started = Some((Instant::now(), event));
-        }
+        let event = self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver("event"))?;
+        *self.started.borrow_mut() = Some((Instant::now(), event));
         Ok(())
     }
 
@@ -137,7 +165,6 @@ impl Device for CudaDevice {
     }
 
     fn upload(&self, src: &[u8], dst: &mut CudaSlice<u8>) -> Result<(), GpuError> {
-        self.begin()?;
         // From pageable memory the driver copies `src` before it returns.
         self.stream
             .memcpy_htod(src, &mut dst.slice_mut(..src.len()))
@@ -149,11 +176,15 @@ impl Device for CudaDevice {
         if src.len() > staging.len() {
             return self.upload(src, dst);
         }
+        // The copy from the staging buffer runs after this returns; a batch
+        // that failed before its fetch may have left one running.
+        if self.staged.get() {
+            self.stream.synchronize().map_err(driver("synchronize"))?;
+        }
         self.begin()?;
-        // Only pages go through the staging buffer, and `fetch` synchronizes
-        // the stream after every batch's pages, so no copy still reads it.
         let pinned = staging.as_mut_slice().map_err(driver("pinned buffer"))?;
         pinned[..src.len()].copy_from_slice(src);
+        self.staged.set(true);
         self.stream
             .memcpy_htod(&pinned[..src.len()], &mut dst.slice_mut(..src.len()))
             .map_err(driver("upload"))
@@ -165,7 +196,6 @@ impl Device for CudaDevice {
         threads: u32,
         args: &[Arg<'_, CudaSlice<u8>>],
     ) -> Result<(), GpuError> {
-        self.begin()?;
         let function =
             &self.gpu.functions[Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)];
         let mut launch = self.stream.launch_builder(function);
@@ -205,6 +235,7 @@ impl Device for CudaDevice {
                 std::thread::sleep(left);
             }
             self.stream.synchronize().map_err(driver("synchronize"))?;
+            self.staged.set(false);
             let ms = start.elapsed_ms(&end).map_err(driver("event timing"))?;
             let took = Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
             self.shortest

@@ -405,6 +405,7 @@ impl<D: Device> GpuEncoder<D> {
                             Arg::Buf(&b.order),
                             Arg::Buf(&b.data),
                             Arg::Buf(&b.chash),
+                            Arg::Buf(&b.czero),
                             Arg::U32(d.sets),
                             Arg::Buf(&d.state),
                             Arg::Buf(&d.hashes),

@@ -256,13 +256,17 @@ extern "C" __global__ void xbz_touch(u32 ngroups, const u32 *gstart, const u32 *
 
 // dedup touches, one thread per cache set: the chunks order[gstart[g] ..
 // gstart[g+1]] (of non-zero pages, in batch order), as ChunkCache::touch.
+// All zero chunks share one hash, so one set can get thousands of them; a
+// touch right after a touch of the same chunk changes nothing, so a zero
+// chunk that follows a zero chunk is skipped.
 extern "C" __global__ void dedup_touch(u32 ngroups, const u32 *gstart, const u32 *order,
-                                       const u8 *data, const u32 *chash, u32 sets, u8 *state,
-                                       u32 *hashes, u8 *cache) {
+                                       const u8 *data, const u32 *chash, const u8 *czero,
+                                       u32 sets, u8 *state, u32 *hashes, u8 *cache) {
     u32 g = thread_index();
     if (g >= ngroups) return;
     for (u32 i = gstart[g]; i < gstart[g + 1]; i++) {
         u32 k = order[i];
+        if (i > gstart[g] && czero[k] && czero[order[i - 1]]) continue;
         u32 h = chash[k];
         u32 set = h % sets;
         const u8 *src = data + (u64)k * CHUNK;
