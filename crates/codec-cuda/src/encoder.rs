@@ -2,6 +2,8 @@
 //! pack, fetch; then update the caches. Mirrors ferry-codec's StreamEncoder
 //! for none, rle, xbzrle and dedup.
 
+use ferry_codec::dedup::ChunkCache;
+use ferry_codec::xbzrle::PageCache;
 use ferry_codec::{
     CacheSizes, CodecError, EncodedBatch, Method, PageCodec, CHUNK, CHUNKS_PER_PAGE,
     MAX_BATCH_PAGES, PAGE,
@@ -10,8 +12,6 @@ use ferry_codec::{
 use crate::device::{Arg, Device, Kernel};
 use crate::GpuError;
 
-/// Most sets a dedup cache may have (references are u32), as on the CPU.
-const MAX_DEDUP_SETS: u64 = 1 << 31;
 const MAX_CHUNKS: usize = MAX_BATCH_PAGES * CHUNKS_PER_PAGE;
 
 /// The method ids of kernels.cu.
@@ -135,53 +135,49 @@ impl<D: Device> GpuEncoder<D> {
         &self.dev
     }
 
-    fn xbz_cache(&mut self) -> Result<&XbzCache<D::Buf>, GpuError> {
+    /// Allocates the xbzrle cache on first use (the CPU's geometry).
+    fn ensure_xbz_cache(&mut self) -> Result<(), GpuError> {
         if self.xbz.is_none() {
             let bytes = self.sizes.xbzrle_bytes;
-            let sets = (bytes / PAGE as u64 / 2).max(1);
+            let sets = PageCache::sets_for(bytes)?;
             let too_big = || CodecError::CacheSize {
                 what: "xbzrle",
                 bytes,
             };
-            let ways = usize::try_from(sets * 2).map_err(|_| too_big())?;
+            let ways = sets.checked_mul(2).ok_or_else(too_big)?;
             self.xbz = Some(XbzCache {
-                sets,
-                state: self.dev.alloc(ways / 2)?,
+                sets: sets as u64,
+                state: self.dev.alloc(sets)?,
                 tags: self.dev.alloc(ways.checked_mul(8).ok_or_else(too_big)?)?,
                 pages: self
                     .dev
                     .alloc(ways.checked_mul(PAGE).ok_or_else(too_big)?)?,
             });
         }
-        self.xbz
-            .as_ref()
-            .ok_or(GpuError::Inconsistent("no xbzrle cache".into()))
+        Ok(())
     }
 
-    fn dedup_cache(&mut self) -> Result<&DedupCache<D::Buf>, GpuError> {
+    /// Allocates the dedup cache on first use (the CPU's geometry).
+    fn ensure_dedup_cache(&mut self) -> Result<(), GpuError> {
         if self.dedup.is_none() {
             let bytes = self.sizes.dedup_bytes;
-            let sets = (bytes / CHUNK as u64 / 2).max(1);
+            // At most 2^31 sets, so the count and every reference fit a u32.
+            let sets = ChunkCache::sets_for(bytes)?;
             let too_big = || CodecError::CacheSize {
                 what: "dedup",
                 bytes,
             };
-            if sets > MAX_DEDUP_SETS {
-                return Err(too_big().into());
-            }
-            let ways = usize::try_from(sets * 2).map_err(|_| too_big())?;
+            let ways = sets.checked_mul(2).ok_or_else(too_big)?;
             self.dedup = Some(DedupCache {
-                sets: sets as u32,
-                state: self.dev.alloc(ways / 2)?,
+                sets: u32::try_from(sets).map_err(|_| too_big())?,
+                state: self.dev.alloc(sets)?,
                 hashes: self.dev.alloc(ways.checked_mul(4).ok_or_else(too_big)?)?,
                 chunks: self
                     .dev
                     .alloc(ways.checked_mul(CHUNK).ok_or_else(too_big)?)?,
             });
         }
-        self.dedup
-            .as_ref()
-            .ok_or(GpuError::Inconsistent("no dedup cache".into()))
+        Ok(())
     }
 
     /// Encodes a batch exactly as `StreamEncoder::encode` would (methods none,
@@ -196,25 +192,16 @@ impl<D: Device> GpuEncoder<D> {
     ) -> Result<(), GpuError> {
         out.clear();
         let n = pages.len();
-        if n > MAX_BATCH_PAGES {
-            return Err(CodecError::BatchTooLarge(n).into());
-        }
-        if data.len() != n * PAGE {
-            return Err(CodecError::DataLength {
-                expected: n * PAGE,
-                actual: data.len(),
-            }
-            .into());
-        }
+        ferry_codec::check_batch(n, data.len())?;
         let m = method_id(method)?;
         if n == 0 {
             return Ok(());
         }
         if method == Method::Xbzrle {
-            self.xbz_cache()?;
+            self.ensure_xbz_cache()?;
         }
         if method == Method::Dedup {
-            self.dedup_cache()?;
+            self.ensure_dedup_cache()?;
         }
         let nchunks = (n * CHUNKS_PER_PAGE) as u32;
         let n32 = n as u32;

@@ -23,17 +23,29 @@ pub struct ChunkCache {
 }
 
 impl ChunkCache {
+    /// The number of sets of a cache of `bytes` bytes (see the type), or
+    /// why there cannot be such a cache. The GPU backend uses the same rule.
+    pub fn sets_for(bytes: u64) -> Result<usize, CodecError> {
+        let sets = sets_for(bytes, CHUNK);
+        if sets > MAX_SETS {
+            return Err(CodecError::CacheSize {
+                what: "dedup",
+                bytes,
+            });
+        }
+        usize::try_from(sets).map_err(|_| CodecError::CacheSize {
+            what: "dedup",
+            bytes,
+        })
+    }
+
     /// An empty cache of `bytes` bytes (see the type for the geometry).
     pub fn new(bytes: u64) -> Result<Self, CodecError> {
         let too_big = || CodecError::CacheSize {
             what: "dedup",
             bytes,
         };
-        let sets = sets_for(bytes, CHUNK);
-        if sets > MAX_SETS {
-            return Err(too_big());
-        }
-        let sets = usize::try_from(sets).map_err(|_| too_big())?;
+        let sets = Self::sets_for(bytes)?;
         let ways = sets.checked_mul(2).ok_or_else(too_big)?;
         Ok(ChunkCache {
             sets,

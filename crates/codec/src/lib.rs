@@ -27,7 +27,7 @@ pub use chunked::{CHUNK_HEADERS, HDR_DEDUP_REF, HDR_LEN_MASK, HDR_OVERFLOW};
 pub use error::{ChunkError, CodecError};
 pub use method::{CacheSizes, Method, PageCodec, ZSTD_DEFAULT_LEVEL, ZSTD_LEVELS};
 pub use page::is_zero_page;
-pub use stream::{EncodedBatch, StreamDecoder, StreamEncoder};
+pub use stream::{check_batch, EncodedBatch, StreamDecoder, StreamEncoder};
 
 /// Bytes in a guest page.
 pub const PAGE: usize = 4096;

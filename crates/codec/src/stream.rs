@@ -72,8 +72,9 @@ impl EncodedBatch {
     }
 }
 
-/// Refuses a batch that is too large or whose buffer is not pages * 4096 bytes.
-fn check_batch(pages: usize, bytes: usize) -> Result<(), CodecError> {
+/// Refuses a batch that is too large or whose buffer is not pages * 4096
+/// bytes (every encoder and decoder checks this first).
+pub fn check_batch(pages: usize, bytes: usize) -> Result<(), CodecError> {
     if pages > MAX_BATCH_PAGES {
         return Err(CodecError::BatchTooLarge(pages));
     }

@@ -44,13 +44,22 @@ pub struct PageCache {
 }
 
 impl PageCache {
+    /// The number of sets of a cache of `bytes` bytes (see the type), or
+    /// why there cannot be such a cache. The GPU backend uses the same rule.
+    pub fn sets_for(bytes: u64) -> Result<usize, CodecError> {
+        usize::try_from(sets_for(bytes, PAGE)).map_err(|_| CodecError::CacheSize {
+            what: "xbzrle",
+            bytes,
+        })
+    }
+
     /// An empty cache of `bytes` bytes (see the type for the geometry).
     pub fn new(bytes: u64) -> Result<Self, CodecError> {
         let too_big = || CodecError::CacheSize {
             what: "xbzrle",
             bytes,
         };
-        let sets = usize::try_from(sets_for(bytes, PAGE)).map_err(|_| too_big())?;
+        let sets = Self::sets_for(bytes)?;
         let ways = sets.checked_mul(2).ok_or_else(too_big)?;
         Ok(PageCache {
             sets,
