@@ -4,14 +4,15 @@ one plain TCP stream carries on the same path, measured alternately in the
 same run (the machines are shared and noisy; compare within a run).
 
 A VM holds --fill-mib MiB of incompressible pages (`fill:content=worst`) and
-migrates over loopback with one bulk stream, uncompressed; the figure is
-round 0's wire rate. The destination runs with and without --prealloc: the
-first touch of fresh host memory runs at ~0.4-1 GB/s on this machine, so
-without it the destination's page faults, not the copy, set the pace.
+migrates over loopback, uncompressed, with each bulk stream count of
+--streams; the figure is round 0's wire rate. The destination runs with
+--prealloc, and once more without it (one stream): the first touch of fresh
+host memory runs at ~0.4-1 GB/s on this machine, so without it the
+destination's page faults, not the copy, set the pace.
 
 Results: bench/results/throughput.{json,md}.
 
-Usage: python3 bench/throughput.py [--runs 3] [--mem 2G] [--fill-mib 1536]
+Usage: python3 bench/throughput.py [--runs 3] [--mem 2G] [--fill-mib 1536] [--streams 1,2,3]
 """
 import argparse
 import json
@@ -63,7 +64,7 @@ def free_port():
     return p
 
 
-def migrate_once(ferry, mem, mib, prealloc, tmp):
+def migrate_once(ferry, mem, mib, prealloc, tmp, streams=1):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     for p in (src_sock, dst_sock):
         if os.path.exists(p):
@@ -82,7 +83,7 @@ def migrate_once(ferry, mem, mib, prealloc, tmp):
             break
     threading.Thread(target=dst.stderr.read, daemon=True).start()
     time.sleep(1.5 + mib / 150)  # fill writes ~150 MiB/s at worst
-    out = subprocess.run([ferry, "migrate", src_sock, "--to", f"tcp:127.0.0.1:{port}", "--streams", "1", "--json"],
+    out = subprocess.run([ferry, "migrate", src_sock, "--to", f"tcp:127.0.0.1:{port}", "--streams", str(streams), "--json"],
                          capture_output=True, text=True)
     src.wait(timeout=60)
     dst.wait(timeout=60)
@@ -97,36 +98,45 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mem", default="2G")
     ap.add_argument("--fill-mib", type=int, default=1536)
+    ap.add_argument("--streams", default="1,2,3", help="bulk stream counts to measure (with --prealloc)")
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target", "release", "ferry"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "throughput"))
     a = ap.parse_args()
+    counts = [int(x) for x in a.streams.split(",")]
     tmp = tempfile.mkdtemp()
-    tcp, pre, cold = [], [], []
+    tcp, cold = [], []
+    pre = {n: [] for n in counts}
     for i in range(a.runs):
         tcp.append(tcp_stream())
-        pre.append(migrate_once(a.ferry, a.mem, a.fill_mib, True, tmp)[0])
+        for n in counts:
+            pre[n].append(migrate_once(a.ferry, a.mem, a.fill_mib, True, tmp, n)[0])
         cold.append(migrate_once(a.ferry, a.mem, a.fill_mib, False, tmp)[0])
-        print(f"run {i + 1}: tcp {tcp[-1] / 2**20:.0f} MiB/s, round 0 with --prealloc {pre[-1] / 2**20:.0f} MiB/s, "
-              f"without {cold[-1] / 2**20:.0f} MiB/s", flush=True)
+        print(f"run {i + 1}: tcp {tcp[-1] / 2**20:.0f} MiB/s, round 0 with --prealloc "
+              + ", ".join(f"{n} stream(s) {pre[n][-1] / 2**20:.0f}" for n in counts)
+              + f" MiB/s, without (1 stream) {cold[-1] / 2**20:.0f} MiB/s", flush=True)
     med = statistics.median
     argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
+    ratio = {n: med(p / t for p, t in zip(pre[n], tcp)) for n in counts}
     res = {"command": " ".join(["python3", "bench/throughput.py", *argv]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mem": a.mem, "fill_mib": a.fill_mib,
-           "tcp_stream": tcp, "round0_prealloc": pre, "round0_cold": cold,
-           "ratio_prealloc": med(p / t for p, t in zip(pre, tcp)), "ratio_cold": med(c / t for c, t in zip(cold, tcp))}
+           "tcp_stream": tcp, "round0_prealloc": {str(n): pre[n] for n in counts}, "round0_cold": cold,
+           "ratio_prealloc": {str(n): ratio[n] for n in counts},
+           "ratio_cold": med(c / t for c, t in zip(cold, tcp))}
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=2)
+
+    def row(what, xs, r):
+        return f"| {what} | {med(xs) / 2**20:.0f} | {', '.join(f'{x / 2**20:.0f}' for x in xs)} | {r:.2f} |\n"
+
     with open(a.out + ".md", "w") as f:
         f.write(f"# Bulk throughput\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
-                f"Date: {res['date']}; loopback, one bulk stream, no compression; {a.mem} VM holding "
-                f"{a.fill_mib} MiB of incompressible pages; the three measurements alternate, {a.runs} times.\n\n"
+                f"Date: {res['date']}; loopback, no compression; {a.mem} VM holding {a.fill_mib} MiB of "
+                f"incompressible pages; the measurements alternate, {a.runs} times.\n\n"
                 "| what | median MiB/s | runs (MiB/s) | vs TCP stream (median of per-run ratios) |\n|---|---|---|---|\n"
-                f"| one plain TCP stream (python, 1 MiB writes) | {med(tcp) / 2**20:.0f} | "
-                f"{', '.join(f'{x / 2**20:.0f}' for x in tcp)} | 1.00 |\n"
-                f"| precopy round 0, destination --prealloc | {med(pre) / 2**20:.0f} | "
-                f"{', '.join(f'{x / 2**20:.0f}' for x in pre)} | {res['ratio_prealloc']:.2f} |\n"
-                f"| precopy round 0, destination cold | {med(cold) / 2**20:.0f} | "
-                f"{', '.join(f'{x / 2**20:.0f}' for x in cold)} | {res['ratio_cold']:.2f} |\n")
+                + row("one plain TCP stream (python, 1 MiB writes)", tcp, 1.0)
+                + "".join(row(f"precopy round 0, {n} bulk stream(s), destination --prealloc", pre[n], ratio[n])
+                          for n in counts)
+                + row("precopy round 0, 1 bulk stream, destination cold", cold, res["ratio_cold"]))
     print(f"wrote {a.out}.md and .json")
 
 

@@ -22,8 +22,7 @@ pub struct MigrateArgs {
     /// Migration mode.
     #[arg(long, default_value = "precopy", value_parser = ["precopy"])]
     mode: String,
-    /// Parallel bulk connections (default: 1 on machines with up to 4 cores,
-    /// where a second stream only competes for CPU, else 2).
+    /// Parallel bulk connections (default: 2, or 1 on a single core).
     #[arg(long)]
     streams: Option<u16>,
     /// Stop iterating when the rest fits this downtime (ms).

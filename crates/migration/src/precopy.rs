@@ -60,12 +60,14 @@ impl Default for PrecopyOptions {
     }
 }
 
-/// Bulk streams by default: one where cores are few (both ends of a test
-/// often share them, and a second stream only adds switching), else two.
+/// Bulk streams by default: two, unless there is a single core. One sending
+/// thread saturates its core with the kernel's socket work while the
+/// receiver idles; a second stream fills the other core even where both ends
+/// share two cores (round 0 +35-40% here, bench/results/throughput.md).
 pub fn default_streams() -> u16 {
     match std::thread::available_parallelism().map(|n| n.get()) {
-        Ok(n) if n > 4 => 2,
-        _ => 1,
+        Ok(1) => 1,
+        _ => 2,
     }
 }
 

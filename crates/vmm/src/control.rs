@@ -110,7 +110,7 @@ fn default_true() -> bool {
 }
 
 fn default_streams() -> u16 {
-    2
+    ferry_migration::precopy::default_streams()
 }
 fn default_downtime() -> f64 {
     10.0
