@@ -17,6 +17,7 @@ Usage: python3 bench/throughput.py [--runs 3] [--mem 2G] [--fill-mib 1536] [--st
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -29,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tcp_stream(seconds=2.0):
-    """Bytes/s one loopback TCP stream carries (1 MiB writes, recv_into a reused buffer)."""
+    """(bytes/s, CPU s per GiB) of one loopback TCP stream (1 MiB writes,
+    recv_into a reused buffer); CPU is both ends' threads, kernel included."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -48,12 +50,15 @@ def tcp_stream(seconds=2.0):
     t.start()
     c = socket.create_connection(srv.getsockname())
     data = bytes(1 << 20)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.time()
     while time.time() - t0 < seconds:
         c.sendall(data)
     c.close()
     t.join()
-    return got[0] / (time.time() - t0)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return got[0] / (time.time() - t0), cpu / (got[0] / 2**30)
 
 
 def free_port():
@@ -93,6 +98,11 @@ def migrate_once(ferry, mem, mib, prealloc, tmp, streams=1):
     return m["rounds"][0]["throughput"], m
 
 
+def cpu_per_gib(m):
+    """Both VMMs' migration CPU seconds per GiB on the wire."""
+    return (m["source_cpu_s"] + m["destination_cpu_s"]) / (m["bytes"] / 2**30)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -104,39 +114,61 @@ def main():
     a = ap.parse_args()
     counts = [int(x) for x in a.streams.split(",")]
     tmp = tempfile.mkdtemp()
-    tcp, cold = [], []
+    tcp, cold, tcp_cpu, cold_cpu = [], [], [], []
     pre = {n: [] for n in counts}
+    pre_cpu = {n: [] for n in counts}
     for i in range(a.runs):
-        tcp.append(tcp_stream())
+        rate, cpu = tcp_stream()
+        tcp.append(rate)
+        tcp_cpu.append(cpu)
         for n in counts:
-            pre[n].append(migrate_once(a.ferry, a.mem, a.fill_mib, True, tmp, n)[0])
-        cold.append(migrate_once(a.ferry, a.mem, a.fill_mib, False, tmp)[0])
+            rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, True, tmp, n)
+            pre[n].append(rate)
+            pre_cpu[n].append(cpu_per_gib(m))
+        rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, False, tmp)
+        cold.append(rate)
+        cold_cpu.append(cpu_per_gib(m))
         print(f"run {i + 1}: tcp {tcp[-1] / 2**20:.0f} MiB/s, round 0 with --prealloc "
               + ", ".join(f"{n} stream(s) {pre[n][-1] / 2**20:.0f}" for n in counts)
               + f" MiB/s, without (1 stream) {cold[-1] / 2**20:.0f} MiB/s", flush=True)
     med = statistics.median
     argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
     ratio = {n: med(p / t for p, t in zip(pre[n], tcp)) for n in counts}
+    cores = os.cpu_count() or 1
+    # What 90% of the TCP stream needs: all of the machine's cores busy with
+    # nothing but the migration, each GiB may cost at most this much CPU.
+    budget = cores / (0.9 * med(tcp) / 2**30)
     res = {"command": " ".join(["python3", "bench/throughput.py", *argv]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mem": a.mem, "fill_mib": a.fill_mib,
-           "tcp_stream": tcp, "round0_prealloc": {str(n): pre[n] for n in counts}, "round0_cold": cold,
+           "cores": cores,
+           "tcp_stream": tcp, "tcp_cpu_s_per_gib": tcp_cpu,
+           "round0_prealloc": {str(n): pre[n] for n in counts},
+           "cpu_s_per_gib_prealloc": {str(n): pre_cpu[n] for n in counts},
+           "round0_cold": cold, "cpu_s_per_gib_cold": cold_cpu,
            "ratio_prealloc": {str(n): ratio[n] for n in counts},
-           "ratio_cold": med(c / t for c, t in zip(cold, tcp))}
+           "ratio_cold": med(c / t for c, t in zip(cold, tcp)),
+           "cpu_budget_s_per_gib_for_90pct": budget}
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=2)
 
-    def row(what, xs, r):
-        return f"| {what} | {med(xs) / 2**20:.0f} | {', '.join(f'{x / 2**20:.0f}' for x in xs)} | {r:.2f} |\n"
+    def row(what, xs, r, cpu):
+        return (f"| {what} | {med(xs) / 2**20:.0f} | {', '.join(f'{x / 2**20:.0f}' for x in xs)} | {r:.2f} "
+                f"| {med(cpu):.2f} |\n")
 
     with open(a.out + ".md", "w") as f:
         f.write(f"# Bulk throughput\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; loopback, no compression; {a.mem} VM holding {a.fill_mib} MiB of "
-                f"incompressible pages; the measurements alternate, {a.runs} times.\n\n"
-                "| what | median MiB/s | runs (MiB/s) | vs TCP stream (median of per-run ratios) |\n|---|---|---|---|\n"
-                + row("one plain TCP stream (python, 1 MiB writes)", tcp, 1.0)
-                + "".join(row(f"precopy round 0, {n} bulk stream(s), destination --prealloc", pre[n], ratio[n])
-                          for n in counts)
-                + row("precopy round 0, 1 bulk stream, destination cold", cold, res["ratio_cold"]))
+                f"incompressible pages; {cores} cores; the measurements alternate, {a.runs} times. "
+                "CPU = seconds of CPU per GiB moved, both ends together (the TCP stream's two threads; "
+                "the two VMMs' migration threads), kernel time included.\n\n"
+                "| what | median MiB/s | runs (MiB/s) | vs TCP stream (median of per-run ratios) | CPU s/GiB |\n"
+                "|---|---|---|---|---|\n"
+                + row("one plain TCP stream (python, 1 MiB writes)", tcp, 1.0, tcp_cpu)
+                + "".join(row(f"precopy round 0, {n} bulk stream(s), destination --prealloc", pre[n], ratio[n],
+                              pre_cpu[n]) for n in counts)
+                + row("precopy round 0, 1 bulk stream, destination cold", cold, res["ratio_cold"], cold_cpu)
+                + f"\n90% of the TCP stream with all {cores} cores on the migration allows at most "
+                f"{budget:.2f} CPU s per GiB; the TCP stream alone costs {med(tcp_cpu):.2f}.\n")
     print(f"wrote {a.out}.md and .json")
 
 

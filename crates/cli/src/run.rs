@@ -142,10 +142,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
 
     if args.prealloc {
         let t = Instant::now();
-        for r in vm.memory().regions() {
-            r.populate(0, r.size())
-                .with_context(|| format!("cannot preallocate guest RAM region {}", r.name()))?;
-        }
+        vm.prealloc().context("cannot preallocate guest RAM")?;
         if !quiet {
             eprintln!(
                 "ferry: preallocated {} of guest RAM in {:.2} s",

@@ -65,6 +65,8 @@ struct Progress {
     stop: AtomicBool,
     pages: AtomicU64,
     zero_pages: AtomicU64,
+    /// Pages that may hold data: zero ranges only clear these.
+    maybe: crate::written::MaybeNonZero,
     /// CPU seconds of the bulk threads, and the control thread's start value.
     cpu: crate::stats::CpuMeter,
     ctl_cpu0: f64,
@@ -99,15 +101,18 @@ fn zero_ranges(
                 .iter()
                 .any(|r| r.contains(gpa) && gpa - r.gpa + l <= r.size)
         });
-        let Some(len) = len else {
+        if len.is_none() {
             return Err(ProtocolError::Malformed {
                 kind: Kind::ZeroRanges,
                 reason: format!("range {gpa:#x}+{n} pages is not in guest RAM"),
             }
             .into());
         };
-        vm.zero(gpa, len)
-            .map_err(MigrationError::vm("zero pages"))?;
+        // Pages that already read as zeros are left alone.
+        for (at, k) in p.maybe.take(gpa, n) {
+            vm.zero(at, k * PAGE as u64)
+                .map_err(MigrationError::vm("zero pages"))?;
+        }
         p.zero_pages.fetch_add(n, Ordering::Relaxed);
     }
     Ok(())
@@ -155,6 +160,7 @@ fn decode_loop(
             }
             vm.write_pages(f.gpas[i], &out[i * PAGE..(i + n) * PAGE])
                 .map_err(bad)?;
+            p.maybe.mark(f.gpas[i], n as u64);
             i += n;
         }
         p.pages.fetch_add(f.gpas.len() as u64, Ordering::Relaxed);
@@ -193,6 +199,11 @@ fn bulk_loop(
                 match h.kind {
                     Kind::Pages => {
                         let n = crate::pagein::read_pages(&mut r, &h, regions, &mut body)?;
+                        // `body` holds the frame's page addresses.
+                        for a in body.chunks_exact(8) {
+                            let gpa = u64::from_le_bytes(a.try_into().unwrap_or_default());
+                            p.maybe.mark(gpa, 1);
+                        }
                         p.pages.fetch_add(n, Ordering::Relaxed);
                     }
                     Kind::ZeroRanges => {
@@ -373,6 +384,12 @@ fn receive_on(
         stop: AtomicBool::new(false),
         pages: AtomicU64::new(0),
         zero_pages: AtomicU64::new(0),
+        maybe: crate::written::MaybeNonZero::new(
+            &regions,
+            &(0..regions.len())
+                .map(|i| vm.nonzero_ranges(i))
+                .collect::<Vec<_>>(),
+        ),
         cpu: crate::stats::CpuMeter::default(),
         ctl_cpu0: crate::stats::thread_cpu_secs(),
     };

@@ -14,6 +14,7 @@ pub mod precopy;
 pub mod protocol;
 pub mod stats;
 pub mod vm;
+pub mod written;
 
 pub use compress::{Backend, BatchEncoder, Compress, CompressOptions};
 pub use incoming::receive;

@@ -118,6 +118,13 @@ pub trait IncomingVm: Send + Sync {
             .get(index)
             .map_or(Vec::new(), |r| vec![(0, r.size)])
     }
+    /// The parts of region `index` that may hold non-zero bytes before the
+    /// migration writes anything (what the VMM itself wrote); zero ranges
+    /// from the source clear only these and the pages the migration wrote.
+    /// Memory populated with zeros (preallocation) belongs outside them.
+    fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        self.data_ranges(index)
+    }
     /// Writes received pages (whole pages inside one region). The default
     /// copies through the mapping; a VMM may write through the memory's file.
     fn write_pages(&self, gpa: u64, data: &[u8]) -> Result<(), String> {

@@ -1,7 +1,7 @@
 //! The engine on plain memory over loopback TCP: no KVM involved.
 
 use std::net::TcpListener;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -23,6 +23,10 @@ struct FakeVm {
     throttles: Mutex<Vec<u32>>,
     /// How long start() takes (a destination that hangs while starting).
     start_delay: Mutex<Duration>,
+    /// What IncomingVm::nonzero_ranges reports (None: the default).
+    nonzero: Mutex<Option<Vec<Vec<(u64, u64)>>>>,
+    /// Pages IncomingVm::zero was asked to clear.
+    zeroed: AtomicU64,
 }
 
 impl FakeVm {
@@ -52,6 +56,8 @@ impl FakeVm {
             started: AtomicU32::new(0),
             throttles: Mutex::new(Vec::new()),
             start_delay: Mutex::new(Duration::ZERO),
+            nonzero: Mutex::new(None),
+            zeroed: AtomicU64::new(0),
         }
     }
 }
@@ -121,7 +127,14 @@ impl IncomingVm for FakeVm {
     fn vcpus(&self) -> u32 {
         1
     }
+    fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        match &*self.nonzero.lock().unwrap() {
+            Some(r) => r[index].clone(),
+            None => vec![(0, self.layout[index].1)],
+        }
+    }
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {
+        self.zeroed.fetch_add(len / PAGE as u64, Ordering::SeqCst);
         for (i, &(base, size)) in self.layout.iter().enumerate() {
             if gpa >= base && gpa + len <= base + size {
                 let off = (gpa - base) as usize;
@@ -187,6 +200,46 @@ fn precopy_moves_every_page_and_the_state() {
         "max_rounds 2 plus stop-and-copy: {:?}",
         stats.rounds.len()
     );
+}
+
+#[test]
+fn zero_ranges_clear_only_pages_that_may_hold_data() {
+    let src = FakeVm::new(LAYOUT, true);
+    // Page 5 holds one byte; the scripted dirtying flips it back to zero,
+    // so a later round sends it as a zero range over a page round 0 wrote.
+    src.mem[0].lock().unwrap()[5 * PAGE..6 * PAGE].fill(0);
+    src.mem[0].lock().unwrap()[5 * PAGE] = 0xff;
+    *src.dirty_script.lock().unwrap() = vec![vec![], vec![5]];
+    let dst = FakeVm::new(LAYOUT, false);
+    // The destination's VMM wrote region 1's pages 10..20 before the
+    // migration; everything else reads as zeros.
+    dst.mem[1].lock().unwrap()[10 * PAGE..20 * PAGE].fill(0xee);
+    *dst.nonzero.lock().unwrap() = Some(vec![vec![], vec![(10 * PAGE as u64, 10 * PAGE as u64)]]);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = PrecopyOptions {
+        streams: 2,
+        downtime_ms: 0.0,
+        max_rounds: 2,
+        verify: true,
+        ..Default::default()
+    };
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        d.join().unwrap().unwrap();
+        st
+    });
+    for (a, b) in src.mem.iter().zip(&dst.mem) {
+        assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
+    }
+    assert!(
+        stats.zero_pages >= 80,
+        "zero ranges were sent: {}",
+        stats.zero_pages
+    );
+    // Cleared: region 1's zero pages among 10..20 (12, 15, 18) and page 5.
+    assert_eq!(dst.zeroed.load(Ordering::SeqCst), 4);
 }
 
 #[test]

@@ -112,6 +112,10 @@ impl IncomingVm for Vm {
         data_ranges(self, index)
     }
 
+    fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        Vm::nonzero_ranges(self, index)
+    }
+
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {
         let r = self
             .memory()

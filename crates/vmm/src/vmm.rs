@@ -393,6 +393,8 @@ pub struct Vm {
     handles: Mutex<Vec<JoinHandle<VcpuFd>>>,
     tsc_khz: u64,
     started: Mutex<Option<Instant>>,
+    /// Per region, what held data when `prealloc` populated the rest.
+    data_before_prealloc: Mutex<Option<Vec<Vec<(u64, u64)>>>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -510,6 +512,7 @@ impl Vm {
             handles: Mutex::new(Vec::new()),
             tsc_khz,
             started: Mutex::new(None),
+            data_before_prealloc: Mutex::new(None),
             vm_fd,
             _kvm: kvm,
         })
@@ -736,6 +739,44 @@ impl Vm {
     /// Guest memory.
     pub fn memory(&self) -> &Arc<GuestMemory> {
         &self.memory
+    }
+
+    /// Populates every page of guest RAM now (`--prealloc`: the first touch
+    /// of host memory then costs nothing later). What held data before is
+    /// remembered: the rest is known to read as zeros.
+    pub fn prealloc(&self) -> Result<(), ferry_memory::RegionError> {
+        let before = self
+            .memory
+            .regions()
+            .iter()
+            .map(|r| r.data_ranges())
+            .collect();
+        for r in self.memory.regions() {
+            r.populate(0, r.size())?;
+        }
+        *self
+            .data_before_prealloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(before);
+        Ok(())
+    }
+
+    /// The parts of region `index` that may hold non-zero bytes: its data
+    /// ranges, or what they were before `prealloc` populated the rest with
+    /// zeros (nothing but an incoming migration writes a waiting VM).
+    pub fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+        let before = self
+            .data_before_prealloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match before.as_ref() {
+            Some(ranges) => ranges.get(index).cloned().unwrap_or_default(),
+            None => self
+                .memory
+                .regions()
+                .get(index)
+                .map_or(Vec::new(), |r| r.data_ranges()),
+        }
     }
 
     /// The RAM layout.
