@@ -11,6 +11,9 @@ use ferry_migration::{
 
 const PAGE: usize = 4096;
 
+/// (offset, length) runs of one region.
+type Ranges = Vec<(u64, u64)>;
+
 struct FakeVm {
     mem: Vec<Mutex<Vec<u8>>>,
     layout: Vec<(u64, u64)>,
@@ -24,7 +27,7 @@ struct FakeVm {
     /// How long start() takes (a destination that hangs while starting).
     start_delay: Mutex<Duration>,
     /// What IncomingVm::nonzero_ranges reports (None: the default).
-    nonzero: Mutex<Option<Vec<Vec<(u64, u64)>>>>,
+    nonzero: Mutex<Option<Vec<Ranges>>>,
     /// Pages IncomingVm::zero was asked to clear.
     zeroed: AtomicU64,
 }

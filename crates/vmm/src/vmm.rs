@@ -384,6 +384,9 @@ impl VmShared {
 /// Throttle period: a throttled vCPU sleeps pct% of every period.
 const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
 
+/// (offset, length) runs of one memory region that hold data.
+type DataRanges = Vec<(u64, u64)>;
+
 /// A VM and its vCPU threads.
 pub struct Vm {
     config: VmConfig,
@@ -394,7 +397,7 @@ pub struct Vm {
     tsc_khz: u64,
     started: Mutex<Option<Instant>>,
     /// Per region, what held data when `prealloc` populated the rest.
-    data_before_prealloc: Mutex<Option<Vec<Vec<(u64, u64)>>>>,
+    data_before_prealloc: Mutex<Option<Vec<DataRanges>>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
