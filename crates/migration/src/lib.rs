@@ -5,6 +5,7 @@
 //! Layout: [`protocol`] is the wire format, [`precopy`] the sending side,
 //! [`incoming`] the receiving side, [`stats`] what a migration measured.
 
+pub mod checksum;
 pub mod compress;
 pub mod encoded;
 pub mod incoming;

@@ -77,7 +77,7 @@ pub fn read_pages(
     }
     scratch.resize(8 * n, 0);
     r.read_exact(scratch).map_err(eof_is_truncated)?;
-    let mut crc = crc32c::crc32c_append(crc32c::crc32c(&count), scratch);
+    let mut crc = crate::checksum::append(crate::checksum::crc32c(&count), scratch);
     // Check every address before a byte lands in guest memory, and group
     // them into runs of consecutive pages inside one region.
     let mut runs: Vec<(usize, u64, usize)> = Vec::new(); // (region, offset, pages)
@@ -111,7 +111,7 @@ pub fn read_pages(
             unsafe { read_exact_raw(r, p, piece) }.map_err(eof_is_truncated)?;
             // SAFETY: the same range, now written; the VM is not running.
             let landed = unsafe { std::slice::from_raw_parts(p, piece) };
-            crc = crc32c::crc32c_append(crc, landed);
+            crc = crate::checksum::append(crc, landed);
             at += piece;
         }
     }

@@ -252,7 +252,7 @@ fn send_round(
                                 gpas.push(gpa);
                                 let at = data.len();
                                 data.extend_from_slice(page);
-                                data_crc = crc32c::crc32c_append(data_crc, &data[at..]);
+                                data_crc = crate::checksum::append(data_crc, &data[at..]);
                                 // Small frames: the kernel copies them out
                                 // of the cache, not memory.
                                 if gpas.len() >= frame_pages {

@@ -218,7 +218,7 @@ pub fn write_frame(w: &mut impl Write, kind: Kind, body: &[u8]) -> io::Result<()
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     h[4..6].copy_from_slice(&(kind as u16).to_le_bytes());
     h[8..12].copy_from_slice(&(body.len() as u32).to_le_bytes());
-    h[12..16].copy_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    h[12..16].copy_from_slice(&crate::checksum::crc32c(body).to_le_bytes());
     w.write_all(&h)?;
     w.write_all(body)
 }
@@ -227,7 +227,9 @@ pub fn write_frame(w: &mut impl Write, kind: Kind, body: &[u8]) -> io::Result<()
 /// concatenating them in memory (Pages: count, addresses, page data).
 pub fn write_frame_parts(w: &mut impl Write, kind: Kind, parts: &[&[u8]]) -> io::Result<()> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    let crc = parts.iter().fold(0u32, |c, p| crc32c::crc32c_append(c, p));
+    let crc = parts
+        .iter()
+        .fold(0u32, |c, p| crate::checksum::append(c, p));
     let mut h = [0u8; HEADER];
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     h[4..6].copy_from_slice(&(kind as u16).to_le_bytes());
@@ -249,8 +251,8 @@ pub fn write_pages_frame(
     data: &[u8],
     data_crc: u32,
 ) -> io::Result<()> {
-    let head = crc32c::crc32c_append(crc32c::crc32c(count), addrs);
-    let crc = crc32c::crc32c_combine(head, data_crc, data.len());
+    let head = crate::checksum::append(crate::checksum::crc32c(count), addrs);
+    let crc = crate::checksum::combine(head, data_crc, data.len());
     let len = count.len() + addrs.len() + data.len();
     let mut h = [0u8; HEADER];
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -369,7 +371,7 @@ pub fn read_body_into(
 ) -> Result<(), ProtocolError> {
     body.resize(h.len as usize, 0);
     r.read_exact(body).map_err(eof_is_truncated)?;
-    if crc32c::crc32c(body) != h.crc {
+    if crate::checksum::crc32c(body) != h.crc {
         return Err(ProtocolError::Checksum {
             kind: h.kind,
             len: h.len,
@@ -481,7 +483,7 @@ mod tests {
     fn a_pages_frame_with_a_precomputed_data_crc_reads_back() {
         let data: Vec<u8> = (0..2 * PAGE).map(|i| (i * 7) as u8).collect();
         let addrs = [0x1000u64.to_le_bytes(), 0x5000u64.to_le_bytes()].concat();
-        let crc = data.chunks(PAGE).fold(0, crc32c::crc32c_append);
+        let crc = data.chunks(PAGE).fold(0, crate::checksum::append);
         let mut buf = Vec::new();
         write_pages_frame(&mut buf, &2u32.to_le_bytes(), &addrs, &data, crc).unwrap();
         let f = read_frame(&mut &buf[..]).unwrap();
