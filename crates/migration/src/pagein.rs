@@ -47,9 +47,6 @@ unsafe fn read_exact_raw(r: &mut BufReader<TcpStream>, dst: *mut u8, len: usize)
     Ok(())
 }
 
-/// Bytes read before they are checksummed: well inside a core's L2.
-const PIECE: usize = 128 << 10;
-
 fn malformed(reason: String) -> ProtocolError {
     ProtocolError::Malformed {
         kind: Kind::Pages,
@@ -101,19 +98,17 @@ pub fn read_pages(
         // grew while its pages stayed in that region, so `off + bytes` is
         // within the live mapping of `rv.size` bytes.
         let dst = unsafe { rv.host.add(off as usize) };
-        // In pieces that fit the cache, so the checksum reads them hot.
-        let mut at = 0;
-        while at < bytes {
-            let piece = (bytes - at).min(PIECE);
-            // SAFETY: `dst + at .. + piece` lies inside the run checked above.
-            let p = unsafe { dst.add(at) };
-            // SAFETY: as above, `p` is valid for `piece` bytes of writes.
-            unsafe { read_exact_raw(r, p, piece) }.map_err(eof_is_truncated)?;
-            // SAFETY: the same range, now written; the VM is not running.
-            let landed = unsafe { std::slice::from_raw_parts(p, piece) };
-            crc = crate::checksum::append(crc, landed);
-            at += piece;
-        }
+        // The whole run in one request: each read(2) that returns frees
+        // receive buffer and may send a window update, whose processing
+        // (on loopback, the sender's next segments too) costs more than the
+        // checksum gains from reading small pieces hot. Measured with 2
+        // streams: 128 KiB pieces 0.25-0.51, whole runs 0.12-0.19
+        // destination CPU s per GiB.
+        // SAFETY: `dst .. dst + bytes` lies inside the run checked above.
+        unsafe { read_exact_raw(r, dst, bytes) }.map_err(eof_is_truncated)?;
+        // SAFETY: the same range, now written; the VM is not running.
+        let landed = unsafe { std::slice::from_raw_parts(dst, bytes) };
+        crc = crate::checksum::append(crc, landed);
     }
     if crc != h.crc {
         return Err(ProtocolError::Checksum {
