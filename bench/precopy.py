@@ -124,10 +124,17 @@ def main():
                           f"round0 {row['round0_throughput'] / 2**20:6.0f} MiB/s")
     finally:
         sh(a.ferry, "lab", "down", check=False)
-    res = {"command": " ".join(["python3", "bench/precopy.py", *sys.argv[1:]]),
+    # The recorded command leaves out --ferry PATH (a private copy of the binary).
+    argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
+    res = {"command": " ".join(["python3", "bench/precopy.py", *argv]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tcp_stream_bytes_per_s": baselines, "rows": rows}
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=2)
+    # Hand-written analysis below the generated part ("## " sections) is kept.
+    notes = ""
+    if os.path.exists(a.out + ".md"):
+        old = open(a.out + ".md").read()
+        notes = old[old.index("\n## "):] if "\n## " in old else ""
     with open(a.out + ".md", "w") as f:
         f.write(f"# Precopy benchmark\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; 2 vCPUs; lab hosts are network namespaces on one 2-core machine "
@@ -143,6 +150,7 @@ def main():
             f.write(f"| {r['link']} | {r['mem']} | {r['workload']} | {r['total_s']:.3f} | {r['downtime_ms']:.2f} | "
                     f"{r['bytes'] / 2**20:.1f} | {r['nonzero_pages']:.0f} | {r['rounds']:.0f} | "
                     f"{r['round0_throughput'] / 2**20:.0f} | {r['src_cpu_s']:.3f} / {r['dst_cpu_s']:.3f} |\n")
+        f.write(notes)
     print(f"wrote {a.out}.json and {a.out}.md")
 
 

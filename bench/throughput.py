@@ -155,6 +155,11 @@ def main():
         return (f"| {what} | {med(xs) / 2**20:.0f} | {', '.join(f'{x / 2**20:.0f}' for x in xs)} | {r:.2f} "
                 f"| {med(cpu):.2f} |\n")
 
+    # Hand-written analysis below the generated part ("## " sections) is kept.
+    notes = ""
+    if os.path.exists(a.out + ".md"):
+        old = open(a.out + ".md").read()
+        notes = old[old.index("\n## "):] if "\n## " in old else ""
     with open(a.out + ".md", "w") as f:
         f.write(f"# Bulk throughput\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; loopback, no compression; {a.mem} VM holding {a.fill_mib} MiB of "
@@ -168,7 +173,7 @@ def main():
                               pre_cpu[n]) for n in counts)
                 + row("precopy round 0, 1 bulk stream, destination cold", cold, res["ratio_cold"], cold_cpu)
                 + f"\n90% of the TCP stream with all {cores} cores on the migration allows at most "
-                f"{budget:.2f} CPU s per GiB; the TCP stream alone costs {med(tcp_cpu):.2f}.\n")
+                f"{budget:.2f} CPU s per GiB; the TCP stream alone costs {med(tcp_cpu):.2f}.\n" + notes)
     print(f"wrote {a.out}.md and .json")
 
 

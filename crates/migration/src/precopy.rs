@@ -189,10 +189,6 @@ fn send_round(
                 s.spawn(move || -> Result<u64, MigrationError> {
                     let cpu0 = crate::stats::thread_cpu_secs();
                     let mut frames = 0u64;
-                    let frame_pages: usize = std::env::var("FERRY_EXP_FRAME")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(MAX_BATCH);
                     let mut gpas = Vec::with_capacity(MAX_BATCH);
                     let mut data = Vec::with_capacity(MAX_BATCH * PAGE);
                     loop {
@@ -205,39 +201,6 @@ fn send_round(
                         let pages_of = item
                             .iter()
                             .flat_map(|&(base, n)| (0..n).map(move |i| base + i * PAGE as u64));
-                        let mut send_pages =
-                            |gpas: &mut Vec<u64>,
-                             data: &mut Vec<u8>,
-                             data_crc: &mut u32|
-                             -> Result<(), MigrationError> {
-                                if gpas.is_empty() {
-                                    return Ok(());
-                                }
-                                // The pages were copied once, into `data` (so the
-                                // checksum covers exactly what is sent while the
-                                // guest keeps writing); the frame goes out in parts.
-                                let count = (gpas.len() as u32).to_le_bytes();
-                                let addrs: Vec<u8> =
-                                    gpas.iter().flat_map(|g: &u64| g.to_le_bytes()).collect();
-                                protocol::write_pages_frame(
-                                    &mut conn.writer,
-                                    &count,
-                                    &addrs,
-                                    data,
-                                    *data_crc,
-                                )
-                                .map_err(crate::ProtocolError::Io)?;
-                                bytes.fetch_add(
-                                    (protocol::HEADER + 4 + addrs.len() + data.len()) as u64,
-                                    Ordering::Relaxed,
-                                );
-                                pages.fetch_add(gpas.len() as u64, Ordering::Relaxed);
-                                frames += 1;
-                                gpas.clear();
-                                data.clear();
-                                *data_crc = 0;
-                                Ok(())
-                            };
                         for gpa in pages_of {
                             let Some(page) = page_at(regions, gpa) else {
                                 continue;
@@ -253,18 +216,34 @@ fn send_round(
                                 let at = data.len();
                                 data.extend_from_slice(page);
                                 data_crc = crate::checksum::append(data_crc, &data[at..]);
-                                // Small frames: the kernel copies them out
-                                // of the cache, not memory.
-                                if gpas.len() >= frame_pages {
-                                    send_pages(&mut gpas, &mut data, &mut data_crc)?;
-                                }
                             }
                         }
-                        send_pages(&mut gpas, &mut data, &mut data_crc)?;
                         if !zeros.is_empty() {
                             let n = protocol::write_zero_ranges(&mut conn.writer, &zeros)?;
                             bytes.fetch_add(n, Ordering::Relaxed);
                             zero.fetch_add(zeros.iter().map(|z| z.1).sum(), Ordering::Relaxed);
+                            frames += 1;
+                        }
+                        if !gpas.is_empty() {
+                            // The pages were copied once, into `data` (so the
+                            // checksum covers exactly what is sent while the
+                            // guest keeps writing); the frame goes out in parts.
+                            let count = (gpas.len() as u32).to_le_bytes();
+                            let addrs: Vec<u8> =
+                                gpas.iter().flat_map(|g: &u64| g.to_le_bytes()).collect();
+                            protocol::write_pages_frame(
+                                &mut conn.writer,
+                                &count,
+                                &addrs,
+                                &data,
+                                data_crc,
+                            )
+                            .map_err(crate::ProtocolError::Io)?;
+                            bytes.fetch_add(
+                                (protocol::HEADER + 4 + addrs.len() + data.len()) as u64,
+                                Ordering::Relaxed,
+                            );
+                            pages.fetch_add(gpas.len() as u64, Ordering::Relaxed);
                             frames += 1;
                         }
                         // --bandwidth: all streams together stay under the limit.
