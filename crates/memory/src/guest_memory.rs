@@ -167,7 +167,7 @@ impl GuestMemory {
 
     /// Writes an aligned 64-bit word the guest may be reading right now.
     pub fn write_u64_volatile(&self, gpa: u64, value: u64) -> Result<(), MemoryError> {
-        if gpa % 8 != 0 {
+        if !gpa.is_multiple_of(8) {
             return Err(MemoryError::OutOfRange { gpa, len: 8 });
         }
         let p = self.host_ptr(gpa, 8)?;
@@ -178,7 +178,7 @@ impl GuestMemory {
 
     /// Reads an aligned 32-bit word the guest may be writing right now.
     pub fn read_u32_volatile(&self, gpa: u64) -> Result<u32, MemoryError> {
-        if gpa % 4 != 0 {
+        if !gpa.is_multiple_of(4) {
             return Err(MemoryError::OutOfRange { gpa, len: 4 });
         }
         let p = self.host_ptr(gpa, 4)?;
@@ -188,7 +188,7 @@ impl GuestMemory {
 
     /// Writes an aligned 32-bit word the guest may be reading right now.
     pub fn write_u32_volatile(&self, gpa: u64, value: u32) -> Result<(), MemoryError> {
-        if gpa % 4 != 0 {
+        if !gpa.is_multiple_of(4) {
             return Err(MemoryError::OutOfRange { gpa, len: 4 });
         }
         let p = self.host_ptr(gpa, 4)?;
@@ -199,7 +199,7 @@ impl GuestMemory {
 
     /// Reads an aligned 64-bit word the guest may be writing right now.
     pub fn read_u64_volatile(&self, gpa: u64) -> Result<u64, MemoryError> {
-        if gpa % 8 != 0 {
+        if !gpa.is_multiple_of(8) {
             return Err(MemoryError::OutOfRange { gpa, len: 8 });
         }
         let p = self.host_ptr(gpa, 8)?;

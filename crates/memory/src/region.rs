@@ -311,7 +311,7 @@ fn file_size(fd: &OwnedFd) -> Result<u64, std::io::Error> {
 }
 
 fn check_size(size: u64) -> Result<(), RegionError> {
-    if size == 0 || size % PAGE_SIZE != 0 || usize::try_from(size).is_err() {
+    if size == 0 || !size.is_multiple_of(PAGE_SIZE) || usize::try_from(size).is_err() {
         return Err(RegionError::BadSize { size });
     }
     Ok(())

@@ -279,7 +279,7 @@ impl Policy {
         // Now and then a batch tries another codec, so the estimates follow
         // memory whose content changes from one region to the next.
         st.decisions += 1;
-        if final_bytes.is_none() && st.decisions % EXPLORE_EVERY == 0 {
+        if final_bytes.is_none() && st.decisions.is_multiple_of(EXPLORE_EVERY) {
             let tries: Vec<Method> = st
                 .est
                 .iter()

@@ -84,6 +84,17 @@ fn applied(p: &Progress, idx: usize, cpu_mark: &mut f64) {
     p.changed.notify_all();
 }
 
+/// True if `n` pages from `gpa` are whole pages inside one region (checked
+/// arithmetic: the range comes from the wire).
+fn zero_range_inside(regions: &[RegionView], gpa: u64, n: u64) -> bool {
+    gpa.is_multiple_of(PAGE as u64)
+        && n.checked_mul(PAGE as u64).is_some_and(|l| {
+            regions.iter().any(|r| {
+                r.contains(gpa) && (gpa - r.gpa).checked_add(l).is_some_and(|e| e <= r.size)
+            })
+        })
+}
+
 fn zero_ranges(
     vm: &dyn IncomingVm,
     regions: &[RegionView],
@@ -96,12 +107,8 @@ fn zero_ranges(
             reason: e.to_string(),
         })?;
     for (gpa, n) in ranges {
-        let len = n.checked_mul(PAGE as u64).filter(|l| {
-            regions
-                .iter()
-                .any(|r| r.contains(gpa) && gpa - r.gpa + l <= r.size)
-        });
-        if len.is_none() {
+        let inside = zero_range_inside(regions, gpa, n);
+        if !inside {
             return Err(ProtocolError::Malformed {
                 kind: Kind::ZeroRanges,
                 reason: format!("range {gpa:#x}+{n} pages is not in guest RAM"),
@@ -389,6 +396,7 @@ fn receive_on(
             &(0..regions.len())
                 .map(|i| vm.nonzero_ranges(i))
                 .collect::<Vec<_>>(),
+            &vm.device_written_ranges(),
         ),
         cpu: crate::stats::CpuMeter::default(),
         ctl_cpu0: crate::stats::thread_cpu_secs(),
@@ -534,5 +542,41 @@ fn control_loop(
                 .into())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_ranges_from_the_wire_must_lie_inside_one_region() {
+        let p = PAGE as u64;
+        let regions = [
+            RegionView {
+                gpa: 0,
+                size: 16 * p,
+                host: std::ptr::null_mut(),
+            },
+            RegionView {
+                gpa: 0x1_0000_0000,
+                size: 4 * p,
+                host: std::ptr::null_mut(),
+            },
+        ];
+        assert!(zero_range_inside(&regions, 0, 16));
+        assert!(zero_range_inside(&regions, 0x1_0000_0000 + p, 3));
+        assert!(!zero_range_inside(&regions, 0, 17), "past the end");
+        assert!(
+            !zero_range_inside(&regions, 15 * p, 2),
+            "into the next region's gap"
+        );
+        assert!(!zero_range_inside(&regions, 8, 1), "unaligned");
+        assert!(!zero_range_inside(&regions, 16 * p, 1), "in the gap");
+        assert!(
+            !zero_range_inside(&regions, p, (1 << 52) - 1),
+            "wraps around"
+        );
+        assert!(!zero_range_inside(&regions, p, u64::MAX), "overflows");
     }
 }

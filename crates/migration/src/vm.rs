@@ -125,6 +125,12 @@ pub trait IncomingVm: Send + Sync {
     fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
         self.data_ranges(index)
     }
+    /// Guest ranges (gpa, length) the VMM's devices may write at any time,
+    /// even while the VM waits for its migration (a device posting
+    /// requests): zero ranges always clear them.
+    fn device_written_ranges(&self) -> Vec<(u64, u64)> {
+        Vec::new()
+    }
     /// Writes received pages (whole pages inside one region). The default
     /// copies through the mapping; a VMM may write through the memory's file.
     fn write_pages(&self, gpa: u64, data: &[u8]) -> Result<(), String> {

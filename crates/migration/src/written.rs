@@ -18,81 +18,115 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::protocol::PAGE;
 use crate::vm::RegionView;
 
+/// One region's bits.
+struct RegionBits {
+    gpa: u64,
+    pages: u64,
+    /// Pages written before or by the migration; cleared when zeroed.
+    bits: Vec<AtomicU64>,
+    /// Pages the VMM may write at any time; never cleared.
+    sticky: Vec<u64>,
+}
+
 /// One bit per guest page, per region.
 pub struct MaybeNonZero {
-    regions: Vec<(u64, u64, Vec<AtomicU64>)>, // (gpa, pages, bits)
+    regions: Vec<RegionBits>,
 }
 
 impl MaybeNonZero {
     /// A map of `regions` where `nonzero[i]` lists region i's (offset, length)
-    /// ranges that may hold data.
-    pub fn new(regions: &[RegionView], nonzero: &[Vec<(u64, u64)>]) -> Self {
-        let map = MaybeNonZero {
+    /// ranges that may hold data, and `sticky` lists (gpa, length) ranges
+    /// the VMM may write at any time: those are taken every time.
+    pub fn new(regions: &[RegionView], nonzero: &[Vec<(u64, u64)>], sticky: &[(u64, u64)]) -> Self {
+        let mut map = MaybeNonZero {
             regions: regions
                 .iter()
                 .map(|r| {
-                    let pages = r.pages();
-                    (
-                        r.gpa,
-                        pages,
-                        (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-                    )
+                    let words = r.pages().div_ceil(64) as usize;
+                    RegionBits {
+                        gpa: r.gpa,
+                        pages: r.pages(),
+                        bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
+                        sticky: vec![0; words],
+                    }
                 })
                 .collect(),
         };
         for (r, ranges) in regions.iter().zip(nonzero) {
             for &(off, len) in ranges {
-                let first = off / PAGE as u64;
-                let last = (off + len).div_ceil(PAGE as u64);
-                map.mark(r.gpa + off, last.saturating_sub(first));
+                map.mark(r.gpa + off, pages_of(off, len));
             }
+        }
+        for &(gpa, len) in sticky {
+            let Some(rb) = map.regions.iter_mut().find(|rb| {
+                gpa.checked_sub(rb.gpa)
+                    .is_some_and(|o| o / (PAGE as u64) < rb.pages)
+            }) else {
+                continue;
+            };
+            let first = (gpa - rb.gpa) / PAGE as u64;
+            let end = first.saturating_add(pages_of(gpa, len)).min(rb.pages);
+            for_words(first, end, |w, mask| rb.sticky[w] |= mask);
         }
         map
     }
 
-    fn locate(&self, gpa: u64) -> Option<(&[AtomicU64], u64, u64)> {
-        self.regions.iter().find_map(|(base, pages, bits)| {
-            let page = gpa.checked_sub(*base)? / PAGE as u64;
-            (page < *pages).then_some((bits.as_slice(), page, *pages))
+    fn locate(&self, gpa: u64) -> Option<(&RegionBits, u64)> {
+        self.regions.iter().find_map(|rb| {
+            let page = gpa.checked_sub(rb.gpa)? / PAGE as u64;
+            (page < rb.pages).then_some((rb, page))
         })
     }
 
     /// Records that `pages` pages from `gpa` may now hold data (clipped to
     /// the region holding `gpa`).
     pub fn mark(&self, gpa: u64, pages: u64) {
-        let Some((bits, first, total)) = self.locate(gpa) else {
+        let Some((rb, first)) = self.locate(gpa) else {
             return;
         };
-        for_words(first, (first + pages).min(total), |w, mask| {
-            bits[w].fetch_or(mask, Ordering::Relaxed);
-        });
+        for_words(
+            first,
+            first.saturating_add(pages).min(rb.pages),
+            |w, mask| {
+                rb.bits[w].fetch_or(mask, Ordering::Relaxed);
+            },
+        );
     }
 
     /// The runs of `pages` pages from `gpa` that may hold data, as
     /// (gpa, pages); their bits are cleared (the caller zeroes them).
     pub fn take(&self, gpa: u64, pages: u64) -> Vec<(u64, u64)> {
-        let Some((bits, first, total)) = self.locate(gpa) else {
+        let Some((rb, first)) = self.locate(gpa) else {
             return Vec::new();
         };
-        let base = gpa - first * PAGE as u64;
+        let base = rb.gpa;
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        for_words(first, (first + pages).min(total), |w, mask| {
-            let set = bits[w].fetch_and(!mask, Ordering::Relaxed) & mask;
-            let mut rest = set;
-            while rest != 0 {
-                let bit = rest.trailing_zeros() as u64;
-                let len = (rest >> bit).trailing_ones() as u64;
-                let page = w as u64 * 64 + bit;
-                let at = base + page * PAGE as u64;
-                match runs.last_mut() {
-                    Some((g, n)) if *g + *n * PAGE as u64 == at => *n += len,
-                    _ => runs.push((at, len)),
+        for_words(
+            first,
+            first.saturating_add(pages).min(rb.pages),
+            |w, mask| {
+                let set = (rb.bits[w].fetch_and(!mask, Ordering::Relaxed) | rb.sticky[w]) & mask;
+                let mut rest = set;
+                while rest != 0 {
+                    let bit = rest.trailing_zeros() as u64;
+                    let len = (rest >> bit).trailing_ones() as u64;
+                    let page = w as u64 * 64 + bit;
+                    let at = base + page * PAGE as u64;
+                    match runs.last_mut() {
+                        Some((g, n)) if *g + *n * PAGE as u64 == at => *n += len,
+                        _ => runs.push((at, len)),
+                    }
+                    rest &= !(((1u128 << (bit + len)) - 1) as u64);
                 }
-                rest &= !(((1u128 << (bit + len)) - 1) as u64);
-            }
-        });
+            },
+        );
         runs
     }
+}
+
+/// Pages touched by the byte range `off..off + len`.
+fn pages_of(off: u64, len: u64) -> u64 {
+    (off % PAGE as u64 + len).div_ceil(PAGE as u64)
 }
 
 /// Calls `f(word, mask)` for the bits of pages `first..end`.
@@ -129,7 +163,7 @@ mod tests {
     #[test]
     fn starts_from_the_given_ranges_and_takes_what_was_marked() {
         let regions = [region(0, 200), region(0x1_0000_0000, 70)];
-        let map = MaybeNonZero::new(&regions, &[vec![(3 * P, 2 * P)], vec![]]);
+        let map = MaybeNonZero::new(&regions, &[vec![(3 * P, 2 * P)], vec![]], &[]);
         assert_eq!(map.take(0, 200), vec![(3 * P, 2)]);
         assert!(map.take(0, 200).is_empty(), "taking clears");
         map.mark(60 * P, 10); // across a word boundary
@@ -146,7 +180,7 @@ mod tests {
     #[test]
     fn runs_split_where_bits_are_clear() {
         let regions = [region(0, 256)];
-        let map = MaybeNonZero::new(&regions, &[vec![]]);
+        let map = MaybeNonZero::new(&regions, &[vec![]], &[]);
         for p in [0u64, 1, 2, 63, 64, 65, 130, 255] {
             map.mark(p * P, 1);
         }
@@ -157,5 +191,19 @@ mod tests {
         map.mark(0, 256);
         assert_eq!(map.take(10 * P, 100), vec![(10 * P, 100)]);
         assert_eq!(map.take(0, 256), vec![(0, 10), (110 * P, 146)]);
+    }
+
+    #[test]
+    fn sticky_ranges_are_taken_every_time() {
+        let base = 0x1000_0000;
+        let regions = [region(base, 128)];
+        let map = MaybeNonZero::new(&regions, &[vec![]], &[(base + 70 * P, 3 * P)]);
+        for _ in 0..3 {
+            assert_eq!(map.take(base, 128), vec![(base + 70 * P, 3)]);
+        }
+        map.mark(base + 73 * P, 1);
+        assert_eq!(map.take(base + 60 * P, 20), vec![(base + 70 * P, 4)]);
+        assert_eq!(map.take(base + 60 * P, 20), vec![(base + 70 * P, 3)]);
+        assert_eq!(map.take(base + 71 * P, 1), vec![(base + 71 * P, 1)]);
     }
 }

@@ -41,7 +41,7 @@ impl FakeVm {
                 if fill {
                     for (i, b) in v.iter_mut().enumerate() {
                         // Every third page stays zero.
-                        if (i / PAGE) % 3 != 0 {
+                        if !(i / PAGE).is_multiple_of(3) {
                             *b = (i as u64).wrapping_mul(2654435761).to_le_bytes()[3];
                         }
                     }

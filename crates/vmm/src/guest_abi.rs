@@ -283,7 +283,7 @@ impl Metrics {
 }
 
 // The metrics page is made only of u64 words; reading it word by word relies on it.
-const _: () = assert!(std::mem::size_of::<Metrics>() % 8 == 0);
+const _: () = assert!(std::mem::size_of::<Metrics>().is_multiple_of(8));
 const _: () = assert!(std::mem::size_of::<Metrics>() as u64 <= METRICS_SIZE);
 const _: () = assert!(std::mem::size_of::<BootInfo>() <= 4096);
 const _: () = assert!(SVC_HEADER_SIZE + SVC_SLOTS as u64 * SVC_SLOT_SIZE <= SVC_SIZE);

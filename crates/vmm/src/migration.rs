@@ -112,19 +112,14 @@ impl IncomingVm for Vm {
         data_ranges(self, index)
     }
 
-    /// What held data before the migration, plus the service ring: the
-    /// device writes requests there from the host at any time, even into a
-    /// VM that waits for its migration.
     fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
-        let mut ranges = Vm::nonzero_ranges(self, index);
-        if let Some(r) = self.memory().regions().get(index) {
-            for (gpa, len) in MigratableVm::host_written_ranges(self) {
-                if r.gpa() <= gpa && gpa + len <= r.gpa() + r.size() {
-                    ranges.push((gpa - r.gpa(), len));
-                }
-            }
-        }
-        ranges
+        Vm::nonzero_ranges(self, index)
+    }
+
+    /// The service ring: the device writes requests there from the host,
+    /// even into a VM that waits for its migration.
+    fn device_written_ranges(&self) -> Vec<(u64, u64)> {
+        MigratableVm::host_written_ranges(self)
     }
 
     fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {

@@ -766,7 +766,9 @@ impl Vm {
 
     /// The parts of region `index` that may hold non-zero bytes: its data
     /// ranges, or what they were before `prealloc` populated the rest with
-    /// zeros (nothing but an incoming migration writes a waiting VM).
+    /// zeros. Only an incoming migration writes a waiting VM (besides its
+    /// service ring, see `host_written_ranges`), and it receives at most one:
+    /// a failed migration ends the destination VMM.
     pub fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
         let before = self
             .data_before_prealloc

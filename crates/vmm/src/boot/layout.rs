@@ -44,7 +44,7 @@ pub struct MemoryLayout {
 impl MemoryLayout {
     /// Lays out `bytes` of RAM.
     pub fn for_size(bytes: u64) -> Result<Self, LayoutError> {
-        if bytes % PAGE_SIZE != 0 {
+        if !bytes.is_multiple_of(PAGE_SIZE) {
             return Err(LayoutError::NotPageAligned { bytes });
         }
         if bytes < MIN_MEM {
