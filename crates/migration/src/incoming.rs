@@ -107,14 +107,13 @@ fn zero_ranges(
             reason: e.to_string(),
         })?;
     for (gpa, n) in ranges {
-        let inside = zero_range_inside(regions, gpa, n);
-        if !inside {
+        if !zero_range_inside(regions, gpa, n) {
             return Err(ProtocolError::Malformed {
                 kind: Kind::ZeroRanges,
                 reason: format!("range {gpa:#x}+{n} pages is not in guest RAM"),
             }
             .into());
-        };
+        }
         // Pages that already read as zeros are left alone.
         for (at, k) in p.maybe.take(gpa, n) {
             vm.zero(at, k * PAGE as u64)
@@ -205,12 +204,8 @@ fn bulk_loop(
             let step = (|| -> Result<bool, MigrationError> {
                 match h.kind {
                     Kind::Pages => {
-                        let n = crate::pagein::read_pages(&mut r, &h, regions, &mut body)?;
-                        // `body` holds the frame's page addresses.
-                        for a in body.chunks_exact(8) {
-                            let gpa = u64::from_le_bytes(a.try_into().unwrap_or_default());
-                            p.maybe.mark(gpa, 1);
-                        }
+                        let n =
+                            crate::pagein::read_pages(&mut r, &h, regions, &p.maybe, &mut body)?;
                         p.pages.fetch_add(n, Ordering::Relaxed);
                     }
                     Kind::ZeroRanges => {

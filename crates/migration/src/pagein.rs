@@ -14,6 +14,7 @@ use std::os::fd::AsRawFd;
 
 use crate::protocol::{eof_is_truncated, Header, Kind, ProtocolError, MAX_BATCH, PAGE};
 use crate::vm::RegionView;
+use crate::written::MaybeNonZero;
 
 /// Reads exactly `len` bytes to `dst`: first what `r` has buffered, then
 /// straight from the socket.
@@ -54,12 +55,14 @@ fn malformed(reason: String) -> ProtocolError {
     }
 }
 
-/// Reads the body of the Pages frame `h` into guest memory. Returns the
-/// number of pages written. `scratch` holds the addresses between calls.
+/// Reads the body of the Pages frame `h` into guest memory, recording the
+/// pages in `written`. Returns the number of pages written. `scratch` holds
+/// the addresses between calls.
 pub fn read_pages(
     r: &mut BufReader<TcpStream>,
     h: &Header,
     regions: &[RegionView],
+    written: &MaybeNonZero,
     scratch: &mut Vec<u8>,
 ) -> Result<u64, ProtocolError> {
     let len = h.len as usize;
@@ -98,6 +101,8 @@ pub fn read_pages(
         // grew while its pages stayed in that region, so `off + bytes` is
         // within the live mapping of `rv.size` bytes.
         let dst = unsafe { rv.host.add(off as usize) };
+        // Marked before it lands: "may hold data" errs on the safe side.
+        written.mark(rv.gpa + off, k as u64);
         // The whole run in one request: each read(2) that returns frees
         // receive buffer and may send a window update, whose processing
         // (on loopback, the sender's next segments too) costs more than the

@@ -58,68 +58,59 @@ impl MaybeNonZero {
             }
         }
         for &(gpa, len) in sticky {
-            let Some(rb) = map.regions.iter_mut().find(|rb| {
-                gpa.checked_sub(rb.gpa)
-                    .is_some_and(|o| o / (PAGE as u64) < rb.pages)
-            }) else {
-                continue;
-            };
-            let first = (gpa - rb.gpa) / PAGE as u64;
-            let end = first.saturating_add(pages_of(gpa, len)).min(rb.pages);
-            for_words(first, end, |w, mask| rb.sticky[w] |= mask);
+            if let Some((i, first, end)) = map.span(gpa, pages_of(gpa, len)) {
+                let sticky = &mut map.regions[i].sticky;
+                for_words(first, end, |w, mask| sticky[w] |= mask);
+            }
         }
         map
     }
 
-    fn locate(&self, gpa: u64) -> Option<(&RegionBits, u64)> {
-        self.regions.iter().find_map(|rb| {
-            let page = gpa.checked_sub(rb.gpa)? / PAGE as u64;
-            (page < rb.pages).then_some((rb, page))
+    /// The region holding `gpa` and its pages `first..end` covered by
+    /// `pages` pages from `gpa` (clipped to the region).
+    fn span(&self, gpa: u64, pages: u64) -> Option<(usize, u64, u64)> {
+        self.regions.iter().enumerate().find_map(|(i, rb)| {
+            let first = gpa.checked_sub(rb.gpa)? / PAGE as u64;
+            (first < rb.pages).then(|| (i, first, first.saturating_add(pages).min(rb.pages)))
         })
     }
 
     /// Records that `pages` pages from `gpa` may now hold data (clipped to
     /// the region holding `gpa`).
     pub fn mark(&self, gpa: u64, pages: u64) {
-        let Some((rb, first)) = self.locate(gpa) else {
+        let Some((i, first, end)) = self.span(gpa, pages) else {
             return;
         };
-        for_words(
-            first,
-            first.saturating_add(pages).min(rb.pages),
-            |w, mask| {
-                rb.bits[w].fetch_or(mask, Ordering::Relaxed);
-            },
-        );
+        let bits = &self.regions[i].bits;
+        for_words(first, end, |w, mask| {
+            bits[w].fetch_or(mask, Ordering::Relaxed);
+        });
     }
 
     /// The runs of `pages` pages from `gpa` that may hold data, as
     /// (gpa, pages); their bits are cleared (the caller zeroes them).
     pub fn take(&self, gpa: u64, pages: u64) -> Vec<(u64, u64)> {
-        let Some((rb, first)) = self.locate(gpa) else {
+        let Some((i, first, end)) = self.span(gpa, pages) else {
             return Vec::new();
         };
+        let rb = &self.regions[i];
         let base = rb.gpa;
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        for_words(
-            first,
-            first.saturating_add(pages).min(rb.pages),
-            |w, mask| {
-                let set = (rb.bits[w].fetch_and(!mask, Ordering::Relaxed) | rb.sticky[w]) & mask;
-                let mut rest = set;
-                while rest != 0 {
-                    let bit = rest.trailing_zeros() as u64;
-                    let len = (rest >> bit).trailing_ones() as u64;
-                    let page = w as u64 * 64 + bit;
-                    let at = base + page * PAGE as u64;
-                    match runs.last_mut() {
-                        Some((g, n)) if *g + *n * PAGE as u64 == at => *n += len,
-                        _ => runs.push((at, len)),
-                    }
-                    rest &= !(((1u128 << (bit + len)) - 1) as u64);
+        for_words(first, end, |w, mask| {
+            let set = (rb.bits[w].fetch_and(!mask, Ordering::Relaxed) | rb.sticky[w]) & mask;
+            let mut rest = set;
+            while rest != 0 {
+                let bit = rest.trailing_zeros() as u64;
+                let len = (rest >> bit).trailing_ones() as u64;
+                let page = w as u64 * 64 + bit;
+                let at = base + page * PAGE as u64;
+                match runs.last_mut() {
+                    Some((g, n)) if *g + *n * PAGE as u64 == at => *n += len,
+                    _ => runs.push((at, len)),
                 }
-            },
-        );
+                rest &= !(((1u128 << (bit + len)) - 1) as u64);
+            }
+        });
         runs
     }
 }

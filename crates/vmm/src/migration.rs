@@ -112,8 +112,11 @@ impl IncomingVm for Vm {
         data_ranges(self, index)
     }
 
+    /// Its data ranges, or what they were before `--prealloc` populated the
+    /// rest with zeros.
     fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
-        Vm::nonzero_ranges(self, index)
+        self.data_before_prealloc(index)
+            .unwrap_or_else(|| data_ranges(self, index))
     }
 
     /// The service ring: the device writes requests there from the host,

@@ -764,24 +764,18 @@ impl Vm {
         Ok(())
     }
 
-    /// The parts of region `index` that may hold non-zero bytes: its data
-    /// ranges, or what they were before `prealloc` populated the rest with
-    /// zeros. Only an incoming migration writes a waiting VM (besides its
-    /// service ring, see `host_written_ranges`), and it receives at most one:
-    /// a failed migration ends the destination VMM.
-    pub fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+    /// What held data in region `index` when `prealloc` populated the rest
+    /// with zeros (None without preallocation). Only an incoming migration
+    /// writes a waiting VM (besides its service ring), and it receives at
+    /// most one: a failed migration ends the destination VMM.
+    pub fn data_before_prealloc(&self, index: usize) -> Option<Vec<(u64, u64)>> {
         let before = self
             .data_before_prealloc
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        match before.as_ref() {
-            Some(ranges) => ranges.get(index).cloned().unwrap_or_default(),
-            None => self
-                .memory
-                .regions()
-                .get(index)
-                .map_or(Vec::new(), |r| r.data_ranges()),
-        }
+        before
+            .as_ref()
+            .map(|ranges| ranges.get(index).cloned().unwrap_or_default())
     }
 
     /// The RAM layout.
