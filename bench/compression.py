@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+import benchlib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
 CODECS = ["rle", "xbzrle", "dedup", "lz4", "zstd:1", "zstd:3", "auto"]
@@ -119,8 +121,7 @@ def main():
     for r in rows:
         if "error" not in r and r["workload"] in base:
             r["speedup_vs_none"] = base[r["workload"]] / r["total_s"]
-    argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
-    res = {"command": " ".join(["python3", "bench/compression.py", *argv]),
+    res = {"command": benchlib.recorded_command("compression.py"),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "link": a.link, "mem": a.mem,
            "fill_mib": a.fill_mib, "rows": rows}
     with open(a.out + ".json", "w") as f:

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+import benchlib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
 
@@ -124,17 +126,11 @@ def main():
                           f"round0 {row['round0_throughput'] / 2**20:6.0f} MiB/s")
     finally:
         sh(a.ferry, "lab", "down", check=False)
-    # The recorded command leaves out --ferry PATH (a private copy of the binary).
-    argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
-    res = {"command": " ".join(["python3", "bench/precopy.py", *argv]),
+    res = {"command": benchlib.recorded_command("precopy.py"),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tcp_stream_bytes_per_s": baselines, "rows": rows}
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=2)
-    # Hand-written analysis below the generated part ("## " sections) is kept.
-    notes = ""
-    if os.path.exists(a.out + ".md"):
-        old = open(a.out + ".md").read()
-        notes = old[old.index("\n## "):] if "\n## " in old else ""
+    notes = benchlib.kept_notes(a.out + ".md")
     with open(a.out + ".md", "w") as f:
         f.write(f"# Precopy benchmark\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; 2 vCPUs; lab hosts are network namespaces on one 2-core machine "

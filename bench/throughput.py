@@ -26,6 +26,8 @@ import tempfile
 import threading
 import time
 
+import benchlib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -132,13 +134,12 @@ def main():
               + ", ".join(f"{n} stream(s) {pre[n][-1] / 2**20:.0f}" for n in counts)
               + f" MiB/s, without (1 stream) {cold[-1] / 2**20:.0f} MiB/s", flush=True)
     med = statistics.median
-    argv = [x for i, x in enumerate(sys.argv[1:]) if x != "--ferry" and (i == 0 or sys.argv[i] != "--ferry")]
     ratio = {n: med(p / t for p, t in zip(pre[n], tcp)) for n in counts}
     cores = os.cpu_count() or 1
     # What 90% of the TCP stream needs: all of the machine's cores busy with
     # nothing but the migration, each GiB may cost at most this much CPU.
     budget = cores / (0.9 * med(tcp) / 2**30)
-    res = {"command": " ".join(["python3", "bench/throughput.py", *argv]),
+    res = {"command": benchlib.recorded_command("throughput.py"),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mem": a.mem, "fill_mib": a.fill_mib,
            "cores": cores,
            "tcp_stream": tcp, "tcp_cpu_s_per_gib": tcp_cpu,
@@ -155,11 +156,7 @@ def main():
         return (f"| {what} | {med(xs) / 2**20:.0f} | {', '.join(f'{x / 2**20:.0f}' for x in xs)} | {r:.2f} "
                 f"| {med(cpu):.2f} |\n")
 
-    # Hand-written analysis below the generated part ("## " sections) is kept.
-    notes = ""
-    if os.path.exists(a.out + ".md"):
-        old = open(a.out + ".md").read()
-        notes = old[old.index("\n## "):] if "\n## " in old else ""
+    notes = benchlib.kept_notes(a.out + ".md")
     with open(a.out + ".md", "w") as f:
         f.write(f"# Bulk throughput\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; loopback, no compression; {a.mem} VM holding {a.fill_mib} MiB of "
