@@ -1,10 +1,11 @@
-//! One VM: builds it (memory, KVM, guest image, vCPUs), runs its vCPU threads,
+//! One VM: builds it around guest memory (KVM VM, vCPUs, devices), installs
+//! the boot image or restores a saved state, runs its vCPU threads,
 //! pauses, resumes and stops it, and says why it ended.
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -69,6 +70,40 @@ impl VmConfig {
             serve: None,
         }
     }
+
+    /// Fresh (zeroed, unpopulated) guest memory in this config's RAM layout,
+    /// the memory [`Vm::create`] builds its VM around.
+    pub fn new_memory(&self) -> Result<Arc<GuestMemory>, VmError> {
+        let layout = MemoryLayout::for_size(self.mem_bytes)?;
+        Ok(Arc::new(GuestMemory::new(layout.ranges())?))
+    }
+
+    /// The guest kernel image: the file given, or the built-in one.
+    fn kernel_image(&self) -> Result<std::borrow::Cow<'static, [u8]>, KernelError> {
+        match &self.kernel {
+            Some(path) => std::fs::read(path)
+                .map(Into::into)
+                .map_err(|source| KernelError::Read {
+                    path: path.display().to_string(),
+                    source,
+                }),
+            None => Ok(crate::GUEST_KERNEL.into()),
+        }
+    }
+
+    /// Checks what can be checked without KVM; returns the RAM layout.
+    fn check(&self) -> Result<MemoryLayout, VmError> {
+        if self.vcpus == 0 || self.vcpus as usize > guest_abi::MAX_CPUS {
+            return Err(VmError::VcpuCount(self.vcpus));
+        }
+        if !(1..=1000).contains(&self.tick_hz) {
+            return Err(VmError::TickRate(self.tick_hz));
+        }
+        let layout = MemoryLayout::for_size(self.mem_bytes)?;
+        self.workloads
+            .check_fits(self.vcpus, layout.arena_bytes())?;
+        Ok(layout)
+    }
 }
 
 /// Why a VM could not be built or driven.
@@ -89,6 +124,16 @@ pub enum VmError {
     /// Guest memory could not be set up.
     #[error("guest memory: {0}")]
     Memory(#[from] MemoryError),
+    /// The memory handed to [`Vm::build`] is not laid out as the config's RAM size needs.
+    #[error("guest memory regions {found:#x?} (gpa, size) do not match the layout of a {mem_bytes}-byte VM: {expected:#x?}")]
+    MemoryMismatch {
+        /// The config's RAM size.
+        mem_bytes: u64,
+        /// (gpa, size) of each region the layout needs.
+        expected: Vec<(u64, u64)>,
+        /// (gpa, size) of each region handed over.
+        found: Vec<(u64, u64)>,
+    },
     /// vCPU count out of range.
     #[error("--vcpus {0} is out of range: the guest supports 1 to {max}", max = guest_abi::MAX_CPUS)]
     VcpuCount(u32),
@@ -115,9 +160,15 @@ pub enum VmError {
     /// Saving or restoring state failed.
     #[error(transparent)]
     Persist(#[from] PersistError),
-    /// The service device could not start.
+    /// The service device could not start or take over a saved state.
     #[error(transparent)]
     Service(#[from] ServiceError),
+    /// The saved state has a service device and this VM has none.
+    #[error("the saved state has a service device and this VM has none (give it a serve address or a kv workload)")]
+    ServiceMissing,
+    /// This VM has a service device and the saved state has none.
+    #[error("this VM has a service device and the saved state has none")]
+    ServiceUnexpected,
 }
 
 /// A whole VM's state besides guest memory.
@@ -395,6 +446,8 @@ pub struct Vm {
     vcpus: Mutex<Vec<VcpuFd>>,
     handles: Mutex<Vec<JoinHandle<VcpuFd>>>,
     tsc_khz: u64,
+    /// The vCPUs have something to run: a boot image or a restored state.
+    loaded: AtomicBool,
     started: Mutex<Option<Instant>>,
     /// Per region, what held data when `prealloc` populated the rest.
     data_before_prealloc: Mutex<Option<Vec<DataRanges>>>,
@@ -405,33 +458,42 @@ pub struct Vm {
 }
 
 impl Vm {
-    /// Builds a VM ready to start: memory, KVM VM, guest image, boot data, vCPUs.
+    /// Builds a VM ready to start: fresh memory ([`VmConfig::new_memory`]),
+    /// [`build`](Self::build) around it, then
+    /// [`install_boot_image`](Self::install_boot_image).
     pub fn create(config: VmConfig) -> Result<Vm, VmError> {
-        if config.vcpus == 0 || config.vcpus as usize > guest_abi::MAX_CPUS {
-            return Err(VmError::VcpuCount(config.vcpus));
+        config.check()?;
+        let image = config.kernel_image()?;
+        let memory = config.new_memory()?;
+        let vm = Vm::build(config, memory)?;
+        vm.install_image(&image)?;
+        Ok(vm)
+    }
+
+    /// Builds a VM around existing guest memory without writing to it: KVM
+    /// VM, memslots, vCPUs (CPUID, long-mode special registers), devices.
+    /// The memory must have the config's RAM layout. The VM then needs
+    /// something to run before [`start`](Self::start): a boot image
+    /// ([`install_boot_image`](Self::install_boot_image)) or, for memory that
+    /// holds a guest already, its saved state ([`restore_state`](Self::restore_state)).
+    pub fn build(config: VmConfig, memory: Arc<GuestMemory>) -> Result<Vm, VmError> {
+        let layout = config.check()?;
+        let found: Vec<(u64, u64)> = memory
+            .regions()
+            .iter()
+            .map(|r| (r.gpa(), r.size()))
+            .collect();
+        if found != layout.ranges() {
+            return Err(VmError::MemoryMismatch {
+                mem_bytes: config.mem_bytes,
+                expected: layout.ranges().to_vec(),
+                found,
+            });
         }
-        if !(1..=1000).contains(&config.tick_hz) {
-            return Err(VmError::TickRate(config.tick_hz));
-        }
-        let layout = MemoryLayout::for_size(config.mem_bytes)?;
-        config
-            .workloads
-            .check_fits(config.vcpus, layout.arena_bytes())?;
-        let image = match &config.kernel {
-            Some(path) => std::fs::read(path).map_err(|source| KernelError::Read {
-                path: path.display().to_string(),
-                source,
-            })?,
-            None => crate::GUEST_KERNEL.to_vec(),
-        };
         let kvm = open_kvm(&config.kvm_path)?;
         if config.apf && !has_async_pf(&kvm) {
             return Err(VmError::NoAsyncPf);
         }
-        let memory = Arc::new(GuestMemory::new(layout.ranges())?);
-        let entry = load_kernel(&memory, &image)?;
-        setup::write_gdt(&memory, config.vcpus)?;
-        setup::write_page_tables(&memory, &layout)?;
 
         let vm_fd = Arc::new(vm::create_vm(&kvm)?);
         vm::register_memory(&vm_fd, &memory, false)?;
@@ -449,7 +511,7 @@ impl Vm {
                     op: "KVM_CREATE_VCPU",
                     source,
                 })?;
-            vcpu::configure(&fd, id, &cpuid, entry)?;
+            vcpu::configure(&fd, id, &cpuid)?;
             vcpus.push(fd);
         }
         let msr_indices = persist::saveable_msrs(&kvm, &vcpus[0])?;
@@ -457,21 +519,6 @@ impl Vm {
             Ok(khz) if khz > 0 => khz as u64,
             _ => measure_tsc_khz(),
         };
-        let mut info = BootInfo {
-            magic: guest_abi::BOOT_MAGIC,
-            version: guest_abi::ABI_VERSION,
-            ncpus: config.vcpus,
-            tsc_khz,
-            flags: if config.apf { BOOT_APF } else { 0 },
-            tick_hz: config.tick_hz,
-            seed: config.seed,
-            nworkloads: config.workloads.0.len() as u32,
-            ..Default::default()
-        };
-        for (slot, w) in info.workloads.iter_mut().zip(&config.workloads.0) {
-            *slot = w.to_guest(config.vcpus);
-        }
-        setup::write_boot_info(&memory, &layout, info)?;
 
         let serve = config.serve.or_else(|| {
             config
@@ -480,12 +527,13 @@ impl Vm {
                 .then(|| SocketAddr::from(([127, 0, 0, 1], 0)))
         });
         let service = match serve {
-            Some(addr) => Some(ServiceDevice::start(
-                addr,
-                memory.clone(),
-                vm_fd.clone(),
-                config.vcpus,
-            )?),
+            Some(addr) => {
+                let s = ServiceDevice::start(addr, memory.clone(), vm_fd.clone(), config.vcpus)?;
+                // Nothing goes into the ring before the VM starts: the memory
+                // may hold a guest whose state (and ring) is still arriving.
+                s.hold();
+                Some(s)
+            }
             None => None,
         };
         let shared = Arc::new(VmShared {
@@ -514,11 +562,54 @@ impl Vm {
             vcpus: Mutex::new(vcpus),
             handles: Mutex::new(Vec::new()),
             tsc_khz,
+            loaded: AtomicBool::new(false),
             started: Mutex::new(None),
             data_before_prealloc: Mutex::new(None),
             vm_fd,
             _kvm: kvm,
         })
+    }
+
+    /// Writes the boot image into guest memory (kernel ELF, GDT and TSSs,
+    /// page tables, boot info) and points the vCPUs at the kernel entry.
+    /// Expects fresh memory (the kernel's bss is not cleared) and a VM that
+    /// has not started.
+    pub fn install_boot_image(&self) -> Result<(), VmError> {
+        let image = self.config.kernel_image()?;
+        self.install_image(&image)
+    }
+
+    fn install_image(&self, image: &[u8]) -> Result<(), VmError> {
+        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        if vcpus.len() != self.config.vcpus as usize {
+            return Err(VmError::WrongState(
+                "already started: install the boot image before start",
+            ));
+        }
+        let (config, memory) = (&self.config, &*self.memory);
+        let entry = load_kernel(memory, image)?;
+        setup::write_gdt(memory, config.vcpus)?;
+        setup::write_page_tables(memory, &self.layout)?;
+        let mut info = BootInfo {
+            magic: guest_abi::BOOT_MAGIC,
+            version: guest_abi::ABI_VERSION,
+            ncpus: config.vcpus,
+            tsc_khz: self.tsc_khz,
+            flags: if config.apf { BOOT_APF } else { 0 },
+            tick_hz: config.tick_hz,
+            seed: config.seed,
+            nworkloads: config.workloads.0.len() as u32,
+            ..Default::default()
+        };
+        for (slot, w) in info.workloads.iter_mut().zip(&config.workloads.0) {
+            *slot = w.to_guest(config.vcpus);
+        }
+        setup::write_boot_info(memory, &self.layout, info)?;
+        for (id, fd) in vcpus.iter().enumerate() {
+            vcpu::set_entry(fd, id as u32, entry)?;
+        }
+        self.loaded.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Starts one thread per vCPU.
@@ -528,6 +619,12 @@ impl Vm {
             std::mem::take(&mut *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()));
         if vcpus.is_empty() {
             return Err(VmError::WrongState("already started"));
+        }
+        if !self.loaded.load(Ordering::Acquire) {
+            *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()) = vcpus;
+            return Err(VmError::WrongState(
+                "empty: install a boot image or restore a saved state before start",
+            ));
         }
         *self.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
@@ -545,6 +642,9 @@ impl Vm {
                 .map_err(VmError::Thread)?;
             threads.push(h.pthread_handle());
             handles.push(h);
+        }
+        if let Some(s) = self.service() {
+            s.release();
         }
         Ok(())
     }
@@ -632,8 +732,11 @@ impl Vm {
         })
     }
 
-    /// Restores a saved state into this VM, which must not have started.
-    /// Guest memory is restored separately (it is most of the migration).
+    /// Restores a saved state into this VM, which must not have started:
+    /// KVM state, every vCPU, and the service device's own state (a saved
+    /// service and this VM's device must both be there or both absent).
+    /// Guest memory is restored separately (it is most of the migration);
+    /// nothing here reads or writes it.
     pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
         let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
         if vcpus.len() != self.config.vcpus as usize {
@@ -646,10 +749,17 @@ impl Vm {
             }
             .into());
         }
+        match (&state.service, self.service()) {
+            (Some(saved), Some(device)) => device.restore(saved)?,
+            (None, None) => {}
+            (Some(_), None) => return Err(VmError::ServiceMissing),
+            (None, Some(_)) => return Err(VmError::ServiceUnexpected),
+        }
         persist::restore_vm(&self.vm_fd, &state.kvm)?;
         for (fd, s) in vcpus.iter().zip(&state.vcpus) {
             persist::restore_vcpu(fd, s)?;
         }
+        self.loaded.store(true, Ordering::Release);
         Ok(())
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_vmm::control::{ControlClient, ControlServer, Request, VmControl};
-use ferry_vmm::guest_abi::{task_state, ARENA_BASE};
+use ferry_vmm::guest_abi::{task_state, ARENA_BASE, BOOT_INFO_GPA};
 use ferry_vmm::metrics::MetricsSnapshot;
 use ferry_vmm::{Vm, VmConfig, VmExit};
 
@@ -86,6 +86,79 @@ fn idle_guest_boots_ticks_and_halts() {
         .iter()
         .any(|l| l.contains("ferry guest: 1 vCPUs")));
     assert_eq!(vm.stop(), VmExit::Stopped);
+}
+
+/// Per region, its data ranges and their bytes.
+fn contents(vm: &Vm) -> Vec<Vec<(u64, u64, Vec<u8>)>> {
+    let m = vm.memory();
+    m.regions()
+        .iter()
+        .map(|r| {
+            r.data_ranges()
+                .into_iter()
+                .map(|(off, len)| {
+                    let mut bytes = vec![0u8; len as usize];
+                    m.read_bytes(r.gpa() + off, &mut bytes).unwrap();
+                    (off, len, bytes)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn build_then_install_boot_image_boots_like_create() {
+    if !kvm_usable() {
+        return;
+    }
+    let config = VmConfig::new(64 * MIB, 2, "compute".parse().unwrap());
+    let vm = Vm::build(config.clone(), config.new_memory().unwrap()).unwrap();
+    assert!(
+        vm.memory()
+            .regions()
+            .iter()
+            .all(|r| r.data_ranges().is_empty()),
+        "build writes nothing into guest memory"
+    );
+    assert!(
+        matches!(vm.start(), Err(ferry_vmm::VmError::WrongState(_))),
+        "nothing to run yet"
+    );
+    vm.install_boot_image().unwrap();
+
+    let created = Vm::create(config).unwrap();
+    let (mut mine, mut theirs) = (contents(&vm), contents(&created));
+    assert!(!mine[0].is_empty());
+    // The boot info page holds the TSC rate, which may be measured.
+    for c in [&mut mine, &mut theirs] {
+        for (off, len, bytes) in c[0].iter_mut() {
+            if let Some(at) = BOOT_INFO_GPA.checked_sub(*off).filter(|at| at < len) {
+                let end = (at as usize + 4096).min(bytes.len());
+                bytes[at as usize..end].fill(0);
+            }
+        }
+    }
+    assert!(mine == theirs, "the same boot image as create writes");
+    drop(created);
+
+    vm.start().unwrap();
+    wait_for(&vm, Duration::from_secs(5), "guest metrics page", |m| {
+        m.valid()
+    });
+    let a = vm.metrics().unwrap();
+    settle(&vm, Duration::from_millis(300));
+    let b = vm.metrics().unwrap();
+    assert!(b.progress(0) > a.progress(0) + 10_000_000, "compute runs");
+    for cpu in 0..2 {
+        assert!(
+            b.raw.cpu[cpu].ticks > a.raw.cpu[cpu].ticks,
+            "vCPU {cpu} ticks"
+        );
+    }
+    assert!(matches!(
+        vm.install_boot_image(),
+        Err(ferry_vmm::VmError::WrongState(_))
+    ));
 }
 
 #[test]

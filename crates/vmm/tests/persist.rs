@@ -5,10 +5,17 @@
 mod common;
 use common::kvm_usable;
 
+use std::io::{BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ferry_memory::GuestMemory;
+use ferry_vmm::devices::service::wire::{self, Op, Request, Response, Status};
+use ferry_vmm::guest_abi::SVC_SLOTS;
 use ferry_vmm::vstate::persist::{self, PersistError};
-use ferry_vmm::{Vm, VmConfig, VmState};
+use ferry_vmm::{Vm, VmConfig, VmError, VmState};
 
 const MIB: u64 = 1 << 20;
 
@@ -131,4 +138,231 @@ fn hostile_state_bytes_are_refused() {
         Err(PersistError::Decode(_))
     ));
     assert_eq!(persist::decode::<Vec<u32>>(&bytes).unwrap(), vec![1, 2, 3]);
+}
+
+const VALUE: usize = 64;
+
+fn kv_config() -> VmConfig {
+    let mut c = VmConfig::new(
+        64 * MIB,
+        2,
+        format!("kv:workers=2,keys=1024,value={VALUE}")
+            .parse()
+            .unwrap(),
+    );
+    c.serve = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+    c
+}
+
+/// A client connection to a VM's service device.
+struct Client {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+}
+
+impl Client {
+    fn connect(vm: &Vm) -> Client {
+        let s = TcpStream::connect(vm.service().unwrap().local_addr()).unwrap();
+        s.set_nodelay(true).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Client {
+            w: s.try_clone().unwrap(),
+            r: BufReader::new(s),
+        }
+    }
+
+    fn send(&mut self, req: &Request) {
+        self.w.write_all(&req.encode()).unwrap();
+    }
+
+    fn call(&mut self, req: &Request) -> Response {
+        self.send(req);
+        let body = wire::read_frame(&mut self.r, wire::MAX_BODY)
+            .unwrap()
+            .expect("an answer");
+        Response::decode(&body).unwrap()
+    }
+
+    fn set(&mut self, key: u64, seed: u64) -> Request {
+        Request {
+            op: Op::Set,
+            id: key,
+            key,
+            seed,
+            value: wire::value(VALUE, key, seed),
+        }
+    }
+
+    /// GETs `key` and checks it holds the value SET with `seed`.
+    fn expect(&mut self, key: u64, seed: u64) {
+        let resp = self.call(&Request::new(Op::Get, key, key, 0));
+        assert_eq!(resp.status, Status::Ok, "{}", resp.message());
+        assert_eq!(resp.seed, seed, "key {key} holds the value last SET");
+        assert_eq!(resp.value, wire::value(VALUE, key, seed));
+    }
+}
+
+fn wait_until(what: &str, vm: &Vm, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        if let Some(exit) = vm.wait_exit(Duration::from_millis(5)) {
+            panic!(
+                "VM stopped waiting for {what}: {exit}\n{}",
+                vm.console_lines().join("\n")
+            );
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+    }
+}
+
+/// Every region's bytes in fresh memory of the same layout.
+fn copy_memory(config: &VmConfig, from: &GuestMemory) -> Arc<GuestMemory> {
+    let to = config.new_memory().unwrap();
+    let mut buf = vec![0u8; 4 * MIB as usize];
+    for r in from.regions() {
+        for off in (0..r.size()).step_by(buf.len()) {
+            let n = buf.len().min((r.size() - off) as usize);
+            from.read_bytes(r.gpa() + off, &mut buf[..n]).unwrap();
+            to.write_bytes(r.gpa() + off, &buf[..n]).unwrap();
+        }
+    }
+    to
+}
+
+#[test]
+fn a_vm_built_around_saved_memory_restores_its_service_and_finishes_requests_in_the_ring() {
+    if !kvm_usable() {
+        return;
+    }
+    let a = Vm::create(kv_config()).unwrap();
+    a.start().unwrap();
+    wait_valid(&a);
+    let svc_a = a.service().unwrap().clone();
+    wait_until("the kv service", &a, || svc_a.guest_ready());
+    let mut c1 = Client::connect(&a);
+    let req = c1.set(7, 1);
+    assert_eq!(c1.call(&req).status, Status::Ok);
+    c1.expect(7, 1);
+
+    // Paused, the guest answers nothing: a second client's SET stays in the ring.
+    a.pause().unwrap();
+    let mut c2 = Client::connect(&a);
+    let req = c2.set(9, 2);
+    c2.send(&req);
+    wait_until("the SET posted into the ring", &a, || {
+        svc_a.stats.posted.load(Ordering::Relaxed) == 3
+    });
+    let saved = a.save_state().unwrap();
+    let svc_saved = saved.service.clone().expect("service state saved");
+    assert_eq!(svc_saved.next_conn, 3, "two connections so far");
+    assert_eq!(
+        svc_saved.free_slots.len(),
+        SVC_SLOTS - 1,
+        "one slot in flight"
+    );
+    let state: VmState = persist::decode(&persist::encode(&saved).unwrap()).unwrap();
+    assert_eq!(state.service.as_ref(), Some(&svc_saved));
+    let at_pause = a.metrics().unwrap();
+
+    // B: built around a copy of A's memory, nothing written; A's state restored.
+    let memory = copy_memory(&kv_config(), a.memory());
+    a.stop();
+    let b = Vm::build(kv_config(), memory).unwrap();
+    let svc_b = b.service().unwrap().clone();
+    assert_ne!(
+        svc_b.local_addr(),
+        svc_a.local_addr(),
+        "B listens on its own port"
+    );
+    b.restore_state(&state).unwrap();
+    let restored = svc_b.state();
+    assert_eq!(restored.next_conn, svc_saved.next_conn);
+    assert_eq!(restored.free_slots, svc_saved.free_slots);
+    assert_eq!(
+        restored.port,
+        svc_b.local_addr().port(),
+        "B keeps its own port"
+    );
+    b.start().unwrap();
+    assert_eq!(
+        b.metrics().unwrap().progress(0),
+        at_pause.progress(0),
+        "B starts exactly where A paused"
+    );
+
+    // B finishes the SET left in the ring (its client stayed with A: the
+    // answer goes nowhere) and gets the slot back.
+    wait_until("the SET in the ring answered", &b, || {
+        svc_b.stats.responses.load(Ordering::Relaxed) == 1
+            && svc_b.state().free_slots.len() == SVC_SLOTS
+    });
+    assert_eq!(svc_b.stats.guest_errors.load(Ordering::Relaxed), 0);
+
+    // A new client at B sees both SETs; its connection id comes after A's.
+    let mut c3 = Client::connect(&b);
+    c3.expect(7, 1);
+    c3.expect(9, 2);
+    assert_eq!(svc_b.state().next_conn, svc_saved.next_conn + 1);
+    if let Some(exit) = b.wait_exit(Duration::from_millis(300)) {
+        panic!(
+            "restored VM stopped: {exit}\n{}",
+            b.console_lines().join("\n")
+        );
+    }
+    let later = b.metrics().unwrap();
+    assert!(
+        later.progress(0) >= at_pause.progress(0) + 3,
+        "kv carries on: {} -> {}",
+        at_pause.progress(0),
+        later.progress(0)
+    );
+    for cpu in 0..2 {
+        assert!(
+            later.raw.cpu[cpu].ticks > at_pause.raw.cpu[cpu].ticks + 10,
+            "vCPU {cpu} ticks"
+        );
+    }
+}
+
+#[test]
+fn a_service_state_and_the_vm_must_agree() {
+    if !kvm_usable() {
+        return;
+    }
+    let with = Vm::create(kv_config()).unwrap();
+    let saved_with = with.save_state().unwrap();
+    let without = Vm::create(config()).unwrap();
+    let saved_without = without.save_state().unwrap();
+    assert!(matches!(
+        without.restore_state(&saved_with),
+        Err(VmError::ServiceMissing)
+    ));
+    assert!(matches!(
+        with.restore_state(&saved_without),
+        Err(VmError::ServiceUnexpected)
+    ));
+    let mut bad = saved_with.clone();
+    bad.service.as_mut().unwrap().free_slots = vec![1, 1];
+    assert!(matches!(with.restore_state(&bad), Err(VmError::Service(_))));
+    bad.service.as_mut().unwrap().free_slots = vec![SVC_SLOTS as u16];
+    assert!(matches!(with.restore_state(&bad), Err(VmError::Service(_))));
+    with.restore_state(&saved_with).unwrap();
+}
+
+#[test]
+fn build_refuses_memory_of_another_layout() {
+    // Checked before KVM is opened: runs without KVM too.
+    let wrong = |ranges: &[(u64, u64)]| {
+        let memory = Arc::new(GuestMemory::new(ranges).unwrap());
+        match Vm::build(config(), memory) {
+            Err(e @ VmError::MemoryMismatch { .. }) => e.to_string(),
+            Err(e) => panic!("{ranges:x?}: wrong error {e}"),
+            Ok(_) => panic!("{ranges:x?}: accepted"),
+        }
+    };
+    let e = wrong(&[(0, 32 * MIB)]);
+    assert!(e.contains("do not match"), "{e}");
+    wrong(&[(0, 128 * MIB)]);
+    wrong(&[(0, 32 * MIB), (32 * MIB, 32 * MIB)]);
+    wrong(&[(2 * MIB, 64 * MIB)]);
 }

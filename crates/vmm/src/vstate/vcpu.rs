@@ -94,8 +94,10 @@ impl fmt::Display for RegsReport {
     }
 }
 
-/// Gives vCPU `id` its CPUID (APIC id patched in) and long-mode entry state.
-pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, entry: u64) -> Result<(), KvmError> {
+/// Gives vCPU `id` its CPUID (APIC id patched in) and long-mode special
+/// registers. Its general registers (the entry point) come later, from
+/// [`set_entry`] or a restored state; nothing here reads guest memory.
+pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId) -> Result<(), KvmError> {
     let mut cpuid = cpuid.clone();
     for e in cpuid.as_mut_slice() {
         match e.function {
@@ -109,8 +111,6 @@ pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, entry: u64) -> Result<()
     let sregs = vcpu.get_sregs().map_err(err("KVM_GET_SREGS"))?;
     vcpu.set_sregs(&setup::long_mode_sregs(sregs, id))
         .map_err(err("KVM_SET_SREGS"))?;
-    vcpu.set_regs(&setup::entry_regs(entry, id))
-        .map_err(err("KVM_SET_REGS"))?;
     if id > 0 {
         // Application processors start in INIT-wait; make them run at once.
         let mp = kvm_mp_state {
@@ -119,6 +119,15 @@ pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, entry: u64) -> Result<()
         vcpu.set_mp_state(mp).map_err(err("KVM_SET_MP_STATE"))?;
     }
     Ok(())
+}
+
+/// Points vCPU `id` at the kernel entry, with its boot stack and id in rdi.
+pub fn set_entry(vcpu: &VcpuFd, id: u32, entry: u64) -> Result<(), KvmError> {
+    vcpu.set_regs(&setup::entry_regs(entry, id))
+        .map_err(|source| KvmError::Ioctl {
+            op: "KVM_SET_REGS",
+            source,
+        })
 }
 
 fn internal_error_details(vcpu: &mut VcpuFd) -> (u32, Vec<u64>) {

@@ -40,6 +40,16 @@ pub enum ServiceError {
         /// OS error.
         source: std::io::Error,
     },
+    /// A saved state that no device could have had.
+    #[error("saved service state is invalid: {0}")]
+    BadState(String),
+    /// The device already put requests of its own into the ring, so a saved
+    /// ring state cannot replace its own.
+    #[error("cannot restore the service device's state: it has already posted {posted} requests into the ring")]
+    AlreadyPosting {
+        /// Requests it posted.
+        posted: u64,
+    },
 }
 
 /// Counters of what the device did.
@@ -64,15 +74,18 @@ pub struct ServiceStats {
 }
 
 /// The device's own state besides guest memory, for save/restore: which
-/// connection each slot in flight belongs to. (Client connections themselves
-/// stay on the source host; migration redirects them.)
+/// slots the device owns and where connection ids go on. Which connection a
+/// slot in flight belongs to is its tag in the ring, in guest memory. (Client
+/// connections themselves stay on the source host; migration redirects them.)
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ServiceState {
-    /// Port the VM's service listens on.
+    /// Port the VM's service listened on (informational: a restored device
+    /// keeps its own, see [`ServiceDevice::restore`]).
     pub port: u16,
     /// Next connection id.
     pub next_conn: u64,
-    /// Slots owned by the device (FREE in the ring).
+    /// Slots owned by the device (FREE in the ring), in the order the device
+    /// hands them out (it takes the last one first).
     pub free_slots: Vec<u16>,
 }
 
@@ -221,6 +234,59 @@ impl ServiceDevice {
             let _ = c.stream.shutdown(Shutdown::Both);
         }
         self.slot_freed.notify_all();
+    }
+
+    /// Stops posting new requests into the ring (they wait in the device)
+    /// until [`release`](Self::release). A VM is built with its device held
+    /// and releases it when it starts: until then its memory may still be
+    /// arriving (or be handed over) with a ring the device must not touch.
+    pub fn hold(&self) {
+        self.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Takes over a saved device state (the ring itself is in guest memory
+    /// and travels with it): the slots the saved device owned and its next
+    /// connection id, so requests already in the ring are finished exactly as
+    /// there. Refused once this device has posted requests of its own.
+    ///
+    /// `state.port` is left alone: this device listens on its own address
+    /// (on the same host the source still holds the old port until it
+    /// redirects), and the source's device forwards its clients here.
+    pub fn restore(&self, state: &ServiceState) -> Result<(), ServiceError> {
+        let mut owned = [false; SVC_SLOTS];
+        for &slot in &state.free_slots {
+            let i = slot as usize;
+            if i >= SVC_SLOTS {
+                return Err(ServiceError::BadState(format!(
+                    "free slot {i} is outside the ring of {SVC_SLOTS}"
+                )));
+            }
+            if std::mem::replace(&mut owned[i], true) {
+                return Err(ServiceError::BadState(format!(
+                    "free slot {i} is listed twice"
+                )));
+            }
+        }
+        if state.next_conn == 0 {
+            return Err(ServiceError::BadState(
+                "next connection id 0 (ids start at 1)".into(),
+            ));
+        }
+        // Under the ring lock: a reader takes a slot and counts the post
+        // under it, so no post slips between this check and the update.
+        let mut ring = lock(&self.ring);
+        let posted = self.stats.posted.load(Ordering::Relaxed);
+        if posted > 0 {
+            return Err(ServiceError::AlreadyPosting { posted });
+        }
+        ring.free = state.free_slots.iter().map(|&i| i as usize).collect();
+        // Slots in flight carry the saved connections' ids as tags; new
+        // connections here must never reuse one (their answers would go to
+        // the wrong client), nor an id this device already gave out.
+        self.next_conn.fetch_max(state.next_conn, Ordering::Relaxed);
+        drop(ring);
+        self.slot_freed.notify_all();
+        Ok(())
     }
 
     /// The device state besides guest memory.
