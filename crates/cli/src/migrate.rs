@@ -5,10 +5,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use ferry_migration::options::defaults;
+use ferry_migration::{
+    BackendKind, Compress, CompressOptions, Endpoint, MigrateOptions, MigrationStats, Mode,
+    Progress,
+};
 use ferry_vmm::control::{ControlClient, MigrateRequest, Request};
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::Value;
+use serde::Deserialize;
 
 use crate::format;
 
@@ -16,20 +21,21 @@ use crate::format;
 pub struct MigrateArgs {
     /// The source VM's control socket.
     socket: PathBuf,
-    /// Destination, tcp:HOST:PORT (a `ferry run --incoming` there).
+    /// Destination: tcp:HOST:PORT, or unix:PATH on this host (a `ferry run
+    /// --incoming` there).
     #[arg(long)]
-    to: String,
+    to: Endpoint,
     /// Migration mode.
-    #[arg(long, default_value = "precopy", value_parser = ["precopy"])]
-    mode: String,
+    #[arg(long, default_value_t = Mode::Precopy)]
+    mode: Mode,
     /// Parallel bulk connections (default: 2, or 1 on a single core).
     #[arg(long)]
     streams: Option<u16>,
     /// Stop iterating when the rest fits this downtime (ms).
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = defaults::DOWNTIME_MS)]
     downtime_ms: f64,
     /// Most dirty rounds before stop-and-copy.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = defaults::MAX_ROUNDS)]
     max_rounds: u32,
     /// Compare per-page hashes of all memory at the end.
     #[arg(long)]
@@ -43,18 +49,18 @@ pub struct MigrateArgs {
     no_auto_converge: bool,
     /// Compression: auto (measure and pick per batch), none, rle, xbzrle,
     /// dedup, lz4, zstd or zstd:LEVEL.
-    #[arg(long, default_value = "none", value_parser = parse_compress)]
-    compress: String,
+    #[arg(long, default_value = "none")]
+    compress: Compress,
     /// Where the codecs run: cpu, or cuda (falls back to the CPU, saying
     /// so, where no CUDA device is found).
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    compress_backend: String,
+    #[arg(long, default_value = "cpu")]
+    compress_backend: BackendKind,
     /// Fetch, encode and send in turn on one thread per stream instead of
     /// the three-stage pipeline.
     #[arg(long)]
     no_pipeline: bool,
     /// Encoder threads per bulk stream.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = defaults::COMPRESS_THREADS)]
     compress_threads: u8,
     /// xbzrle page cache per encoder thread (e.g. 64M).
     #[arg(long, value_parser = parse_mem_size)]
@@ -67,9 +73,33 @@ pub struct MigrateArgs {
     json: bool,
 }
 
-fn parse_compress(s: &str) -> Result<String, String> {
-    s.parse::<ferry_migration::Compress>()?;
-    Ok(s.to_string())
+impl MigrateArgs {
+    /// The engine's options, checked here so a bad value never reaches the VMM.
+    fn options(&self) -> Result<MigrateOptions> {
+        let base = MigrateOptions::default();
+        let mut caches = base.compression.caches;
+        caches.xbzrle_bytes = self.xbzrle_cache.unwrap_or(caches.xbzrle_bytes);
+        caches.dedup_bytes = self.dedup_cache.unwrap_or(caches.dedup_bytes);
+        let o = MigrateOptions {
+            mode: self.mode,
+            streams: self.streams.unwrap_or(base.streams),
+            downtime_ms: self.downtime_ms,
+            max_rounds: self.max_rounds,
+            verify: self.verify,
+            auto_converge: !self.no_auto_converge,
+            bandwidth: self.bandwidth.map(|b| b as f64),
+            compression: CompressOptions {
+                compress: self.compress,
+                backend: self.compress_backend,
+                pipeline: !self.no_pipeline,
+                workers: self.compress_threads,
+                caches,
+            },
+            ..base
+        };
+        o.check().map_err(anyhow::Error::msg)?;
+        Ok(o)
+    }
 }
 
 fn parse_mem_size(s: &str) -> Result<u64, String> {
@@ -99,24 +129,11 @@ fn parse_rate(s: &str) -> Result<u64, String> {
 }
 
 pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
-    ferry_vmm::control::parse_tcp(&args.to).map_err(anyhow::Error::msg)?;
+    let options = args.options()?;
     let mut c = ControlClient::connect(&args.socket)?;
     let req = Request::Migrate(MigrateRequest {
         to: args.to.clone(),
-        streams: args
-            .streams
-            .unwrap_or_else(ferry_migration::precopy::default_streams),
-        downtime_ms: args.downtime_ms,
-        max_rounds: args.max_rounds,
-        verify: args.verify,
-        auto_converge: !args.no_auto_converge,
-        bandwidth: args.bandwidth,
-        compress: args.compress.clone(),
-        compress_backend: args.compress_backend.clone(),
-        pipeline: !args.no_pipeline,
-        compress_threads: args.compress_threads,
-        xbzrle_cache: args.xbzrle_cache,
-        dedup_cache: args.dedup_cache,
+        options,
     });
     let bar = if args.json {
         ProgressBar::hidden()
@@ -129,8 +146,11 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     );
     bar.enable_steady_tick(Duration::from_millis(100));
     let reply = c.call_with_progress(&req, &mut |p| {
-        let rem = p["remaining_pages"].as_f64().unwrap_or(0.0) * 4096.0;
-        let rate = p["throughput"].as_f64().unwrap_or(0.0);
+        let Ok(p) = Progress::deserialize(p) else {
+            return;
+        };
+        let rem = p.remaining_pages as f64 * 4096.0;
+        let rate = p.throughput;
         let eta = if rate > 0.0 {
             format!("{:.2} s", rem / rate)
         } else {
@@ -138,15 +158,16 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         };
         bar.set_message(format!(
             "{:<14} round {:>3}  remaining {:>10}  rate {:>12}  sent {:>10}  ETA {eta}",
-            p["phase"].as_str().unwrap_or(""),
-            p["round"],
+            p.phase.to_string(),
+            p.round,
             format::bytes(rem),
             format!("{}/s", format::bytes(rate)),
-            format::bytes(p["bytes"].as_f64().unwrap_or(0.0)),
+            format::bytes(p.bytes as f64),
         ));
     });
     bar.finish_and_clear();
-    let stats = reply?["stats"].take();
+    let stats: MigrationStats = serde_json::from_value(reply?["stats"].take())
+        .context("the VMM's migration report does not parse")?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&stats)?);
     } else {
@@ -155,43 +176,45 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_table(to: &str, s: &Value) {
-    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
-    println!("── ferry migrate: precopy to {to} ─────────────────────────────────");
-    println!("total time   {:.3} s", f(&s["total_secs"]));
-    let d = &s["downtime_parts"];
+fn print_table(to: &Endpoint, s: &MigrationStats) {
+    println!(
+        "── ferry migrate: {} to {to} ─────────────────────────────────",
+        s.mode
+    );
+    println!("total time   {:.3} s", s.total_secs);
+    let d = &s.downtime_parts;
     println!(
         "downtime     {:.2} ms  (pause {:.2}, last round {:.2}, state {:.2}, verify {:.2}, destination {:.2})",
-        f(&s["downtime_ms"]), f(&d["pause"]), f(&d["last_round"]), f(&d["save_state"]), f(&d["verify"]), f(&d["destination"])
+        s.downtime_ms, d.pause, d.last_round, d.save_state, d.verify, d.destination
     );
     println!(
         "sent         {} on the wire: {} pages, {} zero pages (as ranges), state {}",
-        format::bytes(f(&s["bytes"])),
-        s["pages"],
-        s["zero_pages"],
-        format::bytes(f(&s["state_bytes"]))
+        format::bytes(s.bytes as f64),
+        s.pages,
+        s.zero_pages,
+        format::bytes(s.state_bytes as f64)
     );
-    println!("converged    {}", s["converged"].as_str().unwrap_or(""));
+    println!("converged    {}", s.converged);
     println!(
         "host CPU     source {:.3} s, destination {:.3} s (migration threads)",
-        f(&s["source_cpu_s"]),
-        f(&s["destination_cpu_s"])
+        s.source_cpu_s, s.destination_cpu_s
     );
-    let c = &s["compression"];
-    if c["asked"].as_str().is_some_and(|a| a != "none") {
-        let (i, o) = (f(&c["encoded_in"]), f(&c["encoded_out"]));
+    let c = &s.compression;
+    if c.asked != "none" {
+        let (i, o) = (c.encoded_in as f64, c.encoded_out as f64);
         println!(
             "compression  {} ({}): batches {}; {} of pages became {}{}{}",
-            c["asked"].as_str().unwrap_or(""),
-            if c["pipeline"] == true {
+            c.asked,
+            if c.pipeline {
                 "pipelined"
             } else {
                 "no pipeline"
             },
-            c["batches"]
-                .as_str()
-                .filter(|b| !b.is_empty())
-                .unwrap_or("none"),
+            if c.batches.is_empty() {
+                "none"
+            } else {
+                &c.batches
+            },
             format::bytes(i),
             format::bytes(o),
             if i > 0.0 {
@@ -199,36 +222,36 @@ fn print_table(to: &str, s: &Value) {
             } else {
                 String::new()
             },
-            c["note"]
-                .as_str()
+            c.note
+                .as_ref()
                 .map(|n| format!("; {n}"))
                 .unwrap_or_default(),
         );
-        if let Some(n) = c["backend_note"].as_str() {
+        if let Some(n) = &c.backend_note {
             println!("backend      {n}");
         }
     }
-    if s["verified_pages"].as_u64().unwrap_or(0) > 0 {
+    if s.verified_pages > 0 {
         println!(
             "verified     {} pages identical on both sides",
-            s["verified_pages"]
+            s.verified_pages
         );
     }
     println!(
         "{:>6} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14} {:>9}",
         "round", "pages", "zero", "bytes", "secs", "throughput", "dirty rate", "throttle"
     );
-    for r in s["rounds"].as_array().into_iter().flatten() {
+    for r in &s.rounds {
         println!(
             "{:>6} {:>10} {:>10} {:>12} {:>10.4} {:>14} {:>14} {:>8}%",
-            r["round"].as_u64().unwrap_or(0),
-            r["pages"].as_u64().unwrap_or(0),
-            r["zero_pages"].as_u64().unwrap_or(0),
-            format::bytes(f(&r["bytes"])),
-            f(&r["secs"]),
-            format!("{}/s", format::bytes(f(&r["throughput"]))),
-            format!("{}/s", format::bytes(f(&r["dirty_rate"]))),
-            r["throttle_pct"].as_u64().unwrap_or(0),
+            r.round,
+            r.pages,
+            r.zero_pages,
+            format::bytes(r.bytes as f64),
+            r.secs,
+            format!("{}/s", format::bytes(r.throughput)),
+            format!("{}/s", format::bytes(r.dirty_rate)),
+            r.throttle_pct,
         );
     }
 }

@@ -49,10 +49,11 @@ pub struct RunArgs {
     /// workload gets 127.0.0.1 with any port when this is not given.
     #[arg(long)]
     serve: Option<std::net::SocketAddr>,
-    /// Wait for a live migration on tcp:HOST:PORT instead of booting; the
-    /// VM shape (--mem, --vcpus) must match the source's.
+    /// Wait for a live migration on tcp:HOST:PORT (or unix:PATH, same host)
+    /// instead of booting; the VM shape (--mem, --vcpus) must match the
+    /// source's.
     #[arg(long)]
-    incoming: Option<String>,
+    incoming: Option<ferry_migration::Endpoint>,
     /// Control socket path (default: /tmp/ferry-<pid>.sock).
     #[arg(long)]
     control: Option<PathBuf>,
@@ -153,17 +154,17 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     }
     match &args.incoming {
         None => vm.start()?,
-        Some(addr) => {
-            let at = ferry_vmm::control::parse_tcp(addr).map_err(anyhow::Error::msg)?;
-            let listener = std::net::TcpListener::bind(at)
-                .with_context(|| format!("cannot listen for the incoming migration on {at}"))?;
+        Some(at) => {
+            let incoming = ferry_vmm::migration::Incoming::listen(at)
+                .context("cannot listen for the incoming migration")?;
             if !quiet {
                 eprintln!(
                     "ferry: waiting for an incoming migration on {}",
-                    listener.local_addr()?
+                    incoming.endpoint()
                 );
             }
-            let got = ferry_migration::incoming::receive(&*vm, &listener, Duration::from_secs(30))
+            let got = incoming
+                .receive(&vm, Duration::from_secs(30))
                 .context("incoming migration failed; no VM was started here")?;
             if !quiet {
                 eprintln!(

@@ -17,6 +17,8 @@
 //! goes raw.
 
 use std::sync::{Arc, Condvar, Mutex};
+
+pub use crate::options::CompressOptions;
 use std::time::Duration;
 use std::time::Instant;
 
@@ -43,6 +45,19 @@ impl std::str::FromStr for Compress {
     }
 }
 
+impl serde::Serialize for Compress {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Compress {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl std::fmt::Display for Compress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -62,7 +77,7 @@ pub trait BatchEncoder: Send {
         pages: &[u64],
         data: &[u8],
         out: &mut EncodedBatch,
-    ) -> Result<(), String>;
+    ) -> Result<(), crate::VmOpError>;
 }
 
 impl BatchEncoder for StreamEncoder {
@@ -72,8 +87,8 @@ impl BatchEncoder for StreamEncoder {
         pages: &[u64],
         data: &[u8],
         out: &mut EncodedBatch,
-    ) -> Result<(), String> {
-        StreamEncoder::encode(self, method, pages, data, out).map_err(|e| e.to_string())
+    ) -> Result<(), crate::VmOpError> {
+        Ok(StreamEncoder::encode(self, method, pages, data, out)?)
     }
 }
 
@@ -105,41 +120,6 @@ impl Backend {
 impl std::fmt::Debug for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Backend({})", self.name)
-    }
-}
-
-/// Compression settings of a migration.
-#[derive(Clone, Debug)]
-pub struct CompressOptions {
-    /// The codec choice.
-    pub compress: Compress,
-    /// Fetch, encode and send on separate threads with bounded buffers
-    /// (false: one thread does all three in turn, per stream).
-    pub pipeline: bool,
-    /// Encoder threads (shards) per bulk stream.
-    pub workers: u8,
-    /// Cache sizes per shard (mirrored at the destination).
-    pub caches: CacheSizes,
-    /// Where the codecs run.
-    pub backend: Backend,
-}
-
-impl Default for CompressOptions {
-    fn default() -> Self {
-        CompressOptions {
-            compress: Compress::Fixed(Method::None),
-            pipeline: true,
-            workers: 1,
-            caches: CacheSizes::default(),
-            backend: Backend::cpu(),
-        }
-    }
-}
-
-impl CompressOptions {
-    /// True when batches may be encoded (protocol v2 streams).
-    pub fn enabled(&self) -> bool {
-        self.compress != Compress::Fixed(Method::None)
     }
 }
 
@@ -205,12 +185,11 @@ impl Policy {
         } else {
             Vec::new()
         };
-        if std::env::var_os("FERRY_DEBUG_POLICY").is_some() {
-            eprintln!(
-                "policy: {} sample pages, estimates {est:?}",
-                sample.len() / PAGE
-            );
-        }
+        tracing::debug!(
+            sample_pages = sample.len() / PAGE,
+            estimates = ?est,
+            "compression policy calibrated"
+        );
         Policy {
             compress: opts.compress,
             workers: f64::from(opts.workers.max(1)),

@@ -31,6 +31,8 @@
 
 use std::io::{self, Read, Write};
 
+use crate::ranges::GpaPages;
+
 /// Frame magic "FRYM".
 pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
@@ -41,8 +43,8 @@ pub const VERSION_MAX: u16 = 2;
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
 pub const MAX_BODY: usize = 32 << 20;
-/// Guest page size, the unit of transfer.
-pub const PAGE: usize = 4096;
+/// Guest page size, the unit of transfer (as a buffer length).
+pub const PAGE: usize = crate::ranges::PAGE as usize;
 /// Most pages in one Pages frame.
 pub const MAX_BATCH: usize = 1024;
 
@@ -168,6 +170,10 @@ pub enum Role {
     Control,
     /// Bulk page stream number n.
     Bulk(u16),
+    /// Demand pages: faults and their answers, never behind bulk data.
+    Demand,
+    /// Descriptor passing (same host, Unix socket).
+    Fds,
 }
 
 /// Opens a connection.
@@ -265,8 +271,8 @@ pub fn write_pages_frame(
     w.write_all(data)
 }
 
-/// Writes a ZeroRanges frame of `(gpa, pages)` runs; returns its wire bytes.
-pub fn write_zero_ranges(w: &mut impl Write, ranges: &[(u64, u64)]) -> Result<u64, ProtocolError> {
+/// Writes a ZeroRanges frame of runs; returns its wire bytes.
+pub fn write_zero_ranges(w: &mut impl Write, ranges: &[GpaPages]) -> Result<u64, ProtocolError> {
     let body = postcard::to_stdvec(ranges).map_err(|e| ProtocolError::Malformed {
         kind: Kind::ZeroRanges,
         reason: e.to_string(),
@@ -277,7 +283,7 @@ pub fn write_zero_ranges(w: &mut impl Write, ranges: &[(u64, u64)]) -> Result<u6
 
 /// Writes known-zero holes as ZeroRanges frames (4096 runs each); returns
 /// (frames, wire bytes).
-pub fn write_holes(w: &mut impl Write, holes: &[(u64, u64)]) -> Result<(u64, u64), ProtocolError> {
+pub fn write_holes(w: &mut impl Write, holes: &[GpaPages]) -> Result<(u64, u64), ProtocolError> {
     let (mut frames, mut bytes) = (0, 0);
     for chunk in holes.chunks(4096) {
         bytes += write_zero_ranges(w, chunk)?;

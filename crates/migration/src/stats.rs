@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 /// One precopy round.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RoundStats {
     /// 0 = full copy; the last is the stop-and-copy round.
     pub round: u32,
@@ -28,7 +28,7 @@ pub struct RoundStats {
 }
 
 /// A whole migration, as the source saw it.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MigrationStats {
     /// Start to source released (seconds).
     pub total_secs: f64,
@@ -47,6 +47,8 @@ pub struct MigrationStats {
     pub state_bytes: u64,
     /// Pages compared end to end (0 without --verify).
     pub verified_pages: u64,
+    /// The mode that ran.
+    pub mode: crate::options::Mode,
     /// Why precopy stopped iterating.
     pub converged: String,
     /// Where the VM's request service listens at the destination, if it has one.
@@ -64,7 +66,7 @@ pub struct MigrationStats {
 }
 
 /// What compression did.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CompressionStats {
     /// What was asked for.
     pub asked: String,
@@ -87,7 +89,7 @@ pub struct CompressionStats {
 }
 
 /// Downtime broken down by phase (ms).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DowntimeParts {
     /// vCPUs out of KVM_RUN and parked.
     pub pause: f64,
@@ -110,8 +112,49 @@ pub struct StartedReport {
     pub cpu_s: f64,
 }
 
+/// Where a migration is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Copying memory while the guest runs.
+    #[default]
+    Copy,
+    /// The guest is paused; the rest goes out.
+    StopAndCopy,
+    /// Hashing memory for verification.
+    Verify,
+    /// Finished.
+    Done,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Copy => "copy",
+            Phase::StopAndCopy => "stop-and-copy",
+            Phase::Verify => "verify",
+            Phase::Done => "done",
+        })
+    }
+}
+
+/// What the destination saw.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct IncomingStats {
+    /// Pages written.
+    pub pages: u64,
+    /// Zero pages.
+    pub zero_pages: u64,
+    /// Rounds.
+    pub rounds: u32,
+    /// Pages verified (0 without verification).
+    pub verified_pages: u64,
+    /// Complete received to vCPUs started (ms).
+    pub restore_ms: f64,
+}
+
 /// Live progress for a bar.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Progress {
     /// Current round.
     pub round: u32,
@@ -121,8 +164,8 @@ pub struct Progress {
     pub throughput: f64,
     /// Bytes sent so far.
     pub bytes: u64,
-    /// Phase: "copy", "stop-and-copy", "state", "verify", "done".
-    pub phase: &'static str,
+    /// Where the migration is.
+    pub phase: Phase,
 }
 
 pub(crate) fn secs(d: Duration) -> f64 {

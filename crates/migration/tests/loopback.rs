@@ -1,18 +1,55 @@
-//! The engine on plain memory over loopback TCP: no KVM involved.
+//! The engine on plain memory over loopback TCP and a Unix socket: no KVM
+//! involved.
 
-use std::net::TcpListener;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use ferry_migration::{
-    incoming, migrate, IncomingVm, MigratableVm, MigrationError, PrecopyOptions, RegionView,
+    incoming, Backend, Endpoint, GpaBytes, GpaPages, IncomingVm, Listener, MigratableVm,
+    MigrateOptions, MigrationError, MigrationStats, OffsetBytes, PageStore, Progress, RegionView,
+    VmOpError,
 };
 
 const PAGE: usize = 4096;
 
 /// (offset, length) runs of one region.
-type Ranges = Vec<(u64, u64)>;
+type Ranges = Vec<OffsetBytes>;
+
+/// How the two sides are connected.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    Tcp,
+    Unix,
+}
+
+/// A destination listener and the endpoint a source dials.
+fn listen(via: Via) -> (Listener, Endpoint) {
+    let at = match via {
+        Via::Tcp => "tcp:127.0.0.1:0".parse().unwrap(),
+        Via::Unix => {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "ferry-loopback-{}-{}.sock",
+                std::process::id(),
+                N.fetch_add(1, Ordering::SeqCst)
+            ));
+            Endpoint::Unix(path)
+        }
+    };
+    let l = Listener::bind(&at).unwrap();
+    let ep = l.endpoint();
+    (l, ep)
+}
+
+fn migrate(
+    vm: &FakeVm,
+    to: &Endpoint,
+    opts: &MigrateOptions,
+    progress: &dyn Fn(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    ferry_migration::migrate(vm, to, opts, &Backend::cpu(), progress)
+}
 
 struct FakeVm {
     mem: Vec<Mutex<Vec<u8>>>,
@@ -70,20 +107,20 @@ impl MigratableVm for FakeVm {
         self.layout
             .iter()
             .zip(&self.mem)
-            .map(|(&(gpa, size), m)| RegionView {
-                gpa,
-                size,
-                host: m.lock().unwrap().as_mut_ptr(),
+            // SAFETY: each Vec lives as long as the FakeVm and is never
+            // resized, so the pointer stays valid while the engine uses it.
+            .map(|(&(gpa, size), m)| unsafe {
+                RegionView::new(gpa, size, m.lock().unwrap().as_mut_ptr())
             })
             .collect()
     }
     fn vcpus(&self) -> u32 {
         1
     }
-    fn start_dirty_log(&self) -> Result<(), String> {
+    fn start_dirty_log(&self) -> Result<(), VmOpError> {
         Ok(())
     }
-    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, String> {
+    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
         // Each call: the scripted pages of region 0 get new content and are reported dirty.
         let pages = self.dirty_script.lock().unwrap().pop().unwrap_or_default();
         let mut bm = vec![0u64; (self.layout[0].1 as usize / PAGE).div_ceil(64)];
@@ -100,44 +137,42 @@ impl MigratableVm for FakeVm {
         );
         Ok(out)
     }
-    fn stop_dirty_log(&self) -> Result<(), String> {
+    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
         Ok(())
     }
-    fn pause(&self) -> Result<(), String> {
+    fn pause(&self) -> Result<(), VmOpError> {
         self.pauses.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
-    fn resume(&self) -> Result<(), String> {
+    fn resume(&self) -> Result<(), VmOpError> {
         self.resumes.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
-    fn save_state(&self) -> Result<Vec<u8>, String> {
+    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
         Ok(self.state.lock().unwrap().clone())
     }
-    fn throttle(&self, pct: u32) -> Result<(), String> {
+    fn throttle(&self, pct: u32) -> Result<(), VmOpError> {
         self.throttles.lock().unwrap().push(pct);
         Ok(())
     }
-    fn host_written_ranges(&self) -> Vec<(u64, u64)> {
-        vec![(self.layout[0].0, PAGE as u64)]
+    fn host_written_ranges(&self) -> Vec<GpaBytes> {
+        vec![GpaBytes::new(self.layout[0].0, PAGE as u64)]
     }
 }
 
-impl IncomingVm for FakeVm {
+impl PageStore for FakeVm {
     fn regions(&self) -> Vec<RegionView> {
         MigratableVm::regions(self)
     }
-    fn vcpus(&self) -> u32 {
-        1
-    }
-    fn nonzero_ranges(&self, index: usize) -> Vec<(u64, u64)> {
+    fn nonzero_ranges(&self, index: usize) -> Vec<OffsetBytes> {
         match &*self.nonzero.lock().unwrap() {
             Some(r) => r[index].clone(),
-            None => vec![(0, self.layout[index].1)],
+            None => vec![OffsetBytes::new(0, self.layout[index].1)],
         }
     }
-    fn zero(&self, gpa: u64, len: u64) -> Result<(), String> {
-        self.zeroed.fetch_add(len / PAGE as u64, Ordering::SeqCst);
+    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
+        let (gpa, len) = (run.gpa, run.bytes());
+        self.zeroed.fetch_add(run.pages, Ordering::SeqCst);
         for (i, &(base, size)) in self.layout.iter().enumerate() {
             if gpa >= base && gpa + len <= base + size {
                 let off = (gpa - base) as usize;
@@ -147,11 +182,17 @@ impl IncomingVm for FakeVm {
         }
         Err("zero outside memory".into())
     }
-    fn restore_state(&self, state: &[u8]) -> Result<(), String> {
+}
+
+impl IncomingVm for FakeVm {
+    fn vcpus(&self) -> u32 {
+        1
+    }
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
         *self.state.lock().unwrap() = state.to_vec();
         Ok(())
     }
-    fn start(&self) -> Result<(), String> {
+    fn start(&self) -> Result<(), VmOpError> {
         std::thread::sleep(*self.start_delay.lock().unwrap());
         self.started.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -162,14 +203,19 @@ const LAYOUT: &[(u64, u64)] = &[(0, 64 * PAGE as u64), (0x10_0000, 200 * PAGE as
 
 #[test]
 fn precopy_moves_every_page_and_the_state() {
+    for via in [Via::Tcp, Via::Unix] {
+        precopy_moves_every_page_and_the_state_via(via);
+    }
+}
+
+fn precopy_moves_every_page_and_the_state_via(via: Via) {
     let src = FakeVm::new(LAYOUT, true);
     *src.dirty_script.lock().unwrap() = vec![vec![], vec![1, 2, 3], (0..40).collect()];
     let dst = FakeVm::new(LAYOUT, false);
     // Garbage the destination must overwrite, including where the source has zeros.
     dst.mem[1].lock().unwrap().fill(0xee);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    let (listener, addr) = listen(via);
+    let opts = MigrateOptions {
         streams: 3,
         downtime_ms: 0.0,
         max_rounds: 2,
@@ -178,7 +224,7 @@ fn precopy_moves_every_page_and_the_state() {
     };
     let (stats, istats) = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         (st, d.join().unwrap().unwrap())
     });
     for (a, b) in src.mem.iter().zip(&dst.mem) {
@@ -217,10 +263,12 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
     // The destination's VMM wrote region 1's pages 10..20 before the
     // migration; everything else reads as zeros.
     dst.mem[1].lock().unwrap()[10 * PAGE..20 * PAGE].fill(0xee);
-    *dst.nonzero.lock().unwrap() = Some(vec![vec![], vec![(10 * PAGE as u64, 10 * PAGE as u64)]]);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    *dst.nonzero.lock().unwrap() = Some(vec![
+        vec![],
+        vec![OffsetBytes::new(10 * PAGE as u64, 10 * PAGE as u64)],
+    ]);
+    let (listener, addr) = listen(Via::Tcp);
+    let opts = MigrateOptions {
         streams: 2,
         downtime_ms: 0.0,
         max_rounds: 2,
@@ -229,7 +277,7 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
     };
     let stats = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
     });
@@ -249,12 +297,11 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
 fn a_mismatched_destination_refuses_and_the_source_resumes_untouched() {
     let src = FakeVm::new(LAYOUT, true);
     let dst = FakeVm::new(&LAYOUT[..1], false);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (listener, addr) = listen(Via::Tcp);
     let before = src.mem[0].lock().unwrap().clone();
     let (err, derr) = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let e = migrate(&src, addr, &PrecopyOptions::default(), &|_| {}).unwrap_err();
+        let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
         (e, d.join().unwrap().unwrap_err())
     });
     assert!(matches!(derr, MigrationError::Mismatch(_)), "{derr}");
@@ -270,10 +317,9 @@ fn a_mismatched_destination_refuses_and_the_source_resumes_untouched() {
 #[test]
 fn a_dead_destination_is_a_clear_error() {
     let src = FakeVm::new(LAYOUT, true);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (listener, addr) = listen(Via::Tcp);
     drop(listener);
-    let e = migrate(&src, addr, &PrecopyOptions::default(), &|_| {}).unwrap_err();
+    let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
     assert!(matches!(e, MigrationError::Connect { .. }), "{e}");
 }
 
@@ -283,16 +329,15 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
     // The same 48 pages dirtied every round: the guest never lets up.
     *src.dirty_script.lock().unwrap() = (0..8).map(|_| (0..48).collect()).collect();
     let dst = FakeVm::new(LAYOUT, false);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    let (listener, addr) = listen(Via::Tcp);
+    let opts = MigrateOptions {
         downtime_ms: 0.0,
         max_rounds: 4,
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
     });
@@ -312,16 +357,15 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
 fn bandwidth_limit_paces_the_copy() {
     let src = FakeVm::new(LAYOUT, true);
     let dst = FakeVm::new(LAYOUT, false);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (listener, addr) = listen(Via::Tcp);
     // About 0.7 MiB of non-zero pages at 1 MiB/s.
-    let opts = PrecopyOptions {
+    let opts = MigrateOptions {
         bandwidth: Some(1024.0 * 1024.0),
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
     });
@@ -342,7 +386,11 @@ fn bandwidth_limit_paces_the_copy() {
 /// streams and shards.
 const BIG: &[(u64, u64)] = &[(0, 3000 * PAGE as u64), (0x100_0000, 64 * PAGE as u64)];
 
-fn migrate_compressed(compress: &str, pipeline: bool) -> ferry_migration::MigrationStats {
+fn migrate_compressed(compress: &str, pipeline: bool) -> MigrationStats {
+    migrate_compressed_via(compress, pipeline, Via::Tcp)
+}
+
+fn migrate_compressed_via(compress: &str, pipeline: bool, via: Via) -> MigrationStats {
     let src = FakeVm::new(BIG, true);
     // Round after round the same pages change a little: xbzrle's case.
     *src.dirty_script.lock().unwrap() = vec![
@@ -352,9 +400,8 @@ fn migrate_compressed(compress: &str, pipeline: bool) -> ferry_migration::Migrat
     ];
     let dst = FakeVm::new(BIG, false);
     dst.mem[0].lock().unwrap().fill(0xee);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    let (listener, addr) = listen(via);
+    let opts = MigrateOptions {
         streams: 2,
         downtime_ms: 0.0,
         max_rounds: 3,
@@ -374,7 +421,7 @@ fn migrate_compressed(compress: &str, pipeline: bool) -> ferry_migration::Migrat
     };
     let stats = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, addr, &opts, &|_| {});
+        let st = migrate(&src, &addr, &opts, &|_| {});
         let got = d.join().unwrap();
         let st = st.unwrap_or_else(|e| panic!("{compress} pipeline={pipeline}: {e}"));
         got.unwrap();
@@ -404,6 +451,8 @@ fn every_codec_moves_memory_exactly_with_and_without_the_pipeline() {
             }
         }
     }
+    // The compressed path over a Unix socket, too.
+    migrate_compressed_via("zstd:3", true, Via::Unix);
     // xbzrle codes the re-sent pages as small deltas: dirty rounds shrink.
     let st = migrate_compressed("xbzrle", true);
     let resent: Vec<_> = st.rounds[1..].iter().filter(|r| r.pages > 0).collect();
@@ -427,16 +476,15 @@ fn no_confirmation_after_complete_keeps_the_source_paused() {
     let src = FakeVm::new(LAYOUT, true);
     let dst = FakeVm::new(LAYOUT, false);
     *dst.start_delay.lock().unwrap() = Duration::from_millis(1500);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    let (listener, addr) = listen(Via::Tcp);
+    let opts = MigrateOptions {
         downtime_ms: 1000.0,
-        timeout: Duration::from_millis(500),
+        timeout_ms: 500,
         ..Default::default()
     };
     let err = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
-        let e = migrate(&src, addr, &opts, &|_| {}).unwrap_err();
+        let e = migrate(&src, &addr, &opts, &|_| {}).unwrap_err();
         let _ = d.join();
         e
     });

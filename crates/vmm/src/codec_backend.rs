@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ferry_codec::{CacheSizes, EncodedBatch, Method, StreamEncoder};
 use ferry_codec_cuda::{CudaDevice, CudaGpu, GpuEncoder};
-use ferry_migration::{Backend, BatchEncoder};
+use ferry_migration::{Backend, BatchEncoder, VmOpError};
 
 /// The CUDA backend when GPU 0 opens and the kernels compile; otherwise the
 /// CPU one, with a note saying what is missing.
@@ -55,22 +55,18 @@ impl BatchEncoder for CudaBatchEncoder {
         pages: &[u64],
         data: &[u8],
         out: &mut EncodedBatch,
-    ) -> Result<(), String> {
+    ) -> Result<(), VmOpError> {
         if matches!(method, Method::Lz4 | Method::Zstd(_)) {
-            return self
-                .on_cpu
-                .encode(method, pages, data, out)
-                .map_err(|e| e.to_string());
+            return Ok(self.on_cpu.encode(method, pages, data, out)?);
         }
         let gpu = match &mut self.on_gpu {
             Some(gpu) => gpu,
             None => {
-                let dev = self.gpu.device().map_err(|e| e.to_string())?;
-                self.on_gpu
-                    .insert(GpuEncoder::new(dev, self.sizes).map_err(|e| e.to_string())?)
+                let dev = self.gpu.device()?;
+                self.on_gpu.insert(GpuEncoder::new(dev, self.sizes)?)
             }
         };
         gpu.encode(method, pages, data, out)
-            .map_err(|e| format!("GPU encoder: {e}"))
+            .map_err(|e| format!("GPU encoder: {e}").into())
     }
 }

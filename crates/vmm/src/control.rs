@@ -50,83 +50,16 @@ pub enum Request {
     },
 }
 
-/// Parameters of a migration request.
+/// Parameters of a migration request: where to, and how (the engine's
+/// own options, parsed once by the client; omitted fields take their
+/// defaults).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MigrateRequest {
-    /// Destination, `tcp:HOST:PORT`.
-    pub to: String,
-    /// Parallel bulk connections.
-    #[serde(default = "default_streams")]
-    pub streams: u16,
-    /// Downtime target, ms.
-    #[serde(default = "default_downtime")]
-    pub downtime_ms: f64,
-    /// Most dirty rounds before stop-and-copy.
-    #[serde(default = "default_rounds")]
-    pub max_rounds: u32,
-    /// Compare per-page hashes at the end.
-    #[serde(default)]
-    pub verify: bool,
-    /// Throttle the vCPUs when the guest dirties faster than the link carries.
-    #[serde(default = "default_true")]
-    pub auto_converge: bool,
-    /// Most bytes per second on the wire (None = as fast as the link goes).
-    #[serde(default)]
-    pub bandwidth: Option<u64>,
-    /// Compression: auto, none, rle, xbzrle, dedup, lz4, zstd[:level].
-    #[serde(default = "default_compress")]
-    pub compress: String,
-    /// Where the codecs run: "cpu" or "cuda".
-    #[serde(default = "default_backend")]
-    pub compress_backend: String,
-    /// Fetch, encode and send on separate threads.
-    #[serde(default = "default_true")]
-    pub pipeline: bool,
-    /// Encoder threads per bulk stream.
-    #[serde(default = "default_one")]
-    pub compress_threads: u8,
-    /// xbzrle page cache bytes per encoder (None = the codec's default).
-    #[serde(default)]
-    pub xbzrle_cache: Option<u64>,
-    /// dedup chunk cache bytes per encoder (None = the codec's default).
-    #[serde(default)]
-    pub dedup_cache: Option<u64>,
-}
-
-fn default_compress() -> String {
-    "none".into()
-}
-
-fn default_backend() -> String {
-    "cpu".into()
-}
-
-fn default_one() -> u8 {
-    1
-}
-
-fn default_true() -> bool {
-    true
-}
-
-fn default_streams() -> u16 {
-    ferry_migration::precopy::default_streams()
-}
-fn default_downtime() -> f64 {
-    10.0
-}
-fn default_rounds() -> u32 {
-    30
-}
-
-/// Parses `tcp:HOST:PORT` (or `HOST:PORT`).
-pub fn parse_tcp(addr: &str) -> Result<std::net::SocketAddr, String> {
-    use std::net::ToSocketAddrs;
-    let a = addr.strip_prefix("tcp:").unwrap_or(addr);
-    a.to_socket_addrs()
-        .map_err(|e| format!("'{addr}' is not a tcp:HOST:PORT address ({e})"))?
-        .next()
-        .ok_or_else(|| format!("'{addr}' resolves to no address"))
+    /// Destination, `tcp:HOST:PORT` or `unix:PATH`.
+    pub to: ferry_migration::Endpoint,
+    /// How to migrate.
+    #[serde(flatten)]
+    pub options: ferry_migration::MigrateOptions,
 }
 
 /// Why a control call failed.
@@ -439,27 +372,9 @@ impl ControlHandler for VmControl {
                 Ok(json!({}))
             }
             Request::Migrate(m) => {
-                let to = parse_tcp(&m.to)?;
-                if vm.run_state() != crate::RunState::Running {
-                    return Err(format!(
-                        "the VM is {:?}: only a running VM migrates",
-                        vm.run_state()
-                    ));
-                }
-                let opts = ferry_migration::PrecopyOptions {
-                    streams: m.streams.clamp(1, 16),
-                    downtime_ms: m.downtime_ms.max(0.0),
-                    max_rounds: m.max_rounds,
-                    verify: m.verify,
-                    auto_converge: m.auto_converge,
-                    bandwidth: m.bandwidth.filter(|&b| b > 0).map(|b| b as f64),
-                    compression: compress_options(&m)?,
-                    ..Default::default()
-                };
-                let progress = std::sync::Mutex::new(progress);
-                let stats = ferry_migration::migrate(&**vm, to, &opts, &|p| {
+                let stats = crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
                     if let Ok(v) = serde_json::to_value(p) {
-                        (progress.lock().unwrap_or_else(|e| e.into_inner()))(v);
+                        progress(v);
                     }
                 })
                 .map_err(|e| match e {
@@ -468,18 +383,8 @@ impl ControlHandler for VmControl {
                     }
                     e => format!("migration failed, the VM keeps running here: {e}"),
                 })?;
-                if let (Some(svc), Some(addr)) = (vm.service(), &stats.destination_service) {
-                    // Clients keep using this host's port; their requests now go
-                    // to the destination (an unspecified address there means the
-                    // host we migrated to).
-                    if let Ok(mut a) = addr.parse::<std::net::SocketAddr>() {
-                        if a.ip().is_unspecified() {
-                            a.set_ip(to.ip());
-                        }
-                        svc.redirect(a);
-                    }
-                }
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(Some(to.to_string()));
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(Some(m.to.to_string()));
                 Ok(json!({ "stats": stats }))
             }
         }
@@ -514,45 +419,6 @@ fn dump_pages(vm: &Vm, path: &str) -> Result<Value, String> {
     }
     w.flush().map_err(|e| format!("cannot write {path}: {e}"))?;
     Ok(json!({ "path": path, "pages": pages, "zero_pages_skipped": zero }))
-}
-
-/// The engine's compression options from a request, refusing bad values.
-fn compress_options(m: &MigrateRequest) -> Result<ferry_migration::CompressOptions, String> {
-    let compress: ferry_migration::Compress = m.compress.parse()?;
-    let mut caches = ferry_codec::CacheSizes::default();
-    let limit = ferry_migration::encoded::MAX_CACHE_BYTES;
-    for (asked, slot, name) in [
-        (m.xbzrle_cache, &mut caches.xbzrle_bytes, "xbzrle"),
-        (m.dedup_cache, &mut caches.dedup_bytes, "dedup"),
-    ] {
-        if let Some(b) = asked {
-            if !(8192..=limit).contains(&b) {
-                return Err(format!(
-                    "the {name} cache must be 8 KiB to {} MiB",
-                    limit >> 20
-                ));
-            }
-            *slot = b;
-        }
-    }
-    if !(1..=ferry_migration::encoded::MAX_SHARDS).contains(&m.compress_threads) {
-        return Err(format!(
-            "compress threads must be 1 to {}",
-            ferry_migration::encoded::MAX_SHARDS
-        ));
-    }
-    let backend = match m.compress_backend.as_str() {
-        "cpu" => ferry_migration::Backend::cpu(),
-        "cuda" => crate::codec_backend::cuda(),
-        other => return Err(format!("unknown compress backend '{other}' (cpu or cuda)")),
-    };
-    Ok(ferry_migration::CompressOptions {
-        compress,
-        pipeline: m.pipeline,
-        workers: m.compress_threads,
-        caches,
-        backend,
-    })
 }
 
 #[cfg(test)]

@@ -4,10 +4,10 @@
 mod common;
 use common::kvm_usable;
 
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use ferry_migration::{incoming, migrate, PrecopyOptions};
+use ferry_migration::{Endpoint, MigrateOptions};
+use ferry_vmm::migration::{migrate, Incoming};
 use ferry_vmm::{Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
@@ -27,16 +27,16 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
     let src = running(workload, vcpus);
     std::thread::sleep(Duration::from_millis(300));
     let dst = Vm::create(VmConfig::new(128 * MIB, vcpus, workload.parse().unwrap())).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    let incoming = Incoming::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let addr = incoming.endpoint();
+    let opts = MigrateOptions {
         streams: 2,
         verify: true,
         ..Default::default()
     };
     let (stats, istats) = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(30)));
-        let st = migrate(&src, addr, &opts, &|_| {}).expect("migration");
+        let d = s.spawn(|| incoming.receive(&dst, Duration::from_secs(30)));
+        let st = migrate(&src, &addr, &opts, &mut |_| {}).expect("migration");
         (st, d.join().unwrap().expect("incoming"))
     });
     let at_switch = src.metrics().unwrap();
@@ -81,15 +81,15 @@ fn idle_guest_migrates_with_few_bytes() {
     }
     let src = running("idle", 1);
     let dst = Vm::create(VmConfig::new(128 * MIB, 1, "idle".parse().unwrap())).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let opts = PrecopyOptions {
+    let incoming = Incoming::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let addr = incoming.endpoint();
+    let opts = MigrateOptions {
         verify: true,
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(30)));
-        let st = migrate(&src, addr, &opts, &|_| {}).unwrap();
+        let d = s.spawn(|| incoming.receive(&dst, Duration::from_secs(30)));
+        let st = migrate(&src, &addr, &opts, &mut |_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
     });

@@ -15,8 +15,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::protocol::PAGE;
-use crate::vm::RegionView;
+use crate::ranges::{GpaBytes, GpaPages, OffsetBytes};
+
+const PAGE: usize = crate::ranges::PAGE as usize;
+use crate::memory::RegionView;
 
 /// One region's bits.
 struct RegionBits {
@@ -37,14 +39,14 @@ impl MaybeNonZero {
     /// A map of `regions` where `nonzero[i]` lists region i's (offset, length)
     /// ranges that may hold data, and `sticky` lists (gpa, length) ranges
     /// the VMM may write at any time: those are taken every time.
-    pub fn new(regions: &[RegionView], nonzero: &[Vec<(u64, u64)>], sticky: &[(u64, u64)]) -> Self {
+    pub fn new(regions: &[RegionView], nonzero: &[Vec<OffsetBytes>], sticky: &[GpaBytes]) -> Self {
         let mut map = MaybeNonZero {
             regions: regions
                 .iter()
                 .map(|r| {
                     let words = r.pages().div_ceil(64) as usize;
                     RegionBits {
-                        gpa: r.gpa,
+                        gpa: r.gpa(),
                         pages: r.pages(),
                         bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
                         sticky: vec![0; words],
@@ -53,12 +55,15 @@ impl MaybeNonZero {
                 .collect(),
         };
         for (r, ranges) in regions.iter().zip(nonzero) {
-            for &(off, len) in ranges {
-                map.mark(r.gpa + off, pages_of(off, len));
+            for range in ranges {
+                map.mark(GpaPages::new(
+                    r.gpa() + range.offset,
+                    pages_of(range.offset, range.bytes),
+                ));
             }
         }
-        for &(gpa, len) in sticky {
-            if let Some((i, first, end)) = map.span(gpa, pages_of(gpa, len)) {
+        for s in sticky {
+            if let Some((i, first, end)) = map.span(s.gpa, pages_of(s.gpa, s.bytes)) {
                 let sticky = &mut map.regions[i].sticky;
                 for_words(first, end, |w, mask| sticky[w] |= mask);
             }
@@ -75,10 +80,10 @@ impl MaybeNonZero {
         })
     }
 
-    /// Records that `pages` pages from `gpa` may now hold data (clipped to
-    /// the region holding `gpa`).
-    pub fn mark(&self, gpa: u64, pages: u64) {
-        let Some((i, first, end)) = self.span(gpa, pages) else {
+    /// Records that the pages of `run` may now hold data (clipped to the
+    /// region holding its first page).
+    pub fn mark(&self, run: GpaPages) {
+        let Some((i, first, end)) = self.span(run.gpa, run.pages) else {
             return;
         };
         let bits = &self.regions[i].bits;
@@ -88,14 +93,14 @@ impl MaybeNonZero {
     }
 
     /// The runs of `pages` pages from `gpa` that may hold data, as
-    /// (gpa, pages); their bits are cleared (the caller zeroes them).
-    pub fn take(&self, gpa: u64, pages: u64) -> Vec<(u64, u64)> {
-        let Some((i, first, end)) = self.span(gpa, pages) else {
+    /// runs; their bits are cleared (the caller zeroes them).
+    pub fn take(&self, run: GpaPages) -> Vec<GpaPages> {
+        let Some((i, first, end)) = self.span(run.gpa, run.pages) else {
             return Vec::new();
         };
         let rb = &self.regions[i];
         let base = rb.gpa;
-        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut runs: Vec<GpaPages> = Vec::new();
         for_words(first, end, |w, mask| {
             let set = (rb.bits[w].fetch_and(!mask, Ordering::Relaxed) | rb.sticky[w]) & mask;
             let mut rest = set;
@@ -105,8 +110,8 @@ impl MaybeNonZero {
                 let page = w as u64 * 64 + bit;
                 let at = base + page * PAGE as u64;
                 match runs.last_mut() {
-                    Some((g, n)) if *g + *n * PAGE as u64 == at => *n += len,
-                    _ => runs.push((at, len)),
+                    Some(r) if r.end() == at => r.pages += len,
+                    _ => runs.push(GpaPages::new(at, len)),
                 }
                 rest &= !(((1u128 << (bit + len)) - 1) as u64);
             }
@@ -142,11 +147,12 @@ mod tests {
     use super::*;
 
     fn region(gpa: u64, pages: u64) -> RegionView {
-        RegionView {
-            gpa,
-            size: pages * PAGE as u64,
-            host: std::ptr::null_mut(),
-        }
+        // SAFETY: the map only reads the view's address range, never its memory.
+        unsafe { RegionView::new(gpa, pages * PAGE as u64, std::ptr::null_mut()) }
+    }
+
+    fn run(gpa: u64, pages: u64) -> GpaPages {
+        GpaPages::new(gpa, pages)
     }
 
     const P: u64 = PAGE as u64;
@@ -154,18 +160,25 @@ mod tests {
     #[test]
     fn starts_from_the_given_ranges_and_takes_what_was_marked() {
         let regions = [region(0, 200), region(0x1_0000_0000, 70)];
-        let map = MaybeNonZero::new(&regions, &[vec![(3 * P, 2 * P)], vec![]], &[]);
-        assert_eq!(map.take(0, 200), vec![(3 * P, 2)]);
-        assert!(map.take(0, 200).is_empty(), "taking clears");
-        map.mark(60 * P, 10); // across a word boundary
-        map.mark(0x1_0000_0000 + 68 * P, 5); // clipped to the region
-        assert_eq!(map.take(0, 65), vec![(60 * P, 5)]);
-        assert_eq!(map.take(65 * P, 100), vec![(65 * P, 5)]);
-        assert_eq!(
-            map.take(0x1_0000_0000, 70),
-            vec![(0x1_0000_0000 + 68 * P, 2)]
+        let map = MaybeNonZero::new(
+            &regions,
+            &[vec![OffsetBytes::new(3 * P, 2 * P)], vec![]],
+            &[],
         );
-        assert!(map.take(0x2_0000_0000, 1).is_empty(), "outside guest RAM");
+        assert_eq!(map.take(run(0, 200)), vec![run(3 * P, 2)]);
+        assert!(map.take(run(0, 200)).is_empty(), "taking clears");
+        map.mark(run(60 * P, 10)); // across a word boundary
+        map.mark(run(0x1_0000_0000 + 68 * P, 5)); // clipped to the region
+        assert_eq!(map.take(run(0, 65)), vec![run(60 * P, 5)]);
+        assert_eq!(map.take(run(65 * P, 100)), vec![run(65 * P, 5)]);
+        assert_eq!(
+            map.take(run(0x1_0000_0000, 70)),
+            vec![run(0x1_0000_0000 + 68 * P, 2)]
+        );
+        assert!(
+            map.take(run(0x2_0000_0000, 1)).is_empty(),
+            "outside guest RAM"
+        );
     }
 
     #[test]
@@ -173,28 +186,34 @@ mod tests {
         let regions = [region(0, 256)];
         let map = MaybeNonZero::new(&regions, &[vec![]], &[]);
         for p in [0u64, 1, 2, 63, 64, 65, 130, 255] {
-            map.mark(p * P, 1);
+            map.mark(run(p * P, 1));
         }
         assert_eq!(
-            map.take(0, 256),
-            vec![(0, 3), (63 * P, 3), (130 * P, 1), (255 * P, 1)]
+            map.take(run(0, 256)),
+            vec![run(0, 3), run(63 * P, 3), run(130 * P, 1), run(255 * P, 1)]
         );
-        map.mark(0, 256);
-        assert_eq!(map.take(10 * P, 100), vec![(10 * P, 100)]);
-        assert_eq!(map.take(0, 256), vec![(0, 10), (110 * P, 146)]);
+        map.mark(run(0, 256));
+        assert_eq!(map.take(run(10 * P, 100)), vec![run(10 * P, 100)]);
+        assert_eq!(map.take(run(0, 256)), vec![run(0, 10), run(110 * P, 146)]);
     }
 
     #[test]
     fn sticky_ranges_are_taken_every_time() {
         let base = 0x1000_0000;
         let regions = [region(base, 128)];
-        let map = MaybeNonZero::new(&regions, &[vec![]], &[(base + 70 * P, 3 * P)]);
+        let map = MaybeNonZero::new(&regions, &[vec![]], &[GpaBytes::new(base + 70 * P, 3 * P)]);
         for _ in 0..3 {
-            assert_eq!(map.take(base, 128), vec![(base + 70 * P, 3)]);
+            assert_eq!(map.take(run(base, 128)), vec![run(base + 70 * P, 3)]);
         }
-        map.mark(base + 73 * P, 1);
-        assert_eq!(map.take(base + 60 * P, 20), vec![(base + 70 * P, 4)]);
-        assert_eq!(map.take(base + 60 * P, 20), vec![(base + 70 * P, 3)]);
-        assert_eq!(map.take(base + 71 * P, 1), vec![(base + 71 * P, 1)]);
+        map.mark(run(base + 73 * P, 1));
+        assert_eq!(
+            map.take(run(base + 60 * P, 20)),
+            vec![run(base + 70 * P, 4)]
+        );
+        assert_eq!(
+            map.take(run(base + 60 * P, 20)),
+            vec![run(base + 70 * P, 3)]
+        );
+        assert_eq!(map.take(run(base + 71 * P, 1)), vec![run(base + 71 * P, 1)]);
     }
 }

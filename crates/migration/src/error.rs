@@ -1,0 +1,95 @@
+//! Why a migration failed, as one typed enum with the cause chained.
+
+use crate::protocol::ProtocolError;
+use crate::sink::SinkError;
+
+/// An error from the VMM (or whatever implements the engine's traits),
+/// kept whole so its own type and cause chain reach the user.
+pub type VmOpError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a migration failed. On the source, every failure but
+/// [`MigrationError::InDoubt`] leaves the VM running there with nothing lost.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    /// The wire protocol failed or the peer refused.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The VMM could not do what the engine asked.
+    #[error("VM operation '{op}' failed: {source}")]
+    Vm {
+        /// What was asked.
+        op: &'static str,
+        /// The VMM's error.
+        source: VmOpError,
+    },
+    /// A bulk stream failed (a corrupt frame, a bad address, a broken
+    /// connection); the stream's own error is the source.
+    #[error("bulk stream {stream}: {source}")]
+    Stream {
+        /// Stream number.
+        stream: u16,
+        /// What went wrong on it.
+        source: Box<MigrationError>,
+    },
+    /// Pages could not land in the destination's memory.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// The two sides describe different VMs.
+    #[error("the destination VM does not match: {0}")]
+    Mismatch(String),
+    /// End-to-end verification found differences.
+    #[error("verification failed: {bad} of {total} pages differ (first at {first:#x})")]
+    Verify {
+        /// Pages that differ.
+        bad: u64,
+        /// Pages compared.
+        total: u64,
+        /// First differing guest address.
+        first: u64,
+    },
+    /// Complete was sent but no Started came back: the destination may or
+    /// may not run the VM. The source keeps it paused.
+    #[error("the destination got everything but did not confirm the start ({0}); the VM stays paused here: resume it only if the destination did not start it")]
+    InDoubt(String),
+    /// A codec failed on the source's own pages (a bug, not bad input).
+    #[error("encoding a batch failed: {0}")]
+    Codec(#[source] VmOpError),
+    /// Could not connect.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// Destination.
+        addr: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Could not listen or accept.
+    #[error("cannot accept migration connections on {addr}: {source}")]
+    Listen {
+        /// Where.
+        addr: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// What was asked cannot be done by this build or with these options.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl MigrationError {
+    /// Wraps a VMM error as the failure of operation `op`.
+    pub(crate) fn vm<E: Into<VmOpError>>(op: &'static str) -> impl FnOnce(E) -> MigrationError {
+        move |e| MigrationError::Vm {
+            op,
+            source: e.into(),
+        }
+    }
+
+    /// True if the peer said it gives up (its reason is in the error).
+    pub fn is_peer_abort(&self) -> bool {
+        match self {
+            MigrationError::Protocol(ProtocolError::Aborted(_)) => true,
+            MigrationError::Stream { source, .. } => source.is_peer_abort(),
+            _ => false,
+        }
+    }
+}

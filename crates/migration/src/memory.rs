@@ -1,0 +1,152 @@
+//! Guest RAM as the engine sees it: regions it may copy pages out of and
+//! into, never a Rust reference into memory the guest writes concurrently.
+
+use crate::ranges::{OffsetBytes, PAGE};
+
+/// One guest RAM region: where it lives in guest physical space and in this
+/// process. Every access is a raw copy of whole pages, bounds-checked.
+#[derive(Clone, Copy, Debug)]
+pub struct RegionView {
+    gpa: u64,
+    size: u64,
+    host: *mut u8,
+}
+
+// SAFETY: a RegionView names a shared mapping that its creator keeps alive
+// for as long as the view is used (the promise of `RegionView::new`); the
+// engine only copies bytes in and out of it, and races with a running guest
+// are what dirty tracking is for.
+unsafe impl Send for RegionView {}
+// SAFETY: as above: no method hands out a reference into the mapping.
+unsafe impl Sync for RegionView {}
+
+impl RegionView {
+    /// A view of `size` bytes (whole pages) at host address `host`, holding
+    /// guest physical addresses from `gpa`.
+    ///
+    /// # Safety
+    /// `host .. host + size` must be a readable and writable mapping that
+    /// stays mapped for as long as this view or a copy of it is used.
+    pub unsafe fn new(gpa: u64, size: u64, host: *mut u8) -> Self {
+        debug_assert!(size.is_multiple_of(PAGE));
+        RegionView { gpa, size, host }
+    }
+
+    /// Guest physical base.
+    pub fn gpa(&self) -> u64 {
+        self.gpa
+    }
+
+    /// Bytes (a multiple of 4 KiB).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Pages in the region.
+    pub fn pages(&self) -> u64 {
+        self.size / PAGE
+    }
+
+    /// True if `gpa` lies in this region.
+    pub fn contains(&self, gpa: u64) -> bool {
+        gpa >= self.gpa && gpa - self.gpa < self.size
+    }
+
+    /// True if `bytes` from `gpa` lie inside this region (checked arithmetic).
+    pub fn contains_range(&self, gpa: u64, bytes: u64) -> bool {
+        gpa.checked_sub(self.gpa)
+            .and_then(|off| off.checked_add(bytes))
+            .is_some_and(|end| end <= self.size)
+    }
+
+    /// The host address of `bytes` from guest address `gpa`, if inside.
+    /// For the landing code that hands memory to read(2) or to the kernel.
+    pub(crate) fn host_range(&self, gpa: u64, bytes: u64) -> Option<*mut u8> {
+        self.contains_range(gpa, bytes)
+            // SAFETY: the offset lies inside the mapping (checked above).
+            .then(|| unsafe { self.host.add((gpa - self.gpa) as usize) })
+    }
+
+    /// Copies `dst.len()` bytes from guest address `gpa` into `dst`; false
+    /// (and nothing copied) if the range is not inside the region.
+    pub fn read(&self, gpa: u64, dst: &mut [u8]) -> bool {
+        let Some(src) = self.host_range(gpa, dst.len() as u64) else {
+            return false;
+        };
+        // SAFETY: `src .. src + len` is inside the live mapping (checked);
+        // `dst` is our own buffer and cannot overlap guest RAM. The guest
+        // may write concurrently: the copy then holds a mix, which the dirty
+        // log sends again.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        true
+    }
+
+    /// Copies `data` to guest address `gpa`; false (and nothing written) if
+    /// the range is not inside the region.
+    pub fn write(&self, gpa: u64, data: &[u8]) -> bool {
+        let Some(dst) = self.host_range(gpa, data.len() as u64) else {
+            return false;
+        };
+        // SAFETY: `dst .. dst + len` is inside the live mapping (checked).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        true
+    }
+
+    /// Appends page `index` of the region to `out`.
+    pub fn copy_page(&self, index: u64, out: &mut Vec<u8>) {
+        let at = out.len();
+        out.resize(at + PAGE as usize, 0);
+        let ok = self.read(self.gpa + index * PAGE, &mut out[at..]);
+        debug_assert!(ok, "page {index} beyond the region");
+    }
+}
+
+/// The region of `regions` holding `gpa`.
+pub fn region_of(regions: &[RegionView], gpa: u64) -> Option<(usize, &RegionView)> {
+    regions.iter().enumerate().find(|(_, r)| r.contains(gpa))
+}
+
+/// True if every byte of `page` is zero.
+pub fn is_zero(page: &[u8]) -> bool {
+    page.chunks_exact(8).all(|c| c == [0u8; 8])
+}
+
+/// Per-page hashes of a region, reading only its data ranges (holes hash
+/// as zero pages): both sides of a verified migration use this.
+pub fn region_hashes(r: &RegionView, data: &[OffsetBytes]) -> Vec<u64> {
+    let zero = crate::protocol::page_hash(&[0u8; PAGE as usize]);
+    let mut out = vec![zero; r.pages() as usize];
+    let mut page = vec![0u8; PAGE as usize];
+    for d in data {
+        for i in d.offset / PAGE..(d.end() / PAGE).min(r.pages()) {
+            r.read(r.gpa() + i * PAGE, &mut page);
+            out[i as usize] = crate::protocol::page_hash(&page);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_are_bounds_checked() {
+        let mut mem = vec![0u8; 4 * PAGE as usize];
+        // SAFETY: `mem` outlives the view and is not moved while it is used.
+        let r = unsafe { RegionView::new(0x10000, 4 * PAGE, mem.as_mut_ptr()) };
+        assert!(r.write(0x11000, &[7u8; 4096]));
+        assert!(!r.write(0x13001, &[7u8; 4096]), "past the end");
+        assert!(!r.write(0xf000, &[7u8; 16]), "before the start");
+        assert!(!r.contains_range(0x10000, u64::MAX), "overflow");
+        let mut out = Vec::new();
+        r.copy_page(1, &mut out);
+        assert!(out.iter().all(|&b| b == 7));
+        let mut small = [0u8; 8];
+        assert!(r.read(0x11ff8, &mut small) && small == [7u8; 8]);
+        assert!(!is_zero(&out) && is_zero(&[0u8; 4096]));
+        let h = region_hashes(&r, &[OffsetBytes::new(0, 4 * PAGE)]);
+        assert_eq!(h[0], h[2]);
+        assert_ne!(h[0], h[1]);
+    }
+}

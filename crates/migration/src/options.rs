@@ -1,0 +1,244 @@
+//! How to migrate: one options type, parsed once (by the CLI or a control
+//! client), carried as it is to the VMM and into the engine. Its defaults
+//! are spelled here and nowhere else.
+
+use serde::{Deserialize, Serialize};
+
+use crate::compress::Compress;
+use ferry_codec::{CacheSizes, Method};
+
+/// The defaults, for the CLI's help text as much as for the engine.
+pub mod defaults {
+    /// Downtime target (ms).
+    pub const DOWNTIME_MS: f64 = 10.0;
+    /// Most dirty rounds before the stop-and-copy.
+    pub const MAX_ROUNDS: u32 = 30;
+    /// How long to wait for the peer at each step (ms).
+    pub const TIMEOUT_MS: u64 = 30_000;
+    /// Encoder threads per bulk stream.
+    pub const COMPRESS_THREADS: u8 = 1;
+    /// Most bulk streams.
+    pub const MAX_STREAMS: u16 = 16;
+}
+
+/// Migration modes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Copy memory while the guest runs, round after round, then stop and
+    /// copy the rest.
+    #[default]
+    Precopy,
+}
+
+impl Mode {
+    /// Every mode this build has.
+    pub const ALL: [Mode; 1] = [Mode::Precopy];
+
+    /// The mode's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Precopy => "precopy",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Mode::ALL.iter().map(|m| m.name()).collect();
+                format!("unknown mode '{s}' (this ferry has: {})", names.join(", "))
+            })
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where the codecs run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// ferry-codec on the CPU.
+    #[default]
+    Cpu,
+    /// The CUDA kernels (the CPU where no GPU is found, saying so).
+    Cuda,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(BackendKind::Cpu),
+            "cuda" => Ok(BackendKind::Cuda),
+            _ => Err(format!("unknown compress backend '{s}' (cpu or cuda)")),
+        }
+    }
+}
+
+/// Compression settings of a migration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CompressOptions {
+    /// The codec choice.
+    pub compress: Compress,
+    /// Fetch, encode and send on separate threads with bounded buffers
+    /// (false: one thread does all three in turn, per stream).
+    pub pipeline: bool,
+    /// Encoder threads (shards) per bulk stream.
+    pub workers: u8,
+    /// Cache sizes per shard (mirrored at the destination).
+    pub caches: CacheSizes,
+    /// Where the codecs run.
+    pub backend: BackendKind,
+}
+
+impl Default for CompressOptions {
+    fn default() -> Self {
+        CompressOptions {
+            compress: Compress::Fixed(Method::None),
+            pipeline: true,
+            workers: defaults::COMPRESS_THREADS,
+            caches: CacheSizes::default(),
+            backend: BackendKind::Cpu,
+        }
+    }
+}
+
+impl CompressOptions {
+    /// True when batches may be encoded (protocol v2 streams).
+    pub fn enabled(&self) -> bool {
+        self.compress != Compress::Fixed(Method::None)
+    }
+}
+
+/// How to migrate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MigrateOptions {
+    /// The mode.
+    pub mode: Mode,
+    /// Parallel bulk connections.
+    pub streams: u16,
+    /// Stop iterating when the rest would take at most this long (ms).
+    pub downtime_ms: f64,
+    /// Stop iterating after this many dirty rounds regardless.
+    pub max_rounds: u32,
+    /// Compare per-page hashes at the end.
+    pub verify: bool,
+    /// Throttle the vCPUs step by step when the guest dirties memory faster
+    /// than the link carries it.
+    pub auto_converge: bool,
+    /// Most bytes per second on the wire, all streams together.
+    pub bandwidth: Option<f64>,
+    /// How long to wait for the peer at each step (ms).
+    pub timeout_ms: u64,
+    /// Compression and the pipelined data path.
+    pub compression: CompressOptions,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        MigrateOptions {
+            mode: Mode::default(),
+            streams: default_streams(),
+            downtime_ms: defaults::DOWNTIME_MS,
+            max_rounds: defaults::MAX_ROUNDS,
+            verify: false,
+            auto_converge: true,
+            bandwidth: None,
+            timeout_ms: defaults::TIMEOUT_MS,
+            compression: CompressOptions::default(),
+        }
+    }
+}
+
+impl MigrateOptions {
+    /// The per-step timeout.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.timeout_ms.max(1))
+    }
+
+    /// Refuses values no migration can use, saying which and why.
+    pub fn check(&self) -> Result<(), String> {
+        let max_cache = crate::encoded::MAX_CACHE_BYTES;
+        let shards = crate::encoded::MAX_SHARDS;
+        let c = &self.compression;
+        if !(1..=defaults::MAX_STREAMS).contains(&self.streams) {
+            return Err(format!("streams must be 1 to {}", defaults::MAX_STREAMS));
+        }
+        if !(self.downtime_ms >= 0.0 && self.downtime_ms.is_finite()) {
+            return Err(format!(
+                "downtime target {} ms is not a duration",
+                self.downtime_ms
+            ));
+        }
+        if self.bandwidth.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
+            return Err("the bandwidth limit must be positive".into());
+        }
+        if !(1..=shards).contains(&c.workers) {
+            return Err(format!("compress threads must be 1 to {shards}"));
+        }
+        for (bytes, name) in [
+            (c.caches.xbzrle_bytes, "xbzrle"),
+            (c.caches.dedup_bytes, "dedup"),
+        ] {
+            if !(8192..=max_cache).contains(&bytes) {
+                return Err(format!(
+                    "the {name} cache must be 8 KiB to {} MiB",
+                    max_cache >> 20
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bulk streams by default: two, unless there is a single core. One sending
+/// thread saturates its core with the kernel's socket work while the
+/// receiver idles; a second stream fills the other core even where both ends
+/// share two cores (round 0 +35-40% here, bench/results/throughput.md).
+pub fn default_streams() -> u16 {
+    match std::thread::available_parallelism().map(|n| n.get()) {
+        Ok(1) => 1,
+        _ => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_travel_as_json_and_fill_in_defaults() {
+        let o: MigrateOptions =
+            serde_json::from_str(r#"{"verify":true,"compression":{"compress":"zstd:3"}}"#).unwrap();
+        assert!(o.verify);
+        assert_eq!(o.compression.compress, Compress::Fixed(Method::Zstd(3)));
+        assert_eq!(o.max_rounds, defaults::MAX_ROUNDS);
+        assert_eq!(o.mode, Mode::Precopy);
+        let back: MigrateOptions =
+            serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
+        assert_eq!(back, o);
+        assert!(o.check().is_ok());
+        assert!(serde_json::from_str::<MigrateOptions>(r#"{"mode":"teleport"}"#).is_err());
+        assert!(
+            serde_json::from_str::<MigrateOptions>(r#"{"compression":{"compress":"gzip"}}"#)
+                .is_err()
+        );
+        let bad = MigrateOptions {
+            streams: 0,
+            ..Default::default()
+        };
+        assert!(bad.check().unwrap_err().contains("streams"));
+        assert!("teleport".parse::<Mode>().unwrap_err().contains("precopy"));
+    }
+}

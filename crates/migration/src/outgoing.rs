@@ -1,0 +1,30 @@
+//! The source's entry point: one call migrates a VM away in the mode the
+//! options name.
+
+use crate::compress::Backend;
+use crate::options::{MigrateOptions, Mode};
+use crate::session::SourceSession;
+use crate::stats::{MigrationStats, Progress};
+use crate::transport::Endpoint;
+use crate::vm::MigratableVm;
+use crate::MigrationError;
+
+/// Migrates `vm` to the ferry destination at `to`, with the codecs of
+/// `backend`. On success the VM runs at the destination and the caller must
+/// release it here (it stays paused); on failure it runs here as before,
+/// except after [`MigrationError::InDoubt`], where it stays paused.
+pub fn migrate(
+    vm: &dyn MigratableVm,
+    to: &Endpoint,
+    opts: &MigrateOptions,
+    backend: &Backend,
+    progress: &dyn Fn(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    opts.check().map_err(MigrationError::Unsupported)?;
+    tracing::info!(%to, mode = %opts.mode, streams = opts.streams, "migration starts");
+    let mut session = SourceSession::new(vm, to, opts);
+    let result = match opts.mode {
+        Mode::Precopy => crate::precopy::run(&mut session, backend, progress),
+    };
+    session.conclude(result)
+}

@@ -1,0 +1,33 @@
+//! `--bandwidth`: all bulk streams together stay under one byte rate.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+/// Paces writers that share one byte budget from a common start.
+pub(crate) struct Pacer {
+    limit: Option<f64>,
+    t0: Instant,
+}
+
+impl Pacer {
+    /// A pacer for `limit` bytes/s (None: no limit) starting now.
+    pub(crate) fn new(limit: Option<f64>) -> Self {
+        Pacer {
+            limit,
+            t0: Instant::now(),
+        }
+    }
+
+    /// Called after a write that brought the shared total to `sent` bytes:
+    /// when that is ahead of the limit, flushes `w` and sleeps it off.
+    pub(crate) fn pace(&self, sent: u64, w: &mut impl Write) -> std::io::Result<()> {
+        if let Some(rate) = self.limit {
+            let ahead = sent as f64 / rate - self.t0.elapsed().as_secs_f64();
+            if ahead > 0.0 {
+                w.flush()?;
+                std::thread::sleep(Duration::from_secs_f64(ahead));
+            }
+        }
+        Ok(())
+    }
+}

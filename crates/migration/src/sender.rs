@@ -1,0 +1,533 @@
+//! The source's one data path, for every mode and codec, one per bulk stream:
+//!
+//! ```text
+//! fetch ──(3 buffers)──▶ encode shard 0..k ──(3 buffers)──▶ send
+//! ```
+//!
+//! Fetch copies a batch of up to 1024 pages out of guest RAM (zero pages
+//! become ranges), each encoder thread owns one shard's codec state, and send
+//! writes the frames, paced by one [`Pacer`]. Buffers circulate through a
+//! free list, so a round allocates nothing and a slow stage holds the others
+//! back by at most three batches. Without the pipeline one thread does the
+//! three steps in turn.
+//!
+//! Raw is this path with the `none` codec: no encoder threads, the frame
+//! checksum computed at fetch while each page is hot in cache, and batches
+//! taken from one shared queue so a fast stream helps a slow one. With
+//! codecs a page always belongs to the same stream and shard (by its
+//! 1024-page block), because xbzrle's cache must see every version of a
+//! page; per-shard order is kept from encoder to wire, so the destination's
+//! mirror decodes in the same order.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use ferry_codec::{EncodedBatch, Method};
+
+use crate::compress::{Backend, BatchEncoder, Policy};
+use crate::memory::{is_zero, RegionView};
+use crate::options::CompressOptions;
+use crate::pacer::Pacer;
+use crate::protocol::{self, Kind, MAX_BATCH, PAGE};
+use crate::ranges::{push_page, total_pages, GpaPages};
+use crate::stats::{secs, thread_cpu_secs, CpuMeter, RoundStats};
+use crate::transport::Conn;
+use crate::{MigrationError, ProtocolError};
+
+/// Buffers between two stages.
+const DEPTH: usize = 3;
+
+/// One batch on its way through the stages.
+#[derive(Default)]
+struct Batch {
+    gpas: Vec<u64>,
+    idx: Vec<u64>,
+    data: Vec<u8>,
+    /// CRC-32C of `data`, when fetch computed it (raw path).
+    data_crc: Option<u32>,
+    zeros: Vec<GpaPages>,
+    method: Option<Method>,
+    shard: u8,
+    enc: EncodedBatch,
+}
+
+/// One batch to fetch: runs of pages inside one 1024-page block.
+type Item = Vec<GpaPages>;
+
+/// A bulk stream's encoder shards and buffers, kept across rounds (the
+/// caches must be).
+struct StreamState {
+    shards: Vec<Box<dyn BatchEncoder>>,
+    pool: Vec<Batch>,
+}
+
+/// Where the streams take their batches from.
+enum Work {
+    /// Any stream takes the next batch (raw: no per-stream state).
+    Shared(Mutex<std::vec::IntoIter<Item>>),
+    /// Each stream has its own (codecs: a block keeps its stream).
+    Dealt(Vec<Mutex<std::vec::IntoIter<Item>>>),
+}
+
+impl Work {
+    fn next(&self, stream: usize) -> Option<Item> {
+        let q = match self {
+            Work::Shared(q) => q,
+            Work::Dealt(qs) => &qs[stream],
+        };
+        q.lock().unwrap_or_else(|e| e.into_inner()).next()
+    }
+}
+
+/// What every stream of a round shares.
+struct RoundCtx<'a> {
+    regions: &'a [RegionView],
+    round: u32,
+    /// Set in the stop-and-copy: the bytes it has to move.
+    final_bytes: Option<u64>,
+    policy: &'a Policy,
+    pipeline: bool,
+    /// Checksum page data at fetch (raw path).
+    crc_at_fetch: bool,
+    pacer: Pacer,
+    cpu: &'a CpuMeter,
+    pages: AtomicU64,
+    zero: AtomicU64,
+    bytes: AtomicU64,
+    /// Page bytes that went through an encoder, and what they became.
+    encoded_in: AtomicU64,
+    encoded_out: AtomicU64,
+}
+
+/// The sending side of the bulk streams, kept for a whole migration.
+pub(crate) struct PageSender {
+    streams: Vec<StreamState>,
+    policy: Policy,
+    compressed: bool,
+    pipeline: bool,
+    bandwidth: Option<f64>,
+}
+
+impl PageSender {
+    /// A sender for `streams` bulk streams. With `compressed`, each stream
+    /// gets the backend's encoders and `auto` calibrates on `sample`.
+    pub(crate) fn new(
+        copt: &CompressOptions,
+        backend: &Backend,
+        compressed: bool,
+        streams: usize,
+        bandwidth: Option<f64>,
+        sample: &[u8],
+    ) -> Self {
+        let shards = if compressed {
+            copt.workers.clamp(1, crate::encoded::MAX_SHARDS) as usize
+        } else {
+            0
+        };
+        let raw = CompressOptions::default();
+        PageSender {
+            streams: (0..streams)
+                .map(|_| StreamState {
+                    shards: (0..shards).map(|_| (backend.make)(copt.caches)).collect(),
+                    pool: Vec::new(),
+                })
+                .collect(),
+            policy: Policy::new(if compressed { copt } else { &raw }, bandwidth, sample),
+            compressed,
+            pipeline: compressed && copt.pipeline,
+            bandwidth,
+        }
+    }
+
+    /// The codec policy (its summary and link estimate go in the stats).
+    pub(crate) fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Sends `runs` (and the known-zero `holes`, unread, first on stream 0)
+    /// over the bulk connections; returns the round's figures and the frames
+    /// each stream carried.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_round(
+        &mut self,
+        regions: &[RegionView],
+        conns: &mut [Conn],
+        runs: &[GpaPages],
+        holes: &[GpaPages],
+        round: u32,
+        final_bytes: Option<u64>,
+        cpu: &CpuMeter,
+    ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
+        let t0 = Instant::now();
+        let (hole_frames, hole_bytes) = protocol::write_holes(&mut conns[0].writer, holes)?;
+        let ctx = RoundCtx {
+            regions,
+            round,
+            final_bytes,
+            policy: &self.policy,
+            pipeline: self.pipeline,
+            crc_at_fetch: !self.compressed,
+            pacer: Pacer::new(self.bandwidth),
+            cpu,
+            pages: AtomicU64::new(0),
+            zero: AtomicU64::new(0),
+            bytes: AtomicU64::new(hole_bytes),
+            encoded_in: AtomicU64::new(0),
+            encoded_out: AtomicU64::new(0),
+        };
+        let n = conns.len();
+        let work = if self.compressed {
+            Work::Dealt(
+                deal(runs, n)
+                    .into_iter()
+                    .map(|d| Mutex::new(d.into_iter()))
+                    .collect(),
+            )
+        } else {
+            Work::Shared(Mutex::new(group(runs).into_iter()))
+        };
+        let results: Vec<Result<u64, MigrationError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = conns
+                .iter_mut()
+                .zip(self.streams.iter_mut())
+                .enumerate()
+                .map(|(i, (conn, st))| {
+                    let (ctx, work) = (&ctx, &work);
+                    let sock = conn.stream().is_tcp().then(|| conn.stream().as_raw_fd());
+                    s.spawn(move || run_stream(ctx, &mut conn.writer, sock, st, work, i, n))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Ok(0)))
+                .collect()
+        });
+        let mut frames = Vec::with_capacity(n);
+        for (i, r) in results.into_iter().enumerate() {
+            frames.push(r.map_err(|e| MigrationError::Stream {
+                stream: i as u16,
+                source: Box::new(e),
+            })?);
+        }
+        frames[0] += hole_frames;
+        let elapsed = secs(t0.elapsed()).max(1e-9);
+        let bytes = ctx.bytes.load(Ordering::Relaxed);
+        let encoded_in = ctx.encoded_in.load(Ordering::Relaxed);
+        self.policy
+            .observe_round(bytes as f64 / elapsed, elapsed, encoded_in == 0);
+        Ok((
+            RoundStats {
+                round,
+                pages: ctx.pages.load(Ordering::Relaxed),
+                zero_pages: ctx.zero.load(Ordering::Relaxed) + total_pages(holes),
+                bytes,
+                secs: elapsed,
+                throughput: bytes as f64 / elapsed,
+                dirty_rate: 0.0,
+                throttle_pct: 0,
+                encoded_in,
+                encoded_out: ctx.encoded_out.load(Ordering::Relaxed),
+            },
+            frames,
+        ))
+    }
+}
+
+/// Groups sorted runs into batches: each holds the runs (or pieces of runs)
+/// of one 1024-page block, so fragmented memory still travels in full
+/// batches and a page's block decides its stream and shard.
+fn group(runs: &[GpaPages]) -> Vec<Item> {
+    let mut out: Vec<Item> = Vec::new();
+    let mut current: Option<u64> = None;
+    for r in runs {
+        let mut page = r.gpa / PAGE as u64;
+        let end = page + r.pages;
+        while page < end {
+            let block = page / MAX_BATCH as u64;
+            let stop = ((block + 1) * MAX_BATCH as u64).min(end);
+            let piece = GpaPages::new(page * PAGE as u64, stop - page);
+            match out.last_mut() {
+                Some(item) if current == Some(block) => item.push(piece),
+                _ => out.push(vec![piece]),
+            }
+            current = Some(block);
+            page = stop;
+        }
+    }
+    out
+}
+
+fn block_of(item: &Item) -> u64 {
+    item.first()
+        .map_or(0, |r| r.gpa / PAGE as u64 / MAX_BATCH as u64)
+}
+
+/// [`group`], then deals the batches to streams by block number.
+fn deal(runs: &[GpaPages], streams: usize) -> Vec<Vec<Item>> {
+    let mut out = vec![Vec::new(); streams.max(1)];
+    for item in group(runs) {
+        out[(block_of(&item) % streams.max(1) as u64) as usize].push(item);
+    }
+    out
+}
+
+fn shard_of(item: &Item, streams: usize, shards: usize) -> usize {
+    ((block_of(item) / streams.max(1) as u64) % shards.max(1) as u64) as usize
+}
+
+/// Copies the batch's pages out of guest RAM; zero pages become ranges.
+fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
+    b.gpas.clear();
+    b.idx.clear();
+    b.data.clear();
+    b.zeros.clear();
+    b.enc.clear();
+    b.method = None;
+    let mut crc = 0u32;
+    for gpa in item.iter().flat_map(|r| r.page_addrs()) {
+        let Some((_, r)) = crate::memory::region_of(ctx.regions, gpa) else {
+            continue;
+        };
+        // Copy first, then look: the copy is what gets sent, and no Rust
+        // reference ever points into memory the guest writes.
+        let at = b.data.len();
+        r.copy_page((gpa - r.gpa()) / PAGE as u64, &mut b.data);
+        if is_zero(&b.data[at..]) {
+            b.data.truncate(at);
+            push_page(&mut b.zeros, gpa);
+        } else {
+            b.gpas.push(gpa);
+            b.idx.push(gpa / PAGE as u64);
+            if ctx.crc_at_fetch {
+                // While the page is hot in cache.
+                crc = crate::checksum::append(crc, &b.data[at..]);
+            }
+        }
+    }
+    b.data_crc = ctx.crc_at_fetch.then_some(crc);
+}
+
+fn encode(
+    ctx: &RoundCtx,
+    enc: Option<&mut Box<dyn BatchEncoder>>,
+    b: &mut Batch,
+) -> Result<(), MigrationError> {
+    if b.gpas.is_empty() {
+        return Ok(()); // only zero pages: ranges, nothing to encode
+    }
+    let method = ctx
+        .policy
+        .choose(ctx.round, ctx.final_bytes, b.data.len() as u64);
+    b.method = Some(method);
+    if method == Method::None {
+        return Ok(());
+    }
+    let enc = enc.ok_or_else(|| {
+        MigrationError::Unsupported(format!("{method} chosen on a stream without encoders"))
+    })?;
+    let t = Instant::now();
+    enc.encode(method, &b.idx, &b.data, &mut b.enc)
+        .map_err(MigrationError::Codec)?;
+    let wire = b.enc.payload.len() + 13 * b.gpas.len();
+    ctx.policy
+        .observe_encode(method, b.data.len() as u64, wire as u64, secs(t.elapsed()));
+    Ok(())
+}
+
+/// Writes a batch's frames; returns how many. `sock` is the connection's
+/// TCP socket, for the kernel's delivery rate while the policy probes.
+fn send<W: Write>(
+    ctx: &RoundCtx,
+    w: &mut W,
+    sock: Option<RawFd>,
+    b: &Batch,
+) -> Result<u64, MigrationError> {
+    let mut frames = 0;
+    let mut bytes = 0u64;
+    if !b.zeros.is_empty() {
+        bytes += protocol::write_zero_ranges(w, &b.zeros)?;
+        ctx.zero.fetch_add(total_pages(&b.zeros), Ordering::Relaxed);
+        frames += 1;
+    }
+    if !b.gpas.is_empty() {
+        match b.method.unwrap_or(Method::None) {
+            Method::None => {
+                let count = (b.gpas.len() as u32).to_le_bytes();
+                let addrs: Vec<u8> = b.gpas.iter().flat_map(|g| g.to_le_bytes()).collect();
+                match b.data_crc {
+                    Some(crc) => protocol::write_pages_frame(w, &count, &addrs, &b.data, crc),
+                    None => protocol::write_frame_parts(w, Kind::Pages, &[&count, &addrs, &b.data]),
+                }
+                .map_err(ProtocolError::Io)?;
+                let n = (protocol::HEADER + 4 + addrs.len() + b.data.len()) as u64;
+                bytes += n;
+                ctx.policy
+                    .observe_raw_sent(n, sock.and_then(crate::stats::delivery_rate));
+            }
+            m => {
+                let n = crate::encoded::write_encoded(w, m, b.shard, &b.gpas, &b.enc)
+                    .map_err(ProtocolError::Io)?;
+                bytes += n;
+                ctx.encoded_in
+                    .fetch_add(b.data.len() as u64, Ordering::Relaxed);
+                ctx.encoded_out.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        ctx.pages.fetch_add(b.gpas.len() as u64, Ordering::Relaxed);
+        frames += 1;
+    }
+    let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;
+    Ok(frames)
+}
+
+/// Sends one stream's share of a round; returns the frames it wrote.
+fn run_stream<W: Write + Send>(
+    ctx: &RoundCtx,
+    w: &mut W,
+    sock: Option<RawFd>,
+    s: &mut StreamState,
+    work: &Work,
+    stream: usize,
+    streams: usize,
+) -> Result<u64, MigrationError> {
+    let cpu0 = thread_cpu_secs();
+    let shards = s.shards.len().max(1);
+    while s.pool.len() < DEPTH * (shards + 2) {
+        s.pool.push(Batch::default());
+    }
+    let result = if ctx.pipeline {
+        run_pipelined(ctx, w, sock, s, work, stream, streams)
+    } else {
+        let mut frames = 0;
+        let mut b = s.pool.pop().unwrap_or_default();
+        let mut out = Ok(());
+        while let Some(item) = work.next(stream) {
+            let shard = shard_of(&item, streams, shards);
+            fetch(ctx, &item, &mut b);
+            b.shard = shard as u8;
+            out = encode(ctx, s.shards.get_mut(shard), &mut b)
+                .and_then(|_| send(ctx, w, sock, &b).map(|f| frames += f));
+            if out.is_err() {
+                break;
+            }
+        }
+        s.pool.push(b);
+        out.map(|_| frames)
+    };
+    let flushed = w.flush().map_err(ProtocolError::Io);
+    ctx.cpu.add(thread_cpu_secs() - cpu0);
+    let frames = result?;
+    flushed?;
+    Ok(frames)
+}
+
+fn run_pipelined<W: Write + Send>(
+    ctx: &RoundCtx,
+    writer: &mut W,
+    sock: Option<RawFd>,
+    s: &mut StreamState,
+    work: &Work,
+    stream: usize,
+    streams: usize,
+) -> Result<u64, MigrationError> {
+    let shards = s.shards.len().max(1);
+    let (free_tx, free_rx): (Sender<Batch>, Receiver<Batch>) = channel();
+    for b in s.pool.drain(..) {
+        let _ = free_tx.send(b);
+    }
+    let (out_tx, out_rx) = sync_channel::<Result<Batch, MigrationError>>(DEPTH);
+    let encoders = &mut s.shards;
+    let (result, free_rx) = std::thread::scope(|sc| {
+        let mut to_shard: Vec<SyncSender<Batch>> = Vec::new();
+        for enc in encoders.iter_mut() {
+            let (tx, rx) = sync_channel::<Batch>(DEPTH);
+            to_shard.push(tx);
+            let out = out_tx.clone();
+            sc.spawn(move || {
+                let cpu0 = thread_cpu_secs();
+                for mut b in rx {
+                    let r = encode(ctx, Some(&mut *enc), &mut b).map(|_| b);
+                    let failed = r.is_err();
+                    if out.send(r).is_err() || failed {
+                        break;
+                    }
+                }
+                ctx.cpu.add(thread_cpu_secs() - cpu0);
+            });
+        }
+        drop(out_tx);
+        let fetcher = sc.spawn(move || {
+            let cpu0 = thread_cpu_secs();
+            while let Some(item) = work.next(stream) {
+                let Ok(mut b) = free_rx.recv() else { break };
+                let shard = shard_of(&item, streams, shards);
+                fetch(ctx, &item, &mut b);
+                b.shard = shard as u8;
+                if to_shard[shard].send(b).is_err() {
+                    break;
+                }
+            }
+            ctx.cpu.add(thread_cpu_secs() - cpu0);
+            // Dropping the shard senders ends the encoders, then the sender.
+            free_rx
+        });
+        let mut sent = || -> Result<u64, MigrationError> {
+            let mut frames = 0;
+            for r in out_rx.iter() {
+                let b = r?;
+                frames += send(ctx, writer, sock, &b)?;
+                let _ = free_tx.send(b);
+            }
+            Ok(frames)
+        };
+        let result = sent();
+        // On an error, stopping here unblocks every stage: encoders find
+        // the output gone, the fetcher its encoders or its free list.
+        drop(out_rx);
+        drop(free_tx);
+        (result, fetcher.join().ok())
+    });
+    // What is left on the free list comes home for the next round.
+    if let Some(rx) = free_rx {
+        s.pool.extend(rx.try_iter());
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_stay_inside_blocks_and_blocks_keep_their_stream() {
+        let p = PAGE as u64;
+        let r = GpaPages::new;
+        // Fragmented runs of one block travel as one batch.
+        let runs = [r(0, 3), r(4 * p, 3), r(8 * p, 1500), r(3000 * p, 10)];
+        let dealt = deal(&runs, 2);
+        assert_eq!(
+            dealt[0],
+            vec![
+                vec![r(0, 3), r(4 * p, 3), r(8 * p, 1016)],
+                vec![r(3000 * p, 10)]
+            ]
+        );
+        assert_eq!(dealt[1], vec![vec![r(1024 * p, 484)]]);
+        // Same page, same stream and shard, whatever run it arrives in.
+        let again = deal(&[r(1100 * p, 1)], 2);
+        assert_eq!(again[1], vec![vec![r(1100 * p, 1)]]);
+        assert_eq!(
+            shard_of(&vec![r(1024 * p, 1)], 2, 3),
+            shard_of(&vec![r(2047 * p, 1)], 2, 3)
+        );
+        assert_ne!(
+            shard_of(&vec![r(0, 1)], 1, 2),
+            shard_of(&vec![r(1024 * p, 1)], 1, 2)
+        );
+    }
+}

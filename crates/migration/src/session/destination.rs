@@ -1,0 +1,274 @@
+//! The destination's session: waits for a source, agrees on a version,
+//! checks the layout, accepts the bulk streams by their role, and runs the
+//! control loop (round barriers, state, verification, Complete) until the
+//! VM starts. The incoming stream is treated as hostile: every frame is
+//! checked, and the VM starts only after Complete. A failure before that
+//! leaves the VM never started, and the source is told why.
+
+use std::time::{Duration, Instant};
+
+use crate::memory::RegionView;
+use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone, PAGE};
+use crate::receiver::Received;
+use crate::sink::PageSink;
+use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport};
+use crate::transport::{Conn, Listener};
+use crate::vm::IncomingVm;
+use crate::MigrationError;
+
+/// What a mode adds to the destination's control loop. The defaults are a
+/// precopy destination's: no messages of its own, nothing to do around the
+/// start.
+pub(crate) trait DestinationPhases {
+    /// A control message the session does not handle itself (a mode's own
+    /// phase); the default refuses it.
+    fn on_message(&mut self, f: &Frame) -> Result<(), MigrationError> {
+        Err(ProtocolError::Unexpected {
+            got: f.kind,
+            want: "RoundDone, State, Verify or Complete",
+        }
+        .into())
+    }
+    /// After the state is restored, just before the vCPUs start (postcopy
+    /// registers the missing pages with userfaultfd here).
+    fn before_start(&mut self) -> Result<(), MigrationError> {
+        Ok(())
+    }
+}
+
+/// One incoming migration's control connection and what it agreed on.
+pub(crate) struct DestSession<'a> {
+    listener: &'a Listener,
+    timeout: Duration,
+    ctl: Conn,
+    hello: Hello,
+    /// The protocol version agreed on.
+    pub(crate) version: u16,
+}
+
+impl<'a> DestSession<'a> {
+    /// Waits (as long as it takes) for a source's control connection.
+    /// Connections that close without a word (port probes, health checks)
+    /// are ignored; anything else that is not a control Hello gets an Abort
+    /// and is dropped. The VM is untouched so far.
+    pub(crate) fn accept(
+        listener: &'a Listener,
+        timeout: Duration,
+    ) -> Result<Self, MigrationError> {
+        loop {
+            let s = listener.accept(Duration::from_secs(24 * 3600))?;
+            let mut c = Conn::new(s, Some(timeout)).map_err(ProtocolError::Io)?;
+            match c.recv::<Hello>(Kind::Hello) {
+                Ok(hello) if hello.role == Role::Control => {
+                    return Ok(DestSession {
+                        listener,
+                        timeout,
+                        ctl: c,
+                        hello,
+                        version: 0,
+                    })
+                }
+                Err(ProtocolError::Closed) => continue,
+                Ok(_) | Err(_) => c.abort("expected a ferry migration control Hello"),
+            }
+        }
+    }
+
+    /// Agrees on a version and checks the source's layout against ours.
+    pub(crate) fn handshake(
+        &mut self,
+        regions: &[RegionView],
+        vcpus: u32,
+    ) -> Result<(), MigrationError> {
+        self.version = protocol::negotiate(&self.hello)?;
+        self.ctl.send(Kind::HelloAck, &self.version)?;
+        let layout: Layout = self.ctl.recv(Kind::Layout)?;
+        let mine = super::layout_of(regions, vcpus);
+        if layout != mine {
+            return Err(MigrationError::Mismatch(format!(
+                "source has memory {:?} and {} vCPUs, this VM {:?} and {} vCPUs",
+                layout.regions, layout.vcpus, mine.regions, mine.vcpus
+            )));
+        }
+        tracing::info!(version = self.version, "incoming migration session open");
+        Ok(())
+    }
+
+    /// Accepts the bulk streams the source announced, each by its role.
+    fn accept_bulk(&self) -> Result<Vec<Conn>, MigrationError> {
+        let n = self.hello.streams.clamp(1, 64) as usize;
+        let mut streams: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
+        for _ in 0..n {
+            let (c, h) = self.listener.accept_hello(self.timeout)?;
+            match h.role {
+                Role::Bulk(i)
+                    if h.session == self.hello.session
+                        && (i as usize) < n
+                        && streams[i as usize].is_none() =>
+                {
+                    streams[i as usize] = Some(c)
+                }
+                _ => {
+                    return Err(ProtocolError::Unexpected {
+                        got: Kind::Hello,
+                        want: "a bulk Hello of this session",
+                    }
+                    .into())
+                }
+            }
+        }
+        streams
+            .into_iter()
+            .map(|c| c.ok_or(ProtocolError::Closed.into()))
+            .collect()
+    }
+
+    /// Receives the migration into `vm` through `sink`: bulk streams on
+    /// their own threads, the control loop here, with `mode`'s phases.
+    pub(crate) fn run(
+        &mut self,
+        vm: &dyn IncomingVm,
+        sink: &dyn PageSink,
+        mode: &mut dyn DestinationPhases,
+    ) -> Result<IncomingStats, MigrationError> {
+        let ctl_cpu0 = thread_cpu_secs();
+        let bulk = self.accept_bulk()?;
+        let regions = vm.regions();
+        let rx = Received::new(bulk.len());
+        let mut stats = IncomingStats::default();
+        std::thread::scope(|s| -> Result<(), MigrationError> {
+            for (i, c) in bulk.into_iter().enumerate() {
+                let (rx, regions) = (&rx, &regions);
+                s.spawn(move || {
+                    if let Err(e) = crate::receiver::bulk_loop(regions, sink, c.reader, i, rx) {
+                        rx.fail(i, e);
+                    }
+                });
+            }
+            let r = self.control_loop(vm, &regions, &rx, mode, ctl_cpu0, &mut stats);
+            rx.stop();
+            // A bulk stream that failed (corrupt frame, bad address) is the
+            // real cause even when the control connection saw something else.
+            match (r, rx.take_failure()) {
+                (Err(_), Some(bulk)) => Err(bulk),
+                (r, _) => r,
+            }
+        })?;
+        stats.pages = rx.pages.load(std::sync::atomic::Ordering::Relaxed);
+        stats.zero_pages = rx.zero_pages.load(std::sync::atomic::Ordering::Relaxed);
+        Ok(stats)
+    }
+
+    fn control_loop(
+        &mut self,
+        vm: &dyn IncomingVm,
+        regions: &[RegionView],
+        rx: &Received,
+        mode: &mut dyn DestinationPhases,
+        ctl_cpu0: f64,
+        stats: &mut IncomingStats,
+    ) -> Result<(), MigrationError> {
+        let mut state: Option<Vec<u8>> = None;
+        loop {
+            let f = protocol::read_frame(&mut self.ctl.reader)?;
+            match f.kind {
+                Kind::RoundDone => {
+                    let rd: RoundDone = protocol::decode(&f, Kind::RoundDone)?;
+                    if rd.frames.len() != rx.streams() {
+                        return Err(ProtocolError::Malformed {
+                            kind: Kind::RoundDone,
+                            reason: "wrong stream count".into(),
+                        }
+                        .into());
+                    }
+                    // Every bulk stream has applied its share of the round.
+                    rx.barrier(&rd.frames, self.timeout)?;
+                    stats.rounds = rd.round + 1;
+                    tracing::debug!(round = rd.round, "round applied");
+                    self.ctl.send(Kind::RoundAck, &rd.round)?;
+                }
+                Kind::State => state = Some(f.body),
+                Kind::Verify => stats.verified_pages = verify(vm, regions, &f.body)?,
+                Kind::Complete => {
+                    let t = Instant::now();
+                    let state = state.take().ok_or(ProtocolError::Unexpected {
+                        got: Kind::Complete,
+                        want: "State before Complete",
+                    })?;
+                    vm.restore_state(&state)
+                        .map_err(MigrationError::vm("restore state"))?;
+                    mode.before_start()?;
+                    vm.start().map_err(MigrationError::vm("start"))?;
+                    stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+                    let report = StartedReport {
+                        service: vm.service_addr(),
+                        cpu_s: rx.cpu.secs() + thread_cpu_secs() - ctl_cpu0,
+                    };
+                    self.ctl.send(Kind::Started, &report)?;
+                    tracing::info!(restore_ms = stats.restore_ms, "VM started here");
+                    return Ok(());
+                }
+                _ => mode.on_message(&f)?,
+            }
+        }
+    }
+
+    /// Tells the source why this side gives up (unless it gave up first)
+    /// and closes gracefully, so the reason is not lost to a reset.
+    pub(crate) fn conclude<T>(
+        mut self,
+        result: Result<T, MigrationError>,
+    ) -> Result<T, MigrationError> {
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "incoming migration failed; no VM was started");
+            if !e.is_peer_abort() {
+                self.ctl.abort(&e.to_string());
+                let s = self.ctl.stream();
+                let _ = s.shutdown(std::net::Shutdown::Write);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+                let mut sink = [0u8; 65536];
+                while matches!(std::io::Read::read(&mut self.ctl.reader, &mut sink), Ok(n) if n > 0)
+                {
+                }
+            }
+        }
+        result
+    }
+}
+
+/// Compares the source's per-page hashes with this side's memory; returns
+/// the pages compared.
+fn verify(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u64, MigrationError> {
+    let mine = super::hashes(regions, |i| vm.data_ranges(i));
+    let theirs = body.chunks_exact(8);
+    let (mut bad, mut first) = (0u64, 0u64);
+    let mut pages = regions
+        .iter()
+        .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * PAGE as u64));
+    for (h, t) in mine.iter().zip(theirs.clone()) {
+        let gpa = pages.next().unwrap_or(0);
+        if u64::from_le_bytes(t.try_into().unwrap_or_default()) != *h {
+            if bad == 0 {
+                first = gpa;
+            }
+            bad += 1;
+        }
+    }
+    let total = mine.len() as u64;
+    let sent = (body.len() / 8) as u64;
+    if bad > 0 || sent != total || !body.len().is_multiple_of(8) {
+        if bad == 0 && sent < total {
+            first = regions
+                .iter()
+                .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * PAGE as u64))
+                .nth(sent as usize)
+                .unwrap_or(0);
+        }
+        return Err(MigrationError::Verify {
+            bad: bad + total.saturating_sub(sent),
+            total,
+            first,
+        });
+    }
+    Ok(total)
+}

@@ -1,0 +1,261 @@
+//! The source's session: connects, agrees on a version and the layout,
+//! opens the bulk streams, and at the end sends state, hashes and Complete.
+//!
+//! Safety rule (after QEMU's "the source must not be changed or destroyed by
+//! an outgoing migration"): until the destination says Started, any failure
+//! stops dirty tracking, resumes the VM if it was paused, tells the peer to
+//! abort, and returns the error. The VM keeps running here with nothing lost.
+//! Once Complete has gone out, only an Abort proves the destination did not
+//! start the VM; any other failure is `InDoubt` and the VM stays paused here
+//! (never two running copies; the operator resumes it if the destination
+//! did not start). [`SourceSession::conclude`] applies this rule.
+
+use std::time::{Duration, Instant};
+
+use crate::encoded::CodecSetup;
+use crate::memory::RegionView;
+use crate::options::MigrateOptions;
+use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
+use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
+use crate::transport::{Conn, Endpoint};
+use crate::vm::MigratableVm;
+use crate::MigrationError;
+
+/// One outgoing migration's connections and what it has done to the VM.
+pub(crate) struct SourceSession<'a> {
+    pub(crate) vm: &'a dyn MigratableVm,
+    pub(crate) opts: &'a MigrateOptions,
+    to: &'a Endpoint,
+    pub(crate) regions: Vec<RegionView>,
+    ctl: Option<Conn>,
+    pub(crate) bulk: Vec<Conn>,
+    /// The protocol version agreed on.
+    pub(crate) version: u16,
+    id: u64,
+    paused: bool,
+    dirty_log: bool,
+    /// CPU seconds of the data threads.
+    pub(crate) cpu: CpuMeter,
+    ctl_cpu0: f64,
+    pub(crate) t_start: Instant,
+}
+
+impl<'a> SourceSession<'a> {
+    /// A session for migrating `vm` to `to` (nothing is sent yet).
+    pub(crate) fn new(
+        vm: &'a dyn MigratableVm,
+        to: &'a Endpoint,
+        opts: &'a MigrateOptions,
+    ) -> Self {
+        let t_start = Instant::now();
+        SourceSession {
+            vm,
+            opts,
+            to,
+            regions: vm.regions(),
+            ctl: None,
+            bulk: Vec::new(),
+            version: 0,
+            id: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+                ^ u64::from(std::process::id()),
+            paused: false,
+            dirty_log: false,
+            cpu: CpuMeter::default(),
+            ctl_cpu0: thread_cpu_secs(),
+            t_start,
+        }
+    }
+
+    fn hello(&self, role: Role) -> Hello {
+        Hello {
+            version_min: protocol::VERSION_MIN,
+            version_max: protocol::VERSION_MAX,
+            role,
+            session: self.id,
+            streams: self.opts.streams.max(1),
+        }
+    }
+
+    /// The control connection.
+    pub(crate) fn ctl(&mut self) -> Result<&mut Conn, MigrationError> {
+        self.ctl.as_mut().ok_or(ProtocolError::Closed.into())
+    }
+
+    /// Connects, agrees on a version and checks the layout.
+    pub(crate) fn open(&mut self) -> Result<(), MigrationError> {
+        let hello = self.hello(Role::Control);
+        let ctl = self
+            .ctl
+            .insert(Conn::open(self.to, self.opts.timeout(), &hello)?);
+        ctl.flush()?;
+        self.version = ctl.recv(Kind::HelloAck)?;
+        let layout = super::layout_of(&self.regions, self.vm.vcpus());
+        self.ctl()?.send(Kind::Layout, &layout)?;
+        tracing::info!(to = %self.to, version = self.version, "migration session open");
+        Ok(())
+    }
+
+    /// Opens the bulk streams; with `codec`, each announces its codec caches.
+    pub(crate) fn open_bulk(&mut self, codec: Option<&CodecSetup>) -> Result<(), MigrationError> {
+        for i in 0..self.opts.streams.max(1) {
+            let mut c = Conn::open(self.to, self.opts.timeout(), &self.hello(Role::Bulk(i)))?;
+            if let Some(setup) = codec {
+                protocol::send(&mut c.writer, Kind::Codec, setup)?;
+            }
+            c.flush()?;
+            self.bulk.push(c);
+        }
+        Ok(())
+    }
+
+    /// Starts dirty tracking (stopped again by [`SourceSession::conclude`]).
+    pub(crate) fn start_dirty_log(&mut self) -> Result<(), MigrationError> {
+        self.vm
+            .start_dirty_log()
+            .map_err(MigrationError::vm("start dirty log"))?;
+        self.dirty_log = true;
+        Ok(())
+    }
+
+    /// Stops dirty tracking.
+    pub(crate) fn stop_dirty_log(&mut self) -> Result<(), MigrationError> {
+        self.dirty_log = false;
+        self.vm
+            .stop_dirty_log()
+            .map_err(MigrationError::vm("stop dirty log"))
+    }
+
+    /// Pauses the vCPUs (resumed by [`SourceSession::conclude`] on failure).
+    pub(crate) fn pause(&mut self) -> Result<(), MigrationError> {
+        self.vm.pause().map_err(MigrationError::vm("pause"))?;
+        self.paused = true;
+        tracing::info!("source paused");
+        Ok(())
+    }
+
+    /// Ends a round on the control connection and waits until the
+    /// destination has applied it (so a later copy of a page can never be
+    /// overtaken by an earlier one).
+    pub(crate) fn barrier(&mut self, round: u32, frames: Vec<u64>) -> Result<(), MigrationError> {
+        let ctl = self.ctl()?;
+        ctl.send(Kind::RoundDone, &RoundDone { round, frames })?;
+        let ack: u32 = ctl.recv(Kind::RoundAck)?;
+        if ack != round {
+            return Err(ProtocolError::Malformed {
+                kind: Kind::RoundAck,
+                reason: format!("ack for round {ack}, expected {round}"),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Sends the VM's state; returns its size in bytes.
+    pub(crate) fn send_state(&mut self) -> Result<u64, MigrationError> {
+        let state = self
+            .vm
+            .save_state()
+            .map_err(MigrationError::vm("save state"))?;
+        protocol::write_frame(&mut self.ctl()?.writer, Kind::State, &state)
+            .map_err(ProtocolError::Io)?;
+        Ok(state.len() as u64)
+    }
+
+    /// Sends per-page hashes of all memory; returns (pages, wire bytes).
+    pub(crate) fn send_verify(&mut self) -> Result<(u64, u64), MigrationError> {
+        let vm = self.vm;
+        let hashes = super::hashes(&self.regions, |i| vm.data_ranges(i));
+        let body: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        protocol::write_frame(&mut self.ctl()?.writer, Kind::Verify, &body)
+            .map_err(ProtocolError::Io)?;
+        Ok((hashes.len() as u64, (HEADER + body.len()) as u64))
+    }
+
+    /// Sends Complete and waits for Started. From here the destination may
+    /// start the VM at any moment: an Abort means it did not; anything else
+    /// but Started leaves the outcome unknown, and resuming here could run
+    /// the VM twice.
+    pub(crate) fn complete(&mut self) -> Result<StartedReport, MigrationError> {
+        let ctl = self.ctl()?;
+        ctl.send_frame(Kind::Complete, &[])?;
+        let frame = match protocol::read_frame(&mut ctl.reader) {
+            Ok(f) if f.kind == Kind::Started => f,
+            Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
+            Ok(f) => {
+                return Err(MigrationError::InDoubt(format!(
+                    "the destination answered Complete with {:?}",
+                    f.kind
+                )))
+            }
+            Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
+        };
+        let report: StartedReport = protocol::decode(&frame, Kind::Started)?;
+        tracing::info!(service = ?report.service, "destination started the VM");
+        Ok(report)
+    }
+
+    /// Host CPU seconds this side used: data threads and this thread.
+    pub(crate) fn cpu_secs(&self) -> f64 {
+        self.cpu.secs() + thread_cpu_secs() - self.ctl_cpu0
+    }
+
+    /// Applies the safety rule to a mode's result: on failure the VM runs
+    /// here again (or stays paused when in doubt) and the peer is told.
+    pub(crate) fn conclude<T>(
+        mut self,
+        mut result: Result<T, MigrationError>,
+    ) -> Result<T, MigrationError> {
+        // A broken or refused connection often means the destination refused
+        // the session and closed: its Abort, if it sent one, says why better
+        // than "connection reset" (a bulk connect can race its exit).
+        let broken = matches!(
+            &result,
+            Err(
+                MigrationError::Protocol(ProtocolError::Io(_) | ProtocolError::Closed)
+                    | MigrationError::Connect { .. }
+                    | MigrationError::Stream { .. }
+            )
+        );
+        if let (true, Some(ctl)) = (broken, self.ctl.as_mut()) {
+            let _ = ctl
+                .stream()
+                .set_read_timeout(Some(Duration::from_millis(500)));
+            loop {
+                match protocol::read_frame(&mut ctl.reader) {
+                    Ok(_) => continue,
+                    Err(e @ ProtocolError::Aborted(_)) => {
+                        result = Err(e.into());
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        match &result {
+            Ok(_) => {}
+            Err(MigrationError::InDoubt(e)) => {
+                // The VM may run at the destination: keep it paused here.
+                tracing::warn!(error = %e, "migration in doubt; the VM stays paused");
+                if self.dirty_log {
+                    let _ = self.vm.stop_dirty_log();
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "migration failed; the VM runs on here");
+                let _ = self.vm.throttle(0);
+                if self.dirty_log {
+                    let _ = self.vm.stop_dirty_log();
+                }
+                if self.paused {
+                    let _ = self.vm.resume();
+                }
+                if let Some(ctl) = self.ctl.as_mut() {
+                    ctl.abort(&e.to_string());
+                }
+            }
+        }
+        result
+    }
+}

@@ -1,0 +1,131 @@
+//! The destination's one landing seam: every page a destination receives,
+//! whatever the mode or codec, lands through a [`PageSink`].
+//!
+//! - [`DirectSink`]: writes through the guest mapping, reads page data from
+//!   the socket straight into place, and clears only pages that may hold
+//!   data. For memory no vCPU touches yet (precopy).
+//! - [`UffdSink`]: memory registered with userfaultfd (MISSING): missing
+//!   pages land by UFFDIO_COPY / UFFDIO_ZEROPAGE, which also wakes a vCPU
+//!   waiting on them; a receiver writing through the mapping would fault on
+//!   its own write. For postcopy and remote paging.
+
+mod direct;
+mod uffd;
+pub(crate) mod written;
+
+use std::io::{self, BufReader, Read};
+use std::marker::PhantomData;
+use std::os::fd::AsRawFd;
+
+pub use direct::DirectSink;
+pub use uffd::{LandPolicy, UffdSink, UffdSinkStats};
+pub use written::MaybeNonZero;
+
+use crate::error::VmOpError;
+use crate::ranges::GpaPages;
+
+/// Why pages could not land.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The pages are not (wholly) inside one region of guest RAM.
+    #[error("{pages} pages at {gpa:#x} are not in guest RAM")]
+    OutOfRange {
+        /// First page.
+        gpa: u64,
+        /// Pages.
+        pages: u64,
+    },
+    /// The data is not a whole number of pages matching the run.
+    #[error("{bytes} bytes do not fill {pages} pages")]
+    Shape {
+        /// Pages in the run.
+        pages: u64,
+        /// Bytes given.
+        bytes: usize,
+    },
+    /// The memory's owner could not discard pages.
+    #[error("discarding {pages} pages at {gpa:#x} failed: {source}")]
+    Discard {
+        /// First page.
+        gpa: u64,
+        /// Pages.
+        pages: u64,
+        /// The owner's error.
+        source: VmOpError,
+    },
+    /// A userfaultfd call failed.
+    #[error(transparent)]
+    Uffd(#[from] ferry_memory::UffdError),
+}
+
+/// Where received pages land.
+pub trait PageSink: Send + Sync {
+    /// Lands whole pages: `data` holds `run.pages` pages for `run`.
+    fn write(&self, run: GpaPages, data: &[u8]) -> Result<(), SinkError>;
+    /// Makes `run` read as zeros.
+    fn zero(&self, run: GpaPages) -> Result<(), SinkError>;
+    /// Memory where `run` may be written in place by read(2), if this sink
+    /// can take pages that way (memory no one reads until the migration
+    /// ends); the pages count as written. `None`: use [`PageSink::write`].
+    fn in_place(&self, _run: GpaPages) -> Option<InPlace<'_>> {
+        None
+    }
+}
+
+/// A checked stretch of guest memory to read page data into, in place.
+pub struct InPlace<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _memory: PhantomData<&'a ()>,
+}
+
+impl<'a> InPlace<'a> {
+    /// # Safety
+    /// `ptr .. ptr + len` must be writable memory that nothing else reads or
+    /// writes while the returned value lives.
+    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        InPlace {
+            ptr,
+            len,
+            _memory: PhantomData,
+        }
+    }
+
+    /// Fills the stretch from `r`: first what it has buffered, then
+    /// straight from the socket with read(2), no copy in between.
+    pub fn fill_from<R: Read + AsRawFd>(&mut self, r: &mut BufReader<R>) -> io::Result<()> {
+        use std::io::BufRead;
+        let buffered = r.buffer();
+        let k = buffered.len().min(self.len);
+        // SAFETY: `ptr` is valid for `len >= k` bytes (the constructor's
+        // promise); BufReader's own buffer cannot overlap guest RAM.
+        unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), self.ptr, k) };
+        r.consume(k);
+        let fd = r.get_ref().as_raw_fd();
+        let mut done = k;
+        while done < self.len {
+            // SAFETY: `ptr + done .. ptr + len` lies inside the stretch;
+            // read(2) writes at most `len - done` bytes there.
+            let n = unsafe { libc::read(fd, self.ptr.add(done).cast(), self.len - done) };
+            match n {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => done += n as usize,
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// CRC-32C of the stretch appended to `crc` (after [`InPlace::fill_from`]).
+    pub fn crc(&self, crc: u32) -> u32 {
+        // SAFETY: the stretch is ours alone while `self` lives (the
+        // constructor's promise), so a shared view of it cannot race.
+        let landed = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        crate::checksum::append(crc, landed)
+    }
+}

@@ -1,0 +1,87 @@
+//! Receiving a VM: the engine's [`PageStore`] and [`IncomingVm`] on a
+//! [`Vm`] that waits for its migration, and the listener it waits on.
+
+use std::time::Duration;
+
+use ferry_migration::{
+    Endpoint, GpaBytes, GpaPages, IncomingStats, IncomingVm, Listener, MigrationError, OffsetBytes,
+    PageStore, RegionView, VmOpError,
+};
+
+use crate::vmm::{Vm, VmState};
+use crate::vstate::persist;
+
+impl PageStore for Vm {
+    fn regions(&self) -> Vec<RegionView> {
+        super::views(self)
+    }
+
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        super::data_ranges(self, index)
+    }
+
+    /// Its data ranges, or what they were before `--prealloc` populated the
+    /// rest with zeros.
+    fn nonzero_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        match self.data_before_prealloc(index) {
+            Some(r) => r.into_iter().map(|(o, l)| OffsetBytes::new(o, l)).collect(),
+            None => super::data_ranges(self, index),
+        }
+    }
+
+    /// The service ring: the device may write it from the host (it is held
+    /// until the VM starts, so this is the safe side).
+    fn device_written_ranges(&self) -> Vec<GpaBytes> {
+        super::outgoing::service_ring(self)
+    }
+
+    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
+        let r = self.memory().region_for(run.gpa, run.bytes())?;
+        Ok(r.punch_hole(run.gpa - r.gpa(), run.bytes())?)
+    }
+}
+
+impl IncomingVm for Vm {
+    fn vcpus(&self) -> u32 {
+        self.config().vcpus
+    }
+
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
+        let state: VmState = persist::decode(state)?;
+        Ok(Vm::restore_state(self, &state)?)
+    }
+
+    fn start(&self) -> Result<(), VmOpError> {
+        Ok(Vm::start(self)?)
+    }
+
+    fn service_addr(&self) -> Option<String> {
+        self.service().map(|s| s.local_addr().to_string())
+    }
+}
+
+/// Where a VM waits for its incoming migration.
+pub struct Incoming {
+    listener: Listener,
+}
+
+impl Incoming {
+    /// Listens on `at` (`tcp:HOST:PORT`, port 0 picks one; or `unix:PATH`).
+    pub fn listen(at: &Endpoint) -> Result<Incoming, MigrationError> {
+        Ok(Incoming {
+            listener: Listener::bind(at)?,
+        })
+    }
+
+    /// Where it listens.
+    pub fn endpoint(&self) -> Endpoint {
+        self.listener.endpoint()
+    }
+
+    /// Waits for a source and receives the migration into `vm`, which runs
+    /// once this returns Ok; `timeout` bounds each step after the source
+    /// connected. On failure the VM was never started.
+    pub fn receive(&self, vm: &Vm, timeout: Duration) -> Result<IncomingStats, MigrationError> {
+        ferry_migration::receive(vm, &self.listener, timeout)
+    }
+}

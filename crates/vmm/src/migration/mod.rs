@@ -1,0 +1,34 @@
+//! The VMM side of migration, both directions: a [`Vm`] as the engine sees
+//! it (the `ferry-migration` traits), and the calls that run a migration
+//! from the control socket (outgoing) or from `ferry run --incoming`.
+//! KVM specifics (dirty log, state encoding, the service device) stay here.
+
+pub mod incoming;
+pub mod outgoing;
+
+pub use incoming::Incoming;
+pub use outgoing::migrate;
+
+use ferry_migration::{OffsetBytes, RegionView};
+
+use crate::vmm::Vm;
+
+fn views(vm: &Vm) -> Vec<RegionView> {
+    vm.memory()
+        .regions()
+        .iter()
+        // SAFETY: each view names a region of the VM's guest memory, which
+        // the VM keeps mapped for as long as it lives; the engine's views
+        // are used only while the engine holds a reference to the VM.
+        .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
+        .collect()
+}
+
+fn data_ranges(vm: &Vm, index: usize) -> Vec<OffsetBytes> {
+    vm.memory().regions().get(index).map_or(Vec::new(), |r| {
+        r.data_ranges()
+            .into_iter()
+            .map(|(o, l)| OffsetBytes::new(o, l))
+            .collect()
+    })
+}

@@ -1,0 +1,136 @@
+//! Migrating a VM away: the engine's [`MigratableVm`] on a [`Vm`], and the
+//! call the control socket makes.
+
+use std::sync::Mutex;
+
+use ferry_migration::{
+    Backend, BackendKind, Endpoint, GpaBytes, MigratableVm, MigrateOptions, MigrationError,
+    MigrationStats, OffsetBytes, Progress, RegionView, VmOpError,
+};
+
+use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
+use crate::vmm::Vm;
+use crate::vstate::{persist, vm};
+
+/// The service ring: the device writes requests into it from the host,
+/// which KVM's dirty log does not see.
+pub(crate) fn service_ring(vm: &Vm) -> Vec<GpaBytes> {
+    match vm.service() {
+        Some(_) => vec![GpaBytes::new(
+            SVC_GPA,
+            SVC_HEADER_SIZE + SVC_SLOTS as u64 * SVC_SLOT_SIZE,
+        )],
+        None => Vec::new(),
+    }
+}
+
+impl MigratableVm for Vm {
+    fn regions(&self) -> Vec<RegionView> {
+        super::views(self)
+    }
+
+    fn vcpus(&self) -> u32 {
+        self.config().vcpus
+    }
+
+    fn start_dirty_log(&self) -> Result<(), VmOpError> {
+        vm::register_memory(self.vm_fd(), self.memory(), true)?;
+        vm::take_dirty_log(self.vm_fd(), self.memory())?;
+        Ok(())
+    }
+
+    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
+        Ok(vm::take_dirty_log(self.vm_fd(), self.memory())?)
+    }
+
+    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(vm::register_memory(self.vm_fd(), self.memory(), false)?)
+    }
+
+    /// Requests in the service ring are answered here before the pause, so
+    /// every answer the destination's guest writes is for a request it got.
+    fn pause(&self) -> Result<(), VmOpError> {
+        let drained = match self.service() {
+            Some(s) => s
+                .hold_and_drain(std::time::Duration::from_secs(2))
+                .map_err(VmOpError::from),
+            None => Ok(()),
+        };
+        let paused = drained.and_then(|_| Vm::pause(self).map_err(VmOpError::from));
+        if paused.is_err() {
+            // The engine resumes only a VM it paused: undo the hold here.
+            if let Some(s) = self.service() {
+                s.release();
+            }
+        }
+        paused
+    }
+
+    fn resume(&self) -> Result<(), VmOpError> {
+        let r = Vm::resume(self).map_err(VmOpError::from);
+        if let Some(s) = self.service() {
+            s.release();
+        }
+        r
+    }
+
+    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
+        let state = Vm::save_state(self)?;
+        Ok(persist::encode(&state)?)
+    }
+
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        super::data_ranges(self, index)
+    }
+
+    fn throttle(&self, pct: u32) -> Result<(), VmOpError> {
+        self.set_throttle(pct);
+        Ok(())
+    }
+
+    fn host_written_ranges(&self) -> Vec<GpaBytes> {
+        service_ring(self)
+    }
+}
+
+/// The codec backend the options name.
+fn backend(kind: BackendKind) -> Backend {
+    match kind {
+        BackendKind::Cpu => Backend::cpu(),
+        BackendKind::Cuda => crate::codec_backend::cuda(),
+    }
+}
+
+/// Migrates `vm` to `to`. On success the VM runs there, and this VM's
+/// service clients are forwarded to it (the caller releases the VM here).
+pub fn migrate(
+    vm: &Vm,
+    to: &Endpoint,
+    opts: &MigrateOptions,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    if vm.run_state() != crate::RunState::Running {
+        return Err(MigrationError::Unsupported(format!(
+            "the VM is {:?}: only a running VM migrates",
+            vm.run_state()
+        )));
+    }
+    let progress = Mutex::new(progress);
+    let stats = ferry_migration::migrate(vm, to, opts, &backend(opts.compression.backend), &|p| {
+        (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
+    })?;
+    if let (Some(svc), Some(addr)) = (vm.service(), &stats.destination_service) {
+        // Clients keep using this host's port; their requests now go to the
+        // destination (an unspecified address there means the host we
+        // migrated to).
+        if let Ok(mut a) = addr.parse::<std::net::SocketAddr>() {
+            if a.ip().is_unspecified() {
+                if let Endpoint::Tcp(t) = to {
+                    a.set_ip(t.ip());
+                }
+            }
+            svc.redirect(a);
+        }
+    }
+    Ok(stats)
+}
