@@ -68,7 +68,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
+            // FERRY_LOG, else RUST_LOG (e.g. `ferry=debug`: every ferry
+            // crate's events, the migration engine's phases among them).
             tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env())
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
