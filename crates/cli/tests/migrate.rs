@@ -170,9 +170,9 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
     assert_eq!(b["state"], "running");
     assert!(progress(&b) > progress(&a), "the source VM still runs");
 
-    // A matching destination: the VM moves, verified, and keeps running there.
-    let port = free_port();
-    let to = format!("tcp:127.0.0.1:{port}");
+    // A matching destination: the VM moves, verified, and keeps running
+    // there (over a Unix socket: the same session as TCP, on one host).
+    let to = format!("unix:{}", dir.join("in.sock").display());
     let dst_sock = dir.join("dst.sock").to_string_lossy().into_owned();
     let dst = spawn_incoming(&[
         "run",

@@ -365,8 +365,11 @@ fn send<W: Write>(
                 .map_err(ProtocolError::Io)?;
                 let n = (protocol::HEADER + 4 + addrs.len() + b.data.len()) as u64;
                 bytes += n;
-                ctx.policy
-                    .observe_raw_sent(n, sock.and_then(crate::stats::delivery_rate));
+                // Only `auto` probes the link (a getsockopt per batch).
+                if !ctx.crc_at_fetch {
+                    ctx.policy
+                        .observe_raw_sent(n, sock.and_then(crate::stats::delivery_rate));
+                }
             }
             m => {
                 let n = crate::encoded::write_encoded(w, m, b.shard, &b.gpas, &b.enc)
