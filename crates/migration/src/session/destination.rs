@@ -237,17 +237,18 @@ impl<'a> DestSession<'a> {
 }
 
 /// Compares the source's per-page hashes with this side's memory; returns
-/// the pages compared.
+/// the pages compared. Missing or extra hashes fail it too.
 fn verify(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u64, MigrationError> {
     let mine = super::hashes(regions, |i| vm.data_ranges(i));
-    let theirs = body.chunks_exact(8);
-    let (mut bad, mut first) = (0u64, 0u64);
-    let mut pages = regions
+    let mut theirs = body
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
+    let gpas = regions
         .iter()
         .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * PAGE as u64));
-    for (h, t) in mine.iter().zip(theirs.clone()) {
-        let gpa = pages.next().unwrap_or(0);
-        if u64::from_le_bytes(t.try_into().unwrap_or_default()) != *h {
+    let (mut bad, mut first) = (0u64, 0u64);
+    for (h, gpa) in mine.iter().zip(gpas) {
+        if theirs.next() != Some(*h) {
             if bad == 0 {
                 first = gpa;
             }
@@ -255,20 +256,8 @@ fn verify(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u6
         }
     }
     let total = mine.len() as u64;
-    let sent = (body.len() / 8) as u64;
-    if bad > 0 || sent != total || !body.len().is_multiple_of(8) {
-        if bad == 0 && sent < total {
-            first = regions
-                .iter()
-                .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * PAGE as u64))
-                .nth(sent as usize)
-                .unwrap_or(0);
-        }
-        return Err(MigrationError::Verify {
-            bad: bad + total.saturating_sub(sent),
-            total,
-            first,
-        });
+    if bad > 0 || theirs.next().is_some() || !body.len().is_multiple_of(8) {
+        return Err(MigrationError::Verify { bad, total, first });
     }
     Ok(total)
 }
