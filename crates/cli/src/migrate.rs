@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use ferry_migration::options::defaults;
 use ferry_migration::{
     BackendKind, Compress, CompressOptions, Endpoint, MigrateOptions, MigrationStats, Mode,
-    Progress,
+    PostcopyAfter, Progress,
 };
 use ferry_vmm::control::{ControlClient, MigrateRequest, Request};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -25,9 +25,18 @@ pub struct MigrateArgs {
     /// --incoming` there).
     #[arg(long)]
     to: Endpoint,
-    /// Migration mode.
+    /// Migration mode: precopy, postcopy (run at the destination at once,
+    /// memory follows on demand) or hybrid (precopy, then postcopy if it
+    /// has not converged after --postcopy-after).
     #[arg(long, default_value_t = Mode::Precopy)]
     mode: Mode,
+    /// Postcopy: pages sent on each side of a faulting page (0 = only the page).
+    #[arg(long, default_value_t = defaults::PREFETCH)]
+    prefetch: u32,
+    /// Hybrid: switch to postcopy after this many dirty rounds (e.g. 3) or
+    /// seconds (e.g. 2.5s) without converging.
+    #[arg(long, default_value_t = PostcopyAfter::default())]
+    postcopy_after: PostcopyAfter,
     /// Parallel bulk connections (default: 2, or 1 on a single core).
     #[arg(long)]
     streams: Option<u16>,
@@ -82,6 +91,8 @@ impl MigrateArgs {
         caches.dedup_bytes = self.dedup_cache.unwrap_or(caches.dedup_bytes);
         let o = MigrateOptions {
             mode: self.mode,
+            prefetch: self.prefetch,
+            postcopy_after: self.postcopy_after,
             streams: self.streams.unwrap_or(base.streams),
             downtime_ms: self.downtime_ms,
             max_rounds: self.max_rounds,
@@ -237,6 +248,12 @@ fn print_table(to: &Endpoint, s: &MigrationStats) {
             s.verified_pages
         );
     }
+    if let Some(p) = &s.postcopy {
+        print_postcopy(p);
+    }
+    if s.rounds.is_empty() {
+        return;
+    }
     println!(
         "{:>6} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14} {:>9}",
         "round", "pages", "zero", "bytes", "secs", "throughput", "dirty rate", "throttle"
@@ -254,4 +271,36 @@ fn print_table(to: &Endpoint, s: &MigrationStats) {
             r.throttle_pct,
         );
     }
+}
+
+fn print_postcopy(p: &ferry_migration::PostcopyStats) {
+    let f = &p.faults;
+    println!(
+        "postcopy     switched at {:.3} s; {} pages pending, all there {:.3} s after the start",
+        p.switch_at_s, p.pending_pages, p.secs
+    );
+    println!(
+        "  sent       pushed {} pages + {} zero; {} requests answered with {} pages ({} prefetched)",
+        p.pushed_pages, p.pushed_zero_pages, p.requests, p.demand_pages, p.prefetched_pages
+    );
+    println!(
+        "  faults     {} ({} major, {} minor, {} zero-filled, {} duplicate); by vCPUs {} (blocked), by async PF {} (absorbed), by the VMM {}",
+        f.faults, f.major, f.minor, f.zero, f.duplicate, f.blocked, f.apf, f.host
+    );
+    if f.latency_us.count > 0 {
+        println!(
+            "  latency    major fault to wake: p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs, mean {:.0} µs",
+            f.latency_us.p50, f.latency_us.p99, f.latency_us.max, f.latency_us.mean
+        );
+    }
+    let worst = f
+        .series
+        .iter()
+        .map(|b| b.exec_ratio)
+        .fold(1.0f64, f64::min);
+    println!(
+        "  guest      lowest execution ratio in a 100 ms window {:.2} ({} windows)",
+        worst,
+        f.series.len()
+    );
 }

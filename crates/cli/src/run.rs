@@ -22,6 +22,14 @@ use crate::format;
 const SAMPLE_EVERY: Duration = Duration::from_millis(10);
 const LIVE_EVERY: Duration = Duration::from_millis(500);
 
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("'{s}' is neither on nor off")),
+    }
+}
+
 fn parse_mem(s: &str) -> Result<u64, String> {
     parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 4G)"))
 }
@@ -65,8 +73,12 @@ pub struct RunArgs {
     /// happens outside the guest's and the migration's time.
     #[arg(long)]
     prealloc: bool,
-    /// Do not let the guest use KVM asynchronous page faults.
-    #[arg(long)]
+    /// KVM asynchronous page faults for the guest: on, or off (the guest
+    /// is not told of the feature, so a vCPU waits out every host fault).
+    #[arg(long, default_value = "on", value_parser = parse_on_off)]
+    apf: bool,
+    /// Same as --apf off.
+    #[arg(long, conflicts_with = "apf")]
     no_apf: bool,
     /// Guest timer ticks per second.
     #[arg(long, default_value_t = 100)]
@@ -106,7 +118,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     };
     let mut config = VmConfig::new(args.mem, args.vcpus, args.workload.clone());
     config.kernel = args.kernel.clone();
-    config.apf = !args.no_apf;
+    config.apf = args.apf && !args.no_apf;
     config.tick_hz = args.tick_hz;
     config.seed = args.seed;
     config.kvm_path = args.kvm.clone();
@@ -152,8 +164,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             );
         }
     }
-    match &args.incoming {
-        None => vm.start()?,
+    let received = match &args.incoming {
+        None => {
+            vm.start()?;
+            None
+        }
         Some(at) => {
             let incoming = ferry_vmm::migration::Incoming::listen(at)
                 .context("cannot listen for the incoming migration")?;
@@ -171,9 +186,16 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                     "ferry: migration received ({} pages, {} zero pages, {} rounds, {} verified); VM running",
                     got.pages, got.zero_pages, got.rounds, got.verified_pages
                 );
+                if let Some(f) = &got.postcopy {
+                    eprintln!(
+                        "ferry: postcopy faults {} ({} major, p50 {:.0} µs, p99 {:.0} µs; {} absorbed by async PF, {} blocked a vCPU)",
+                        f.faults, f.major, f.latency_us.p50, f.latency_us.p99, f.apf, f.blocked
+                    );
+                }
             }
+            Some(got)
         }
-    }
+    };
     // Only now catch Ctrl-C / SIGTERM (to end with a summary): while an
     // incoming VMM waits for its migration, they simply end the process.
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -266,6 +288,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     }
     let mut summary = summary_json(&vm, &started, &last, ending, &exit, boot_ms, ran);
     summary["incoming"] = serde_json::Value::Bool(args.incoming.is_some());
+    if let Some(got) = &received {
+        summary["received"] = serde_json::to_value(got)?;
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {

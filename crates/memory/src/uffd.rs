@@ -105,6 +105,8 @@ pub struct Features {
     /// Write protection also of never-populated anonymous pages
     /// (UFFD_FEATURE_WP_UNPOPULATED, Linux 6.4+). shmem gets this without it.
     pub wp_unpopulated: bool,
+    /// The faulting thread's id in each fault event (UFFD_FEATURE_THREAD_ID).
+    pub thread_id: bool,
 }
 
 impl Features {
@@ -121,6 +123,9 @@ impl Features {
         }
         if self.wp_unpopulated {
             bits |= feature::WP_UNPOPULATED | feature::PAGEFAULT_FLAG_WP;
+        }
+        if self.thread_id {
+            bits |= feature::THREAD_ID;
         }
         bits
     }
@@ -207,6 +212,8 @@ pub enum Event {
         wp: bool,
         /// A MINOR fault.
         minor: bool,
+        /// The faulting thread (0 unless [`Features::thread_id`] was asked).
+        tid: u32,
     },
     /// Pages were removed (MADV_DONTNEED/REMOVE) from a range (only with
     /// UFFD_FEATURE_EVENT_REMOVE, which [`Features`] does not request).
@@ -230,6 +237,7 @@ impl Event {
                     write: flags & abi::PAGEFAULT_FLAG_WRITE != 0,
                     wp: flags & abi::PAGEFAULT_FLAG_WP != 0,
                     minor: flags & abi::PAGEFAULT_FLAG_MINOR != 0,
+                    tid: m.arg[2] as u32,
                 }
             }
             abi::EVENT_REMOVE => Event::Remove {
@@ -565,6 +573,7 @@ mod tests {
     fn missing_fault_is_resolved_by_copy() {
         let Some(u) = uffd(Features {
             missing_shmem: true,
+            thread_id: true,
             ..Default::default()
         }) else {
             return;
@@ -587,15 +596,23 @@ mod tests {
         );
         let reader = read_byte(&r, PAGE + 7);
         let ev = next_event(&u);
+        let Event::PageFault { tid, .. } = ev else {
+            panic!("{ev:?}")
+        };
         assert_eq!(
             ev,
             Event::PageFault {
                 addr: base + PAGE_SIZE,
                 write: false,
                 wp: false,
-                minor: false
+                minor: false,
+                tid,
             }
         );
+        // The reader is one of this process's threads, and not this one.
+        assert!(std::path::Path::new(&format!("/proc/self/task/{tid}")).exists());
+        // SAFETY: gettid has no preconditions.
+        assert_ne!(tid as i32, unsafe { libc::gettid() });
         assert_eq!(
             u.copy(base + PAGE_SIZE, &[0xab; PAGE], true).unwrap(),
             PAGE_SIZE
@@ -708,7 +725,7 @@ mod tests {
         let writer = std::thread::spawn(move || unsafe { r2.host_addr().write_volatile(9) });
         let ev = next_event(&u);
         assert!(
-            matches!(ev, Event::PageFault { addr, write: true, wp: true, minor: false } if addr == base),
+            matches!(ev, Event::PageFault { addr, write: true, wp: true, minor: false, .. } if addr == base),
             "{ev:?}"
         );
         // SAFETY: reading the page while the writer is blocked.

@@ -51,6 +51,28 @@ pub enum MigrationError {
     /// may not run the VM. The source keeps it paused.
     #[error("the destination got everything but did not confirm the start ({0}); the VM stays paused here: resume it only if the destination did not start it")]
     InDoubt(String),
+    /// Postcopy failed after the VM started at the destination (source
+    /// side): the source keeps the VM paused with all its memory.
+    #[error("postcopy broke after the VM started at the destination: {reason}. {unsent} of {pending} pending pages had not been sent, and the destination had not confirmed the rest; the VM stays paused here with all its memory: do not resume it here while the destination runs it")]
+    PostcopyBroken {
+        /// What failed.
+        reason: String,
+        /// Pending pages never sent.
+        unsent: u64,
+        /// Pages pending at the switch.
+        pending: u64,
+    },
+    /// Postcopy failed at the destination after its VM started: pages it
+    /// needs never arrived.
+    #[error("postcopy failed after the VM started here: {reason}. {missing} pages never arrived (first at {first:#x}); the VM cannot run on without them, and the source holds them")]
+    PagesLost {
+        /// What failed.
+        reason: String,
+        /// Pages that never arrived.
+        missing: u64,
+        /// The first of them.
+        first: u64,
+    },
     /// A codec failed on the source's own pages (a bug, not bad input).
     #[error("encoding a batch failed: {0}")]
     Codec(#[source] VmOpError),

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::session::DestSession;
-use crate::sink::DirectSink;
+use crate::sink::{DirectSink, SwitchSink};
 use crate::stats::IncomingStats;
 use crate::transport::Listener;
 use crate::vm::IncomingVm;
@@ -12,20 +12,25 @@ use crate::MigrationError;
 
 /// Receives one migration into `vm` through `listener`; `timeout` bounds
 /// each step once a source has connected (waiting for one is unbounded).
-/// Returns once the VM runs here and the source was told so. On failure
-/// the VM was never started.
+/// Returns once the VM runs here and (after a postcopy switch) all its
+/// memory arrived. On failure the VM was never started, unless the error is
+/// [`MigrationError::PagesLost`].
 pub fn receive(
     vm: &dyn IncomingVm,
     listener: &Listener,
     timeout: Duration,
 ) -> Result<IncomingStats, MigrationError> {
     let mut session = DestSession::accept(listener, timeout)?;
+    let direct = DirectSink::new(vm);
+    // Pages land straight in memory until a postcopy switch, then through
+    // userfaultfd (the plan tells; precopy never switches).
+    let sink = SwitchSink::new(&direct);
+    let id = session.session_id();
+    let mut phases = crate::postcopy::Incoming::new(vm, listener, id, timeout, &sink);
     let result = (|| {
         session.handshake(&vm.regions(), vm.vcpus())?;
-        // Every session this build speaks is precopy-shaped on the wire:
-        // pages land straight in memory no vCPU runs on yet.
-        let sink = DirectSink::new(vm);
-        session.run(vm, &sink, &mut crate::precopy::Incoming)
+        session.run(vm, &sink, &mut phases)
     })();
+    drop(phases);
     session.conclude(result)
 }

@@ -4,7 +4,8 @@
 //!
 //! Layout (docs/architecture.md draws it):
 //! - entry points: [`outgoing::migrate`] (source), [`incoming::receive`]
-//!   (destination); each dispatches to a mode's file ([`precopy`]).
+//!   (destination); each dispatches to a mode's file ([`precopy`], which
+//!   also runs hybrid's rounds; [`postcopy`]).
 //! - [`session`]: what every mode shares on both sides (hello, layout,
 //!   bulk streams, state, verify, Complete/Started, the failure guard).
 //! - [`transport`]: TCP and Unix connections tagged with a role, fd passing.
@@ -25,6 +26,7 @@ pub mod options;
 pub mod outgoing;
 pub(crate) mod pacer;
 pub mod pagein;
+pub(crate) mod postcopy;
 pub(crate) mod precopy;
 pub mod protocol;
 pub mod ranges;
@@ -40,10 +42,13 @@ pub use compress::{Backend, BatchEncoder, Compress};
 pub use error::{MigrationError, VmOpError};
 pub use incoming::receive;
 pub use memory::RegionView;
-pub use options::{BackendKind, CompressOptions, MigrateOptions, Mode};
+pub use options::{BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter};
 pub use outgoing::migrate;
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
-pub use stats::{CompressionStats, IncomingStats, MigrationStats, Phase, Progress, RoundStats};
+pub use stats::{
+    CompressionStats, FaultBin, FaultReport, IncomingStats, Latency, MigrationStats, Phase,
+    PostcopyStats, Progress, RoundStats,
+};
 pub use transport::{Endpoint, Listener};
 pub use vm::{IncomingVm, MigratableVm, PageStore};

@@ -67,6 +67,18 @@ impl RegionView {
             .then(|| unsafe { self.host.add((gpa - self.gpa) as usize) })
     }
 
+    /// The region's first host address (to register it with userfaultfd).
+    pub(crate) fn host_start(&self) -> u64 {
+        self.host as u64
+    }
+
+    /// The guest address of host address `host`, if it lies in this region
+    /// (a fault address read from userfaultfd).
+    pub(crate) fn gpa_of_host(&self, host: u64) -> Option<u64> {
+        let off = host.checked_sub(self.host as u64)?;
+        (off < self.size).then_some(self.gpa + off)
+    }
+
     /// Copies `dst.len()` bytes from guest address `gpa` into `dst`; false
     /// (and nothing copied) if the range is not inside the region.
     pub fn read(&self, gpa: u64, dst: &mut [u8]) -> bool {

@@ -19,6 +19,12 @@ pub mod defaults {
     pub const COMPRESS_THREADS: u8 = 1;
     /// Most bulk streams.
     pub const MAX_STREAMS: u16 = 16;
+    /// Postcopy: pages sent on each side of a faulting page (the paper's N).
+    pub const PREFETCH: u32 = 8;
+    /// Most prefetch pages on each side.
+    pub const MAX_PREFETCH: u32 = 512;
+    /// Hybrid: precopy rounds before switching to postcopy.
+    pub const POSTCOPY_AFTER_ROUNDS: u32 = 3;
 }
 
 /// Migration modes.
@@ -29,17 +35,84 @@ pub enum Mode {
     /// copy the rest.
     #[default]
     Precopy,
+    /// Pause, move the state, run on the destination at once; memory
+    /// follows on demand (faults) and in the background.
+    Postcopy,
+    /// Precopy rounds, then postcopy if they have not converged within
+    /// [`MigrateOptions::postcopy_after`].
+    Hybrid,
 }
 
 impl Mode {
     /// Every mode this build has.
-    pub const ALL: [Mode; 1] = [Mode::Precopy];
+    pub const ALL: [Mode; 3] = [Mode::Precopy, Mode::Postcopy, Mode::Hybrid];
 
     /// The mode's name on the command line.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Precopy => "precopy",
+            Mode::Postcopy => "postcopy",
+            Mode::Hybrid => "hybrid",
         }
+    }
+
+    /// True if the VM may run at the destination before all its memory
+    /// arrived.
+    pub fn may_postcopy(self) -> bool {
+        matches!(self, Mode::Postcopy | Mode::Hybrid)
+    }
+}
+
+/// When hybrid gives up on precopy: after this many dirty rounds, or this
+/// long after the start. Written `3` (rounds) or `2.5s`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PostcopyAfter {
+    /// Dirty rounds after the full copy.
+    Rounds(u32),
+    /// Seconds since the migration started.
+    Secs(f64),
+}
+
+impl Default for PostcopyAfter {
+    fn default() -> Self {
+        PostcopyAfter::Rounds(defaults::POSTCOPY_AFTER_ROUNDS)
+    }
+}
+
+impl std::str::FromStr for PostcopyAfter {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("'{s}' is neither a round count (3) nor seconds (2.5s)");
+        if let Some(secs) = s.strip_suffix('s') {
+            let v: f64 = secs.parse().map_err(|_| bad())?;
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(bad());
+            }
+            return Ok(PostcopyAfter::Secs(v));
+        }
+        s.parse().map(PostcopyAfter::Rounds).map_err(|_| bad())
+    }
+}
+
+impl std::fmt::Display for PostcopyAfter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PostcopyAfter::Rounds(n) => write!(f, "{n}"),
+            PostcopyAfter::Secs(s) => write!(f, "{s}s"),
+        }
+    }
+}
+
+impl Serialize for PostcopyAfter {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for PostcopyAfter {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -143,6 +216,10 @@ pub struct MigrateOptions {
     pub timeout_ms: u64,
     /// Compression and the pipelined data path.
     pub compression: CompressOptions,
+    /// Postcopy: pages sent on each side of a faulting page, when not sent yet.
+    pub prefetch: u32,
+    /// Hybrid: when to stop precopy and switch.
+    pub postcopy_after: PostcopyAfter,
 }
 
 impl Default for MigrateOptions {
@@ -157,6 +234,8 @@ impl Default for MigrateOptions {
             bandwidth: None,
             timeout_ms: defaults::TIMEOUT_MS,
             compression: CompressOptions::default(),
+            prefetch: defaults::PREFETCH,
+            postcopy_after: PostcopyAfter::default(),
         }
     }
 }
@@ -183,6 +262,12 @@ impl MigrateOptions {
         }
         if self.bandwidth.is_some_and(|b| !(b > 0.0 && b.is_finite())) {
             return Err("the bandwidth limit must be positive".into());
+        }
+        if self.prefetch > defaults::MAX_PREFETCH {
+            return Err(format!(
+                "prefetch must be 0 to {} pages",
+                defaults::MAX_PREFETCH
+            ));
         }
         if !(1..=shards).contains(&c.workers) {
             return Err(format!("compress threads must be 1 to {shards}"));
@@ -239,6 +324,17 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.check().unwrap_err().contains("streams"));
-        assert!("teleport".parse::<Mode>().unwrap_err().contains("precopy"));
+        assert!("teleport".parse::<Mode>().unwrap_err().contains("postcopy"));
+        let o: MigrateOptions =
+            serde_json::from_str(r#"{"mode":"hybrid","postcopy_after":"1.5s","prefetch":0}"#)
+                .unwrap();
+        assert_eq!(o.mode, Mode::Hybrid);
+        assert_eq!(o.postcopy_after, PostcopyAfter::Secs(1.5));
+        assert_eq!("4".parse(), Ok(PostcopyAfter::Rounds(4)));
+        assert!("-1s".parse::<PostcopyAfter>().is_err());
+        assert!("soon".parse::<PostcopyAfter>().is_err());
+        let back: MigrateOptions =
+            serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
+        assert_eq!(back, o);
     }
 }

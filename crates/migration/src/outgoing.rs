@@ -12,7 +12,8 @@ use crate::MigrationError;
 /// Migrates `vm` to the ferry destination at `to`, with the codecs of
 /// `backend`. On success the VM runs at the destination and the caller must
 /// release it here (it stays paused); on failure it runs here as before,
-/// except after [`MigrationError::InDoubt`], where it stays paused.
+/// except after [`MigrationError::InDoubt`] and
+/// [`MigrationError::PostcopyBroken`], where it stays paused.
 pub fn migrate(
     vm: &dyn MigratableVm,
     to: &Endpoint,
@@ -24,7 +25,8 @@ pub fn migrate(
     tracing::info!(%to, mode = %opts.mode, streams = opts.streams, "migration starts");
     let mut session = SourceSession::new(vm, to, opts);
     let result = match opts.mode {
-        Mode::Precopy => crate::precopy::run(&mut session, backend, progress),
+        Mode::Precopy | Mode::Hybrid => crate::precopy::run(&mut session, backend, progress),
+        Mode::Postcopy => crate::postcopy::run(&mut session, progress),
     };
     session.conclude(result)
 }

@@ -10,14 +10,10 @@ use crate::dirty::{dirty_runs, first_round, sample_pages};
 use crate::encoded::CodecSetup;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
-use crate::session::{DestinationPhases, SourceSession};
+use crate::session::SourceSession;
 use crate::stats::{secs, MigrationStats, Phase, Progress, RoundStats};
+use crate::options::PostcopyAfter;
 use crate::MigrationError;
-
-/// A precopy destination: the session's defaults are all it needs.
-pub(crate) struct Incoming;
-
-impl DestinationPhases for Incoming {}
 
 /// Bytes on the wire per page besides its payload (its address).
 const PAGE_META: u64 = 8;
@@ -31,6 +27,10 @@ pub(crate) fn run(
     let opts = s.opts;
     let copt = &opts.compression;
     s.open()?;
+    let hybrid = opts.mode == crate::options::Mode::Hybrid;
+    if hybrid {
+        crate::postcopy::require(s)?;
+    }
     let compressed = copt.enabled() && s.version >= 2;
     let mut stats = MigrationStats {
         mode: opts.mode,
@@ -72,7 +72,7 @@ pub(crate) fn run(
     let mut round = 0u32;
     let mut bandwidth;
     let mut throttle = 0u32;
-    loop {
+    let switch = loop {
         progress(&Progress {
             round,
             remaining_pages: total_pages(&runs),
@@ -111,16 +111,26 @@ pub(crate) fn run(
         let expected_ms = (dirty * (PAGE + PAGE_META)) as f64 / bandwidth * 1e3;
         if expected_ms <= opts.downtime_ms {
             stats.converged = format!("remainder of {dirty} pages fits {:.1} ms", opts.downtime_ms);
-            break;
+            break false;
+        }
+        if hybrid && postcopy_due(opts.postcopy_after, round, s.t_start) {
+            stats.converged = format!(
+                "not converged after {} ({dirty} pages dirty): switched to postcopy",
+                match opts.postcopy_after {
+                    PostcopyAfter::Rounds(n) => format!("{n} dirty rounds"),
+                    PostcopyAfter::Secs(x) => format!("{x} s"),
+                }
+            );
+            break true;
         }
         if round > opts.max_rounds {
             stats.converged = format!(
                 "max rounds ({}) reached with {dirty} pages dirty",
                 opts.max_rounds
             );
-            break;
+            break false;
         }
-    }
+    };
     tracing::info!(rounds = round, converged = %stats.converged, "precopy converged");
 
     // Stop and copy.
@@ -141,6 +151,14 @@ pub(crate) fn run(
     last.extend(vm.host_written_ranges().iter().map(GpaBytes::pages));
     last.sort_unstable();
     let last: Vec<GpaPages> = merge_runs(last);
+    if switch {
+        s.stop_dirty_log()?;
+        let _ = vm.throttle(0);
+        stats.downtime_parts.last_round = lap();
+        add_encoding(&mut stats, &sender, compressed);
+        crate::postcopy::switch(s, &mut stats, last, t_pause, round, progress)?;
+        return Ok(stats);
+    }
     let remaining = total_pages(&last);
     progress(&Progress {
         round,
@@ -183,12 +201,7 @@ pub(crate) fn run(
     stats.downtime_parts.destination = lap();
     stats.destination_service = report.service;
     stats.destination_cpu_s = report.cpu_s;
-    if compressed {
-        stats.compression.batches = sender.policy().summary();
-        stats.compression.link_bandwidth = sender.policy().link();
-    }
-    stats.compression.encoded_in = stats.rounds.iter().map(|r| r.encoded_in).sum();
-    stats.compression.encoded_out = stats.rounds.iter().map(|r| r.encoded_out).sum();
+    add_encoding(&mut stats, &sender, compressed);
     stats.source_cpu_s = s.cpu_secs();
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     stats.total_secs = secs(s.t_start.elapsed());
@@ -200,6 +213,24 @@ pub(crate) fn run(
         phase: Phase::Done,
     });
     Ok(stats)
+}
+
+/// True when hybrid has waited long enough for precopy to converge.
+fn postcopy_due(after: PostcopyAfter, rounds_done: u32, t_start: std::time::Instant) -> bool {
+    match after {
+        // Round 0 is the full copy; `n` dirty rounds follow it.
+        PostcopyAfter::Rounds(n) => rounds_done > n,
+        PostcopyAfter::Secs(x) => t_start.elapsed().as_secs_f64() >= x,
+    }
+}
+
+fn add_encoding(stats: &mut MigrationStats, sender: &PageSender, compressed: bool) {
+    if compressed {
+        stats.compression.batches = sender.policy().summary();
+        stats.compression.link_bandwidth = sender.policy().link();
+    }
+    stats.compression.encoded_in = stats.rounds.iter().map(|r| r.encoded_in).sum();
+    stats.compression.encoded_out = stats.rounds.iter().map(|r| r.encoded_out).sum();
 }
 
 fn add_round(stats: &mut MigrationStats, rs: RoundStats) {

@@ -38,7 +38,9 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 2;
+pub const VERSION_MAX: u16 = 3;
+/// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
+pub const VERSION_POSTCOPY: u16 = 3;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -80,6 +82,15 @@ pub enum Kind {
     Codec = 13,
     /// v2: a batch of pages in ferry-codec's encoding.
     Encoded = 14,
+    /// v3, source to destination before Complete: the VM will start before
+    /// these pages arrive (one or more frames, the last one marked).
+    PostcopyPlan = 15,
+    /// v3, destination to source on the demand connection: pages a vCPU
+    /// waits for.
+    PageRequest = 16,
+    /// v3, destination to source: every page arrived (and verified); the
+    /// source may let go. Body: the destination's fault report.
+    Finished = 17,
 }
 
 impl Kind {
@@ -100,6 +111,9 @@ impl Kind {
             12 => RoundAck,
             13 => Codec,
             14 => Encoded,
+            15 => PostcopyPlan,
+            16 => PageRequest,
+            17 => Finished,
             _ => return None,
         })
     }
@@ -208,6 +222,23 @@ pub struct RoundDone {
     /// Frames each bulk stream sent in this round.
     pub frames: Vec<u64>,
 }
+
+/// Part of the postcopy plan: pages the source still has to send after the
+/// switch (everything else the destination holds already, or is zero).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PostcopyPlan {
+    /// Runs of pending pages (this frame's share).
+    pub pending: Vec<GpaPages>,
+    /// True on the plan's last frame.
+    pub last: bool,
+    /// Pages sent on each side of a requested page.
+    pub prefetch: u32,
+    /// The source will send page hashes at the end: record what lands.
+    pub verify: bool,
+}
+
+/// Most runs in one PostcopyPlan frame (well under MAX_BODY).
+pub const PLAN_RUNS_PER_FRAME: usize = 1 << 20;
 
 /// A decoded frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -429,6 +460,9 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::RoundAck => "RoundAck",
         Kind::Codec => "Codec",
         Kind::Encoded => "Encoded",
+        Kind::PostcopyPlan => "PostcopyPlan",
+        Kind::PageRequest => "PageRequest",
+        Kind::Finished => "Finished",
     }
 }
 

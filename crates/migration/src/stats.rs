@@ -63,6 +63,126 @@ pub struct MigrationStats {
     pub downtime_parts: DowntimeParts,
     /// Compression asked for ("none", "auto", a codec) and what happened.
     pub compression: CompressionStats,
+    /// What happened after the switch (postcopy and hybrid that switched).
+    pub postcopy: Option<PostcopyStats>,
+}
+
+/// The postcopy phase: from the destination's start until every page
+/// arrived.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PostcopyStats {
+    /// Seconds from the migration's start to the switch (the pause).
+    pub switch_at_s: f64,
+    /// Pages the destination did not hold at the switch.
+    pub pending_pages: u64,
+    /// Pages the background pusher sent (with data), and zero pages it sent
+    /// as ranges.
+    pub pushed_pages: u64,
+    /// Zero pages among the pushed, sent as ranges.
+    pub pushed_zero_pages: u64,
+    /// Page requests answered, and pages sent in answer: the requested
+    /// page (always) plus its not-yet-sent neighbours.
+    pub requests: u64,
+    /// Pages sent on the demand connection.
+    pub demand_pages: u64,
+    /// Of those, neighbours sent ahead of a fault (prefetch).
+    pub prefetched_pages: u64,
+    /// Started to every page confirmed (seconds).
+    pub secs: f64,
+    /// The destination's account of its faults.
+    pub faults: FaultReport,
+}
+
+/// Faults the destination took on missing memory, and what they cost.
+///
+/// Kinds: `major` waited for a page over the network; `minor` found its page
+/// already arrived or on its way (the page needed only a wake-up); `zero`
+/// touched memory the source never had data in (filled locally);
+/// `duplicate` asked for a page already requested. Who faulted: `blocked` a
+/// vCPU thread (the vCPU waited), `apf` a KVM async-page-fault worker (the
+/// guest parked one task and ran another), `host` the VMM's own threads.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FaultReport {
+    /// Every fault event read.
+    pub faults: u64,
+    /// Fetched over the network.
+    pub major: u64,
+    /// Already arrived or on its way.
+    pub minor: u64,
+    /// Filled with zeros locally.
+    pub zero: u64,
+    /// Asked again while a request was out.
+    pub duplicate: u64,
+    /// Taken by vCPU threads (the vCPU blocked).
+    pub blocked: u64,
+    /// Taken by async-page-fault workers (absorbed by the guest).
+    pub apf: u64,
+    /// Taken by the VMM's own threads.
+    pub host: u64,
+    /// Major faults, fault read to page landed (µs).
+    pub latency_us: Latency,
+    /// Major fault service time histogram: (upper bound µs, count), powers of two.
+    pub histogram: Vec<(u64, u64)>,
+    /// Per 100 ms from the start: faults by kind and the guest's execution ratio.
+    pub series: Vec<FaultBin>,
+    /// Pages received on the demand connection (requested and prefetched).
+    pub demand_pages: u64,
+    /// Pending pages filled (UFFDIO_COPY or ZEROPAGE), from either connection.
+    pub supplied_pages: u64,
+    /// Pages that arrived a second time and were dropped (first copy wins).
+    pub kept_pages: u64,
+}
+
+/// Percentiles of a latency distribution.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Latency {
+    /// Samples.
+    pub count: u64,
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+impl Latency {
+    /// Summarises samples (any order).
+    pub fn of(mut v: Vec<f64>) -> Latency {
+        if v.is_empty() {
+            return Latency::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        Latency {
+            count: v.len() as u64,
+            p50: at(0.5),
+            p99: at(0.99),
+            max: v[v.len() - 1],
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+        }
+    }
+}
+
+/// 100 ms of the postcopy phase at the destination.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FaultBin {
+    /// Start of the bin, ms after the VM started.
+    pub t_ms: u64,
+    /// Major faults.
+    pub major: u64,
+    /// Minor faults.
+    pub minor: u64,
+    /// Zero-filled faults.
+    pub zero: u64,
+    /// Faults absorbed by async page faults.
+    pub apf: u64,
+    /// Per vCPU, ms of the bin it spent blocked on faults.
+    pub blocked_ms: Vec<f64>,
+    /// Share of vCPU time not blocked on faults (1 = untouched).
+    pub exec_ratio: f64,
 }
 
 /// What compression did.
@@ -123,6 +243,9 @@ pub enum Phase {
     StopAndCopy,
     /// Hashing memory for verification.
     Verify,
+    /// Running at the destination; memory follows on demand and in the
+    /// background.
+    Postcopy,
     /// Finished.
     Done,
 }
@@ -133,6 +256,7 @@ impl std::fmt::Display for Phase {
             Phase::Copy => "copy",
             Phase::StopAndCopy => "stop-and-copy",
             Phase::Verify => "verify",
+            Phase::Postcopy => "postcopy",
             Phase::Done => "done",
         })
     }
@@ -151,6 +275,8 @@ pub struct IncomingStats {
     pub verified_pages: u64,
     /// Complete received to vCPUs started (ms).
     pub restore_ms: f64,
+    /// Faults taken after a postcopy switch.
+    pub postcopy: Option<FaultReport>,
 }
 
 /// Live progress for a bar.

@@ -91,4 +91,9 @@ pub trait IncomingVm: PageStore {
     fn service_addr(&self) -> Option<String> {
         None
     }
+    /// The vCPU threads' ids once started (postcopy tells a vCPU that
+    /// blocked on a fault from the VMM's other threads).
+    fn vcpu_tids(&self) -> Vec<u32> {
+        Vec::new()
+    }
 }

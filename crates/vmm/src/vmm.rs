@@ -321,6 +321,8 @@ pub struct VmShared {
     control: Mutex<Control>,
     changed: Condvar,
     threads: Mutex<Vec<libc::pthread_t>>,
+    /// Kernel thread ids of the vCPU threads, as each starts (index = vCPU).
+    tids: Vec<std::sync::atomic::AtomicU32>,
     /// MSRs saved with each vCPU.
     pub msr_indices: Vec<u32>,
     /// The VM's devices.
@@ -328,6 +330,15 @@ pub struct VmShared {
 }
 
 impl VmShared {
+    /// Records the calling thread as vCPU `id`'s.
+    pub fn set_vcpu_tid(&self, id: u32) {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() } as u32;
+        if let Some(t) = self.tids.get(id as usize) {
+            t.store(tid, Ordering::Release);
+        }
+    }
+
     /// What the vCPUs should do now.
     pub fn requested(&self) -> RunState {
         match self.requested.load(Ordering::Acquire) {
@@ -552,6 +563,9 @@ impl Vm {
             msr_indices,
             changed: Condvar::new(),
             threads: Mutex::new(Vec::new()),
+            tids: (0..config.vcpus)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect(),
             devices: Devices::new(config.console.clone(), service),
         });
         Ok(Vm {
@@ -647,6 +661,15 @@ impl Vm {
             s.release();
         }
         Ok(())
+    }
+
+    /// The vCPU threads' kernel ids (0 for one not started yet).
+    pub fn vcpu_tids(&self) -> Vec<u32> {
+        self.shared
+            .tids
+            .iter()
+            .map(|t| t.load(Ordering::Acquire))
+            .collect()
     }
 
     /// Stops the vCPUs at their next exit and waits until all are parked.

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use crate::memory::RegionView;
-use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone, PAGE};
+use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
 use crate::sink::PageSink;
 use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport};
@@ -30,9 +30,20 @@ pub(crate) trait DestinationPhases {
         .into())
     }
     /// After the state is restored, just before the vCPUs start (postcopy
-    /// registers the missing pages with userfaultfd here).
-    fn before_start(&mut self) -> Result<(), MigrationError> {
+    /// registers the missing pages with userfaultfd here); `rounds` precopy
+    /// rounds were applied.
+    fn before_start(&mut self, _rounds: u32) -> Result<(), MigrationError> {
         Ok(())
+    }
+    /// After Started went out, while the bulk streams still run (postcopy's
+    /// phase); true if the mode had such a phase.
+    fn after_start(
+        &mut self,
+        _ctl: &mut Conn,
+        _rx: &Received,
+        _stats: &mut IncomingStats,
+    ) -> Result<bool, MigrationError> {
+        Ok(false)
     }
 }
 
@@ -44,6 +55,8 @@ pub(crate) struct DestSession<'a> {
     hello: Hello,
     /// The protocol version agreed on.
     pub(crate) version: u16,
+    /// The VM runs here (Started went out).
+    started: bool,
 }
 
 impl<'a> DestSession<'a> {
@@ -66,12 +79,18 @@ impl<'a> DestSession<'a> {
                         ctl: c,
                         hello,
                         version: 0,
+                        started: false,
                     })
                 }
                 Err(ProtocolError::Closed) => continue,
                 Ok(_) | Err(_) => c.abort("expected a ferry migration control Hello"),
             }
         }
+    }
+
+    /// The session id the source chose (its other connections carry it).
+    pub(crate) fn session_id(&self) -> u64 {
+        self.hello.session
     }
 
     /// Agrees on a version and checks the source's layout against ours.
@@ -197,8 +216,9 @@ impl<'a> DestSession<'a> {
                     })?;
                     vm.restore_state(&state)
                         .map_err(MigrationError::vm("restore state"))?;
-                    mode.before_start()?;
+                    mode.before_start(stats.rounds)?;
                     vm.start().map_err(MigrationError::vm("start"))?;
+                    self.started = true;
                     stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
                     let report = StartedReport {
                         service: vm.service_addr(),
@@ -206,6 +226,7 @@ impl<'a> DestSession<'a> {
                     };
                     self.ctl.send(Kind::Started, &report)?;
                     tracing::info!(restore_ms = stats.restore_ms, "VM started here");
+                    mode.after_start(&mut self.ctl, rx, stats)?;
                     return Ok(());
                 }
                 _ => mode.on_message(&f)?,
@@ -220,7 +241,11 @@ impl<'a> DestSession<'a> {
         result: Result<T, MigrationError>,
     ) -> Result<T, MigrationError> {
         if let Err(e) = &result {
-            tracing::warn!(error = %e, "incoming migration failed; no VM was started");
+            if self.started {
+                tracing::error!(error = %e, "incoming migration failed after the VM started here");
+            } else {
+                tracing::warn!(error = %e, "incoming migration failed; no VM was started");
+            }
             if !e.is_peer_abort() {
                 self.ctl.abort(&e.to_string());
                 let s = self.ctl.stream();
@@ -240,24 +265,5 @@ impl<'a> DestSession<'a> {
 /// the pages compared. Missing or extra hashes fail it too.
 fn verify(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u64, MigrationError> {
     let mine = super::hashes(regions, |i| vm.data_ranges(i));
-    let mut theirs = body
-        .chunks_exact(8)
-        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
-    let gpas = regions
-        .iter()
-        .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * PAGE as u64));
-    let (mut bad, mut first) = (0u64, 0u64);
-    for (h, gpa) in mine.iter().zip(gpas) {
-        if theirs.next() != Some(*h) {
-            if bad == 0 {
-                first = gpa;
-            }
-            bad += 1;
-        }
-    }
-    let total = mine.len() as u64;
-    if bad > 0 || theirs.next().is_some() || !body.len().is_multiple_of(8) {
-        return Err(MigrationError::Verify { bad, total, first });
-    }
-    Ok(total)
+    super::compare_hashes(regions, &mine, body)
 }

@@ -32,3 +32,32 @@ pub(crate) fn hashes(
         .flat_map(|(i, r)| crate::memory::region_hashes(r, &data_ranges(i)))
         .collect()
 }
+
+/// Compares the source's hashes (a Verify body) with `mine`, page by page;
+/// returns the pages compared. Missing or extra hashes fail it too.
+pub(crate) fn compare_hashes(
+    regions: &[RegionView],
+    mine: &[u64],
+    body: &[u8],
+) -> Result<u64, crate::MigrationError> {
+    let mut theirs = body
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
+    let gpas = regions
+        .iter()
+        .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * crate::ranges::PAGE));
+    let (mut bad, mut first) = (0u64, 0u64);
+    for (h, gpa) in mine.iter().zip(gpas) {
+        if theirs.next() != Some(*h) {
+            if bad == 0 {
+                first = gpa;
+            }
+            bad += 1;
+        }
+    }
+    let total = mine.len() as u64;
+    if bad > 0 || theirs.next().is_some() || !body.len().is_multiple_of(8) {
+        return Err(crate::MigrationError::Verify { bad, total, first });
+    }
+    Ok(total)
+}

@@ -34,6 +34,8 @@ pub(crate) struct SourceSession<'a> {
     id: u64,
     paused: bool,
     dirty_log: bool,
+    /// The VM runs at the destination (postcopy): never resume it here.
+    pub(crate) switched: bool,
     /// CPU seconds of the data threads.
     pub(crate) cpu: CpuMeter,
     ctl_cpu0: f64,
@@ -62,6 +64,7 @@ impl<'a> SourceSession<'a> {
                 ^ u64::from(std::process::id()),
             paused: false,
             dirty_log: false,
+            switched: false,
             cpu: CpuMeter::default(),
             ctl_cpu0: thread_cpu_secs(),
             t_start,
@@ -95,6 +98,11 @@ impl<'a> SourceSession<'a> {
         self.ctl()?.send(Kind::Layout, &layout)?;
         tracing::info!(to = %self.to, version = self.version, "migration session open");
         Ok(())
+    }
+
+    /// Opens one more connection of this session in `role`.
+    pub(crate) fn open_role(&self, role: Role) -> Result<Conn, MigrationError> {
+        Conn::open(self.to, self.opts.timeout(), &self.hello(role))
     }
 
     /// Opens the bulk streams; with `codec`, each announces its codec caches.
@@ -173,6 +181,21 @@ impl<'a> SourceSession<'a> {
         Ok((hashes.len() as u64, (HEADER + body.len()) as u64))
     }
 
+    /// Sends per-page hashes computed earlier; returns the wire bytes.
+    pub(crate) fn send_hashes(&mut self, hashes: &[u64]) -> Result<u64, MigrationError> {
+        let body: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        self.ctl()?.send_frame(Kind::Verify, &body)?;
+        Ok((HEADER + body.len()) as u64)
+    }
+
+    /// Ends a postcopy: Complete, and the destination's Finished with its
+    /// fault report (every page arrived there).
+    pub(crate) fn finish(&mut self) -> Result<crate::stats::FaultReport, MigrationError> {
+        let ctl = self.ctl()?;
+        ctl.send_frame(Kind::Complete, &[])?;
+        Ok(ctl.recv(Kind::Finished)?)
+    }
+
     /// Sends Complete and waits for Started. From here the destination may
     /// start the VM at any moment: an Abort means it did not; anything else
     /// but Started leaves the outcome unknown, and resuming here could run
@@ -235,6 +258,17 @@ impl<'a> SourceSession<'a> {
         }
         match &result {
             Ok(_) => {}
+            Err(e) if self.switched => {
+                // The VM runs at the destination and may lack pages only
+                // this side holds: keep it paused here, memory intact.
+                tracing::error!(error = %e, "postcopy broke after the switch; the VM stays paused here with all its memory");
+                if self.dirty_log {
+                    let _ = self.vm.stop_dirty_log();
+                }
+                if let Some(ctl) = self.ctl.as_mut() {
+                    ctl.abort(&e.to_string());
+                }
+            }
             Err(MigrationError::InDoubt(e)) => {
                 // The VM may run at the destination: keep it paused here.
                 tracing::warn!(error = %e, "migration in doubt; the VM stays paused");

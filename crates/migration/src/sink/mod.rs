@@ -10,6 +10,7 @@
 //!   its own write. For postcopy and remote paging.
 
 mod direct;
+mod switch;
 mod uffd;
 pub(crate) mod written;
 
@@ -18,7 +19,8 @@ use std::marker::PhantomData;
 use std::os::fd::AsRawFd;
 
 pub use direct::DirectSink;
-pub use uffd::{LandPolicy, UffdSink, UffdSinkStats};
+pub use switch::SwitchSink;
+pub use uffd::{LandObserver, LandPolicy, UffdSink, UffdSinkStats};
 pub use written::MaybeNonZero;
 
 use crate::error::VmOpError;

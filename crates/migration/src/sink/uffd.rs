@@ -42,9 +42,17 @@ pub struct UffdSinkStats {
     pub kept: u64,
 }
 
+/// Told of every page a [`UffdSink`] supplies (postcopy's fault accounting
+/// and verification hook in here).
+pub trait LandObserver: Send + Sync {
+    /// `run` was missing and now holds `data` (None: zeros).
+    fn supplied(&self, run: GpaPages, data: Option<&[u8]>);
+}
+
 /// Lands pages into userfaultfd-registered guest memory.
 pub struct UffdSink {
     uffd: Arc<Userfaultfd>,
+    observer: Option<Arc<dyn LandObserver>>,
     regions: Vec<RegionView>,
     present: Vec<Vec<AtomicU64>>,
     policy: LandPolicy,
@@ -92,6 +100,7 @@ impl UffdSink {
         }
         UffdSink {
             uffd,
+            observer: None,
             regions,
             present: bits,
             policy,
@@ -102,7 +111,14 @@ impl UffdSink {
         }
     }
 
-    /// True if the page at `gpa` has landed (or was present from the start).
+    /// Tells `observer` of every page supplied from now on.
+    pub fn with_observer(mut self, observer: Arc<dyn LandObserver>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// True if the page at `gpa` was claimed: landed, being landed, or
+    /// present from the start.
     pub fn is_present(&self, gpa: u64) -> bool {
         self.locate(gpa).is_some_and(|(ri, p)| {
             self.present[ri][(p / 64) as usize].load(Ordering::Acquire) & (1 << (p % 64)) != 0
@@ -208,6 +224,9 @@ impl UffdSink {
         };
         if whole.is_ok() {
             counter.fetch_add(part.pages, Ordering::Relaxed);
+            if let Some(o) = &self.observer {
+                o.supplied(part, data);
+            }
             return Ok(());
         }
         // Some page of the stretch exists already: go page by page.
@@ -220,6 +239,9 @@ impl UffdSink {
             match r {
                 Ok(_) => {
                     counter.fetch_add(1, Ordering::Relaxed);
+                    if let Some(o) = &self.observer {
+                        o.supplied(GpaPages::new(gpa, 1), one);
+                    }
                 }
                 Err(UffdError::AlreadyMapped { .. }) => match self.policy {
                     LandPolicy::Overwrite => self.overwrite(region, GpaPages::new(gpa, 1), one),

@@ -58,6 +58,10 @@ impl IncomingVm for Vm {
     fn service_addr(&self) -> Option<String> {
         self.service().map(|s| s.local_addr().to_string())
     }
+
+    fn vcpu_tids(&self) -> Vec<u32> {
+        Vm::vcpu_tids(self)
+    }
 }
 
 /// Where a VM waits for its incoming migration.

@@ -142,6 +142,7 @@ fn internal_error_details(vcpu: &mut VcpuFd) -> (u32, Vec<u64>) {
 /// Runs vCPU `id` until the VM stops. Returns the vCPU so its state can be read.
 pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
     KVM_RUN.with(|p| p.set(vcpu.get_kvm_run() as *mut kvm_run));
+    shared.set_vcpu_tid(id);
     loop {
         vcpu.set_kvm_immediate_exit(0);
         match shared.requested() {

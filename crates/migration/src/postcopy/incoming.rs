@@ -1,0 +1,548 @@
+//! The destination's side of postcopy, as the session's phases: take the
+//! plan, accept the demand connection, and at the start put all guest RAM
+//! under userfaultfd (MISSING) with the pending pages discarded. Then, while
+//! the VM runs: a fault thread turns faults on pending pages into requests,
+//! fills untouched memory with zeros itself, and wakes faults whose page is
+//! here; a demand thread lands the answers; the bulk streams land the push
+//! through the same sink (first copy wins). The phase ends when every
+//! pending page landed, the hashes match (with verification) and the
+//! source sent Complete; the range is then unregistered.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferry_memory::{Event, Features, RegisterMode, UffdError, Userfaultfd};
+
+use super::faults::{Action, Tracker};
+use super::pages::PageIndex;
+use crate::memory::RegionView;
+use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role, RoundDone};
+use crate::ranges::{GpaPages, OffsetBytes, PAGE};
+use crate::receiver::Received;
+use crate::session::DestinationPhases;
+use crate::sink::{LandPolicy, SwitchSink, UffdSink};
+use crate::stats::IncomingStats;
+use crate::transport::{Conn, Listener, Stream};
+use crate::vm::IncomingVm;
+use crate::MigrationError;
+
+/// A destination's phases: precopy's (none) until a plan arrives, then
+/// postcopy's.
+pub(crate) struct Incoming<'a> {
+    vm: &'a dyn IncomingVm,
+    listener: &'a Listener,
+    session: u64,
+    timeout: Duration,
+    sink: &'a SwitchSink<'a>,
+    plan: Vec<GpaPages>,
+    planned: bool,
+    verify: bool,
+    demand: Option<Conn>,
+    live: Option<Live>,
+}
+
+/// The running postcopy phase.
+struct Live {
+    uffd: Arc<Userfaultfd>,
+    regions: Vec<RegionView>,
+    sink: Arc<UffdSink>,
+    tracker: Arc<Tracker>,
+    stop: Arc<AtomicBool>,
+    failure: Arc<Mutex<Option<MigrationError>>>,
+    demand_sock: Stream,
+    demand_pages: Arc<AtomicU64>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl<'a> Incoming<'a> {
+    pub(crate) fn new(
+        vm: &'a dyn IncomingVm,
+        listener: &'a Listener,
+        session: u64,
+        timeout: Duration,
+        sink: &'a SwitchSink<'a>,
+    ) -> Self {
+        Incoming {
+            vm,
+            listener,
+            session,
+            timeout,
+            sink,
+            plan: Vec::new(),
+            planned: false,
+            verify: false,
+            demand: None,
+            live: None,
+        }
+    }
+
+    /// Ends the phase's threads and releases the memory from userfaultfd
+    /// (a fault still waiting is retried as a normal one).
+    fn stop(&mut self) {
+        if let Some(live) = self.live.as_mut() {
+            live.stop.store(true, Ordering::Release);
+            for r in &live.regions {
+                let _ = live.uffd.unregister(r.host_start(), r.size());
+            }
+            let _ = live.demand_sock.shutdown(std::net::Shutdown::Both);
+            for t in live.threads.drain(..) {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn failure(&self) -> Option<MigrationError> {
+        self.live
+            .as_ref()
+            .and_then(|l| l.failure.lock().unwrap_or_else(|e| e.into_inner()).take())
+    }
+
+    /// Waits until every pending page has landed.
+    fn wait_landed(&self, live: &Live) -> Result<(), MigrationError> {
+        let deadline = Instant::now() + self.timeout;
+        while live.tracker.missing() > 0 {
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                return Err(ProtocolError::Io(std::io::ErrorKind::TimedOut.into()).into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    fn lost(&self, e: MigrationError) -> MigrationError {
+        let Some(live) = &self.live else { return e };
+        let missing = live.tracker.missing();
+        if missing == 0 {
+            return e;
+        }
+        let first = live
+            .tracker
+            .missing_runs()
+            .first()
+            .map_or(0, |r| r.gpa);
+        MigrationError::PagesLost {
+            reason: e.to_string(),
+            missing,
+            first,
+        }
+    }
+}
+
+impl DestinationPhases for Incoming<'_> {
+    fn on_message(&mut self, f: &Frame) -> Result<(), MigrationError> {
+        if f.kind != Kind::PostcopyPlan || self.planned {
+            return Err(ProtocolError::Unexpected {
+                got: f.kind,
+                want: "RoundDone, State, Verify, PostcopyPlan or Complete",
+            }
+            .into());
+        }
+        let part: PostcopyPlan = protocol::decode(f, Kind::PostcopyPlan)?;
+        let regions = self.vm.regions();
+        for run in &part.pending {
+            let inside = run
+                .pages
+                .checked_mul(PAGE)
+                .is_some_and(|b| regions.iter().any(|r| r.contains_range(run.gpa, b)));
+            if !inside || !run.gpa.is_multiple_of(PAGE) {
+                return Err(ProtocolError::Malformed {
+                    kind: Kind::PostcopyPlan,
+                    reason: format!("{} pages at {:#x} are not in guest RAM", run.pages, run.gpa),
+                }
+                .into());
+            }
+        }
+        self.plan.extend(part.pending);
+        self.verify = part.verify;
+        if part.last {
+            self.planned = true;
+            let (c, h) = self.listener.accept_hello(self.timeout)?;
+            if h.role != Role::Demand || h.session != self.session {
+                return Err(ProtocolError::Unexpected {
+                    got: Kind::Hello,
+                    want: "the demand connection of this session",
+                }
+                .into());
+            }
+            self.demand = Some(c);
+            tracing::info!(
+                pending = crate::ranges::total_pages(&self.plan),
+                "postcopy planned"
+            );
+        }
+        Ok(())
+    }
+
+    fn before_start(&mut self, rounds: u32) -> Result<(), MigrationError> {
+        if !self.planned {
+            return Ok(());
+        }
+        let vm = self.vm;
+        let regions = vm.regions();
+        // What this VM holds and the source will not send must be final:
+        // pending pages go (they come again), and without a single precopy
+        // round so does anything the VMM wrote here.
+        let mut discard = self.plan.clone();
+        if rounds == 0 {
+            for (i, r) in regions.iter().enumerate() {
+                discard.extend(
+                    vm.data_ranges(i)
+                        .iter()
+                        .map(|d| GpaPages::new(r.gpa() + d.offset, d.bytes / PAGE)),
+                );
+            }
+        }
+        for run in discard.iter().filter(|r| r.pages > 0) {
+            vm.discard(*run).map_err(MigrationError::vm("discard pending pages"))?;
+        }
+        let hashes = self
+            .verify
+            .then(|| crate::session::hashes(&regions, |i| vm.data_ranges(i)));
+        let uffd = Arc::new(Userfaultfd::new(Features {
+            missing_shmem: true,
+            thread_id: true,
+            ..Default::default()
+        })
+        .map_err(|e| MigrationError::Unsupported(format!("postcopy needs userfaultfd: {e}")))?);
+        for r in &regions {
+            uffd.register(
+                r.host_start(),
+                r.size(),
+                RegisterMode {
+                    missing: true,
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| MigrationError::Unsupported(format!("postcopy needs userfaultfd on guest RAM: {e}")))?;
+        }
+        let index = PageIndex::new(&regions);
+        let tracker = Arc::new(Tracker::new(index, &self.plan, hashes));
+        // Every page but the pending ones counts as present for the sink.
+        let present = present_ranges(&regions, &self.plan);
+        let sink = Arc::new(
+            UffdSink::new(uffd.clone(), regions.clone(), &present, LandPolicy::KeepFirst)
+                .with_observer(tracker.clone()),
+        );
+        self.sink.switch(sink.clone());
+        let demand = self.demand.take().ok_or(ProtocolError::Closed)?;
+        let demand_sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
+        let _ = demand_sock.set_read_timeout(None);
+        let Conn { reader, writer } = demand;
+        let stop = Arc::new(AtomicBool::new(false));
+        let failure = Arc::new(Mutex::new(None));
+        let demand_pages = Arc::new(AtomicU64::new(0));
+        let fault_thread = {
+            let ctx = FaultCtx {
+                uffd: uffd.clone(),
+                regions: regions.clone(),
+                sink: sink.clone(),
+                tracker: tracker.clone(),
+                stop: stop.clone(),
+                failure: failure.clone(),
+            };
+            std::thread::Builder::new()
+                .name("postcopy-faults".into())
+                .spawn(move || ctx.run(writer))
+                .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))?
+        };
+        let demand_thread = {
+            let (regions, sink, stop, failure, n) = (
+                regions.clone(),
+                sink.clone(),
+                stop.clone(),
+                failure.clone(),
+                demand_pages.clone(),
+            );
+            std::thread::Builder::new()
+                .name("postcopy-demand".into())
+                .spawn(move || {
+                    if let Err(e) = land_demand(reader, &regions, sink.as_ref(), &n) {
+                        if !stop.load(Ordering::Acquire) {
+                            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
+                            f.get_or_insert(e);
+                        }
+                    }
+                })
+                .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))?
+        };
+        self.live = Some(Live {
+            uffd,
+            regions,
+            sink,
+            tracker,
+            stop,
+            failure,
+            demand_sock,
+            demand_pages,
+            threads: vec![fault_thread, demand_thread],
+        });
+        Ok(())
+    }
+
+    fn after_start(
+        &mut self,
+        ctl: &mut Conn,
+        rx: &Received,
+        stats: &mut IncomingStats,
+    ) -> Result<bool, MigrationError> {
+        if self.live.is_none() {
+            return Ok(false);
+        }
+        let result = self.run_phase(ctl, rx, stats);
+        self.stop();
+        result.map(|_| true).map_err(|e| self.lost(e))
+    }
+}
+
+impl Incoming<'_> {
+    /// Waits for the next control message for as long as pages keep
+    /// landing (the push takes as long as memory takes to cross the link);
+    /// a source that sends nothing for the session timeout is gone.
+    fn wait_for_source(&self, ctl: &Conn) -> Result<(), MigrationError> {
+        let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
+        let (mut missing, mut since) = (live.tracker.missing(), Instant::now());
+        loop {
+            if !ctl.reader.buffer().is_empty() || readable(ctl.stream(), Duration::from_millis(100)) {
+                return Ok(());
+            }
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            let now = live.tracker.missing();
+            if now != missing {
+                (missing, since) = (now, Instant::now());
+            } else if since.elapsed() >= self.timeout {
+                return Err(MigrationError::Unsupported(format!(
+                    "the source sent nothing for {:.0} s",
+                    self.timeout.as_secs_f64()
+                )));
+            }
+        }
+    }
+
+    fn run_phase(
+        &mut self,
+        ctl: &mut Conn,
+        rx: &Received,
+        stats: &mut IncomingStats,
+    ) -> Result<(), MigrationError> {
+        let t0 = Instant::now();
+        loop {
+            self.wait_for_source(ctl)?;
+            let f = match protocol::read_frame(&mut ctl.reader) {
+                Ok(f) => f,
+                Err(e) => return Err(self.failure().unwrap_or(e.into())),
+            };
+            let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
+            match f.kind {
+                Kind::RoundDone => {
+                    let rd: RoundDone = protocol::decode(&f, Kind::RoundDone)?;
+                    if rd.frames.len() != rx.streams() {
+                        return Err(ProtocolError::Malformed {
+                            kind: Kind::RoundDone,
+                            reason: "wrong stream count".into(),
+                        }
+                        .into());
+                    }
+                    rx.barrier(&rd.frames, self.timeout)?;
+                    self.wait_landed(live)?;
+                    tracing::info!(
+                        secs = t0.elapsed().as_secs_f64(),
+                        "postcopy: every page arrived"
+                    );
+                    ctl.send(Kind::RoundAck, &rd.round)?;
+                }
+                Kind::Verify => {
+                    let mine = live.tracker.hashes().unwrap_or_default();
+                    stats.verified_pages = super::super::session::compare_hashes(
+                        &live.regions,
+                        &mine,
+                        &f.body,
+                    )?;
+                }
+                Kind::Complete => {
+                    if live.tracker.missing() > 0 {
+                        return Err(ProtocolError::Unexpected {
+                            got: Kind::Complete,
+                            want: "every pending page first",
+                        }
+                        .into());
+                    }
+                    let vcpus: Vec<u32> = self.vm.vcpu_tids();
+                    let own = |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
+                    let mut report = live.tracker.report(&vcpus, &own);
+                    let s = live.sink.stats();
+                    report.supplied_pages = s.copied + s.zero_filled;
+                    report.kept_pages = s.kept;
+                    report.demand_pages = live.demand_pages.load(Ordering::Relaxed);
+                    ctl.send(Kind::Finished, &report)?;
+                    tracing::info!(
+                        faults = report.faults,
+                        major = report.major,
+                        p50_us = report.latency_us.p50,
+                        "postcopy finished"
+                    );
+                    stats.postcopy = Some(report);
+                    return Ok(());
+                }
+                Kind::Abort => {
+                    return Err(ProtocolError::Aborted(String::from_utf8_lossy(&f.body).into()).into())
+                }
+                k => {
+                    return Err(ProtocolError::Unexpected {
+                        got: k,
+                        want: "RoundDone, Verify or Complete after the switch",
+                    }
+                    .into())
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Incoming<'_> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// True if `s` has bytes (or an end) to read within `wait`.
+fn readable(s: &Stream, wait: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
+    let r = unsafe { libc::poll(&mut p, 1, wait.as_millis() as i32) };
+    r > 0
+}
+
+/// Per region, the ranges outside `pending` (present for the sink).
+fn present_ranges(regions: &[RegionView], pending: &[GpaPages]) -> Vec<Vec<OffsetBytes>> {
+    let mut sorted = pending.to_vec();
+    sorted.sort_unstable();
+    regions
+        .iter()
+        .map(|r| {
+            let mut out = Vec::new();
+            let mut at = 0u64;
+            for run in sorted.iter().filter(|p| r.contains(p.gpa)) {
+                let off = run.gpa - r.gpa();
+                if off > at {
+                    out.push(OffsetBytes::new(at, off - at));
+                }
+                at = at.max(off + run.bytes());
+            }
+            if at < r.size() {
+                out.push(OffsetBytes::new(at, r.size() - at));
+            }
+            out
+        })
+        .collect()
+}
+
+/// Lands the source's answers until the connection closes.
+fn land_demand(
+    mut r: std::io::BufReader<Stream>,
+    regions: &[RegionView],
+    sink: &UffdSink,
+    count: &AtomicU64,
+) -> Result<(), MigrationError> {
+    let (mut scratch, mut data) = (Vec::new(), Vec::new());
+    loop {
+        let h = match protocol::read_header(&mut r) {
+            Err(ProtocolError::Closed) => return Ok(()),
+            Err(e) => return Err(e.into()),
+            Ok(h) => h,
+        };
+        if h.kind != Kind::Pages {
+            return Err(ProtocolError::Unexpected {
+                got: h.kind,
+                want: "Pages on the demand connection",
+            }
+            .into());
+        }
+        let n = crate::pagein::read_pages(&mut r, &h, regions, sink, &mut scratch, &mut data)?;
+        count.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// What the fault thread works with.
+struct FaultCtx {
+    uffd: Arc<Userfaultfd>,
+    regions: Vec<RegionView>,
+    sink: Arc<UffdSink>,
+    tracker: Arc<Tracker>,
+    stop: Arc<AtomicBool>,
+    failure: Arc<Mutex<Option<MigrationError>>>,
+}
+
+impl FaultCtx {
+    fn run(self, mut requests: std::io::BufWriter<Stream>) {
+        if let Err(e) = self.serve(&mut requests) {
+            if !self.stop.load(Ordering::Acquire) {
+                tracing::warn!(error = %e, "postcopy fault thread failed");
+                let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+                f.get_or_insert(e);
+            }
+        }
+    }
+
+    fn serve(&self, requests: &mut std::io::BufWriter<Stream>) -> Result<(), MigrationError> {
+        let mut events = Vec::new();
+        let mut ask: Vec<u64> = Vec::new();
+        while !self.stop.load(Ordering::Acquire) {
+            if !self.uffd.poll(Duration::from_millis(50)).map_err(uffd_err)? {
+                continue;
+            }
+            events.clear();
+            self.uffd.read_events(&mut events).map_err(uffd_err)?;
+            ask.clear();
+            for ev in &events {
+                let Event::PageFault { addr, tid, .. } = *ev else {
+                    continue;
+                };
+                let Some(gpa) = self.regions.iter().find_map(|r| r.gpa_of_host(addr)) else {
+                    continue;
+                };
+                let gpa = gpa & !(PAGE - 1);
+                let host = addr & !(PAGE - 1);
+                let Some(n) = self.tracker.index().page_of(gpa) else {
+                    continue;
+                };
+                if !self.tracker.planned(n) {
+                    // Never had data at the source: zeros, here and now.
+                    match self.uffd.zeropage(host, PAGE) {
+                        Ok(_) | Err(UffdError::AlreadyMapped { .. }) => {}
+                        Err(e) => return Err(uffd_err(e)),
+                    }
+                    self.tracker.zero_fault(tid);
+                    continue;
+                }
+                match self.tracker.fault(n, tid, self.sink.is_present(gpa)) {
+                    Action::Request => ask.push(gpa),
+                    Action::Wait => {}
+                    Action::Wake => {
+                        let _ = self.uffd.wake(host, PAGE);
+                    }
+                }
+            }
+            if !ask.is_empty() {
+                protocol::send(requests, Kind::PageRequest, &ask)?;
+                std::io::Write::flush(requests).map_err(ProtocolError::Io)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn uffd_err(e: UffdError) -> MigrationError {
+    MigrationError::Sink(e.into())
+}

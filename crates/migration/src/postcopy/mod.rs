@@ -1,0 +1,228 @@
+//! Postcopy: pause, move the state, run on the destination at once, and let
+//! memory follow (the yabusame paper's design): a vCPU touching a missing
+//! page faults through userfaultfd, the destination asks for the page on
+//! the demand connection, and the source answers with it and its ±N
+//! neighbours not sent yet; a background pusher sends everything else on
+//! the bulk streams. Hybrid runs precopy rounds first and switches here
+//! when they do not converge in time (precopy.rs decides).
+//!
+//! ```text
+//! source (paused for good)                       destination
+//!  ctl  PostcopyPlan{pending runs, N, verify}  ──▶  pending pages discarded
+//!  dmd  Hello{Demand}                          ──▶
+//!  ctl  State, Complete                        ──▶  uffd MISSING on all RAM, vCPUs start
+//!                                              ◀──  Started
+//!  dmd  Pages{p, p±N unsent}                   ◀──  PageRequest{p}   (fault thread)
+//!  bulk Pages / ZeroRanges (pusher)            ──▶  UFFDIO_COPY / ZEROPAGE, first copy wins
+//!  ctl  RoundDone{frames per stream}           ──▶  waits until every page landed
+//!                                              ◀──  RoundAck
+//!  ctl  Verify (optional), Complete            ──▶  uffd released
+//!                                              ◀──  Finished{fault report}
+//! ```
+//! Source files: [`source`] (push and demand), [`incoming`] (destination),
+//! [`faults`] (accounting), [`pages`] (page sets).
+
+pub(crate) mod faults;
+pub(crate) mod incoming;
+pub(crate) mod pages;
+pub(crate) mod source;
+
+pub(crate) use incoming::Incoming;
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crate::dirty::first_round;
+use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role, PLAN_RUNS_PER_FRAME};
+use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
+use crate::session::SourceSession;
+use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
+
+use crate::MigrationError;
+
+/// Refuses a destination too old for postcopy before anything changed.
+pub(crate) fn require(s: &SourceSession) -> Result<(), MigrationError> {
+    if s.version < protocol::VERSION_POSTCOPY {
+        return Err(MigrationError::Unsupported(format!(
+            "the destination speaks protocol v{}; {} needs v{} (a newer ferry there)",
+            s.version,
+            s.opts.mode,
+            protocol::VERSION_POSTCOPY
+        )));
+    }
+    Ok(())
+}
+
+/// Pure postcopy: pause at once and switch.
+pub(crate) fn run(
+    s: &mut SourceSession,
+    progress: &dyn Fn(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    s.open()?;
+    require(s)?;
+    s.open_bulk(None)?;
+    let mut stats = MigrationStats {
+        mode: s.opts.mode,
+        converged: "postcopy: no precopy rounds".into(),
+        ..Default::default()
+    };
+    stats.compression.asked = "none".into();
+    let t_pause = Instant::now();
+    s.pause()?;
+    stats.downtime_parts.pause = secs(t_pause.elapsed()) * 1e3;
+    let vm = s.vm;
+    let (data, _holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    let mut pending = data;
+    pending.extend(vm.host_written_ranges().iter().map(GpaBytes::pages));
+    pending.sort_unstable();
+    switch(s, &mut stats, merge_runs(pending), t_pause, 0, progress)?;
+    Ok(stats)
+}
+
+/// From a paused VM whose memory the destination lacks `pending` of:
+/// plan, state, start there, then serve and push every pending page until
+/// the destination has them all. `round` numbers the push's barrier.
+pub(crate) fn switch(
+    s: &mut SourceSession,
+    stats: &mut MigrationStats,
+    pending: Vec<GpaPages>,
+    t_pause: Instant,
+    round: u32,
+    progress: &dyn Fn(&Progress),
+) -> Result<(), MigrationError> {
+    let opts = s.opts;
+    let mut mark = Instant::now();
+    let mut lap = || {
+        let ms = secs(mark.elapsed()) * 1e3;
+        mark = Instant::now();
+        ms
+    };
+    let pending_pages = total_pages(&pending);
+    progress(&Progress {
+        round,
+        remaining_pages: pending_pages,
+        throughput: 0.0,
+        bytes: stats.bytes,
+        phase: Phase::StopAndCopy,
+    });
+    let chunks: Vec<&[GpaPages]> = if pending.is_empty() {
+        vec![&[]]
+    } else {
+        pending.chunks(PLAN_RUNS_PER_FRAME).collect()
+    };
+    let last = chunks.len() - 1;
+    for (i, chunk) in chunks.into_iter().enumerate() {
+        let plan = PostcopyPlan {
+            pending: chunk.to_vec(),
+            last: i == last,
+            prefetch: opts.prefetch,
+            verify: opts.verify,
+        };
+        protocol::send(&mut s.ctl()?.writer, Kind::PostcopyPlan, &plan)?;
+    }
+    s.ctl()?.flush()?;
+    let mut demand = s.open_role(Role::Demand)?;
+    demand.flush()?;
+    stats.downtime_parts.last_round += lap();
+    stats.state_bytes = s.send_state()?;
+    stats.bytes += protocol::HEADER as u64 + stats.state_bytes;
+    stats.downtime_parts.save_state = lap();
+    let report = s.complete()?;
+    // The VM runs there now: from here a failure must not resume it here.
+    s.switched = true;
+    stats.downtime_parts.destination = lap();
+    stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
+    stats.destination_service = report.service;
+    tracing::info!(
+        pending = pending_pages,
+        downtime_ms = stats.downtime_ms,
+        "postcopy: the VM runs at the destination"
+    );
+
+    let t_post = Instant::now();
+    let out = source::Outgoing::new(s.regions.clone(), &pending, opts.prefetch, opts.bandwidth);
+    // The demand connection idles for as long as no vCPU faults; it ends
+    // when this side shuts it down after Finished.
+    let _ = demand.stream().set_read_timeout(None);
+    let demand_sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
+    let vm = s.vm;
+    let regions = s.regions.clone();
+    let mut bulk = std::mem::take(&mut s.bulk);
+    let base_bytes = stats.bytes;
+    let faults = std::thread::scope(|sc| -> Result<_, MigrationError> {
+        let out = &out;
+        let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));
+        let hasher = opts
+            .verify
+            .then(|| sc.spawn(|| crate::session::hashes(&regions, |i| vm.data_ranges(i))));
+        let pushers: Vec<_> = bulk
+            .iter_mut()
+            .map(|c| sc.spawn(move || out.push(c)))
+            .collect();
+        let result = (|| {
+            while pushers.iter().any(|p| !p.is_finished()) && !demand_thread.is_finished() {
+                let sent = out.bytes.load(Ordering::Relaxed);
+                progress(&Progress {
+                    round,
+                    remaining_pages: out.unsent(),
+                    throughput: sent as f64 / secs(t_post.elapsed()).max(1e-3),
+                    bytes: base_bytes + sent,
+                    phase: Phase::Postcopy,
+                });
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let mut frames = Vec::new();
+            for p in pushers {
+                frames.push(p.join().map_err(|_| panicked("pusher"))??);
+            }
+            // Acknowledged once every pending page landed there.
+            s.barrier(round, frames)?;
+            if let Some(h) = hasher {
+                let hashes = h.join().map_err(|_| panicked("hashing"))?;
+                stats.bytes += s.send_hashes(&hashes)?;
+                stats.verified_pages = hashes.len() as u64;
+            }
+            s.finish()
+        })();
+        out.done.store(true, Ordering::Release);
+        let _ = demand_sock.shutdown(std::net::Shutdown::Both);
+        let demand_result = demand_thread.join().map_err(|_| panicked("demand"))?;
+        match (result, demand_result) {
+            (Err(_), Err(e)) => Err(e),
+            (r, _) => r,
+        }
+    });
+    let faults = faults.map_err(|e| MigrationError::PostcopyBroken {
+        reason: e.to_string(),
+        unsent: out.unsent(),
+        pending: pending_pages,
+    })?;
+    stats.bytes += out.bytes.load(Ordering::Relaxed);
+    stats.pages += out.pushed_pages.load(Ordering::Relaxed) + out.demand_pages.load(Ordering::Relaxed);
+    stats.zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
+    stats.source_cpu_s = s.cpu_secs() + out.cpu.secs();
+    stats.total_secs = secs(s.t_start.elapsed());
+    stats.postcopy = Some(PostcopyStats {
+        switch_at_s: secs(t_pause.duration_since(s.t_start)),
+        pending_pages,
+        pushed_pages: out.pushed_pages.load(Ordering::Relaxed),
+        pushed_zero_pages: out.pushed_zero_pages.load(Ordering::Relaxed),
+        requests: out.requests.load(Ordering::Relaxed),
+        demand_pages: out.demand_pages.load(Ordering::Relaxed),
+        prefetched_pages: out.prefetched_pages.load(Ordering::Relaxed),
+        secs: secs(t_post.elapsed()),
+        faults,
+    });
+    progress(&Progress {
+        round,
+        remaining_pages: 0,
+        throughput: 0.0,
+        bytes: stats.bytes,
+        phase: Phase::Done,
+    });
+    Ok(())
+}
+
+fn panicked(what: &str) -> MigrationError {
+    MigrationError::Unsupported(format!("the postcopy {what} thread panicked"))
+}

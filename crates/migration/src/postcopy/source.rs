@@ -1,0 +1,252 @@
+//! The source after the switch: the VM is paused here for good (its memory
+//! frozen), and every page the destination lacks goes out exactly once
+//! unless a vCPU asks for it first:
+//!
+//! - the demand thread answers each requested page at once on its own
+//!   connection, with its ±N neighbours that have not gone out yet, so a
+//!   fault never queues behind bulk data;
+//! - one pusher per bulk stream sends the rest in address order, jumping to
+//!   just past the latest requested window (locality: the guest is likely
+//!   to touch what follows), at lower CPU priority than the demand thread.
+//!
+//! Pages are claimed in one shared set, so a page goes out by push or by
+//! prefetch, never both; a requested page is always sent (it may be in a
+//! bulk stream's queue, and the vCPU must not wait for that).
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use super::pages::{PageIndex, PageSet};
+use crate::memory::{is_zero, region_of, RegionView};
+use crate::pacer::Pacer;
+use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH, PAGE};
+use crate::ranges::GpaPages;
+use crate::stats::CpuMeter;
+use crate::transport::Conn;
+use crate::MigrationError;
+
+/// Pages per pushed frame: small enough that a new fault redirects the
+/// pusher soon, large enough to keep per-frame costs low.
+const PUSH_BATCH: usize = 128;
+/// "No fault yet" in the hint.
+const NO_HINT: u64 = u64::MAX;
+
+/// What the demand and push threads share.
+pub(crate) struct Outgoing {
+    regions: Vec<RegionView>,
+    index: PageIndex,
+    /// Pending pages not sent yet.
+    unsent: PageSet,
+    prefetch: u64,
+    /// Where the pushers continue: just past the latest requested window.
+    hint: AtomicU64,
+    /// (next page to push, hint last followed).
+    cursor: Mutex<(u64, u64)>,
+    pub(crate) pushed_pages: AtomicU64,
+    pub(crate) pushed_zero_pages: AtomicU64,
+    pub(crate) requests: AtomicU64,
+    pub(crate) demand_pages: AtomicU64,
+    pub(crate) prefetched_pages: AtomicU64,
+    /// Bytes written, all connections.
+    pub(crate) bytes: AtomicU64,
+    /// The demand thread stops when this is set (or its connection closes).
+    pub(crate) done: AtomicBool,
+    pub(crate) cpu: CpuMeter,
+    /// `--bandwidth` for the push (demand answers are never held back, but
+    /// count against it).
+    pacer: Pacer,
+}
+
+impl Outgoing {
+    pub(crate) fn new(
+        regions: Vec<RegionView>,
+        pending: &[GpaPages],
+        prefetch: u32,
+        bandwidth: Option<f64>,
+    ) -> Self {
+        let index = PageIndex::new(&regions);
+        let unsent = PageSet::of_runs(&index, pending);
+        Outgoing {
+            regions,
+            unsent,
+            index,
+            prefetch: u64::from(prefetch),
+            hint: AtomicU64::new(NO_HINT),
+            cursor: Mutex::new((0, NO_HINT)),
+            pushed_pages: AtomicU64::new(0),
+            pushed_zero_pages: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            demand_pages: AtomicU64::new(0),
+            prefetched_pages: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            done: AtomicBool::new(false),
+            cpu: CpuMeter::default(),
+            pacer: Pacer::new(bandwidth),
+        }
+    }
+
+    /// Pending pages not sent yet.
+    pub(crate) fn unsent(&self) -> u64 {
+        self.unsent.count()
+    }
+
+    /// The next batch to push (claimed), empty when everything went out.
+    fn next_batch(&self, out: &mut Vec<u64>) {
+        out.clear();
+        let mut c = self.cursor.lock().unwrap_or_else(|e| e.into_inner());
+        let hint = self.hint.load(Ordering::Acquire);
+        if hint != c.1 {
+            c.1 = hint;
+            c.0 = hint;
+        }
+        while out.len() < PUSH_BATCH {
+            let Some(n) = self.unsent.next_from(c.0) else {
+                break;
+            };
+            c.0 = n + 1;
+            if self.unsent.claim(n) {
+                out.push(n);
+            }
+        }
+    }
+
+    /// The pages that answer a request for page `n`: `n` itself, then its
+    /// unsent neighbours after it and before it (inside its region).
+    fn window(&self, n: u64, out: &mut Vec<u64>) {
+        out.push(n);
+        self.unsent.claim(n);
+        let span = self.index.region_span(n);
+        for k in 1..=self.prefetch {
+            if n + k < span.end && self.unsent.claim(n + k) {
+                out.push(n + k);
+            }
+        }
+        for k in 1..=self.prefetch {
+            if n >= span.start + k && self.unsent.claim(n - k) {
+                out.push(n - k);
+            }
+        }
+        self.hint
+            .store((n + self.prefetch + 1).min(span.end), Ordering::Release);
+    }
+
+    /// Writes pages `pages` (numbers) as one Pages frame.
+    fn write_pages(
+        &self,
+        w: &mut impl Write,
+        pages: &[u64],
+        data: &mut Vec<u8>,
+    ) -> Result<(), ProtocolError> {
+        let mut addrs = Vec::with_capacity(pages.len() * 8);
+        data.clear();
+        for &n in pages {
+            let gpa = self.index.gpa_of(n);
+            addrs.extend_from_slice(&gpa.to_le_bytes());
+            let at = data.len();
+            data.resize(at + PAGE, 0);
+            let ok = region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut data[at..]));
+            debug_assert!(ok, "page numbers map into guest RAM");
+        }
+        let count = (pages.len() as u32).to_le_bytes();
+        protocol::write_frame_parts(w, Kind::Pages, &[&count[..], &addrs[..], &data[..]])?;
+        self.bytes.fetch_add(
+            (protocol::HEADER + 4 + addrs.len() + data.len()) as u64,
+            Ordering::Relaxed,
+        );
+        Ok(())
+    }
+
+    /// Pushes pages on one bulk stream until none is left; returns the
+    /// frames sent.
+    pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
+        lower_priority();
+        let cpu0 = crate::stats::thread_cpu_secs();
+        let (mut batch, mut data, mut page) = (Vec::new(), Vec::new(), vec![0u8; PAGE]);
+        let (mut with_data, mut zeros) = (Vec::new(), Vec::new());
+        let mut frames = 0u64;
+        loop {
+            self.next_batch(&mut batch);
+            if batch.is_empty() {
+                break;
+            }
+            with_data.clear();
+            zeros.clear();
+            for &n in &batch {
+                let gpa = self.index.gpa_of(n);
+                let read = region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut page));
+                if read && is_zero(&page) {
+                    crate::ranges::push_page(&mut zeros, gpa);
+                } else {
+                    with_data.push(n);
+                }
+            }
+            if !with_data.is_empty() {
+                self.write_pages(&mut conn.writer, &with_data, &mut data)?;
+                frames += 1;
+            }
+            if !zeros.is_empty() {
+                let b = protocol::write_zero_ranges(&mut conn.writer, &zeros)?;
+                self.bytes.fetch_add(b, Ordering::Relaxed);
+                frames += 1;
+            }
+            self.pushed_pages
+                .fetch_add(with_data.len() as u64, Ordering::Relaxed);
+            self.pushed_zero_pages.fetch_add(
+                crate::ranges::total_pages(&zeros),
+                Ordering::Relaxed,
+            );
+            self.pacer
+                .pace(self.bytes.load(Ordering::Relaxed), &mut conn.writer)
+                .map_err(ProtocolError::Io)?;
+        }
+        conn.flush()?;
+        self.cpu.add(crate::stats::thread_cpu_secs() - cpu0);
+        Ok(frames)
+    }
+
+    /// Answers page requests on the demand connection until the migration
+    /// is done or the destination closes it.
+    pub(crate) fn serve_demand(&self, conn: &mut Conn) -> Result<(), MigrationError> {
+        let cpu0 = crate::stats::thread_cpu_secs();
+        let (mut window, mut data) = (Vec::new(), Vec::new());
+        let result = loop {
+            let f = match protocol::read_frame(&mut conn.reader) {
+                Ok(f) => f,
+                Err(_) if self.done.load(Ordering::Acquire) => break Ok(()),
+                Err(ProtocolError::Closed) => break Ok(()),
+                Err(e) => break Err(e.into()),
+            };
+            let gpas: Vec<u64> = protocol::decode(&f, Kind::PageRequest)?;
+            for gpa in gpas {
+                let n = self.index.page_of(gpa).ok_or(ProtocolError::Malformed {
+                    kind: Kind::PageRequest,
+                    reason: format!("page {gpa:#x} is not in guest RAM"),
+                })?;
+                window.clear();
+                self.window(n, &mut window);
+                for part in window.chunks(MAX_BATCH) {
+                    self.write_pages(&mut conn.writer, part, &mut data)?;
+                }
+                self.requests.fetch_add(1, Ordering::Relaxed);
+                self.demand_pages
+                    .fetch_add(window.len() as u64, Ordering::Relaxed);
+                self.prefetched_pages
+                    .fetch_add(window.len() as u64 - 1, Ordering::Relaxed);
+            }
+            conn.flush()?;
+        };
+        self.cpu.add(crate::stats::thread_cpu_secs() - cpu0);
+        result
+    }
+}
+
+/// Pushing yields the CPU to the demand thread (nice 10 for this thread).
+fn lower_priority() {
+    // SAFETY: gettid has no preconditions; setpriority on our own thread id
+    // changes only this thread's nice value.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
+    }
+}
