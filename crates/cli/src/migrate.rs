@@ -293,11 +293,7 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
             f.latency_us.p50, f.latency_us.p99, f.latency_us.max, f.latency_us.mean
         );
     }
-    let worst = f
-        .series
-        .iter()
-        .map(|b| b.exec_ratio)
-        .fold(1.0f64, f64::min);
+    let worst = f.series.iter().map(|b| b.exec_ratio).fold(1.0f64, f64::min);
     println!(
         "  guest      lowest execution ratio in a 100 ms window {:.2} ({} windows)",
         worst,

@@ -8,11 +8,11 @@
 use crate::compress::Backend;
 use crate::dirty::{dirty_runs, first_round, sample_pages};
 use crate::encoded::CodecSetup;
+use crate::options::PostcopyAfter;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
 use crate::session::SourceSession;
 use crate::stats::{secs, MigrationStats, Phase, Progress, RoundStats};
-use crate::options::PostcopyAfter;
 use crate::MigrationError;
 
 /// Bytes on the wire per page besides its payload (its address).

@@ -320,13 +320,19 @@ mod tests {
         // A fault on a page whose landing began: nothing to ask.
         assert_eq!(t.fault(5, 100, true), Action::Wait);
         std::thread::sleep(std::time::Duration::from_millis(2));
-        t.supplied(GpaPages::new(3 * PAGE, 3), Some(&vec![1u8; 3 * PAGE as usize]));
+        t.supplied(
+            GpaPages::new(3 * PAGE, 3),
+            Some(&vec![1u8; 3 * PAGE as usize]),
+        );
         assert_eq!(t.missing(), 29);
         // Landed already: a minor fault.
         assert_eq!(t.fault(4, 100, true), Action::Wake);
         t.zero_fault(100);
         let r = t.report(&[100], &|tid| tid == 55);
-        assert_eq!((r.faults, r.major, r.duplicate, r.minor, r.zero), (5, 2, 1, 1, 1));
+        assert_eq!(
+            (r.faults, r.major, r.duplicate, r.minor, r.zero),
+            (5, 2, 1, 1, 1)
+        );
         assert_eq!((r.blocked, r.apf, r.host), (4, 1, 0));
         assert_eq!(r.latency_us.count, 2);
         assert!(r.latency_us.p50 >= 2000.0, "{:?}", r.latency_us);
@@ -334,6 +340,9 @@ mod tests {
         let h = t.hashes().unwrap();
         assert_eq!(h[3], crate::protocol::page_hash(&[1u8; 4096]));
         assert_eq!(h[0], 0, "not landed: the starting value");
-        assert_eq!(histogram(&[3.0, 4.0, 5.0, 1000.0]), vec![(4, 2), (8, 1), (1024, 1)]);
+        assert_eq!(
+            histogram(&[3.0, 4.0, 5.0, 1000.0]),
+            vec![(4, 2), (8, 1), (1024, 1)]
+        );
     }
 }

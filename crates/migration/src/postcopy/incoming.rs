@@ -120,11 +120,7 @@ impl<'a> Incoming<'a> {
         if missing == 0 {
             return e;
         }
-        let first = live
-            .tracker
-            .missing_runs()
-            .first()
-            .map_or(0, |r| r.gpa);
+        let first = live.tracker.missing_runs().first().map_or(0, |r| r.gpa);
         MigrationError::PagesLost {
             reason: e.to_string(),
             missing,
@@ -198,17 +194,20 @@ impl DestinationPhases for Incoming<'_> {
             }
         }
         for run in discard.iter().filter(|r| r.pages > 0) {
-            vm.discard(*run).map_err(MigrationError::vm("discard pending pages"))?;
+            vm.discard(*run)
+                .map_err(MigrationError::vm("discard pending pages"))?;
         }
         let hashes = self
             .verify
             .then(|| crate::session::hashes(&regions, |i| vm.data_ranges(i)));
-        let uffd = Arc::new(Userfaultfd::new(Features {
-            missing_shmem: true,
-            thread_id: true,
-            ..Default::default()
-        })
-        .map_err(|e| MigrationError::Unsupported(format!("postcopy needs userfaultfd: {e}")))?);
+        let uffd = Arc::new(
+            Userfaultfd::new(Features {
+                missing_shmem: true,
+                thread_id: true,
+                ..Default::default()
+            })
+            .map_err(|e| MigrationError::Unsupported(format!("postcopy needs userfaultfd: {e}")))?,
+        );
         for r in &regions {
             uffd.register(
                 r.host_start(),
@@ -218,15 +217,22 @@ impl DestinationPhases for Incoming<'_> {
                     ..Default::default()
                 },
             )
-            .map_err(|e| MigrationError::Unsupported(format!("postcopy needs userfaultfd on guest RAM: {e}")))?;
+            .map_err(|e| {
+                MigrationError::Unsupported(format!("postcopy needs userfaultfd on guest RAM: {e}"))
+            })?;
         }
         let index = PageIndex::new(&regions);
         let tracker = Arc::new(Tracker::new(index, &self.plan, hashes));
         // Every page but the pending ones counts as present for the sink.
         let present = present_ranges(&regions, &self.plan);
         let sink = Arc::new(
-            UffdSink::new(uffd.clone(), regions.clone(), &present, LandPolicy::KeepFirst)
-                .with_observer(tracker.clone()),
+            UffdSink::new(
+                uffd.clone(),
+                regions.clone(),
+                &present,
+                LandPolicy::KeepFirst,
+            )
+            .with_observer(tracker.clone()),
         );
         self.sink.switch(sink.clone());
         let demand = self.demand.take().ok_or(ProtocolError::Closed)?;
@@ -307,7 +313,8 @@ impl Incoming<'_> {
         let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
         let (mut missing, mut since) = (live.tracker.missing(), Instant::now());
         loop {
-            if !ctl.reader.buffer().is_empty() || readable(ctl.stream(), Duration::from_millis(100)) {
+            if !ctl.reader.buffer().is_empty() || readable(ctl.stream(), Duration::from_millis(100))
+            {
                 return Ok(());
             }
             if let Some(e) = self.failure() {
@@ -359,11 +366,8 @@ impl Incoming<'_> {
                 }
                 Kind::Verify => {
                     let mine = live.tracker.hashes().unwrap_or_default();
-                    stats.verified_pages = super::super::session::compare_hashes(
-                        &live.regions,
-                        &mine,
-                        &f.body,
-                    )?;
+                    stats.verified_pages =
+                        super::super::session::compare_hashes(&live.regions, &mine, &f.body)?;
                 }
                 Kind::Complete => {
                     if live.tracker.missing() > 0 {
@@ -374,7 +378,8 @@ impl Incoming<'_> {
                         .into());
                     }
                     let vcpus: Vec<u32> = self.vm.vcpu_tids();
-                    let own = |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
+                    let own =
+                        |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
                     let mut report = live.tracker.report(&vcpus, &own);
                     let s = live.sink.stats();
                     report.supplied_pages = s.copied + s.zero_filled;
@@ -391,7 +396,9 @@ impl Incoming<'_> {
                     return Ok(());
                 }
                 Kind::Abort => {
-                    return Err(ProtocolError::Aborted(String::from_utf8_lossy(&f.body).into()).into())
+                    return Err(
+                        ProtocolError::Aborted(String::from_utf8_lossy(&f.body).into()).into(),
+                    )
                 }
                 k => {
                     return Err(ProtocolError::Unexpected {
@@ -499,7 +506,11 @@ impl FaultCtx {
         let mut events = Vec::new();
         let mut ask: Vec<u64> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
-            if !self.uffd.poll(Duration::from_millis(50)).map_err(uffd_err)? {
+            if !self
+                .uffd
+                .poll(Duration::from_millis(50))
+                .map_err(uffd_err)?
+            {
                 continue;
             }
             events.clear();

@@ -198,7 +198,8 @@ pub(crate) fn switch(
         pending: pending_pages,
     })?;
     stats.bytes += out.bytes.load(Ordering::Relaxed);
-    stats.pages += out.pushed_pages.load(Ordering::Relaxed) + out.demand_pages.load(Ordering::Relaxed);
+    stats.pages +=
+        out.pushed_pages.load(Ordering::Relaxed) + out.demand_pages.load(Ordering::Relaxed);
     stats.zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
     stats.source_cpu_s = s.cpu_secs() + out.cpu.secs();
     stats.total_secs = secs(s.t_start.elapsed());

@@ -145,7 +145,8 @@ impl Outgoing {
             addrs.extend_from_slice(&gpa.to_le_bytes());
             let at = data.len();
             data.resize(at + PAGE, 0);
-            let ok = region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut data[at..]));
+            let ok =
+                region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut data[at..]));
             debug_assert!(ok, "page numbers map into guest RAM");
         }
         let count = (pages.len() as u32).to_le_bytes();
@@ -174,7 +175,8 @@ impl Outgoing {
             zeros.clear();
             for &n in &batch {
                 let gpa = self.index.gpa_of(n);
-                let read = region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut page));
+                let read =
+                    region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut page));
                 if read && is_zero(&page) {
                     crate::ranges::push_page(&mut zeros, gpa);
                 } else {
@@ -192,10 +194,8 @@ impl Outgoing {
             }
             self.pushed_pages
                 .fetch_add(with_data.len() as u64, Ordering::Relaxed);
-            self.pushed_zero_pages.fetch_add(
-                crate::ranges::total_pages(&zeros),
-                Ordering::Relaxed,
-            );
+            self.pushed_zero_pages
+                .fetch_add(crate::ranges::total_pages(&zeros), Ordering::Relaxed);
             self.pacer
                 .pace(self.bytes.load(Ordering::Relaxed), &mut conn.writer)
                 .map_err(ProtocolError::Io)?;

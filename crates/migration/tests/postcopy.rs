@@ -1,0 +1,356 @@
+//! Postcopy and hybrid on plain memory over loopback: the destination's
+//! memory is memfd under real userfaultfd, and its "vCPUs" are threads that
+//! touch every page in random order as soon as the VM starts (writing some
+//! of them), so every page is either fetched on demand or pushed.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ferry_memory::MemfdRegion;
+use ferry_migration::{
+    incoming, Backend, GpaBytes, GpaPages, IncomingVm, Listener, MigratableVm, MigrateOptions,
+    MigrationStats, Mode, OffsetBytes, PageStore, PostcopyAfter, RegionView, VmOpError,
+};
+
+const PAGE: usize = 4096;
+const LAYOUT: &[(u64, u64)] = &[(0, 512 * PAGE as u64), (0x1_0000_0000, 256 * PAGE as u64)];
+/// Every 7th page a "vCPU" touches, it writes.
+const WRITE_EVERY: u64 = 7;
+
+fn content(i: usize) -> u8 {
+    // Every fifth page stays zero.
+    if (i / PAGE).is_multiple_of(5) {
+        0
+    } else {
+        (i as u64).wrapping_mul(2654435761).to_le_bytes()[2] | 1
+    }
+}
+
+/// A source on plain memory that dirties a few pages per round.
+struct Source {
+    mem: Vec<Mutex<Vec<u8>>>,
+    resumes: AtomicU32,
+}
+
+impl Source {
+    fn new() -> Self {
+        let mem = LAYOUT
+            .iter()
+            .map(|&(_, size)| Mutex::new((0..size as usize).map(content).collect()))
+            .collect();
+        Source {
+            mem,
+            resumes: AtomicU32::new(0),
+        }
+    }
+}
+
+impl MigratableVm for Source {
+    fn regions(&self) -> Vec<RegionView> {
+        LAYOUT
+            .iter()
+            .zip(&self.mem)
+            // SAFETY: each Vec lives as long as the Source and is never resized.
+            .map(|(&(gpa, size), m)| unsafe {
+                RegionView::new(gpa, size, m.lock().unwrap().as_mut_ptr())
+            })
+            .collect()
+    }
+    fn vcpus(&self) -> u32 {
+        2
+    }
+    fn start_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    /// Zero pages are holes, as in a memfd.
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        let m = self.mem[index].lock().unwrap();
+        m.chunks(PAGE)
+            .enumerate()
+            .filter(|(_, page)| page.iter().any(|&b| b != 0))
+            .map(|(p, _)| OffsetBytes::new((p * PAGE) as u64, PAGE as u64))
+            .collect()
+    }
+    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
+        // 100 pages of region 0 change every round: precopy never converges.
+        let mut m = self.mem[0].lock().unwrap();
+        let mut bm = vec![0u64; 512 / 64];
+        for p in 100..200usize {
+            m[p * PAGE + 9] = m[p * PAGE + 9].wrapping_add(1);
+            bm[p / 64] |= 1 << (p % 64);
+        }
+        Ok(vec![bm, vec![0u64; 256 / 64]])
+    }
+    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn pause(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn resume(&self) -> Result<(), VmOpError> {
+        self.resumes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
+        Ok(b"vcpu state".to_vec())
+    }
+    fn host_written_ranges(&self) -> Vec<GpaBytes> {
+        Vec::new()
+    }
+}
+
+/// A page-touching thread: (gpa, byte read) per page.
+type Toucher = JoinHandle<Vec<(u64, u8)>>;
+
+/// A destination on memfd memory whose start runs two page-touching threads.
+struct Dest {
+    regions: Vec<MemfdRegion>,
+    threads: Mutex<Vec<Toucher>>,
+    tids: Mutex<Vec<u32>>,
+}
+
+impl Dest {
+    fn new() -> Self {
+        let regions = LAYOUT
+            .iter()
+            .map(|&(gpa, size)| MemfdRegion::new("dest", gpa, size).unwrap())
+            .collect();
+        Dest {
+            regions,
+            threads: Mutex::new(Vec::new()),
+            tids: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn host(&self, gpa: u64) -> *mut u8 {
+        let r = self.regions.iter().find(|r| r.contains(gpa, 1)).unwrap();
+        // SAFETY: `gpa` lies in `r` (checked above).
+        unsafe { r.host_addr().add((gpa - r.gpa()) as usize) }
+    }
+
+    /// (gpa, byte read) per page touched, and the pages written.
+    fn join(&self) -> Vec<(u64, u8)> {
+        let mut out = Vec::new();
+        for t in self.threads.lock().unwrap().drain(..) {
+            out.extend(t.join().unwrap());
+        }
+        out
+    }
+}
+
+impl PageStore for Dest {
+    fn regions(&self) -> Vec<RegionView> {
+        self.regions
+            .iter()
+            // SAFETY: the regions live as long as the Dest.
+            .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
+            .collect()
+    }
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        self.regions[index]
+            .data_ranges()
+            .into_iter()
+            .map(|(o, l)| OffsetBytes::new(o, l))
+            .collect()
+    }
+    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
+        let r = self
+            .regions
+            .iter()
+            .find(|r| r.contains(run.gpa, run.bytes()))
+            .ok_or("outside")?;
+        Ok(r.punch_hole(run.gpa - r.gpa(), run.bytes())?)
+    }
+}
+
+impl IncomingVm for Dest {
+    fn vcpus(&self) -> u32 {
+        2
+    }
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
+        assert_eq!(state, b"vcpu state");
+        Ok(())
+    }
+    fn start(&self) -> Result<(), VmOpError> {
+        let pages: Vec<u64> = LAYOUT
+            .iter()
+            .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
+            .collect();
+        for t in 0..2u64 {
+            // Each thread its own random order over all pages.
+            let mut order = pages.clone();
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ t;
+            for i in (1..order.len()).rev() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            let hosts: Vec<(u64, usize)> =
+                order.iter().map(|&g| (g, self.host(g) as usize)).collect();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let h = std::thread::spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                tx.send(unsafe { libc::gettid() } as u32).unwrap();
+                let mut seen = Vec::new();
+                for (k, &(gpa, host)) in hosts.iter().enumerate() {
+                    let p = (host + 17) as *mut u8;
+                    // SAFETY: `host` points into a live memfd mapping; a
+                    // missing page blocks this thread until it lands.
+                    let v = unsafe { p.read_volatile() };
+                    seen.push((gpa, v));
+                    if t == 0 && (k as u64).is_multiple_of(WRITE_EVERY) {
+                        // SAFETY: as above; byte 1 is this test's guest write.
+                        unsafe { ((host + 1) as *mut u8).write_volatile(0xAB) };
+                    }
+                }
+                seen
+            });
+            self.tids.lock().unwrap().push(rx.recv().unwrap());
+            self.threads.lock().unwrap().push(h);
+        }
+        Ok(())
+    }
+    fn vcpu_tids(&self) -> Vec<u32> {
+        self.tids.lock().unwrap().clone()
+    }
+}
+
+fn uffd_usable() -> bool {
+    match ferry_memory::Userfaultfd::new(ferry_memory::Features {
+        missing_shmem: true,
+        thread_id: true,
+        ..Default::default()
+    }) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: postcopy needs userfaultfd on memfd: {e}");
+            false
+        }
+    }
+}
+
+fn run(opts: &MigrateOptions) -> (MigrationStats, Source, Dest) {
+    let src = Source::new();
+    let dst = Dest::new();
+    let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
+    let to = listener.endpoint();
+    let (stats, istats) = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = ferry_migration::migrate(&src, &to, opts, &Backend::cpu(), &|_| {});
+        (st.unwrap(), d.join().unwrap().unwrap())
+    });
+    let seen = dst.join();
+    let total = LAYOUT.iter().map(|r| r.1 / PAGE as u64).sum::<u64>();
+    assert_eq!(
+        seen.len() as u64,
+        2 * total,
+        "every thread touched every page"
+    );
+    // What a thread read is the source's final content (byte 17 is never
+    // written by the "guest").
+    let src_byte = |gpa: u64| {
+        let (i, &(base, _)) = LAYOUT
+            .iter()
+            .enumerate()
+            .find(|(_, r)| gpa >= r.0 && gpa < r.0 + r.1)
+            .unwrap();
+        src.mem[i].lock().unwrap()[(gpa - base) as usize + 17]
+    };
+    for &(gpa, v) in &seen {
+        assert_eq!(v, src_byte(gpa), "page {gpa:#x} read wrong content");
+    }
+    // Guest writes survived the pages' later arrival (first copy wins),
+    // and every page holds the source's bytes otherwise.
+    for (i, &(base, size)) in LAYOUT.iter().enumerate() {
+        let m = src.mem[i].lock().unwrap();
+        for p in 0..size as usize / PAGE {
+            let gpa = base + (p * PAGE) as u64;
+            // SAFETY: every page has landed; reading the mapping cannot block.
+            let dst_page = unsafe { std::slice::from_raw_parts(dst.host(gpa), PAGE) };
+            let src_page = &m[p * PAGE..(p + 1) * PAGE];
+            assert!(
+                dst_page[1] == src_page[1] || dst_page[1] == 0xAB,
+                "page {gpa:#x}"
+            );
+            assert_eq!(dst_page[2..], src_page[2..], "page {gpa:#x}");
+        }
+    }
+    assert_eq!(
+        src.resumes.load(Ordering::SeqCst),
+        0,
+        "the source never runs again"
+    );
+    let p = stats.postcopy.as_ref().expect("a postcopy phase");
+    assert_eq!(istats.postcopy.as_ref(), Some(&p.faults));
+    assert_eq!(stats.verified_pages, total);
+    (stats, src, dst)
+}
+
+#[test]
+fn postcopy_moves_memory_on_demand_with_and_without_prefetch() {
+    if !uffd_usable() {
+        return;
+    }
+    for prefetch in [0, 8] {
+        let opts = MigrateOptions {
+            mode: Mode::Postcopy,
+            prefetch,
+            verify: true,
+            ..Default::default()
+        };
+        let (stats, _, _) = run(&opts);
+        let p = stats.postcopy.unwrap();
+        let f = &p.faults;
+        eprintln!("prefetch {prefetch}: {p:?}");
+        // Data pages are pending; zero pages (holes) never travel.
+        let holes = 512u64.div_ceil(5) + 256u64.div_ceil(5);
+        assert_eq!(p.pending_pages, 768 - holes, "{p:?}");
+        assert_eq!(p.pushed_zero_pages, 0);
+        assert!(f.major > 0 && f.zero > 0, "{f:?}");
+        assert_eq!(f.faults, f.major + f.minor + f.zero + f.duplicate);
+        assert_eq!(f.blocked + f.apf + f.host, f.faults, "{f:?}");
+        assert!(
+            f.blocked > 0 && f.apf == 0,
+            "only the two threads faulted: {f:?}"
+        );
+        assert_eq!(
+            f.supplied_pages, p.pending_pages,
+            "each pending page landed once"
+        );
+        assert_eq!(p.requests, f.major, "one request per page waited for");
+        if prefetch == 0 {
+            assert_eq!(p.prefetched_pages, 0);
+        } else {
+            assert!(p.prefetched_pages > 0);
+        }
+        assert!(f.latency_us.count == f.major && f.latency_us.p50 > 0.0);
+        assert!(!f.series.is_empty());
+    }
+}
+
+#[test]
+fn hybrid_switches_to_postcopy_when_precopy_does_not_converge() {
+    if !uffd_usable() {
+        return;
+    }
+    let opts = MigrateOptions {
+        mode: Mode::Hybrid,
+        downtime_ms: 0.0,
+        postcopy_after: PostcopyAfter::Rounds(2),
+        verify: true,
+        ..Default::default()
+    };
+    let (stats, _, _) = run(&opts);
+    assert_eq!(stats.rounds.len(), 3, "the full copy and two dirty rounds");
+    assert!(
+        stats.converged.contains("switched to postcopy"),
+        "{}",
+        stats.converged
+    );
+    let p = stats.postcopy.unwrap();
+    // The pages dirtied in the last round.
+    assert_eq!(p.pending_pages, 100);
+}
