@@ -49,6 +49,27 @@ struct Scenario {
     vcpus: &'static str,
     /// Clients of the kv service on ferry-h3 during the migration.
     load: bool,
+    /// Mode flags for `ferry migrate` (precopy: none).
+    mode: &'static [&'static str],
+    /// The destination runs until its workloads finish (and they must pass
+    /// their own check) instead of for 3 s.
+    until_done: bool,
+}
+
+impl Scenario {
+    fn precopy(workload: &'static str, vcpus: &'static str, load: bool) -> Self {
+        Scenario {
+            workload,
+            vcpus,
+            load,
+            mode: &[],
+            until_done: false,
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("{} {}", self.mode.join(" "), self.workload)
+    }
 }
 
 fn json(out: &[u8]) -> serde_json::Value {
@@ -75,7 +96,10 @@ fn migrate_across(sc: &Scenario, n: u16) {
         "--json",
     ];
     let mut dst = in_host("ferry-h2", &common);
-    dst.args(["--incoming", &to, "--control", dst_sock, "--duration", "3s"]);
+    dst.args(["--incoming", &to, "--control", dst_sock]);
+    if !sc.until_done {
+        dst.args(["--duration", "3s"]);
+    }
     let mut src = in_host("ferry-h1", &common);
     src.args(["--control", src_sock, "--duration", "60s"]);
     if sc.load {
@@ -108,11 +132,13 @@ fn migrate_across(sc: &Scenario, n: u16) {
         .args(["--clients", "8", "--duration", "3s", "--json", "--quiet"]);
         Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
     });
-    std::thread::sleep(Duration::from_millis(700));
+    // A finishing workload (sort) is caught in the middle.
+    std::thread::sleep(Duration::from_millis(if sc.until_done { 0 } else { 700 }));
     let m = in_host(
         "ferry-h1",
         &["migrate", src_sock, "--to", &to, "--verify", "--json"],
     )
+    .args(sc.mode)
     .output()
     .unwrap();
     assert!(
@@ -123,6 +149,32 @@ fn migrate_across(sc: &Scenario, n: u16) {
     );
     let stats = json(&m.stdout);
     assert_eq!(stats["verified_pages"], 128 * 256, "{}", sc.workload);
+    let postcopy = !sc.mode.is_empty() && !stats["postcopy"].is_null();
+    if sc.mode.contains(&"postcopy") {
+        assert!(postcopy, "{}: no postcopy phase: {stats}", sc.name());
+    }
+    if postcopy {
+        let p = &stats["postcopy"];
+        let f = &p["faults"];
+        eprintln!(
+            "{}: downtime {:.2} ms, {} pending, {} faults ({} major, {} APF, {} blocked), p50 {:.0} µs, p99 {:.0} µs, {} prefetched",
+            sc.name(),
+            stats["downtime_ms"].as_f64().unwrap(),
+            p["pending_pages"],
+            f["faults"],
+            f["major"],
+            f["apf"],
+            f["blocked"],
+            f["latency_us"]["p50"].as_f64().unwrap(),
+            f["latency_us"]["p99"].as_f64().unwrap(),
+            p["prefetched_pages"]
+        );
+        // Every pending page landed exactly once at the destination.
+        assert_eq!(f["supplied_pages"], p["pending_pages"], "{}", sc.name());
+        if sc.mode.contains(&"0") {
+            assert_eq!(p["prefetched_pages"], 0, "{}", sc.name());
+        }
+    }
     if let Some(load) = load {
         let v = json(&load.output().stdout);
         assert_eq!(v["errors"], 0, "{}: {v}", sc.workload);
@@ -133,6 +185,11 @@ fn migrate_across(sc: &Scenario, n: u16) {
     assert!(d.status.success(), "{}: destination failed", sc.workload);
     let d = json(&d.stdout);
     assert_eq!(d["incoming"], true);
+    if sc.until_done {
+        for w in d["workloads"].as_array().unwrap() {
+            assert_eq!(w["result"], "ok", "{}: the guest's own check: {w}", sc.name());
+        }
+    }
     // A source with a service keeps forwarding clients until it is killed;
     // the others end by themselves once migrated.
     if sc.load {
@@ -180,33 +237,69 @@ fn vms_migrate_between_namespace_hosts_with_verification() {
     }
     let _lab = Lab;
     let scenarios = [
-        Scenario {
-            workload: "idle",
-            vcpus: "1",
-            load: false,
-        },
-        Scenario {
-            workload: "compute+dirty:rate=64,wss=32,pattern=random",
-            vcpus: "1",
-            load: false,
-        },
-        Scenario {
-            workload: "compute+dirty:rate=256,wss=64,pattern=random",
-            vcpus: "2",
-            load: false,
-        },
-        Scenario {
-            workload: "dirty:rate=1024,wss=64,pattern=random",
-            vcpus: "2",
-            load: false,
-        },
-        Scenario {
-            workload: "kv:workers=2,keys=4096,value=1024",
-            vcpus: "2",
-            load: true,
-        },
+        Scenario::precopy("idle", "1", false),
+        Scenario::precopy("compute+dirty:rate=64,wss=32,pattern=random", "1", false),
+        Scenario::precopy("compute+dirty:rate=256,wss=64,pattern=random", "2", false),
+        Scenario::precopy("dirty:rate=1024,wss=64,pattern=random", "2", false),
+        Scenario::precopy("kv:workers=2,keys=4096,value=1024", "2", true),
     ];
     for (n, sc) in scenarios.iter().enumerate() {
         migrate_across(sc, n as u16);
+    }
+}
+
+#[test]
+fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
+    if !kvm_usable() {
+        return;
+    }
+    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
+        missing_shmem: true,
+        thread_id: true,
+        ..Default::default()
+    }) {
+        eprintln!("SKIP: postcopy needs userfaultfd on memfd: {e}");
+        return;
+    }
+    let up = Command::new(ferry())
+        .args(["lab", "up", "3"])
+        .output()
+        .unwrap();
+    if !up.status.success() {
+        eprintln!(
+            "SKIP: cannot create network namespaces here: {}",
+            String::from_utf8_lossy(&up.stderr)
+        );
+        return;
+    }
+    let _lab = Lab;
+    const POST8: &[&str] = &["--mode", "postcopy", "--prefetch", "8"];
+    const POST0: &[&str] = &["--mode", "postcopy", "--prefetch", "0"];
+    const HYBRID: &[&str] = &["--mode", "hybrid", "--postcopy-after", "1", "--downtime-ms", "0.01"];
+    let post = |workload, vcpus, load, mode| Scenario {
+        workload,
+        vcpus,
+        load,
+        mode,
+        until_done: false,
+    };
+    let scenarios = [
+        post("idle", "1", false, POST8),
+        post("compute+dirty:rate=64,wss=32,pattern=random", "1", false, POST0),
+        post("dirty:rate=1024,wss=64,pattern=random", "2", false, POST8),
+        Scenario {
+            until_done: true,
+            ..post("sort:mib=32", "1", false, POST8)
+        },
+        post("kv:workers=2,keys=4096,value=1024", "2", true, POST8),
+        post("dirty:rate=1024,wss=64,pattern=random", "2", false, HYBRID),
+        Scenario {
+            until_done: true,
+            ..post("sort:mib=32", "1", false, HYBRID)
+        },
+        post("kv:workers=2,keys=4096,value=1024", "2", true, HYBRID),
+    ];
+    for (n, sc) in scenarios.iter().enumerate() {
+        migrate_across(sc, 20 + n as u16);
     }
 }
