@@ -178,9 +178,18 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                     incoming.endpoint()
                 );
             }
-            let got = incoming
-                .receive(&vm, Duration::from_secs(30))
-                .context("incoming migration failed; no VM was started here")?;
+            let got = match incoming.receive(&vm, Duration::from_secs(30)) {
+                Ok(got) => got,
+                Err(e @ ferry_migration::MigrationError::PagesLost { .. }) => {
+                    return Err(anyhow::Error::new(e).context(
+                        "incoming postcopy migration failed; the VM started here is stopped",
+                    ))
+                }
+                Err(e) => {
+                    return Err(anyhow::Error::new(e)
+                        .context("incoming migration failed; no VM was started here"))
+                }
+            };
             if !quiet {
                 eprintln!(
                     "ferry: migration received ({} pages, {} zero pages, {} rounds, {} verified); VM running",

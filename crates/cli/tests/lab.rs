@@ -187,7 +187,12 @@ fn migrate_across(sc: &Scenario, n: u16) {
     assert_eq!(d["incoming"], true);
     if sc.until_done {
         for w in d["workloads"].as_array().unwrap() {
-            assert_eq!(w["result"], "ok", "{}: the guest's own check: {w}", sc.name());
+            assert_eq!(
+                w["result"],
+                "ok",
+                "{}: the guest's own check: {w}",
+                sc.name()
+            );
         }
     }
     // A source with a service keeps forwarding clients until it is killed;
@@ -275,7 +280,14 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
     let _lab = Lab;
     const POST8: &[&str] = &["--mode", "postcopy", "--prefetch", "8"];
     const POST0: &[&str] = &["--mode", "postcopy", "--prefetch", "0"];
-    const HYBRID: &[&str] = &["--mode", "hybrid", "--postcopy-after", "1", "--downtime-ms", "0.01"];
+    const HYBRID: &[&str] = &[
+        "--mode",
+        "hybrid",
+        "--postcopy-after",
+        "1",
+        "--downtime-ms",
+        "0.01",
+    ];
     let post = |workload, vcpus, load, mode| Scenario {
         workload,
         vcpus,
@@ -285,7 +297,12 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
     };
     let scenarios = [
         post("idle", "1", false, POST8),
-        post("compute+dirty:rate=64,wss=32,pattern=random", "1", false, POST0),
+        post(
+            "compute+dirty:rate=64,wss=32,pattern=random",
+            "1",
+            false,
+            POST0,
+        ),
         post("dirty:rate=1024,wss=64,pattern=random", "2", false, POST8),
         Scenario {
             until_done: true,

@@ -513,3 +513,66 @@ fn compressed_migrations_verify_and_the_workload_continues() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("gzip"));
 }
+
+#[test]
+fn a_source_killed_mid_postcopy_is_reported_plainly() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-pckill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
+    let wl = "dirty:rate=512,wss=256,pattern=random";
+    let vm = ["run", "--mem", "512M", "--workload", wl, "--json"];
+    let src = Reaper(Some(spawn(
+        &[&vm[..], &["--control", &src_sock, "--duration", "60s"]].concat(),
+    )));
+    wait_status(&src_sock);
+    std::thread::sleep(Duration::from_millis(500));
+    let to = format!("tcp:127.0.0.1:{}", free_port());
+    let dst_sock = dir.join("dst.sock").to_string_lossy().into_owned();
+    let (dst, log) =
+        spawn_incoming_logged(&[&vm[..], &["--incoming", &to, "--control", &dst_sock]].concat());
+    let mut dst = Reaper(Some(dst));
+    // Slow enough that the push takes seconds.
+    let mut m = Reaper(Some(
+        Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["migrate", &src_sock, "--to", &to, "--mode", "postcopy"])
+            .args(["--bandwidth", "16M", "--json"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // The VM runs there before its memory has arrived.
+    while wait_status(&dst_sock)["state"] != "running" {
+        assert!(Instant::now() < deadline, "postcopy never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !log.lock().unwrap().contains("migration received"),
+        "postcopy ended before the source could be killed"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    drop(src); // SIGKILL: the source and every page only it held are gone.
+    let deadline = Instant::now() + Duration::from_secs(45);
+    let status = loop {
+        if let Some(s) = dst.0.as_mut().unwrap().try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the destination hangs after losing its source"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let log = log.lock().unwrap().clone();
+    assert!(
+        log.contains("pages never arrived") && log.contains("the VM started here is stopped"),
+        "{log}"
+    );
+    let _ = m.0.as_mut().unwrap().wait();
+}

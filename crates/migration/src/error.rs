@@ -64,7 +64,7 @@ pub enum MigrationError {
     },
     /// Postcopy failed at the destination after its VM started: pages it
     /// needs never arrived.
-    #[error("postcopy failed after the VM started here: {reason}. {missing} pages never arrived (first at {first:#x}); the VM cannot run on without them, and the source holds them")]
+    #[error("postcopy failed after the VM started here: {reason}. {missing} pages never arrived (first at {first:#x}); the VM cannot run on without them: only the source had them, and it keeps the VM paused there if it still runs")]
     PagesLost {
         /// What failed.
         reason: String,

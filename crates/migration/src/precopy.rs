@@ -79,6 +79,7 @@ pub(crate) fn run(
             throughput: 0.0,
             bytes: stats.bytes,
             phase: Phase::Copy,
+            ..Default::default()
         });
         let (mut rs, frames) =
             sender.send_round(&s.regions, &mut s.bulk, &runs, &holes, round, None, &s.cpu)?;
@@ -166,6 +167,7 @@ pub(crate) fn run(
         throughput: bandwidth,
         bytes: stats.bytes,
         phase: Phase::StopAndCopy,
+        ..Default::default()
     });
     let (rs, frames) = sender.send_round(
         &s.regions,
@@ -191,6 +193,7 @@ pub(crate) fn run(
             throughput: bandwidth,
             bytes: stats.bytes,
             phase: Phase::Verify,
+            ..Default::default()
         });
         let (pages, bytes) = s.send_verify()?;
         stats.verified_pages = pages;
@@ -211,6 +214,7 @@ pub(crate) fn run(
         throughput: bandwidth,
         bytes: stats.bytes,
         phase: Phase::Done,
+        ..Default::default()
     });
     Ok(stats)
 }

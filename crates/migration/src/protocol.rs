@@ -626,12 +626,13 @@ mod tests {
             session: 0,
             streams: 1,
         };
-        assert_eq!(negotiate(&h(1, 5)).unwrap(), 2);
+        assert_eq!(negotiate(&h(1, 5)).unwrap(), 3);
         assert_eq!(negotiate(&h(1, 1)).unwrap(), 1);
-        assert_eq!(negotiate(&h(2, 3)).unwrap(), 2);
+        assert_eq!(negotiate(&h(2, 2)).unwrap(), 2);
+        assert_eq!(negotiate(&h(2, 3)).unwrap(), 3);
         assert!(matches!(
-            negotiate(&h(3, 4)),
-            Err(ProtocolError::Version { min: 3, max: 4 })
+            negotiate(&h(4, 5)),
+            Err(ProtocolError::Version { min: 4, max: 5 })
         ));
     }
 }

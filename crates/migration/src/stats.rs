@@ -292,6 +292,11 @@ pub struct Progress {
     pub bytes: u64,
     /// Where the migration is.
     pub phase: Phase,
+    /// Once the VM runs at the destination before the migration ends
+    /// (postcopy): where its request service listens there, so the source
+    /// can forward clients at once.
+    #[serde(default)]
+    pub destination_service: Option<String>,
 }
 
 pub(crate) fn secs(d: Duration) -> f64 {

@@ -320,7 +320,13 @@ fn postcopy_moves_memory_on_demand_with_and_without_prefetch() {
             f.supplied_pages, p.pending_pages,
             "each pending page landed once"
         );
-        assert_eq!(p.requests, f.major, "one request per page waited for");
+        // A request per page waited for, unless its landing had begun.
+        assert!(
+            p.requests > 0 && p.requests <= f.major,
+            "{} requests, {} major",
+            p.requests,
+            f.major
+        );
         if prefetch == 0 {
             assert_eq!(p.prefetched_pages, 0);
         } else {

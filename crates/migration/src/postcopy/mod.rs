@@ -104,6 +104,7 @@ pub(crate) fn switch(
         throughput: 0.0,
         bytes: stats.bytes,
         phase: Phase::StopAndCopy,
+        ..Default::default()
     });
     let chunks: Vec<&[GpaPages]> = if pending.is_empty() {
         vec![&[]]
@@ -133,6 +134,14 @@ pub(crate) fn switch(
     stats.downtime_parts.destination = lap();
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     stats.destination_service = report.service;
+    progress(&Progress {
+        round,
+        remaining_pages: pending_pages,
+        bytes: stats.bytes,
+        phase: Phase::Postcopy,
+        destination_service: stats.destination_service.clone(),
+        ..Default::default()
+    });
     tracing::info!(
         pending = pending_pages,
         downtime_ms = stats.downtime_ms,
@@ -168,6 +177,7 @@ pub(crate) fn switch(
                     throughput: sent as f64 / secs(t_post.elapsed()).max(1e-3),
                     bytes: base_bytes + sent,
                     phase: Phase::Postcopy,
+                    ..Default::default()
                 });
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }
@@ -220,6 +230,7 @@ pub(crate) fn switch(
         throughput: 0.0,
         bytes: stats.bytes,
         phase: Phase::Done,
+        ..Default::default()
     });
     Ok(())
 }

@@ -117,20 +117,30 @@ pub fn migrate(
     }
     let progress = Mutex::new(progress);
     let stats = ferry_migration::migrate(vm, to, opts, &backend(opts.compression.backend), &|p| {
+        // Postcopy: the VM serves from the destination before the
+        // migration ends; forward clients from then on.
+        if let Some(addr) = &p.destination_service {
+            redirect_service(vm, to, addr);
+        }
         (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
     })?;
-    if let (Some(svc), Some(addr)) = (vm.service(), &stats.destination_service) {
-        // Clients keep using this host's port; their requests now go to the
-        // destination (an unspecified address there means the host we
-        // migrated to).
-        if let Ok(mut a) = addr.parse::<std::net::SocketAddr>() {
-            if a.ip().is_unspecified() {
-                if let Endpoint::Tcp(t) = to {
-                    a.set_ip(t.ip());
-                }
-            }
-            svc.redirect(a);
-        }
+    if let Some(addr) = &stats.destination_service {
+        redirect_service(vm, to, addr);
     }
     Ok(stats)
+}
+
+/// Clients keep using this host's port; their requests now go to the
+/// destination's service at `addr` (an unspecified address there means the
+/// host we migrated to).
+fn redirect_service(vm: &Vm, to: &Endpoint, addr: &str) {
+    let Some(svc) = vm.service() else { return };
+    if let Ok(mut a) = addr.parse::<std::net::SocketAddr>() {
+        if a.ip().is_unspecified() {
+            if let Endpoint::Tcp(t) = to {
+                a.set_ip(t.ip());
+            }
+        }
+        svc.redirect(a);
+    }
 }
