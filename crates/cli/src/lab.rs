@@ -32,6 +32,20 @@ pub enum LabCommand {
     },
     /// Remove every lab host.
     Down,
+    /// Forward TCP from LISTEN to TO adding a round-trip delay (this kernel
+    /// has no netem): run it on the destination's host and point the
+    /// migration at LISTEN. Prints the address it listens on.
+    Delay {
+        /// Where to listen (port 0 picks one).
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        /// Where to forward.
+        #[arg(long)]
+        to: std::net::SocketAddr,
+        /// Round-trip time to add, in milliseconds (half each way), e.g. 0.15.
+        #[arg(long)]
+        rtt_ms: f64,
+    },
     /// List the lab hosts and their addresses.
     List,
 }
@@ -176,6 +190,12 @@ pub fn lab(cmd: LabCommand) -> Result<ExitCode> {
             );
         }
         LabCommand::Down => down()?,
+        LabCommand::Delay { listen, to, rtt_ms } => {
+            if !(rtt_ms >= 0.0 && rtt_ms.is_finite()) {
+                bail!("--rtt-ms must be a duration in milliseconds, not {rtt_ms}");
+            }
+            crate::delay::run(listen, to, std::time::Duration::from_secs_f64(rtt_ms / 1e3))?;
+        }
         LabCommand::List => {
             for ns in namespaces().into_iter().filter(|n| n != SWITCH) {
                 let i = ns.trim_start_matches("ferry-h");

@@ -1,6 +1,7 @@
 //! The `ferry` command line: runs VMs and talks to them through their control sockets.
 
 mod bench;
+mod delay;
 mod format;
 mod lab;
 mod load;
