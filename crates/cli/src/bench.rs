@@ -20,6 +20,9 @@ pub enum Suite {
     Compression,
     /// The guest alone: boot time, dirty rate accuracy, compute vs host.
     Guest,
+    /// Postcopy between lab hosts: APF on / off x prefetch 0 / 8 x added
+    /// round-trip delay; faults, their service time, guest execution ratio.
+    Postcopy,
 }
 
 #[derive(clap::Args)]
@@ -43,6 +46,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Compression => "compression.py",
         Suite::Throughput => "throughput.py",
         Suite::Guest => "guest_baseline.py",
+        Suite::Postcopy => "postcopy.py",
     });
     if !script.exists() {
         bail!(

@@ -46,6 +46,13 @@ pub enum LabCommand {
         #[arg(long)]
         rtt_ms: f64,
     },
+    /// Measure the bare cost of a local userfaultfd fault (the floor under
+    /// any postcopy fault): prints p50/p99 in µs as JSON.
+    UffdCost {
+        /// Pages to fault in.
+        #[arg(long, default_value_t = 20000)]
+        pages: u64,
+    },
     /// List the lab hosts and their addresses.
     List,
 }
@@ -195,6 +202,10 @@ pub fn lab(cmd: LabCommand) -> Result<ExitCode> {
                 bail!("--rtt-ms must be a duration in milliseconds, not {rtt_ms}");
             }
             crate::delay::run(listen, to, std::time::Duration::from_secs_f64(rtt_ms / 1e3))?;
+        }
+        LabCommand::UffdCost { pages } => {
+            let l = ferry_migration::Latency::of(crate::delay::uffd_fault_cost(pages.max(1))?);
+            println!("{}", serde_json::to_string(&l)?);
         }
         LabCommand::List => {
             for ns in namespaces().into_iter().filter(|n| n != SWITCH) {

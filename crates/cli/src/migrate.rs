@@ -284,8 +284,14 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
         p.pushed_pages, p.pushed_zero_pages, p.requests, p.demand_pages, p.prefetched_pages
     );
     println!(
-        "  faults     {} ({} major, {} minor, {} zero-filled, {} duplicate); by vCPUs {} (blocked), by async PF {} (absorbed), by the VMM {}",
-        f.faults, f.major, f.minor, f.zero, f.duplicate, f.blocked, f.apf, f.host
+        "  faults     {} ({} major, {} minor, {} zero-filled, {} duplicate); taken by vCPU threads {}, by KVM's async workers {}, by the VMM {}",
+        f.faults, f.major, f.minor, f.zero, f.duplicate, f.vcpu_thread, f.async_worker, f.host
+    );
+    println!(
+        "  guest      {} faults absorbed by async page faults (another task ran), {} stopped a vCPU",
+        f.apf_absorbed
+            .map_or("unknown".to_string(), |a| a.to_string()),
+        f.blocked
     );
     if f.latency_us.count > 0 {
         println!(
@@ -295,7 +301,7 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
     }
     let worst = f.series.iter().map(|b| b.exec_ratio).fold(1.0f64, f64::min);
     println!(
-        "  guest      lowest execution ratio in a 100 ms window {:.2} ({} windows)",
+        "  exec ratio lowest in a 100 ms window {:.2} ({} windows; vCPU-thread waits)",
         worst,
         f.series.len()
     );

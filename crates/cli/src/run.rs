@@ -75,7 +75,7 @@ pub struct RunArgs {
     prealloc: bool,
     /// KVM asynchronous page faults for the guest: on, or off (the guest
     /// is not told of the feature, so a vCPU waits out every host fault).
-    #[arg(long, default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     apf: bool,
     /// Same as --apf off.
     #[arg(long, conflicts_with = "apf")]
@@ -197,8 +197,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                 );
                 if let Some(f) = &got.postcopy {
                     eprintln!(
-                        "ferry: postcopy faults {} ({} major, p50 {:.0} µs, p99 {:.0} µs; {} absorbed by async PF, {} blocked a vCPU)",
-                        f.faults, f.major, f.latency_us.p50, f.latency_us.p99, f.apf, f.blocked
+                        "ferry: postcopy faults {} ({} major, p50 {:.0} µs, p99 {:.0} µs; {} absorbed by async PF, {} stopped a vCPU)",
+                        f.faults, f.major, f.latency_us.p50, f.latency_us.p99,
+                        f.apf_absorbed.unwrap_or(0), f.blocked
                     );
                 }
             }

@@ -157,13 +157,13 @@ fn migrate_across(sc: &Scenario, n: u16) {
         let p = &stats["postcopy"];
         let f = &p["faults"];
         eprintln!(
-            "{}: downtime {:.2} ms, {} pending, {} faults ({} major, {} APF, {} blocked), p50 {:.0} µs, p99 {:.0} µs, {} prefetched",
+            "{}: downtime {:.2} ms, {} pending, {} faults ({} major, {} absorbed by APF, {} blocked), p50 {:.0} µs, p99 {:.0} µs, {} prefetched",
             sc.name(),
             stats["downtime_ms"].as_f64().unwrap(),
             p["pending_pages"],
             f["faults"],
             f["major"],
-            f["apf"],
+            f["apf_absorbed"],
             f["blocked"],
             f["latency_us"]["p50"].as_f64().unwrap(),
             f["latency_us"]["p99"].as_f64().unwrap(),

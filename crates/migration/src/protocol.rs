@@ -235,6 +235,9 @@ pub struct PostcopyPlan {
     pub prefetch: u32,
     /// The source will send page hashes at the end: record what lands.
     pub verify: bool,
+    /// The guest's count of absorbed async page faults at the pause, if the
+    /// VM keeps one (the destination reports the phase's share).
+    pub guest_apf_base: Option<u64>,
 }
 
 /// Most runs in one PostcopyPlan frame (well under MAX_BODY).

@@ -96,29 +96,40 @@ pub struct PostcopyStats {
 /// Faults the destination took on missing memory, and what they cost.
 ///
 /// Kinds: `major` waited for a page over the network; `minor` found its page
-/// already arrived or on its way (the page needed only a wake-up); `zero`
-/// touched memory the source never had data in (filled locally);
-/// `duplicate` asked for a page already requested. Who faulted: `blocked` a
-/// vCPU thread (the vCPU waited), `apf` a KVM async-page-fault worker (the
-/// guest parked one task and ran another), `host` the VMM's own threads.
+/// already arrived; `zero` touched memory the source never had data in
+/// (filled locally); `duplicate` faulted on a page already waited for. Who
+/// faulted (userfaultfd's thread id): a vCPU thread (`vcpu_thread`: the vCPU
+/// waited in the host), a KVM async-page-fault worker (`async_worker`: KVM
+/// took the fault off the vCPU) or the VMM's own threads (`host`). An
+/// async-worker fault is absorbed by the guest only when the guest was told
+/// of it and parked one task ("page not present"); otherwise KVM halts the
+/// vCPU until the page is there. The guest's own count over the phase says
+/// how many were absorbed (`apf_absorbed`); `blocked` is every fault that
+/// stopped a vCPU.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FaultReport {
     /// Every fault event read.
     pub faults: u64,
     /// Fetched over the network.
     pub major: u64,
-    /// Already arrived or on its way.
+    /// Already arrived.
     pub minor: u64,
     /// Filled with zeros locally.
     pub zero: u64,
-    /// Asked again while a request was out.
+    /// A further fault on a page already waited for.
     pub duplicate: u64,
-    /// Taken by vCPU threads (the vCPU blocked).
-    pub blocked: u64,
-    /// Taken by async-page-fault workers (absorbed by the guest).
-    pub apf: u64,
+    /// Taken by vCPU threads.
+    pub vcpu_thread: u64,
+    /// Taken by KVM's async-page-fault workers.
+    pub async_worker: u64,
     /// Taken by the VMM's own threads.
     pub host: u64,
+    /// Faults the guest absorbed (its 'page not present' events over the
+    /// phase), when the VM can tell.
+    pub apf_absorbed: Option<u64>,
+    /// Faults that stopped a vCPU: vCPU-thread faults, and async-worker
+    /// faults the guest did not absorb.
+    pub blocked: u64,
     /// Major faults, fault read to page landed (µs).
     pub latency_us: Latency,
     /// Major fault service time histogram: (upper bound µs, count), powers of two.
@@ -177,11 +188,12 @@ pub struct FaultBin {
     pub minor: u64,
     /// Zero-filled faults.
     pub zero: u64,
-    /// Faults absorbed by async page faults.
-    pub apf: u64,
-    /// Per vCPU, ms of the bin it spent blocked on faults.
+    /// Faults taken by async-page-fault workers.
+    pub async_worker: u64,
+    /// Per vCPU, ms of the bin its thread spent waiting on faults.
     pub blocked_ms: Vec<f64>,
-    /// Share of vCPU time not blocked on faults (1 = untouched).
+    /// Share of vCPU time not waiting on faults in vCPU threads (1 =
+    /// untouched; vCPUs KVM halted for an async fault are not in it).
     pub exec_ratio: f64,
 }
 

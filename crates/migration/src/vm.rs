@@ -51,6 +51,11 @@ pub trait MigratableVm: Send + Sync {
     /// Guest ranges the VMM itself writes (not seen by the dirty log): sent
     /// again in the final round.
     fn host_written_ranges(&self) -> Vec<GpaBytes>;
+    /// The guest's own count of async page faults it absorbed ('page not
+    /// present' events), if it keeps one.
+    fn guest_apf_count(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Memory that receives pages: the page part of a destination.
@@ -95,5 +100,9 @@ pub trait IncomingVm: PageStore {
     /// blocked on a fault from the VMM's other threads).
     fn vcpu_tids(&self) -> Vec<u32> {
         Vec::new()
+    }
+    /// As [`MigratableVm::guest_apf_count`] (read once every page is here).
+    fn guest_apf_count(&self) -> Option<u64> {
+        None
     }
 }

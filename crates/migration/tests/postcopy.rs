@@ -311,9 +311,9 @@ fn postcopy_moves_memory_on_demand_with_and_without_prefetch() {
         assert_eq!(p.pushed_zero_pages, 0);
         assert!(f.major > 0 && f.zero > 0, "{f:?}");
         assert_eq!(f.faults, f.major + f.minor + f.zero + f.duplicate);
-        assert_eq!(f.blocked + f.apf + f.host, f.faults, "{f:?}");
+        assert_eq!(f.vcpu_thread + f.async_worker + f.host, f.faults, "{f:?}");
         assert!(
-            f.blocked > 0 && f.apf == 0,
+            f.vcpu_thread > 0 && f.async_worker == 0 && f.blocked == f.vcpu_thread,
             "only the two threads faulted: {f:?}"
         );
         assert_eq!(

@@ -780,7 +780,21 @@ impl Vm {
         }
         persist::restore_vm(&self.vm_fd, &state.kvm)?;
         for (fd, s) in vcpus.iter().zip(&state.vcpus) {
-            persist::restore_vcpu(fd, s)?;
+            if self.config.apf {
+                persist::restore_vcpu(fd, s)?;
+            } else {
+                // APF off here: the guest may have enabled it where it ran
+                // before; KVM then never delivers 'page not present', and
+                // every host fault waits in the vCPU, as if the guest had
+                // never been told of the feature.
+                let mut s = s.clone();
+                for m in &mut s.msrs {
+                    if m.index == persist::MSR_KVM_ASYNC_PF_EN {
+                        m.data = 0;
+                    }
+                }
+                persist::restore_vcpu(fd, &s)?;
+            }
         }
         self.loaded.store(true, Ordering::Release);
         Ok(())

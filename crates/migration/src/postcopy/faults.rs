@@ -208,7 +208,13 @@ impl Tracker {
     /// The report: faults by kind and by who took them, latencies, and the
     /// 100 ms series. `vcpu_tids[i]` is vCPU i's thread; `own` tells the
     /// VMM's other threads.
-    pub(crate) fn report(&self, vcpu_tids: &[u32], own: &dyn Fn(u32) -> bool) -> FaultReport {
+    /// `absorbed`: the guest's count of faults it absorbed over the phase.
+    pub(crate) fn report(
+        &self,
+        vcpu_tids: &[u32],
+        own: &dyn Fn(u32) -> bool,
+        absorbed: Option<u64>,
+    ) -> FaultReport {
         let book = self.book.lock().unwrap_or_else(|e| e.into_inner());
         let mut r = FaultReport::default();
         const BIN_US: u64 = 100_000;
@@ -243,7 +249,7 @@ impl Tracker {
                 FaultKind::Duplicate => r.duplicate += 1,
             }
             if let Some(v) = vcpu_tids.iter().position(|&t| t == rec.tid) {
-                r.blocked += 1;
+                r.vcpu_thread += 1;
                 // Spread the wait over the bins it covers.
                 let (mut at, end) = (rec.at_us, rec.at_us + rec.service_us);
                 while at < end {
@@ -259,14 +265,16 @@ impl Tracker {
             } else if own(rec.tid) {
                 r.host += 1;
             } else {
-                r.apf += 1;
-                bin.apf += 1;
+                r.async_worker += 1;
+                bin.async_worker += 1;
             }
         }
         for bin in &mut series {
             let blocked: f64 = bin.blocked_ms.iter().map(|m| m.min(100.0)).sum();
             bin.exec_ratio = 1.0 - blocked / (100.0 * vcpus as f64);
         }
+        r.apf_absorbed = absorbed.map(|a| a.min(r.async_worker));
+        r.blocked = r.vcpu_thread + r.async_worker - r.apf_absorbed.unwrap_or(0);
         r.histogram = histogram(&lat);
         r.latency_us = Latency::of(lat);
         r.series = series;
@@ -328,12 +336,15 @@ mod tests {
         // Landed already: a minor fault.
         assert_eq!(t.fault(4, 100, true), Action::Wake);
         t.zero_fault(100);
-        let r = t.report(&[100], &|tid| tid == 55);
+        let r = t.report(&[100], &|tid| tid == 55, Some(1));
         assert_eq!(
             (r.faults, r.major, r.duplicate, r.minor, r.zero),
             (5, 2, 1, 1, 1)
         );
-        assert_eq!((r.blocked, r.apf, r.host), (4, 1, 0));
+        assert_eq!((r.vcpu_thread, r.async_worker, r.host), (4, 1, 0));
+        assert_eq!((r.apf_absorbed, r.blocked), (Some(1), 4));
+        let r2 = t.report(&[100], &|_| false, Some(0));
+        assert_eq!(r2.blocked, 5, "an unabsorbed async fault halted its vCPU");
         assert_eq!(r.latency_us.count, 2);
         assert!(r.latency_us.p50 >= 2000.0, "{:?}", r.latency_us);
         assert!(r.series[0].exec_ratio < 1.0 && r.series[0].blocked_ms[0] >= 4.0);

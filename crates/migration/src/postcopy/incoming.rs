@@ -39,6 +39,7 @@ pub(crate) struct Incoming<'a> {
     plan: Vec<GpaPages>,
     planned: bool,
     verify: bool,
+    guest_apf_base: Option<u64>,
     demand: Option<Conn>,
     live: Option<Live>,
 }
@@ -73,6 +74,7 @@ impl<'a> Incoming<'a> {
             plan: Vec::new(),
             planned: false,
             verify: false,
+            guest_apf_base: None,
             demand: None,
             live: None,
         }
@@ -155,6 +157,7 @@ impl DestinationPhases for Incoming<'_> {
         }
         self.plan.extend(part.pending);
         self.verify = part.verify;
+        self.guest_apf_base = part.guest_apf_base;
         if part.last {
             self.planned = true;
             let (c, h) = self.listener.accept_hello(self.timeout)?;
@@ -380,7 +383,12 @@ impl Incoming<'_> {
                     let vcpus: Vec<u32> = self.vm.vcpu_tids();
                     let own =
                         |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
-                    let mut report = live.tracker.report(&vcpus, &own);
+                    // Every page is here: the guest's counters read true.
+                    let absorbed = self
+                        .guest_apf_base
+                        .zip(self.vm.guest_apf_count())
+                        .map(|(base, now)| now.saturating_sub(base));
+                    let mut report = live.tracker.report(&vcpus, &own, absorbed);
                     let s = live.sink.stats();
                     report.supplied_pages = s.copied + s.zero_filled;
                     report.kept_pages = s.kept;

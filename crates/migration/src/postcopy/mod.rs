@@ -112,12 +112,14 @@ pub(crate) fn switch(
         pending.chunks(PLAN_RUNS_PER_FRAME).collect()
     };
     let last = chunks.len() - 1;
+    let guest_apf_base = s.vm.guest_apf_count();
     for (i, chunk) in chunks.into_iter().enumerate() {
         let plan = PostcopyPlan {
             pending: chunk.to_vec(),
             last: i == last,
             prefetch: opts.prefetch,
             verify: opts.verify,
+            guest_apf_base,
         };
         protocol::send(&mut s.ctl()?.writer, Kind::PostcopyPlan, &plan)?;
     }

@@ -62,6 +62,10 @@ impl IncomingVm for Vm {
     fn vcpu_tids(&self) -> Vec<u32> {
         Vm::vcpu_tids(self)
     }
+
+    fn guest_apf_count(&self) -> Option<u64> {
+        super::outgoing::guest_apf_count(self)
+    }
 }
 
 /// Where a VM waits for its incoming migration.

@@ -91,6 +91,16 @@ impl MigratableVm for Vm {
     fn host_written_ranges(&self) -> Vec<GpaBytes> {
         service_ring(self)
     }
+
+    fn guest_apf_count(&self) -> Option<u64> {
+        guest_apf_count(self)
+    }
+}
+
+/// The guest's 'page not present' events, all vCPUs (its metrics page).
+pub(super) fn guest_apf_count(vm: &Vm) -> Option<u64> {
+    let m = vm.metrics().ok()?;
+    m.valid().then(|| m.cpu_totals().apf_not_present)
 }
 
 /// The codec backend the options name.

@@ -175,6 +175,9 @@ pub fn save_vcpu(vcpu: &VcpuFd, id: u32, msr_indices: &[u32]) -> Result<VcpuStat
     })
 }
 
+/// KVM's async page fault enable MSR (its paravirtual MSR range).
+pub const MSR_KVM_ASYNC_PF_EN: u32 = 0x4b56_4d02;
+
 /// Restores a vCPU (created and given its CPUID, not running).
 pub fn restore_vcpu(vcpu: &VcpuFd, s: &VcpuState) -> Result<(), PersistError> {
     let who = format!("vCPU {}", s.id);
