@@ -204,7 +204,7 @@ pub fn lab(cmd: LabCommand) -> Result<ExitCode> {
             crate::delay::run(listen, to, std::time::Duration::from_secs_f64(rtt_ms / 1e3))?;
         }
         LabCommand::UffdCost { pages } => {
-            let l = ferry_migration::Latency::of(crate::delay::uffd_fault_cost(pages.max(1))?);
+            let l = ferry_migration::Latency::of(crate::uffd_cost::fault_times(pages.max(1))?);
             println!("{}", serde_json::to_string(&l)?);
         }
         LabCommand::List => {

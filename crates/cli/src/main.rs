@@ -8,6 +8,7 @@ mod load;
 mod migrate;
 mod run;
 mod status;
+mod uffd_cost;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -21,11 +21,33 @@ fn in_host(host: &str, args: &[&str]) -> Command {
     c
 }
 
-struct Lab;
+/// The lab hosts, taken down when dropped. One test at a time holds them:
+/// the tests of this file share the same namespaces.
+struct Lab {
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
 impl Drop for Lab {
     fn drop(&mut self) {
         let _ = Command::new(ferry()).args(["lab", "down"]).output();
     }
+}
+
+/// Brings up three lab hosts, or says why it cannot and returns None.
+fn lab_up() -> Option<Lab> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let up = Command::new(ferry())
+        .args(["lab", "up", "3"])
+        .output()
+        .unwrap();
+    if !up.status.success() {
+        eprintln!(
+            "SKIP: cannot create network namespaces here: {}",
+            String::from_utf8_lossy(&up.stderr)
+        );
+        return None;
+    }
+    Some(Lab { _serial: guard })
 }
 
 /// Kills a VMM left behind by a failed assertion.
@@ -229,18 +251,7 @@ fn vms_migrate_between_namespace_hosts_with_verification() {
     if !kvm_usable() {
         return;
     }
-    let up = Command::new(ferry())
-        .args(["lab", "up", "3"])
-        .output()
-        .unwrap();
-    if !up.status.success() {
-        eprintln!(
-            "SKIP: cannot create network namespaces here: {}",
-            String::from_utf8_lossy(&up.stderr)
-        );
-        return;
-    }
-    let _lab = Lab;
+    let Some(_lab) = lab_up() else { return };
     let scenarios = [
         Scenario::precopy("idle", "1", false),
         Scenario::precopy("compute+dirty:rate=64,wss=32,pattern=random", "1", false),
@@ -266,18 +277,7 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
         eprintln!("SKIP: postcopy needs userfaultfd on memfd: {e}");
         return;
     }
-    let up = Command::new(ferry())
-        .args(["lab", "up", "3"])
-        .output()
-        .unwrap();
-    if !up.status.success() {
-        eprintln!(
-            "SKIP: cannot create network namespaces here: {}",
-            String::from_utf8_lossy(&up.stderr)
-        );
-        return;
-    }
-    let _lab = Lab;
+    let Some(_lab) = lab_up() else { return };
     const POST8: &[&str] = &["--mode", "postcopy", "--prefetch", "8"];
     const POST0: &[&str] = &["--mode", "postcopy", "--prefetch", "0"];
     const HYBRID: &[&str] = &[

@@ -80,6 +80,8 @@ pub(crate) struct Tracker {
     book: Mutex<Book>,
     /// Per page, the hash of what landed (verification only).
     hashes: Option<Vec<AtomicU64>>,
+    /// The hash of a zero page (what a zero range lands as).
+    zero_hash: u64,
 }
 
 impl Tracker {
@@ -94,6 +96,7 @@ impl Tracker {
             index,
             book: Mutex::new(Book::default()),
             hashes: hashes.map(|h| h.into_iter().map(AtomicU64::new).collect()),
+            zero_hash: crate::protocol::page_hash(&[0u8; crate::protocol::PAGE]),
         }
     }
 
@@ -168,13 +171,12 @@ impl Tracker {
         let first = self.index.page_of(run.gpa);
         let Some(first) = first else { return };
         if let Some(h) = &self.hashes {
-            let zero = crate::protocol::page_hash(&[0u8; crate::protocol::PAGE]);
             for k in 0..run.pages {
                 let v = match data {
                     Some(d) => crate::protocol::page_hash(
                         &d[k as usize * crate::protocol::PAGE..][..crate::protocol::PAGE],
                     ),
-                    None => zero,
+                    None => self.zero_hash,
                 };
                 if let Some(slot) = h.get((first + k) as usize) {
                     slot.store(v, Ordering::Relaxed);

@@ -18,7 +18,7 @@ use ferry_memory::{Event, Features, RegisterMode, UffdError, Userfaultfd};
 use super::faults::{Action, Tracker};
 use super::pages::PageIndex;
 use crate::memory::RegionView;
-use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role, RoundDone};
+use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{GpaPages, OffsetBytes, PAGE};
 use crate::receiver::Received;
 use crate::session::DestinationPhases;
@@ -46,15 +46,22 @@ pub(crate) struct Incoming<'a> {
 
 /// The running postcopy phase.
 struct Live {
+    shared: Arc<Shared>,
+    demand_sock: Stream,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// What the phase's threads (fault, demand) share with the control thread.
+struct Shared {
     uffd: Arc<Userfaultfd>,
     regions: Vec<RegionView>,
     sink: Arc<UffdSink>,
     tracker: Arc<Tracker>,
-    stop: Arc<AtomicBool>,
-    failure: Arc<Mutex<Option<MigrationError>>>,
-    demand_sock: Stream,
-    demand_pages: Arc<AtomicU64>,
-    threads: Vec<JoinHandle<()>>,
+    stop: AtomicBool,
+    /// The first failure of a phase thread (the real cause of most others).
+    failure: Mutex<Option<MigrationError>>,
+    /// Pages received on the demand connection.
+    demand_pages: AtomicU64,
 }
 
 impl<'a> Incoming<'a> {
@@ -84,9 +91,9 @@ impl<'a> Incoming<'a> {
     /// (a fault still waiting is retried as a normal one).
     fn stop(&mut self) {
         if let Some(live) = self.live.as_mut() {
-            live.stop.store(true, Ordering::Release);
-            for r in &live.regions {
-                let _ = live.uffd.unregister(r.host_start(), r.size());
+            live.shared.stop.store(true, Ordering::Release);
+            for r in &live.shared.regions {
+                let _ = live.shared.uffd.unregister(r.host_start(), r.size());
             }
             let _ = live.demand_sock.shutdown(std::net::Shutdown::Both);
             for t in live.threads.drain(..) {
@@ -96,15 +103,13 @@ impl<'a> Incoming<'a> {
     }
 
     fn failure(&self) -> Option<MigrationError> {
-        self.live
-            .as_ref()
-            .and_then(|l| l.failure.lock().unwrap_or_else(|e| e.into_inner()).take())
+        self.live.as_ref().and_then(|l| l.shared.take_failure())
     }
 
     /// Waits until every pending page has landed.
     fn wait_landed(&self, live: &Live) -> Result<(), MigrationError> {
         let deadline = Instant::now() + self.timeout;
-        while live.tracker.missing() > 0 {
+        while live.shared.tracker.missing() > 0 {
             if let Some(e) = self.failure() {
                 return Err(e);
             }
@@ -118,11 +123,16 @@ impl<'a> Incoming<'a> {
 
     fn lost(&self, e: MigrationError) -> MigrationError {
         let Some(live) = &self.live else { return e };
-        let missing = live.tracker.missing();
+        let missing = live.shared.tracker.missing();
         if missing == 0 {
             return e;
         }
-        let first = live.tracker.missing_runs().first().map_or(0, |r| r.gpa);
+        let first = live
+            .shared
+            .tracker
+            .missing_runs()
+            .first()
+            .map_or(0, |r| r.gpa);
         MigrationError::PagesLost {
             reason: e.to_string(),
             missing,
@@ -241,53 +251,43 @@ impl DestinationPhases for Incoming<'_> {
         let demand = self.demand.take().ok_or(ProtocolError::Closed)?;
         let demand_sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
         let _ = demand_sock.set_read_timeout(None);
-        let Conn { reader, writer } = demand;
-        let stop = Arc::new(AtomicBool::new(false));
-        let failure = Arc::new(Mutex::new(None));
-        let demand_pages = Arc::new(AtomicU64::new(0));
-        let fault_thread = {
-            let ctx = FaultCtx {
-                uffd: uffd.clone(),
-                regions: regions.clone(),
-                sink: sink.clone(),
-                tracker: tracker.clone(),
-                stop: stop.clone(),
-                failure: failure.clone(),
-            };
-            std::thread::Builder::new()
-                .name("postcopy-faults".into())
-                .spawn(move || ctx.run(writer))
-                .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))?
-        };
-        let demand_thread = {
-            let (regions, sink, stop, failure, n) = (
-                regions.clone(),
-                sink.clone(),
-                stop.clone(),
-                failure.clone(),
-                demand_pages.clone(),
-            );
-            std::thread::Builder::new()
-                .name("postcopy-demand".into())
-                .spawn(move || {
-                    if let Err(e) = land_demand(reader, &regions, sink.as_ref(), &n) {
-                        if !stop.load(Ordering::Acquire) {
-                            let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
-                            f.get_or_insert(e);
-                        }
-                    }
-                })
-                .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))?
-        };
-        self.live = Some(Live {
+        let Conn { reader, mut writer } = demand;
+        let shared = Arc::new(Shared {
             uffd,
             regions,
             sink,
             tracker,
-            stop,
-            failure,
+            stop: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            demand_pages: AtomicU64::new(0),
+        });
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))
+        };
+        let sh = shared.clone();
+        let fault_thread = spawn(
+            "postcopy-faults",
+            Box::new(move || {
+                if let Err(e) = sh.serve_faults(&mut writer) {
+                    sh.fail(e);
+                }
+            }),
+        )?;
+        let sh = shared.clone();
+        let demand_thread = spawn(
+            "postcopy-demand",
+            Box::new(move || {
+                if let Err(e) = sh.land_demand(reader) {
+                    sh.fail(e);
+                }
+            }),
+        )?;
+        self.live = Some(Live {
+            shared,
             demand_sock,
-            demand_pages,
             threads: vec![fault_thread, demand_thread],
         });
         Ok(())
@@ -314,7 +314,7 @@ impl Incoming<'_> {
     /// a source that sends nothing for the session timeout is gone.
     fn wait_for_source(&self, ctl: &Conn) -> Result<(), MigrationError> {
         let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
-        let (mut missing, mut since) = (live.tracker.missing(), Instant::now());
+        let (mut missing, mut since) = (live.shared.tracker.missing(), Instant::now());
         loop {
             if !ctl.reader.buffer().is_empty() || readable(ctl.stream(), Duration::from_millis(100))
             {
@@ -323,7 +323,7 @@ impl Incoming<'_> {
             if let Some(e) = self.failure() {
                 return Err(e);
             }
-            let now = live.tracker.missing();
+            let now = live.shared.tracker.missing();
             if now != missing {
                 (missing, since) = (now, Instant::now());
             } else if since.elapsed() >= self.timeout {
@@ -351,14 +351,7 @@ impl Incoming<'_> {
             let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
             match f.kind {
                 Kind::RoundDone => {
-                    let rd: RoundDone = protocol::decode(&f, Kind::RoundDone)?;
-                    if rd.frames.len() != rx.streams() {
-                        return Err(ProtocolError::Malformed {
-                            kind: Kind::RoundDone,
-                            reason: "wrong stream count".into(),
-                        }
-                        .into());
-                    }
+                    let rd = crate::session::destination::round_done(&f, rx)?;
                     rx.barrier(&rd.frames, self.timeout)?;
                     self.wait_landed(live)?;
                     tracing::info!(
@@ -368,12 +361,12 @@ impl Incoming<'_> {
                     ctl.send(Kind::RoundAck, &rd.round)?;
                 }
                 Kind::Verify => {
-                    let mine = live.tracker.hashes().unwrap_or_default();
+                    let mine = live.shared.tracker.hashes().unwrap_or_default();
                     stats.verified_pages =
-                        super::super::session::compare_hashes(&live.regions, &mine, &f.body)?;
+                        crate::session::compare_hashes(&live.shared.regions, &mine, &f.body)?;
                 }
                 Kind::Complete => {
-                    if live.tracker.missing() > 0 {
+                    if live.shared.tracker.missing() > 0 {
                         return Err(ProtocolError::Unexpected {
                             got: Kind::Complete,
                             want: "every pending page first",
@@ -388,11 +381,11 @@ impl Incoming<'_> {
                         .guest_apf_base
                         .zip(self.vm.guest_apf_count())
                         .map(|(base, now)| now.saturating_sub(base));
-                    let mut report = live.tracker.report(&vcpus, &own, absorbed);
-                    let s = live.sink.stats();
+                    let mut report = live.shared.tracker.report(&vcpus, &own, absorbed);
+                    let s = live.shared.sink.stats();
                     report.supplied_pages = s.copied + s.zero_filled;
                     report.kept_pages = s.kept;
-                    report.demand_pages = live.demand_pages.load(Ordering::Relaxed);
+                    report.demand_pages = live.shared.demand_pages.load(Ordering::Relaxed);
                     ctl.send(Kind::Finished, &report)?;
                     tracing::info!(
                         faults = report.faults,
@@ -463,54 +456,60 @@ fn present_ranges(regions: &[RegionView], pending: &[GpaPages]) -> Vec<Vec<Offse
         .collect()
 }
 
-/// Lands the source's answers until the connection closes.
-fn land_demand(
-    mut r: std::io::BufReader<Stream>,
-    regions: &[RegionView],
-    sink: &UffdSink,
-    count: &AtomicU64,
-) -> Result<(), MigrationError> {
-    let (mut scratch, mut data) = (Vec::new(), Vec::new());
-    loop {
-        let h = match protocol::read_header(&mut r) {
-            Err(ProtocolError::Closed) => return Ok(()),
-            Err(e) => return Err(e.into()),
-            Ok(h) => h,
-        };
-        if h.kind != Kind::Pages {
-            return Err(ProtocolError::Unexpected {
-                got: h.kind,
-                want: "Pages on the demand connection",
-            }
-            .into());
+impl Shared {
+    /// Records a phase thread's failure (the first one wins), unless the
+    /// phase is being stopped anyway.
+    fn fail(&self, e: MigrationError) {
+        if self.stop.load(Ordering::Acquire) {
+            return;
         }
-        let n = crate::pagein::read_pages(&mut r, &h, regions, sink, &mut scratch, &mut data)?;
-        count.fetch_add(n, Ordering::Relaxed);
-    }
-}
-
-/// What the fault thread works with.
-struct FaultCtx {
-    uffd: Arc<Userfaultfd>,
-    regions: Vec<RegionView>,
-    sink: Arc<UffdSink>,
-    tracker: Arc<Tracker>,
-    stop: Arc<AtomicBool>,
-    failure: Arc<Mutex<Option<MigrationError>>>,
-}
-
-impl FaultCtx {
-    fn run(self, mut requests: std::io::BufWriter<Stream>) {
-        if let Err(e) = self.serve(&mut requests) {
-            if !self.stop.load(Ordering::Acquire) {
-                tracing::warn!(error = %e, "postcopy fault thread failed");
-                let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-                f.get_or_insert(e);
-            }
-        }
+        tracing::warn!(error = %e, "a postcopy thread failed");
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(e);
     }
 
-    fn serve(&self, requests: &mut std::io::BufWriter<Stream>) -> Result<(), MigrationError> {
+    fn take_failure(&self) -> Option<MigrationError> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
+    /// Lands the source's answers until the connection closes.
+    fn land_demand(&self, mut r: std::io::BufReader<Stream>) -> Result<(), MigrationError> {
+        let (mut scratch, mut data) = (Vec::new(), Vec::new());
+        loop {
+            let h = match protocol::read_header(&mut r) {
+                Err(ProtocolError::Closed) => return Ok(()),
+                Err(e) => return Err(e.into()),
+                Ok(h) => h,
+            };
+            if h.kind != Kind::Pages {
+                return Err(ProtocolError::Unexpected {
+                    got: h.kind,
+                    want: "Pages on the demand connection",
+                }
+                .into());
+            }
+            let n = crate::pagein::read_pages(
+                &mut r,
+                &h,
+                &self.regions,
+                self.sink.as_ref(),
+                &mut scratch,
+                &mut data,
+            )?;
+            self.demand_pages.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The fault thread: turns faults into requests, zero fills and wakes.
+    fn serve_faults(
+        &self,
+        requests: &mut std::io::BufWriter<Stream>,
+    ) -> Result<(), MigrationError> {
         let mut events = Vec::new();
         let mut ask: Vec<u64> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {

@@ -131,26 +131,46 @@ impl Outgoing {
             .store((n + self.prefetch + 1).min(span.end), Ordering::Release);
     }
 
-    /// Writes pages `pages` (numbers) as one Pages frame.
-    fn write_pages(
+    /// Reads pages `pages` (numbers) into `data`, their addresses into
+    /// `addrs`; with `zeros`, a page that reads as zero goes there as a run
+    /// instead (each page is read once). Returns the pages in `data`.
+    fn gather(
         &self,
-        w: &mut impl Write,
         pages: &[u64],
+        addrs: &mut Vec<u8>,
         data: &mut Vec<u8>,
-    ) -> Result<(), ProtocolError> {
-        let mut addrs = Vec::with_capacity(pages.len() * 8);
+        mut zeros: Option<&mut Vec<GpaPages>>,
+    ) -> usize {
+        addrs.clear();
         data.clear();
         for &n in pages {
             let gpa = self.index.gpa_of(n);
-            addrs.extend_from_slice(&gpa.to_le_bytes());
             let at = data.len();
             data.resize(at + PAGE, 0);
             let ok =
                 region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut data[at..]));
             debug_assert!(ok, "page numbers map into guest RAM");
+            if let Some(z) = zeros.as_deref_mut() {
+                if is_zero(&data[at..]) {
+                    data.truncate(at);
+                    crate::ranges::push_page(z, gpa);
+                    continue;
+                }
+            }
+            addrs.extend_from_slice(&gpa.to_le_bytes());
         }
-        let count = (pages.len() as u32).to_le_bytes();
-        protocol::write_frame_parts(w, Kind::Pages, &[&count[..], &addrs[..], &data[..]])?;
+        addrs.len() / 8
+    }
+
+    /// Writes gathered pages as one Pages frame.
+    fn write_pages(
+        &self,
+        w: &mut impl Write,
+        addrs: &[u8],
+        data: &[u8],
+    ) -> Result<(), ProtocolError> {
+        let count = ((addrs.len() / 8) as u32).to_le_bytes();
+        protocol::write_frame_parts(w, Kind::Pages, &[&count[..], addrs, data])?;
         self.bytes.fetch_add(
             (protocol::HEADER + 4 + addrs.len() + data.len()) as u64,
             Ordering::Relaxed,
@@ -163,28 +183,18 @@ impl Outgoing {
     pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
         lower_priority();
         let cpu0 = crate::stats::thread_cpu_secs();
-        let (mut batch, mut data, mut page) = (Vec::new(), Vec::new(), vec![0u8; PAGE]);
-        let (mut with_data, mut zeros) = (Vec::new(), Vec::new());
+        let (mut batch, mut addrs, mut data, mut zeros) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut frames = 0u64;
         loop {
             self.next_batch(&mut batch);
             if batch.is_empty() {
                 break;
             }
-            with_data.clear();
             zeros.clear();
-            for &n in &batch {
-                let gpa = self.index.gpa_of(n);
-                let read =
-                    region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut page));
-                if read && is_zero(&page) {
-                    crate::ranges::push_page(&mut zeros, gpa);
-                } else {
-                    with_data.push(n);
-                }
-            }
-            if !with_data.is_empty() {
-                self.write_pages(&mut conn.writer, &with_data, &mut data)?;
+            let with_data = self.gather(&batch, &mut addrs, &mut data, Some(&mut zeros));
+            if with_data > 0 {
+                self.write_pages(&mut conn.writer, &addrs, &data)?;
                 frames += 1;
             }
             if !zeros.is_empty() {
@@ -193,7 +203,7 @@ impl Outgoing {
                 frames += 1;
             }
             self.pushed_pages
-                .fetch_add(with_data.len() as u64, Ordering::Relaxed);
+                .fetch_add(with_data as u64, Ordering::Relaxed);
             self.pushed_zero_pages
                 .fetch_add(crate::ranges::total_pages(&zeros), Ordering::Relaxed);
             self.pacer
@@ -209,7 +219,7 @@ impl Outgoing {
     /// is done or the destination closes it.
     pub(crate) fn serve_demand(&self, conn: &mut Conn) -> Result<(), MigrationError> {
         let cpu0 = crate::stats::thread_cpu_secs();
-        let (mut window, mut data) = (Vec::new(), Vec::new());
+        let (mut window, mut addrs, mut data) = (Vec::new(), Vec::new(), Vec::new());
         let result = loop {
             let f = match protocol::read_frame(&mut conn.reader) {
                 Ok(f) => f,
@@ -226,7 +236,8 @@ impl Outgoing {
                 window.clear();
                 self.window(n, &mut window);
                 for part in window.chunks(MAX_BATCH) {
-                    self.write_pages(&mut conn.writer, part, &mut data)?;
+                    self.gather(part, &mut addrs, &mut data, None);
+                    self.write_pages(&mut conn.writer, &addrs, &data)?;
                 }
                 self.requests.fetch_add(1, Ordering::Relaxed);
                 self.demand_pages

@@ -192,14 +192,7 @@ impl<'a> DestSession<'a> {
             let f = protocol::read_frame(&mut self.ctl.reader)?;
             match f.kind {
                 Kind::RoundDone => {
-                    let rd: RoundDone = protocol::decode(&f, Kind::RoundDone)?;
-                    if rd.frames.len() != rx.streams() {
-                        return Err(ProtocolError::Malformed {
-                            kind: Kind::RoundDone,
-                            reason: "wrong stream count".into(),
-                        }
-                        .into());
-                    }
+                    let rd = round_done(&f, rx)?;
                     // Every bulk stream has applied its share of the round.
                     rx.barrier(&rd.frames, self.timeout)?;
                     stats.rounds = rd.round + 1;
@@ -259,6 +252,19 @@ impl<'a> DestSession<'a> {
         }
         result
     }
+}
+
+/// Decodes a RoundDone and checks that it counts frames for every bulk stream.
+pub(crate) fn round_done(f: &Frame, rx: &Received) -> Result<RoundDone, MigrationError> {
+    let rd: RoundDone = protocol::decode(f, Kind::RoundDone)?;
+    if rd.frames.len() != rx.streams() {
+        return Err(ProtocolError::Malformed {
+            kind: Kind::RoundDone,
+            reason: "wrong stream count".into(),
+        }
+        .into());
+    }
+    Ok(rd)
 }
 
 /// Compares the source's per-page hashes with this side's memory; returns

@@ -64,7 +64,7 @@ impl IncomingVm for Vm {
     }
 
     fn guest_apf_count(&self) -> Option<u64> {
-        super::outgoing::guest_apf_count(self)
+        super::guest_apf_count(self)
     }
 }
 

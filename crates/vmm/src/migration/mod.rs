@@ -32,3 +32,10 @@ fn data_ranges(vm: &Vm, index: usize) -> Vec<OffsetBytes> {
             .collect()
     })
 }
+
+/// The guest's 'page not present' events, all vCPUs (its metrics page):
+/// both sides of a postcopy read it.
+fn guest_apf_count(vm: &Vm) -> Option<u64> {
+    let m = vm.metrics().ok()?;
+    m.valid().then(|| m.cpu_totals().apf_not_present)
+}

@@ -93,14 +93,8 @@ impl MigratableVm for Vm {
     }
 
     fn guest_apf_count(&self) -> Option<u64> {
-        guest_apf_count(self)
+        super::guest_apf_count(self)
     }
-}
-
-/// The guest's 'page not present' events, all vCPUs (its metrics page).
-pub(super) fn guest_apf_count(vm: &Vm) -> Option<u64> {
-    let m = vm.metrics().ok()?;
-    m.valid().then(|| m.cpu_totals().apf_not_present)
 }
 
 /// The codec backend the options name.
