@@ -22,9 +22,18 @@ pub struct MigrateArgs {
     /// The source VM's control socket.
     socket: PathBuf,
     /// Destination: tcp:HOST:PORT, or unix:PATH on this host (a `ferry run
-    /// --incoming` there).
+    /// --incoming` there). With --resume: where the destination is now, if
+    /// it moved.
+    #[arg(long, required_unless_present = "resume")]
+    to: Option<Endpoint>,
+    /// Continue this VM's postcopy migration that paused on a broken link
+    /// (the destination must still wait for it: its --reconnect-timeout).
     #[arg(long)]
-    to: Endpoint,
+    resume: bool,
+    /// Postcopy: how long to keep reconnecting after the link broke before
+    /// reporting "postcopy paused" (then --resume continues it).
+    #[arg(long, value_parser = crate::format::parse_duration, default_value = "30s")]
+    reconnect_timeout: Duration,
     /// Migration mode: precopy, postcopy (run at the destination at once,
     /// memory follows on demand) or hybrid (precopy, then postcopy if it
     /// has not converged after --postcopy-after).
@@ -93,6 +102,7 @@ impl MigrateArgs {
             mode: self.mode,
             prefetch: self.prefetch,
             postcopy_after: self.postcopy_after,
+            reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
             streams: self.streams.unwrap_or(base.streams),
             downtime_ms: self.downtime_ms,
             max_rounds: self.max_rounds,
@@ -142,10 +152,17 @@ fn parse_rate(s: &str) -> Result<u64, String> {
 pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     let options = args.options()?;
     let mut c = ControlClient::connect(&args.socket)?;
-    let req = Request::Migrate(MigrateRequest {
-        to: args.to.clone(),
-        options,
-    });
+    let req = match &args.to {
+        _ if args.resume => Request::MigrateResume {
+            to: args.to.clone(),
+            reconnect_timeout_ms: Some(options.reconnect_timeout_ms),
+        },
+        Some(to) => Request::Migrate(MigrateRequest {
+            to: to.clone(),
+            options,
+        }),
+        None => anyhow::bail!("--to is needed (where to migrate)"),
+    };
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
@@ -182,12 +199,16 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&stats)?);
     } else {
-        print_table(&args.to, &stats);
+        let to = args
+            .to
+            .as_ref()
+            .map_or("the destination".into(), |t| t.to_string());
+        print_table(&to, &stats);
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_table(to: &Endpoint, s: &MigrationStats) {
+fn print_table(to: &str, s: &MigrationStats) {
     println!(
         "── ferry migrate: {} to {to} ─────────────────────────────────",
         s.mode
@@ -279,6 +300,12 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
         "postcopy     switched at {:.3} s; {} pages pending, all there {:.3} s after the start",
         p.switch_at_s, p.pending_pages, p.secs
     );
+    if p.pauses > 0 {
+        println!(
+            "  paused     {} time(s) on a broken link, {:.3} s in all; resumed with no page lost",
+            p.pauses, p.paused_s
+        );
+    }
     println!(
         "  sent       pushed {} pages + {} zero; {} requests answered with {} pages ({} prefetched)",
         p.pushed_pages, p.pushed_zero_pages, p.requests, p.demand_pages, p.prefetched_pages

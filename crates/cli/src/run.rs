@@ -57,6 +57,11 @@ pub struct RunArgs {
     /// workload gets 127.0.0.1 with any port when this is not given.
     #[arg(long)]
     serve: Option<std::net::SocketAddr>,
+    /// Incoming postcopy: how long to wait for the source to come back
+    /// when the link breaks (e.g. 5m) before the VM is given up.
+    #[arg(long, value_parser = format::parse_duration,
+          default_value = "300s")]
+    reconnect_timeout: Duration,
     /// Wait for a live migration on tcp:HOST:PORT (or unix:PATH, same host)
     /// instead of booting; the VM shape (--mem, --vcpus) must match the
     /// source's.
@@ -178,7 +183,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                     incoming.endpoint()
                 );
             }
-            let got = match incoming.receive(&vm, Duration::from_secs(30)) {
+            let got = match incoming.receive_with_reconnect(
+                &vm,
+                Duration::from_secs(30),
+                args.reconnect_timeout,
+            ) {
                 Ok(got) => got,
                 Err(e @ ferry_migration::MigrationError::PagesLost { .. }) => {
                     return Err(anyhow::Error::new(e).context(

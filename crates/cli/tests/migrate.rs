@@ -523,17 +523,31 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
     let dir = std::env::temp_dir().join(format!("ferry-pckill-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
-    let wl = "dirty:rate=512,wss=256,pattern=random";
+    // 256 MiB written once (pushed at 16 MB/s after the switch: seconds),
+    // and a small working set the guest keeps faulting on.
+    let wl = "fill:content=worst,mib=256+dirty:rate=32,wss=16,pattern=random";
     let vm = ["run", "--mem", "512M", "--workload", wl, "--json"];
     let src = Reaper(Some(spawn(
         &[&vm[..], &["--control", &src_sock, "--duration", "60s"]].concat(),
     )));
     wait_status(&src_sock);
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(1500));
     let to = format!("tcp:127.0.0.1:{}", free_port());
     let dst_sock = dir.join("dst.sock").to_string_lossy().into_owned();
-    let (dst, log) =
-        spawn_incoming_logged(&[&vm[..], &["--incoming", &to, "--control", &dst_sock]].concat());
+    let (dst, log) = spawn_incoming_logged(
+        &[
+            &vm[..],
+            &[
+                "--incoming",
+                &to,
+                "--control",
+                &dst_sock,
+                "--reconnect-timeout",
+                "2s",
+            ],
+        ]
+        .concat(),
+    );
     let mut dst = Reaper(Some(dst));
     // Slow enough that the push takes seconds.
     let mut m = Reaper(Some(
@@ -564,14 +578,19 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
         }
         assert!(
             Instant::now() < deadline,
-            "the destination hangs after losing its source"
+            "the destination hangs after losing its source: {}",
+            log.lock().unwrap()
         );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(!status.success());
     let log = log.lock().unwrap().clone();
+    // It waited for the source to come back first, then said what it lost.
     assert!(
-        log.contains("pages never arrived") && log.contains("the VM started here is stopped"),
+        log.contains("postcopy paused")
+            && log.contains("did not come back")
+            && log.contains("pages never arrived")
+            && log.contains("the VM started here is stopped"),
         "{log}"
     );
     let _ = m.0.as_mut().unwrap().wait();

@@ -20,13 +20,26 @@ pub fn receive(
     listener: &Listener,
     timeout: Duration,
 ) -> Result<IncomingStats, MigrationError> {
+    let reconnect = Duration::from_millis(crate::options::defaults::INCOMING_RECONNECT_TIMEOUT_MS);
+    receive_with_reconnect(vm, listener, timeout, reconnect)
+}
+
+/// [`receive`], where a postcopy whose link broke waits `reconnect_timeout`
+/// for its source to come back before the VM is given up.
+pub fn receive_with_reconnect(
+    vm: &dyn IncomingVm,
+    listener: &Listener,
+    timeout: Duration,
+    reconnect_timeout: Duration,
+) -> Result<IncomingStats, MigrationError> {
     let mut session = DestSession::accept(listener, timeout)?;
     let direct = DirectSink::new(vm);
     // Pages land straight in memory until a postcopy switch, then through
     // userfaultfd (the plan tells; precopy never switches).
     let sink = SwitchSink::new(&direct);
     let id = session.session_id();
-    let mut phases = crate::postcopy::Incoming::new(vm, listener, id, timeout, &sink);
+    let mut phases =
+        crate::postcopy::Incoming::new(vm, listener, id, timeout, reconnect_timeout, &sink);
     let result = (|| {
         session.handshake(&vm.regions(), vm.vcpus())?;
         session.run(vm, &sink, &mut phases)

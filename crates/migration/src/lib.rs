@@ -40,10 +40,11 @@ pub mod vm;
 
 pub use compress::{Backend, BatchEncoder, Compress};
 pub use error::{MigrationError, VmOpError};
-pub use incoming::receive;
+pub use incoming::{receive, receive_with_reconnect};
 pub use memory::RegionView;
 pub use options::{BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter};
-pub use outgoing::migrate;
+pub use outgoing::{migrate, resume};
+pub use postcopy::PausedPostcopy;
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use stats::{

@@ -25,6 +25,14 @@ pub mod defaults {
     pub const MAX_PREFETCH: u32 = 512;
     /// Hybrid: precopy rounds before switching to postcopy.
     pub const POSTCOPY_AFTER_ROUNDS: u32 = 3;
+    /// Postcopy, source: how long to keep reconnecting after the link
+    /// broke before reporting "postcopy paused" and waiting for
+    /// `ferry migrate --resume` (ms).
+    pub const RECONNECT_TIMEOUT_MS: u64 = 30_000;
+    /// Postcopy, destination: how long a paused postcopy waits for its
+    /// source to come back before the VM is given up (ms): longer than the
+    /// source's own retrying, so an operator has time to resume by hand.
+    pub const INCOMING_RECONNECT_TIMEOUT_MS: u64 = 300_000;
 }
 
 /// Migration modes.
@@ -220,6 +228,8 @@ pub struct MigrateOptions {
     pub prefetch: u32,
     /// Hybrid: when to stop precopy and switch.
     pub postcopy_after: PostcopyAfter,
+    /// Postcopy: how long to keep reconnecting after a broken link (ms).
+    pub reconnect_timeout_ms: u64,
 }
 
 impl Default for MigrateOptions {
@@ -236,6 +246,7 @@ impl Default for MigrateOptions {
             compression: CompressOptions::default(),
             prefetch: defaults::PREFETCH,
             postcopy_after: PostcopyAfter::default(),
+            reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
         }
     }
 }
@@ -244,6 +255,11 @@ impl MigrateOptions {
     /// The per-step timeout.
     pub fn timeout(&self) -> std::time::Duration {
         std::time::Duration::from_millis(self.timeout_ms.max(1))
+    }
+
+    /// How long postcopy keeps reconnecting after a broken link.
+    pub fn reconnect_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.reconnect_timeout_ms)
     }
 
     /// Refuses values no migration can use, saying which and why.

@@ -30,3 +30,22 @@ pub fn migrate(
     };
     session.conclude(result)
 }
+
+/// Continues a postcopy that paused on a broken link
+/// ([`MigrationError::PostcopyPaused`]): connects to the destination again
+/// (at `to`, or where it was), which names the pages it still lacks, and
+/// serves them until it has all. Fails the same way again if the
+/// destination stays unreachable for the reconnect timeout.
+pub fn resume(
+    vm: &dyn MigratableVm,
+    paused: crate::postcopy::PausedPostcopy,
+    to: Option<Endpoint>,
+    progress: &dyn Fn(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    let to = to.unwrap_or_else(|| paused.to.clone());
+    let opts = paused.opts.clone();
+    tracing::info!(%to, "postcopy resumes");
+    let mut session = SourceSession::resuming(vm, &to, &opts, &paused);
+    let result = crate::postcopy::resume(&mut session, paused, progress);
+    session.conclude(result)
+}

@@ -38,9 +38,12 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 3;
+pub const VERSION_MAX: u16 = 4;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
+/// The first version where a postcopy survives a broken link (Resume
+/// connections, PostcopyResume).
+pub const VERSION_RESUME: u16 = 4;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -91,6 +94,9 @@ pub enum Kind {
     /// v3, destination to source: every page arrived (and verified); the
     /// source may let go. Body: the destination's fault report.
     Finished = 17,
+    /// v4, destination to source on a Resume connection: the pages still
+    /// missing after a broken link (one or more frames, the last one marked).
+    PostcopyResume = 18,
 }
 
 impl Kind {
@@ -114,6 +120,7 @@ impl Kind {
             15 => PostcopyPlan,
             16 => PageRequest,
             17 => Finished,
+            18 => PostcopyResume,
             _ => return None,
         })
     }
@@ -188,6 +195,9 @@ pub enum Role {
     Demand,
     /// Descriptor passing (same host, Unix socket).
     Fds,
+    /// v4: the control connection again, after a link broke during
+    /// postcopy (same session id).
+    Resume,
 }
 
 /// Opens a connection.
@@ -240,7 +250,18 @@ pub struct PostcopyPlan {
     pub guest_apf_base: Option<u64>,
 }
 
-/// Most runs in one PostcopyPlan frame (well under MAX_BODY).
+/// Part of the destination's answer to a Resume: pages it still lacks (the
+/// source sends exactly these again; its memory has not changed since the
+/// switch, so nothing can be stale).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PostcopyResume {
+    /// Runs of missing pages (this frame's share).
+    pub missing: Vec<GpaPages>,
+    /// True on the last frame.
+    pub last: bool,
+}
+
+/// Most runs in one PostcopyPlan or PostcopyResume frame (well under MAX_BODY).
 pub const PLAN_RUNS_PER_FRAME: usize = 1 << 20;
 
 /// A decoded frame.
@@ -466,6 +487,7 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::PostcopyPlan => "PostcopyPlan",
         Kind::PageRequest => "PageRequest",
         Kind::Finished => "Finished",
+        Kind::PostcopyResume => "PostcopyResume",
     }
 }
 

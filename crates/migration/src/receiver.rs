@@ -31,6 +31,8 @@ pub(crate) struct Received {
     pub(crate) zero_pages: AtomicU64,
     /// CPU seconds of the bulk threads.
     pub(crate) cpu: CpuMeter,
+    /// The streams' sockets, to cut them when the link broke.
+    socks: Mutex<Vec<Stream>>,
 }
 
 impl Received {
@@ -44,6 +46,21 @@ impl Received {
             pages: AtomicU64::new(0),
             zero_pages: AtomicU64::new(0),
             cpu: CpuMeter::default(),
+            socks: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Keeps a handle on a stream's socket for [`Received::cut`].
+    pub(crate) fn hold(&self, s: Stream) {
+        self.socks.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+    }
+
+    /// Shuts every held stream down: a thread blocked reading a silent
+    /// peer ends now instead of at its timeout.
+    pub(crate) fn cut(&self) {
+        self.stop();
+        for s in self.socks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
 

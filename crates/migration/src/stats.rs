@@ -91,6 +91,10 @@ pub struct PostcopyStats {
     pub secs: f64,
     /// The destination's account of its faults.
     pub faults: FaultReport,
+    /// Times the link broke and the postcopy paused, then resumed.
+    pub pauses: u32,
+    /// Seconds spent paused (link broken, reconnecting).
+    pub paused_s: f64,
 }
 
 /// Faults the destination took on missing memory, and what they cost.
@@ -258,6 +262,9 @@ pub enum Phase {
     /// Running at the destination; memory follows on demand and in the
     /// background.
     Postcopy,
+    /// Postcopy with the link broken: reconnecting (the VM runs at the
+    /// destination, its missing pages wait here).
+    PostcopyPaused,
     /// Finished.
     Done,
 }
@@ -269,6 +276,7 @@ impl std::fmt::Display for Phase {
             Phase::StopAndCopy => "stop-and-copy",
             Phase::Verify => "verify",
             Phase::Postcopy => "postcopy",
+            Phase::PostcopyPaused => "postcopy paused",
             Phase::Done => "done",
         })
     }
@@ -289,6 +297,10 @@ pub struct IncomingStats {
     pub restore_ms: f64,
     /// Faults taken after a postcopy switch.
     pub postcopy: Option<FaultReport>,
+    /// Times a postcopy paused on a broken link and resumed.
+    pub postcopy_pauses: u32,
+    /// Seconds it spent paused (vCPUs touching a missing page waited).
+    pub postcopy_paused_s: f64,
 }
 
 /// Live progress for a bar.

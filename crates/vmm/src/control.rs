@@ -43,6 +43,18 @@ pub enum Request {
     Quit,
     /// Live-migrate the VM; progress lines precede the final reply.
     Migrate(MigrateRequest),
+    /// Continue a postcopy migration that paused on a broken link (to the
+    /// same destination, or where it is reachable now).
+    #[serde(rename = "migrate-resume")]
+    MigrateResume {
+        /// The destination's address now, if it changed.
+        #[serde(default)]
+        to: Option<ferry_migration::Endpoint>,
+        /// How long to keep reconnecting if the link breaks again (ms);
+        /// the paused migration's own setting when absent.
+        #[serde(default)]
+        reconnect_timeout_ms: Option<u64>,
+    },
     /// Write the guest's non-zero pages, in guest address order, to a file.
     Dump {
         /// Where (a path on the VMM's host).
@@ -286,6 +298,9 @@ pub struct VmControl {
     /// What to do once the reply is out: stop the VM (quit), or release it
     /// after a completed migration (Some(destination)).
     after: std::sync::Mutex<Option<Option<String>>>,
+    /// A postcopy whose link broke: the VM runs at the destination and
+    /// needs pages only this VM holds, so it must never run here again.
+    paused: std::sync::Mutex<Option<ferry_migration::PausedPostcopy>>,
 }
 
 impl VmControl {
@@ -294,6 +309,7 @@ impl VmControl {
         VmControl {
             vm,
             after: std::sync::Mutex::new(None),
+            paused: std::sync::Mutex::new(None),
         }
     }
 }
@@ -355,6 +371,7 @@ impl ControlHandler for VmControl {
         match req {
             Request::Status => Ok(json!({
                 "state": vm.run_state(),
+                "postcopy_paused": self.paused.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| p.reason.clone()),
                 "vcpus": vm.config().vcpus,
                 "mem_bytes": vm.config().mem_bytes,
                 "workloads": vm.config().workloads.to_string(),
@@ -366,27 +383,82 @@ impl ControlHandler for VmControl {
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),
             Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
+            Request::Resume if self.postcopy_paused() => Err(
+                "a postcopy migration of this VM is paused: the VM runs at the destination and must not run here too; continue the migration with `ferry migrate --resume`".into(),
+            ),
             Request::Resume => vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
+            Request::Migrate(_) if self.postcopy_paused() => Err(
+                "a postcopy migration of this VM is paused; continue it with `ferry migrate --resume`".into(),
+            ),
+            Request::MigrateResume {
+                to,
+                reconnect_timeout_ms,
+            } => {
+                let mut paused = self
+                    .paused
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                    .ok_or("no postcopy migration of this VM is paused")?;
+                if let Some(ms) = reconnect_timeout_ms {
+                    paused.opts.reconnect_timeout_ms = ms;
+                }
+                let dest = to.clone().unwrap_or_else(|| paused.to.clone());
+                let result = crate::migration::resume(vm, paused, to, &mut |p| {
+                    if let Ok(v) = serde_json::to_value(p) {
+                        progress(v);
+                    }
+                });
+                self.migrated(dest.to_string(), result)
+            }
             Request::Quit => {
                 *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(None);
                 Ok(json!({}))
             }
             Request::Migrate(m) => {
-                let stats = crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
+                let result = crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
                     if let Ok(v) = serde_json::to_value(p) {
                         progress(v);
                     }
-                })
-                .map_err(|e| match e {
-                    ferry_migration::MigrationError::InDoubt(_) => {
-                        format!("migration outcome unknown: {e}")
-                    }
-                    e => format!("migration failed, the VM keeps running here: {e}"),
-                })?;
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(Some(m.to.to_string()));
+                });
+                self.migrated(m.to.to_string(), result)
+            }
+        }
+    }
+}
+
+impl VmControl {
+    fn postcopy_paused(&self) -> bool {
+        self.paused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// The reply to a migration (or its resume): on success the VM is
+    /// released once the reply is out; a paused postcopy is kept for
+    /// `migrate-resume`.
+    fn migrated(
+        &self,
+        to: String,
+        result: Result<ferry_migration::MigrationStats, ferry_migration::MigrationError>,
+    ) -> Result<Value, String> {
+        use ferry_migration::MigrationError as E;
+        match result {
+            Ok(stats) => {
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(Some(to));
                 Ok(json!({ "stats": stats }))
             }
+            Err(e @ E::PostcopyPaused(_)) => {
+                let msg = e.to_string();
+                if let E::PostcopyPaused(p) = e {
+                    *self.paused.lock().unwrap_or_else(|e| e.into_inner()) = Some(*p);
+                }
+                Err(msg)
+            }
+            Err(e @ E::InDoubt(_)) => Err(format!("migration outcome unknown: {e}")),
+            Err(e @ E::PostcopyBroken { .. }) => Err(e.to_string()),
+            Err(e) => Err(format!("migration failed, the VM keeps running here: {e}")),
         }
     }
 }

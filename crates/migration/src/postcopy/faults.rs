@@ -114,6 +114,19 @@ impl Tracker {
         self.missing.runs(&self.index)
     }
 
+    /// Guest addresses of the pages faults wait for (asked for again after
+    /// a broken link: the answer may have been lost with it).
+    pub(crate) fn waiting_pages(&self) -> Vec<u64> {
+        let book = self.book.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<u64> = book
+            .outstanding
+            .keys()
+            .map(|&n| self.index.gpa_of(n))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// True if page `n` was planned (will come from the source).
     pub(crate) fn planned(&self, n: u64) -> bool {
         self.planned.contains(n)

@@ -7,6 +7,12 @@
 //! through the same sink (first copy wins). The phase ends when every
 //! pending page landed, the hashes match (with verification) and the
 //! source sent Complete; the range is then unregistered.
+//!
+//! A broken link pauses the phase instead of ending it: the VM runs on,
+//! vCPUs touching a missing page wait, and the source may connect again as
+//! the same session (`Role::Resume`) within the reconnect timeout. It is
+//! told which pages are still missing, opens new demand and bulk
+//! connections, and the faults still waiting are asked for again.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,6 +41,8 @@ pub(crate) struct Incoming<'a> {
     listener: &'a Listener,
     session: u64,
     timeout: Duration,
+    /// How long a paused phase waits for the source to come back.
+    reconnect_timeout: Duration,
     sink: &'a SwitchSink<'a>,
     plan: Vec<GpaPages>,
     planned: bool,
@@ -42,13 +50,42 @@ pub(crate) struct Incoming<'a> {
     guest_apf_base: Option<u64>,
     demand: Option<Conn>,
     live: Option<Live>,
+    /// Pauses on a broken link, and their time.
+    pauses: u32,
+    paused: Duration,
 }
 
 /// The running postcopy phase.
 struct Live {
     shared: Arc<Shared>,
-    demand_sock: Stream,
+    fault_thread: Option<JoinHandle<()>>,
+    link: Link,
+}
+
+/// One connection epoch of the phase: the demand connection's landing
+/// thread and, after a resume, the bulk streams' (the first epoch's bulk
+/// streams belong to the session).
+#[derive(Default)]
+struct Link {
+    socks: Vec<Stream>,
     threads: Vec<JoinHandle<()>>,
+    /// The resumed bulk streams' frame counts and failures.
+    rx: Option<Arc<Received>>,
+}
+
+impl Link {
+    /// Shuts the connections and waits for their threads.
+    fn cut(&mut self) {
+        if let Some(rx) = &self.rx {
+            rx.stop();
+        }
+        for s in &self.socks {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 /// What the phase's threads (fault, demand) share with the control thread.
@@ -62,6 +99,8 @@ struct Shared {
     failure: Mutex<Option<MigrationError>>,
     /// Pages received on the demand connection.
     demand_pages: AtomicU64,
+    /// Where page requests go: the demand connection, none while paused.
+    requests: Mutex<Option<std::io::BufWriter<Stream>>>,
 }
 
 impl<'a> Incoming<'a> {
@@ -70,6 +109,7 @@ impl<'a> Incoming<'a> {
         listener: &'a Listener,
         session: u64,
         timeout: Duration,
+        reconnect_timeout: Duration,
         sink: &'a SwitchSink<'a>,
     ) -> Self {
         Incoming {
@@ -77,6 +117,7 @@ impl<'a> Incoming<'a> {
             listener,
             session,
             timeout,
+            reconnect_timeout,
             sink,
             plan: Vec::new(),
             planned: false,
@@ -84,6 +125,8 @@ impl<'a> Incoming<'a> {
             guest_apf_base: None,
             demand: None,
             live: None,
+            pauses: 0,
+            paused: Duration::ZERO,
         }
     }
 
@@ -95,8 +138,8 @@ impl<'a> Incoming<'a> {
             for r in &live.shared.regions {
                 let _ = live.shared.uffd.unregister(r.host_start(), r.size());
             }
-            let _ = live.demand_sock.shutdown(std::net::Shutdown::Both);
-            for t in live.threads.drain(..) {
+            live.link.cut();
+            if let Some(t) = live.fault_thread.take() {
                 let _ = t.join();
             }
         }
@@ -249,9 +292,6 @@ impl DestinationPhases for Incoming<'_> {
         );
         self.sink.switch(sink.clone());
         let demand = self.demand.take().ok_or(ProtocolError::Closed)?;
-        let demand_sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
-        let _ = demand_sock.set_read_timeout(None);
-        let Conn { reader, mut writer } = demand;
         let shared = Arc::new(Shared {
             uffd,
             regions,
@@ -260,35 +300,19 @@ impl DestinationPhases for Incoming<'_> {
             stop: AtomicBool::new(false),
             failure: Mutex::new(None),
             demand_pages: AtomicU64::new(0),
+            requests: Mutex::new(None),
         });
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(f)
-                .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))
-        };
         let sh = shared.clone();
-        let fault_thread = spawn(
-            "postcopy-faults",
-            Box::new(move || {
-                if let Err(e) = sh.serve_faults(&mut writer) {
-                    sh.fail(e);
-                }
-            }),
-        )?;
-        let sh = shared.clone();
-        let demand_thread = spawn(
-            "postcopy-demand",
-            Box::new(move || {
-                if let Err(e) = sh.land_demand(reader) {
-                    sh.fail(e);
-                }
-            }),
-        )?;
+        let fault_thread = spawn("postcopy-faults", move || {
+            if let Err(e) = sh.serve_faults() {
+                sh.fail(e);
+            }
+        })?;
+        let link = shared.connect(demand, Vec::new())?;
         self.live = Some(Live {
             shared,
-            demand_sock,
-            threads: vec![fault_thread, demand_thread],
+            fault_thread: Some(fault_thread),
+            link,
         });
         Ok(())
     }
@@ -303,6 +327,8 @@ impl DestinationPhases for Incoming<'_> {
             return Ok(false);
         }
         let result = self.run_phase(ctl, rx, stats);
+        stats.postcopy_pauses = self.pauses;
+        stats.postcopy_paused_s = self.paused.as_secs_f64();
         self.stop();
         result.map(|_| true).map_err(|e| self.lost(e))
     }
@@ -312,30 +338,180 @@ impl Incoming<'_> {
     /// Waits for the next control message for as long as pages keep
     /// landing (the push takes as long as memory takes to cross the link);
     /// a source that sends nothing for the session timeout is gone.
-    fn wait_for_source(&self, ctl: &Conn) -> Result<(), MigrationError> {
+    fn wait_for_source(&self, ctl: &Conn, rx: &Received) -> Result<(), MigrationError> {
         let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
+        let rx = live.link.rx.as_deref().unwrap_or(rx);
         let (mut missing, mut since) = (live.shared.tracker.missing(), Instant::now());
         loop {
             if !ctl.reader.buffer().is_empty() || readable(ctl.stream(), Duration::from_millis(100))
             {
                 return Ok(());
             }
-            if let Some(e) = self.failure() {
+            if let Some(e) = self.failure().or_else(|| rx.take_failure()) {
                 return Err(e);
             }
             let now = live.shared.tracker.missing();
             if now != missing {
                 (missing, since) = (now, Instant::now());
             } else if since.elapsed() >= self.timeout {
-                return Err(MigrationError::Unsupported(format!(
-                    "the source sent nothing for {:.0} s",
-                    self.timeout.as_secs_f64()
-                )));
+                // A silent link counts as a broken one.
+                return Err(ProtocolError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the source sent nothing for {:.0} s",
+                        self.timeout.as_secs_f64()
+                    ),
+                ))
+                .into());
             }
         }
     }
 
+    /// The phase: serve the source until it says Complete; on a broken
+    /// link, pause and wait for it to resume.
     fn run_phase(
+        &mut self,
+        ctl: &mut Conn,
+        rx: &Received,
+        stats: &mut IncomingStats,
+    ) -> Result<(), MigrationError> {
+        loop {
+            match self.serve(ctl, rx, stats) {
+                Err(e) if e.is_link_break() => {
+                    let t = Instant::now();
+                    let missing = self.live.as_ref().map_or(0, |l| l.shared.tracker.missing());
+                    tracing::warn!(
+                        error = %e,
+                        missing,
+                        wait_s = self.reconnect_timeout.as_secs_f64(),
+                        "postcopy paused: the link to the source broke; the VM runs on, vCPUs touching a missing page wait for the source to reconnect"
+                    );
+                    let _ = ctl.stream().shutdown(std::net::Shutdown::Both);
+                    rx.cut();
+                    if let Some(live) = self.live.as_mut() {
+                        live.shared.requests_to(None);
+                        live.link.cut();
+                        // Failures of the cut connections are this pause.
+                        let _ = live.shared.take_failure();
+                    }
+                    *ctl = self.await_resume(&e)?;
+                    self.pauses += 1;
+                    self.paused += t.elapsed();
+                    tracing::info!(paused_s = t.elapsed().as_secs_f64(), "postcopy resumed");
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Waits for this session's source to connect again (Role::Resume),
+    /// tells it the pages still missing, and takes its new demand and bulk
+    /// connections. Gives up after the reconnect timeout.
+    fn await_resume(&mut self, why: &MigrationError) -> Result<Conn, MigrationError> {
+        let deadline = Instant::now() + self.reconnect_timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(MigrationError::Unsupported(format!(
+                    "the link to the source broke ({why}) and the source did not come back within {:.0} s",
+                    self.reconnect_timeout.as_secs_f64()
+                )));
+            }
+            let (mut c, h) = match self.listener.accept_hello(left) {
+                Ok(got) => got,
+                Err(MigrationError::Listen { source, .. })
+                    if source.kind() != std::io::ErrorKind::TimedOut =>
+                {
+                    return Err(MigrationError::Listen {
+                        addr: self.listener.endpoint().to_string(),
+                        source,
+                    })
+                }
+                Err(_) => continue,
+            };
+            if h.role != Role::Resume || h.session != self.session {
+                c.abort("this destination runs a migrated VM and waits only for its own source to resume");
+                continue;
+            }
+            match self.resume_with(&mut c, &h) {
+                Ok(()) => return Ok(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a resume attempt failed; waiting for another");
+                    if !e.is_link_break() {
+                        c.abort(&e.to_string());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The resume handshake on `c`: version, the missing pages, the new
+    /// connections; then the waiting faults are asked for again.
+    fn resume_with(&mut self, c: &mut Conn, h: &protocol::Hello) -> Result<(), MigrationError> {
+        let version = protocol::negotiate(h)?;
+        if version < protocol::VERSION_RESUME {
+            return Err(MigrationError::Unsupported(format!(
+                "resuming needs protocol v{}, the source speaks v{version}",
+                protocol::VERSION_RESUME
+            )));
+        }
+        c.send(Kind::HelloAck, &version)?;
+        let live = self.live.as_mut().ok_or(ProtocolError::Closed)?;
+        let missing = live.shared.tracker.missing_runs();
+        let chunks: Vec<&[GpaPages]> = if missing.is_empty() {
+            vec![&[]]
+        } else {
+            missing.chunks(protocol::PLAN_RUNS_PER_FRAME).collect()
+        };
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let part = protocol::PostcopyResume {
+                missing: chunk.to_vec(),
+                last: i == last,
+            };
+            protocol::send(&mut c.writer, Kind::PostcopyResume, &part)?;
+        }
+        c.flush()?;
+        let streams = h.streams.clamp(1, 64) as usize;
+        let mut demand = None;
+        let mut bulk: Vec<Option<Conn>> = (0..streams).map(|_| None).collect();
+        for _ in 0..=streams {
+            let (conn, hh) = self.listener.accept_hello(self.timeout)?;
+            let slot = match hh.role {
+                _ if hh.session != self.session => None,
+                Role::Demand if demand.is_none() => Some(&mut demand),
+                Role::Bulk(i) if (i as usize) < streams && bulk[i as usize].is_none() => {
+                    Some(&mut bulk[i as usize])
+                }
+                _ => None,
+            };
+            let Some(slot) = slot else {
+                return Err(ProtocolError::Unexpected {
+                    got: Kind::Hello,
+                    want: "the resumed session's demand and bulk connections",
+                }
+                .into());
+            };
+            *slot = Some(conn);
+        }
+        let demand = demand.ok_or(ProtocolError::Closed)?;
+        let bulk = bulk
+            .into_iter()
+            .map(|c| c.ok_or(ProtocolError::Closed))
+            .collect::<Result<Vec<_>, _>>()?;
+        live.link = live.shared.connect(demand, bulk)?;
+        let again = live.shared.tracker.waiting_pages();
+        tracing::info!(
+            missing = live.shared.tracker.missing(),
+            asked_again = again.len(),
+            "postcopy resuming"
+        );
+        live.shared.request(&again);
+        Ok(())
+    }
+
+    /// One connection epoch of the phase, until Complete or a failure.
+    fn serve(
         &mut self,
         ctl: &mut Conn,
         rx: &Received,
@@ -343,7 +519,7 @@ impl Incoming<'_> {
     ) -> Result<(), MigrationError> {
         let t0 = Instant::now();
         loop {
-            self.wait_for_source(ctl)?;
+            self.wait_for_source(ctl, rx)?;
             let f = match protocol::read_frame(&mut ctl.reader) {
                 Ok(f) => f,
                 Err(e) => return Err(self.failure().unwrap_or(e.into())),
@@ -351,6 +527,7 @@ impl Incoming<'_> {
             let live = self.live.as_ref().ok_or(ProtocolError::Closed)?;
             match f.kind {
                 Kind::RoundDone => {
+                    let rx = live.link.rx.as_deref().unwrap_or(rx);
                     let rd = crate::session::destination::round_done(&f, rx)?;
                     rx.barrier(&rd.frames, self.timeout)?;
                     self.wait_landed(live)?;
@@ -477,6 +654,63 @@ impl Shared {
             .take()
     }
 
+    /// Sends page requests on the current demand connection from now on
+    /// (none: paused, requests wait in the tracker).
+    fn requests_to(&self, w: Option<std::io::BufWriter<Stream>>) {
+        *self.requests.lock().unwrap_or_else(|e| e.into_inner()) = w;
+    }
+
+    /// Asks the source for pages; a failed send drops the connection (the
+    /// control thread pauses the phase) and the faults stay waiting.
+    fn request(&self, gpas: &[u64]) {
+        if gpas.is_empty() {
+            return;
+        }
+        let mut w = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(writer) = w.as_mut() else { return };
+        let sent = protocol::send(writer, Kind::PageRequest, &gpas)
+            .and_then(|_| std::io::Write::flush(writer).map_err(ProtocolError::Io));
+        if let Err(e) = sent {
+            *w = None;
+            drop(w);
+            self.fail(e.into());
+        }
+    }
+
+    /// Starts a connection epoch: requests go out on `demand`, its answers
+    /// and (after a resume) the `bulk` streams land on threads of their own.
+    fn connect(self: &Arc<Self>, demand: Conn, bulk: Vec<Conn>) -> Result<Link, MigrationError> {
+        let mut link = Link::default();
+        let sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
+        let _ = sock.set_read_timeout(None);
+        link.socks.push(sock);
+        let Conn { reader, writer } = demand;
+        let sh = self.clone();
+        link.threads.push(spawn("postcopy-demand", move || {
+            if let Err(e) = sh.land_demand(reader) {
+                sh.fail(e);
+            }
+        })?);
+        if !bulk.is_empty() {
+            let rx = Arc::new(Received::new(bulk.len()));
+            for (i, c) in bulk.into_iter().enumerate() {
+                link.socks
+                    .push(c.stream().try_clone().map_err(ProtocolError::Io)?);
+                let (sh, rx2) = (self.clone(), rx.clone());
+                link.threads.push(spawn("postcopy-bulk", move || {
+                    let sink: &dyn crate::sink::PageSink = sh.sink.as_ref();
+                    if let Err(e) = crate::receiver::bulk_loop(&sh.regions, sink, c.reader, i, &rx2)
+                    {
+                        rx2.fail(i, e);
+                    }
+                })?);
+            }
+            link.rx = Some(rx);
+        }
+        self.requests_to(Some(writer));
+        Ok(link)
+    }
+
     /// Lands the source's answers until the connection closes.
     fn land_demand(&self, mut r: std::io::BufReader<Stream>) -> Result<(), MigrationError> {
         let (mut scratch, mut data) = (Vec::new(), Vec::new());
@@ -506,10 +740,7 @@ impl Shared {
     }
 
     /// The fault thread: turns faults into requests, zero fills and wakes.
-    fn serve_faults(
-        &self,
-        requests: &mut std::io::BufWriter<Stream>,
-    ) -> Result<(), MigrationError> {
+    fn serve_faults(&self) -> Result<(), MigrationError> {
         let mut events = Vec::new();
         let mut ask: Vec<u64> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
@@ -552,13 +783,18 @@ impl Shared {
                     }
                 }
             }
-            if !ask.is_empty() {
-                protocol::send(requests, Kind::PageRequest, &ask)?;
-                std::io::Write::flush(requests).map_err(ProtocolError::Io)?;
-            }
+            self.request(&ask);
         }
         Ok(())
     }
+}
+
+/// Starts a named thread of the phase.
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, MigrationError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))
 }
 
 fn uffd_err(e: UffdError) -> MigrationError {

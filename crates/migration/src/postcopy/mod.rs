@@ -37,6 +37,7 @@ use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role, PLAN_RUNS_P
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
 use crate::session::SourceSession;
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
+use crate::transport::Conn;
 
 use crate::MigrationError;
 
@@ -150,18 +151,193 @@ pub(crate) fn switch(
         "postcopy: the VM runs at the destination"
     );
 
-    let t_post = Instant::now();
-    let out = source::Outgoing::new(s.regions.clone(), &pending, opts.prefetch, opts.bandwidth);
+    stats.postcopy = Some(PostcopyStats {
+        switch_at_s: secs(t_pause.duration_since(s.t_start)),
+        pending_pages,
+        ..Default::default()
+    });
+    follow(
+        s,
+        stats,
+        Epoch {
+            round,
+            t_post: Instant::now(),
+            paused_since: None,
+        },
+        Ok((pending, demand)),
+        progress,
+    )
+}
+
+/// A postcopy the link broke under, kept by the source's VMM until
+/// [`crate::resume`] continues it: the VM is paused there with all its
+/// memory (frozen since the switch, so whatever the destination still
+/// lacks can be sent at any later time and is never stale).
+#[derive(Debug)]
+pub struct PausedPostcopy {
+    pub(crate) session: u64,
+    pub(crate) version: u16,
+    /// Where the destination was.
+    pub to: crate::transport::Endpoint,
+    /// The migration's options (a resume uses them again).
+    pub opts: crate::options::MigrateOptions,
+    pub(crate) stats: MigrationStats,
+    pub(crate) epoch: Epoch,
+    pub(crate) t_start: Instant,
+    /// Why it paused.
+    pub reason: String,
+}
+
+/// Where a postcopy is, across pauses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Epoch {
+    round: u32,
+    /// The switch (postcopy time runs from here).
+    t_post: Instant,
+    /// Set while the link is broken.
+    paused_since: Option<Instant>,
+}
+
+/// Continues a paused postcopy: reconnects (within the reconnect timeout)
+/// and serves until the destination has every page.
+pub(crate) fn resume(
+    s: &mut SourceSession,
+    paused: PausedPostcopy,
+    progress: &dyn Fn(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    let mut stats = paused.stats;
+    let reason = format!("resuming after: {}", paused.reason);
+    follow(s, &mut stats, paused.epoch, Err(reason), progress)?;
+    Ok(stats)
+}
+
+/// After the switch: serves and pushes the pending pages until the
+/// destination has them all. A broken link pauses: every connection is
+/// dropped, the source reconnects as the same session, and the destination
+/// names the pages it still lacks, which go out again. `next` is the first
+/// epoch's pages and demand connection, or why the link is down.
+fn follow(
+    s: &mut SourceSession,
+    stats: &mut MigrationStats,
+    mut epoch: Epoch,
+    mut next: Result<(Vec<GpaPages>, Conn), String>,
+    progress: &dyn Fn(&Progress),
+) -> Result<(), MigrationError> {
+    let opts = s.opts;
+    loop {
+        let (pending, demand) = match next {
+            Ok(connected) => connected,
+            Err(reason) => {
+                if epoch.paused_since.is_none() {
+                    tracing::warn!(
+                        %reason,
+                        retry_s = opts.reconnect_timeout().as_secs_f64(),
+                        "postcopy paused: the link to the destination broke; every page stays here; reconnecting"
+                    );
+                }
+                let since = *epoch.paused_since.get_or_insert_with(Instant::now);
+                progress(&Progress {
+                    round: epoch.round,
+                    bytes: stats.bytes,
+                    phase: Phase::PostcopyPaused,
+                    ..Default::default()
+                });
+                s.drop_links();
+                let again = s.reconnect(opts.reconnect_timeout());
+                let post = stats.postcopy.get_or_insert_with(Default::default);
+                match again {
+                    Ok(connected) => {
+                        post.pauses += 1;
+                        post.paused_s += secs(since.elapsed());
+                        epoch.paused_since = None;
+                        tracing::info!(missing = total_pages(&connected.0), "postcopy resumed");
+                        connected
+                    }
+                    Err(e) => {
+                        s.drop_links();
+                        return Err(MigrationError::PostcopyPaused(Box::new(PausedPostcopy {
+                            session: s.id(),
+                            version: s.version,
+                            to: s.to().clone(),
+                            opts: opts.clone(),
+                            stats: stats.clone(),
+                            epoch,
+                            t_start: s.t_start,
+                            reason: format!("{reason}; reconnecting failed: {e}"),
+                        })));
+                    }
+                }
+            }
+        };
+        let out = source::Outgoing::new(s.regions.clone(), &pending, opts.prefetch, opts.bandwidth);
+        let result = serve(s, &out, demand, epoch, stats.bytes, progress);
+        let post = stats.postcopy.get_or_insert_with(Default::default);
+        post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);
+        post.pushed_zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
+        post.requests += out.requests.load(Ordering::Relaxed);
+        post.demand_pages += out.demand_pages.load(Ordering::Relaxed);
+        post.prefetched_pages += out.prefetched_pages.load(Ordering::Relaxed);
+        stats.bytes += out.bytes.load(Ordering::Relaxed);
+        stats.pages +=
+            out.pushed_pages.load(Ordering::Relaxed) + out.demand_pages.load(Ordering::Relaxed);
+        stats.zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
+        stats.source_cpu_s += out.cpu.secs();
+        match result {
+            Ok((faults, verified)) => {
+                post.faults = faults;
+                stats.verified_pages = verified;
+                post.secs = secs(epoch.t_post.elapsed());
+                stats.source_cpu_s += s.cpu_secs();
+                stats.total_secs = secs(s.t_start.elapsed());
+                progress(&Progress {
+                    round: epoch.round,
+                    bytes: stats.bytes,
+                    phase: Phase::Done,
+                    ..Default::default()
+                });
+                return Ok(());
+            }
+            Err(e) if e.is_link_break() && s.version >= protocol::VERSION_RESUME => {
+                next = Err(e.to_string());
+            }
+            Err(e) => {
+                return Err(MigrationError::PostcopyBroken {
+                    reason: e.to_string(),
+                    unsent: out.unsent(),
+                    pending: post.pending_pages,
+                })
+            }
+        }
+    }
+}
+
+/// One epoch of the phase (between the switch or a resume and the end or
+/// a broken link): the demand thread, a pusher per bulk stream, and on
+/// this thread the barrier, the hashes and Finished.
+fn serve(
+    s: &mut SourceSession,
+    out: &source::Outgoing,
+    mut demand: Conn,
+    epoch: Epoch,
+    base_bytes: u64,
+    progress: &dyn Fn(&Progress),
+) -> Result<(crate::stats::FaultReport, u64), MigrationError> {
+    let opts = s.opts;
+    let t0 = Instant::now();
     // The demand connection idles for as long as no vCPU faults; it ends
     // when this side shuts it down after Finished.
     let _ = demand.stream().set_read_timeout(None);
     let demand_sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
+    let bulk_socks = s
+        .bulk
+        .iter()
+        .map(|c| c.stream().try_clone())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(ProtocolError::Io)?;
     let vm = s.vm;
     let regions = s.regions.clone();
     let mut bulk = std::mem::take(&mut s.bulk);
-    let base_bytes = stats.bytes;
-    let faults = std::thread::scope(|sc| -> Result<_, MigrationError> {
-        let out = &out;
+    std::thread::scope(|sc| -> Result<_, MigrationError> {
         let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));
         let hasher = opts
             .verify
@@ -174,27 +350,36 @@ pub(crate) fn switch(
             while pushers.iter().any(|p| !p.is_finished()) && !demand_thread.is_finished() {
                 let sent = out.bytes.load(Ordering::Relaxed);
                 progress(&Progress {
-                    round,
+                    round: epoch.round,
                     remaining_pages: out.unsent(),
-                    throughput: sent as f64 / secs(t_post.elapsed()).max(1e-3),
+                    throughput: sent as f64 / secs(t0.elapsed()).max(1e-3),
                     bytes: base_bytes + sent,
                     phase: Phase::Postcopy,
                     ..Default::default()
                 });
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }
+            if demand_thread.is_finished() {
+                // The demand connection ended before the push did: the
+                // link broke. Pushers blocked on a silent peer end too.
+                for b in &bulk_socks {
+                    let _ = b.shutdown(std::net::Shutdown::Both);
+                }
+            }
             let mut frames = Vec::new();
             for p in pushers {
                 frames.push(p.join().map_err(|_| panicked("pusher"))??);
             }
             // Acknowledged once every pending page landed there.
-            s.barrier(round, frames)?;
+            s.barrier(epoch.round, frames)?;
+            let mut verified = 0;
             if let Some(h) = hasher {
                 let hashes = h.join().map_err(|_| panicked("hashing"))?;
-                stats.bytes += s.send_hashes(&hashes)?;
-                stats.verified_pages = hashes.len() as u64;
+                let wire = s.send_hashes(&hashes)?;
+                out.bytes.fetch_add(wire, Ordering::Relaxed);
+                verified = hashes.len() as u64;
             }
-            s.finish()
+            Ok((s.finish()?, verified))
         })();
         out.done.store(true, Ordering::Release);
         let _ = demand_sock.shutdown(std::net::Shutdown::Both);
@@ -203,38 +388,7 @@ pub(crate) fn switch(
             (Err(_), Err(e)) => Err(e),
             (r, _) => r,
         }
-    });
-    let faults = faults.map_err(|e| MigrationError::PostcopyBroken {
-        reason: e.to_string(),
-        unsent: out.unsent(),
-        pending: pending_pages,
-    })?;
-    stats.bytes += out.bytes.load(Ordering::Relaxed);
-    stats.pages +=
-        out.pushed_pages.load(Ordering::Relaxed) + out.demand_pages.load(Ordering::Relaxed);
-    stats.zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
-    stats.source_cpu_s = s.cpu_secs() + out.cpu.secs();
-    stats.total_secs = secs(s.t_start.elapsed());
-    stats.postcopy = Some(PostcopyStats {
-        switch_at_s: secs(t_pause.duration_since(s.t_start)),
-        pending_pages,
-        pushed_pages: out.pushed_pages.load(Ordering::Relaxed),
-        pushed_zero_pages: out.pushed_zero_pages.load(Ordering::Relaxed),
-        requests: out.requests.load(Ordering::Relaxed),
-        demand_pages: out.demand_pages.load(Ordering::Relaxed),
-        prefetched_pages: out.prefetched_pages.load(Ordering::Relaxed),
-        secs: secs(t_post.elapsed()),
-        faults,
-    });
-    progress(&Progress {
-        round,
-        remaining_pages: 0,
-        throughput: 0.0,
-        bytes: stats.bytes,
-        phase: Phase::Done,
-        ..Default::default()
-    });
-    Ok(())
+    })
 }
 
 fn panicked(what: &str) -> MigrationError {

@@ -157,6 +157,9 @@ impl<'a> DestSession<'a> {
         let mut stats = IncomingStats::default();
         std::thread::scope(|s| -> Result<(), MigrationError> {
             for (i, c) in bulk.into_iter().enumerate() {
+                if let Ok(sock) = c.stream().try_clone() {
+                    rx.hold(sock);
+                }
                 let (rx, regions) = (&rx, &regions);
                 s.spawn(move || {
                     if let Err(e) = crate::receiver::bulk_loop(regions, sink, c.reader, i, rx) {

@@ -71,6 +71,94 @@ impl<'a> SourceSession<'a> {
         }
     }
 
+    /// A session that continues the paused postcopy `p` (the VM paused
+    /// here and running there; nothing is connected yet).
+    pub(crate) fn resuming(
+        vm: &'a dyn MigratableVm,
+        to: &'a Endpoint,
+        opts: &'a MigrateOptions,
+        p: &crate::postcopy::PausedPostcopy,
+    ) -> Self {
+        let mut s = SourceSession::new(vm, to, opts);
+        s.id = p.session;
+        s.version = p.version;
+        s.t_start = p.t_start;
+        s.paused = true;
+        s.switched = true;
+        s
+    }
+
+    /// The session id (every connection of the session carries it).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The destination.
+    pub(crate) fn to(&self) -> &Endpoint {
+        self.to
+    }
+
+    /// Closes every connection (a broken link: the threads blocked on them
+    /// end, and the peer sees them go).
+    pub(crate) fn drop_links(&mut self) {
+        for c in self.ctl.iter().chain(self.bulk.iter()) {
+            let _ = c.stream().shutdown(std::net::Shutdown::Both);
+        }
+        self.ctl = None;
+        self.bulk.clear();
+    }
+
+    /// After a broken link in postcopy: connects again as this session
+    /// (retrying until `within` ran out) and returns the pages the
+    /// destination still lacks, with the new demand connection; the bulk
+    /// streams are open again. A destination that refuses (it gave up, or
+    /// has no such session) ends the attempt at once.
+    pub(crate) fn reconnect(
+        &mut self,
+        within: Duration,
+    ) -> Result<(Vec<crate::ranges::GpaPages>, Conn), MigrationError> {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.reconnect_once() {
+                Ok(r) => return Ok(r),
+                Err(e) if e.is_peer_abort() || !e.is_link_break() => return Err(e),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(e) => {
+                    tracing::debug!(error = %e, "reconnect failed; retrying");
+                    self.drop_links();
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+            }
+        }
+    }
+
+    fn reconnect_once(&mut self) -> Result<(Vec<crate::ranges::GpaPages>, Conn), MigrationError> {
+        let hello = self.hello(Role::Resume);
+        let ctl = self
+            .ctl
+            .insert(Conn::open(self.to, self.opts.timeout(), &hello)?);
+        ctl.flush()?;
+        let version: u16 = ctl.recv(Kind::HelloAck)?;
+        if version < protocol::VERSION_RESUME {
+            return Err(MigrationError::Unsupported(format!(
+                "the destination resumed with protocol v{version}; resuming needs v{}",
+                protocol::VERSION_RESUME
+            )));
+        }
+        let mut missing = Vec::new();
+        loop {
+            let part: protocol::PostcopyResume = ctl.recv(Kind::PostcopyResume)?;
+            missing.extend(part.missing);
+            if part.last {
+                break;
+            }
+        }
+        let mut demand = self.open_role(Role::Demand)?;
+        demand.flush()?;
+        self.open_bulk(None)?;
+        Ok((missing, demand))
+    }
+
     fn hello(&self, role: Role) -> Hello {
         Hello {
             version_min: protocol::VERSION_MIN,
@@ -258,6 +346,11 @@ impl<'a> SourceSession<'a> {
         }
         match &result {
             Ok(_) => {}
+            Err(e @ MigrationError::PostcopyPaused(_)) => {
+                // The destination waits for this session to come back: no
+                // Abort, and the VM stays paused here with its memory.
+                tracing::error!(error = %e, "postcopy paused");
+            }
             Err(e) if self.switched => {
                 // The VM runs at the destination and may lack pages only
                 // this side holds: keep it paused here, memory intact.

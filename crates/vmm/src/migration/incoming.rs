@@ -92,4 +92,15 @@ impl Incoming {
     pub fn receive(&self, vm: &Vm, timeout: Duration) -> Result<IncomingStats, MigrationError> {
         ferry_migration::receive(vm, &self.listener, timeout)
     }
+
+    /// [`Incoming::receive`], where a postcopy whose link broke waits
+    /// `reconnect_timeout` for the source to come back.
+    pub fn receive_with_reconnect(
+        &self,
+        vm: &Vm,
+        timeout: Duration,
+        reconnect_timeout: Duration,
+    ) -> Result<IncomingStats, MigrationError> {
+        ferry_migration::receive_with_reconnect(vm, &self.listener, timeout, reconnect_timeout)
+    }
 }

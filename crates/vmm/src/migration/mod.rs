@@ -7,7 +7,7 @@ pub mod incoming;
 pub mod outgoing;
 
 pub use incoming::Incoming;
-pub use outgoing::migrate;
+pub use outgoing::{migrate, resume};
 
 use ferry_migration::{OffsetBytes, RegionView};
 

@@ -134,6 +134,24 @@ pub fn migrate(
     Ok(stats)
 }
 
+/// Continues a postcopy migration that paused on a broken link.
+pub fn resume(
+    vm: &Vm,
+    paused: ferry_migration::PausedPostcopy,
+    to: Option<Endpoint>,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<MigrationStats, MigrationError> {
+    let dest = to.clone().unwrap_or_else(|| paused.to.clone());
+    let progress = Mutex::new(progress);
+    let stats = ferry_migration::resume(vm, paused, to, &|p| {
+        (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
+    })?;
+    if let Some(addr) = &stats.destination_service {
+        redirect_service(vm, &dest, addr);
+    }
+    Ok(stats)
+}
+
 /// Clients keep using this host's port; their requests now go to the
 /// destination's service at `addr` (an unspecified address there means the
 /// host we migrated to).
