@@ -357,6 +357,10 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
         eprint!("\r\x1b[2K");
     }
     let elapsed = shared.start.elapsed().as_secs_f64();
+    let start_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+        - elapsed;
     let mut all: Vec<(usize, Record)> = Vec::new();
     for (i, r) in records.iter().enumerate() {
         all.extend(
@@ -401,6 +405,8 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
         "keys": keys,
         "value_bytes": value_size,
         "duration_s": elapsed,
+        // When send_us counts from (this host's clock).
+        "start_unix_s": start_unix_s,
         "requests": all.len(),
         "gets": by_op(Op::Get),
         "sets": by_op(Op::Set),

@@ -30,6 +30,10 @@ pub struct RoundStats {
 /// A whole migration, as the source saw it.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MigrationStats {
+    /// When the migration started (seconds since the Unix epoch, this
+    /// host's clock): lines its times up with other records.
+    #[serde(default)]
+    pub start_unix_s: f64,
     /// Start to source released (seconds).
     pub total_secs: f64,
     /// Source vCPUs paused to destination vCPUs running (ms), measured at

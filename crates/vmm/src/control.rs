@@ -263,6 +263,13 @@ impl ControlClient {
         on_progress: &mut dyn FnMut(&Value),
     ) -> Result<Value, ControlError> {
         let line = serde_json::to_string(req).map_err(|e| ControlError::BadReply(e.to_string()))?;
+        // A migration may go quiet for longer than a reply may take (a
+        // round on a slow link, a postcopy reconnecting); the VMM bounds
+        // each of its steps itself.
+        let long = matches!(req, Request::Migrate(_) | Request::MigrateResume { .. });
+        self.reader
+            .get_ref()
+            .set_read_timeout((!long).then_some(Duration::from_secs(10)))?;
         writeln!(self.writer, "{line}")?;
         let (reply, mut v) = loop {
             let mut reply = String::new();

@@ -184,6 +184,7 @@ pub struct PausedPostcopy {
     pub(crate) stats: MigrationStats,
     pub(crate) epoch: Epoch,
     pub(crate) t_start: Instant,
+    pub(crate) start_unix_s: f64,
     /// Why it paused.
     pub reason: String,
 }
@@ -263,6 +264,7 @@ fn follow(
                             stats: stats.clone(),
                             epoch,
                             t_start: s.t_start,
+                            start_unix_s: crate::outgoing::unix_now() - secs(s.t_start.elapsed()),
                             reason: format!("{reason}; reconnecting failed: {e}"),
                         })));
                     }
