@@ -389,8 +389,10 @@ impl Incoming<'_> {
                     let _ = ctl.stream().shutdown(std::net::Shutdown::Both);
                     rx.cut();
                     if let Some(live) = self.live.as_mut() {
-                        live.shared.requests_to(None);
+                        // Sockets first: a fault thread blocked writing a
+                        // request holds the writer until its socket is shut.
                         live.link.cut();
+                        live.shared.requests_to(None);
                         // Failures of the cut connections are this pause.
                         let _ = live.shared.take_failure();
                     }
