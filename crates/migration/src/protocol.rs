@@ -651,13 +651,14 @@ mod tests {
             session: 0,
             streams: 1,
         };
-        assert_eq!(negotiate(&h(1, 5)).unwrap(), 3);
+        assert_eq!(negotiate(&h(1, 9)).unwrap(), VERSION_MAX);
         assert_eq!(negotiate(&h(1, 1)).unwrap(), 1);
         assert_eq!(negotiate(&h(2, 2)).unwrap(), 2);
         assert_eq!(negotiate(&h(2, 3)).unwrap(), 3);
+        assert_eq!(negotiate(&h(3, 4)).unwrap(), VERSION_RESUME);
         assert!(matches!(
-            negotiate(&h(4, 5)),
-            Err(ProtocolError::Version { min: 4, max: 5 })
+            negotiate(&h(VERSION_MAX + 1, VERSION_MAX + 2)),
+            Err(ProtocolError::Version { .. })
         ));
     }
 }

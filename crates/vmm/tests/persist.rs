@@ -283,12 +283,14 @@ fn a_vm_built_around_saved_memory_restores_its_service_and_finishes_requests_in_
         svc_b.local_addr().port(),
         "B keeps its own port"
     );
-    b.start().unwrap();
+    // Read before B runs: once started it may at once answer the request
+    // left in the ring and count it.
     assert_eq!(
         b.metrics().unwrap().progress(0),
         at_pause.progress(0),
         "B starts exactly where A paused"
     );
+    b.start().unwrap();
 
     // B finishes the SET left in the ring (its client stayed with A: the
     // answer goes nowhere) and gets the slot back.
