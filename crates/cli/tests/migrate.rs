@@ -365,7 +365,9 @@ fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
         let _ = dst.kill();
         let _ = dst.wait();
     });
-    let o = ferry(&["migrate", &src_sock, "--to", &to]);
+    // Paced so the copy is surely still running when the kill comes (an
+    // unpaced loopback copy can end within 150 ms on an idle machine).
+    let o = ferry(&["migrate", &src_sock, "--to", &to, "--bandwidth", "200M"]);
     killer.join().unwrap();
     assert!(
         !o.status.success(),
