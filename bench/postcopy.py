@@ -1,21 +1,37 @@
 #!/usr/bin/env python3
 """Postcopy benchmark: postcopy migrations between two lab hosts (network
 namespaces, `ferry lab`), with the destination's async page faults on and
-off, prefetch 0 and 8, over the plain link and with added round-trip delay
-(`ferry lab delay`, a TCP proxy on the destination host: this kernel has no
-netem).
+off, over the plain link and with added round-trip delay (`ferry lab delay`,
+a TCP proxy on the destination host: this kernel has no netem). Two sections
+(--sections, default both):
 
-Per cell, the median of --runs migrations between fresh VMMs: downtime,
-postcopy time (switch to every page there), faults (major; absorbed by APF
-vs blocking a vCPU), major-fault service time p50/p99 (fault read to page
-landed) and the lowest guest execution ratio in a 100 ms window. In the same
-run, `ferry lab uffd-cost` measures the bare cost of a local userfaultfd
-fault on this host: the floor under any remote fault.
+faults: APF x prefetch 0 and 8 x RTT, a dirtying VM. Per cell, the median of
+--runs migrations between fresh VMMs: downtime, postcopy time (switch to
+every page there), faults (major; absorbed by APF vs blocking a vCPU),
+major-fault service time p50/p99 (fault read to page landed) and the lowest
+guest execution ratio in a 100 ms window. In the same run, `ferry lab
+uffd-cost` measures the bare cost of a local userfaultfd fault on this host:
+the floor under any remote fault. Results: bench/results/postcopy.{json,md}.
 
-Needs root (network namespaces), /dev/kvm and userfaultfd. Results:
-bench/results/postcopy.{json,md}.
+memtouch: the yabusame paper's memtouch (its sec. 4.1), APF x RTT. The VM
+runs `memtouch:tasks=T,mib=M,after=migrate`: each task fills its region with
+random data and waits; once all are ready the VM is migrated (postcopy), and
+each task reads and writes every page of its region once, timed from the
+moment the guest saw the move (the host info page's migration count, set by
+the destination before its vCPUs start). Cells: push limit (`ferry migrate
+--bandwidth`, which paces the background push but never holds back demand
+answers: "none", or e.g. 100M so faults, not the push, bring most pages) x
+RTT x APF. Per run: each task's time and their mean; per cell the median
+over --runs. Results: bench/results/postcopy-memtouch.{json,md}.
+
+Needs root (network namespaces), /dev/kvm and userfaultfd. --local runs both
+VMMs and the proxy on this host's loopback instead of in the lab (`ferry lab
+up` rebuilds the one shared lab, so two users of it on one machine break each
+other's runs).
 
 Usage: python3 bench/postcopy.py [--runs 3] [--mem 1G] [--rtts 0,0.15,1]
+           [--sections faults,memtouch] [--memtouch-tasks 4] [--memtouch-mib 192]
+           [--memtouch-prefetch 8] [--memtouch-push none,100M] [--local]
 """
 import argparse
 import json
@@ -29,6 +45,7 @@ import time
 import benchlib
 
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
+LOCAL = (None, "127.0.0.1")
 
 
 def workload(mem):
@@ -42,46 +59,22 @@ def sh(*args, check=True, **kw):
 
 
 def in_host(host, *args):
-    return ["ip", "netns", "exec", host, *args]
+    return ["ip", "netns", "exec", host, *args] if host else list(args)
 
 
-def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
-    src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
-    common = ["run", "--mem", mem, "--vcpus", "2", "--workload", workload(mem), "--quiet", "--json"]
-    listen = f"{DST[1]}:{port}"
-    dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}",
-                                   "--apf", apf, "--control", dst_sock, "--duration", "2s"),
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "120s"),
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    proxy = None
-    to = listen
-    if rtt > 0:
-        proxy = subprocess.Popen(in_host(DST[0], ferry, "lab", "delay", "--listen", f"{DST[1]}:0",
-                                         "--to", listen, "--rtt-ms", str(rtt)),
-                                 stdout=subprocess.PIPE, text=True)
-        to = proxy.stdout.readline().strip()
-    try:
-        deadline = time.time() + 20
-        while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
-            if time.time() > deadline:
-                raise RuntimeError("VMMs did not start")
-            time.sleep(0.05)
-        time.sleep(2.5)  # boot, and let dirty fill its working set
-        m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
-                        "--prefetch", str(prefetch), "--json"), check=False)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr)
-        stats = json.loads(m.stdout)
-        dst.wait(timeout=60)
-    finally:
-        for p in (src, dst, proxy):
-            if p and p.poll() is None:
-                p.kill()
-                p.wait()
+def start_proxy(ferry, listen, rtt):
+    """A `ferry lab delay` proxy on the destination host in front of
+    `listen`; returns (process, address to migrate to)."""
+    if rtt <= 0:
+        return None, listen
+    proxy = subprocess.Popen(in_host(DST[0], ferry, "lab", "delay", "--listen", f"{DST[1]}:0",
+                                     "--to", listen, "--rtt-ms", str(rtt)),
+                             stdout=subprocess.PIPE, text=True)
+    return proxy, proxy.stdout.readline().strip()
+
+
+def fault_figures(stats):
+    """The postcopy fault figures of one `ferry migrate --json` reply."""
     p = stats["postcopy"]
     f = p["faults"]
     return {
@@ -100,41 +93,246 @@ def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
     }
 
 
+def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
+    src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
+    for p in (src_sock, dst_sock):
+        if os.path.exists(p):
+            os.unlink(p)
+    common = ["run", "--mem", mem, "--vcpus", "2", "--workload", workload(mem), "--quiet", "--json"]
+    listen = f"{DST[1]}:{port}"
+    dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}",
+                                   "--apf", apf, "--control", dst_sock, "--duration", "2s"),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "120s"),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proxy, to = start_proxy(ferry, listen, rtt)
+    try:
+        deadline = time.time() + 20
+        while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
+            if time.time() > deadline:
+                raise RuntimeError("VMMs did not start")
+            time.sleep(0.05)
+        time.sleep(2.5)  # boot, and let dirty fill its working set
+        m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
+                        "--prefetch", str(prefetch), "--json"), check=False)
+        if m.returncode != 0:
+            raise RuntimeError(m.stderr)
+        stats = json.loads(m.stdout)
+        dst.wait(timeout=60)
+    finally:
+        for p in (src, dst, proxy):
+            if p and p.poll() is None:
+                p.kill()
+                p.wait()
+    return fault_figures(stats)
+
+
+def memtouch_spec(tasks, mib):
+    return f"memtouch:tasks={tasks},mib={mib},after=migrate"
+
+
+def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
+    """One postcopy migration of a VM whose memtouch tasks wait for it:
+    each task's time to touch its region after the switch, and the
+    migration's figures."""
+    src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
+    for p in (src_sock, dst_sock):
+        if os.path.exists(p):
+            os.unlink(p)
+    spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
+    common = ["run", "--mem", a.mem, "--vcpus", "2", "--workload", spec, "--quiet", "--json"]
+    listen = f"{DST[1]}:{port}"
+    # No --duration: the destination ends when every task is done and
+    # prints its summary (each finished task's time).
+    dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}",
+                                   "--apf", apf, "--control", dst_sock),
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "600s"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    proxy, to = start_proxy(ferry, listen, rtt)
+    try:
+        deadline = time.time() + 20
+        while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
+            if time.time() > deadline:
+                raise RuntimeError("VMMs did not start")
+            time.sleep(0.05)
+        # Every task has filled its region and waits for the move.
+        t_fill = time.time()
+        deadline = t_fill + 300
+        while True:
+            r = sh(ferry, "ctl", src_sock, "metrics", check=False)
+            if r.returncode == 0:
+                w = json.loads(r.stdout)["metrics"]["workloads"][0]
+                if w["tasks_ready"] >= a.memtouch_tasks:
+                    break
+            if time.time() > deadline:
+                raise RuntimeError("memtouch tasks never got ready")
+            time.sleep(0.2)
+        fill_s = time.time() - t_fill
+        limit = [] if push == "none" else ["--bandwidth", push]
+        m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
+                        "--prefetch", str(a.memtouch_prefetch), *limit, "--json"), check=False)
+        if m.returncode != 0:
+            raise RuntimeError(m.stderr)
+        stats = json.loads(m.stdout)
+        out, _ = dst.communicate(timeout=600)
+        summary = json.loads(out)
+    finally:
+        for p in (src, dst, proxy):
+            if p and p.poll() is None:
+                p.kill()
+                p.wait()
+    w = summary["workloads"][0]
+    task_s = [ms / 1e3 for ms in w["finished_task_ms"]]
+    if len(task_s) != a.memtouch_tasks or summary["vm"]["apf"] != (apf == "on"):
+        raise RuntimeError(f"destination summary does not fit the run: {summary}")
+    return {"task_s": task_s, "mean_s": statistics.mean(task_s), "max_s": max(task_s),
+            "fill_s": fill_s, **fault_figures(stats)}
+
+
+def run_memtouch(ferry, a, rtts, port, out):
+    """Every cell; the results are written after each (a run cut short
+    keeps what it measured)."""
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for push in a.memtouch_push.split(","):
+            for rtt in rtts:
+                for apf in ("on", "off"):
+                    runs = []
+                    for _ in range(a.runs):
+                        port += 1
+                        runs.append(memtouch_once(ferry, a, push, rtt, apf, tmp, port))
+                    scalar = [k for k in runs[0] if k != "task_s"]
+                    med = {k: statistics.median(r[k] for r in runs) for k in scalar}
+                    # Task i's median over the runs (in the order they finished).
+                    med["task_s"] = [statistics.median(sorted(r["task_s"])[i] for r in runs)
+                                     for i in range(a.memtouch_tasks)]
+                    cell = {"push": push, "rtt_ms": rtt, "apf": apf, "median": med, "runs": runs}
+                    cells.append(cell)
+                    print(json.dumps({k: cell[k] for k in ("push", "rtt_ms", "apf", "median")}), flush=True)
+                    write_memtouch(a, cells, out)
+    return cells, port
+
+
+def write_memtouch(a, cells, out):
+    command = benchlib.recorded_command("postcopy.py")
+    spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
+    with open(os.path.join(out, "postcopy-memtouch.json"), "w") as f:
+        json.dump({"command": command, "workload": spec, "mem": a.mem, "vcpus": 2,
+                   "link": "loopback" if a.local else "lab veth",
+                   "prefetch": a.memtouch_prefetch, "push_limits": a.memtouch_push.split(","),
+                   "cells": cells}, f, indent=1)
+    md = os.path.join(out, "postcopy-memtouch.md")
+    notes = benchlib.kept_notes(md)
+    lines = [
+        "# Postcopy: memtouch after the switch, APF on and off",
+        "",
+        f"Command: `{command}` (medians of {a.runs}; {a.mem} VM, 2 vCPUs, `{spec}`, "
+        f"prefetch {a.memtouch_prefetch};",
+        ("both VMMs on this host's loopback (--local); " if a.local else "lab hosts (veth); ")
+        + "delay added by `ferry lab delay` on the destination side; push limit: `ferry migrate --bandwidth`,",
+        "which paces the background push only). Each task filled its region with",
+        "random data before the migration and touches (reads and writes) each page once after it;",
+        "its time runs from the first moment a guest task saw the move (host info page) to its end.",
+        "Task columns: the fastest to the slowest task of a run, each the median over the runs.",
+        "",
+        "| push limit | added RTT | APF | " + " | ".join(f"task {i + 1} s" for i in range(a.memtouch_tasks))
+        + " | mean s | downtime ms | postcopy s | faults | absorbed by APF | stopped a vCPU | p50 µs |",
+        "|---|---|---|" + "---|" * a.memtouch_tasks + "---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        m = c["median"]
+        lines.append(
+            f"| {c['push']} | {c['rtt_ms']} ms | {c['apf']} | " + " | ".join(f"{t:.2f}" for t in m["task_s"])
+            + f" | {m['mean_s']:.2f} | {m['downtime_ms']:.2f} | {m['postcopy_s']:.2f} | {m['faults']:.0f} | "
+            f"{m['apf_absorbed']:.0f} | {m['blocked']:.0f} | {m['p50_us']:.0f} |")
+    lines += [
+        "",
+        "Mean task time, APF on against off (the paper: 17.6 s off, 9.8 s on, -44%):",
+        "",
+        "| push limit | added RTT | APF off s | APF on s | on vs off |",
+        "|---|---|---|---|---|",
+    ]
+    for push, rtt in dict.fromkeys((c["push"], c["rtt_ms"]) for c in cells):
+        by = {c["apf"]: c["median"]["mean_s"] for c in cells if (c["push"], c["rtt_ms"]) == (push, rtt)}
+        if "on" in by and "off" in by:
+            lines.append(f"| {push} | {rtt} ms | {by['off']:.2f} | {by['on']:.2f} | "
+                         f"{(by['on'] - by['off']) / by['off'] * 100:+.0f}% |")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n" + notes)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ferry", default="target/release/ferry")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mem", default="1G")
     ap.add_argument("--rtts", default="0,0.15,1")
+    ap.add_argument("--sections", default="faults,memtouch",
+                    help="comma-separated: faults (APF x prefetch x RTT), memtouch (the paper's memtouch)")
+    ap.add_argument("--memtouch-tasks", type=int, default=4)
+    ap.add_argument("--memtouch-mib", type=int, default=192, help="MiB per memtouch task")
+    ap.add_argument("--memtouch-prefetch", type=int, default=8)
+    ap.add_argument("--memtouch-push", default="none,100M",
+                    help="background push limits (ferry migrate --bandwidth), none = unlimited")
+    ap.add_argument("--local", action="store_true",
+                    help="VMMs and proxy on 127.0.0.1 in this namespace, no lab")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
+    if not sections or sections - {"faults", "memtouch"}:
+        sys.exit(f"--sections: faults and/or memtouch, not {a.sections}")
     ferry = os.path.abspath(a.ferry)
-    up = sh(ferry, "lab", "up", "2", check=False)
-    if up.returncode != 0:
-        sys.exit(f"cannot build the lab: {up.stderr}")
-    cells = []
-    try:
-        floor = json.loads(sh(ferry, "lab", "uffd-cost").stdout)
-        port = 7810
-        with tempfile.TemporaryDirectory() as tmp:
-            for rtt in [float(x) for x in a.rtts.split(",")]:
-                for apf in ("on", "off"):
-                    for prefetch in (0, 8):
-                        runs = []
-                        for _ in range(a.runs):
-                            port += 1
-                            runs.append(migrate_once(ferry, a.mem, rtt, apf, prefetch, tmp, port))
-                        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                        cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "median": med, "runs": runs}
-                        cells.append(cell)
-                        print(json.dumps({k: cell[k] for k in ("rtt_ms", "apf", "prefetch", "median")}),
-                              flush=True)
-    finally:
-        sh(ferry, "lab", "down", check=False)
+    rtts = [float(x) for x in a.rtts.split(",")]
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
+    if a.local:
+        global SRC, DST
+        SRC = DST = LOCAL
+    else:
+        up = sh(ferry, "lab", "up", "2", check=False)
+        if up.returncode != 0:
+            sys.exit(f"cannot build the lab: {up.stderr}")
+    cells, memtouch_cells = [], []
+    try:
+        port = 7810
+        if "memtouch" in sections:
+            memtouch_cells, port = run_memtouch(ferry, a, rtts, port, out)
+        if "faults" in sections:
+            cells, port = run_faults(ferry, a, rtts, port)
+    finally:
+        if not a.local:
+            sh(ferry, "lab", "down", check=False)
+    if memtouch_cells:
+        print(f"wrote {os.path.join(out, 'postcopy-memtouch.md')}")
+    if cells:
+        write_faults(a, cells, out)
+
+
+def run_faults(ferry, a, rtts, port):
+    cells = []
+    floor = json.loads(sh(ferry, "lab", "uffd-cost").stdout)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rtt in rtts:
+            for apf in ("on", "off"):
+                for prefetch in (0, 8):
+                    runs = []
+                    for _ in range(a.runs):
+                        port += 1
+                        runs.append(migrate_once(ferry, a.mem, rtt, apf, prefetch, tmp, port))
+                    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "median": med, "runs": runs}
+                    cells.append(cell)
+                    print(json.dumps({k: cell[k] for k in ("rtt_ms", "apf", "prefetch", "median")}),
+                          flush=True)
+    return (floor, cells), port
+
+
+def write_faults(a, result, out):
+    floor, cells = result
     command = benchlib.recorded_command("postcopy.py")
     with open(os.path.join(out, "postcopy.json"), "w") as f:
         json.dump({"command": command, "workload": workload(a.mem), "mem": a.mem,
+                   "link": "loopback" if a.local else "lab veth",
                    "uffd_floor_us": floor, "cells": cells}, f, indent=1)
     md = os.path.join(out, "postcopy.md")
     notes = benchlib.kept_notes(md)
@@ -142,7 +340,8 @@ def main():
         "# Postcopy: faults, APF and prefetch",
         "",
         f"Command: `{command}` (medians of {a.runs}; {a.mem} VM, 2 vCPUs, `{workload(a.mem)}`;",
-        "delay added by `ferry lab delay` on the destination host).",
+        ("both VMMs on this host's loopback (--local); " if a.local else "")
+        + "delay added by `ferry lab delay` on the destination host).",
         "",
         f"Bare local userfaultfd fault on this host (`ferry lab uffd-cost`, same run): "
         f"p50 {floor['p50']:.0f} µs, p99 {floor['p99']:.0f} µs.",

@@ -18,11 +18,14 @@
  *   0x0080_0000  service ring (struct ferry_svc_header + slots), 4 MiB
  *   0x0100_0000  workload arena: memory the workloads touch, up to the end of RAM
  *                (RAM above 3 GiB continues at 4 GiB, see boot info ram[])
+ *   0xD000_0000  service doorbell (MMIO, no memory behind it)
+ *   0xD000_1000  host info page (VMM -> guest, struct ferry_host_info): VMM memory,
+ *                not RAM; shares the doorbell's 2 MiB mapping (user, uncached)
  */
 #ifndef FERRY_ABI_H
 #define FERRY_ABI_H
 
-#define FERRY_ABI_VERSION 1
+#define FERRY_ABI_VERSION 2
 
 #define FERRY_BOOT_INFO_GPA 0x1000UL
 #define FERRY_GDT_GPA 0x2000UL
@@ -40,6 +43,7 @@
  * 32-bit hole, mapped user-accessible by the VMM). Port I/O is not an option:
  * PVM ignores IOPL for CPL3 code. */
 #define FERRY_SVC_DOORBELL_GPA 0xD0000000UL
+#define FERRY_HOST_INFO_GPA 0xD0001000UL
 #define FERRY_LOW_RAM_MAX 0xC0000000UL /* RAM above this continues at 4 GiB */
 #define FERRY_HIGH_RAM_BASE 0x100000000UL
 
@@ -79,7 +83,7 @@ enum ferry_workload_kind {
   FERRY_WL_NONE = 0,
   FERRY_WL_IDLE = 1,
   FERRY_WL_DIRTY = 2,    /* p0 rate B/s (0 = max), p1 wss B, p2 pattern, p3 content, p4 tasks */
-  FERRY_WL_MEMTOUCH = 3, /* p0 tasks, p1 bytes per task */
+  FERRY_WL_MEMTOUCH = 3, /* p0 tasks, p1 bytes per task, p2 when (ferry_memtouch_after) */
   FERRY_WL_COMPUTE = 4,  /* p0 tasks */
   FERRY_WL_SORT = 5,     /* p0 bytes of 64-bit keys */
   FERRY_WL_FILL = 6,     /* p0 content (fill_content), p1 bytes (0 = whole arena share) */
@@ -88,6 +92,9 @@ enum ferry_workload_kind {
 enum ferry_dirty_pattern { FERRY_PAT_SEQ = 0, FERRY_PAT_RANDOM = 1, FERRY_PAT_HOTCOLD = 2 };
 enum ferry_content { FERRY_CONTENT_RANDOM = 0, FERRY_CONTENT_ZERO = 1, FERRY_CONTENT_TEXT = 2 };
 enum ferry_fill_content { FERRY_FILL_BEST = 0, FERRY_FILL_WORST = 1, FERRY_FILL_MIXED = 2 };
+/* When memtouch's timed pass starts: at once, or (after filling its region with
+ * random data) once the host info page's `migrations` changes: on the new host. */
+enum ferry_memtouch_after { FERRY_AFTER_START = 0, FERRY_AFTER_MIGRATE = 1 };
 
 typedef unsigned long long ferry_u64;
 typedef unsigned int ferry_u32;
@@ -115,6 +122,18 @@ struct ferry_boot_info {
   ferry_u32 nworkloads;
   struct ferry_ram_range ram[FERRY_MAX_RAM_RANGES];
   struct ferry_workload workloads[FERRY_MAX_WORKLOADS];
+};
+
+/* Host info page (VMM -> guest): VMM memory mapped at FERRY_HOST_INFO_GPA, not
+ * guest RAM, so no migration copies it and the VMM may write it at any time;
+ * the guest only reads it (plain loads, no exits). */
+struct ferry_host_info {
+  /* Incoming migrations this VM has had. Each destination VMM sets it to the
+   * source's count plus one when it restores the VM's state, before its vCPUs
+   * run: a change seen by the guest means "now running on the new host"
+   * (under postcopy: right after the switch, with memory still arriving). */
+  ferry_u64 migrations;
+  ferry_u64 reserved[7];
 };
 
 /* Metrics: written by the guest, read by the VMM every 10 ms without exits.
@@ -152,7 +171,10 @@ struct ferry_workload_metrics {
   ferry_u64 tasks;
   ferry_u64 tasks_done;
   ferry_u64 result;   /* workload-defined: sort 1 = verified sorted, 2 = NOT sorted */
-  ferry_u64 reserved[4];
+  ferry_u64 ready;    /* tasks done with their set-up and waiting (memtouch after=migrate) */
+  ferry_u64 signal_tsc; /* memtouch after=migrate: TSC when its first task saw the move;
+                         * every task's start_tsc is this, so task times run from it */
+  ferry_u64 reserved[2];
 }; /* 64 bytes */
 
 struct ferry_task_metrics {

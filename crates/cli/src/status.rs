@@ -48,6 +48,7 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
             "off"
         }
     );
+    println!("migrations  {} incoming", s["migrations"]);
     println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
     if metrics {
         println!("metrics     {}", s["metrics"]);

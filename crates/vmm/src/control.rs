@@ -336,6 +336,7 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
                 "unit": w.unit(),
                 "progress": m.progress(i),
                 "tasks": m.tasks_of(i),
+                "tasks_ready": m.tasks_ready(i),
                 "tasks_done": m.tasks_done(i),
                 "result": m.result(i),
             })
@@ -383,6 +384,7 @@ impl ControlHandler for VmControl {
                 "mem_bytes": vm.config().mem_bytes,
                 "workloads": vm.config().workloads.to_string(),
                 "apf": vm.config().apf,
+                "migrations": vm.migrations(),
                 "uptime_s": vm.uptime().as_secs_f64(),
                 "tsc_khz": vm.tsc_khz(),
                 "service": vm.service().map(|s| s.local_addr().to_string()),

@@ -3,7 +3,7 @@
 //! compiles that header and checks that every offset and constant agrees.
 
 /// Version of this contract; the guest refuses boot info of another version.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// Boot info page (VMM → guest).
 pub const BOOT_INFO_GPA: u64 = 0x1000;
@@ -41,6 +41,8 @@ pub const SVC_HEADER_SIZE: u64 = 0x1000;
 pub const SVC_MAGIC: u64 = 0x3156_5359_5252_4546;
 /// Doorbell (MMIO in the 32-bit hole): a task stores a slot index when its response is DONE.
 pub const SVC_DOORBELL_GPA: u64 = 0xD000_0000;
+/// Host info page: VMM memory (not guest RAM, never migrated) the guest reads.
+pub const HOST_INFO_GPA: u64 = 0xD000_1000;
 /// Vector the VMM raises when it posts a request to parked workers.
 pub const VEC_SVC: u32 = 0x41;
 
@@ -146,6 +148,13 @@ pub mod kind {
     pub const KV: u32 = 7;
 }
 
+/// When memtouch's timed pass starts (its `p[2]`).
+#[allow(missing_docs)]
+pub mod memtouch_after {
+    pub const START: u64 = 0;
+    pub const MIGRATE: u64 = 1;
+}
+
 /// Guest states in the metrics page.
 #[allow(missing_docs)]
 pub mod state {
@@ -215,6 +224,17 @@ pub struct BootInfo {
     pub workloads: [Workload; MAX_WORKLOADS],
 }
 
+/// The host info page (VMM → guest; see `devices::host_info`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostInfo {
+    /// Incoming migrations this VM has had: each destination sets the
+    /// source's count plus one before its vCPUs run.
+    pub migrations: u64,
+    /// Zero.
+    pub reserved: [u64; 7],
+}
+
 /// Per-vCPU counters (see `struct ferry_cpu_metrics`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -242,7 +262,9 @@ pub struct WorkloadMetrics {
     pub tasks: u64,
     pub tasks_done: u64,
     pub result: u64,
-    pub reserved: [u64; 4],
+    pub ready: u64,
+    pub signal_tsc: u64,
+    pub reserved: [u64; 2],
 }
 
 /// Per-task counters (see `struct ferry_task_metrics`).
@@ -288,6 +310,11 @@ const _: () = assert!(std::mem::size_of::<Metrics>() as u64 <= METRICS_SIZE);
 const _: () = assert!(std::mem::size_of::<BootInfo>() <= 4096);
 const _: () = assert!(SVC_HEADER_SIZE + SVC_SLOTS as u64 * SVC_SLOT_SIZE <= SVC_SIZE);
 const _: () = assert!(SVC_GPA + SVC_SIZE <= ARENA_BASE);
+// The host info page shares the doorbell's 2 MiB mapping (boot::setup maps that one).
+const _: () = assert!(HOST_INFO_GPA >> 21 == SVC_DOORBELL_GPA >> 21);
+const _: () = assert!(HOST_INFO_GPA > SVC_DOORBELL_GPA && HOST_INFO_GPA.is_multiple_of(4096));
+const _: () = assert!(HOST_INFO_GPA >= LOW_RAM_MAX && HOST_INFO_GPA < HIGH_RAM_BASE);
+const _: () = assert!(std::mem::size_of::<HostInfo>() <= 4096);
 
 #[cfg(test)]
 mod tests {
@@ -332,6 +359,11 @@ int main(void) {
   P(FERRY_SVC_SLOT_HEADER); P(FERRY_SVC_MAX_BODY); P(FERRY_SVC_HEADER_SIZE); P(FERRY_SVC_MAGIC);
   P(FERRY_SVC_DOORBELL_GPA); P(FERRY_VEC_SVC); P(FERRY_WL_KV); P(FERRY_TASK_SVC_WAIT);
   P(FERRY_SLOT_DONE); P(FERRY_SLOT_POSTED);
+  P(FERRY_AFTER_START); P(FERRY_AFTER_MIGRATE);
+  P(FERRY_HOST_INFO_GPA); P(offsetof(struct ferry_host_info, migrations));
+  P(sizeof(struct ferry_host_info));
+  P(offsetof(struct ferry_workload_metrics, ready));
+  P(offsetof(struct ferry_workload_metrics, signal_tsc)); P(sizeof(struct ferry_workload_metrics));
   P(offsetof(struct ferry_svc_header, ready)); P(offsetof(struct ferry_svc_header, posted));
   P(offsetof(struct ferry_svc_header, taken)); P(offsetof(struct ferry_svc_header, completed));
   P(offsetof(struct ferry_svc_header, keys)); P(offsetof(struct ferry_svc_header, value_size));
@@ -471,6 +503,29 @@ int main(void) {
             ("FERRY_TASK_SVC_WAIT", task_state::SVC_WAIT),
             ("FERRY_SLOT_DONE", slot_state::DONE as u64),
             ("FERRY_SLOT_POSTED", slot_state::POSTED as u64),
+            ("FERRY_AFTER_START", memtouch_after::START),
+            ("FERRY_AFTER_MIGRATE", memtouch_after::MIGRATE),
+            ("FERRY_HOST_INFO_GPA", HOST_INFO_GPA),
+            (
+                "offsetof(struct ferry_host_info, migrations)",
+                offset_of!(HostInfo, migrations) as u64,
+            ),
+            (
+                "sizeof(struct ferry_host_info)",
+                size_of::<HostInfo>() as u64,
+            ),
+            (
+                "offsetof(struct ferry_workload_metrics, ready)",
+                offset_of!(WorkloadMetrics, ready) as u64,
+            ),
+            (
+                "offsetof(struct ferry_workload_metrics, signal_tsc)",
+                offset_of!(WorkloadMetrics, signal_tsc) as u64,
+            ),
+            (
+                "sizeof(struct ferry_workload_metrics)",
+                size_of::<WorkloadMetrics>() as u64,
+            ),
             ("offsetof(struct ferry_svc_header, ready)", svc_off::READY),
             ("offsetof(struct ferry_svc_header, posted)", svc_off::POSTED),
             ("offsetof(struct ferry_svc_header, taken)", svc_off::TAKEN),

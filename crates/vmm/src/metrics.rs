@@ -72,6 +72,12 @@ impl MetricsSnapshot {
         self.raw.workloads.get(w).map_or(0, |m| m.tasks_done)
     }
 
+    /// Tasks of workload `w` done with their set-up and waiting for their
+    /// signal (memtouch `after=migrate`: region filled, waiting to be moved).
+    pub fn tasks_ready(&self, w: usize) -> u64 {
+        self.raw.workloads.get(w).map_or(0, |m| m.ready)
+    }
+
     /// Tasks of workload `w`.
     pub fn tasks_of(&self, w: usize) -> u64 {
         self.raw.workloads.get(w).map_or(0, |m| m.tasks)

@@ -18,6 +18,7 @@ use vmm_sys_util::signal::Killable;
 use crate::boot::layout::{LayoutError, MemoryLayout};
 use crate::boot::loader::{load_kernel, KernelError};
 use crate::boot::setup;
+use crate::devices::host_info::{HostInfoError, HostInfoPage};
 use crate::devices::serial::ConsoleSink;
 use crate::devices::service::{ServiceDevice, ServiceError};
 use crate::devices::Devices;
@@ -169,6 +170,9 @@ pub enum VmError {
     /// This VM has a service device and the saved state has none.
     #[error("this VM has a service device and the saved state has none")]
     ServiceUnexpected,
+    /// The host info page could not be set up.
+    #[error(transparent)]
+    HostInfo(#[from] HostInfoError),
 }
 
 /// A whole VM's state besides guest memory.
@@ -180,6 +184,8 @@ pub struct VmState {
     pub kvm: KvmVmState,
     /// The service device, if any.
     pub service: Option<crate::devices::service::ServiceState>,
+    /// Incoming migrations the guest had been told of (its host info page).
+    pub migrations: u64,
 }
 
 /// What the vCPUs are asked to do.
@@ -465,6 +471,7 @@ pub struct Vm {
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
+    host_info: HostInfoPage,
     memory: Arc<GuestMemory>,
 }
 
@@ -508,6 +515,7 @@ impl Vm {
 
         let vm_fd = Arc::new(vm::create_vm(&kvm)?);
         vm::register_memory(&vm_fd, &memory, false)?;
+        let host_info = HostInfoPage::new(&vm_fd)?;
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|source| KvmError::Ioctl {
@@ -581,6 +589,7 @@ impl Vm {
             data_before_prealloc: Mutex::new(None),
             vm_fd,
             _kvm: kvm,
+            host_info,
         })
     }
 
@@ -752,12 +761,14 @@ impl Vm {
             vcpus,
             kvm: persist::save_vm(&self.vm_fd)?,
             service: self.service().map(|s| s.state()),
+            migrations: self.host_info.migrations(),
         })
     }
 
     /// Restores a saved state into this VM, which must not have started:
-    /// KVM state, every vCPU, and the service device's own state (a saved
-    /// service and this VM's device must both be there or both absent).
+    /// KVM state, every vCPU, the service device's own state (a saved
+    /// service and this VM's device must both be there or both absent) and
+    /// the host info page's migration count, as saved.
     /// Guest memory is restored separately (it is most of the migration);
     /// nothing here reads or writes it.
     pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
@@ -796,8 +807,32 @@ impl Vm {
                 persist::restore_vcpu(fd, &s)?;
             }
         }
+        self.host_info.set_migrations(state.migrations);
         self.loaded.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// Tells the guest it has been moved: adds one to the migration count
+    /// on its host info page and returns the new count. A destination calls
+    /// it after [`restore_state`](Self::restore_state) and before
+    /// [`start`](Self::start), so the guest sees the change as soon as it
+    /// runs here (memtouch `after=migrate` waits for it). The page is not
+    /// guest RAM: nothing here waits for memory still at the source.
+    pub fn count_incoming_migration(&self) -> Result<u64, VmError> {
+        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        if vcpus.len() != self.config.vcpus as usize {
+            return Err(VmError::WrongState(
+                "already started: count a migration before start",
+            ));
+        }
+        let n = self.host_info.migrations().wrapping_add(1);
+        self.host_info.set_migrations(n);
+        Ok(n)
+    }
+
+    /// Incoming migrations this VM's guest has been told of.
+    pub fn migrations(&self) -> u64 {
+        self.host_info.migrations()
     }
 
     /// Releases a VM that now runs elsewhere (it is paused here).

@@ -18,8 +18,12 @@ Workloads (join several with '+', e.g. memtouch:tasks=4,mib=8+compute):
   dirty[:rate=MiB/s|max,wss=MiB,pattern=seq|random|hotcold,content=random|zero|text,tasks=N]
                              rewrites whole pages at a rate paced by guest time
                              (defaults: rate=64 wss=64 pattern=seq content=random tasks=vCPUs)
-  memtouch[:tasks=T,mib=M]   each task writes one byte per page of its own M MiB, once,
-                             and records its time (defaults: tasks=4 mib=16)
+  memtouch[:tasks=T,mib=M,after=start|migrate]
+                             each task writes one byte per page of its own M MiB, once,
+                             and records its time (defaults: tasks=4 mib=16 after=start);
+                             after=migrate: fill the region with random data first, wait
+                             until the VM runs on another host, then read and write each
+                             page once, timed from the moment the task saw the move
   compute[:tasks=N]          integer adds in a loop, counted as ops/s (default tasks=vCPUs)
   sort[:mib=N]               radix-sorts N MiB of random 64-bit keys, then checks the
                              order and checksums itself (default mib=64; uses 2N MiB)
@@ -51,6 +55,17 @@ pub enum DirtyContent {
     Zero,
     /// English-like words.
     Text,
+}
+
+/// When `memtouch` starts its timed pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemtouchAfter {
+    /// At once: write one byte per page of fresh (zero) memory.
+    Start,
+    /// Fill the region with random data, then wait for the guest's
+    /// migration count to change (the VM now runs on the new host) and
+    /// read-modify-write each page: the postcopy benchmark's memtouch.
+    Migrate,
 }
 
 /// What `fill` writes.
@@ -88,6 +103,8 @@ pub enum Workload {
         tasks: u32,
         /// MiB per task.
         mib: u64,
+        /// When the timed pass starts.
+        after: MemtouchAfter,
     },
     /// Integer adds.
     Compute {
@@ -201,7 +218,7 @@ pub const NAMES: &[&str] = &["idle", "dirty", "memtouch", "compute", "sort", "fi
 fn params_of(workload: &str) -> &'static [&'static str] {
     match workload {
         "dirty" => &["rate", "wss", "pattern", "content", "tasks"],
-        "memtouch" => &["tasks", "mib"],
+        "memtouch" => &["tasks", "mib", "after"],
         "compute" => &["tasks"],
         "sort" => &["mib"],
         "fill" => &["content", "mib"],
@@ -248,7 +265,11 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
             content: DirtyContent::Random,
             tasks: None,
         },
-        "memtouch" => Workload::Memtouch { tasks: 4, mib: 16 },
+        "memtouch" => Workload::Memtouch {
+            tasks: 4,
+            mib: 16,
+            after: MemtouchAfter::Start,
+        },
         "compute" => Workload::Compute { tasks: None },
         "sort" => Workload::Sort { mib: 64 },
         "kv" => Workload::Kv {
@@ -328,6 +349,13 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
             }
             (Workload::Memtouch { mib, .. }, "mib") | (Workload::Sort { mib }, "mib") => {
                 *mib = parse_num(workload, param, value, 1, 1 << 20, "MiB, at least 1")?
+            }
+            (Workload::Memtouch { after, .. }, "after") => {
+                *after = match value {
+                    "start" => MemtouchAfter::Start,
+                    "migrate" => MemtouchAfter::Migrate,
+                    _ => return Err(bad("start or migrate")),
+                }
             }
             (Workload::Fill { content, .. }, "content") => {
                 *content = match value {
@@ -433,7 +461,7 @@ impl Workload {
     pub fn arena_bytes(&self) -> u64 {
         match self {
             Workload::Dirty { wss_mib, .. } => wss_mib * MIB,
-            Workload::Memtouch { tasks, mib } => *tasks as u64 * mib * MIB,
+            Workload::Memtouch { tasks, mib, .. } => *tasks as u64 * mib * MIB,
             Workload::Sort { mib } => 2 * mib * MIB,
             Workload::Fill { mib, .. } => mib.unwrap_or(0) * MIB,
             Workload::Kv { keys, value, .. } => keys * kv_entry_size(*value),
@@ -470,9 +498,13 @@ impl Workload {
                 p[4] = self.tasks(vcpus);
                 kind::DIRTY
             }
-            Workload::Memtouch { tasks, mib } => {
+            Workload::Memtouch { tasks, mib, after } => {
                 p[0] = *tasks as u64;
                 p[1] = mib * MIB;
+                p[2] = match after {
+                    MemtouchAfter::Start => guest_abi::memtouch_after::START,
+                    MemtouchAfter::Migrate => guest_abi::memtouch_after::MIGRATE,
+                };
                 kind::MEMTOUCH
             }
             Workload::Compute { .. } => {
@@ -569,7 +601,13 @@ impl fmt::Display for Workload {
                 }
                 Ok(())
             }
-            Workload::Memtouch { tasks, mib } => write!(f, "memtouch:tasks={tasks},mib={mib}"),
+            Workload::Memtouch { tasks, mib, after } => {
+                write!(f, "memtouch:tasks={tasks},mib={mib}")?;
+                if *after == MemtouchAfter::Migrate {
+                    write!(f, ",after=migrate")?;
+                }
+                Ok(())
+            }
             Workload::Compute { tasks: Some(t) } => write!(f, "compute:tasks={t}"),
             Workload::Compute { tasks: None } => write!(f, "compute"),
             Workload::Sort { mib } => write!(f, "sort:mib={mib}"),
@@ -631,7 +669,11 @@ mod tests {
         );
         assert_eq!(
             parse("memtouch").unwrap().0[0],
-            Workload::Memtouch { tasks: 4, mib: 16 }
+            Workload::Memtouch {
+                tasks: 4,
+                mib: 16,
+                after: MemtouchAfter::Start
+            }
         );
         assert_eq!(parse("dirty:rate=max").unwrap().0[0].to_guest(2).p[0], 0);
     }
@@ -642,6 +684,7 @@ mod tests {
             "memtouch:tasks=4,mib=8+compute:tasks=1",
             "idle",
             "fill:content=best,mib=32",
+            "memtouch:tasks=4,mib=192,after=migrate",
         ] {
             let w = parse(s).unwrap();
             assert_eq!(parse(&w.to_string()).unwrap(), w);
@@ -707,6 +750,38 @@ mod tests {
             w.check_fits(1, 512 * MIB),
             Err(SpecError::TooManyTasks { got: 80 })
         ));
+    }
+
+    #[test]
+    fn memtouch_after_migrate() {
+        let w = parse("memtouch:tasks=4,mib=128,after=migrate").unwrap();
+        assert_eq!(
+            w.0[0],
+            Workload::Memtouch {
+                tasks: 4,
+                mib: 128,
+                after: MemtouchAfter::Migrate
+            }
+        );
+        let g = w.0[0].to_guest(2);
+        assert_eq!(
+            (g.kind, g.p[0], g.p[1], g.p[2]),
+            (
+                kind::MEMTOUCH,
+                4,
+                128 * MIB,
+                guest_abi::memtouch_after::MIGRATE
+            )
+        );
+        assert_eq!(w.0[0].arena_bytes(), 4 * 128 * MIB);
+        // The default keeps the plain pass, and says nothing of it.
+        let w = parse("memtouch:after=start").unwrap();
+        assert_eq!(w.0[0].to_guest(2).p[2], guest_abi::memtouch_after::START);
+        assert_eq!(w.to_string(), "memtouch:tasks=4,mib=16");
+        let e = parse("memtouch:after=switch").unwrap_err();
+        assert!(e.to_string().contains("start or migrate"), "{e}");
+        let e = parse("memtouch:when=migrate").unwrap_err();
+        assert!(e.to_string().contains("valid: tasks, mib, after"), "{e}");
     }
 
     #[test]

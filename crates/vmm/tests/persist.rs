@@ -126,7 +126,7 @@ fn hostile_state_bytes_are_refused() {
         persist::decode::<Vec<u32>>(&bytes),
         Err(PersistError::Envelope { found: 9 })
     ));
-    bytes[8] = 1;
+    bytes[8] = persist::STATE_VERSION as u8;
     assert!(
         persist::decode::<Vec<u32>>(&bytes[..bytes.len() - 1]).is_err(),
         "truncated"
@@ -367,4 +367,65 @@ fn build_refuses_memory_of_another_layout() {
     wrong(&[(0, 128 * MIB)]);
     wrong(&[(0, 32 * MIB), (32 * MIB, 32 * MIB)]);
     wrong(&[(2 * MIB, 64 * MIB)]);
+}
+
+/// memtouch after=migrate on a VM moved by hand (pause, save, copy memory,
+/// restore, count the migration, start): its tasks fill and wait on the
+/// source, and run only where the migration was counted, timed from there.
+#[test]
+fn memtouch_after_migrate_waits_for_the_move_and_times_from_it() {
+    if !kvm_usable() {
+        return;
+    }
+    let config = VmConfig::new(
+        128 * MIB,
+        2,
+        "memtouch:tasks=4,mib=8,after=migrate".parse().unwrap(),
+    );
+    let a = Vm::create(config.clone()).unwrap();
+    assert_eq!(a.migrations(), 0, "a booted VM starts at zero");
+    a.start().unwrap();
+    wait_valid(&a);
+    wait_until("memtouch tasks ready", &a, || {
+        a.metrics().unwrap().tasks_ready(0) == 4
+    });
+    // Filled and waiting: nothing touched, nothing timed, nobody done.
+    std::thread::sleep(Duration::from_millis(100));
+    let m = a.metrics().unwrap();
+    assert_eq!((m.progress(0), m.tasks_done(0)), (0, 0));
+    assert!(m.tasks().iter().all(|t| t.start_tsc == 0));
+    assert_eq!(m.raw.workloads[0].signal_tsc, 0);
+    let filled = a.memory().read_obj::<u64>(0x100_0000 + 8).unwrap();
+    assert_ne!(filled, 0, "the region holds random data");
+
+    a.pause().unwrap();
+    let saved = a.save_state().unwrap();
+    assert_eq!(saved.migrations, 0);
+    let state: VmState = persist::decode(&persist::encode(&saved).unwrap()).unwrap();
+    let b = Vm::build(config.clone(), copy_memory(&config, a.memory())).unwrap();
+    b.restore_state(&state).unwrap();
+    assert_eq!(b.migrations(), 0, "restore keeps the saved count");
+    assert_eq!(b.count_incoming_migration().unwrap(), 1);
+    a.stop();
+    b.start().unwrap();
+    assert!(
+        matches!(b.count_incoming_migration(), Err(VmError::WrongState(_))),
+        "only before start"
+    );
+    wait_until("memtouch tasks done", &b, || {
+        b.metrics().unwrap().tasks_done(0) == 4
+    });
+    let m = b.metrics().unwrap();
+    let signal = m.raw.workloads[0].signal_tsc;
+    assert_ne!(signal, 0);
+    for t in m.tasks() {
+        assert_eq!(t.start_tsc, signal, "every task is timed from the move");
+        assert!(t.end_tsc > signal);
+        assert_eq!(t.progress, 8 * MIB);
+    }
+    assert_eq!(m.progress(0), 4 * 8 * MIB);
+    assert!(b
+        .console_lines()
+        .iter()
+        .any(|l| l.contains("after the move")));
 }

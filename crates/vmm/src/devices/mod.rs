@@ -1,6 +1,8 @@
 //! Devices on the guest's I/O buses: the console and exit port (port I/O)
-//! and the service device's doorbell (MMIO).
+//! and the service device's doorbell (MMIO); and the host info page the
+//! guest reads (memory, no exits).
 
+pub mod host_info;
 pub mod serial;
 pub mod service;
 

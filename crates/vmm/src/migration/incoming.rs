@@ -46,9 +46,15 @@ impl IncomingVm for Vm {
         self.config().vcpus
     }
 
+    /// Restores the state, then counts this migration on the guest's host
+    /// info page, so the guest can tell it runs here from its first
+    /// instruction here on.
     fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
         let state: VmState = persist::decode(state)?;
-        Ok(Vm::restore_state(self, &state)?)
+        Vm::restore_state(self, &state)?;
+        let n = self.count_incoming_migration()?;
+        tracing::debug!(migrations = n, "guest told it was moved");
+        Ok(())
     }
 
     fn start(&self) -> Result<(), VmOpError> {

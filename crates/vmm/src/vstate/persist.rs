@@ -17,7 +17,7 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 /// Envelope magic ("FERRYVS1").
 pub const STATE_MAGIC: u64 = 0x3153_5659_5252_4546;
 /// Envelope version; a restore refuses any other.
-pub const STATE_VERSION: u32 = 1;
+pub const STATE_VERSION: u32 = 2;
 
 /// Why state could not be saved, encoded or restored.
 #[derive(Debug, thiserror::Error)]
