@@ -189,7 +189,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                 args.reconnect_timeout,
             ) {
                 Ok(got) => got,
-                Err(e @ ferry_migration::MigrationError::PagesLost { .. }) => {
+                // After a postcopy switch a failure ends a VM that ran
+                // here, whether or not pages were missing.
+                Err(e) if vm.has_started() => {
                     return Err(anyhow::Error::new(e).context(
                         "incoming postcopy migration failed; the VM started here is stopped",
                     ))

@@ -975,6 +975,15 @@ impl Vm {
         self.tsc_khz
     }
 
+    /// True once the vCPUs were started (an incoming VM: the migration
+    /// got that far).
+    pub fn has_started(&self) -> bool {
+        self.started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
     /// Time since start.
     pub fn uptime(&self) -> Duration {
         self.started
