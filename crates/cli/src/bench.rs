@@ -23,6 +23,11 @@ pub enum Suite {
     /// Postcopy between lab hosts: APF on / off x prefetch 0 / 8 x added
     /// round-trip delay; faults, their service time, guest execution ratio.
     Postcopy,
+    /// Postcopy under 128 kv clients: request latency around the switch,
+    /// faults and execution ratio per 100 ms, time back to baseline.
+    PostcopyKv,
+    /// Hybrid against precopy with auto-converge on the 1 Gbit lab link.
+    Hybrid,
 }
 
 #[derive(clap::Args)]
@@ -47,6 +52,8 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Throughput => "throughput.py",
         Suite::Guest => "guest_baseline.py",
         Suite::Postcopy => "postcopy.py",
+        Suite::PostcopyKv => "postcopy_kv.py",
+        Suite::Hybrid => "hybrid.py",
     });
     if !script.exists() {
         bail!(
