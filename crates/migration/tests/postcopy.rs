@@ -232,11 +232,85 @@ fn uffd_usable() -> bool {
     }
 }
 
+/// A TCP relay that breaks every connection it carries once, after
+/// `cut_after` bytes went from the source to the destination (the link
+/// breaks), and relays new connections normally from then on.
+struct Relay {
+    at: std::net::SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn start(to: std::net::SocketAddr, cut_after: u64) -> Relay {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::atomic::{AtomicBool, AtomicU64};
+        use std::sync::Arc;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let live: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let c = cut.clone();
+        std::thread::spawn(move || {
+            for a in l.incoming() {
+                let Ok(a) = a else { return };
+                let Ok(b) = TcpStream::connect(to) else {
+                    continue;
+                };
+                live.lock()
+                    .unwrap()
+                    .extend([a.try_clone().unwrap(), b.try_clone().unwrap()]);
+                for (mut from, mut into, counted) in [
+                    (a.try_clone().unwrap(), b.try_clone().unwrap(), true),
+                    (b, a, false),
+                ] {
+                    let (c, sent, live) = (c.clone(), sent.clone(), live.clone());
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 16 << 10];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 || into.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            if counted
+                                && sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64
+                                    >= cut_after
+                                && !c.swap(true, Ordering::SeqCst)
+                            {
+                                for s in live.lock().unwrap().drain(..) {
+                                    let _ = s.shutdown(Shutdown::Both);
+                                }
+                            }
+                        }
+                        let _ = into.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Relay { at, cut }
+    }
+}
+
 fn run(opts: &MigrateOptions) -> (MigrationStats, Source, Dest) {
+    run_through(opts, None)
+}
+
+/// Like [`run`], through a relay that breaks the link once after
+/// `cut_after` bytes (when given).
+fn run_through(opts: &MigrateOptions, cut_after: Option<u64>) -> (MigrationStats, Source, Dest) {
     let src = Source::new();
     let dst = Dest::new();
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
-    let to = listener.endpoint();
+    let relay = cut_after.map(|n| {
+        let ferry_migration::Endpoint::Tcp(at) = listener.endpoint() else {
+            unreachable!()
+        };
+        Relay::start(at, n)
+    });
+    let to = match &relay {
+        Some(r) => ferry_migration::Endpoint::Tcp(r.at),
+        None => listener.endpoint(),
+    };
     let (stats, istats) = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
         let st = ferry_migration::migrate(&src, &to, opts, &Backend::cpu(), &|_| {});
@@ -286,7 +360,32 @@ fn run(opts: &MigrateOptions) -> (MigrationStats, Source, Dest) {
     let p = stats.postcopy.as_ref().expect("a postcopy phase");
     assert_eq!(istats.postcopy.as_ref(), Some(&p.faults));
     assert_eq!(stats.verified_pages, total);
+    if let Some(r) = relay {
+        assert!(r.cut.load(Ordering::SeqCst), "the link was cut");
+        assert_eq!(p.pauses, 1, "{p:?}");
+        assert_eq!(istats.postcopy_pauses, 1);
+    }
     (stats, src, dst)
+}
+
+#[test]
+fn a_postcopy_link_cut_midway_reconnects_and_loses_nothing() {
+    if !uffd_usable() {
+        return;
+    }
+    let opts = MigrateOptions {
+        mode: Mode::Postcopy,
+        verify: true,
+        reconnect_timeout_ms: 10_000,
+        ..Default::default()
+    };
+    // ~2.5 MB of pending pages: the cut comes in the middle of them.
+    let (stats, _, _) = run_through(&opts, Some(1 << 20));
+    let p = stats.postcopy.unwrap();
+    eprintln!("cut and reconnected: {p:?}");
+    // Whichever epoch brought it, each pending page landed once.
+    assert_eq!(p.faults.supplied_pages, p.pending_pages);
+    assert!(p.paused_s > 0.0);
 }
 
 #[test]
