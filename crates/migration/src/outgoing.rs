@@ -23,17 +23,12 @@ pub fn migrate(
 ) -> Result<MigrationStats, MigrationError> {
     opts.check().map_err(MigrationError::Unsupported)?;
     tracing::info!(%to, mode = %opts.mode, streams = opts.streams, "migration starts");
-    let start_unix_s = unix_now();
     let mut session = SourceSession::new(vm, to, opts);
     let result = match opts.mode {
         Mode::Precopy | Mode::Hybrid => crate::precopy::run(&mut session, backend, progress),
         Mode::Postcopy => crate::postcopy::run(&mut session, progress),
     };
-    let result = result.map(|mut s| {
-        s.start_unix_s = start_unix_s;
-        s
-    });
-    session.conclude(result)
+    conclude(session, result)
 }
 
 /// Continues a postcopy that paused on a broken link
@@ -50,18 +45,20 @@ pub fn resume(
     let to = to.unwrap_or_else(|| paused.to.clone());
     let opts = paused.opts.clone();
     tracing::info!(%to, "postcopy resumes");
-    let start_unix_s = paused.start_unix_s;
     let mut session = SourceSession::resuming(vm, &to, &opts, &paused);
-    let result = crate::postcopy::resume(&mut session, paused, progress).map(|mut s| {
-        s.start_unix_s = start_unix_s;
-        s
-    });
-    session.conclude(result)
+    let result = crate::postcopy::resume(&mut session, paused, progress);
+    conclude(session, result)
 }
 
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+/// Stamps a finished migration with its wall-clock start and applies the
+/// session's safety rule.
+fn conclude(
+    session: SourceSession,
+    result: Result<MigrationStats, MigrationError>,
+) -> Result<MigrationStats, MigrationError> {
+    let start_unix_s = session.start_unix_s();
+    session.conclude(result.map(|stats| MigrationStats {
+        start_unix_s,
+        ..stats
+    }))
 }

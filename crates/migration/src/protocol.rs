@@ -264,6 +264,18 @@ pub struct PostcopyResume {
 /// Most runs in one PostcopyPlan or PostcopyResume frame (well under MAX_BODY).
 pub const PLAN_RUNS_PER_FRAME: usize = 1 << 20;
 
+/// `runs` cut into the shares of a message sent as several frames
+/// (PostcopyPlan, PostcopyResume), each with "is it the last": always at
+/// least one share, empty when there are no runs.
+pub fn run_frames(runs: &[GpaPages]) -> impl Iterator<Item = (&[GpaPages], bool)> {
+    let n = runs.len().div_ceil(PLAN_RUNS_PER_FRAME).max(1);
+    (0..n).map(move |i| {
+        let from = (i * PLAN_RUNS_PER_FRAME).min(runs.len());
+        let to = ((i + 1) * PLAN_RUNS_PER_FRAME).min(runs.len());
+        (&runs[from..to], i == n - 1)
+    })
+}
+
 /// A decoded frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frame {
@@ -639,6 +651,24 @@ mod tests {
         write_frame(&mut a, Kind::Abort, b"disk full").unwrap();
         assert!(
             matches!(read_frame(&mut &a[..]), Err(ProtocolError::Aborted(m)) if m == "disk full")
+        );
+    }
+
+    #[test]
+    fn runs_go_out_in_marked_frames() {
+        let runs: Vec<GpaPages> = (0..PLAN_RUNS_PER_FRAME as u64 + 1)
+            .map(|i| GpaPages::new(i * 8192, 1))
+            .collect();
+        let shares: Vec<(usize, bool)> = run_frames(&runs).map(|(r, l)| (r.len(), l)).collect();
+        assert_eq!(shares, [(PLAN_RUNS_PER_FRAME, false), (1, true)]);
+        let shares: Vec<(usize, bool)> =
+            run_frames(&runs[..3]).map(|(r, l)| (r.len(), l)).collect();
+        assert_eq!(shares, [(3, true)]);
+        assert_eq!(
+            run_frames(&[])
+                .map(|(r, l)| (r.len(), l))
+                .collect::<Vec<_>>(),
+            [(0, true)]
         );
     }
 

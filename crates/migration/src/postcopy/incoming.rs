@@ -149,6 +149,19 @@ impl<'a> Incoming<'a> {
         self.live.as_ref().and_then(|l| l.shared.take_failure())
     }
 
+    /// Accepts this session's demand connection.
+    fn accept_demand(&self) -> Result<Conn, MigrationError> {
+        let (c, h) = self.listener.accept_hello(self.timeout)?;
+        if h.role != Role::Demand || h.session != self.session {
+            return Err(ProtocolError::Unexpected {
+                got: Kind::Hello,
+                want: "the demand connection of this session",
+            }
+            .into());
+        }
+        Ok(c)
+    }
+
     /// Waits until every pending page has landed.
     fn wait_landed(&self, live: &Live) -> Result<(), MigrationError> {
         let deadline = Instant::now() + self.timeout;
@@ -213,15 +226,7 @@ impl DestinationPhases for Incoming<'_> {
         self.guest_apf_base = part.guest_apf_base;
         if part.last {
             self.planned = true;
-            let (c, h) = self.listener.accept_hello(self.timeout)?;
-            if h.role != Role::Demand || h.session != self.session {
-                return Err(ProtocolError::Unexpected {
-                    got: Kind::Hello,
-                    want: "the demand connection of this session",
-                }
-                .into());
-            }
-            self.demand = Some(c);
+            self.demand = Some(self.accept_demand()?);
             tracing::info!(
                 pending = crate::ranges::total_pages(&self.plan),
                 "postcopy planned"
@@ -458,49 +463,30 @@ impl Incoming<'_> {
             )));
         }
         c.send(Kind::HelloAck, &version)?;
-        let live = self.live.as_mut().ok_or(ProtocolError::Closed)?;
-        let missing = live.shared.tracker.missing_runs();
-        let chunks: Vec<&[GpaPages]> = if missing.is_empty() {
-            vec![&[]]
-        } else {
-            missing.chunks(protocol::PLAN_RUNS_PER_FRAME).collect()
-        };
-        let last = chunks.len() - 1;
-        for (i, chunk) in chunks.into_iter().enumerate() {
+        let missing = self
+            .live
+            .as_ref()
+            .ok_or(ProtocolError::Closed)?
+            .shared
+            .tracker
+            .missing_runs();
+        for (share, last) in protocol::run_frames(&missing) {
             let part = protocol::PostcopyResume {
-                missing: chunk.to_vec(),
-                last: i == last,
+                missing: share.to_vec(),
+                last,
             };
             protocol::send(&mut c.writer, Kind::PostcopyResume, &part)?;
         }
         c.flush()?;
-        let streams = h.streams.clamp(1, 64) as usize;
-        let mut demand = None;
-        let mut bulk: Vec<Option<Conn>> = (0..streams).map(|_| None).collect();
-        for _ in 0..=streams {
-            let (conn, hh) = self.listener.accept_hello(self.timeout)?;
-            let slot = match hh.role {
-                _ if hh.session != self.session => None,
-                Role::Demand if demand.is_none() => Some(&mut demand),
-                Role::Bulk(i) if (i as usize) < streams && bulk[i as usize].is_none() => {
-                    Some(&mut bulk[i as usize])
-                }
-                _ => None,
-            };
-            let Some(slot) = slot else {
-                return Err(ProtocolError::Unexpected {
-                    got: Kind::Hello,
-                    want: "the resumed session's demand and bulk connections",
-                }
-                .into());
-            };
-            *slot = Some(conn);
-        }
-        let demand = demand.ok_or(ProtocolError::Closed)?;
-        let bulk = bulk
-            .into_iter()
-            .map(|c| c.ok_or(ProtocolError::Closed))
-            .collect::<Result<Vec<_>, _>>()?;
+        // The source opens its demand connection, then the bulk streams.
+        let demand = self.accept_demand()?;
+        let bulk = crate::session::destination::accept_bulk(
+            self.listener,
+            self.timeout,
+            self.session,
+            h.streams,
+        )?;
+        let live = self.live.as_mut().ok_or(ProtocolError::Closed)?;
         live.link = live.shared.connect(demand, bulk)?;
         let again = live.shared.tracker.waiting_pages();
         tracing::info!(

@@ -33,7 +33,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::dirty::first_round;
-use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role, PLAN_RUNS_PER_FRAME};
+use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
 use crate::session::SourceSession;
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
@@ -107,17 +107,11 @@ pub(crate) fn switch(
         phase: Phase::StopAndCopy,
         ..Default::default()
     });
-    let chunks: Vec<&[GpaPages]> = if pending.is_empty() {
-        vec![&[]]
-    } else {
-        pending.chunks(PLAN_RUNS_PER_FRAME).collect()
-    };
-    let last = chunks.len() - 1;
     let guest_apf_base = s.vm.guest_apf_count();
-    for (i, chunk) in chunks.into_iter().enumerate() {
+    for (share, last) in protocol::run_frames(&pending) {
         let plan = PostcopyPlan {
-            pending: chunk.to_vec(),
-            last: i == last,
+            pending: share.to_vec(),
+            last,
             prefetch: opts.prefetch,
             verify: opts.verify,
             guest_apf_base,
@@ -184,7 +178,6 @@ pub struct PausedPostcopy {
     pub(crate) stats: MigrationStats,
     pub(crate) epoch: Epoch,
     pub(crate) t_start: Instant,
-    pub(crate) start_unix_s: f64,
     /// Why it paused.
     pub reason: String,
 }
@@ -264,7 +257,6 @@ fn follow(
                             stats: stats.clone(),
                             epoch,
                             t_start: s.t_start,
-                            start_unix_s: crate::outgoing::unix_now() - secs(s.t_start.elapsed()),
                             reason: format!("{reason}; reconnecting failed: {e}"),
                         })));
                     }

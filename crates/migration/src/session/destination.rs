@@ -115,31 +115,12 @@ impl<'a> DestSession<'a> {
 
     /// Accepts the bulk streams the source announced, each by its role.
     fn accept_bulk(&self) -> Result<Vec<Conn>, MigrationError> {
-        let n = self.hello.streams.clamp(1, 64) as usize;
-        let mut streams: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
-        for _ in 0..n {
-            let (c, h) = self.listener.accept_hello(self.timeout)?;
-            match h.role {
-                Role::Bulk(i)
-                    if h.session == self.hello.session
-                        && (i as usize) < n
-                        && streams[i as usize].is_none() =>
-                {
-                    streams[i as usize] = Some(c)
-                }
-                _ => {
-                    return Err(ProtocolError::Unexpected {
-                        got: Kind::Hello,
-                        want: "a bulk Hello of this session",
-                    }
-                    .into())
-                }
-            }
-        }
-        streams
-            .into_iter()
-            .map(|c| c.ok_or(ProtocolError::Closed.into()))
-            .collect()
+        accept_bulk(
+            self.listener,
+            self.timeout,
+            self.hello.session,
+            self.hello.streams,
+        )
     }
 
     /// Receives the migration into `vm` through `sink`: bulk streams on
@@ -255,6 +236,39 @@ impl<'a> DestSession<'a> {
         }
         result
     }
+}
+
+/// Accepts `streams` bulk connections of `session` (clamped to 1-64),
+/// each by its role; anything else fails the session.
+pub(crate) fn accept_bulk(
+    listener: &Listener,
+    timeout: Duration,
+    session: u64,
+    streams: u16,
+) -> Result<Vec<Conn>, MigrationError> {
+    let n = streams.clamp(1, 64) as usize;
+    let mut slots: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let (c, h) = listener.accept_hello(timeout)?;
+        match h.role {
+            Role::Bulk(i)
+                if h.session == session && (i as usize) < n && slots[i as usize].is_none() =>
+            {
+                slots[i as usize] = Some(c)
+            }
+            _ => {
+                return Err(ProtocolError::Unexpected {
+                    got: Kind::Hello,
+                    want: "a bulk Hello of this session",
+                }
+                .into())
+            }
+        }
+    }
+    slots
+        .into_iter()
+        .map(|c| c.ok_or(ProtocolError::Closed.into()))
+        .collect()
 }
 
 /// Decodes a RoundDone and checks that it counts frames for every bulk stream.

@@ -93,6 +93,15 @@ impl<'a> SourceSession<'a> {
         self.id
     }
 
+    /// When the migration started, in seconds since the Unix epoch (a
+    /// resumed session keeps the original start).
+    pub(crate) fn start_unix_s(&self) -> f64 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        now - self.t_start.elapsed().as_secs_f64()
+    }
+
     /// The destination.
     pub(crate) fn to(&self) -> &Endpoint {
         self.to
