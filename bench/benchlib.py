@@ -18,3 +18,54 @@ def kept_notes(md_path):
         return ""
     old = open(md_path).read()
     return old[old.index("\n## "):] if "\n## " in old else ""
+
+
+def sh(*args, check=True, **kw):
+    """Runs a command, capturing its output as text."""
+    import subprocess
+    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
+
+
+def in_host(host, *args):
+    """`args` run inside lab host `host` (a network namespace); as they
+    are when `host` is None (this host)."""
+    return ["ip", "netns", "exec", host, *args] if host else list(args)
+
+
+def fresh(*paths):
+    """Removes sockets a previous run left."""
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def wait_for(*paths, timeout=20):
+    """Waits until the VMMs have created their control sockets."""
+    import time
+    deadline = time.time() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.time() > deadline:
+            raise RuntimeError("VMMs did not start")
+        time.sleep(0.05)
+
+
+def reap(*procs):
+    """Kills what is still running of `procs` (None entries are skipped)."""
+    for p in procs:
+        if p and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def start_proxy(ferry, host, listen, rtt):
+    """A `ferry lab delay` proxy on `host` (listening on its address `listen`
+    points at) in front of `listen`; returns (process, address to migrate
+    to), or (None, listen) without added delay."""
+    import subprocess
+    if rtt <= 0:
+        return None, listen
+    ip = listen.rsplit(":", 1)[0]
+    proxy = subprocess.Popen(in_host(host, ferry, "lab", "delay", "--listen", f"{ip}:0",
+                                     "--to", listen, "--rtt-ms", str(rtt)),
+                             stdout=subprocess.PIPE, text=True)
+    return proxy, proxy.stdout.readline().strip()

@@ -23,16 +23,9 @@ import tempfile
 import time
 
 import benchlib
+from benchlib import in_host, sh
 
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
-
-
-def sh(*args, check=True, **kw):
-    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
-
-
-def in_host(host, *args):
-    return ["ip", "netns", "exec", host, *args]
 
 
 def progress(ferry, sock):
@@ -46,9 +39,7 @@ def progress(ferry, sock):
 
 def migrate_once(ferry, workload, mode, after, tmp, port):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock)
     common = ["run", "--mem", "1G", "--vcpus", "2", "--workload", workload, "--quiet", "--json"]
     dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{DST[1]}:{port}",
                                    "--control", dst_sock, "--duration", "5s"),
@@ -56,11 +47,7 @@ def migrate_once(ferry, workload, mode, after, tmp, port):
     src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "120s"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 20
-        while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
-            if time.time() > deadline:
-                raise RuntimeError("VMMs did not start")
-            time.sleep(0.02)
+        benchlib.wait_for(src_sock, dst_sock)
         time.sleep(1.5)  # the working set is touched once
         t0, p0 = progress(ferry, src_sock)
         time.sleep(1.0)
@@ -74,10 +61,7 @@ def migrate_once(ferry, workload, mode, after, tmp, port):
             raise RuntimeError(m.stderr)
         stats = json.loads(m.stdout)
     finally:
-        for p in (src, dst):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        benchlib.reap(src, dst)
     before = (p1 - p0) / (t1 - t0)
     # From the migration's start (just after t1) to the destination's counter read.
     during = (p2 - p1) / (t2 - t1) if p2 is not None else float("nan")

@@ -43,6 +43,7 @@ import tempfile
 import time
 
 import benchlib
+from benchlib import in_host, sh
 
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
 LOCAL = (None, "127.0.0.1")
@@ -52,25 +53,6 @@ def workload(mem):
     """dirty over half the VM's memory, plus one compute task."""
     mib = int(mem[:-1]) * (1024 if mem[-1] in "gG" else 1)
     return f"dirty:rate=256,wss={mib // 2},pattern=random+compute:tasks=1"
-
-
-def sh(*args, check=True, **kw):
-    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
-
-
-def in_host(host, *args):
-    return ["ip", "netns", "exec", host, *args] if host else list(args)
-
-
-def start_proxy(ferry, listen, rtt):
-    """A `ferry lab delay` proxy on the destination host in front of
-    `listen`; returns (process, address to migrate to)."""
-    if rtt <= 0:
-        return None, listen
-    proxy = subprocess.Popen(in_host(DST[0], ferry, "lab", "delay", "--listen", f"{DST[1]}:0",
-                                     "--to", listen, "--rtt-ms", str(rtt)),
-                             stdout=subprocess.PIPE, text=True)
-    return proxy, proxy.stdout.readline().strip()
 
 
 def fault_figures(stats):
@@ -95,9 +77,7 @@ def fault_figures(stats):
 
 def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock)
     common = ["run", "--mem", mem, "--vcpus", "2", "--workload", workload(mem), "--quiet", "--json"]
     listen = f"{DST[1]}:{port}"
     dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}",
@@ -105,13 +85,9 @@ def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "120s"),
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    proxy, to = start_proxy(ferry, listen, rtt)
+    proxy, to = benchlib.start_proxy(ferry, DST[0], listen, rtt)
     try:
-        deadline = time.time() + 20
-        while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
-            if time.time() > deadline:
-                raise RuntimeError("VMMs did not start")
-            time.sleep(0.05)
+        benchlib.wait_for(src_sock, dst_sock)
         time.sleep(2.5)  # boot, and let dirty fill its working set
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
                         "--prefetch", str(prefetch), "--json"), check=False)
@@ -120,10 +96,7 @@ def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
         stats = json.loads(m.stdout)
         dst.wait(timeout=60)
     finally:
-        for p in (src, dst, proxy):
-            if p and p.poll() is None:
-                p.kill()
-                p.wait()
+        benchlib.reap(src, dst, proxy)
     return fault_figures(stats)
 
 
@@ -136,9 +109,7 @@ def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
     each task's time to touch its region after the switch, and the
     migration's figures."""
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock)
     spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
     common = ["run", "--mem", a.mem, "--vcpus", "2", "--workload", spec, "--quiet", "--json"]
     listen = f"{DST[1]}:{port}"
@@ -149,13 +120,9 @@ def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "600s"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-    proxy, to = start_proxy(ferry, listen, rtt)
+    proxy, to = benchlib.start_proxy(ferry, DST[0], listen, rtt)
     try:
-        deadline = time.time() + 20
-        while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
-            if time.time() > deadline:
-                raise RuntimeError("VMMs did not start")
-            time.sleep(0.05)
+        benchlib.wait_for(src_sock, dst_sock)
         # Every task has filled its region and waits for the move.
         t_fill = time.time()
         deadline = t_fill + 300
@@ -178,10 +145,7 @@ def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
         out, _ = dst.communicate(timeout=600)
         summary = json.loads(out)
     finally:
-        for p in (src, dst, proxy):
-            if p and p.poll() is None:
-                p.kill()
-                p.wait()
+        benchlib.reap(src, dst, proxy)
     w = summary["workloads"][0]
     task_s = [ms / 1e3 for ms in w["finished_task_ms"]]
     if len(task_s) != a.memtouch_tasks or summary["vm"]["apf"] != (apf == "on"):

@@ -32,30 +32,15 @@ import tempfile
 import time
 
 import benchlib
+from benchlib import in_host, sh
 
 SRC, DST, CLI = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2"), "ferry-h3"
 BIN_S = 0.1
 BEFORE_S, AFTER_S = 2.0, 5.0
 
 
-def sh(*args, check=True, **kw):
-    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
-
-
-def in_host(host, *args):
-    return ["ip", "netns", "exec", host, *args]
-
-
 def workload(keys):
     return f"kv:workers=4,keys={keys},value=1024"
-
-
-def wait_paths(*paths, timeout=30):
-    deadline = time.time() + timeout
-    while not all(os.path.exists(p) for p in paths):
-        if time.time() > deadline:
-            raise RuntimeError("VMMs did not start: " + " ".join(open(p.replace(".sock", ".err")).read()[-300:] for p in paths))
-        time.sleep(0.05)
 
 
 def served(ferry, sock):
@@ -70,26 +55,20 @@ def served(ferry, sock):
 def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     csv_path = os.path.join(tmp, "requests.csv")
-    for p in (src_sock, dst_sock, csv_path):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock, csv_path)
     common = ["run", "--mem", "1G", "--vcpus", "2", "--workload", workload(keys), "--quiet", "--json"]
     listen = f"{DST[1]}:{port}"
     svc = f"{SRC[1]}:{port + 1}"
     dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}", "--apf", apf,
                                    "--serve", f"{DST[1]}:0", "--control", dst_sock, "--duration", f"{load_s + 5:.0f}s"),
-                           stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "dst.err"), "w"), text=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--serve", svc, "--control", src_sock,
                                    "--duration", "300s"),
-                           stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "src.err"), "w"), text=True)
-    proxy, to, load = None, listen, None
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    load = None
+    proxy, to = benchlib.start_proxy(ferry, DST[0], listen, rtt)
     try:
-        if rtt > 0:
-            proxy = subprocess.Popen(in_host(DST[0], ferry, "lab", "delay", "--listen", f"{DST[1]}:0",
-                                             "--to", listen, "--rtt-ms", str(rtt)),
-                                     stdout=subprocess.PIPE, text=True)
-            to = proxy.stdout.readline().strip()
-        wait_paths(src_sock, dst_sock)
+        benchlib.wait_for(src_sock, dst_sock, timeout=30)
         load = subprocess.Popen(in_host(CLI, ferry, "load", "--target", svc, "--clients", "128",
                                         "--duration", f"{load_s}s", "--out", csv_path, "--json", "--quiet"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -109,10 +88,7 @@ def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s):
         out, err = load.communicate(timeout=load_s + 60)
         summary = json.loads(out)
     finally:
-        for p in (src, dst, proxy, load):
-            if p and p.poll() is None:
-                p.kill()
-                p.wait()
+        benchlib.reap(src, dst, proxy, load)
     with open(csv_path) as f:
         reqs = [(int(r["send_us"]) / 1e6, int(r["latency_us"]), r["outcome"]) for r in csv.DictReader(f)]
     p = stats["postcopy"]
