@@ -3,6 +3,7 @@
 mod bench;
 mod delay;
 mod format;
+mod handover;
 mod lab;
 mod load;
 mod migrate;
@@ -34,6 +35,9 @@ enum Command {
     Load(load::LoadArgs),
     /// Live-migrate a running VM to a destination started with `ferry run --incoming`.
     Migrate(migrate::MigrateArgs),
+    /// Move a running VM to a new VMM process on this host (e.g. a newer
+    /// ferry) without copying its memory; its control socket path stays.
+    Handover(handover::HandoverArgs),
     /// Run a benchmark suite (results go to bench/results/ with their command).
     Bench(bench::BenchArgs),
     /// Test hosts as network namespaces (for migrations across a real network).
@@ -86,6 +90,7 @@ fn main() -> ExitCode {
         Command::Lab(cmd) => lab::lab(cmd),
         Command::Bench(args) => bench::bench(args),
         Command::Migrate(args) => migrate::migrate(args),
+        Command::Handover(args) => handover::handover(args),
         Command::Status {
             socket,
             json,

@@ -2,16 +2,16 @@
 //! 10 ms, show a live line, and end with a summary.
 
 use std::fs::File;
-use std::io::{BufWriter, IsTerminal, Write};
+use std::io::{IsTerminal, LineWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use ferry_vmm::boot::layout::parse_size;
-use ferry_vmm::control::{ControlServer, VmControl};
+use ferry_vmm::control::{ControlServer, HandoverSetup, VmControl};
 use ferry_vmm::metrics::{rate, MetricsSnapshot};
 use ferry_vmm::workload::WORKLOAD_HELP;
 use ferry_vmm::{Vm, VmConfig, VmExit, WorkloadSet};
@@ -100,6 +100,38 @@ pub struct RunArgs {
     /// Do not show the live line or guest console.
     #[arg(long, short)]
     quiet: bool,
+    /// Take over a running VM from the VMM at the other end of this Unix
+    /// socket (how `ferry handover` starts the new VMM; not for people).
+    #[arg(long, hide = true)]
+    adopt_fd: Option<i32>,
+}
+
+/// What the front end of a run passes to the next process at a handover,
+/// so the run goes on there as it would have here.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Carried {
+    json: bool,
+    quiet: bool,
+    timeline: Option<PathBuf>,
+    duration_ms: Option<u64>,
+    /// When the run's clock started (ms since the epoch).
+    started_unix_ms: u64,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The guest console: printed unless quiet (which a taken-over VM learns
+/// only with the offer, after its console exists).
+fn console_sink(quiet: Arc<AtomicBool>) -> ferry_vmm::devices::serial::ConsoleSink {
+    Arc::new(move |line: &str| {
+        if !quiet.load(Ordering::Relaxed) {
+            eprintln!("guest> {line}")
+        }
+    })
 }
 
 /// Why the run ended.
@@ -112,22 +144,21 @@ enum Ending {
     Interrupted,
     ControlQuit,
     GuestStopped,
+    HandedOver,
 }
 
 pub fn run(args: RunArgs) -> Result<ExitCode> {
+    if let Some(fd) = args.adopt_fd {
+        return adopt(fd);
+    }
     let quiet = args.quiet;
-    let console: Option<ferry_vmm::devices::serial::ConsoleSink> = if quiet {
-        None
-    } else {
-        Some(Arc::new(|line: &str| eprintln!("guest> {line}")))
-    };
     let mut config = VmConfig::new(args.mem, args.vcpus, args.workload.clone());
     config.kernel = args.kernel.clone();
     config.apf = args.apf && !args.no_apf;
     config.tick_hz = args.tick_hz;
     config.seed = args.seed;
     config.kvm_path = args.kvm.clone();
-    config.console = console;
+    config.console = (!quiet).then(|| console_sink(Arc::new(AtomicBool::new(false))));
     config.serve = args.serve;
 
     let t_create = Instant::now();
@@ -136,15 +167,27 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         .control
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("/tmp/ferry-{}.sock", std::process::id())));
-    let _server = ControlServer::start(&socket, Arc::new(VmControl::new(vm.clone())))?;
-    let mut timeline = match &args.timeline {
+    let control = Arc::new(VmControl::new(vm.clone()));
+    let server = ControlServer::start(&socket, control.clone())?;
+    let timeline = match &args.timeline {
         Some(p) => {
-            Some(BufWriter::new(File::create(p).with_context(|| {
+            Some(LineWriter::new(File::create(p).with_context(|| {
                 format!("cannot create timeline {}", p.display())
             })?))
         }
         None => None,
     };
+    let carried = Arc::new(Mutex::new(Carried {
+        json: args.json,
+        quiet,
+        timeline: args
+            .timeline
+            .as_ref()
+            .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
+        duration_ms: args.duration.map(|d| d.as_millis() as u64),
+        started_unix_ms: 0,
+    }));
+    offer_handover(&control, &server, &carried)?;
     if !quiet {
         eprintln!(
             "ferry: VM with {} RAM, {} vCPU(s), workload {}; control socket {}",
@@ -217,13 +260,128 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             Some(got)
         }
     };
+    let t_start = Instant::now();
+    carried
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .started_unix_ms = unix_ms();
+    let front = carried.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut summary_extra = serde_json::Map::new();
+    summary_extra.insert("incoming".into(), args.incoming.is_some().into());
+    if let Some(got) = &received {
+        summary_extra.insert("received".into(), serde_json::to_value(got)?);
+    }
+    drive(&vm, &front, timeline, t_create, t_start, summary_extra)
+}
+
+/// The handover request's needs: this binary, the control socket, and
+/// this run's settings for the next process.
+fn offer_handover(
+    control: &VmControl,
+    server: &ControlServer,
+    carried: &Arc<Mutex<Carried>>,
+) -> Result<()> {
+    let carried = carried.clone();
+    control.set_handover(HandoverSetup {
+        default_binary: std::env::current_exe().context("cannot find the ferry binary")?,
+        control: Some(server.socket()),
+        run: Box::new(move || {
+            let c = carried.lock().unwrap_or_else(|e| e.into_inner());
+            serde_json::to_string(&*c).unwrap_or_default()
+        }),
+    });
+    Ok(())
+}
+
+/// `ferry run --adopt-fd N`: the new VMM of a handover.
+fn adopt(fd: i32) -> Result<ExitCode> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: all-zero is a valid `struct stat` (plain integers).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on any integer only reads it (failing on a closed fd)
+    // and writes the stat buffer we own.
+    let is_open = fd >= 0 && unsafe { libc::fstat(fd, &mut st) } == 0;
+    if !is_open || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        bail!("--adopt-fd {fd} is not an open socket (it is for `ferry handover`, which starts this process)");
+    }
+    // SAFETY: the descriptor is open (checked above) and this process owns
+    // it from here: `ferry handover` passed it for this purpose alone.
+    let sock = std::os::unix::net::UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let quiet = Arc::new(AtomicBool::new(true));
+    let taken = ferry_vmm::handover::take_over(sock, Some(console_sink(quiet.clone())))
+        .context("handover failed; the VM keeps running in the old VMM")?;
+    let mut front: Carried = serde_json::from_str(&taken.run).unwrap_or_default();
+    quiet.store(front.quiet, Ordering::Relaxed);
+    let vm = taken.vm.clone();
+    let control = Arc::new(VmControl::new(vm.clone()));
+    let server = match taken.control {
+        Some((path, listener)) => Some(ControlServer::adopt(listener, &path, control.clone())?),
+        None => None,
+    };
+    if !front.quiet {
+        eprintln!(
+            "ferry: took over the VM from pid {} ({:.2} ms downtime, {} client connections){}",
+            taken.from_pid,
+            taken.downtime_ms,
+            taken.connections,
+            server
+                .as_ref()
+                .map(|s| format!("; control socket {}", s.path().display()))
+                .unwrap_or_default()
+        );
+    }
+    let timeline = match &front.timeline {
+        Some(p) => Some(LineWriter::new(
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot reopen timeline {}", p.display()))?,
+        )),
+        None => None,
+    };
+    // The run's clock goes on from where the old process started it.
+    let ran = Duration::from_millis(unix_ms().saturating_sub(front.started_unix_ms));
+    let t_start = Instant::now().checked_sub(ran).unwrap_or_else(Instant::now);
+    if front.started_unix_ms == 0 {
+        front.started_unix_ms = unix_ms();
+    }
+    let carried = Arc::new(Mutex::new(front.clone()));
+    if let Some(s) = &server {
+        offer_handover(&control, s, &carried)?;
+    }
+    let mut extra = serde_json::Map::new();
+    extra.insert("incoming".into(), false.into());
+    extra.insert(
+        "handover".into(),
+        serde_json::json!({
+            "from_pid": taken.from_pid,
+            "downtime_ms": taken.downtime_ms,
+            "build_ms": taken.build_ms,
+            "connections": taken.connections,
+        }),
+    );
+    let code = drive(&vm, &front, timeline, Instant::now(), t_start, extra);
+    drop(server);
+    code
+}
+
+/// Samples the running VM until the run ends, then reports.
+fn drive(
+    vm: &Arc<Vm>,
+    front: &Carried,
+    mut timeline: Option<LineWriter<File>>,
+    t_create: Instant,
+    t_start: Instant,
+    summary_extra: serde_json::Map<String, serde_json::Value>,
+) -> Result<ExitCode> {
+    let quiet = front.quiet;
+    let duration = front.duration_ms.map(Duration::from_millis);
     // Only now catch Ctrl-C / SIGTERM (to end with a summary): while an
     // incoming VMM waits for its migration, they simply end the process.
     let interrupted = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, interrupted.clone())?;
     }
-    let t_start = Instant::now();
     let mut first: Option<MetricsSnapshot> = None;
     // Per workload: the first sample where it had made progress. Rates are
     // measured from there, so set-up (e.g. dirty touching its working set
@@ -242,6 +400,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                 VmExit::Stopped if interrupted.load(Ordering::Relaxed) => Ending::Interrupted,
                 VmExit::Stopped => Ending::ControlQuit,
                 VmExit::Migrated { .. } => Ending::Migrated,
+                VmExit::HandedOver { .. } => Ending::HandedOver,
                 _ => Ending::GuestStopped,
             };
         }
@@ -260,11 +419,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             }
         }
         if let Some(w) = timeline.as_mut() {
-            write_sample(w, &vm, &snap, t_start)?;
+            write_sample(w, vm, &snap, t_start)?;
         }
         if live && last_live.elapsed() >= LIVE_EVERY {
             if let Some(base) = &live_base {
-                eprint!("\r\x1b[2K{}", live_line(&vm, base, &snap, t_start));
+                eprint!("\r\x1b[2K{}", live_line(vm, base, &snap, t_start));
             }
             live_base = Some(snap.clone());
             last_live = Instant::now();
@@ -272,15 +431,28 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         if interrupted.load(Ordering::Relaxed) {
             break Ending::Interrupted;
         }
-        if args.duration.is_some_and(|d| t_start.elapsed() >= d) {
+        if duration.is_some_and(|d| t_start.elapsed() >= d) {
             break Ending::Duration;
         }
         let done =
             (0..vm.config().workloads.0.len()).all(|i| snap.tasks_done(i) >= snap.tasks_of(i));
-        if args.duration.is_none() && vm.config().workloads.finishes() && done {
+        if duration.is_none() && vm.config().workloads.finishes() && done {
             break Ending::WorkloadsDone;
         }
     };
+    if let (Ending::HandedOver, VmExit::HandedOver { pid }) = (ending, vm.stop()) {
+        // The run goes on in the new process (same stdout, same control
+        // socket path); guest memory is its now, so nothing here reads it.
+        if live {
+            eprint!("\r\x1b[2K");
+        }
+        if !quiet {
+            eprintln!(
+                "ferry: the VM was handed over to VMM process {pid}, which carries on this run; this process exits"
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if let (Ending::Migrated, Some(svc)) = (ending, vm.service()) {
         if let Some(to) = svc.redirected_to() {
             // Like a moved IP address: this host keeps the VM's service port and
@@ -292,7 +464,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
                 );
             }
             while !interrupted.load(Ordering::Relaxed)
-                && args.duration.is_none_or(|d| t_start.elapsed() < d)
+                && duration.is_none_or(|d| t_start.elapsed() < d)
             {
                 std::thread::sleep(Duration::from_millis(50));
             }
@@ -307,15 +479,14 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     if let Some(mut w) = timeline {
         w.flush()?;
     }
-    let mut summary = summary_json(&vm, &started, &last, ending, &exit, boot_ms, ran);
-    summary["incoming"] = serde_json::Value::Bool(args.incoming.is_some());
-    if let Some(got) = &received {
-        summary["received"] = serde_json::to_value(got)?;
+    let mut summary = summary_json(vm, &started, &last, ending, &exit, boot_ms, ran);
+    if let Some(obj) = summary.as_object_mut() {
+        obj.extend(summary_extra);
     }
-    if args.json {
+    if front.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
-        print_summary(&vm, &summary, &exit);
+        print_summary(vm, &summary, &exit);
     }
     let failed = exit.is_error() || (0..vm.config().workloads.0.len()).any(|i| last.result(i) == 2);
     Ok(if failed {

@@ -55,6 +55,13 @@ pub enum Request {
         #[serde(default)]
         reconnect_timeout_ms: Option<u64>,
     },
+    /// Move the VM to a new VMM process on this host without copying its
+    /// memory; the control socket's path moves with it.
+    Handover {
+        /// The ferry binary the new process runs (default: this one's).
+        #[serde(default)]
+        binary: Option<String>,
+    },
     /// Write the guest's non-zero pages, in guest address order, to a file.
     Dump {
         /// Where (a path on the VMM's host).
@@ -118,10 +125,51 @@ pub trait ControlHandler: Send + Sync {
     fn after_reply(&self) {}
 }
 
-/// A listening control socket; removed when dropped.
-pub struct ControlServer {
+/// A control socket's listener, shared by its accept thread and a handover
+/// (which lends it to the next VMM process, so clients keep the path).
+pub struct ControlSocket {
     path: PathBuf,
-    stop: Arc<AtomicBool>,
+    listener: UnixListener,
+    /// False while a handover holds new clients in the listen queue.
+    accepting: AtomicBool,
+    stop: AtomicBool,
+    /// Another process serves the path now: do not remove it.
+    retired: AtomicBool,
+}
+
+impl ControlSocket {
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The listening socket, to duplicate for the next process.
+    pub fn listener(&self) -> &UnixListener {
+        &self.listener
+    }
+
+    /// New clients wait in the listen queue until [`accept_again`](Self::accept_again)
+    /// (or the next process accepts them).
+    pub fn hold_clients(&self) {
+        self.accepting.store(false, Ordering::Release);
+    }
+
+    /// Accept clients again (a handover failed).
+    pub fn accept_again(&self) {
+        self.accepting.store(true, Ordering::Release);
+    }
+
+    /// Another process serves this path now: stop accepting for good, and
+    /// leave the path in place when this server is dropped.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// A listening control socket; removed when dropped (unless retired).
+pub struct ControlServer {
+    socket: Arc<ControlSocket>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -134,52 +182,78 @@ impl ControlServer {
             }
             let _ = std::fs::remove_file(path); // stale socket of a VMM that died
         }
+        let listener = UnixListener::bind(path).map_err(|source| ControlError::Listen {
+            path: path.into(),
+            source,
+        })?;
+        Self::adopt(listener, path, handler)
+    }
+
+    /// Serves a listening socket bound at `path` by another VMM process
+    /// (a handover): the path stays, clients queued on it are served here.
+    pub fn adopt(
+        listener: UnixListener,
+        path: &Path,
+        handler: Arc<dyn ControlHandler>,
+    ) -> Result<Self, ControlError> {
         let listen_err = |source| ControlError::Listen {
             path: path.into(),
             source,
         };
-        let listener = UnixListener::bind(path).map_err(listen_err)?;
         listener.set_nonblocking(true).map_err(listen_err)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
+        let socket = Arc::new(ControlSocket {
+            path: path.into(),
+            listener,
+            accepting: AtomicBool::new(true),
+            stop: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+        });
+        let s = socket.clone();
         let thread = std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || accept_loop(listener, handler, stop2))
+            .spawn(move || accept_loop(&s, handler))
             .map_err(listen_err)?;
         Ok(ControlServer {
-            path: path.into(),
-            stop,
+            socket,
             thread: Some(thread),
         })
     }
 
     /// The socket path.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.socket.path
+    }
+
+    /// The shared listener (for a handover).
+    pub fn socket(&self) -> Arc<ControlSocket> {
+        self.socket.clone()
     }
 }
 
 impl Drop for ControlServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+        self.socket.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        if !self.socket.retired.load(Ordering::Acquire) {
+            let _ = std::fs::remove_file(&self.socket.path);
+        }
     }
 }
 
-fn accept_loop(listener: UnixListener, handler: Arc<dyn ControlHandler>, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::Acquire) {
-        match listener.accept() {
+fn accept_loop(socket: &ControlSocket, handler: Arc<dyn ControlHandler>) {
+    while !socket.stop.load(Ordering::Acquire) {
+        if !socket.accepting.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        match socket.listener.accept() {
             Ok((stream, _)) => {
                 let h = handler.clone();
                 let _ = std::thread::Builder::new()
                     .name("control-conn".into())
                     .spawn(move || serve(stream, h));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20))
             }
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
@@ -266,7 +340,10 @@ impl ControlClient {
         // A migration may go quiet for longer than a reply may take (a
         // round on a slow link, a postcopy reconnecting); the VMM bounds
         // each of its steps itself.
-        let long = matches!(req, Request::Migrate(_) | Request::MigrateResume { .. });
+        let long = matches!(
+            req,
+            Request::Migrate(_) | Request::MigrateResume { .. } | Request::Handover { .. }
+        );
         self.reader
             .get_ref()
             .set_read_timeout((!long).then_some(Duration::from_secs(10)))?;
@@ -299,12 +376,34 @@ impl ControlClient {
     }
 }
 
+/// What a VMM does once a reply is out.
+enum After {
+    /// Stop the VM (quit).
+    Stop,
+    /// Release it: it runs at this destination now.
+    Migrated(String),
+    /// Release it: this process runs it now.
+    HandedOver(u32),
+}
+
+/// What a handover needs from the VMM's front end.
+pub struct HandoverSetup {
+    /// The binary a handover runs when the request names none.
+    pub default_binary: PathBuf,
+    /// The control socket whose path moves with the VM.
+    pub control: Option<Arc<ControlSocket>>,
+    /// The front end's settings for the new process (JSON text), taken at
+    /// the time of the handover.
+    pub run: Box<dyn Fn() -> String + Send + Sync>,
+}
+
 /// Serves the control requests of one [`Vm`].
 pub struct VmControl {
     vm: Arc<Vm>,
-    /// What to do once the reply is out: stop the VM (quit), or release it
-    /// after a completed migration (Some(destination)).
-    after: std::sync::Mutex<Option<Option<String>>>,
+    /// What to do once the reply is out.
+    after: std::sync::Mutex<Option<After>>,
+    /// How to hand the VM over (None: handover refused).
+    handover: std::sync::Mutex<Option<HandoverSetup>>,
     /// A postcopy whose link broke: the VM runs at the destination and
     /// needs pages only this VM holds, so it must never run here again.
     paused: std::sync::Mutex<Option<ferry_migration::PausedPostcopy>>,
@@ -316,8 +415,14 @@ impl VmControl {
         VmControl {
             vm,
             after: std::sync::Mutex::new(None),
+            handover: std::sync::Mutex::new(None),
             paused: std::sync::Mutex::new(None),
         }
+    }
+
+    /// Lets `handover` requests run, with what they need from the front end.
+    pub fn set_handover(&self, setup: HandoverSetup) {
+        *self.handover.lock().unwrap_or_else(|e| e.into_inner()) = Some(setup);
     }
 }
 
@@ -368,8 +473,9 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
 impl ControlHandler for VmControl {
     fn after_reply(&self) {
         match self.after.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(Some(to)) => self.vm.finish_migrated(to),
-            Some(None) => self.vm.request_stop(),
+            Some(After::Migrated(to)) => self.vm.finish_migrated(to),
+            Some(After::HandedOver(pid)) => self.vm.finish_handed_over(pid),
+            Some(After::Stop) => self.vm.request_stop(),
             None => {}
         }
     }
@@ -421,9 +527,13 @@ impl ControlHandler for VmControl {
                 self.migrated(dest.to_string(), result)
             }
             Request::Quit => {
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(None);
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(After::Stop);
                 Ok(json!({}))
             }
+            Request::Handover { .. } if self.postcopy_paused() => Err(
+                "a postcopy migration of this VM is paused; continue it with `ferry migrate --resume`".into(),
+            ),
+            Request::Handover { binary } => self.hand_over(binary, progress),
             Request::Migrate(m) => {
                 let result = crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
                     if let Ok(v) = serde_json::to_value(p) {
@@ -437,6 +547,40 @@ impl ControlHandler for VmControl {
 }
 
 impl VmControl {
+    /// Runs a handover; the VM is released here once the reply is out.
+    fn hand_over(
+        &self,
+        binary: Option<String>,
+        progress: &mut dyn FnMut(Value),
+    ) -> Result<Value, String> {
+        use crate::handover::{hand_over, HandoverError, HandoverPlan};
+        let setup = self.handover.lock().unwrap_or_else(|e| e.into_inner());
+        let setup = setup
+            .as_ref()
+            .ok_or("this VMM cannot hand its VM over (it runs without a front end that can)")?;
+        let plan = HandoverPlan {
+            binary: binary.map_or_else(|| setup.default_binary.clone(), PathBuf::from),
+            control: setup.control.clone(),
+            run: (setup.run)(),
+        };
+        match hand_over(&self.vm, &plan, &mut |step| {
+            progress(json!({ "step": step }))
+        }) {
+            Ok(stats) => {
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(After::HandedOver(stats.new_pid));
+                Ok(json!({ "stats": stats }))
+            }
+            Err(HandoverError::InDoubt { pid, reason }) => {
+                // Never run here again: the new process may run it.
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(After::HandedOver(pid));
+                Err(format!("handover outcome unknown: the new VMM (pid {pid}) took the VM and then did not confirm it runs it ({reason}); this VMM lets the VM go"))
+            }
+            Err(e) => Err(format!("handover failed, the VM keeps running here: {e}")),
+        }
+    }
+
     fn postcopy_paused(&self) -> bool {
         self.paused
             .lock()
@@ -455,7 +599,7 @@ impl VmControl {
         use ferry_migration::MigrationError as E;
         match result {
             Ok(stats) => {
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(Some(to));
+                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(After::Migrated(to));
                 Ok(json!({ "stats": stats }))
             }
             Err(e @ E::PostcopyPaused(_)) => {

@@ -11,6 +11,7 @@ pub mod codec_backend;
 pub mod control;
 pub mod devices;
 pub mod guest_abi;
+pub mod handover;
 pub mod metrics;
 pub mod migration;
 pub mod vmm;

@@ -211,6 +211,11 @@ pub enum VmExit {
         /// Where it went.
         to: String,
     },
+    /// Another VMM process on this host runs it now (a handover).
+    HandedOver {
+        /// That process.
+        pid: u32,
+    },
     /// The guest wrote its exit port.
     GuestExit {
         /// vCPU that wrote it.
@@ -275,7 +280,10 @@ impl VmExit {
     pub fn is_error(&self) -> bool {
         !matches!(
             self,
-            VmExit::Stopped | VmExit::Migrated { .. } | VmExit::GuestExit { code: 0, .. }
+            VmExit::Stopped
+                | VmExit::Migrated { .. }
+                | VmExit::HandedOver { .. }
+                | VmExit::GuestExit { code: 0, .. }
         )
     }
 }
@@ -285,6 +293,7 @@ impl fmt::Display for VmExit {
         match self {
             VmExit::Stopped => write!(f, "stopped by the host"),
             VmExit::Migrated { to } => write!(f, "migrated to {to}"),
+            VmExit::HandedOver { pid } => write!(f, "handed over to VMM process {pid}"),
             VmExit::GuestExit { cpu, code } => write!(f, "guest exited with code {code} (vCPU {cpu})"),
             VmExit::GuestPanic { cpu, message, regs } => {
                 write!(f, "guest panic on vCPU {cpu}: {message}\n  registers: {regs}")
@@ -495,6 +504,25 @@ impl Vm {
     /// ([`install_boot_image`](Self::install_boot_image)) or, for memory that
     /// holds a guest already, its saved state ([`restore_state`](Self::restore_state)).
     pub fn build(config: VmConfig, memory: Arc<GuestMemory>) -> Result<Vm, VmError> {
+        Self::build_with(config, memory, None)
+    }
+
+    /// Like [`build`](Self::build), with the service device on a listening
+    /// socket another VMM process handed over (a handover), instead of one
+    /// bound from the config's address.
+    pub fn build_adopting(
+        config: VmConfig,
+        memory: Arc<GuestMemory>,
+        service_listener: Option<std::net::TcpListener>,
+    ) -> Result<Vm, VmError> {
+        Self::build_with(config, memory, service_listener)
+    }
+
+    fn build_with(
+        config: VmConfig,
+        memory: Arc<GuestMemory>,
+        service_listener: Option<std::net::TcpListener>,
+    ) -> Result<Vm, VmError> {
         let layout = config.check()?;
         let found: Vec<(u64, u64)> = memory
             .regions()
@@ -545,15 +573,23 @@ impl Vm {
                 .serves()
                 .then(|| SocketAddr::from(([127, 0, 0, 1], 0)))
         });
-        let service = match serve {
-            Some(addr) => {
-                let s = ServiceDevice::start(addr, memory.clone(), vm_fd.clone(), config.vcpus)?;
-                // Nothing goes into the ring before the VM starts: the memory
-                // may hold a guest whose state (and ring) is still arriving.
-                s.hold();
-                Some(s)
-            }
-            None => None,
+        // A device is built held: nothing goes into the ring before the VM
+        // starts, as the memory may hold a guest whose state (and ring) is
+        // still arriving or being handed over.
+        let service = match (service_listener, serve) {
+            (Some(l), _) => Some(ServiceDevice::adopt(
+                l,
+                memory.clone(),
+                vm_fd.clone(),
+                config.vcpus,
+            )?),
+            (None, Some(addr)) => Some(ServiceDevice::start(
+                addr,
+                memory.clone(),
+                vm_fd.clone(),
+                config.vcpus,
+            )?),
+            (None, None) => None,
         };
         let shared = Arc::new(VmShared {
             requested: AtomicU8::new(RunState::Running as u8),
@@ -637,6 +673,22 @@ impl Vm {
 
     /// Starts one thread per vCPU.
     pub fn start(&self) -> Result<(), VmError> {
+        self.start_threads()?;
+        if let Some(s) = self.service() {
+            s.release();
+        }
+        Ok(())
+    }
+
+    /// Starts the vCPU threads paused (a handover: everything is ready
+    /// before the commit point, and [`resume`](Self::resume) is then all
+    /// that runs the guest). The service device stays held.
+    pub fn start_paused(&self) -> Result<(), VmError> {
+        self.shared.set_requested(RunState::Paused);
+        self.start_threads()
+    }
+
+    fn start_threads(&self) -> Result<(), VmError> {
         vcpu::install_kick_handler().map_err(VmError::Thread)?;
         let vcpus: Vec<VcpuFd> =
             std::mem::take(&mut *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()));
@@ -665,9 +717,6 @@ impl Vm {
                 .map_err(VmError::Thread)?;
             threads.push(h.pthread_handle());
             handles.push(h);
-        }
-        if let Some(s) = self.service() {
-            s.release();
         }
         Ok(())
     }
@@ -838,6 +887,13 @@ impl Vm {
     /// Releases a VM that now runs elsewhere (it is paused here).
     pub fn finish_migrated(&self, to: String) {
         self.shared.finish(VmExit::Migrated { to });
+    }
+
+    /// Releases a VM another process on this host runs now (it is paused
+    /// here, and its memory is that process's as well: nothing here
+    /// touches it again).
+    pub fn finish_handed_over(&self, pid: u32) {
+        self.shared.finish(VmExit::HandedOver { pid });
     }
 
     /// Slows the guest for auto-converge: every vCPU sits out `pct`% (0-99)

@@ -12,7 +12,10 @@
 //! queued request, and the device's own state is only which connection each
 //! slot belongs to ([`ServiceState`]).
 
+mod conn;
 pub mod wire;
+
+pub use conn::FrozenConn;
 
 use std::collections::HashMap;
 use std::io::{BufReader, Write};
@@ -20,6 +23,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ferry_memory::{GuestMemory, MemoryError};
@@ -27,7 +31,8 @@ use kvm_bindings::kvm_msi;
 use kvm_ioctls::VmFd;
 
 use crate::guest_abi::{self, slot_state, svc_off, svc_slot_gpa, SVC_GPA, SVC_SLOTS};
-use wire::{Op, Request, Response, Status, WireError, MAX_BODY};
+use conn::{Conn, Gate, Out};
+use wire::MAX_BODY;
 
 /// Why the device could not start.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +45,9 @@ pub enum ServiceError {
         /// OS error.
         source: std::io::Error,
     },
+    /// The device cannot hand its connections over now.
+    #[error("the service device cannot hand over its connections: {0}")]
+    Handover(String),
     /// A saved state that no device could have had.
     #[error("saved service state is invalid: {0}")]
     BadState(String),
@@ -89,11 +97,6 @@ pub struct ServiceState {
     pub free_slots: Vec<u16>,
 }
 
-struct Conn {
-    tx: Sender<Vec<u8>>,
-    stream: TcpStream,
-}
-
 struct Ring {
     free: Vec<usize>,
     next_irq_cpu: usize,
@@ -110,6 +113,14 @@ pub struct ServiceDevice {
     conns: Mutex<HashMap<u64, Conn>>,
     next_conn: AtomicU64,
     stop: AtomicBool,
+    /// The listening socket (the accept thread uses a duplicate), kept so
+    /// it can be handed to another VMM process.
+    listener: TcpListener,
+    /// The accept thread runs (from the VM's start until a freeze).
+    accepting: AtomicBool,
+    accept_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Stops the readers between frames for a handover.
+    gate: Gate,
     /// Migration: readers stop posting into the ring (requests wait in the
     /// device) while the VM's memory is being switched over.
     held: AtomicBool,
@@ -120,6 +131,28 @@ pub struct ServiceDevice {
     pub stats: ServiceStats,
 }
 
+/// Connections taken over from another process, registered and not read yet.
+pub struct AdoptedConns(Vec<(FrozenConn, Sender<Out>, std::sync::mpsc::Receiver<Out>)>);
+
+impl AdoptedConns {
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True if none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Starts serving them on `device`, each from what its reader left.
+    pub fn serve(self, device: &Arc<ServiceDevice>) {
+        for (c, tx, rx) in self.0 {
+            device.spawn_connection(c.id, c.stream, c.pending, tx, rx);
+        }
+    }
+}
+
 /// What happens to a request frame.
 enum Route {
     /// Into this VM's ring.
@@ -128,6 +161,8 @@ enum Route {
     Forward(SocketAddr),
     /// The device is shutting down.
     Closed,
+    /// The readers are stopping for a handover: keep the frame.
+    Frozen,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -135,7 +170,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ServiceDevice {
-    /// Binds `addr` (port 0 picks one) and starts accepting clients.
+    /// Binds `addr` (port 0 picks one). Clients are accepted from the VM's
+    /// start on ([`release`](Self::release)); until then they wait in the
+    /// listen queue.
     pub fn start(
         addr: SocketAddr,
         memory: Arc<GuestMemory>,
@@ -144,9 +181,29 @@ impl ServiceDevice {
     ) -> Result<Arc<Self>, ServiceError> {
         let listen_err = |source| ServiceError::Listen { addr, source };
         let listener = TcpListener::bind(addr).map_err(listen_err)?;
+        Self::adopt(listener, memory, vm, vcpus)
+    }
+
+    /// A device on a listening socket another VMM process handed over
+    /// (clients queued on it wait for this process to accept them).
+    pub fn adopt(
+        listener: TcpListener,
+        memory: Arc<GuestMemory>,
+        vm: Arc<VmFd>,
+        vcpus: u32,
+    ) -> Result<Arc<Self>, ServiceError> {
+        let local = listener
+            .local_addr()
+            .map_err(|source| ServiceError::Listen {
+                addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+                source,
+            })?;
+        let listen_err = |source| ServiceError::Listen {
+            addr: local,
+            source,
+        };
         listener.set_nonblocking(true).map_err(listen_err)?;
-        let local = listener.local_addr().map_err(listen_err)?;
-        let dev = Arc::new(ServiceDevice {
+        Ok(Arc::new(ServiceDevice {
             memory,
             vm,
             vcpus: vcpus as usize,
@@ -159,16 +216,45 @@ impl ServiceDevice {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stop: AtomicBool::new(false),
-            held: AtomicBool::new(false),
+            listener,
+            accepting: AtomicBool::new(false),
+            accept_thread: Mutex::new(None),
+            gate: Gate::new().map_err(listen_err)?,
+            held: AtomicBool::new(true),
             redirect: Mutex::new(None),
             stats: ServiceStats::default(),
-        });
-        let d = dev.clone();
-        std::thread::Builder::new()
+        }))
+    }
+
+    /// Starts the accept thread unless it runs.
+    fn start_accepting(self: &Arc<Self>) {
+        let mut t = lock(&self.accept_thread);
+        if t.is_some() || self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(listener) = self.listener.try_clone() else {
+            return;
+        };
+        self.accepting.store(true, Ordering::Release);
+        let d = self.clone();
+        *t = std::thread::Builder::new()
             .name("svc-accept".into())
             .spawn(move || d.accept_loop(listener))
-            .map_err(listen_err)?;
-        Ok(dev)
+            .ok();
+    }
+
+    /// Stops the accept thread and waits for it (new clients wait in the
+    /// listen queue).
+    fn stop_accepting(&self) {
+        self.accepting.store(false, Ordering::Release);
+        if let Some(t) = lock(&self.accept_thread).take() {
+            let _ = t.join();
+        }
+    }
+
+    /// The listening socket (a handover lends it to the next process).
+    pub fn listener(&self) -> &TcpListener {
+        &self.listener
     }
 
     /// The address clients connect to.
@@ -208,10 +294,12 @@ impl ServiceDevice {
         Ok(())
     }
 
-    /// The migration failed: post requests into the ring again.
-    pub fn release(&self) {
+    /// The VM runs (it started, or a migration failed): post requests
+    /// into the ring, and accept clients.
+    pub fn release(self: &Arc<Self>) {
         self.held.store(false, Ordering::SeqCst);
         self.slot_freed.notify_all();
+        self.start_accepting();
     }
 
     /// The VM now runs elsewhere: forward every request (waiting ones
@@ -230,10 +318,119 @@ impl ServiceDevice {
     /// Stops accepting, closes every connection and wakes waiting readers.
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
+        self.stop_accepting();
+        self.gate.thaw();
         for (_, c) in lock(&self.conns).drain() {
             let _ = c.stream.shutdown(Shutdown::Both);
         }
         self.slot_freed.notify_all();
+    }
+
+    /// Handover, first step (the VM still runs): stop accepting, and stop
+    /// every reader between two frames, so no request is half-read or on
+    /// its way into the ring. Requests already in the ring stay there: they
+    /// travel with guest memory, and the next process answers them.
+    /// Undo with [`thaw`](Self::thaw).
+    pub fn freeze(&self, timeout: Duration) -> Result<(), ServiceError> {
+        if let Some(to) = self.redirected_to() {
+            return Err(ServiceError::Handover(format!(
+                "the VM moved to {to} and this device forwards its clients there"
+            )));
+        }
+        if self.stop.load(Ordering::Acquire) {
+            return Err(ServiceError::Handover("the device is shut down".into()));
+        }
+        self.stop_accepting();
+        let frozen = self.gate.freeze(timeout);
+        self.slot_freed.notify_all(); // readers waiting for a slot see the gate
+        if let Err(busy) = frozen {
+            self.thaw();
+            return Err(ServiceError::Handover(format!(
+                "{busy} connection readers did not stop within {timeout:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Handover, second step (the VM is paused, so the guest answers
+    /// nothing more): waits until every answer given so far is written to
+    /// its client, so the next process starts with empty queues.
+    pub fn flush_answers(&self, timeout: Duration) -> Result<(), ServiceError> {
+        let acks: Vec<_> = lock(&self.conns)
+            .values()
+            .map(|c| {
+                let (tx, rx) = channel();
+                let _ = c.tx.send(Out::Barrier(tx));
+                rx
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + timeout;
+        for rx in acks {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            // A writer that ended (its client left) drops the barrier: fine.
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(left) {
+                return Err(ServiceError::Handover(format!(
+                    "a client did not take its answers within {timeout:?}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Handover, third step: duplicates of every connection's socket, each
+    /// with what its reader had not handled. The device
+    /// keeps serving nothing until [`thaw`](Self::thaw) or
+    /// [`hand_off`](Self::hand_off).
+    pub fn export(&self) -> Result<Vec<FrozenConn>, ServiceError> {
+        let io = |e: std::io::Error| ServiceError::Handover(e.to_string());
+        let mut pending = self.gate.pending();
+        let conns = lock(&self.conns)
+            .iter()
+            .map(|(&id, c)| {
+                Ok(FrozenConn {
+                    id,
+                    stream: c.stream.try_clone().map_err(io)?,
+                    pending: pending.remove(&id).unwrap_or_default(),
+                })
+            })
+            .collect::<Result<Vec<_>, ServiceError>>()?;
+        Ok(conns)
+    }
+
+    /// The handover failed: readers go on where they stopped (clients are
+    /// accepted again at [`release`](Self::release)).
+    pub fn thaw(&self) {
+        self.gate.thaw();
+        self.slot_freed.notify_all();
+    }
+
+    /// The handover succeeded: another process serves every connection.
+    /// Readers and writers leave without a shutdown, which would end the
+    /// connections for that process too; nothing is accepted here again.
+    pub fn hand_off(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.gate.hand_off();
+        // Dropping the senders ends the writers once they are idle.
+        lock(&self.conns).clear();
+        self.slot_freed.notify_all();
+    }
+
+    /// Takes over connections another process exported: each is registered
+    /// at once (answers to its requests still in the ring may come as soon
+    /// as the VM resumes); [`AdoptedConns::serve`] starts reading them.
+    pub fn adopt_connections(&self, conns: Vec<FrozenConn>) -> Result<AdoptedConns, ServiceError> {
+        let mut out = Vec::new();
+        for c in conns {
+            let shut = c
+                .stream
+                .try_clone()
+                .map_err(|e| ServiceError::Handover(e.to_string()))?;
+            let (tx, rx) = channel();
+            self.register(c.id, tx.clone(), shut);
+            self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
+            out.push((c, tx, rx));
+        }
+        Ok(AdoptedConns(out))
     }
 
     /// Stops posting new requests into the ring (they wait in the device)
@@ -298,126 +495,6 @@ impl ServiceDevice {
         }
     }
 
-    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
-        while !self.stop.load(Ordering::Acquire) {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    let d = self.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("svc-conn".into())
-                        .spawn(move || d.serve_connection(stream));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(5)),
-            }
-        }
-    }
-
-    fn serve_connection(&self, stream: TcpStream) {
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_nodelay(true);
-        let (Ok(mut writer), Ok(shut)) = (stream.try_clone(), stream.try_clone()) else {
-            return;
-        };
-        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = channel::<Vec<u8>>();
-        lock(&self.conns).insert(
-            id,
-            Conn {
-                tx: tx.clone(),
-                stream: shut,
-            },
-        );
-        let writer_thread = std::thread::Builder::new()
-            .name("svc-write".into())
-            .spawn(move || {
-                for frame in rx {
-                    if writer.write_all(&frame).is_err() {
-                        break;
-                    }
-                }
-                let _ = writer.shutdown(Shutdown::Write);
-            });
-        let mut reader = BufReader::new(stream);
-        let mut upstream: Option<TcpStream> = None;
-        while !self.stop.load(Ordering::Acquire) {
-            let body = match wire::read_frame(&mut reader, MAX_BODY) {
-                Ok(Some(b)) => b,
-                Ok(None) | Err(WireError::Truncated) | Err(WireError::Io(_)) => break,
-                Err(e @ WireError::TooLarge { .. }) => {
-                    // The stream cannot be resynchronised: answer, then close.
-                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                    let _ =
-                        tx.send(Response::error(Status::TooLarge, 0, 0, &e.to_string()).encode());
-                    break;
-                }
-                Err(e) => {
-                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                    let _ =
-                        tx.send(Response::error(Status::BadRequest, 0, 0, &e.to_string()).encode());
-                    break;
-                }
-            };
-            match Request::decode(&body) {
-                Err(e) => {
-                    // Framing is intact: refuse this request, keep the connection.
-                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                    let id = body
-                        .get(8..16)
-                        .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
-                    let op = body.first().copied().unwrap_or(0);
-                    let _ = tx
-                        .send(Response::error(Status::BadRequest, op, id, &e.to_string()).encode());
-                }
-                Ok(req) if req.op == Op::Echo => {
-                    self.stats.echoes.fetch_add(1, Ordering::Relaxed);
-                    let resp = Response {
-                        status: Status::Ok,
-                        op: Op::Echo as u8,
-                        id: req.id,
-                        key: req.key,
-                        seed: req.seed,
-                        checksum: wire::csum(&req.value),
-                        value: req.value,
-                    };
-                    let _ = tx.send(resp.encode());
-                }
-                Ok(req) if !self.guest_ready() && self.redirected_to().is_none() => {
-                    self.stats.not_ready.fetch_add(1, Ordering::Relaxed);
-                    let msg = "the guest is not serving yet (is a kv workload running?)";
-                    let _ = tx.send(
-                        Response::error(Status::NotReady, req.op as u8, req.id, msg).encode(),
-                    );
-                }
-                Ok(_) => match self.post(&body, id) {
-                    Ok(Route::Posted) => {}
-                    Ok(Route::Forward(to)) => {
-                        if self.forward(&mut upstream, to, &body, &tx).is_err() {
-                            let msg = format!(
-                                "the VM moved to {to} and its service there does not answer"
-                            );
-                            let _ = tx
-                                .send(Response::error(Status::NotReady, body[0], 0, &msg).encode());
-                            break;
-                        }
-                    }
-                    Ok(Route::Closed) | Err(_) => break,
-                },
-            }
-        }
-        if let Some(up) = &upstream {
-            let _ = up.shutdown(Shutdown::Both);
-        }
-        lock(&self.conns).remove(&id);
-        drop(tx);
-        if let Ok(t) = writer_thread {
-            let _ = t.join();
-        }
-    }
-
     /// Sends a request frame to the VM's new host on this connection's own
     /// upstream connection; a thread copies the answers back to the client.
     fn forward(
@@ -425,7 +502,7 @@ impl ServiceDevice {
         upstream: &mut Option<TcpStream>,
         to: SocketAddr,
         body: &[u8],
-        tx: &Sender<Vec<u8>>,
+        tx: &Sender<Out>,
     ) -> std::io::Result<()> {
         if upstream.is_none() {
             let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
@@ -438,7 +515,7 @@ impl ServiceDevice {
                     while let Ok(Some(b)) = wire::read_frame(&mut r, MAX_BODY) {
                         let mut f = (b.len() as u32).to_le_bytes().to_vec();
                         f.extend_from_slice(&b);
-                        if tx.send(f).is_err() {
+                        if tx.send(Out::Frame(f)).is_err() {
                             break;
                         }
                     }
@@ -463,6 +540,9 @@ impl ServiceDevice {
             }
             if let Some(to) = *lock(&self.redirect) {
                 return Ok(Route::Forward(to));
+            }
+            if self.gate.is_frozen() {
+                return Ok(Route::Frozen);
             }
             if !self.held.load(Ordering::SeqCst) {
                 if let Some(i) = ring.free.pop() {
@@ -543,7 +623,7 @@ impl ServiceDevice {
         }
         self.stats.responses.fetch_add(1, Ordering::Relaxed);
         if let Some(c) = lock(&self.conns).get(&conn) {
-            let _ = c.tx.send(frame);
+            let _ = c.tx.send(Out::Frame(frame));
         }
     }
 }

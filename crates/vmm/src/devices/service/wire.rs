@@ -302,6 +302,25 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> Result<Option<Vec<u8>>, Wire
     Ok(Some(body))
 }
 
+/// The body length of the frame at the start of `buf` if all of it is
+/// there (its 4-byte prefix then `len` bytes), `None` if more must be read.
+/// A reader that keeps its own buffer can stop between frames without
+/// losing a partial one (the service device does, to hand a connection to
+/// another process).
+pub fn complete_frame(buf: &[u8], max: usize) -> Result<Option<usize>, WireError> {
+    let Some(prefix) = buf.get(..4) else {
+        return Ok(None);
+    };
+    let len = u32::from_le_bytes(prefix.try_into().unwrap_or_default()) as usize;
+    if len > max {
+        return Err(WireError::TooLarge {
+            len: len as u64,
+            max,
+        });
+    }
+    Ok((buf.len() >= 4 + len).then_some(len))
+}
+
 /// Writes a whole frame.
 pub fn write_frame(w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
     w.write_all(frame)
@@ -344,6 +363,21 @@ pub fn value(len: usize, key: u64, seed: u64) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn complete_frame_waits_for_the_whole_body() {
+        let mut f = 3u32.to_le_bytes().to_vec();
+        assert_eq!(complete_frame(&f[..2], 16).unwrap(), None);
+        assert_eq!(complete_frame(&f, 16).unwrap(), None);
+        f.extend_from_slice(b"abc");
+        assert_eq!(complete_frame(&f, 16).unwrap(), Some(3));
+        f.extend_from_slice(b"next");
+        assert_eq!(complete_frame(&f, 16).unwrap(), Some(3));
+        assert!(matches!(
+            complete_frame(&100u32.to_le_bytes(), 16),
+            Err(WireError::TooLarge { len: 100, .. })
+        ));
+    }
 
     #[test]
     fn request_and_response_round_trip() {

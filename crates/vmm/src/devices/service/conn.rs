@@ -1,0 +1,431 @@
+//! The device's client connections: accepting them, a reader per connection
+//! that cuts frames out of its own buffer, a writer that sends answers in
+//! order, and the gate that stops every reader between two frames so the
+//! connections can be handed to another VMM process (docs/handover.md).
+//!
+//! Why a reader keeps its own buffer rather than reading frame by frame: a
+//! reader stopped for a handover must not hold bytes the next process will
+//! never see. At the gate it stops at a frame boundary and leaves what it
+//! has read but not handled (a partial frame, or whole frames not posted
+//! yet) with the gate, and that travels with the socket.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::wire::{self, Op, Request, Response, Status, MAX_BODY};
+use super::{lock, Route, ServiceDevice};
+
+/// What a connection's writer sends.
+pub(super) enum Out {
+    /// An answer frame (length prefix included).
+    Frame(Vec<u8>),
+    /// Acknowledge once every frame before this one is written.
+    Barrier(Sender<()>),
+}
+
+/// A connection the device answers on.
+pub(super) struct Conn {
+    pub tx: Sender<Out>,
+    pub stream: TcpStream,
+}
+
+/// A connection stopped between frames, ready to move to another process:
+/// its id (the tag of its requests in the ring), its socket, and what its
+/// reader had read but not handled.
+pub struct FrozenConn {
+    /// Connection id.
+    pub id: u64,
+    /// The client's socket (a duplicate: the same connection).
+    pub stream: TcpStream,
+    /// Bytes read from the client and not handled yet.
+    pub pending: Vec<u8>,
+}
+
+/// Where the readers are.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Fate {
+    /// Reading and posting.
+    Running,
+    /// Stopped between frames until thawed or handed off.
+    Frozen,
+    /// Another process serves the connections: leave without touching them.
+    HandedOff,
+}
+
+struct GateState {
+    fate: Fate,
+    /// Readers alive (counted before their thread starts).
+    readers: usize,
+    /// Frozen readers and what each had not handled.
+    parked: HashMap<u64, Vec<u8>>,
+}
+
+/// Stops every reader between two frames and holds them there.
+pub(super) struct Gate {
+    frozen: AtomicBool,
+    /// Readable while frozen: wakes readers waiting for their socket.
+    wake: EventFd,
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+impl Gate {
+    pub fn new() -> std::io::Result<Self> {
+        Ok(Gate {
+            frozen: AtomicBool::new(false),
+            wake: EventFd::new(EFD_NONBLOCK)?,
+            state: Mutex::new(GateState {
+                fate: Fate::Running,
+                readers: 0,
+                parked: HashMap::new(),
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    pub fn is_frozen(&self) -> bool {
+        self.frozen.load(Ordering::Acquire)
+    }
+
+    pub fn handed_off(&self) -> bool {
+        lock(&self.state).fate == Fate::HandedOff
+    }
+
+    fn reader_started(&self) {
+        lock(&self.state).readers += 1;
+    }
+
+    fn reader_ended(&self) {
+        lock(&self.state).readers -= 1;
+        self.changed.notify_all();
+    }
+
+    /// Stops the readers; waits until each is parked between frames.
+    pub fn freeze(&self, timeout: Duration) -> Result<(), usize> {
+        let mut st = lock(&self.state);
+        st.fate = Fate::Frozen;
+        self.frozen.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        let deadline = Instant::now() + timeout;
+        while st.parked.len() < st.readers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(st.readers - st.parked.len());
+            }
+            st = self
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// What each parked reader had not handled, by connection id.
+    pub fn pending(&self) -> HashMap<u64, Vec<u8>> {
+        lock(&self.state).parked.clone()
+    }
+
+    /// Frozen readers go on where they stopped (a handed-off gate stays so).
+    pub fn thaw(&self) {
+        let mut st = lock(&self.state);
+        if st.fate != Fate::Frozen {
+            return;
+        }
+        st.fate = Fate::Running;
+        self.frozen.store(false, Ordering::Release);
+        let _ = self.wake.read();
+        self.changed.notify_all();
+    }
+
+    /// Readers leave without touching their sockets.
+    pub fn hand_off(&self) {
+        lock(&self.state).fate = Fate::HandedOff;
+        self.changed.notify_all();
+    }
+
+    /// Called by a reader at the gate: parks with what it has not handled;
+    /// gives it back when thawed, None when handed off.
+    fn park(&self, id: u64, buf: Vec<u8>) -> Option<Vec<u8>> {
+        let mut st = lock(&self.state);
+        st.parked.insert(id, buf);
+        self.changed.notify_all();
+        while st.fate == Fate::Frozen {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        let buf = st.parked.remove(&id).unwrap_or_default();
+        (st.fate == Fate::Running).then_some(buf)
+    }
+}
+
+/// What woke a reader.
+enum Ready {
+    Socket,
+    Gate,
+}
+
+/// Waits until `sock` is readable or the gate's eventfd fires.
+fn wait_readable(sock: BorrowedFd<'_>, wake: &EventFd) -> std::io::Result<Ready> {
+    let mut fds = [
+        libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: `fds` is a valid array of two pollfd for the call's length;
+        // the socket is borrowed and the eventfd referenced, so both stay
+        // open for its duration.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n >= 0 {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(if fds[1].revents != 0 {
+        Ready::Gate
+    } else {
+        Ready::Socket
+    })
+}
+
+/// What became of one request frame.
+enum Handled {
+    /// Answered or posted: drop it from the buffer.
+    Done,
+    /// The gate closed before it was posted: keep it.
+    Kept,
+    /// The connection must close.
+    Close,
+}
+
+impl ServiceDevice {
+    /// Accepts clients until told to stop (freeze, handover, shutdown).
+    pub(super) fn accept_loop(self: Arc<Self>, listener: std::net::TcpListener) {
+        while self.accepting.load(Ordering::Acquire) && !self.stop.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                    let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+                    let (tx, rx) = channel();
+                    if let Ok(shut) = stream.try_clone() {
+                        self.register(id, tx.clone(), shut);
+                        self.spawn_connection(id, stream, Vec::new(), tx, rx);
+                    }
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    /// Makes `id` a connection answers can go to (before its threads run:
+    /// an adopted connection may get answers as soon as the VM resumes).
+    pub(super) fn register(&self, id: u64, tx: Sender<Out>, stream: TcpStream) {
+        lock(&self.conns).insert(id, Conn { tx, stream });
+    }
+
+    /// Starts the reader and writer threads of a registered connection;
+    /// `pending` is what was read from it and not handled yet.
+    pub(super) fn spawn_connection(
+        self: &Arc<Self>,
+        id: u64,
+        stream: TcpStream,
+        pending: Vec<u8>,
+        tx: Sender<Out>,
+        rx: Receiver<Out>,
+    ) {
+        self.gate.reader_started();
+        let d = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("svc-conn".into())
+            .spawn(move || d.serve_connection(id, stream, pending, tx, rx));
+        if spawned.is_err() {
+            lock(&self.conns).remove(&id);
+            self.gate.reader_ended();
+        }
+    }
+
+    fn serve_connection(
+        self: Arc<Self>,
+        id: u64,
+        stream: TcpStream,
+        pending: Vec<u8>,
+        tx: Sender<Out>,
+        rx: Receiver<Out>,
+    ) {
+        let writer = stream.try_clone().ok().and_then(|mut w| {
+            let d = self.clone();
+            std::thread::Builder::new()
+                .name("svc-write".into())
+                .spawn(move || {
+                    let mut broken = false;
+                    for out in rx {
+                        match out {
+                            Out::Frame(f) if !broken => broken = w.write_all(&f).is_err(),
+                            Out::Frame(_) => {}
+                            Out::Barrier(ack) => {
+                                let _ = ack.send(());
+                            }
+                        }
+                    }
+                    // Another process serves this client now: a shutdown here
+                    // would end the connection for it too.
+                    if !d.gate.handed_off() {
+                        let _ = w.shutdown(Shutdown::Write);
+                    }
+                })
+                .ok()
+        });
+        let handed_off = writer.is_some() && self.read_requests(id, &stream, pending, &tx);
+        if !handed_off {
+            lock(&self.conns).remove(&id);
+        }
+        drop(tx);
+        self.gate.reader_ended();
+        if let Some(t) = writer {
+            let _ = t.join();
+        }
+    }
+
+    /// The reader: handles every whole frame in its buffer, reads more, and
+    /// parks at the gate between frames. True if it stopped because the
+    /// connection was handed to another process.
+    fn read_requests(
+        &self,
+        id: u64,
+        mut stream: &TcpStream,
+        pending: Vec<u8>,
+        tx: &Sender<Out>,
+    ) -> bool {
+        let _ = stream.set_nonblocking(true);
+        let _ = stream.set_nodelay(true);
+        let mut buf = pending;
+        let mut upstream: Option<TcpStream> = None;
+        let mut chunk = vec![0u8; 64 * 1024];
+        let end = loop {
+            if self.stop.load(Ordering::Acquire) {
+                break false;
+            }
+            if self.gate.is_frozen() {
+                match self.gate.park(id, std::mem::take(&mut buf)) {
+                    Some(b) => {
+                        buf = b;
+                        continue;
+                    }
+                    None => break true,
+                }
+            }
+            match wire::complete_frame(&buf, MAX_BODY) {
+                Ok(Some(len)) => {
+                    match self.handle_frame(&buf[4..4 + len], id, tx, &mut upstream) {
+                        Handled::Done => {
+                            buf.drain(..4 + len);
+                        }
+                        Handled::Kept => {}
+                        Handled::Close => break false,
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    // The stream cannot be resynchronised: answer, then close.
+                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    let _ = tx.send(Out::Frame(
+                        Response::error(Status::TooLarge, 0, 0, &e.to_string()).encode(),
+                    ));
+                    break false;
+                }
+            }
+            match stream.read(&mut chunk) {
+                Ok(0) => break false, // closed (mid-frame or not): nothing to answer
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if wait_readable(stream.as_fd(), &self.gate.wake).is_err() {
+                        break false;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break false,
+            }
+        };
+        if let Some(up) = &upstream {
+            let _ = up.shutdown(Shutdown::Both);
+        }
+        end
+    }
+
+    fn handle_frame(
+        &self,
+        body: &[u8],
+        id: u64,
+        tx: &Sender<Out>,
+        upstream: &mut Option<TcpStream>,
+    ) -> Handled {
+        let reply = |frame: Vec<u8>| {
+            let _ = tx.send(Out::Frame(frame));
+        };
+        match Request::decode(body) {
+            Err(e) => {
+                // Framing is intact: refuse this request, keep the connection.
+                self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                let rid = body
+                    .get(8..16)
+                    .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+                let op = body.first().copied().unwrap_or(0);
+                reply(Response::error(Status::BadRequest, op, rid, &e.to_string()).encode());
+                Handled::Done
+            }
+            Ok(req) if req.op == Op::Echo => {
+                self.stats.echoes.fetch_add(1, Ordering::Relaxed);
+                let resp = Response {
+                    status: Status::Ok,
+                    op: Op::Echo as u8,
+                    id: req.id,
+                    key: req.key,
+                    seed: req.seed,
+                    checksum: wire::csum(&req.value),
+                    value: req.value,
+                };
+                reply(resp.encode());
+                Handled::Done
+            }
+            Ok(req) if !self.guest_ready() && self.redirected_to().is_none() => {
+                self.stats.not_ready.fetch_add(1, Ordering::Relaxed);
+                let msg = "the guest is not serving yet (is a kv workload running?)";
+                reply(Response::error(Status::NotReady, req.op as u8, req.id, msg).encode());
+                Handled::Done
+            }
+            Ok(_) => match self.post(body, id) {
+                Ok(Route::Posted) => Handled::Done,
+                Ok(Route::Frozen) => Handled::Kept,
+                Ok(Route::Forward(to)) => {
+                    if self.forward(upstream, to, body, tx).is_err() {
+                        let msg =
+                            format!("the VM moved to {to} and its service there does not answer");
+                        reply(Response::error(Status::NotReady, body[0], 0, &msg).encode());
+                        return Handled::Close;
+                    }
+                    Handled::Done
+                }
+                Ok(Route::Closed) | Err(_) => Handled::Close,
+            },
+        }
+    }
+}
