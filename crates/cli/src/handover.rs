@@ -19,6 +19,10 @@ pub struct HandoverArgs {
     /// the one the VMM runs now).
     #[arg(long)]
     binary: Option<PathBuf>,
+    /// Compare per-page hashes of guest memory as both processes map it
+    /// (the hashing adds to the downtime).
+    #[arg(long)]
+    verify: bool,
     /// Print the figures as JSON on stdout.
     #[arg(long)]
     json: bool,
@@ -35,11 +39,17 @@ pub fn handover(args: HandoverArgs) -> Result<ExitCode> {
         None => None,
     };
     let mut c = ControlClient::connect(&args.socket)?;
-    let reply = c.call_with_progress(&Request::Handover { binary }, &mut |p| {
-        if let Some(step) = p["step"].as_str() {
-            eprintln!("ferry: {step}");
-        }
-    })?;
+    let reply = c.call_with_progress(
+        &Request::Handover {
+            binary,
+            verify: args.verify,
+        },
+        &mut |p| {
+            if let Some(step) = p["step"].as_str() {
+                eprintln!("ferry: {step}");
+            }
+        },
+    )?;
     let stats: HandoverStats =
         serde_json::from_value(reply["stats"].clone()).context("bad handover figures")?;
     if args.json {
@@ -63,6 +73,12 @@ fn print_table(socket: &std::path::Path, s: &HandoverStats) {
         "build        {:.2} ms in the new VMM, before the pause",
         s.build_ms
     );
+    if s.verified_pages > 0 {
+        println!(
+            "verified     {} pages hashed alike in both VMMs ({:.1} ms of the downtime)",
+            s.verified_pages, s.verify_ms
+        );
+    }
     println!(
         "memory       {} handed over, {} copied",
         format::bytes(s.guest_memory_bytes as f64),

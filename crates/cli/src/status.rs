@@ -34,6 +34,7 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!("state       {}", s["state"].as_str().unwrap_or("?"));
+    println!("VMM pid     {}", s["pid"]);
     println!("vCPUs       {}", s["vcpus"]);
     println!(
         "memory      {}",

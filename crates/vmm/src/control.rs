@@ -61,6 +61,9 @@ pub enum Request {
         /// The ferry binary the new process runs (default: this one's).
         #[serde(default)]
         binary: Option<String>,
+        /// Compare per-page hashes of guest memory in both processes.
+        #[serde(default)]
+        verify: bool,
     },
     /// Write the guest's non-zero pages, in guest address order, to a file.
     Dump {
@@ -484,6 +487,7 @@ impl ControlHandler for VmControl {
         let vm = &self.vm;
         match req {
             Request::Status => Ok(json!({
+                "pid": std::process::id(),
                 "state": vm.run_state(),
                 "postcopy_paused": self.paused.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| p.reason.clone()),
                 "vcpus": vm.config().vcpus,
@@ -533,7 +537,7 @@ impl ControlHandler for VmControl {
             Request::Handover { .. } if self.postcopy_paused() => Err(
                 "a postcopy migration of this VM is paused; continue it with `ferry migrate --resume`".into(),
             ),
-            Request::Handover { binary } => self.hand_over(binary, progress),
+            Request::Handover { binary, verify } => self.hand_over(binary, verify, progress),
             Request::Migrate(m) => {
                 let result = crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
                     if let Ok(v) = serde_json::to_value(p) {
@@ -551,6 +555,7 @@ impl VmControl {
     fn hand_over(
         &self,
         binary: Option<String>,
+        verify: bool,
         progress: &mut dyn FnMut(Value),
     ) -> Result<Value, String> {
         use crate::handover::{hand_over, HandoverError, HandoverPlan};
@@ -562,6 +567,7 @@ impl VmControl {
             binary: binary.map_or_else(|| setup.default_binary.clone(), PathBuf::from),
             control: setup.control.clone(),
             run: (setup.run)(),
+            verify,
         };
         match hand_over(&self.vm, &plan, &mut |step| {
             progress(json!({ "step": step }))

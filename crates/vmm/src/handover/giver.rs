@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Hello, Message, VmShape, CONNS_PER_MESSAGE};
-use super::{cpu_secs, monotonic_ns, HandoverError, HandoverStats};
+use super::{cpu_secs, memory_hashes, monotonic_ns, HandoverError, HandoverStats};
 use crate::control::ControlSocket;
 use crate::vmm::{RunState, Vm};
 use crate::vstate::persist;
@@ -34,6 +34,8 @@ pub struct HandoverPlan {
     pub control: Option<Arc<ControlSocket>>,
     /// The old front end's settings for the new one (JSON text).
     pub run: String,
+    /// Compare per-page hashes of guest memory in both processes.
+    pub verify: bool,
 }
 
 /// The new process and the socket to it.
@@ -211,7 +213,7 @@ pub fn hand_over(
         c.hold_clients();
     }
     let paused_at = monotonic_ns();
-    let sent = send_state(vm, &mut peer, &mut stats, paused_at)
+    let sent = send_state(vm, plan.verify, &mut peer, &mut stats, paused_at)
         .and_then(|_| peer.expect("Restored", "restore the VM state", RESTORE_TIMEOUT));
     if let Err(e) = sent {
         peer.abandon(&e);
@@ -326,6 +328,7 @@ fn offer(
 /// sends it with the client connections.
 fn send_state(
     vm: &Vm,
+    verify: bool,
     peer: &mut Peer,
     stats: &mut HandoverStats,
     paused_at: u64,
@@ -344,6 +347,10 @@ fn send_state(
     stats.state_bytes = state.len() as u64;
     stats.connections = conns.len();
     stats.pending_client_bytes = conns.iter().map(|c| c.pending.len() as u64).sum();
+    let t = Instant::now();
+    let hashes = verify.then(|| memory_hashes(vm));
+    stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
+    stats.verified_pages = hashes.as_ref().map_or(0, |h| h.len() as u64);
     for chunk in conns.chunks(CONNS_PER_MESSAGE) {
         let fds: Vec<BorrowedFd<'_>> = chunk.iter().map(|c| c.stream.as_fd()).collect();
         let msg = Message::Conns {
@@ -355,6 +362,7 @@ fn send_state(
         &Message::State {
             state,
             paused_at_ns: paused_at,
+            hashes,
         },
         &[],
     )

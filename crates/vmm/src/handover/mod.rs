@@ -88,6 +88,16 @@ pub enum HandoverError {
     /// The service device could not move its connections.
     #[error(transparent)]
     Service(#[from] crate::devices::service::ServiceError),
+    /// `--verify`: the new process's mapping differs from the old one's.
+    #[error("verification failed: {bad} of {total} pages differ in the new VMM's mapping (first at guest address {first:#x})")]
+    Verify {
+        /// Pages that differ.
+        bad: u64,
+        /// Pages compared.
+        total: u64,
+        /// The first that differs.
+        first: u64,
+    },
     /// Saving or decoding the VM state failed.
     #[error(transparent)]
     Persist(#[from] crate::vstate::persist::PersistError),
@@ -132,6 +142,11 @@ pub struct HandoverStats {
     pub build_ms: f64,
     /// Pausing vCPUs and saving their state (ms), inside the downtime.
     pub save_ms: f64,
+    /// `--verify`: hashing guest memory in the old process (ms), inside the
+    /// downtime (the new process hashes its mapping too before `Restored`).
+    pub verify_ms: f64,
+    /// `--verify`: pages whose hashes matched in both processes.
+    pub verified_pages: u64,
     /// Guest RAM handed over (bytes), not copied.
     pub guest_memory_bytes: u64,
     /// Guest memory bytes copied: none, by construction (no page crosses
@@ -149,6 +164,17 @@ pub struct HandoverStats {
     pub source_cpu_s: f64,
     /// CPU seconds the new process used from its start to running the VM.
     pub destination_cpu_s: f64,
+}
+
+/// Per-page hashes of the VM's guest memory as this process maps it.
+fn memory_hashes(vm: &crate::vmm::Vm) -> Vec<u64> {
+    crate::migration::views(vm)
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| {
+            ferry_migration::memory::region_hashes(r, &crate::migration::data_ranges(vm, i))
+        })
+        .collect()
 }
 
 /// CLOCK_MONOTONIC now, in ns: one clock for both processes on a host, so

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use ferry_memory::{GuestMemory, MemfdRegion};
 
 use super::wire::{self, Hello, Message};
-use super::{cpu_secs, monotonic_ns, stall_before, HandoverError};
+use super::{cpu_secs, memory_hashes, monotonic_ns, stall_before, HandoverError};
 use crate::devices::serial::ConsoleSink;
 use crate::devices::service::FrozenConn;
 use crate::vmm::{Vm, VmConfig, VmState};
@@ -224,7 +224,7 @@ fn restore(
     vm: &Vm,
 ) -> Result<(Option<crate::devices::service::AdoptedConns>, u64), HandoverError> {
     let mut conns = Vec::new();
-    let (state, paused_at) = loop {
+    let (state, paused_at, hashes) = loop {
         let (msg, fds, _) = wire::recv(sock, wire::CONNS_PER_MESSAGE)?;
         match msg {
             Message::Conns { conns: list } => {
@@ -246,7 +246,8 @@ fn restore(
             Message::State {
                 state,
                 paused_at_ns,
-            } => break (state, paused_at_ns),
+                hashes,
+            } => break (state, paused_at_ns, hashes),
             Message::Abort { reason } => return Err(HandoverError::Aborted(reason)),
             m => {
                 return Err(HandoverError::Protocol(format!(
@@ -256,6 +257,9 @@ fn restore(
             }
         }
     };
+    if let Some(theirs) = hashes {
+        compare(vm, &theirs)?;
+    }
     let state: VmState = persist::decode(&state)?;
     vm.restore_state(&state)?;
     let adopted = match vm.service() {
@@ -269,4 +273,27 @@ fn restore(
     };
     vm.start_paused()?;
     Ok((adopted, paused_at))
+}
+
+/// `--verify`: this process's view of guest memory against the old one's.
+fn compare(vm: &Vm, theirs: &[u64]) -> Result<(), HandoverError> {
+    let mine = memory_hashes(vm);
+    let gpas = vm.memory().regions().iter().flat_map(|r| {
+        (0..r.size() / ferry_memory::PAGE_SIZE).map(move |i| r.gpa() + i * ferry_memory::PAGE_SIZE)
+    });
+    let (mut bad, mut first) = (0u64, 0u64);
+    for ((a, b), gpa) in mine.iter().zip(theirs).zip(gpas) {
+        if a != b {
+            if bad == 0 {
+                first = gpa;
+            }
+            bad += 1;
+        }
+    }
+    let total = mine.len().max(theirs.len()) as u64;
+    bad += mine.len().abs_diff(theirs.len()) as u64;
+    if bad > 0 {
+        return Err(HandoverError::Verify { bad, total, first });
+    }
+    Ok(())
 }

@@ -119,6 +119,9 @@ pub enum Message {
         state: Vec<u8>,
         /// When the old process paused the VM (CLOCK_MONOTONIC, ns).
         paused_at_ns: u64,
+        /// `--verify`: per-page hashes of guest memory as the old process
+        /// sees it, paused (the new one compares its own mapping's).
+        hashes: Option<Vec<u64>>,
     },
     /// New → old: state restored, vCPU threads ready; only `Go` is missing.
     Restored,

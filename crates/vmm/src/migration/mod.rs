@@ -13,7 +13,7 @@ use ferry_migration::{OffsetBytes, RegionView};
 
 use crate::vmm::Vm;
 
-fn views(vm: &Vm) -> Vec<RegionView> {
+pub(crate) fn views(vm: &Vm) -> Vec<RegionView> {
     vm.memory()
         .regions()
         .iter()
@@ -24,7 +24,7 @@ fn views(vm: &Vm) -> Vec<RegionView> {
         .collect()
 }
 
-fn data_ranges(vm: &Vm, index: usize) -> Vec<OffsetBytes> {
+pub(crate) fn data_ranges(vm: &Vm, index: usize) -> Vec<OffsetBytes> {
     vm.memory().regions().get(index).map_or(Vec::new(), |r| {
         r.data_ranges()
             .into_iter()
