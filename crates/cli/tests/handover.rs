@@ -304,17 +304,36 @@ fn kv_clients_under_load_see_no_error_and_no_reconnect_across_handovers() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // A client caught mid-request: half a frame before the handover, the
+    // rest after; the unread half travels with its socket.
+    let mut half = std::net::TcpStream::connect(&addr).unwrap();
+    half.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let frame = Request::new(Op::Get, 77, 5, 0).encode();
+    half.write_all(&frame[..10]).unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let a = vmm
         .handover(&["--verify"])
         .unwrap_or_else(|e| panic!("{e}\n{}", vmm.log()));
     check_figures(&a, 256 << 20);
-    assert_eq!(a["connections"], 16, "every client's connection moved: {a}");
+    assert_eq!(a["connections"], 17, "every client's connection moved: {a}");
+    assert_eq!(a["pending_client_bytes"], 10, "{a}");
+    half.write_all(&frame[10..]).unwrap();
+    let body = wire::read_frame(&mut half, wire::MAX_BODY)
+        .unwrap()
+        .unwrap();
+    let r = Response::decode(&body).unwrap();
+    assert_eq!((r.status, r.id), (Status::Ok, 77));
+    assert_eq!(
+        r.value,
+        wire::value(512, 5, r.seed),
+        "the new process answered right"
+    );
     std::thread::sleep(Duration::from_millis(1500));
     let b = vmm
         .handover(&[])
         .unwrap_or_else(|e| panic!("{e}\n{}", vmm.log()));
-    assert_eq!(b["connections"], 16, "{b}");
+    assert_eq!(b["connections"], 17, "{b}");
     let o = load.wait_with_output().unwrap();
     let l: Value = serde_json::from_slice(&o.stdout)
         .unwrap_or_else(|e| panic!("ferry load: {e}: {}", String::from_utf8_lossy(&o.stderr)));
