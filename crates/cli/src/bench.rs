@@ -28,6 +28,9 @@ pub enum Suite {
     PostcopyKv,
     /// Hybrid against precopy with auto-converge on the 1 Gbit lab link.
     Hybrid,
+    /// Zero-copy handover to a new VMM process beside precopy over
+    /// loopback: 256 MiB to 16 GiB, idle and dirtying 1 GiB/s.
+    Handover,
 }
 
 #[derive(clap::Args)]
@@ -54,6 +57,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Postcopy => "postcopy.py",
         Suite::PostcopyKv => "postcopy_kv.py",
         Suite::Hybrid => "hybrid.py",
+        Suite::Handover => "handover.py",
     });
     if !script.exists() {
         bail!(

@@ -187,7 +187,6 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         duration_ms: args.duration.map(|d| d.as_millis() as u64),
         started_unix_ms: 0,
     }));
-    offer_handover(&control, &server, &carried)?;
     if !quiet {
         eprintln!(
             "ferry: VM with {} RAM, {} vCPU(s), workload {}; control socket {}",
@@ -260,6 +259,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             Some(got)
         }
     };
+    // Only a VM whose memory is all here can be handed over: not while an
+    // incoming migration (a postcopy's pages still arriving) runs.
+    offer_handover(&control, &server, &carried)?;
     let t_start = Instant::now();
     carried
         .lock()

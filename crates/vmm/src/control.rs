@@ -407,6 +407,8 @@ pub struct VmControl {
     after: std::sync::Mutex<Option<After>>,
     /// How to hand the VM over (None: handover refused).
     handover: std::sync::Mutex<Option<HandoverSetup>>,
+    /// Held while a migration or handover moves the VM: one at a time.
+    moving: std::sync::Mutex<()>,
     /// A postcopy whose link broke: the VM runs at the destination and
     /// needs pages only this VM holds, so it must never run here again.
     paused: std::sync::Mutex<Option<ferry_migration::PausedPostcopy>>,
@@ -419,6 +421,7 @@ impl VmControl {
             vm,
             after: std::sync::Mutex::new(None),
             handover: std::sync::Mutex::new(None),
+            moving: std::sync::Mutex::new(()),
             paused: std::sync::Mutex::new(None),
         }
     }
@@ -485,6 +488,14 @@ impl ControlHandler for VmControl {
 
     fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, String> {
         let vm = &self.vm;
+        let _moving = match req {
+            Request::Migrate(_) | Request::MigrateResume { .. } | Request::Handover { .. } => {
+                Some(self.moving.try_lock().map_err(|_| {
+                    "another migration or handover of this VM is in progress".to_string()
+                })?)
+            }
+            _ => None,
+        };
         match req {
             Request::Status => Ok(json!({
                 "pid": std::process::id(),
@@ -562,7 +573,7 @@ impl VmControl {
         let setup = self.handover.lock().unwrap_or_else(|e| e.into_inner());
         let setup = setup
             .as_ref()
-            .ok_or("this VMM cannot hand its VM over (it runs without a front end that can)")?;
+            .ok_or("this VMM cannot hand its VM over yet (an incoming migration is still bringing its memory here)")?;
         let plan = HandoverPlan {
             binary: binary.map_or_else(|| setup.default_binary.clone(), PathBuf::from),
             control: setup.control.clone(),
