@@ -169,9 +169,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         .unwrap_or_else(|| PathBuf::from(format!("/tmp/ferry-{}.sock", std::process::id())));
     let control = Arc::new(VmControl::new(vm.clone()));
     let server = ControlServer::start(&socket, control.clone())?;
+    // Appending (after creating it empty): a process that takes the VM
+    // over appends too, and neither overwrites the other's lines.
     let timeline = match &args.timeline {
         Some(p) => {
-            Some(LineWriter::new(File::create(p).with_context(|| {
+            let opened =
+                File::create(p).and_then(|_| std::fs::OpenOptions::new().append(true).open(p));
+            Some(LineWriter::new(opened.with_context(|| {
                 format!("cannot create timeline {}", p.display())
             })?))
         }
@@ -316,8 +320,15 @@ fn adopt(fd: i32) -> Result<ExitCode> {
     quiet.store(front.quiet, Ordering::Relaxed);
     let vm = taken.vm.clone();
     let control = Arc::new(VmControl::new(vm.clone()));
+    // The VM runs here now: from here on a failure must not end it.
     let server = match taken.control {
-        Some((path, listener)) => Some(ControlServer::adopt(listener, &path, control.clone())?),
+        Some((path, listener)) => match ControlServer::adopt(listener, &path, control.clone()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("ferry: warning: the VM runs without its control socket: {e}");
+                None
+            }
+        },
         None => None,
     };
     if !front.quiet {
@@ -333,12 +344,16 @@ fn adopt(fd: i32) -> Result<ExitCode> {
         );
     }
     let timeline = match &front.timeline {
-        Some(p) => Some(LineWriter::new(
-            std::fs::OpenOptions::new()
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot reopen timeline {}", p.display()))?,
-        )),
+        Some(p) => match std::fs::OpenOptions::new().append(true).open(p) {
+            Ok(f) => Some(LineWriter::new(f)),
+            Err(e) => {
+                eprintln!(
+                    "ferry: warning: cannot reopen timeline {}: {e}",
+                    p.display()
+                );
+                None
+            }
+        },
         None => None,
     };
     // The run's clock goes on from where the old process started it.
@@ -349,7 +364,9 @@ fn adopt(fd: i32) -> Result<ExitCode> {
     }
     let carried = Arc::new(Mutex::new(front.clone()));
     if let Some(s) = &server {
-        offer_handover(&control, s, &carried)?;
+        if let Err(e) = offer_handover(&control, s, &carried) {
+            eprintln!("ferry: warning: this VMM cannot hand the VM over again: {e:#}");
+        }
     }
     let mut extra = serde_json::Map::new();
     extra.insert("incoming".into(), false.into());
@@ -442,7 +459,16 @@ fn drive(
             break Ending::WorkloadsDone;
         }
     };
-    if let (Ending::HandedOver, VmExit::HandedOver { pid }) = (ending, vm.stop()) {
+    // (Only then is the VM stopped here: a migrated VM's device still
+    // forwards its clients below.)
+    let handed_over = match ending {
+        Ending::HandedOver => match vm.stop() {
+            VmExit::HandedOver { pid } => Some(pid),
+            _ => None,
+        },
+        _ => None,
+    };
+    if let Some(pid) = handed_over {
         // The run goes on in the new process (same stdout, same control
         // socket path); guest memory is its now, so nothing here reads it.
         if live {

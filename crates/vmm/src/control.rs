@@ -494,6 +494,14 @@ impl ControlHandler for VmControl {
                     "another migration or handover of this VM is in progress".to_string()
                 })?)
             }
+            // The run state must not change under a migration or handover
+            // (a resume would run the guest beside its new process).
+            Request::Pause | Request::Resume | Request::Quit => {
+                Some(self.moving.try_lock().map_err(|_| {
+                    "a migration or handover of this VM is in progress; try again once it ends"
+                        .to_string()
+                })?)
+            }
             _ => None,
         };
         match req {

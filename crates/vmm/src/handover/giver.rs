@@ -23,6 +23,8 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const SERVICE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long it may take to restore the state (the VM is paused meanwhile).
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a message may take to be taken by the new process.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long it may take to confirm it runs the VM after `Go`.
 const RUNNING_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -96,6 +98,7 @@ impl Peer {
     ) -> Result<T, HandoverError> {
         self.sock
             .set_read_timeout(Some(timeout))
+            .and_then(|_| self.sock.set_write_timeout(Some(timeout)))
             .map_err(HandoverError::Io)?;
         match f(&mut self.sock) {
             Err(HandoverError::Io(e))
@@ -136,13 +139,27 @@ impl Peer {
         }
     }
 
+    /// Sends within SEND_TIMEOUT: a new process that stops reading must
+    /// not keep the VM paused.
     fn send(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<(), HandoverError> {
-        self.bytes += wire::send(&mut self.sock, msg, fds)?;
+        let _ = self.sock.set_write_timeout(Some(SEND_TIMEOUT));
+        self.bytes += wire::send(&mut self.sock, msg, fds).map_err(|e| match e {
+            HandoverError::Io(io) if io.kind() == std::io::ErrorKind::WouldBlock => {
+                HandoverError::TimedOut {
+                    step: "take a message",
+                    timeout: SEND_TIMEOUT,
+                }
+            }
+            e => e,
+        })?;
         Ok(())
     }
 
     /// Tells the new process why it is no longer wanted and ends it.
     fn abandon(&mut self, why: &HandoverError) {
+        let _ = self
+            .sock
+            .set_write_timeout(Some(Duration::from_millis(100)));
         let _ = wire::send(
             &mut self.sock,
             &Message::Abort {
@@ -212,9 +229,14 @@ pub fn hand_over(
     if let Some(c) = &plan.control {
         c.hold_clients();
     }
+    // With --verify the new process hashes all of memory first.
+    let restore_timeout = match plan.verify {
+        true => RESTORE_TIMEOUT + Duration::from_secs(2 * (vm.memory().total_size() >> 30).max(1)),
+        false => RESTORE_TIMEOUT,
+    };
     let paused_at = monotonic_ns();
     let sent = send_state(vm, plan.verify, &mut peer, &mut stats, paused_at)
-        .and_then(|_| peer.expect("Restored", "restore the VM state", RESTORE_TIMEOUT));
+        .and_then(|_| peer.expect("Restored", "restore the VM state", restore_timeout));
     if let Err(e) = sent {
         peer.abandon(&e);
         if let Some(s) = service {
@@ -232,16 +254,17 @@ pub fn hand_over(
         return Err(e);
     }
 
-    // The commit point: from Go on the VM belongs to the new process.
-    let committed = peer
-        .send(&Message::Go, &[])
-        .and_then(|_| peer.expect("Running", "confirm it runs the VM", RUNNING_TIMEOUT));
+    // The commit point: from Go on the VM belongs to the new process, and
+    // so do the clients and the control socket's path, at once.
+    let go = peer.send(&Message::Go, &[]);
     if let Some(s) = service {
         s.hand_off();
     }
     if let Some(c) = &plan.control {
         c.retire();
     }
+    let committed =
+        go.and_then(|_| peer.expect("Running", "confirm it runs the VM", RUNNING_TIMEOUT));
     let Message::Running {
         resumed_at_ns,
         serving_at_ns,

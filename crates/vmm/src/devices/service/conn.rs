@@ -10,7 +10,7 @@
 //! yet) with the gate, and that travels with the socket.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -81,7 +81,7 @@ impl Gate {
     pub fn new() -> std::io::Result<Self> {
         Ok(Gate {
             frozen: AtomicBool::new(false),
-            wake: EventFd::new(EFD_NONBLOCK)?,
+            wake: EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC)?,
             state: Mutex::new(GateState {
                 fate: Fate::Running,
                 readers: 0,
@@ -108,12 +108,17 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// Stops the readers; waits until each is parked between frames.
-    pub fn freeze(&self, timeout: Duration) -> Result<(), usize> {
+    /// Stops the readers (they park at their next frame boundary).
+    pub fn close(&self) {
         let mut st = lock(&self.state);
         st.fate = Fate::Frozen;
         self.frozen.store(true, Ordering::Release);
         let _ = self.wake.write(1);
+    }
+
+    /// Waits until every reader is parked between frames.
+    pub fn wait_parked(&self, timeout: Duration) -> Result<(), usize> {
+        let mut st = lock(&self.state);
         let deadline = Instant::now() + timeout;
         while st.parked.len() < st.readers {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -206,6 +211,25 @@ fn wait_readable(sock: BorrowedFd<'_>, wake: &EventFd) -> std::io::Result<Ready>
     })
 }
 
+/// Reads what the socket holds without waiting (MSG_DONTWAIT), leaving
+/// the socket itself blocking for its writer.
+fn recv_nowait(sock: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    // SAFETY: buf is valid for writes of buf.len() bytes; the socket is
+    // borrowed, so open for the call.
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 /// What became of one request frame.
 enum Handled {
     /// Answered or posted: drop it from the buffer.
@@ -275,11 +299,15 @@ impl ServiceDevice {
             std::thread::Builder::new()
                 .name("svc-write".into())
                 .spawn(move || {
-                    let mut broken = false;
                     for out in rx {
                         match out {
-                            Out::Frame(f) if !broken => broken = w.write_all(&f).is_err(),
-                            Out::Frame(_) => {}
+                            // A client that cannot take answers is gone: stop
+                            // (a barrier then finds the queue closed, fine).
+                            Out::Frame(f) => {
+                                if w.write_all(&f).is_err() {
+                                    break;
+                                }
+                            }
                             Out::Barrier(ack) => {
                                 let _ = ack.send(());
                             }
@@ -310,13 +338,17 @@ impl ServiceDevice {
     fn read_requests(
         &self,
         id: u64,
-        mut stream: &TcpStream,
+        stream: &TcpStream,
         pending: Vec<u8>,
         tx: &Sender<Out>,
     ) -> bool {
-        let _ = stream.set_nonblocking(true);
+        // The socket stays blocking (its writer shares it); the reader asks
+        // for data without waiting and waits in poll, with the gate.
+        let _ = stream.set_nonblocking(false);
         let _ = stream.set_nodelay(true);
+        // buf[start..] is what has not been handled yet.
         let mut buf = pending;
+        let mut start = 0;
         let mut upstream: Option<TcpStream> = None;
         let mut chunk = vec![0u8; 64 * 1024];
         let end = loop {
@@ -324,6 +356,8 @@ impl ServiceDevice {
                 break false;
             }
             if self.gate.is_frozen() {
+                buf.drain(..start);
+                start = 0;
                 match self.gate.park(id, std::mem::take(&mut buf)) {
                     Some(b) => {
                         buf = b;
@@ -332,18 +366,21 @@ impl ServiceDevice {
                     None => break true,
                 }
             }
-            match wire::complete_frame(&buf, MAX_BODY) {
+            match wire::complete_frame(&buf[start..], MAX_BODY) {
                 Ok(Some(len)) => {
-                    match self.handle_frame(&buf[4..4 + len], id, tx, &mut upstream) {
-                        Handled::Done => {
-                            buf.drain(..4 + len);
-                        }
+                    let body = &buf[start + 4..start + 4 + len];
+                    match self.handle_frame(body, id, tx, &mut upstream) {
+                        Handled::Done => start += 4 + len,
                         Handled::Kept => {}
                         Handled::Close => break false,
                     }
                     continue;
                 }
-                Ok(None) => {}
+                Ok(None) => {
+                    // Only a partial frame is left: keep it at the front.
+                    buf.drain(..start);
+                    start = 0;
+                }
                 Err(e) => {
                     // The stream cannot be resynchronised: answer, then close.
                     self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
@@ -353,7 +390,7 @@ impl ServiceDevice {
                     break false;
                 }
             }
-            match stream.read(&mut chunk) {
+            match recv_nowait(stream, &mut chunk) {
                 Ok(0) => break false, // closed (mid-frame or not): nothing to answer
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {

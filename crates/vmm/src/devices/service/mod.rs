@@ -341,9 +341,9 @@ impl ServiceDevice {
             return Err(ServiceError::Handover("the device is shut down".into()));
         }
         self.stop_accepting();
-        let frozen = self.gate.freeze(timeout);
+        self.gate.close();
         self.slot_freed.notify_all(); // readers waiting for a slot see the gate
-        if let Err(busy) = frozen {
+        if let Err(busy) = self.gate.wait_parked(timeout) {
             self.thaw();
             return Err(ServiceError::Handover(format!(
                 "{busy} connection readers did not stop within {timeout:?}"
