@@ -20,6 +20,15 @@ def kept_notes(md_path):
     return old[old.index("\n## "):] if "\n## " in old else ""
 
 
+def failed_runs(cells, label):
+    """Markdown lines naming every failed run (cell["errors"]) left out of
+    the medians; `label(cell)` says which cell it was."""
+    failed = [(label(c), e) for c in cells for e in c["errors"]]
+    if not failed:
+        return []
+    return ["", "Failed runs (left out of the medians):", ""] + [f"- {l}: {e}" for l, e in failed]
+
+
 def sh(*args, check=True, **kw):
     """Runs a command, capturing its output as text."""
     import subprocess

@@ -196,10 +196,7 @@ def main():
             lines.append(
                 f"| {c['size']} | `{c['workload']}` | {name} | {m['downtime_ms']:.2f} | {m['total_ms']:.1f} | "
                 f"{m['copied_bytes'] / 2**20:.1f} | {m['shmem_growth_mib']:.0f} | {m['cpu_s'] * 1e3:.1f} | {speed} |")
-    failed = [(c["size"], c["workload"], e) for c in cells for e in c["errors"]]
-    if failed:
-        lines += ["", "Failed runs (left out of the medians):", ""]
-        lines += [f"- {s} `{w}`: {e}" for s, w, e in failed]
+    lines += benchlib.failed_runs(cells, lambda c: f"{c['size']} `{c['workload']}`")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n" + notes)
     print(f"wrote {md}")

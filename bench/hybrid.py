@@ -138,10 +138,7 @@ def main():
             f"| `{c['workload']}` | {c['mode']} | {m['total_s']:.2f} | {m['downtime_ms']:.1f} | {m['rounds']:.0f} | "
             f"{m['postcopy_s']:.2f} | {m['max_throttle_pct']:.0f} | {m['guest_mib_s_before']:.0f} | "
             f"{m['guest_mib_s_during']:.0f} | {m['bytes_mib']:.0f} |")
-    failed = [(c["workload"], c["mode"], e) for c in cells for e in c["errors"]]
-    if failed:
-        lines += ["", "Failed runs (left out of the medians):", ""]
-        lines += [f"- `{w}` {m}: {e}" for w, m, e in failed]
+    lines += benchlib.failed_runs(cells, lambda c: f"`{c['workload']}` {c['mode']}")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n" + notes)
     print(f"wrote {md}")

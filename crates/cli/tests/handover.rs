@@ -171,6 +171,24 @@ impl Drop for Vmm {
     }
 }
 
+/// `ferry load --target ADDR --json --quiet ARGS` in the background.
+fn spawn_load(addr: &str, args: &[&str]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["load", "--target", addr, "--json", "--quiet"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// A background load's figures once it ends.
+fn load_figures(load: Child) -> Value {
+    let o = load.wait_with_output().unwrap();
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("ferry load: {e}: {}", String::from_utf8_lossy(&o.stderr)))
+}
+
 /// Every workload's counter, summed.
 fn progress(metrics: &Value) -> u64 {
     metrics["workloads"]
@@ -288,22 +306,7 @@ fn kv_clients_under_load_see_no_error_and_no_reconnect_across_handovers() {
         "{}",
         String::from_utf8_lossy(&ready.stderr)
     );
-    let load = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args([
-            "load",
-            "--target",
-            &addr,
-            "--clients",
-            "16",
-            "--duration",
-            "6s",
-            "--json",
-            "--quiet",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let load = spawn_load(&addr, &["--clients", "16", "--duration", "6s"]);
     // A client caught mid-request: half a frame before the handover, the
     // rest after; the unread half travels with its socket.
     let mut half = std::net::TcpStream::connect(&addr).unwrap();
@@ -334,9 +337,7 @@ fn kv_clients_under_load_see_no_error_and_no_reconnect_across_handovers() {
         .handover(&[])
         .unwrap_or_else(|e| panic!("{e}\n{}", vmm.log()));
     assert_eq!(b["connections"], 17, "{b}");
-    let o = load.wait_with_output().unwrap();
-    let l: Value = serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("ferry load: {e}: {}", String::from_utf8_lossy(&o.stderr)));
+    let l = load_figures(load);
     assert_eq!(l["errors"], 0, "{l}");
     assert_eq!(l["wrong_values"], 0, "{l}");
     assert!(l["requests"].as_u64().unwrap() > 1000, "{l}");
@@ -447,24 +448,10 @@ fn a_new_process_that_dies_refuses_or_speaks_another_version_leaves_the_vm_runni
     let mut last = vmm.wait_progress(0);
     // A client that stays connected throughout: its connection must keep
     // working in the old process after every failed attempt.
-    let client = Command::new(ferry_bin)
-        .args([
-            "load",
-            "--target",
-            &addr,
-            "--clients",
-            "4",
-            "--duration",
-            "8s",
-            "--rate",
-            "2000",
-            "--json",
-            "--quiet",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let client = spawn_load(
+        &addr,
+        &["--clients", "4", "--duration", "8s", "--rate", "2000"],
+    );
     for (what, binary, want) in cases {
         let kill = what.starts_with("killed");
         let sock = vmm.sock.clone();
@@ -504,8 +491,7 @@ fn a_new_process_that_dies_refuses_or_speaks_another_version_leaves_the_vm_runni
         .handover(&["--verify"])
         .unwrap_or_else(|e| panic!("{e}\n{}", vmm.log()));
     check_figures(&v, 256 << 20);
-    let o = client.wait_with_output().unwrap();
-    let l: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let l = load_figures(client);
     assert_eq!(l["errors"], 0, "the client saw pauses, never an error: {l}");
     assert_eq!(l["wrong_values"], 0, "{l}");
     vmm.wait_progress(last);

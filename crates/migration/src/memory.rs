@@ -153,6 +153,57 @@ pub fn region_hashes(r: &RegionView, data: &[OffsetBytes]) -> Vec<u64> {
     out
 }
 
+/// Per-page hashes of every region in order (what a verified move
+/// compares on both sides).
+pub fn memory_hashes(
+    regions: &[RegionView],
+    data_ranges: impl Fn(usize) -> Vec<OffsetBytes>,
+) -> Vec<u64> {
+    regions
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| region_hashes(r, &data_ranges(i)))
+        .collect()
+}
+
+/// Pages whose hashes differ between two views of the same memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HashMismatch {
+    /// Pages that differ (or have no hash on the other side).
+    pub bad: u64,
+    /// Pages compared.
+    pub total: u64,
+    /// The first guest address that differs.
+    pub first: u64,
+}
+
+/// Compares `theirs` with `mine` ([`memory_hashes`] of `regions`) page by
+/// page; returns the pages compared. Missing or extra hashes fail it too.
+pub fn compare_page_hashes(
+    regions: &[RegionView],
+    mine: &[u64],
+    theirs: impl IntoIterator<Item = u64>,
+) -> Result<u64, HashMismatch> {
+    let mut theirs = theirs.into_iter();
+    let gpas = regions
+        .iter()
+        .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * PAGE));
+    let (mut bad, mut first) = (0u64, 0u64);
+    for (h, gpa) in mine.iter().zip(gpas) {
+        if theirs.next() != Some(*h) {
+            if bad == 0 {
+                first = gpa;
+            }
+            bad += 1;
+        }
+    }
+    let total = mine.len() as u64;
+    if bad > 0 || theirs.next().is_some() {
+        return Err(HashMismatch { bad, total, first });
+    }
+    Ok(total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,11 +26,7 @@ pub(crate) fn hashes(
     regions: &[RegionView],
     data_ranges: impl Fn(usize) -> Vec<crate::ranges::OffsetBytes>,
 ) -> Vec<u64> {
-    regions
-        .iter()
-        .enumerate()
-        .flat_map(|(i, r)| crate::memory::region_hashes(r, &data_ranges(i)))
-        .collect()
+    crate::memory::memory_hashes(regions, data_ranges)
 }
 
 /// Compares the source's hashes (a Verify body) with `mine`, page by page;
@@ -40,24 +36,21 @@ pub(crate) fn compare_hashes(
     mine: &[u64],
     body: &[u8],
 ) -> Result<u64, crate::MigrationError> {
-    let mut theirs = body
+    let theirs = body
         .chunks_exact(8)
         .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
-    let gpas = regions
-        .iter()
-        .flat_map(|r| (0..r.pages()).map(move |i| r.gpa() + i * crate::ranges::PAGE));
-    let (mut bad, mut first) = (0u64, 0u64);
-    for (h, gpa) in mine.iter().zip(gpas) {
-        if theirs.next() != Some(*h) {
-            if bad == 0 {
-                first = gpa;
-            }
-            bad += 1;
-        }
-    }
-    let total = mine.len() as u64;
-    if bad > 0 || theirs.next().is_some() || !body.len().is_multiple_of(8) {
-        return Err(crate::MigrationError::Verify { bad, total, first });
+    let verify = |m: crate::memory::HashMismatch| crate::MigrationError::Verify {
+        bad: m.bad,
+        total: m.total,
+        first: m.first,
+    };
+    let total = crate::memory::compare_page_hashes(regions, mine, theirs).map_err(verify)?;
+    if !body.len().is_multiple_of(8) {
+        return Err(verify(crate::memory::HashMismatch {
+            bad: 0,
+            total,
+            first: 0,
+        }));
     }
     Ok(total)
 }

@@ -156,7 +156,7 @@ pub struct HandoverStats {
     pub socket_bytes: u64,
     /// The encoded VM state (bytes).
     pub state_bytes: u64,
-    /// Client connections moved, and the bytes their readers had not handled.
+    /// Client connections moved.
     pub connections: usize,
     /// Bytes read from clients and not handled yet, moved with them.
     pub pending_client_bytes: u64,
@@ -168,13 +168,9 @@ pub struct HandoverStats {
 
 /// Per-page hashes of the VM's guest memory as this process maps it.
 fn memory_hashes(vm: &crate::vmm::Vm) -> Vec<u64> {
-    crate::migration::views(vm)
-        .iter()
-        .enumerate()
-        .flat_map(|(i, r)| {
-            ferry_migration::memory::region_hashes(r, &crate::migration::data_ranges(vm, i))
-        })
-        .collect()
+    ferry_migration::memory::memory_hashes(&crate::migration::views(vm), |i| {
+        crate::migration::data_ranges(vm, i)
+    })
 }
 
 /// CLOCK_MONOTONIC now, in ns: one clock for both processes on a host, so

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use ferry_memory::{GuestMemory, MemfdRegion};
 
 use super::wire::{self, Hello, Message};
-use super::{cpu_secs, memory_hashes, monotonic_ns, stall_before, HandoverError};
+use super::{cpu_secs, monotonic_ns, stall_before, HandoverError};
 use crate::devices::serial::ConsoleSink;
 use crate::devices::service::FrozenConn;
 use crate::vmm::{Vm, VmConfig, VmState};
@@ -277,23 +277,16 @@ fn restore(
 
 /// `--verify`: this process's view of guest memory against the old one's.
 fn compare(vm: &Vm, theirs: &[u64]) -> Result<(), HandoverError> {
-    let mine = memory_hashes(vm);
-    let gpas = vm.memory().regions().iter().flat_map(|r| {
-        (0..r.size() / ferry_memory::PAGE_SIZE).map(move |i| r.gpa() + i * ferry_memory::PAGE_SIZE)
-    });
-    let (mut bad, mut first) = (0u64, 0u64);
-    for ((a, b), gpa) in mine.iter().zip(theirs).zip(gpas) {
-        if a != b {
-            if bad == 0 {
-                first = gpa;
-            }
-            bad += 1;
-        }
-    }
-    let total = mine.len().max(theirs.len()) as u64;
-    bad += mine.len().abs_diff(theirs.len()) as u64;
-    if bad > 0 {
-        return Err(HandoverError::Verify { bad, total, first });
-    }
-    Ok(())
+    let regions = crate::migration::views(vm);
+    ferry_migration::memory::compare_page_hashes(
+        &regions,
+        &ferry_migration::memory::memory_hashes(&regions, |i| crate::migration::data_ranges(vm, i)),
+        theirs.iter().copied(),
+    )
+    .map(|_| ())
+    .map_err(|m| HandoverError::Verify {
+        bad: m.bad,
+        total: m.total,
+        first: m.first,
+    })
 }
