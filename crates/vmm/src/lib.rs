@@ -12,6 +12,7 @@ pub mod control;
 pub mod devices;
 pub mod guest_abi;
 pub mod handover;
+pub mod hostnet;
 pub mod metrics;
 pub mod migration;
 pub mod vmm;
