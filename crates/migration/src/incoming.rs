@@ -41,7 +41,7 @@ pub fn receive_with_reconnect(
     let mut phases =
         crate::postcopy::Incoming::new(vm, listener, id, timeout, reconnect_timeout, &sink);
     let result = (|| {
-        session.handshake(&vm.regions(), vm.vcpus())?;
+        session.handshake(vm)?;
         session.run(vm, &sink, &mut phases)
     })();
     drop(phases);

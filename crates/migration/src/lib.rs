@@ -48,8 +48,8 @@ pub use postcopy::PausedPostcopy;
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use stats::{
-    CompressionStats, FaultBin, FaultReport, IncomingStats, Latency, MigrationStats, Phase,
-    PostcopyStats, Progress, RoundStats,
+    ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, IncomingStats, Latency,
+    MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
 };
 pub use transport::{Endpoint, Listener};
-pub use vm::{IncomingVm, MigratableVm, PageStore};
+pub use vm::{ClientsAnswer, ClientsPlan, IncomingVm, MigratableVm, PageStore};

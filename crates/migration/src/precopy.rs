@@ -201,7 +201,10 @@ pub(crate) fn run(
     }
     stats.downtime_parts.verify = lap();
     let report = s.complete()?;
-    stats.downtime_parts.destination = lap();
+    stats.downtime_parts.clients = s.clients_ms;
+    stats.downtime_parts.destination = lap() - s.clients_ms;
+    stats.downtime_parts.destination_verify = report.verify_ms;
+    stats.clients = s.clients.clone();
     stats.destination_service = report.service;
     stats.destination_cpu_s = report.cpu_s;
     add_encoding(&mut stats, &sender, compressed);

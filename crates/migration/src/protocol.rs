@@ -38,12 +38,15 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 4;
+pub const VERSION_MAX: u16 = 5;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
 /// connections, PostcopyResume).
 pub const VERSION_RESUME: u16 = 4;
+/// The first version where the VM's clients move with it (ClientsPlan,
+/// ClientsAnswer, Clients; Started reports restore and verify times).
+pub const VERSION_CLIENTS: u16 = 5;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -97,6 +100,14 @@ pub enum Kind {
     /// v4, destination to source on a Resume connection: the pages still
     /// missing after a broken link (one or more frames, the last one marked).
     PostcopyResume = 18,
+    /// v5, source to destination right after Layout: whether the VM's
+    /// clients can move with it (its own address and service port), or None.
+    ClientsPlan = 19,
+    /// v5, destination to source: it takes the clients over, or why not.
+    ClientsAnswer = 20,
+    /// v5, source to destination just before Complete when the clients
+    /// move: their connections, checkpointed (opaque to the engine).
+    Clients = 21,
 }
 
 impl Kind {
@@ -121,6 +132,9 @@ impl Kind {
             16 => PageRequest,
             17 => Finished,
             18 => PostcopyResume,
+            19 => ClientsPlan,
+            20 => ClientsAnswer,
+            21 => Clients,
             _ => return None,
         })
     }
@@ -500,6 +514,9 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::PageRequest => "PageRequest",
         Kind::Finished => "Finished",
         Kind::PostcopyResume => "PostcopyResume",
+        Kind::ClientsPlan => "ClientsPlan",
+        Kind::ClientsAnswer => "ClientsAnswer",
+        Kind::Clients => "Clients",
     }
 }
 

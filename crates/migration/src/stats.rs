@@ -69,6 +69,21 @@ pub struct MigrationStats {
     pub compression: CompressionStats,
     /// What happened after the switch (postcopy and hybrid that switched).
     pub postcopy: Option<PostcopyStats>,
+    /// What became of the VM's clients, if it has a request service.
+    #[serde(default)]
+    pub clients: Option<ClientsOutcome>,
+}
+
+/// What became of the VM's service clients at a migration.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClientsOutcome {
+    /// True if the address and connections moved with the VM; false if the
+    /// source forwards them.
+    pub moved: bool,
+    /// How many connections moved.
+    pub connections: u64,
+    /// What the destination did, or why they did not move.
+    pub detail: String,
 }
 
 /// The postcopy phase: from the destination's start until every page
@@ -239,8 +254,24 @@ pub struct DowntimeParts {
     pub save_state: f64,
     /// Hashing every page (only with verification).
     pub verify: f64,
+    /// Checkpointing the clients' connections and sending them.
+    #[serde(default)]
+    pub clients: f64,
     /// From Complete sent to Started received.
     pub destination: f64,
+    /// Of the time before Started, what the destination spent hashing its
+    /// memory for verification (its report; 0 without --verify).
+    #[serde(default)]
+    pub destination_verify: f64,
+}
+
+impl DowntimeParts {
+    /// Of the downtime, what --verify's hashing took on both sides: the
+    /// downtime without it is this much shorter (both sides hash the
+    /// paused memory, so the hashing is inside the downtime).
+    pub fn verify_share(&self) -> f64 {
+        self.verify + self.destination_verify
+    }
 }
 
 /// What the destination reports in its Started message.
@@ -249,6 +280,19 @@ pub struct StartedReport {
     /// Its request service address, if the VM has one.
     pub service: Option<String>,
     /// Host CPU seconds its receiving threads used.
+    pub cpu_s: f64,
+    /// v5: Complete to vCPUs started (ms).
+    pub restore_ms: f64,
+    /// v5: hashing its memory for verification (ms).
+    pub verify_ms: f64,
+    /// v5: what it did with the clients that moved.
+    pub clients: Option<String>,
+}
+
+/// Started's body before protocol v5.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct StartedReportV1 {
+    pub service: Option<String>,
     pub cpu_s: f64,
 }
 
@@ -299,6 +343,13 @@ pub struct IncomingStats {
     pub verified_pages: u64,
     /// Complete received to vCPUs started (ms).
     pub restore_ms: f64,
+    /// Hashing this side's memory for verification (ms).
+    #[serde(default)]
+    pub verify_ms: f64,
+    /// What became of the VM's clients: restored here, or left with the
+    /// source's forwarder.
+    #[serde(default)]
+    pub clients: Option<String>,
     /// Faults taken after a postcopy switch.
     pub postcopy: Option<FaultReport>,
     /// Times a postcopy paused on a broken link and resumed.

@@ -18,6 +18,25 @@ fn whole(regions: &[RegionView], index: usize) -> Vec<OffsetBytes> {
         .map_or(Vec::new(), |r| vec![OffsetBytes::new(0, r.size())])
 }
 
+/// The VM's clients can move with it: the VM has its own IP address on
+/// the hosts' network, where its request service listens.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClientsPlan {
+    /// The VM's address.
+    pub ip: std::net::Ipv4Addr,
+    /// The service's port there.
+    pub port: u16,
+}
+
+/// The destination's answer to a [`ClientsPlan`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ClientsAnswer {
+    /// It takes the address and the connections over.
+    Move,
+    /// It cannot; the source forwards its clients instead. Why.
+    Stay(String),
+}
+
 /// A running VM that can be migrated away.
 pub trait MigratableVm: Send + Sync {
     /// Guest RAM regions.
@@ -55,6 +74,24 @@ pub trait MigratableVm: Send + Sync {
     /// present' events), if it keeps one.
     fn guest_apf_count(&self) -> Option<u64> {
         None
+    }
+    /// Whether the VM's clients can move with it (asked once per
+    /// migration, before any page is sent).
+    fn clients_plan(&self) -> Option<ClientsPlan> {
+        None
+    }
+    /// What the destination answered (or the engine, for a destination
+    /// too old to move clients). With [`ClientsAnswer::Move`] the pause
+    /// need not drain the VM's requests: the connections travel.
+    fn clients_decided(&self, _answer: &ClientsAnswer) {}
+    /// The VM is paused and everything else is sent: take the clients off
+    /// this host and checkpoint their connections (only after
+    /// [`ClientsAnswer::Move`]). A later [`resume`](Self::resume) brings
+    /// them back here.
+    fn save_clients(&self) -> Result<Vec<u8>, VmOpError> {
+        Err(VmOpError::from(
+            "this VM cannot move its clients".to_string(),
+        ))
     }
 }
 
@@ -104,5 +141,18 @@ pub trait IncomingVm: PageStore {
     /// As [`MigratableVm::guest_apf_count`] (read once every page is here).
     fn guest_apf_count(&self) -> Option<u64> {
         None
+    }
+    /// Gets ready to take the source's clients over (before any page
+    /// arrives); Err says why it cannot, and the source forwards instead.
+    fn prepare_clients(&self, _plan: &ClientsPlan) -> Result<(), String> {
+        Err("this VMM cannot take a VM's clients over".into())
+    }
+    /// Restores the clients [`MigratableVm::save_clients`] checkpointed,
+    /// after the state and before [`start`](Self::start), which puts them
+    /// on the network; returns what it did, for the source's report.
+    fn restore_clients(&self, _clients: &[u8]) -> Result<String, VmOpError> {
+        Err(VmOpError::from(
+            "this VMM cannot take a VM's clients over".to_string(),
+        ))
     }
 }

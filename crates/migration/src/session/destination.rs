@@ -11,9 +11,9 @@ use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
 use crate::sink::PageSink;
-use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport};
+use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport, StartedReportV1};
 use crate::transport::{Conn, Listener};
-use crate::vm::IncomingVm;
+use crate::vm::{ClientsAnswer, ClientsPlan, IncomingVm};
 use crate::MigrationError;
 
 /// What a mode adds to the destination's control loop. The defaults are a
@@ -57,6 +57,8 @@ pub(crate) struct DestSession<'a> {
     pub(crate) version: u16,
     /// The VM runs here (Started went out).
     started: bool,
+    /// This side agreed to take the VM's clients over.
+    clients_agreed: bool,
 }
 
 impl<'a> DestSession<'a> {
@@ -80,6 +82,7 @@ impl<'a> DestSession<'a> {
                         hello,
                         version: 0,
                         started: false,
+                        clients_agreed: false,
                     })
                 }
                 Err(ProtocolError::Closed) => continue,
@@ -93,21 +96,31 @@ impl<'a> DestSession<'a> {
         self.hello.session
     }
 
-    /// Agrees on a version and checks the source's layout against ours.
-    pub(crate) fn handshake(
-        &mut self,
-        regions: &[RegionView],
-        vcpus: u32,
-    ) -> Result<(), MigrationError> {
+    /// Agrees on a version, checks the source's layout against ours and
+    /// answers its clients plan (v5).
+    pub(crate) fn handshake(&mut self, vm: &dyn IncomingVm) -> Result<(), MigrationError> {
+        let (regions, vcpus) = (vm.regions(), vm.vcpus());
         self.version = protocol::negotiate(&self.hello)?;
         self.ctl.send(Kind::HelloAck, &self.version)?;
         let layout: Layout = self.ctl.recv(Kind::Layout)?;
-        let mine = super::layout_of(regions, vcpus);
+        let mine = super::layout_of(&regions, vcpus);
         if layout != mine {
             return Err(MigrationError::Mismatch(format!(
                 "source has memory {:?} and {} vCPUs, this VM {:?} and {} vCPUs",
                 layout.regions, layout.vcpus, mine.regions, mine.vcpus
             )));
+        }
+        if self.version >= protocol::VERSION_CLIENTS {
+            let plan: Option<ClientsPlan> = self.ctl.recv(Kind::ClientsPlan)?;
+            if let Some(plan) = plan {
+                let answer = match vm.prepare_clients(&plan) {
+                    Ok(()) => ClientsAnswer::Move,
+                    Err(why) => ClientsAnswer::Stay(why),
+                };
+                tracing::info!(?plan, ?answer, "clients plan");
+                self.clients_agreed = answer == ClientsAnswer::Move;
+                self.ctl.send(Kind::ClientsAnswer, &answer)?;
+            }
         }
         tracing::info!(version = self.version, "incoming migration session open");
         Ok(())
@@ -172,6 +185,7 @@ impl<'a> DestSession<'a> {
         stats: &mut IncomingStats,
     ) -> Result<(), MigrationError> {
         let mut state: Option<Vec<u8>> = None;
+        let mut clients: Option<Vec<u8>> = None;
         loop {
             let f = protocol::read_frame(&mut self.ctl.reader)?;
             match f.kind {
@@ -184,7 +198,12 @@ impl<'a> DestSession<'a> {
                     self.ctl.send(Kind::RoundAck, &rd.round)?;
                 }
                 Kind::State => state = Some(f.body),
-                Kind::Verify => stats.verified_pages = verify(vm, regions, &f.body)?,
+                Kind::Clients if self.clients_agreed => clients = Some(f.body),
+                Kind::Verify => {
+                    let t = Instant::now();
+                    stats.verified_pages = verify(vm, regions, &f.body)?;
+                    stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
+                }
                 Kind::Complete => {
                     let t = Instant::now();
                     let state = state.take().ok_or(ProtocolError::Unexpected {
@@ -193,6 +212,22 @@ impl<'a> DestSession<'a> {
                     })?;
                     vm.restore_state(&state)
                         .map_err(MigrationError::vm("restore state"))?;
+                    match clients.take() {
+                        Some(c) => {
+                            let note = vm
+                                .restore_clients(&c)
+                                .map_err(MigrationError::vm("restore the clients"))?;
+                            stats.clients = Some(note);
+                        }
+                        None if self.clients_agreed => {
+                            return Err(ProtocolError::Unexpected {
+                                got: Kind::Complete,
+                                want: "the Clients this side agreed to take",
+                            }
+                            .into())
+                        }
+                        None => {}
+                    }
                     mode.before_start(stats.rounds)?;
                     vm.start().map_err(MigrationError::vm("start"))?;
                     self.started = true;
@@ -200,8 +235,19 @@ impl<'a> DestSession<'a> {
                     let report = StartedReport {
                         service: vm.service_addr(),
                         cpu_s: rx.cpu.secs() + thread_cpu_secs() - ctl_cpu0,
+                        restore_ms: stats.restore_ms,
+                        verify_ms: stats.verify_ms,
+                        clients: stats.clients.clone(),
                     };
-                    self.ctl.send(Kind::Started, &report)?;
+                    if self.version >= protocol::VERSION_CLIENTS {
+                        self.ctl.send(Kind::Started, &report)?;
+                    } else {
+                        let v1 = StartedReportV1 {
+                            service: report.service,
+                            cpu_s: report.cpu_s,
+                        };
+                        self.ctl.send(Kind::Started, &v1)?;
+                    }
                     tracing::info!(restore_ms = stats.restore_ms, "VM started here");
                     mode.after_start(&mut self.ctl, rx, stats)?;
                     return Ok(());

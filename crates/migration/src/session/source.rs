@@ -18,7 +18,7 @@ use crate::options::MigrateOptions;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
 use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::transport::{Conn, Endpoint};
-use crate::vm::MigratableVm;
+use crate::vm::{ClientsAnswer, MigratableVm};
 use crate::MigrationError;
 
 /// One outgoing migration's connections and what it has done to the VM.
@@ -36,6 +36,12 @@ pub(crate) struct SourceSession<'a> {
     dirty_log: bool,
     /// The VM runs at the destination (postcopy): never resume it here.
     pub(crate) switched: bool,
+    /// The clients move with the VM (the destination said so).
+    clients_move: bool,
+    /// What became of the clients, once known.
+    pub(crate) clients: Option<crate::stats::ClientsOutcome>,
+    /// Checkpointing and sending the clients took this long (ms).
+    pub(crate) clients_ms: f64,
     /// CPU seconds of the data threads.
     pub(crate) cpu: CpuMeter,
     ctl_cpu0: f64,
@@ -65,6 +71,9 @@ impl<'a> SourceSession<'a> {
             paused: false,
             dirty_log: false,
             switched: false,
+            clients_move: false,
+            clients: None,
+            clients_ms: 0.0,
             cpu: CpuMeter::default(),
             ctl_cpu0: thread_cpu_secs(),
             t_start,
@@ -193,7 +202,41 @@ impl<'a> SourceSession<'a> {
         self.version = ctl.recv(Kind::HelloAck)?;
         let layout = super::layout_of(&self.regions, self.vm.vcpus());
         self.ctl()?.send(Kind::Layout, &layout)?;
+        self.plan_clients()?;
         tracing::info!(to = %self.to, version = self.version, "migration session open");
+        Ok(())
+    }
+
+    /// Asks the destination whether the VM's clients can move with it
+    /// (v5), and tells the VM the answer.
+    fn plan_clients(&mut self) -> Result<(), MigrationError> {
+        let plan = self.vm.clients_plan();
+        let answer = if self.version >= protocol::VERSION_CLIENTS {
+            self.ctl()?.send(Kind::ClientsPlan, &plan)?;
+            if plan.is_none() {
+                return Ok(());
+            }
+            self.ctl()?.recv::<ClientsAnswer>(Kind::ClientsAnswer)?
+        } else if plan.is_some() {
+            ClientsAnswer::Stay(format!(
+                "the destination speaks protocol v{}; moving clients needs v{}",
+                self.version,
+                protocol::VERSION_CLIENTS
+            ))
+        } else {
+            return Ok(());
+        };
+        tracing::info!(?answer, "clients");
+        self.clients_move = answer == ClientsAnswer::Move;
+        self.clients = Some(crate::stats::ClientsOutcome {
+            moved: self.clients_move,
+            connections: 0,
+            detail: match &answer {
+                ClientsAnswer::Move => String::new(),
+                ClientsAnswer::Stay(why) => why.clone(),
+            },
+        });
+        self.vm.clients_decided(&answer);
         Ok(())
     }
 
@@ -298,6 +341,18 @@ impl<'a> SourceSession<'a> {
     /// but Started leaves the outcome unknown, and resuming here could run
     /// the VM twice.
     pub(crate) fn complete(&mut self) -> Result<StartedReport, MigrationError> {
+        if self.clients_move {
+            // Last, so the clients are off this host for the shortest time.
+            let t = Instant::now();
+            let clients = self
+                .vm
+                .save_clients()
+                .map_err(MigrationError::vm("checkpoint the clients"))?;
+            protocol::write_frame(&mut self.ctl()?.writer, Kind::Clients, &clients)
+                .map_err(ProtocolError::Io)?;
+            self.clients_ms = t.elapsed().as_secs_f64() * 1e3;
+        }
+        let version = self.version;
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
         let frame = match protocol::read_frame(&mut ctl.reader) {
@@ -311,7 +366,19 @@ impl<'a> SourceSession<'a> {
             }
             Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
         };
-        let report: StartedReport = protocol::decode(&frame, Kind::Started)?;
+        let report: StartedReport = if version >= protocol::VERSION_CLIENTS {
+            protocol::decode(&frame, Kind::Started)?
+        } else {
+            let v1: crate::stats::StartedReportV1 = protocol::decode(&frame, Kind::Started)?;
+            StartedReport {
+                service: v1.service,
+                cpu_s: v1.cpu_s,
+                ..Default::default()
+            }
+        };
+        if let (Some(c), Some(note)) = (self.clients.as_mut(), &report.clients) {
+            c.detail = note.clone();
+        }
         tracing::info!(service = ?report.service, "destination started the VM");
         Ok(report)
     }

@@ -57,3 +57,102 @@ pub enum NetError {
         state: u8,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+    use std::time::Duration;
+
+    /// The whole move in one network namespace (this thread's own): the
+    /// address goes down, the connection is checkpointed and its socket
+    /// closed, it is restored while the address is still down, and goes
+    /// live once the address is back; the client never notices.
+    #[test]
+    fn a_connection_moves_with_its_address() {
+        let t = std::thread::spawn(|| {
+            // SAFETY: unshare affects only this thread's network namespace.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                eprintln!(
+                    "SKIPPED: cannot make a network namespace ({}); needs root",
+                    std::io::Error::last_os_error()
+                );
+                return;
+            }
+            // The host's own subnet (the client's side of it stays up
+            // throughout, as the peers' network does), and the VM's address.
+            let host = |args: &[&str]| {
+                std::process::Command::new("ip")
+                    .args(args)
+                    .status()
+                    .is_ok_and(|s| s.success())
+            };
+            if !(host(&["link", "set", "lo", "up"])
+                && host(&["addr", "add", "10.99.0.1/24", "dev", "lo"]))
+            {
+                eprintln!("SKIPPED: cannot set up loopback (ip link / ip addr)");
+                return;
+            }
+            let ip = Ipv4Addr::new(10, 99, 0, 9);
+            let addr = VmAddress::on_this_host(ip).unwrap();
+            assert_eq!(addr.device(), "lo");
+            addr.bring_up().unwrap();
+            let l = TcpListener::bind(SocketAddr::from((ip, 7000))).unwrap();
+            let client = connect_from(Ipv4Addr::new(10, 99, 0, 1), ip, 7000);
+            let mut client = client;
+            client
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let (server, _) = l.accept().unwrap();
+            client.write_all(b"in flight").unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            addr.take_down().unwrap();
+            let cp = tcp_repair::checkpoint(&server).unwrap();
+            drop(server);
+            let parked = tcp_repair::restore_parked(&cp).unwrap();
+            addr.bring_up().unwrap();
+            let mut live = parked.go_live().unwrap();
+            live.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut b = [0u8; 9];
+            live.read_exact(&mut b).unwrap();
+            assert_eq!(&b, b"in flight");
+            live.write_all(b"answered!").unwrap();
+            client.read_exact(&mut b).unwrap();
+            assert_eq!(&b, b"answered!");
+        });
+        t.join().unwrap();
+    }
+
+    /// A client bound to `from`, connected to `to:port`.
+    fn connect_from(from: Ipv4Addr, to: Ipv4Addr, port: u16) -> TcpStream {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        // SAFETY: plain socket(2), checked; the descriptor is owned below.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+        assert!(fd >= 0);
+        // SAFETY: fd is fresh and owned here from now on.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        let sin = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(ip.octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let (a, b) = (sin(from, 0), sin(to, port));
+        // SAFETY: a and b are valid sockaddr_in of `len` bytes.
+        unsafe {
+            assert_eq!(
+                libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len),
+                0
+            );
+            assert_eq!(
+                libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len),
+                0
+            );
+        }
+        TcpStream::from(owned)
+    }
+}

@@ -336,10 +336,41 @@ struct RepairOpt {
     val: u32,
 }
 
+/// A restored connection still in repair mode: it sends nothing until
+/// [`go_live`](Self::go_live), so it can be prepared before the VM's
+/// address is up here (and dropped silently if the migration fails).
+#[derive(Debug)]
+pub struct ParkedConn {
+    stream: TcpStream,
+    /// Bytes the old socket never transmitted: sent once live.
+    unsent: Vec<u8>,
+}
+
+impl ParkedConn {
+    /// The socket (still in repair mode).
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Leaves repair mode (a window probe tells the peer where this end
+    /// is) and sends what the old socket had not; needs the local address
+    /// up on this host.
+    pub fn go_live(self) -> Result<TcpStream, NetError> {
+        set_repair(&self.stream, false)?;
+        if !self.unsent.is_empty() {
+            use std::io::Write;
+            (&self.stream)
+                .write_all(&self.unsent)
+                .map_err(os("sending the unsent queue"))?;
+        }
+        Ok(self.stream)
+    }
+}
+
 /// Brings a checkpointed connection back in a new socket, bound to the
 /// same local address (which may be a listener's port, and need not be up
-/// on this host yet), and takes it out of repair mode, so it runs.
-pub fn restore(cp: &TcpCheckpoint) -> Result<TcpStream, NetError> {
+/// on this host yet), and leaves it in repair mode.
+pub fn restore_parked(cp: &TcpCheckpoint) -> Result<ParkedConn, NetError> {
     let family = if cp.local.is_ipv4() {
         libc::AF_INET
     } else {
@@ -357,7 +388,15 @@ pub fn restore(cp: &TcpCheckpoint) -> Result<TcpStream, NetError> {
     // SO_REUSEADDR would undo that, so it is not set).
     set_int(fd, libc::IPPROTO_TCP, TCP_REPAIR, 1, "TCP_REPAIR")?;
     if cp.local.is_ipv4() {
+        // The address may not be up here yet: bind and connect to it anyway.
         set_int(fd, libc::IPPROTO_IP, libc::IP_FREEBIND, 1, "IP_FREEBIND")?;
+        set_int(
+            fd,
+            libc::IPPROTO_IP,
+            libc::IP_TRANSPARENT,
+            1,
+            "IP_TRANSPARENT",
+        )?;
     }
     let (local, local_len) = sockaddr(&cp.local);
     // SAFETY: `local` holds a valid address of `local_len` bytes.
@@ -449,7 +488,7 @@ pub fn restore(cp: &TcpCheckpoint) -> Result<TcpStream, NetError> {
     select_queue(fd, TCP_RECV_QUEUE)?;
     fill_queue(fd, &cp.recv_queue, "restoring the receive queue")?;
     // What was transmitted goes back as sent and unacknowledged (the peer's
-    // ACK or a retransmission settles it); what never left is sent below.
+    // ACK or a retransmission settles it); what never left is sent live.
     let sent = cp.send_queue.len() - (cp.unsent as usize).min(cp.send_queue.len());
     select_queue(fd, TCP_SEND_QUEUE)?;
     fill_queue(fd, &cp.send_queue[..sent], "restoring the send queue")?;
@@ -463,15 +502,15 @@ pub fn restore(cp: &TcpCheckpoint) -> Result<TcpStream, NetError> {
             "TCP_REPAIR_WINDOW",
         )?;
     }
-    set_int(fd, libc::IPPROTO_TCP, TCP_REPAIR, 0, "TCP_REPAIR off")?;
-    let stream = TcpStream::from(owned);
-    if sent < cp.send_queue.len() {
-        use std::io::Write;
-        (&stream)
-            .write_all(&cp.send_queue[sent..])
-            .map_err(os("sending the unsent queue"))?;
-    }
-    Ok(stream)
+    Ok(ParkedConn {
+        stream: TcpStream::from(owned),
+        unsent: cp.send_queue[sent..].to_vec(),
+    })
+}
+
+/// [`restore_parked`], then [`ParkedConn::go_live`].
+pub fn restore(cp: &TcpCheckpoint) -> Result<TcpStream, NetError> {
+    restore_parked(cp)?.go_live()
 }
 
 #[cfg(test)]
