@@ -216,9 +216,28 @@ fn print_table(to: &str, s: &MigrationStats) {
     println!("total time   {:.3} s", s.total_secs);
     let d = &s.downtime_parts;
     println!(
-        "downtime     {:.2} ms  (pause {:.2}, last round {:.2}, state {:.2}, verify {:.2}, destination {:.2})",
-        s.downtime_ms, d.pause, d.last_round, d.save_state, d.verify, d.destination
+        "downtime     {:.2} ms  (pause {:.2}, last round {:.2}, state {:.2}, verify {:.2}, clients {:.2}, destination {:.2})",
+        s.downtime_ms, d.pause, d.last_round, d.save_state, d.verify, d.clients, d.destination
     );
+    if s.verified_pages > 0 {
+        println!(
+            "             of which --verify {:.2} ms (source {:.2}, destination {:.2}): both sides hash the paused memory, inside the downtime; without --verify about {:.2} ms",
+            d.verify_share(),
+            d.verify,
+            d.destination_verify,
+            (s.downtime_ms - d.verify_share()).max(0.0)
+        );
+    }
+    if let Some(c) = &s.clients {
+        if c.moved {
+            println!(
+                "clients      moved with the VM: {} connections; {}; this VMM exits",
+                c.connections, c.detail
+            );
+        } else {
+            println!("clients      {}", c.detail);
+        }
+    }
     println!(
         "sent         {} on the wire: {} pages, {} zero pages (as ranges), state {}",
         format::bytes(s.bytes as f64),

@@ -57,6 +57,13 @@ pub struct RunArgs {
     /// workload gets 127.0.0.1 with any port when this is not given.
     #[arg(long)]
     serve: Option<std::net::SocketAddr>,
+    /// The VM's own IPv4 address on this host's network (e.g. 10.77.0.100 in
+    /// `ferry lab`): added to the interface whose subnet holds it, the
+    /// service listens there (port from --serve, else any), and at a
+    /// migration the address and every client connection move with the VM
+    /// (TCP_REPAIR) and this VMM exits. Needs CAP_NET_ADMIN.
+    #[arg(long)]
+    vm_address: Option<std::net::Ipv4Addr>,
     /// Incoming postcopy: how long to wait for the source to come back
     /// when the link breaks (e.g. 5m) before the VM is given up.
     #[arg(long, value_parser = format::parse_duration,
@@ -160,6 +167,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     config.kvm_path = args.kvm.clone();
     config.console = (!quiet).then(|| console_sink(Arc::new(AtomicBool::new(false))));
     config.serve = args.serve;
+    config.vm_address = args.vm_address;
+    if let (Some(ip), Some(serve)) = (args.vm_address, args.serve) {
+        if !serve.ip().is_unspecified() && serve.ip() != std::net::IpAddr::V4(ip) {
+            bail!("--serve {serve} and --vm-address {ip}: the service listens on the VM's address; give --serve {ip}:PORT or 0.0.0.0:PORT");
+        }
+    }
 
     let t_create = Instant::now();
     let vm = Arc::new(Vm::create(config).context("cannot create the VM")?);
@@ -482,6 +495,12 @@ fn drive(
         return Ok(ExitCode::SUCCESS);
     }
     if let (Ending::Migrated, Some(svc)) = (ending, vm.service()) {
+        let moved = svc.stats.moved_out.load(Ordering::Relaxed);
+        if svc.redirected_to().is_none() && !quiet {
+            eprintln!(
+                "ferry: VM migrated with its clients ({moved} connections moved); this VMM exits"
+            );
+        }
         if let Some(to) = svc.redirected_to() {
             // Like a moved IP address: this host keeps the VM's service port and
             // forwards to the new host until the run's time is up (or Ctrl-C).
@@ -647,6 +666,9 @@ fn service_json(s: &ferry_vmm::devices::service::ServiceDevice) -> serde_json::V
         "not_ready": n(&st.not_ready),
         "guest_errors": n(&st.guest_errors),
         "forwarded": n(&st.forwarded),
+        "moved_out": n(&st.moved_out),
+        "moved_in": n(&st.moved_in),
+        "vm_address": s.vm_address().map(|a| a.to_string()),
         "redirected_to": s.redirected_to().map(|a| a.to_string()),
     })
 }

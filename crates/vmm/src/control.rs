@@ -524,7 +524,17 @@ impl ControlHandler for VmControl {
             Request::Resume if self.postcopy_paused() => Err(
                 "a postcopy migration of this VM is paused: the VM runs at the destination and must not run here too; continue the migration with `ferry migrate --resume`".into(),
             ),
-            Request::Resume => vm.resume().map(|_| json!({})).map_err(|e| e.to_string()),
+            // The service too: after a migration that ended in doubt its
+            // clients may be held, or checkpointed for a move.
+            Request::Resume => vm
+                .resume()
+                .map(|_| {
+                    if let Some(s) = vm.service() {
+                        s.release();
+                    }
+                    json!({})
+                })
+                .map_err(|e| e.to_string()),
             Request::Migrate(_) if self.postcopy_paused() => Err(
                 "a postcopy migration of this VM is paused; continue it with `ferry migrate --resume`".into(),
             ),

@@ -53,6 +53,10 @@ pub struct VmConfig {
     /// TCP address of the service device (port 0 picks one); `None` = no
     /// device, unless a `kv` workload runs (then 127.0.0.1, any port).
     pub serve: Option<SocketAddr>,
+    /// The VM's own IP address on the hosts' network (added to the
+    /// interface whose subnet holds it): the service listens there, and
+    /// its clients move with the VM at a migration. Needs CAP_NET_ADMIN.
+    pub vm_address: Option<std::net::Ipv4Addr>,
 }
 
 impl VmConfig {
@@ -69,6 +73,7 @@ impl VmConfig {
             kvm_path: "/dev/kvm".into(),
             console: None,
             serve: None,
+            vm_address: None,
         }
     }
 
@@ -568,28 +573,34 @@ impl Vm {
         };
 
         let serve = config.serve.or_else(|| {
-            config
-                .workloads
-                .serves()
+            (config.vm_address.is_some() || config.workloads.serves())
                 .then(|| SocketAddr::from(([127, 0, 0, 1], 0)))
         });
         // A device is built held: nothing goes into the ring before the VM
         // starts, as the memory may hold a guest whose state (and ring) is
         // still arriving or being handed over.
-        let service = match (service_listener, serve) {
-            (Some(l), _) => Some(ServiceDevice::adopt(
-                l,
+        let service = match (service_listener, serve, config.vm_address) {
+            (Some(l), _, _) => {
+                let d = ServiceDevice::adopt(l, memory.clone(), vm_fd.clone(), config.vcpus)?;
+                if let Some(ip) = config.vm_address {
+                    d.keep_address(ip)?;
+                }
+                Some(d)
+            }
+            (None, Some(addr), Some(ip)) => Some(ServiceDevice::start_on_address(
+                ip,
+                addr.port(),
                 memory.clone(),
                 vm_fd.clone(),
                 config.vcpus,
             )?),
-            (None, Some(addr)) => Some(ServiceDevice::start(
+            (None, Some(addr), None) => Some(ServiceDevice::start(
                 addr,
                 memory.clone(),
                 vm_fd.clone(),
                 config.vcpus,
             )?),
-            (None, None) => None,
+            (None, None, _) => None,
         };
         let shared = Arc::new(VmShared {
             requested: AtomicU8::new(RunState::Running as u8),

@@ -315,10 +315,15 @@ fn offer(
         tick_hz: c.tick_hz,
         seed: c.seed,
         kvm_path: c.kvm_path.clone(),
+        vm_address: vm.service().and_then(|s| s.vm_address()),
+    };
+    let service_listener = match vm.service() {
+        Some(s) => Some(s.listener().map_err(HandoverError::Io)?),
+        None => None,
     };
     let mut fds: Vec<BorrowedFd<'_>> = vm.memory().regions().iter().map(|r| r.fd()).collect();
-    if let Some(s) = vm.service() {
-        fds.push(s.listener().as_fd());
+    if let Some(l) = &service_listener {
+        fds.push(l.as_fd());
     }
     if let Some(c) = &plan.control {
         fds.push(c.listener().as_fd());

@@ -68,6 +68,14 @@ fn host_addrs() -> Vec<HostAddr> {
     out
 }
 
+/// The interface holding `ip`, if this host has the address.
+pub fn device_holding(ip: Ipv4Addr) -> Option<String> {
+    host_addrs()
+        .into_iter()
+        .find(|a| a.addr == ip)
+        .map(|a| a.dev)
+}
+
 fn in_subnet(ip: Ipv4Addr, net: Ipv4Addr, mask: Ipv4Addr) -> bool {
     let m = u32::from(mask);
     m != 0 && u32::from(ip) & m == u32::from(net) & m
@@ -118,6 +126,12 @@ impl VmAddress {
     /// The interface it goes on.
     pub fn device(&self) -> &str {
         &self.dev
+    }
+
+    /// Takes over an address another process of this host added (a
+    /// handover): it is up, and this process removes it when the VM leaves.
+    pub fn mark_up(&self) {
+        self.up.store(true, Ordering::Release);
     }
 
     /// True while this process holds the address on this host.

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use ferry_migration::{
-    Endpoint, GpaBytes, GpaPages, IncomingStats, IncomingVm, Listener, MigrationError, OffsetBytes,
-    PageStore, RegionView, VmOpError,
+    ClientsPlan, Endpoint, GpaBytes, GpaPages, IncomingStats, IncomingVm, Listener, MigrationError,
+    OffsetBytes, PageStore, RegionView, VmOpError,
 };
 
 use crate::vmm::{Vm, VmState};
@@ -71,6 +71,23 @@ impl IncomingVm for Vm {
 
     fn guest_apf_count(&self) -> Option<u64> {
         super::guest_apf_count(self)
+    }
+
+    fn prepare_clients(&self, plan: &ClientsPlan) -> Result<(), String> {
+        match self.service() {
+            Some(s) => s.prepare_clients(plan.ip, plan.port),
+            None => Err(
+                "the destination VM has no service device (give it a kv workload or --serve)"
+                    .into(),
+            ),
+        }
+    }
+
+    fn restore_clients(&self, clients: &[u8]) -> Result<String, VmOpError> {
+        let s = self
+            .service()
+            .ok_or_else(|| VmOpError::from("the VM has no service device".to_string()))?;
+        Ok(s.restore_clients(clients)?)
     }
 }
 

@@ -4,8 +4,8 @@
 use std::sync::Mutex;
 
 use ferry_migration::{
-    Backend, BackendKind, Endpoint, GpaBytes, MigratableVm, MigrateOptions, MigrationError,
-    MigrationStats, OffsetBytes, Progress, RegionView, VmOpError,
+    Backend, BackendKind, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, MigratableVm,
+    MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress, RegionView, VmOpError,
 };
 
 use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
@@ -47,17 +47,27 @@ impl MigratableVm for Vm {
         Ok(vm::register_memory(self.vm_fd(), self.memory(), false)?)
     }
 
-    /// Requests in the service ring are answered here before the pause, so
-    /// every answer the destination's guest writes is for a request it got.
+    /// When the clients move with the VM, the readers stop between frames
+    /// and requests in the ring travel with it (their connections are
+    /// restored under the same ids there). When they stay (forwarded),
+    /// requests in the ring are answered here first, so every answer the
+    /// destination's guest writes is for a request it got.
     fn pause(&self) -> Result<(), VmOpError> {
-        let drained = match self.service() {
+        let timeout = std::time::Duration::from_secs(2);
+        let paused = match self.service() {
+            Some(s) if s.clients_move() => s
+                .freeze(timeout)
+                .map_err(VmOpError::from)
+                .and_then(|_| Vm::pause(self).map_err(VmOpError::from))
+                .and_then(|_| s.flush_answers(timeout).map_err(VmOpError::from)),
             Some(s) => s
-                .hold_and_drain(std::time::Duration::from_secs(2))
-                .map_err(VmOpError::from),
-            None => Ok(()),
+                .hold_and_drain(timeout)
+                .map_err(VmOpError::from)
+                .and_then(|_| Vm::pause(self).map_err(VmOpError::from)),
+            None => Vm::pause(self).map_err(VmOpError::from),
         };
-        let paused = drained.and_then(|_| Vm::pause(self).map_err(VmOpError::from));
         if paused.is_err() {
+            let _ = Vm::resume(self);
             // The engine resumes only a VM it paused: undo the hold here.
             if let Some(s) = self.service() {
                 s.release();
@@ -95,6 +105,24 @@ impl MigratableVm for Vm {
     fn guest_apf_count(&self) -> Option<u64> {
         super::guest_apf_count(self)
     }
+
+    fn clients_plan(&self) -> Option<ClientsPlan> {
+        let (ip, port) = self.service()?.clients_plan()?;
+        Some(ClientsPlan { ip, port })
+    }
+
+    fn clients_decided(&self, answer: &ClientsAnswer) {
+        if let Some(s) = self.service() {
+            s.clients_decided(*answer == ClientsAnswer::Move);
+        }
+    }
+
+    fn save_clients(&self) -> Result<Vec<u8>, VmOpError> {
+        let s = self
+            .service()
+            .ok_or_else(|| VmOpError::from("the VM has no service device".to_string()))?;
+        Ok(s.move_out()?.0)
+    }
 }
 
 /// The codec backend the options name.
@@ -120,18 +148,56 @@ pub fn migrate(
         )));
     }
     let progress = Mutex::new(progress);
-    let stats = ferry_migration::migrate(vm, to, opts, &backend(opts.compression.backend), &|p| {
-        // Postcopy: the VM serves from the destination before the
-        // migration ends; forward clients from then on.
-        if let Some(addr) = &p.destination_service {
-            redirect_service(vm, to, addr);
-        }
-        (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
-    })?;
-    if let Some(addr) = &stats.destination_service {
-        redirect_service(vm, to, addr);
-    }
+    let mut stats =
+        ferry_migration::migrate(vm, to, opts, &backend(opts.compression.backend), &|p| {
+            // Postcopy: the VM serves from the destination before the
+            // migration ends; forward clients from then on (unless they
+            // moved with it).
+            if let Some(addr) = &p.destination_service {
+                redirect_service(vm, to, addr);
+            }
+            (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
+        })?;
+    settle_clients(vm, to, &mut stats);
     Ok(stats)
+}
+
+/// After a migration that succeeded: clients that moved are let go here,
+/// others are forwarded to the destination's service.
+fn settle_clients(vm: &Vm, to: &Endpoint, stats: &mut MigrationStats) {
+    let Some(svc) = vm.service() else { return };
+    match stats.clients.as_mut() {
+        Some(c) if c.moved => {
+            c.connections = svc
+                .stats
+                .moved_out
+                .load(std::sync::atomic::Ordering::Relaxed);
+            svc.moved_away();
+        }
+        _ => {
+            if let Some(addr) = stats.destination_service.clone() {
+                redirect_service(vm, to, &addr);
+            }
+            let how = format!(
+                "forwarded by this host to the destination's service{}",
+                stats
+                    .destination_service
+                    .as_ref()
+                    .map(|a| format!(" ({a})"))
+                    .unwrap_or_default()
+            );
+            match stats.clients.as_mut() {
+                Some(c) => c.detail = format!("{how}: {}", c.detail),
+                None => {
+                    stats.clients = Some(ferry_migration::ClientsOutcome {
+                        moved: false,
+                        connections: 0,
+                        detail: format!("{how}: the VM has no address of its own (--vm-address)"),
+                    })
+                }
+            }
+        }
+    }
 }
 
 /// Continues a postcopy migration that paused on a broken link.
@@ -143,12 +209,10 @@ pub fn resume(
 ) -> Result<MigrationStats, MigrationError> {
     let dest = to.clone().unwrap_or_else(|| paused.to.clone());
     let progress = Mutex::new(progress);
-    let stats = ferry_migration::resume(vm, paused, to, &|p| {
+    let mut stats = ferry_migration::resume(vm, paused, to, &|p| {
         (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
     })?;
-    if let Some(addr) = &stats.destination_service {
-        redirect_service(vm, &dest, addr);
-    }
+    settle_clients(vm, &dest, &mut stats);
     Ok(stats)
 }
 
@@ -157,6 +221,9 @@ pub fn resume(
 /// host we migrated to).
 fn redirect_service(vm: &Vm, to: &Endpoint, addr: &str) {
     let Some(svc) = vm.service() else { return };
+    if svc.clients_move() {
+        return; // the connections moved with the VM
+    }
     if let Ok(mut a) = addr.parse::<std::net::SocketAddr>() {
         if a.ip().is_unspecified() {
             if let Endpoint::Tcp(t) = to {

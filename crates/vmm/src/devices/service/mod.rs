@@ -13,6 +13,7 @@
 //! slot belongs to ([`ServiceState`]).
 
 mod conn;
+mod moving;
 pub mod wire;
 
 pub use conn::FrozenConn;
@@ -48,6 +49,9 @@ pub enum ServiceError {
     /// The device cannot hand its connections over now.
     #[error("the service device cannot hand over its connections: {0}")]
     Handover(String),
+    /// The VM's own address could not be set up, moved or restored.
+    #[error(transparent)]
+    Address(crate::hostnet::NetError),
     /// A saved state that no device could have had.
     #[error("saved service state is invalid: {0}")]
     BadState(String),
@@ -79,6 +83,10 @@ pub struct ServiceStats {
     pub guest_errors: AtomicU64,
     /// Requests forwarded to the VM's new host after a migration.
     pub forwarded: AtomicU64,
+    /// Connections checkpointed here and moved with the VM.
+    pub moved_out: AtomicU64,
+    /// Connections restored here from the VM's previous host.
+    pub moved_in: AtomicU64,
 }
 
 /// The device's own state besides guest memory, for save/restore: which
@@ -107,7 +115,9 @@ pub struct ServiceDevice {
     memory: Arc<GuestMemory>,
     vm: Arc<VmFd>,
     vcpus: usize,
-    addr: SocketAddr,
+    /// Where clients connect (replaced once, before the VM runs, when a
+    /// migration brings the VM's own address).
+    addr: Mutex<SocketAddr>,
     ring: Mutex<Ring>,
     slot_freed: Condvar,
     conns: Mutex<HashMap<u64, Conn>>,
@@ -115,7 +125,12 @@ pub struct ServiceDevice {
     stop: AtomicBool,
     /// The listening socket (the accept thread uses a duplicate), kept so
     /// it can be handed to another VMM process.
-    listener: TcpListener,
+    listener: Mutex<TcpListener>,
+    /// The VM's own IP address on the hosts' network, if it has one: its
+    /// clients move with it (moving.rs).
+    address: Mutex<Option<Arc<crate::hostnet::VmAddress>>>,
+    /// Where a move of the clients is.
+    moving: Mutex<moving::Moving>,
     /// The accept thread runs (from the VM's start until a freeze).
     accepting: AtomicBool,
     accept_thread: Mutex<Option<JoinHandle<()>>>,
@@ -207,7 +222,7 @@ impl ServiceDevice {
             memory,
             vm,
             vcpus: vcpus as usize,
-            addr: local,
+            addr: Mutex::new(local),
             ring: Mutex::new(Ring {
                 free: (0..SVC_SLOTS).rev().collect(),
                 next_irq_cpu: 0,
@@ -216,7 +231,9 @@ impl ServiceDevice {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             stop: AtomicBool::new(false),
-            listener,
+            listener: Mutex::new(listener),
+            address: Mutex::new(None),
+            moving: Mutex::new(moving::Moving::Idle),
             accepting: AtomicBool::new(false),
             accept_thread: Mutex::new(None),
             gate: Gate::new().map_err(listen_err)?,
@@ -232,7 +249,7 @@ impl ServiceDevice {
         if t.is_some() || self.stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(listener) = self.listener.try_clone() else {
+        let Ok(listener) = self.listener() else {
             return;
         };
         self.accepting.store(true, Ordering::Release);
@@ -252,14 +269,15 @@ impl ServiceDevice {
         }
     }
 
-    /// The listening socket (a handover lends it to the next process).
-    pub fn listener(&self) -> &TcpListener {
-        &self.listener
+    /// The listening socket, duplicated (a handover lends it to the next
+    /// process).
+    pub fn listener(&self) -> std::io::Result<TcpListener> {
+        lock(&self.listener).try_clone()
     }
 
     /// The address clients connect to.
     pub fn local_addr(&self) -> SocketAddr {
-        self.addr
+        *lock(&self.addr)
     }
 
     /// True once the guest's workload answers requests.
@@ -294,9 +312,12 @@ impl ServiceDevice {
         Ok(())
     }
 
-    /// The VM runs (it started, or a migration failed): post requests
-    /// into the ring, and accept clients.
+    /// The VM runs (it started, or a migration failed): clients that
+    /// moved here go live (or, after a failed move, come back), readers
+    /// go on, requests go into the ring, and clients are accepted.
     pub fn release(self: &Arc<Self>) {
+        self.settle_move();
+        self.thaw();
         self.held.store(false, Ordering::SeqCst);
         self.slot_freed.notify_all();
         self.start_accepting();
@@ -317,6 +338,7 @@ impl ServiceDevice {
 
     /// Stops accepting, closes every connection and wakes waiting readers.
     pub fn shutdown(&self) {
+        self.drop_address();
         self.stop.store(true, Ordering::Release);
         self.stop_accepting();
         self.gate.thaw();
@@ -489,7 +511,7 @@ impl ServiceDevice {
     /// The device state besides guest memory.
     pub fn state(&self) -> ServiceState {
         ServiceState {
-            port: self.addr.port(),
+            port: self.local_addr().port(),
             next_conn: self.next_conn.load(Ordering::Relaxed),
             free_slots: lock(&self.ring).free.iter().map(|&i| i as u16).collect(),
         }

@@ -1,0 +1,423 @@
+//! The device's clients move with the VM (docs/service.md, "Clients that
+//! follow their VM"): the VM has its own IP address on the hosts' network,
+//! and at a migration the address goes to the destination host and every
+//! client connection is checkpointed here and restored there with
+//! TCP_REPAIR, so clients see a pause and nothing else.
+//!
+//! Source, in order:
+//! 1. [`ServiceDevice::clients_decided`]: the destination agreed.
+//! 2. The pause freezes the readers between frames (requests already in
+//!    the ring stay there: they travel with guest memory) and flushes the
+//!    answers given so far into the sockets.
+//! 3. [`ServiceDevice::move_out`], last before Complete: the address goes
+//!    down (from here packets for it are dropped, and the clients
+//!    retransmit them to the destination), then every connection is
+//!    checkpointed in repair mode, with what its reader had not handled.
+//! 4. Success: [`ServiceDevice::moved_away`] drops the sockets silently.
+//!    Failure: [`ServiceDevice::release`] takes repair mode off and brings
+//!    the address back, and the clients go on here.
+//!
+//! Destination: [`ServiceDevice::prepare_clients`] (before any page: the
+//! listener on the VM's address and port), [`ServiceDevice::restore_clients`]
+//! (at Complete: sockets restored in repair mode, connections registered
+//! under their ids, so answers to requests in the ring find them), and
+//! [`ServiceDevice::release`] when the vCPUs run: the address goes up here,
+//! the sockets go live, a gratuitous ARP tells the peers.
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::channel;
+use std::sync::Arc;
+
+use super::conn::FrozenConn;
+use super::{lock, ServiceDevice, ServiceError};
+use crate::hostnet::tcp_repair::{self, ParkedConn, TcpCheckpoint};
+use crate::hostnet::{NetError, VmAddress};
+
+/// One client connection on its way to another host.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MovedConn {
+    /// Its id: the tag of its requests in the ring.
+    id: u64,
+    /// Bytes its reader had read and not handled.
+    pending: Vec<u8>,
+    /// The socket.
+    tcp: TcpCheckpoint,
+}
+
+/// Where a move of the clients is.
+#[derive(Default)]
+pub(super) enum Moving {
+    /// No move.
+    #[default]
+    Idle,
+    /// Source: the destination takes the clients; not checkpointed yet.
+    Agreed,
+    /// Source: the address is down and these sockets are in repair mode
+    /// (plus connections accepted from the listen queue at the last
+    /// moment, not served yet).
+    Out {
+        checkpointed: Vec<TcpStream>,
+        queued: Vec<FrozenConn>,
+    },
+    /// Destination: connections restored in repair mode, registered, to go
+    /// live when the VM runs.
+    In(Vec<Restored>),
+}
+
+pub(super) struct Restored {
+    id: u64,
+    parked: ParkedConn,
+    pending: Vec<u8>,
+    tx: std::sync::mpsc::Sender<super::conn::Out>,
+    rx: std::sync::mpsc::Receiver<super::conn::Out>,
+}
+
+fn handover_err(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Handover(e.to_string())
+}
+
+/// A listener on `addr` whether or not the address is up on this host yet.
+fn bind_anywhere(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let SocketAddr::V4(v4) = addr else {
+        return TcpListener::bind(addr);
+    };
+    // SAFETY: plain socket(2), checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is fresh and owned from here.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let one: libc::c_int = 1;
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    for (level, opt) in [
+        (libc::SOL_SOCKET, libc::SO_REUSEADDR),
+        (libc::IPPROTO_IP, libc::IP_FREEBIND),
+    ] {
+        // SAFETY: `one` is a live int of `len` bytes.
+        if unsafe { libc::setsockopt(fd, level, opt, (&one as *const libc::c_int).cast(), len) } < 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(v4.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let slen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: sin is a valid sockaddr_in of `slen` bytes; fd is open.
+    let ok = unsafe {
+        libc::bind(fd, (&sin as *const libc::sockaddr_in).cast(), slen) == 0
+            && libc::listen(owned.as_raw_fd(), 1024) == 0
+    };
+    if !ok {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(TcpListener::from(owned))
+}
+
+/// True if this process may use TCP_REPAIR (CAP_NET_ADMIN).
+fn repair_allowed() -> Result<(), NetError> {
+    // SAFETY: plain socket(2), checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(NetError::Repair {
+            what: "socket",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: fd is fresh and owned from here.
+    let s = unsafe { OwnedFd::from_raw_fd(fd) };
+    tcp_repair::set_repair(&s, true)
+}
+
+impl ServiceDevice {
+    /// A device on the VM's own address `ip` (added to this host's
+    /// interface for that subnet now): its clients can move with the VM.
+    pub fn start_on_address(
+        ip: Ipv4Addr,
+        port: u16,
+        memory: Arc<ferry_memory::GuestMemory>,
+        vm: Arc<kvm_ioctls::VmFd>,
+        vcpus: u32,
+    ) -> Result<Arc<Self>, ServiceError> {
+        let addr = SocketAddr::from((ip, port));
+        let address = VmAddress::on_this_host(ip).map_err(ServiceError::Address)?;
+        address.bring_up().map_err(ServiceError::Address)?;
+        if let Err(e) = address.announce() {
+            tracing::warn!(error = %e, "the VM's address is up but not announced");
+        }
+        let device = TcpListener::bind(addr)
+            .map_err(|source| ServiceError::Listen { addr, source })
+            .and_then(|l| Self::adopt(l, memory, vm, vcpus));
+        match device {
+            Ok(d) => {
+                *lock(&d.address) = Some(Arc::new(address));
+                Ok(d)
+            }
+            Err(e) => {
+                let _ = address.take_down();
+                Err(e)
+            }
+        }
+    }
+
+    /// A handed-over device whose VM has its own address, already up on
+    /// this host (the old process added it).
+    pub fn keep_address(&self, ip: Ipv4Addr) -> Result<(), ServiceError> {
+        let dev = crate::hostnet::address::device_holding(ip)
+            .ok_or_else(|| ServiceError::Address(NetError::NoInterface(ip)))?;
+        let a = VmAddress::on_device(ip, &dev).map_err(ServiceError::Address)?;
+        a.mark_up();
+        *lock(&self.address) = Some(Arc::new(a));
+        Ok(())
+    }
+
+    /// The VM's own address, if it has one.
+    pub fn vm_address(&self) -> Option<Ipv4Addr> {
+        lock(&self.address).as_ref().map(|a| a.ip())
+    }
+
+    /// Whether the clients can move: the VM's address and service port,
+    /// while the address is up here.
+    pub fn clients_plan(&self) -> Option<(Ipv4Addr, u16)> {
+        let a = lock(&self.address);
+        let a = a.as_ref().filter(|a| a.is_up())?;
+        Some((a.ip(), self.local_addr().port()))
+    }
+
+    /// The destination takes the clients over (true), or they stay and are
+    /// forwarded (false).
+    pub fn clients_decided(&self, moving: bool) {
+        *lock(&self.moving) = if moving { Moving::Agreed } else { Moving::Idle };
+    }
+
+    /// True once the destination agreed to take the clients.
+    pub fn clients_move(&self) -> bool {
+        !matches!(*lock(&self.moving), Moving::Idle)
+    }
+
+    /// Source, the VM paused and its readers frozen: takes the address
+    /// down, then checkpoints every connection (the ones waiting in the
+    /// listen queue too). Returns them encoded, and how many.
+    pub fn move_out(&self) -> Result<(Vec<u8>, usize), ServiceError> {
+        let address = lock(&self.address).clone().ok_or_else(|| {
+            ServiceError::Handover("the VM has no address of its own to move".into())
+        })?;
+        let mut moving = lock(&self.moving);
+        if !matches!(*moving, Moving::Agreed) {
+            return Err(ServiceError::Handover(
+                "the clients were not agreed to move".into(),
+            ));
+        }
+        address.take_down().map_err(ServiceError::Address)?;
+        let mut pending = self.gate.pending();
+        let mut socks: Vec<(u64, TcpStream, Vec<u8>)> = lock(&self.conns)
+            .iter()
+            .filter_map(|(&id, c)| {
+                let s = c.stream.try_clone().ok()?;
+                Some((id, s, pending.remove(&id).unwrap_or_default()))
+            })
+            .collect();
+        // Clients whose handshake completed after the readers froze wait in
+        // the listen queue: they move too (as new connections).
+        let mut queued = Vec::new();
+        if let Ok(l) = self.listener() {
+            while let Ok((s, _)) = l.accept() {
+                let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+                self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                if let Ok(dup) = s.try_clone() {
+                    socks.push((id, dup, Vec::new()));
+                }
+                queued.push(FrozenConn {
+                    id,
+                    stream: s,
+                    pending: Vec::new(),
+                });
+            }
+        }
+        let mut out = Vec::new();
+        let mut checkpointed = Vec::new();
+        let mut failed = None;
+        for (id, s, pending) in socks {
+            match tcp_repair::checkpoint(&s) {
+                Ok(tcp) => {
+                    out.push(MovedConn { id, pending, tcp });
+                    checkpointed.push(s);
+                }
+                // A client that closed its side: it stays and is closed here.
+                Err(NetError::NotEstablished { .. }) => {
+                    let _ = tcp_repair::resume(&s);
+                }
+                Err(e) => {
+                    let _ = tcp_repair::resume(&s);
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let n = out.len();
+        self.stats.moved_out.store(n as u64, Ordering::Relaxed);
+        *moving = Moving::Out {
+            checkpointed,
+            queued,
+        };
+        drop(moving);
+        if let Some(e) = failed {
+            return Err(ServiceError::Address(e));
+        }
+        let bytes = postcard::to_stdvec(&out).map_err(handover_err)?;
+        Ok((bytes, n))
+    }
+
+    /// Undoes [`move_out`](Self::move_out) (the migration failed): the
+    /// sockets leave repair mode and the address comes back, so the clients
+    /// go on here. Called by [`release`](Self::release).
+    pub(super) fn move_back(self: &Arc<Self>, moving: Moving) {
+        let Moving::Out {
+            checkpointed,
+            queued,
+        } = moving
+        else {
+            return;
+        };
+        if let Some(a) = lock(&self.address).clone() {
+            if let Err(e) = a.bring_up() {
+                tracing::error!(error = %e, "the VM's address could not come back: its clients are cut off");
+            } else if let Err(e) = a.announce() {
+                tracing::warn!(error = %e, "the VM's address is back but not announced");
+            }
+        }
+        for s in &checkpointed {
+            if let Err(e) = tcp_repair::resume(s) {
+                tracing::warn!(error = %e, "a client connection could not leave repair mode");
+            }
+        }
+        for c in queued {
+            let (tx, rx) = channel();
+            if let Ok(shut) = c.stream.try_clone() {
+                self.register(c.id, tx.clone(), shut);
+                self.spawn_connection(c.id, c.stream, c.pending, tx, rx);
+            }
+        }
+    }
+
+    /// Source, the migration succeeded: the clients are served at the
+    /// destination. Readers and writers leave; the sockets, in repair
+    /// mode, close without a word to the clients.
+    pub fn moved_away(&self) {
+        let moving = std::mem::take(&mut *lock(&self.moving));
+        self.hand_off();
+        drop(moving);
+    }
+
+    /// Destination, before any page arrives: ready to take the clients of
+    /// a VM whose address is `ip` and service port `port`. Err says why not
+    /// (the source then forwards them).
+    pub fn prepare_clients(&self, ip: Ipv4Addr, port: u16) -> Result<(), String> {
+        if self.accepting.load(Ordering::Acquire) || !lock(&self.conns).is_empty() {
+            return Err("this VM's service already serves clients".into());
+        }
+        repair_allowed()
+            .map_err(|e| format!("TCP_REPAIR is not allowed here ({e}); it needs CAP_NET_ADMIN"))?;
+        let address = VmAddress::on_this_host(ip).map_err(|e| e.to_string())?;
+        let addr = SocketAddr::from((ip, port));
+        let listener = bind_anywhere(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|_| l))
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        *lock(&self.listener) = listener;
+        *lock(&self.addr) = addr;
+        *lock(&self.address) = Some(Arc::new(address));
+        Ok(())
+    }
+
+    /// Destination, after the VM's state: restores the connections in
+    /// repair mode and registers each under its id. They go live when the
+    /// VM runs ([`release`](Self::release)).
+    pub fn restore_clients(&self, bytes: &[u8]) -> Result<String, ServiceError> {
+        let address = lock(&self.address).clone().ok_or_else(|| {
+            ServiceError::BadState(
+                "clients arrived for a device that did not prepare for them".into(),
+            )
+        })?;
+        let conns: Vec<MovedConn> =
+            postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))?;
+        let mut restored = Vec::with_capacity(conns.len());
+        for c in conns {
+            let parked = tcp_repair::restore_parked(&c.tcp).map_err(ServiceError::Address)?;
+            let shut = parked.stream().try_clone().map_err(handover_err)?;
+            let (tx, rx) = channel();
+            self.register(c.id, tx.clone(), shut);
+            self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
+            restored.push(Restored {
+                id: c.id,
+                parked,
+                pending: c.pending,
+                tx,
+                rx,
+            });
+        }
+        let n = restored.len();
+        self.stats.moved_in.store(n as u64, Ordering::Relaxed);
+        *lock(&self.moving) = Moving::In(restored);
+        Ok(format!(
+            "{n} connections restored by TCP_REPAIR; {} moved to {}",
+            address.ip(),
+            address.device()
+        ))
+    }
+
+    /// Destination, the VM runs: the address goes up here, the restored
+    /// sockets go live and are served, and the peers are told. Called by
+    /// [`release`](Self::release).
+    pub(super) fn go_live(self: &Arc<Self>, restored: Vec<Restored>) {
+        if let Some(a) = lock(&self.address).clone() {
+            if let Err(e) = a.bring_up() {
+                tracing::error!(error = %e, "the VM's address cannot go up here: its clients are cut off");
+            }
+        }
+        for r in restored {
+            match r.parked.go_live() {
+                Ok(s) => self.spawn_connection(r.id, s, r.pending, r.tx, r.rx),
+                Err(e) => {
+                    tracing::warn!(error = %e, id = r.id, "a client connection could not go live");
+                    lock(&self.conns).remove(&r.id);
+                }
+            }
+        }
+        if let Some(a) = lock(&self.address).clone() {
+            if let Err(e) = a.announce() {
+                tracing::warn!(error = %e, "the VM's address is up but not announced");
+            }
+        }
+    }
+
+    /// The device's side of a release: undoes a move out, or finishes a
+    /// move in.
+    pub(super) fn settle_move(self: &Arc<Self>) {
+        let moving = std::mem::take(&mut *lock(&self.moving));
+        match moving {
+            Moving::Out { .. } => self.move_back(moving),
+            Moving::In(restored) => self.go_live(restored),
+            Moving::Idle | Moving::Agreed => {}
+        }
+    }
+
+    /// Takes the VM's address off this host if this process holds it (the
+    /// VM stops here).
+    pub(super) fn drop_address(&self) {
+        if let Some(a) = lock(&self.address).as_ref() {
+            if a.is_up() {
+                if let Err(e) = a.take_down() {
+                    tracing::warn!(error = %e, "the VM's address stays on this host");
+                }
+            }
+        }
+    }
+}
