@@ -91,6 +91,8 @@ enum Outcome {
 struct Shared {
     stop: AtomicBool,
     sent: AtomicU64,
+    /// Connections opened again after one broke.
+    reconnects: AtomicU64,
     limit: u64,
     start: Instant,
 }
@@ -204,6 +206,7 @@ fn client(addr: SocketAddr, cfg: ClientCfg, shared: Arc<Shared>, out: Arc<Mutex<
         let outcome = match result {
             Err(_) => {
                 // Broken or refused connection: count it and reconnect.
+                shared.reconnects.fetch_add(1, Ordering::Relaxed);
                 conn = connect(addr).ok();
                 if conn.is_none() {
                     std::thread::sleep(Duration::from_millis(50));
@@ -299,6 +302,7 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
     let shared = Arc::new(Shared {
         stop: AtomicBool::new(false),
         sent: AtomicU64::new(0),
+        reconnects: AtomicU64::new(0),
         limit: args.requests.unwrap_or(u64::MAX),
         start: Instant::now(),
     });
@@ -419,6 +423,7 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
         },
         "errors": errors,
         "wrong_values": wrong,
+        "reconnects": shared.reconnects.load(Ordering::Relaxed),
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -441,7 +446,10 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
             "latency      p50 {} us  p90 {} us  p99 {} us  max {} us",
             l["p50"], l["p90"], l["p99"], l["max"]
         );
-        println!("errors       {errors}   wrong values {wrong}");
+        println!(
+            "errors       {errors}   wrong values {wrong}   reconnects {}",
+            summary["reconnects"]
+        );
     }
     Ok(if errors == 0 && wrong == 0 {
         ExitCode::SUCCESS

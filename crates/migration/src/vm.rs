@@ -26,6 +26,8 @@ pub struct ClientsPlan {
     pub ip: std::net::Ipv4Addr,
     /// The service's port there.
     pub port: u16,
+    /// Client connections now (the destination gets ready for about as many).
+    pub connections: u32,
 }
 
 /// The destination's answer to a [`ClientsPlan`].

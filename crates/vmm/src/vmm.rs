@@ -684,10 +684,17 @@ impl Vm {
 
     /// Starts one thread per vCPU.
     pub fn start(&self) -> Result<(), VmError> {
+        let t = Instant::now();
         self.start_threads()?;
+        let threads_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Some(s) = self.service() {
             s.release();
         }
+        tracing::debug!(
+            threads_ms,
+            release_ms = t.elapsed().as_secs_f64() * 1e3 - threads_ms,
+            "VM started"
+        );
         Ok(())
     }
 

@@ -212,6 +212,7 @@ impl<'a> DestSession<'a> {
                     })?;
                     vm.restore_state(&state)
                         .map_err(MigrationError::vm("restore state"))?;
+                    let state_ms = t.elapsed().as_secs_f64() * 1e3;
                     match clients.take() {
                         Some(c) => {
                             let note = vm
@@ -228,10 +229,17 @@ impl<'a> DestSession<'a> {
                         }
                         None => {}
                     }
+                    let clients_ms = t.elapsed().as_secs_f64() * 1e3 - state_ms;
                     mode.before_start(stats.rounds)?;
                     vm.start().map_err(MigrationError::vm("start"))?;
                     self.started = true;
                     stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+                    tracing::debug!(
+                        state_ms,
+                        clients_ms,
+                        total_ms = stats.restore_ms,
+                        "restored and started"
+                    );
                     let report = StartedReport {
                         service: vm.service_addr(),
                         cpu_s: rx.cpu.secs() + thread_cpu_secs() - ctl_cpu0,

@@ -173,8 +173,8 @@ impl VmAddress {
         Ok(())
     }
 
-    /// Gratuitous ARP (a request for its own address, sent to everyone),
-    /// twice: peers that know the address update its MAC at once.
+    /// Gratuitous ARP (a request for its own address, sent to everyone):
+    /// peers that know the address update its MAC at once.
     pub fn announce(&self) -> Result<(), NetError> {
         let err = |source| NetError::Announce {
             ip: self.ip,
@@ -182,8 +182,31 @@ impl VmAddress {
             source,
         };
         let mac = hw_addr(&self.dev).map_err(err)?;
-        send_garp(self.ifindex, mac, self.ip).map_err(err)?;
         send_garp(self.ifindex, mac, self.ip).map_err(err)
+    }
+
+    /// [`announce`](Self::announce) now and again after 50 and 250 ms (a
+    /// lost frame does not strand the peers), on a thread of its own so
+    /// nothing waits for it; failures are logged.
+    pub fn announce_in_background(self: &std::sync::Arc<Self>) {
+        let a = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vm-announce".into())
+            .spawn(move || {
+                for wait_ms in [0, 50, 200] {
+                    std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+                    if !a.is_up() {
+                        return;
+                    }
+                    if let Err(e) = a.announce() {
+                        tracing::warn!(error = %e, "the VM's address is up but not announced");
+                        return;
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot announce the VM's address");
+        }
     }
 }
 
@@ -224,14 +247,11 @@ fn hw_addr(dev: &str) -> std::io::Result<[u8; 6]> {
 
 fn send_garp(ifindex: u32, mac: [u8; 6], ip: Ipv4Addr) -> std::io::Result<()> {
     const ETH_P_ARP: u16 = 0x0806;
+    // Protocol 0: a socket that only sends. One that receives would
+    // register a packet hook, and closing it waits an RCU grace period
+    // (tens of ms).
     // SAFETY: plain socket(2), checked.
-    let s = unsafe {
-        libc::socket(
-            libc::AF_PACKET,
-            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            i32::from(ETH_P_ARP.to_be()),
-        )
-    };
+    let s = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if s < 0 {
         return Err(os_err());
     }

@@ -10,6 +10,32 @@ pub mod tcp_repair;
 pub use address::VmAddress;
 pub use tcp_repair::TcpCheckpoint;
 
+/// Grows this process's descriptor table to hold `n` more descriptors
+/// now, so opening them later does not grow it: in a process with many
+/// threads each growth waits an RCU grace period (tens of ms on some
+/// hosts), which must not fall in a VM's downtime. Best effort (bounded
+/// by RLIMIT_NOFILE).
+pub fn reserve_fds(n: usize) {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::File::open("/dev/null") else {
+        return;
+    };
+    // SAFETY: all-zero is a valid rlimit; getrlimit writes it.
+    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: lim is a valid rlimit to write.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    let want = (f.as_raw_fd() as u64 + n as u64).min(lim.rlim_cur.saturating_sub(1));
+    // SAFETY: F_DUPFD_CLOEXEC duplicates an open descriptor to the lowest
+    // free number >= want; the duplicate is closed at once.
+    let d = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, want as libc::c_int) };
+    if d >= 0 {
+        // SAFETY: d was just opened here and nothing else uses it.
+        unsafe { libc::close(d) };
+    }
+}
+
 /// Why a host network operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {

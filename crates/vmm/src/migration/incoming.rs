@@ -75,7 +75,7 @@ impl IncomingVm for Vm {
 
     fn prepare_clients(&self, plan: &ClientsPlan) -> Result<(), String> {
         match self.service() {
-            Some(s) => s.prepare_clients(plan.ip, plan.port),
+            Some(s) => s.prepare_clients(plan.ip, plan.port, plan.connections),
             None => Err(
                 "the destination VM has no service device (give it a kv workload or --serve)"
                     .into(),

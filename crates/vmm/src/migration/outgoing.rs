@@ -107,8 +107,12 @@ impl MigratableVm for Vm {
     }
 
     fn clients_plan(&self) -> Option<ClientsPlan> {
-        let (ip, port) = self.service()?.clients_plan()?;
-        Some(ClientsPlan { ip, port })
+        let (ip, port, connections) = self.service()?.clients_plan()?;
+        Some(ClientsPlan {
+            ip,
+            port,
+            connections,
+        })
     }
 
     fn clients_decided(&self, answer: &ClientsAnswer) {

@@ -74,7 +74,11 @@ pub(super) struct Gate {
     /// Readable while frozen: wakes readers waiting for their socket.
     wake: EventFd,
     state: Mutex<GateState>,
-    changed: Condvar,
+    /// Every reader parked (or one ended): wakes the freezer. Separate from
+    /// `fate_changed` so parking readers do not wake each other.
+    all_parked: Condvar,
+    /// Thawed or handed off: wakes the parked readers.
+    fate_changed: Condvar,
 }
 
 impl Gate {
@@ -87,7 +91,8 @@ impl Gate {
                 readers: 0,
                 parked: HashMap::new(),
             }),
-            changed: Condvar::new(),
+            all_parked: Condvar::new(),
+            fate_changed: Condvar::new(),
         })
     }
 
@@ -105,7 +110,7 @@ impl Gate {
 
     fn reader_ended(&self) {
         lock(&self.state).readers -= 1;
-        self.changed.notify_all();
+        self.all_parked.notify_all();
     }
 
     /// Stops the readers (they park at their next frame boundary).
@@ -126,7 +131,7 @@ impl Gate {
                 return Err(st.readers - st.parked.len());
             }
             st = self
-                .changed
+                .all_parked
                 .wait_timeout(st, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
@@ -148,13 +153,13 @@ impl Gate {
         st.fate = Fate::Running;
         self.frozen.store(false, Ordering::Release);
         let _ = self.wake.read();
-        self.changed.notify_all();
+        self.fate_changed.notify_all();
     }
 
     /// Readers leave without touching their sockets.
     pub fn hand_off(&self) {
         lock(&self.state).fate = Fate::HandedOff;
-        self.changed.notify_all();
+        self.fate_changed.notify_all();
     }
 
     /// Called by a reader at the gate: parks with what it has not handled;
@@ -162,12 +167,84 @@ impl Gate {
     fn park(&self, id: u64, buf: Vec<u8>) -> Option<Vec<u8>> {
         let mut st = lock(&self.state);
         st.parked.insert(id, buf);
-        self.changed.notify_all();
+        if st.parked.len() >= st.readers {
+            self.all_parked.notify_all();
+        }
         while st.fate == Fate::Frozen {
-            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self.fate_changed.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         let buf = st.parked.remove(&id).unwrap_or_default();
         (st.fate == Fate::Running).then_some(buf)
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// Threads started ahead of time, each for one job: connections that
+/// arrive with a migration are served from them, so no thread is created
+/// while the VM is paused. Each spare runs exactly one job and ends; a job
+/// goes to a spare only when one is counted idle, so none waits.
+pub(super) struct Spares {
+    tx: Mutex<Option<Sender<Job>>>,
+    rx: Arc<Mutex<Receiver<Job>>>,
+    idle: std::sync::atomic::AtomicUsize,
+}
+
+impl Spares {
+    pub fn new() -> Self {
+        let (tx, rx) = channel();
+        Spares {
+            tx: Mutex::new(Some(tx)),
+            rx: Arc::new(Mutex::new(rx)),
+            idle: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// Starts `n` more spare threads.
+    pub fn add(&self, n: usize) {
+        for _ in 0..n {
+            let rx = self.rx.clone();
+            let spawned = std::thread::Builder::new()
+                .name("svc-spare".into())
+                .spawn(move || {
+                    let job = lock(&rx).recv();
+                    if let Ok(job) = job {
+                        job();
+                    }
+                });
+            if spawned.is_err() {
+                break;
+            }
+            self.idle.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Runs `job` on a spare if one is idle, else on a new thread named
+    /// `name`; None if no thread could be had.
+    pub fn run(&self, name: &str, job: impl FnOnce() + Send + 'static) -> Option<()> {
+        let claimed = self
+            .idle
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        if claimed {
+            if let Some(tx) = lock(&self.tx).as_ref() {
+                if tx.send(Box::new(job)).is_ok() {
+                    return Some(());
+                }
+            }
+            return None;
+        }
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(job)
+            .ok()
+            .map(|_| ())
+    }
+
+    /// Lets idle spares end.
+    pub fn close(&self) {
+        self.idle.store(0, Ordering::Release);
+        lock(&self.tx).take();
     }
 }
 
@@ -175,10 +252,16 @@ impl Gate {
 enum Ready {
     Socket,
     Gate,
+    TimedOut,
 }
 
-/// Waits until `sock` is readable or the gate's eventfd fires.
-fn wait_readable(sock: BorrowedFd<'_>, wake: &EventFd) -> std::io::Result<Ready> {
+/// Waits until `sock` is readable or the gate's eventfd fires (at most
+/// `timeout_ms`, -1 for no limit).
+fn wait_readable(
+    sock: BorrowedFd<'_>,
+    wake: &EventFd,
+    timeout_ms: libc::c_int,
+) -> std::io::Result<Ready> {
     let mut fds = [
         libc::pollfd {
             fd: sock.as_raw_fd(),
@@ -195,8 +278,11 @@ fn wait_readable(sock: BorrowedFd<'_>, wake: &EventFd) -> std::io::Result<Ready>
         // SAFETY: `fds` is a valid array of two pollfd for the call's length;
         // the socket is borrowed and the eventfd referenced, so both stay
         // open for its duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n >= 0 {
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if n == 0 {
+            return Ok(Ready::TimedOut);
+        }
+        if n > 0 {
             break;
         }
         let e = std::io::Error::last_os_error();
@@ -242,8 +328,15 @@ enum Handled {
 
 impl ServiceDevice {
     /// Accepts clients until told to stop (freeze, handover, shutdown).
+    /// Waits in poll with the gate's eventfd, so a freeze stops it at once.
     pub(super) fn accept_loop(self: Arc<Self>, listener: std::net::TcpListener) {
         while self.accepting.load(Ordering::Acquire) && !self.stop.load(Ordering::Acquire) {
+            if !matches!(
+                wait_readable(listener.as_fd(), &self.gate.wake, 50),
+                Ok(Ready::Socket)
+            ) {
+                continue;
+            }
             match listener.accept() {
                 Ok((stream, _)) => {
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
@@ -277,10 +370,10 @@ impl ServiceDevice {
     ) {
         self.gate.reader_started();
         let d = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("svc-conn".into())
-            .spawn(move || d.serve_connection(id, stream, pending, tx, rx));
-        if spawned.is_err() {
+        let spawned = self.spares.run("svc-conn", move || {
+            d.serve_connection(id, stream, pending, tx, rx)
+        });
+        if spawned.is_none() {
             lock(&self.conns).remove(&id);
             self.gate.reader_ended();
         }
@@ -294,32 +387,31 @@ impl ServiceDevice {
         tx: Sender<Out>,
         rx: Receiver<Out>,
     ) {
+        let (done_tx, done_rx) = channel::<()>();
         let writer = stream.try_clone().ok().and_then(|mut w| {
             let d = self.clone();
-            std::thread::Builder::new()
-                .name("svc-write".into())
-                .spawn(move || {
-                    for out in rx {
-                        match out {
-                            // A client that cannot take answers is gone: stop
-                            // (a barrier then finds the queue closed, fine).
-                            Out::Frame(f) => {
-                                if w.write_all(&f).is_err() {
-                                    break;
-                                }
-                            }
-                            Out::Barrier(ack) => {
-                                let _ = ack.send(());
+            self.spares.run("svc-write", move || {
+                let _done = done_tx; // dropped when the writer ends
+                for out in rx {
+                    match out {
+                        // A client that cannot take answers is gone: stop
+                        // (a barrier then finds the queue closed, fine).
+                        Out::Frame(f) => {
+                            if w.write_all(&f).is_err() {
+                                break;
                             }
                         }
+                        Out::Barrier(ack) => {
+                            let _ = ack.send(());
+                        }
                     }
-                    // Another process serves this client now: a shutdown here
-                    // would end the connection for it too.
-                    if !d.gate.handed_off() {
-                        let _ = w.shutdown(Shutdown::Write);
-                    }
-                })
-                .ok()
+                }
+                // Another process serves this client now: a shutdown here
+                // would end the connection for it too.
+                if !d.gate.handed_off() {
+                    let _ = w.shutdown(Shutdown::Write);
+                }
+            })
         });
         let handed_off = writer.is_some() && self.read_requests(id, &stream, pending, &tx);
         if !handed_off {
@@ -327,8 +419,8 @@ impl ServiceDevice {
         }
         drop(tx);
         self.gate.reader_ended();
-        if let Some(t) = writer {
-            let _ = t.join();
+        if writer.is_some() {
+            let _ = done_rx.recv(); // Err once the writer ended
         }
     }
 
@@ -394,7 +486,7 @@ impl ServiceDevice {
                 Ok(0) => break false, // closed (mid-frame or not): nothing to answer
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if wait_readable(stream.as_fd(), &self.gate.wake).is_err() {
+                    if wait_readable(stream.as_fd(), &self.gate.wake, -1).is_err() {
                         break false;
                     }
                 }

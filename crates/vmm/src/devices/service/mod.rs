@@ -32,7 +32,7 @@ use kvm_bindings::kvm_msi;
 use kvm_ioctls::VmFd;
 
 use crate::guest_abi::{self, slot_state, svc_off, svc_slot_gpa, SVC_GPA, SVC_SLOTS};
-use conn::{Conn, Gate, Out};
+use conn::{Conn, Gate, Out, Spares};
 use wire::MAX_BODY;
 
 /// Why the device could not start.
@@ -136,6 +136,8 @@ pub struct ServiceDevice {
     accept_thread: Mutex<Option<JoinHandle<()>>>,
     /// Stops the readers between frames for a handover.
     gate: Gate,
+    /// Threads started ahead for connections a migration brings.
+    spares: Spares,
     /// Migration: readers stop posting into the ring (requests wait in the
     /// device) while the VM's memory is being switched over.
     held: AtomicBool,
@@ -237,6 +239,7 @@ impl ServiceDevice {
             accepting: AtomicBool::new(false),
             accept_thread: Mutex::new(None),
             gate: Gate::new().map_err(listen_err)?,
+            spares: Spares::new(),
             held: AtomicBool::new(true),
             redirect: Mutex::new(None),
             stats: ServiceStats::default(),
@@ -339,6 +342,7 @@ impl ServiceDevice {
     /// Stops accepting, closes every connection and wakes waiting readers.
     pub fn shutdown(&self) {
         self.drop_address();
+        self.spares.close();
         self.stop.store(true, Ordering::Release);
         self.stop_accepting();
         self.gate.thaw();
@@ -362,8 +366,10 @@ impl ServiceDevice {
         if self.stop.load(Ordering::Acquire) {
             return Err(ServiceError::Handover("the device is shut down".into()));
         }
-        self.stop_accepting();
+        // The gate first: its eventfd also wakes the accept thread.
+        self.accepting.store(false, Ordering::Release);
         self.gate.close();
+        self.stop_accepting();
         self.slot_freed.notify_all(); // readers waiting for a slot see the gate
         if let Err(busy) = self.gate.wait_parked(timeout) {
             self.thaw();
@@ -431,6 +437,7 @@ impl ServiceDevice {
     /// connections for that process too; nothing is accepted here again.
     pub fn hand_off(&self) {
         self.stop.store(true, Ordering::Release);
+        self.spares.close();
         self.gate.hand_off();
         // Dropping the senders ends the writers once they are idle.
         lock(&self.conns).clear();

@@ -24,7 +24,7 @@
 //! [`ServiceDevice::release`] when the vCPUs run: the address goes up here,
 //! the sockets go live, a gratuitous ARP tells the peers.
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::channel;
@@ -58,7 +58,7 @@ pub(super) enum Moving {
     /// (plus connections accepted from the listen queue at the last
     /// moment, not served yet).
     Out {
-        checkpointed: Vec<TcpStream>,
+        checkpointed: Vec<u64>,
         queued: Vec<FrozenConn>,
     },
     /// Destination: connections restored in repair mode, registered, to go
@@ -150,15 +150,14 @@ impl ServiceDevice {
         let addr = SocketAddr::from((ip, port));
         let address = VmAddress::on_this_host(ip).map_err(ServiceError::Address)?;
         address.bring_up().map_err(ServiceError::Address)?;
-        if let Err(e) = address.announce() {
-            tracing::warn!(error = %e, "the VM's address is up but not announced");
-        }
+        let address = Arc::new(address);
+        address.announce_in_background();
         let device = TcpListener::bind(addr)
             .map_err(|source| ServiceError::Listen { addr, source })
             .and_then(|l| Self::adopt(l, memory, vm, vcpus));
         match device {
             Ok(d) => {
-                *lock(&d.address) = Some(Arc::new(address));
+                *lock(&d.address) = Some(address);
                 Ok(d)
             }
             Err(e) => {
@@ -172,7 +171,7 @@ impl ServiceDevice {
     /// this host (the old process added it).
     pub fn keep_address(&self, ip: Ipv4Addr) -> Result<(), ServiceError> {
         let dev = crate::hostnet::address::device_holding(ip)
-            .ok_or_else(|| ServiceError::Address(NetError::NoInterface(ip)))?;
+            .ok_or(ServiceError::Address(NetError::NoInterface(ip)))?;
         let a = VmAddress::on_device(ip, &dev).map_err(ServiceError::Address)?;
         a.mark_up();
         *lock(&self.address) = Some(Arc::new(a));
@@ -186,10 +185,11 @@ impl ServiceDevice {
 
     /// Whether the clients can move: the VM's address and service port,
     /// while the address is up here.
-    pub fn clients_plan(&self) -> Option<(Ipv4Addr, u16)> {
+    pub fn clients_plan(&self) -> Option<(Ipv4Addr, u16, u32)> {
         let a = lock(&self.address);
         let a = a.as_ref().filter(|a| a.is_up())?;
-        Some((a.ip(), self.local_addr().port()))
+        let conns = lock(&self.conns).len() as u32;
+        Some((a.ip(), self.local_addr().port(), conns))
     }
 
     /// The destination takes the clients over (true), or they stay and are
@@ -216,25 +216,16 @@ impl ServiceDevice {
                 "the clients were not agreed to move".into(),
             ));
         }
+        let t = std::time::Instant::now();
         address.take_down().map_err(ServiceError::Address)?;
-        let mut pending = self.gate.pending();
-        let mut socks: Vec<(u64, TcpStream, Vec<u8>)> = lock(&self.conns)
-            .iter()
-            .filter_map(|(&id, c)| {
-                let s = c.stream.try_clone().ok()?;
-                Some((id, s, pending.remove(&id).unwrap_or_default()))
-            })
-            .collect();
         // Clients whose handshake completed after the readers froze wait in
         // the listen queue: they move too (as new connections).
         let mut queued = Vec::new();
-        if let Ok(l) = self.listener() {
+        {
+            let l = lock(&self.listener);
             while let Ok((s, _)) = l.accept() {
                 let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
                 self.stats.connections.fetch_add(1, Ordering::Relaxed);
-                if let Ok(dup) = s.try_clone() {
-                    socks.push((id, dup, Vec::new()));
-                }
                 queued.push(FrozenConn {
                     id,
                     stream: s,
@@ -242,27 +233,41 @@ impl ServiceDevice {
                 });
             }
         }
+        let mut pending = self.gate.pending();
+        let conns = lock(&self.conns);
+        let socks = conns
+            .iter()
+            .map(|(&id, c)| (id, &c.stream, pending.remove(&id).unwrap_or_default()))
+            .chain(queued.iter().map(|q| (q.id, &q.stream, Vec::new())));
         let mut out = Vec::new();
         let mut checkpointed = Vec::new();
         let mut failed = None;
+        // (No duplicate descriptors here: growing the descriptor table of a
+        // process with many threads waits an RCU grace period.)
         for (id, s, pending) in socks {
-            match tcp_repair::checkpoint(&s) {
+            match tcp_repair::checkpoint(s) {
                 Ok(tcp) => {
                     out.push(MovedConn { id, pending, tcp });
-                    checkpointed.push(s);
+                    checkpointed.push(id);
                 }
                 // A client that closed its side: it stays and is closed here.
                 Err(NetError::NotEstablished { .. }) => {
-                    let _ = tcp_repair::resume(&s);
+                    let _ = tcp_repair::resume(s);
                 }
                 Err(e) => {
-                    let _ = tcp_repair::resume(&s);
+                    let _ = tcp_repair::resume(s);
                     failed = Some(e);
                     break;
                 }
             }
         }
+        drop(conns);
         let n = out.len();
+        tracing::debug!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            n,
+            "clients checkpointed"
+        );
         self.stats.moved_out.store(n as u64, Ordering::Relaxed);
         *moving = Moving::Out {
             checkpointed,
@@ -288,17 +293,28 @@ impl ServiceDevice {
             return;
         };
         if let Some(a) = lock(&self.address).clone() {
-            if let Err(e) = a.bring_up() {
-                tracing::error!(error = %e, "the VM's address could not come back: its clients are cut off");
-            } else if let Err(e) = a.announce() {
-                tracing::warn!(error = %e, "the VM's address is back but not announced");
+            match a.bring_up() {
+                Ok(()) => a.announce_in_background(),
+                Err(e) => {
+                    tracing::error!(error = %e, "the VM's address could not come back: its clients are cut off")
+                }
             }
         }
-        for s in &checkpointed {
-            if let Err(e) = tcp_repair::resume(s) {
-                tracing::warn!(error = %e, "a client connection could not leave repair mode");
+        {
+            let conns = lock(&self.conns);
+            let streams = conns
+                .iter()
+                .map(|(&id, c)| (id, &c.stream))
+                .chain(queued.iter().map(|q| (q.id, &q.stream)));
+            for (id, s) in streams {
+                if checkpointed.contains(&id) {
+                    if let Err(e) = tcp_repair::resume(s) {
+                        tracing::warn!(error = %e, "a client connection could not leave repair mode");
+                    }
+                }
             }
         }
+        self.stats.moved_out.store(0, Ordering::Relaxed);
         for c in queued {
             let (tx, rx) = channel();
             if let Ok(shut) = c.stream.try_clone() {
@@ -318,9 +334,11 @@ impl ServiceDevice {
     }
 
     /// Destination, before any page arrives: ready to take the clients of
-    /// a VM whose address is `ip` and service port `port`. Err says why not
-    /// (the source then forwards them).
-    pub fn prepare_clients(&self, ip: Ipv4Addr, port: u16) -> Result<(), String> {
+    /// a VM whose address is `ip` and service port `port`, with about
+    /// `connections` clients (a reader and a writer thread each are started
+    /// now, outside the downtime). Err says why not (the source then
+    /// forwards them).
+    pub fn prepare_clients(&self, ip: Ipv4Addr, port: u16, connections: u32) -> Result<(), String> {
         if self.accepting.load(Ordering::Acquire) || !lock(&self.conns).is_empty() {
             return Err("this VM's service already serves clients".into());
         }
@@ -334,6 +352,12 @@ impl ServiceDevice {
         *lock(&self.listener) = listener;
         *lock(&self.addr) = addr;
         *lock(&self.address) = Some(Arc::new(address));
+        // Some room for clients that connect during the migration: their
+        // threads, and descriptor table slots (growing the table later, in
+        // the downtime, would wait an RCU grace period).
+        let room = (connections as usize + 8).min(4096);
+        self.spares.add(2 * room);
+        crate::hostnet::reserve_fds(3 * room);
         Ok(())
     }
 
@@ -346,6 +370,7 @@ impl ServiceDevice {
                 "clients arrived for a device that did not prepare for them".into(),
             )
         })?;
+        let t = std::time::Instant::now();
         let conns: Vec<MovedConn> =
             postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))?;
         let mut restored = Vec::with_capacity(conns.len());
@@ -364,6 +389,11 @@ impl ServiceDevice {
             });
         }
         let n = restored.len();
+        tracing::debug!(
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            n,
+            "clients restored (parked)"
+        );
         self.stats.moved_in.store(n as u64, Ordering::Relaxed);
         *lock(&self.moving) = Moving::In(restored);
         Ok(format!(
@@ -377,6 +407,7 @@ impl ServiceDevice {
     /// sockets go live and are served, and the peers are told. Called by
     /// [`release`](Self::release).
     pub(super) fn go_live(self: &Arc<Self>, restored: Vec<Restored>) {
+        let t = std::time::Instant::now();
         if let Some(a) = lock(&self.address).clone() {
             if let Err(e) = a.bring_up() {
                 tracing::error!(error = %e, "the VM's address cannot go up here: its clients are cut off");
@@ -392,10 +423,9 @@ impl ServiceDevice {
             }
         }
         if let Some(a) = lock(&self.address).clone() {
-            if let Err(e) = a.announce() {
-                tracing::warn!(error = %e, "the VM's address is up but not announced");
-            }
+            a.announce_in_background();
         }
+        tracing::debug!(ms = t.elapsed().as_secs_f64() * 1e3, "clients live");
     }
 
     /// The device's side of a release: undoes a move out, or finishes a
