@@ -500,3 +500,164 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
     );
     assert!(after > before, "dirty continued: {before} -> {after}");
 }
+
+/// Issue 16: a VM's clients follow it. The kv VM has its own address
+/// (10.77.0.100, up on ferry-h1's interface) and 128 clients on ferry-h3.
+/// A precopy to ferry-h2 moves the address and every connection
+/// (TCP_REPAIR): no client sees an error, a wrong value or a reconnect; the
+/// source VMM exits; requests/s in the 5 s after the switch are within 10%
+/// of the 5 s before (the forwarder cost 30%); and the clients go on after
+/// the source host's namespace is deleted.
+#[test]
+fn clients_follow_their_vm_and_the_source_exits() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-follow-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
+    let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
+    let csv = dir.join("load.csv");
+    let vm_addr = "10.77.0.100";
+    let svc = format!("{vm_addr}:7100");
+    let to = "tcp:10.77.0.2:7480";
+    let common = [
+        "run",
+        "--mem",
+        "1G",
+        "--vcpus",
+        "2",
+        "--workload",
+        "kv:workers=8,keys=480000,value=1024",
+        "--quiet",
+        "--json",
+    ];
+    let mut dst = in_host("ferry-h2", &common);
+    dst.args(["--incoming", to, "--control", dst_sock, "--duration", "40s"]);
+    let dst = Reaper(Some(dst.stdout(Stdio::piped()).spawn().unwrap()));
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--vm-address", vm_addr, "--serve", &svc]).args([
+        "--control",
+        src_sock,
+        "--duration",
+        "120s",
+    ]);
+    let src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(std::path::Path::new(src_sock).exists() && std::path::Path::new(dst_sock).exists()) {
+        assert!(Instant::now() < deadline, "VMMs did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let load = {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            "ferry-h3",
+            ferry(),
+            "load",
+            "--target",
+            &svc,
+        ])
+        .args(["--clients", "128", "--duration", "22s", "--json", "--quiet"])
+        .arg("--out")
+        .arg(&csv);
+        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
+    };
+    // Wait until the guest answers the load, then 6 s more: a full window
+    // before the switch.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let served = || {
+        let o = in_host("ferry-h1", &["status", src_sock, "--json", "--metrics"])
+            .output()
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&o.stdout)
+            .ok()
+            .and_then(|v| v["metrics"]["workloads"][0]["progress"].as_u64())
+            .unwrap_or(0)
+    };
+    while served() < 1000 {
+        assert!(
+            Instant::now() < deadline,
+            "the source never served the load"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(6));
+    let m = in_host(
+        "ferry-h1",
+        &["migrate", src_sock, "--to", to, "--verify", "--json"],
+    )
+    .output()
+    .unwrap();
+    assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    let stats = json(&m.stdout);
+    assert_eq!(stats["verified_pages"], 1024 * 256);
+    let clients = &stats["clients"];
+    assert_eq!(clients["moved"], true, "{stats}");
+    assert_eq!(clients["connections"], 128, "{stats}");
+    eprintln!(
+        "downtime {:.2} ms (verify's share {:.2} ms): {}",
+        stats["downtime_ms"].as_f64().unwrap(),
+        stats["downtime_parts"]["verify"].as_f64().unwrap()
+            + stats["downtime_parts"]["destination_verify"]
+                .as_f64()
+                .unwrap(),
+        stats["downtime_parts"]
+    );
+    // The source exits by itself, well before its --duration.
+    let s = json(&src.output().stdout);
+    assert_eq!(s["ending"], "migrated");
+    assert_eq!(s["service"]["moved_out"], 128);
+    assert!(s["ran_s"].as_f64().unwrap() < 100.0);
+    // Nothing of the VM is left on the source host: delete it.
+    let gone = Command::new("ip")
+        .args(["netns", "del", "ferry-h1"])
+        .status()
+        .unwrap();
+    assert!(gone.success());
+    let deleted_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let v = json(&load.output().stdout);
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["wrong_values"], 0, "{v}");
+    assert_eq!(v["reconnects"], 0, "{v}");
+    // Requests sent per 5 s window around the switch (load's clock).
+    let start = v["start_unix_s"].as_f64().unwrap();
+    let end = stats["start_unix_s"].as_f64().unwrap() + stats["total_secs"].as_f64().unwrap();
+    let switch_end = end - start;
+    let switch = switch_end - stats["downtime_ms"].as_f64().unwrap() / 1e3;
+    let sends: Vec<f64> = std::fs::read_to_string(&csv)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split(',').nth(1)?.parse::<f64>().ok())
+        .map(|us| us / 1e6)
+        .collect();
+    let count = |from: f64, to: f64| sends.iter().filter(|&&t| t >= from && t < to).count();
+    let (before, after) = (
+        count(switch - 5.0, switch),
+        count(switch_end, switch_end + 5.0),
+    );
+    let after_deletion = count(deleted_at - start, f64::MAX);
+    eprintln!(
+        "requests/s: {:.0} in the 5 s before the switch, {:.0} after; {after_deletion} requests after the source host was deleted",
+        before as f64 / 5.0,
+        after as f64 / 5.0
+    );
+    assert!(before > 1000, "the load ran before the switch: {before}");
+    assert!(
+        after as f64 >= 0.9 * before as f64,
+        "requests/s after the switch within 10% of before: {before} -> {after}"
+    );
+    assert!(
+        after_deletion > 1000,
+        "clients kept working after the source host was deleted"
+    );
+    let d = json(&dst.output().stdout);
+    assert_eq!(d["service"]["moved_in"], 128);
+    assert_eq!(d["service"]["connections"], 0, "no client connected anew");
+}

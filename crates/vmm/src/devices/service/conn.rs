@@ -171,7 +171,10 @@ impl Gate {
             self.all_parked.notify_all();
         }
         while st.fate == Fate::Frozen {
-            st = self.fate_changed.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self
+                .fate_changed
+                .wait(st)
+                .unwrap_or_else(|e| e.into_inner());
         }
         let buf = st.parked.remove(&id).unwrap_or_default();
         (st.fate == Fate::Running).then_some(buf)
