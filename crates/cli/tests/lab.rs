@@ -661,3 +661,139 @@ fn clients_follow_their_vm_and_the_source_exits() {
     assert_eq!(d["service"]["moved_in"], 128);
     assert_eq!(d["service"]["connections"], 0, "no client connected anew");
 }
+
+/// Issue 16, when the clients cannot move: a destination whose restore
+/// fails after it rebuilt the sockets (a test hook) fails the migration,
+/// and the source takes its address and connections back; a destination
+/// that refuses the clients (a test hook) gets the VM while the source
+/// forwards them, and says so. Throughout, the clients see no error and
+/// never reconnect.
+#[test]
+fn clients_come_back_after_a_failed_move_and_are_forwarded_when_refused() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-refuse-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let (src_sock, d1_sock, d2_sock) = (sock("src.sock"), sock("d1.sock"), sock("d2.sock"));
+    let svc = "10.77.0.101:7101";
+    let common = [
+        "run",
+        "--mem",
+        "256M",
+        "--vcpus",
+        "2",
+        "--workload",
+        "kv:workers=2,keys=4096,value=1024",
+        "--quiet",
+        "--json",
+    ];
+    let dest = |port: &str, ctl: &str, hook: &str| {
+        let mut d = in_host("ferry-h2", &common);
+        // A service on the host's address: the source forwards to it if
+        // the clients do not move.
+        d.args(["--serve", "10.77.0.2:0"])
+            .args(["--incoming", &format!("tcp:10.77.0.2:{port}")])
+            .args(["--control", ctl, "--duration", "20s"])
+            .env("FERRY_TEST_FAIL_CLIENTS", hook);
+        Reaper(Some(
+            d.stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ))
+    };
+    let d1 = dest("7490", &d1_sock, "restore");
+    let _d2 = dest("7491", &d2_sock, "prepare");
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--vm-address", "10.77.0.101", "--serve", svc])
+        .args(["--control", &src_sock, "--duration", "60s"]);
+    let _src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ![&src_sock, &d1_sock, &d2_sock]
+        .iter()
+        .all(|p| std::path::Path::new(p).exists())
+    {
+        assert!(Instant::now() < deadline, "VMMs did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let load = {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            "ferry-h3",
+            ferry(),
+            "load",
+            "--target",
+            svc,
+        ])
+        .args(["--clients", "16", "--duration", "8s", "--json", "--quiet"])
+        .arg("--out")
+        .arg(dir.join("load.csv"));
+        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
+    };
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    std::thread::sleep(Duration::from_millis(2000));
+    let t_first = now();
+    let failed = in_host(
+        "ferry-h1",
+        &["migrate", &src_sock, "--to", "tcp:10.77.0.2:7490", "--json"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        !failed.status.success(),
+        "the restore hook must fail the migration: {}",
+        String::from_utf8_lossy(&failed.stdout)
+    );
+    let why = String::from_utf8_lossy(&failed.stderr);
+    assert!(why.contains("FERRY_TEST_FAIL_CLIENTS=restore"), "{why}");
+    assert!(!d1.output().status.success());
+    // The source has its address and clients back and goes on serving.
+    std::thread::sleep(Duration::from_millis(1500));
+    let t_second = now();
+    let ok = in_host(
+        "ferry-h1",
+        &["migrate", &src_sock, "--to", "tcp:10.77.0.2:7491", "--json"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let stats = json(&ok.stdout);
+    assert_eq!(stats["clients"]["moved"], false, "{stats}");
+    let detail = stats["clients"]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("forwarded") && detail.contains("FERRY_TEST_FAIL_CLIENTS=prepare"),
+        "{detail}"
+    );
+    let v = json(&load.output().stdout);
+    let start = v["start_unix_s"].as_f64().unwrap();
+    let errors: Vec<String> = std::fs::read_to_string(dir.join("load.csv"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.ends_with(",error"))
+        .map(|l| l.to_string())
+        .take(8)
+        .collect();
+    let when = format!(
+        "migrations at {:.3} s and {:.3} s of the load; first errors (client,send_us,latency_us,op,outcome): {errors:?}",
+        t_first - start,
+        t_second - start
+    );
+    assert_eq!(v["errors"], 0, "{v}; {when}");
+    assert_eq!(v["wrong_values"], 0, "{v}");
+    assert_eq!(v["reconnects"], 0, "{v}");
+    assert!(v["requests"].as_u64().unwrap() > 1000, "{v}");
+}

@@ -526,15 +526,14 @@ impl ControlHandler for VmControl {
             ),
             // The service too: after a migration that ended in doubt its
             // clients may be held, or checkpointed for a move.
-            Request::Resume => vm
-                .resume()
-                .map(|_| {
-                    if let Some(s) = vm.service() {
-                        s.release();
-                    }
-                    json!({})
-                })
-                .map_err(|e| e.to_string()),
+            Request::Resume => {
+                // The service first: checkpointed clients leave repair
+                // mode before the guest can answer them.
+                if let Some(s) = vm.service() {
+                    s.release();
+                }
+                vm.resume().map(|_| json!({})).map_err(|e| e.to_string())
+            }
             Request::Migrate(_) if self.postcopy_paused() => Err(
                 "a postcopy migration of this VM is paused; continue it with `ferry migrate --resume`".into(),
             ),

@@ -162,7 +162,13 @@ impl<'a> DestSession<'a> {
                 });
             }
             let r = self.control_loop(vm, &regions, &rx, mode, ctl_cpu0, &mut stats);
-            rx.stop();
+            if r.is_err() {
+                // Bulk threads may wait on a source that waits for us: cut
+                // their streams so the Abort goes out now, not at a timeout.
+                rx.cut();
+            } else {
+                rx.stop();
+            }
             // A bulk stream that failed (corrupt frame, bad address) is the
             // real cause even when the control connection saw something else.
             match (r, rx.take_failure()) {

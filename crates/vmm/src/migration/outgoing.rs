@@ -76,12 +76,13 @@ impl MigratableVm for Vm {
         paused
     }
 
+    /// The service first: clients that were checkpointed must leave
+    /// repair mode before the guest can answer them again.
     fn resume(&self) -> Result<(), VmOpError> {
-        let r = Vm::resume(self).map_err(VmOpError::from);
         if let Some(s) = self.service() {
             s.release();
         }
-        r
+        Vm::resume(self).map_err(VmOpError::from)
     }
 
     fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
@@ -182,13 +183,21 @@ fn settle_clients(vm: &Vm, to: &Endpoint, stats: &mut MigrationStats) {
             if let Some(addr) = stats.destination_service.clone() {
                 redirect_service(vm, to, &addr);
             }
+            let unreachable = match (&stats.destination_service, to) {
+                (Some(a), Endpoint::Tcp(t)) => a
+                    .parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.ip().is_loopback() && !t.ip().is_loopback()),
+                _ => false,
+            };
             let how = format!(
                 "forwarded by this host to the destination's service{}",
-                stats
-                    .destination_service
-                    .as_ref()
-                    .map(|a| format!(" ({a})"))
-                    .unwrap_or_default()
+                match (&stats.destination_service, unreachable) {
+                    (Some(a), true) => format!(
+                        " ({a}: a loopback address on another host, which this host cannot reach; give the destination --serve on its own address)"
+                    ),
+                    (Some(a), false) => format!(" ({a})"),
+                    (None, _) => String::new(),
+                }
             );
             match stats.clients.as_mut() {
                 Some(c) => c.detail = format!("{how}: {}", c.detail),

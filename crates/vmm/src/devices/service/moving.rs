@@ -122,6 +122,14 @@ fn bind_anywhere(addr: SocketAddr) -> std::io::Result<TcpListener> {
     Ok(TcpListener::from(owned))
 }
 
+/// Tests make a step fail on purpose: FERRY_TEST_FAIL_CLIENTS=prepare
+/// (the destination refuses the clients, so the source forwards them) or
+/// =restore (the restore fails after the sockets were rebuilt, so the
+/// migration fails and the source must bring its clients back).
+fn test_hook(step: &str) -> bool {
+    std::env::var("FERRY_TEST_FAIL_CLIENTS").is_ok_and(|v| v == step)
+}
+
 /// True if this process may use TCP_REPAIR (CAP_NET_ADMIN).
 fn repair_allowed() -> Result<(), NetError> {
     // SAFETY: plain socket(2), checked.
@@ -339,6 +347,9 @@ impl ServiceDevice {
     /// now, outside the downtime). Err says why not (the source then
     /// forwards them).
     pub fn prepare_clients(&self, ip: Ipv4Addr, port: u16, connections: u32) -> Result<(), String> {
+        if test_hook("prepare") {
+            return Err("FERRY_TEST_FAIL_CLIENTS=prepare (a test hook) refuses the clients".into());
+        }
         if self.accepting.load(Ordering::Acquire) || !lock(&self.conns).is_empty() {
             return Err("this VM's service already serves clients".into());
         }
@@ -394,6 +405,15 @@ impl ServiceDevice {
             n,
             "clients restored (parked)"
         );
+        if test_hook("restore") {
+            // The parked sockets close silently: the source takes over again.
+            for r in &restored {
+                lock(&self.conns).remove(&r.id);
+            }
+            return Err(ServiceError::BadState(
+                "FERRY_TEST_FAIL_CLIENTS=restore (a test hook) fails the restore".into(),
+            ));
+        }
         self.stats.moved_in.store(n as u64, Ordering::Relaxed);
         *lock(&self.moving) = Moving::In(restored);
         Ok(format!(
