@@ -58,10 +58,20 @@ def wait_for(*paths, timeout=20):
         time.sleep(0.05)
 
 
-def reap(*procs):
-    """Kills what is still running of `procs` (None entries are skipped)."""
+def reap(*procs, grace=0.0):
+    """Ends what is still running of `procs` (None entries are skipped):
+    SIGTERM first when `grace` > 0 (a VMM then cleans up, e.g. takes its
+    VM's address off the host), SIGKILL after `grace` seconds."""
+    import subprocess
     for p in procs:
         if p and p.poll() is None:
+            if grace > 0:
+                p.terminate()
+                try:
+                    p.wait(timeout=grace)
+                    continue
+                except subprocess.TimeoutExpired:
+                    pass
             p.kill()
             p.wait()
 

@@ -31,6 +31,9 @@ pub enum Suite {
     /// Zero-copy handover to a new VMM process beside precopy over
     /// loopback: 256 MiB to 16 GiB, idle and dirtying 1 GiB/s.
     Handover,
+    /// Clients that follow their VM: kv under 128 clients migrated with
+    /// its address and connections (TCP_REPAIR) beside the forwarder.
+    Clients,
 }
 
 #[derive(clap::Args)]
@@ -58,6 +61,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::PostcopyKv => "postcopy_kv.py",
         Suite::Hybrid => "hybrid.py",
         Suite::Handover => "handover.py",
+        Suite::Clients => "clients.py",
     });
     if !script.exists() {
         bail!(

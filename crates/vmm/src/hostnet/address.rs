@@ -134,6 +134,12 @@ impl VmAddress {
         self.up.store(true, Ordering::Release);
     }
 
+    /// Another process holds the address now (a handover): leave it up
+    /// when this one stops.
+    pub fn forget(&self) {
+        self.up.store(false, Ordering::Release);
+    }
+
     /// True while this process holds the address on this host.
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Acquire)

@@ -438,6 +438,10 @@ impl ServiceDevice {
     pub fn hand_off(&self) {
         self.stop.store(true, Ordering::Release);
         self.spares.close();
+        // The other process holds the VM's address too: leave it up.
+        if let Some(a) = lock(&self.address).as_ref() {
+            a.forget();
+        }
         self.gate.hand_off();
         // Dropping the senders ends the writers once they are idle.
         lock(&self.conns).clear();
