@@ -31,9 +31,59 @@ pub(super) enum Out {
     Barrier(Sender<()>),
 }
 
+/// Where a connection's answers go: its writer's queue, and how many
+/// frames wait there (a flush before a move skips writers with none, so
+/// the pause wakes only the writers that have work).
+#[derive(Clone)]
+pub(super) struct Outbox {
+    tx: Sender<Out>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// The writer's end of an [`Outbox`].
+pub(super) struct Inbox {
+    rx: Receiver<Out>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Outbox {
+    pub fn new() -> (Outbox, Inbox) {
+        let (tx, rx) = channel();
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        (
+            Outbox {
+                tx,
+                queued: queued.clone(),
+            },
+            Inbox { rx, queued },
+        )
+    }
+
+    /// Queues an answer frame (length prefix included); false if the
+    /// writer is gone.
+    pub fn frame(&self, f: Vec<u8>) -> bool {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        let sent = self.tx.send(Out::Frame(f)).is_ok();
+        if !sent {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        sent
+    }
+
+    /// Asks the writer to acknowledge once what is queued now is written;
+    /// None if nothing is queued (or the writer is gone).
+    pub fn barrier(&self) -> Option<Receiver<()>> {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let (tx, rx) = channel();
+        self.tx.send(Out::Barrier(tx)).ok().map(|_| rx)
+    }
+}
+
 /// A connection the device answers on.
 pub(super) struct Conn {
-    pub tx: Sender<Out>,
+    pub tx: Outbox,
     pub stream: TcpStream,
 }
 
@@ -344,7 +394,7 @@ impl ServiceDevice {
                 Ok((stream, _)) => {
                     self.stats.connections.fetch_add(1, Ordering::Relaxed);
                     let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-                    let (tx, rx) = channel();
+                    let (tx, rx) = Outbox::new();
                     if let Ok(shut) = stream.try_clone() {
                         self.register(id, tx.clone(), shut);
                         self.spawn_connection(id, stream, Vec::new(), tx, rx);
@@ -357,7 +407,7 @@ impl ServiceDevice {
 
     /// Makes `id` a connection answers can go to (before its threads run:
     /// an adopted connection may get answers as soon as the VM resumes).
-    pub(super) fn register(&self, id: u64, tx: Sender<Out>, stream: TcpStream) {
+    pub(super) fn register(&self, id: u64, tx: Outbox, stream: TcpStream) {
         lock(&self.conns).insert(id, Conn { tx, stream });
     }
 
@@ -368,8 +418,8 @@ impl ServiceDevice {
         id: u64,
         stream: TcpStream,
         pending: Vec<u8>,
-        tx: Sender<Out>,
-        rx: Receiver<Out>,
+        tx: Outbox,
+        rx: Inbox,
     ) {
         self.gate.reader_started();
         let d = self.clone();
@@ -387,20 +437,22 @@ impl ServiceDevice {
         id: u64,
         stream: TcpStream,
         pending: Vec<u8>,
-        tx: Sender<Out>,
-        rx: Receiver<Out>,
+        tx: Outbox,
+        rx: Inbox,
     ) {
         let (done_tx, done_rx) = channel::<()>();
         let writer = stream.try_clone().ok().and_then(|mut w| {
             let d = self.clone();
             self.spares.run("svc-write", move || {
                 let _done = done_tx; // dropped when the writer ends
-                for out in rx {
+                for out in rx.rx {
                     match out {
                         // A client that cannot take answers is gone: stop
                         // (a barrier then finds the queue closed, fine).
                         Out::Frame(f) => {
-                            if w.write_all(&f).is_err() {
+                            let written = w.write_all(&f).is_ok();
+                            rx.queued.fetch_sub(1, Ordering::AcqRel);
+                            if !written {
                                 break;
                             }
                         }
@@ -430,13 +482,7 @@ impl ServiceDevice {
     /// The reader: handles every whole frame in its buffer, reads more, and
     /// parks at the gate between frames. True if it stopped because the
     /// connection was handed to another process.
-    fn read_requests(
-        &self,
-        id: u64,
-        stream: &TcpStream,
-        pending: Vec<u8>,
-        tx: &Sender<Out>,
-    ) -> bool {
+    fn read_requests(&self, id: u64, stream: &TcpStream, pending: Vec<u8>, tx: &Outbox) -> bool {
         // The socket stays blocking (its writer shares it); the reader asks
         // for data without waiting and waits in poll, with the gate.
         let _ = stream.set_nonblocking(false);
@@ -479,9 +525,8 @@ impl ServiceDevice {
                 Err(e) => {
                     // The stream cannot be resynchronised: answer, then close.
                     self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                    let _ = tx.send(Out::Frame(
-                        Response::error(Status::TooLarge, 0, 0, &e.to_string()).encode(),
-                    ));
+                    let _ =
+                        tx.frame(Response::error(Status::TooLarge, 0, 0, &e.to_string()).encode());
                     break false;
                 }
             }
@@ -507,11 +552,11 @@ impl ServiceDevice {
         &self,
         body: &[u8],
         id: u64,
-        tx: &Sender<Out>,
+        tx: &Outbox,
         upstream: &mut Option<TcpStream>,
     ) -> Handled {
         let reply = |frame: Vec<u8>| {
-            let _ = tx.send(Out::Frame(frame));
+            let _ = tx.frame(frame);
         };
         match Request::decode(body) {
             Err(e) => {

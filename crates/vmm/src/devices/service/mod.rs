@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::io::{BufReader, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -32,7 +32,7 @@ use kvm_bindings::kvm_msi;
 use kvm_ioctls::VmFd;
 
 use crate::guest_abi::{self, slot_state, svc_off, svc_slot_gpa, SVC_GPA, SVC_SLOTS};
-use conn::{Conn, Gate, Out, Spares};
+use conn::{Conn, Gate, Inbox, Outbox, Spares};
 use wire::MAX_BODY;
 
 /// Why the device could not start.
@@ -149,7 +149,7 @@ pub struct ServiceDevice {
 }
 
 /// Connections taken over from another process, registered and not read yet.
-pub struct AdoptedConns(Vec<(FrozenConn, Sender<Out>, std::sync::mpsc::Receiver<Out>)>);
+pub struct AdoptedConns(Vec<(FrozenConn, Outbox, Inbox)>);
 
 impl AdoptedConns {
     /// How many.
@@ -384,13 +384,10 @@ impl ServiceDevice {
     /// nothing more): waits until every answer given so far is written to
     /// its client, so the next process starts with empty queues.
     pub fn flush_answers(&self, timeout: Duration) -> Result<(), ServiceError> {
+        // Only writers with answers queued are asked (and woken).
         let acks: Vec<_> = lock(&self.conns)
             .values()
-            .map(|c| {
-                let (tx, rx) = channel();
-                let _ = c.tx.send(Out::Barrier(tx));
-                rx
-            })
+            .filter_map(|c| c.tx.barrier())
             .collect();
         let deadline = std::time::Instant::now() + timeout;
         for rx in acks {
@@ -458,7 +455,7 @@ impl ServiceDevice {
                 .stream
                 .try_clone()
                 .map_err(|e| ServiceError::Handover(e.to_string()))?;
-            let (tx, rx) = channel();
+            let (tx, rx) = Outbox::new();
             self.register(c.id, tx.clone(), shut);
             self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
             out.push((c, tx, rx));
@@ -535,7 +532,7 @@ impl ServiceDevice {
         upstream: &mut Option<TcpStream>,
         to: SocketAddr,
         body: &[u8],
-        tx: &Sender<Out>,
+        tx: &Outbox,
     ) -> std::io::Result<()> {
         if upstream.is_none() {
             let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
@@ -548,7 +545,7 @@ impl ServiceDevice {
                     while let Ok(Some(b)) = wire::read_frame(&mut r, MAX_BODY) {
                         let mut f = (b.len() as u32).to_le_bytes().to_vec();
                         f.extend_from_slice(&b);
-                        if tx.send(Out::Frame(f)).is_err() {
+                        if !tx.frame(f) {
                             break;
                         }
                     }
@@ -656,7 +653,7 @@ impl ServiceDevice {
         }
         self.stats.responses.fetch_add(1, Ordering::Relaxed);
         if let Some(c) = lock(&self.conns).get(&conn) {
-            let _ = c.tx.send(Out::Frame(frame));
+            let _ = c.tx.frame(frame);
         }
     }
 }

@@ -27,10 +27,9 @@
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::channel;
 use std::sync::Arc;
 
-use super::conn::FrozenConn;
+use super::conn::{FrozenConn, Inbox, Outbox};
 use super::{lock, ServiceDevice, ServiceError};
 use crate::hostnet::tcp_repair::{self, ParkedConn, TcpCheckpoint};
 use crate::hostnet::{NetError, VmAddress};
@@ -70,8 +69,8 @@ pub(super) struct Restored {
     id: u64,
     parked: ParkedConn,
     pending: Vec<u8>,
-    tx: std::sync::mpsc::Sender<super::conn::Out>,
-    rx: std::sync::mpsc::Receiver<super::conn::Out>,
+    tx: Outbox,
+    rx: Inbox,
 }
 
 fn handover_err(e: impl std::fmt::Display) -> ServiceError {
@@ -324,7 +323,7 @@ impl ServiceDevice {
         }
         self.stats.moved_out.store(0, Ordering::Relaxed);
         for c in queued {
-            let (tx, rx) = channel();
+            let (tx, rx) = Outbox::new();
             if let Ok(shut) = c.stream.try_clone() {
                 self.register(c.id, tx.clone(), shut);
                 self.spawn_connection(c.id, c.stream, c.pending, tx, rx);
@@ -388,7 +387,7 @@ impl ServiceDevice {
         for c in conns {
             let parked = tcp_repair::restore_parked(&c.tcp).map_err(ServiceError::Address)?;
             let shut = parked.stream().try_clone().map_err(handover_err)?;
-            let (tx, rx) = channel();
+            let (tx, rx) = Outbox::new();
             self.register(c.id, tx.clone(), shut);
             self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
             restored.push(Restored {
