@@ -219,7 +219,7 @@ fn print_table(to: &str, s: &MigrationStats) {
         "downtime     {:.2} ms  (pause {:.2}, last round {:.2}, state {:.2}, verify {:.2}, clients {:.2}, destination {:.2})",
         s.downtime_ms, d.pause, d.last_round, d.save_state, d.verify, d.clients, d.destination
     );
-    if s.verified_pages > 0 {
+    if s.verified_pages > 0 && d.verify_share() > 0.0 {
         println!(
             "             of which --verify {:.2} ms (source {:.2}, destination {:.2}): both sides hash the paused memory, inside the downtime; without --verify about {:.2} ms",
             d.verify_share(),
