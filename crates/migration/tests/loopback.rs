@@ -6,9 +6,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use ferry_migration::{
-    incoming, Backend, Endpoint, GpaBytes, GpaPages, IncomingVm, Listener, MigratableVm,
-    MigrateOptions, MigrationError, MigrationStats, OffsetBytes, PageStore, Progress, RegionView,
-    VmOpError,
+    incoming, Backend, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, GpaPages, IncomingVm,
+    Listener, MigratableVm, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, PageStore,
+    Progress, RegionView, VmOpError,
 };
 
 const PAGE: usize = 4096;
@@ -67,6 +67,15 @@ struct FakeVm {
     nonzero: Mutex<Option<Vec<Ranges>>>,
     /// Pages IncomingVm::zero was asked to clear.
     zeroed: AtomicU64,
+    /// Clients: the source's plan, the answer it was told, how often it
+    /// checkpointed them; the destination's answer to a plan, whether its
+    /// restore fails, and what it restored (before it started).
+    clients_plan: Option<ClientsPlan>,
+    decided: Mutex<Option<ClientsAnswer>>,
+    clients_saved: AtomicU32,
+    accepts_clients: Result<(), String>,
+    restore_fails: bool,
+    restored_clients: Mutex<Option<(Vec<u8>, u32)>>,
 }
 
 impl FakeVm {
@@ -98,6 +107,12 @@ impl FakeVm {
             start_delay: Mutex::new(Duration::ZERO),
             nonzero: Mutex::new(None),
             zeroed: AtomicU64::new(0),
+            clients_plan: None,
+            decided: Mutex::new(None),
+            clients_saved: AtomicU32::new(0),
+            accepts_clients: Err("a fake VM has no clients".into()),
+            restore_fails: false,
+            restored_clients: Mutex::new(None),
         }
     }
 }
@@ -158,6 +173,21 @@ impl MigratableVm for FakeVm {
     fn host_written_ranges(&self) -> Vec<GpaBytes> {
         vec![GpaBytes::new(self.layout[0].0, PAGE as u64)]
     }
+    fn clients_plan(&self) -> Option<ClientsPlan> {
+        self.clients_plan.clone()
+    }
+    fn clients_decided(&self, answer: &ClientsAnswer) {
+        *self.decided.lock().unwrap() = Some(answer.clone());
+    }
+    fn save_clients(&self) -> Result<Vec<u8>, VmOpError> {
+        assert_eq!(
+            self.pauses.load(Ordering::SeqCst),
+            1,
+            "checkpointed while paused"
+        );
+        self.clients_saved.fetch_add(1, Ordering::SeqCst);
+        Ok(b"checkpointed connections".to_vec())
+    }
 }
 
 impl PageStore for FakeVm {
@@ -196,6 +226,17 @@ impl IncomingVm for FakeVm {
         std::thread::sleep(*self.start_delay.lock().unwrap());
         self.started.fetch_add(1, Ordering::SeqCst);
         Ok(())
+    }
+    fn prepare_clients(&self, _plan: &ClientsPlan) -> Result<(), String> {
+        self.accepts_clients.clone()
+    }
+    fn restore_clients(&self, clients: &[u8]) -> Result<String, VmOpError> {
+        if self.restore_fails {
+            return Err("the fake destination cannot restore its clients".into());
+        }
+        let started = self.started.load(Ordering::SeqCst);
+        *self.restored_clients.lock().unwrap() = Some((clients.to_vec(), started));
+        Ok("3 connections restored".into())
     }
 }
 
@@ -496,4 +537,98 @@ fn no_confirmation_after_complete_keeps_the_source_paused() {
         0,
         "resumed an in-doubt VM"
     );
+}
+
+fn with_clients(mut src: FakeVm) -> FakeVm {
+    src.clients_plan = Some(ClientsPlan {
+        ip: std::net::Ipv4Addr::new(10, 77, 0, 100),
+        port: 7000,
+        connections: 3,
+    });
+    src
+}
+
+/// Protocol v5: a destination that takes the clients gets their checkpoint
+/// before its vCPUs start, and the source reports them moved with the
+/// destination's words.
+#[test]
+fn clients_move_when_the_destination_takes_them() {
+    let src = with_clients(FakeVm::new(LAYOUT, true));
+    let mut dst = FakeVm::new(LAYOUT, false);
+    dst.accepts_clients = Ok(());
+    let (listener, addr) = listen(Via::Tcp);
+    let opts = MigrateOptions::default();
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
+        d.join().unwrap().unwrap();
+        st
+    });
+    assert_eq!(*src.decided.lock().unwrap(), Some(ClientsAnswer::Move));
+    assert_eq!(src.clients_saved.load(Ordering::SeqCst), 1);
+    let (blob, started) = dst.restored_clients.lock().unwrap().clone().unwrap();
+    assert_eq!(blob, b"checkpointed connections");
+    assert_eq!(started, 0, "restored before the vCPUs started");
+    let c = stats.clients.unwrap();
+    assert!(c.moved);
+    assert_eq!(c.detail, "3 connections restored");
+}
+
+/// A destination that refuses the clients: they stay (the source forwards
+/// them), nothing is checkpointed, and the reason reaches the report.
+#[test]
+fn clients_stay_when_the_destination_refuses_them() {
+    let src = with_clients(FakeVm::new(LAYOUT, true));
+    let mut dst = FakeVm::new(LAYOUT, false);
+    dst.accepts_clients = Err("no interface for 10.77.0.100 here".into());
+    let (listener, addr) = listen(Via::Tcp);
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap();
+        d.join().unwrap().unwrap();
+        st
+    });
+    assert_eq!(
+        *src.decided.lock().unwrap(),
+        Some(ClientsAnswer::Stay(
+            "no interface for 10.77.0.100 here".into()
+        ))
+    );
+    assert_eq!(src.clients_saved.load(Ordering::SeqCst), 0);
+    assert!(dst.restored_clients.lock().unwrap().is_none());
+    let c = stats.clients.unwrap();
+    assert!(!c.moved);
+    assert!(c.detail.contains("no interface"), "{}", c.detail);
+    assert_eq!(dst.started.load(Ordering::SeqCst), 1);
+}
+
+/// A destination whose restore of the clients fails aborts at once (it
+/// does not wait for its bulk streams to time out), and the source runs
+/// the VM on: resumed once, never in doubt.
+#[test]
+fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
+    let src = with_clients(FakeVm::new(LAYOUT, true));
+    let mut dst = FakeVm::new(LAYOUT, false);
+    dst.accepts_clients = Ok(());
+    dst.restore_fails = true;
+    let (listener, addr) = listen(Via::Tcp);
+    let t = std::time::Instant::now();
+    let err = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
+        assert!(d.join().unwrap().is_err());
+        e
+    });
+    assert!(err.is_peer_abort(), "{err}");
+    assert!(
+        err.to_string().contains("cannot restore its clients"),
+        "{err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(src.resumes.load(Ordering::SeqCst), 1);
+    assert_eq!(dst.started.load(Ordering::SeqCst), 0);
 }

@@ -658,6 +658,14 @@ impl ServiceDevice {
     }
 }
 
+impl Drop for ServiceDevice {
+    /// A device that never ran (a VM whose creation failed after the device
+    /// put the VM's address up) leaves no address behind.
+    fn drop(&mut self) {
+        self.drop_address();
+    }
+}
+
 fn rdtsc() -> u64 {
     // SAFETY: rdtsc has no preconditions on x86-64.
     unsafe { core::arch::x86_64::_rdtsc() }
