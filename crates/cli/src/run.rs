@@ -123,6 +123,11 @@ struct Carried {
     duration_ms: Option<u64>,
     /// When the run's clock started (ms since the epoch).
     started_unix_ms: u64,
+    /// The VM's own address (up on this host; the new process removes it
+    /// when the VM leaves). Kept in the run's settings, not the handover
+    /// protocol, so a ferry without the feature can still hand over.
+    #[serde(default)]
+    vm_address: Option<std::net::Ipv4Addr>,
 }
 
 fn unix_ms() -> u64 {
@@ -203,6 +208,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
         duration_ms: args.duration.map(|d| d.as_millis() as u64),
         started_unix_ms: 0,
+        vm_address: args.vm_address,
     }));
     if !quiet {
         eprintln!(
@@ -332,6 +338,11 @@ fn adopt(fd: i32) -> Result<ExitCode> {
     let mut front: Carried = serde_json::from_str(&taken.run).unwrap_or_default();
     quiet.store(front.quiet, Ordering::Relaxed);
     let vm = taken.vm.clone();
+    if let (Some(ip), Some(svc)) = (front.vm_address, vm.service()) {
+        if let Err(e) = svc.keep_address(ip) {
+            eprintln!("ferry: warning: the VM's address {ip} stays on this host, but its clients cannot move with it from this process: {e}");
+        }
+    }
     let control = Arc::new(VmControl::new(vm.clone()));
     // The VM runs here now: from here on a failure must not end it.
     let server = match taken.control {

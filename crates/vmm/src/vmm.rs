@@ -580,13 +580,12 @@ impl Vm {
         // starts, as the memory may hold a guest whose state (and ring) is
         // still arriving or being handed over.
         let service = match (service_listener, serve, config.vm_address) {
-            (Some(l), _, _) => {
-                let d = ServiceDevice::adopt(l, memory.clone(), vm_fd.clone(), config.vcpus)?;
-                if let Some(ip) = config.vm_address {
-                    d.keep_address(ip)?;
-                }
-                Some(d)
-            }
+            (Some(l), _, _) => Some(ServiceDevice::adopt(
+                l,
+                memory.clone(),
+                vm_fd.clone(),
+                config.vcpus,
+            )?),
             (None, Some(addr), Some(ip)) => Some(ServiceDevice::start_on_address(
                 ip,
                 addr.port(),

@@ -315,7 +315,6 @@ fn offer(
         tick_hz: c.tick_hz,
         seed: c.seed,
         kvm_path: c.kvm_path.clone(),
-        vm_address: vm.service().and_then(|s| s.vm_address()),
     };
     let service_listener = match vm.service() {
         Some(s) => Some(s.listener().map_err(HandoverError::Io)?),

@@ -206,7 +206,6 @@ fn receive_offer(
     config.tick_hz = shape.tick_hz;
     config.seed = shape.seed;
     config.kvm_path = shape.kvm_path;
-    config.vm_address = shape.vm_address;
     config.console = console;
     let vm = Vm::build_adopting(config, memory, service_listener)?;
     Ok(Offered {

@@ -18,7 +18,7 @@ use super::HandoverError;
 /// What the hello starts with.
 pub const MAGIC: [u8; 8] = *b"FERRYHO\0";
 /// The handover protocol this ferry speaks.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 1;
 /// Largest message body accepted (a VM state with 8 vCPUs is tens of KiB;
 /// pending client bytes are bounded by the service's frame limit per
 /// connection).
@@ -79,8 +79,6 @@ pub struct VmShape {
     pub seed: u64,
     /// KVM device path.
     pub kvm_path: String,
-    /// v2: the VM's own address, up on this host (its clients move with it).
-    pub vm_address: Option<std::net::Ipv4Addr>,
 }
 
 /// One message after the hello.
