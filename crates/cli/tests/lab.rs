@@ -797,3 +797,83 @@ fn clients_come_back_after_a_failed_move_and_are_forwarded_when_refused() {
     assert_eq!(v["reconnects"], 0, "{v}");
     assert!(v["requests"].as_u64().unwrap() > 1000, "{v}");
 }
+
+/// A VM with its own address handed over to a new VMM process keeps it,
+/// and the new process moves it (with the clients) at the next migration.
+#[test]
+fn a_handed_over_vm_keeps_its_address_and_its_clients_still_move() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-hofollow-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
+    let svc = "10.77.0.102:7102";
+    let common = [
+        "run",
+        "--mem",
+        "256M",
+        "--vcpus",
+        "2",
+        "--workload",
+        "kv:workers=2,keys=4096,value=1024",
+        "--quiet",
+        "--json",
+    ];
+    let mut dst = in_host("ferry-h2", &common);
+    dst.args(["--incoming", "tcp:10.77.0.2:7492", "--control", &dst_sock])
+        .args(["--duration", "10s"]);
+    let dst = Reaper(Some(dst.stdout(Stdio::piped()).spawn().unwrap()));
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--vm-address", "10.77.0.102", "--serve", svc])
+        .args(["--control", &src_sock, "--duration", "60s"]);
+    let _src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(std::path::Path::new(&src_sock).exists() && std::path::Path::new(&dst_sock).exists()) {
+        assert!(Instant::now() < deadline, "VMMs did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let load = {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            "ferry-h3",
+            ferry(),
+            "load",
+            "--target",
+            svc,
+        ])
+        .args(["--clients", "16", "--duration", "5s", "--json", "--quiet"]);
+        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    let h = in_host("ferry-h1", &["handover", &src_sock, "--json"])
+        .output()
+        .unwrap();
+    assert!(h.status.success(), "{}", String::from_utf8_lossy(&h.stderr));
+    let st = status_in("ferry-h1", &src_sock);
+    assert_eq!(st["vm_address"], "10.77.0.102", "{st}");
+    std::thread::sleep(Duration::from_millis(1000));
+    let m = in_host(
+        "ferry-h1",
+        &["migrate", &src_sock, "--to", "tcp:10.77.0.2:7492", "--json"],
+    )
+    .output()
+    .unwrap();
+    assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    let stats = json(&m.stdout);
+    assert_eq!(stats["clients"]["moved"], true, "{stats}");
+    let v = json(&load.output().stdout);
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["wrong_values"], 0, "{v}");
+    assert_eq!(v["reconnects"], 0, "{v}");
+    assert!(
+        json(&dst.output().stdout)["service"]["moved_in"]
+            .as_u64()
+            .unwrap()
+            >= 16
+    );
+}

@@ -517,6 +517,7 @@ impl ControlHandler for VmControl {
                 "uptime_s": vm.uptime().as_secs_f64(),
                 "tsc_khz": vm.tsc_khz(),
                 "service": vm.service().map(|s| s.local_addr().to_string()),
+                "vm_address": vm.service().and_then(|s| s.vm_address()).map(|a| a.to_string()),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),
