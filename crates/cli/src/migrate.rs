@@ -316,7 +316,7 @@ fn print_table(to: &str, s: &MigrationStats) {
 fn print_postcopy(p: &ferry_migration::PostcopyStats) {
     let f = &p.faults;
     println!(
-        "postcopy     switched at {:.3} s; {} pages pending, all there {:.3} s after the start",
+        "postcopy     switched at {:.3} s; {} pages pending, all there {:.3} s after the switch",
         p.switch_at_s, p.pending_pages, p.secs
     );
     if p.pauses > 0 {
