@@ -7,10 +7,10 @@
 //! reaches the peers, and nothing else in the host's routing changes.
 
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::NetError;
+use super::{sock, NetError};
 
 /// A VM address and the interface it lives on, on this host.
 #[derive(Debug)]
@@ -235,13 +235,7 @@ fn hw_addr(dev: &str) -> std::io::Result<[u8; 6]> {
     };
     let n = dev.len().min(libc::IFNAMSIZ - 1);
     req.name[..n].copy_from_slice(&dev.as_bytes()[..n]);
-    // SAFETY: plain socket(2), checked.
-    let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
-        return Err(os_err());
-    }
-    // SAFETY: s is a fresh descriptor owned here.
-    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let s = sock::socket(libc::AF_INET, libc::SOCK_DGRAM, 0)?;
     // SAFETY: req is a struct ifreq-sized buffer the ioctl fills.
     if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFHWADDR as _, &mut req) } < 0 {
         return Err(os_err());
@@ -256,13 +250,7 @@ fn send_garp(ifindex: u32, mac: [u8; 6], ip: Ipv4Addr) -> std::io::Result<()> {
     // Protocol 0: a socket that only sends. One that receives would
     // register a packet hook, and closing it waits an RCU grace period
     // (tens of ms).
-    // SAFETY: plain socket(2), checked.
-    let s = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
-        return Err(os_err());
-    }
-    // SAFETY: s is a fresh descriptor owned here.
-    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let s = sock::socket(libc::AF_PACKET, libc::SOCK_DGRAM, 0)?;
     let mut pkt = Vec::with_capacity(28);
     pkt.extend_from_slice(&1u16.to_be_bytes()); // Ethernet
     pkt.extend_from_slice(&0x0800u16.to_be_bytes()); // IPv4
@@ -271,8 +259,9 @@ fn send_garp(ifindex: u32, mac: [u8; 6], ip: Ipv4Addr) -> std::io::Result<()> {
     pkt.extend_from_slice(&mac);
     pkt.extend_from_slice(&ip.octets());
     pkt.extend_from_slice(&[0; 6]);
-    pkt.extend_from_slice(&ip.octets()); // target = sender: gratuitous
-                                         // SAFETY: all-zero is a valid sockaddr_ll.
+    // Target = sender: gratuitous.
+    pkt.extend_from_slice(&ip.octets());
+    // SAFETY: all-zero is a valid sockaddr_ll.
     let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     to.sll_family = libc::AF_PACKET as u16;
     to.sll_protocol = ETH_P_ARP.to_be();
@@ -299,19 +288,7 @@ fn send_garp(ifindex: u32, mac: [u8; 6], ip: Ipv4Addr) -> std::io::Result<()> {
 /// RTM_NEWADDR / RTM_DELADDR of `ip`/32 on interface `ifindex`, waiting
 /// for the kernel's acknowledgement.
 fn netlink_addr(op: u16, ip: Ipv4Addr, ifindex: u32) -> std::io::Result<()> {
-    // SAFETY: plain socket(2), checked.
-    let s = unsafe {
-        libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_ROUTE,
-        )
-    };
-    if s < 0 {
-        return Err(os_err());
-    }
-    // SAFETY: s is a fresh descriptor owned here.
-    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let s = sock::socket(libc::AF_NETLINK, libc::SOCK_RAW, libc::NETLINK_ROUTE)?;
     let mut flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
     if op == libc::RTM_NEWADDR {
         flags |= (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16;
@@ -407,15 +384,7 @@ mod tests {
     /// as in use.
     #[test]
     fn an_address_goes_up_and_down() {
-        let t = std::thread::spawn(|| {
-            // SAFETY: unshare affects only this thread's network namespace.
-            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                eprintln!(
-                    "SKIPPED: cannot make a network namespace ({}); needs root",
-                    os_err()
-                );
-                return;
-            }
+        crate::hostnet::in_private_netns(|| {
             let ip = Ipv4Addr::new(10, 99, 0, 7);
             let a = VmAddress::on_device(ip, "lo").unwrap();
             a.bring_up().unwrap();
@@ -432,6 +401,5 @@ mod tests {
                 Err(NetError::NoInterface(_))
             ));
         });
-        t.join().unwrap();
     }
 }

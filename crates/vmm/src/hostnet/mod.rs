@@ -5,9 +5,11 @@
 //! ([`tcp_repair`]). Both need CAP_NET_ADMIN.
 
 pub mod address;
+mod sock;
 pub mod tcp_repair;
 
 pub use address::VmAddress;
+pub use sock::listen_anywhere;
 pub use tcp_repair::TcpCheckpoint;
 
 /// Grows this process's descriptor table to hold `n` more descriptors
@@ -84,6 +86,24 @@ pub enum NetError {
     },
 }
 
+/// Runs `f` on a thread in a network namespace of its own (unshare
+/// affects only that thread), or says why it cannot and skips.
+#[cfg(test)]
+pub(crate) fn in_private_netns(f: impl FnOnce() + Send + 'static) {
+    let t = std::thread::spawn(move || {
+        // SAFETY: unshare affects only this thread's network namespace.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            eprintln!(
+                "SKIPPED: cannot make a network namespace ({}); needs root",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        f();
+    });
+    t.join().unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,15 +117,7 @@ mod tests {
     /// live once the address is back; the client never notices.
     #[test]
     fn a_connection_moves_with_its_address() {
-        let t = std::thread::spawn(|| {
-            // SAFETY: unshare affects only this thread's network namespace.
-            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                eprintln!(
-                    "SKIPPED: cannot make a network namespace ({}); needs root",
-                    std::io::Error::last_os_error()
-                );
-                return;
-            }
+        in_private_netns(|| {
             // The host's own subnet (the client's side of it stays up
             // throughout, as the peers' network does), and the VM's address.
             let host = |args: &[&str]| {
@@ -125,8 +137,7 @@ mod tests {
             assert_eq!(addr.device(), "lo");
             addr.bring_up().unwrap();
             let l = TcpListener::bind(SocketAddr::from((ip, 7000))).unwrap();
-            let client = connect_from(Ipv4Addr::new(10, 99, 0, 1), ip, 7000);
-            let mut client = client;
+            let mut client = connect_from(Ipv4Addr::new(10, 99, 0, 1), ip, 7000);
             client
                 .set_read_timeout(Some(Duration::from_secs(5)))
                 .unwrap();
@@ -147,38 +158,14 @@ mod tests {
             client.read_exact(&mut b).unwrap();
             assert_eq!(&b, b"answered!");
         });
-        t.join().unwrap();
     }
 
     /// A client bound to `from`, connected to `to:port`.
     fn connect_from(from: Ipv4Addr, to: Ipv4Addr, port: u16) -> TcpStream {
-        use std::os::fd::{FromRawFd, OwnedFd};
-        // SAFETY: plain socket(2), checked; the descriptor is owned below.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
-        assert!(fd >= 0);
-        // SAFETY: fd is fresh and owned here from now on.
-        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-        let sin = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(ip.octets()),
-            },
-            sin_zero: [0; 8],
-        };
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        let (a, b) = (sin(from, 0), sin(to, port));
-        // SAFETY: a and b are valid sockaddr_in of `len` bytes.
-        unsafe {
-            assert_eq!(
-                libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len),
-                0
-            );
-            assert_eq!(
-                libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len),
-                0
-            );
-        }
-        TcpStream::from(owned)
+        use std::os::fd::AsRawFd;
+        let s = sock::socket(libc::AF_INET, libc::SOCK_STREAM, 0).unwrap();
+        sock::bind(s.as_raw_fd(), &SocketAddr::from((from, 0))).unwrap();
+        sock::connect(s.as_raw_fd(), &SocketAddr::from((to, port))).unwrap();
+        TcpStream::from(s)
     }
 }

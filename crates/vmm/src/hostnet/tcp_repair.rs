@@ -9,9 +9,9 @@
 //! then would be acknowledged here and lost.
 
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 
-use super::NetError;
+use super::{sock, NetError};
 
 // linux/tcp.h
 const TCP_REPAIR: libc::c_int = 19;
@@ -101,7 +101,7 @@ fn set_int(
     v: libc::c_int,
     what: &'static str,
 ) -> Result<(), NetError> {
-    set_raw(fd, level, opt, &v, what)
+    sock::set_int(fd, level, opt, v).map_err(os(what))
 }
 
 fn set_raw<T>(
@@ -111,21 +111,7 @@ fn set_raw<T>(
     v: &T,
     what: &'static str,
 ) -> Result<(), NetError> {
-    // SAFETY: `v` points to a live value of the size passed; the kernel only
-    // reads it.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            opt,
-            (v as *const T).cast(),
-            std::mem::size_of::<T>() as libc::socklen_t,
-        )
-    };
-    if r < 0 {
-        return Err(last(what));
-    }
-    Ok(())
+    sock::set_opt(fd, level, opt, v).map_err(os(what))
 }
 
 /// Reads a socket option into `T`; returns the length the kernel wrote.
@@ -289,45 +275,16 @@ pub fn checkpoint(sock: &TcpStream) -> Result<TcpCheckpoint, NetError> {
     })
 }
 
+/// Whether this process may use TCP_REPAIR (it needs CAP_NET_ADMIN).
+pub fn allowed() -> Result<(), NetError> {
+    let s = sock::socket(libc::AF_INET, libc::SOCK_STREAM, 0).map_err(os("socket"))?;
+    set_repair(&s, true)
+}
+
 /// A checkpointed connection stays here after all: repair mode off, and it
 /// carries on (nothing was lost while it was in repair mode).
 pub fn resume(sock: &TcpStream) -> Result<(), NetError> {
     set_repair(sock, false)
-}
-
-fn sockaddr(a: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: all-zero is a valid sockaddr_storage.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let len = match a {
-        SocketAddr::V4(v4) => {
-            let sin = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: v4.port().to_be(),
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from_ne_bytes(v4.ip().octets()),
-                },
-                sin_zero: [0; 8],
-            };
-            // SAFETY: sockaddr_storage is larger than sockaddr_in and suitably aligned.
-            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
-            std::mem::size_of::<libc::sockaddr_in>()
-        }
-        SocketAddr::V6(v6) => {
-            let sin6 = libc::sockaddr_in6 {
-                sin6_family: libc::AF_INET6 as libc::sa_family_t,
-                sin6_port: v6.port().to_be(),
-                sin6_flowinfo: v6.flowinfo(),
-                sin6_addr: libc::in6_addr {
-                    s6_addr: v6.ip().octets(),
-                },
-                sin6_scope_id: v6.scope_id(),
-            };
-            // SAFETY: sockaddr_storage is larger than sockaddr_in6 and suitably aligned.
-            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
-            std::mem::size_of::<libc::sockaddr_in6>()
-        }
-    };
-    (ss, len as libc::socklen_t)
 }
 
 #[repr(C)]
@@ -371,18 +328,7 @@ impl ParkedConn {
 /// same local address (which may be a listener's port, and need not be up
 /// on this host yet), and leaves it in repair mode.
 pub fn restore_parked(cp: &TcpCheckpoint) -> Result<ParkedConn, NetError> {
-    let family = if cp.local.is_ipv4() {
-        libc::AF_INET
-    } else {
-        libc::AF_INET6
-    };
-    // SAFETY: plain socket(2); the result is checked before use.
-    let raw = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return Err(last("socket"));
-    }
-    // SAFETY: `raw` is a fresh descriptor that nothing else owns.
-    let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+    let owned = sock::tcp_socket_for(&cp.local).map_err(os("socket"))?;
     let fd = owned.as_raw_fd();
     // Repair mode lets the socket share its port with the listener (and
     // SO_REUSEADDR would undo that, so it is not set).
@@ -398,18 +344,7 @@ pub fn restore_parked(cp: &TcpCheckpoint) -> Result<ParkedConn, NetError> {
             "IP_TRANSPARENT",
         )?;
     }
-    let (local, local_len) = sockaddr(&cp.local);
-    // SAFETY: `local` holds a valid address of `local_len` bytes.
-    if unsafe {
-        libc::bind(
-            fd,
-            (&local as *const libc::sockaddr_storage).cast(),
-            local_len,
-        )
-    } < 0
-    {
-        return Err(last("bind"));
-    }
+    sock::bind(fd, &cp.local).map_err(os("bind"))?;
     let recv_len = cp.recv_queue.len() as u32;
     let send_len = cp.send_queue.len() as u32;
     select_queue(fd, TCP_RECV_QUEUE)?;
@@ -428,19 +363,8 @@ pub fn restore_parked(cp: &TcpCheckpoint) -> Result<ParkedConn, NetError> {
         cp.snd_seq.wrapping_sub(send_len) as libc::c_int,
         "TCP_QUEUE_SEQ (send)",
     )?;
-    let (peer, peer_len) = sockaddr(&cp.peer);
-    // SAFETY: `peer` holds a valid address of `peer_len` bytes. In repair
-    // mode connect sends nothing: the socket becomes ESTABLISHED.
-    if unsafe {
-        libc::connect(
-            fd,
-            (&peer as *const libc::sockaddr_storage).cast(),
-            peer_len,
-        )
-    } < 0
-    {
-        return Err(last("connect (repair)"));
-    }
+    // In repair mode connect sends nothing: the socket becomes ESTABLISHED.
+    sock::connect(fd, &cp.peer).map_err(os("connect (repair)"))?;
     let mut opts = vec![RepairOpt {
         code: TCPOPT_MSS,
         val: cp.mss,
@@ -522,13 +446,8 @@ mod tests {
 
     /// TCP_REPAIR needs CAP_NET_ADMIN: says so and skips without it.
     fn repair_allowed() -> bool {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        match set_repair(&c, true) {
-            Ok(()) => {
-                let _ = set_repair(&c, false);
-                true
-            }
+        match allowed() {
+            Ok(()) => true,
             Err(e) => {
                 eprintln!("SKIPPED: TCP_REPAIR not allowed here ({e}); needs CAP_NET_ADMIN");
                 false

@@ -25,7 +25,6 @@
 //! the sockets go live, a gratuitous ARP tells the peers.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -77,71 +76,12 @@ fn handover_err(e: impl std::fmt::Display) -> ServiceError {
     ServiceError::Handover(e.to_string())
 }
 
-/// A listener on `addr` whether or not the address is up on this host yet.
-fn bind_anywhere(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let SocketAddr::V4(v4) = addr else {
-        return TcpListener::bind(addr);
-    };
-    // SAFETY: plain socket(2), checked.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd is fresh and owned from here.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    let one: libc::c_int = 1;
-    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    for (level, opt) in [
-        (libc::SOL_SOCKET, libc::SO_REUSEADDR),
-        (libc::IPPROTO_IP, libc::IP_FREEBIND),
-    ] {
-        // SAFETY: `one` is a live int of `len` bytes.
-        if unsafe { libc::setsockopt(fd, level, opt, (&one as *const libc::c_int).cast(), len) } < 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: v4.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(v4.ip().octets()),
-        },
-        sin_zero: [0; 8],
-    };
-    let slen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: sin is a valid sockaddr_in of `slen` bytes; fd is open.
-    let ok = unsafe {
-        libc::bind(fd, (&sin as *const libc::sockaddr_in).cast(), slen) == 0
-            && libc::listen(owned.as_raw_fd(), 1024) == 0
-    };
-    if !ok {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(TcpListener::from(owned))
-}
-
 /// Tests make a step fail on purpose: FERRY_TEST_FAIL_CLIENTS=prepare
 /// (the destination refuses the clients, so the source forwards them) or
 /// =restore (the restore fails after the sockets were rebuilt, so the
 /// migration fails and the source must bring its clients back).
 fn test_hook(step: &str) -> bool {
     std::env::var("FERRY_TEST_FAIL_CLIENTS").is_ok_and(|v| v == step)
-}
-
-/// True if this process may use TCP_REPAIR (CAP_NET_ADMIN).
-fn repair_allowed() -> Result<(), NetError> {
-    // SAFETY: plain socket(2), checked.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(NetError::Repair {
-            what: "socket",
-            source: std::io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: fd is fresh and owned from here.
-    let s = unsafe { OwnedFd::from_raw_fd(fd) };
-    tcp_repair::set_repair(&s, true)
 }
 
 impl ServiceDevice {
@@ -352,11 +292,11 @@ impl ServiceDevice {
         if self.accepting.load(Ordering::Acquire) || !lock(&self.conns).is_empty() {
             return Err("this VM's service already serves clients".into());
         }
-        repair_allowed()
+        tcp_repair::allowed()
             .map_err(|e| format!("TCP_REPAIR is not allowed here ({e}); it needs CAP_NET_ADMIN"))?;
         let address = VmAddress::on_this_host(ip).map_err(|e| e.to_string())?;
         let addr = SocketAddr::from((ip, port));
-        let listener = bind_anywhere(addr)
+        let listener = crate::hostnet::listen_anywhere(addr)
             .and_then(|l| l.set_nonblocking(true).map(|_| l))
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         *lock(&self.listener) = listener;
