@@ -35,6 +35,17 @@ def sh(*args, check=True, **kw):
     return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
 
 
+def served(ferry, sock):
+    """Requests the VM's first workload has answered so far (a kv workload:
+    0 while it fills its table), from `ferry status --metrics`."""
+    import json
+    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
+    try:
+        return json.loads(out)["metrics"]["workloads"][0]["progress"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return 0
+
+
 def in_host(host, *args):
     """`args` run inside lab host `host` (a network namespace); as they
     are when `host` is None (this host)."""

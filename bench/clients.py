@@ -51,15 +51,6 @@ def drop_vm_address():
         sh(*in_host(host, "ip", "addr", "del", f"{VM_ADDR}/32", "dev", "eth0"), check=False)
 
 
-def served(ferry, sock):
-    """Requests the kv workload has answered so far (0 while it fills its table)."""
-    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
-    try:
-        return json.loads(out)["metrics"]["workloads"][0]["progress"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return 0
-
-
 def once(ferry, config, tmp, port, lead_s=7.0, load_s=16):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     csv_path = os.path.join(tmp, "requests.csv")
@@ -84,7 +75,7 @@ def once(ferry, config, tmp, port, lead_s=7.0, load_s=16):
                                         "--duration", f"{load_s}s", "--out", csv_path, "--json", "--quiet"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ready = time.time() + 60
-        while served(ferry, src_sock) < 1000:
+        while benchlib.served(ferry, src_sock) < 1000:
             if time.time() > ready:
                 raise RuntimeError("kv never served")
             time.sleep(0.1)

@@ -43,15 +43,6 @@ def workload(keys):
     return f"kv:workers=4,keys={keys},value=1024"
 
 
-def served(ferry, sock):
-    """Requests the kv workload has answered so far (0 while it fills its table)."""
-    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
-    try:
-        return json.loads(out)["metrics"]["workloads"][0]["progress"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return 0
-
-
 def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     csv_path = os.path.join(tmp, "requests.csv")
@@ -75,7 +66,7 @@ def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s):
         # The guest fills its table before it serves; give the clients a
         # steady state before the switch.
         ready = time.time() + 60
-        while served(ferry, src_sock) == 0:
+        while benchlib.served(ferry, src_sock) == 0:
             if time.time() > ready:
                 raise RuntimeError("kv never served")
             time.sleep(0.1)
