@@ -66,6 +66,41 @@ impl Drop for Reaper {
     }
 }
 
+/// Waits until the VMMs of a test (`what`) have made their control sockets.
+fn wait_for_sockets(what: &str, socks: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socks.iter().all(|p| std::path::Path::new(p).exists()) {
+        assert!(Instant::now() < deadline, "{what}: VMMs did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `ferry load --json --quiet` on ferry-h3: `clients` against `target`
+/// for `duration`, every request written to `out` if given.
+fn load_from_h3(
+    target: &str,
+    clients: u32,
+    duration: &str,
+    out: Option<&std::path::Path>,
+) -> Reaper {
+    let mut c = Command::new("ip");
+    c.args([
+        "netns",
+        "exec",
+        "ferry-h3",
+        ferry(),
+        "load",
+        "--target",
+        target,
+    ])
+    .args(["--clients", &clients.to_string(), "--duration", duration])
+    .args(["--json", "--quiet"]);
+    if let Some(out) = out {
+        c.arg("--out").arg(out);
+    }
+    Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
+}
+
 struct Scenario {
     workload: &'static str,
     vcpus: &'static str,
@@ -130,30 +165,9 @@ fn migrate_across(sc: &Scenario, n: u16) {
     }
     let dst = Reaper(Some(dst.stdout(Stdio::piped()).spawn().unwrap()));
     let src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(std::path::Path::new(src_sock).exists() && std::path::Path::new(dst_sock).exists()) {
-        assert!(
-            Instant::now() < deadline,
-            "{}: VMMs did not start",
-            sc.workload
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_sockets(sc.workload, &[src_sock, dst_sock]);
     // The service listens before the control socket exists.
-    let load = sc.load.then(|| {
-        let mut c = Command::new("ip");
-        c.args([
-            "netns",
-            "exec",
-            "ferry-h3",
-            ferry(),
-            "load",
-            "--target",
-            &svc,
-        ])
-        .args(["--clients", "8", "--duration", "3s", "--json", "--quiet"]);
-        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
-    });
+    let load = sc.load.then(|| load_from_h3(&svc, 8, "3s", None));
     // A finishing workload (sort) is caught in the middle.
     std::thread::sleep(Duration::from_millis(if sc.until_done { 0 } else { 700 }));
     let m = in_host(
@@ -393,11 +407,7 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
     let mut src = in_host("ferry-h1", &common);
     src.args(["--control", src_sock, "--duration", "120s"]);
     let src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(std::path::Path::new(src_sock).exists() && std::path::Path::new(dst_sock).exists()) {
-        assert!(Instant::now() < deadline, "VMMs did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_sockets("link cut", &[src_sock, dst_sock]);
     std::thread::sleep(Duration::from_millis(1500));
     // ~160 MiB pending at 16 MB/s: the push takes seconds.
     let m = in_host(
@@ -544,27 +554,8 @@ fn clients_follow_their_vm_and_the_source_exits() {
         "120s",
     ]);
     let src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(std::path::Path::new(src_sock).exists() && std::path::Path::new(dst_sock).exists()) {
-        assert!(Instant::now() < deadline, "VMMs did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let load = {
-        let mut c = Command::new("ip");
-        c.args([
-            "netns",
-            "exec",
-            "ferry-h3",
-            ferry(),
-            "load",
-            "--target",
-            &svc,
-        ])
-        .args(["--clients", "128", "--duration", "22s", "--json", "--quiet"])
-        .arg("--out")
-        .arg(&csv);
-        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
-    };
+    wait_for_sockets("follow", &[src_sock, dst_sock]);
+    let load = load_from_h3(&svc, 128, "22s", Some(&csv));
     // Wait until the guest answers the load, then 6 s more: a full window
     // before the switch.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -711,30 +702,8 @@ fn clients_come_back_after_a_failed_move_and_are_forwarded_when_refused() {
     src.args(["--vm-address", "10.77.0.101", "--serve", svc])
         .args(["--control", &src_sock, "--duration", "60s"]);
     let _src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ![&src_sock, &d1_sock, &d2_sock]
-        .iter()
-        .all(|p| std::path::Path::new(p).exists())
-    {
-        assert!(Instant::now() < deadline, "VMMs did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let load = {
-        let mut c = Command::new("ip");
-        c.args([
-            "netns",
-            "exec",
-            "ferry-h3",
-            ferry(),
-            "load",
-            "--target",
-            svc,
-        ])
-        .args(["--clients", "16", "--duration", "8s", "--json", "--quiet"])
-        .arg("--out")
-        .arg(dir.join("load.csv"));
-        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
-    };
+    wait_for_sockets("refuse", &[&src_sock, &d1_sock, &d2_sock]);
+    let load = load_from_h3(svc, 16, "8s", Some(&dir.join("load.csv")));
     let now = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -830,25 +799,8 @@ fn a_handed_over_vm_keeps_its_address_and_its_clients_still_move() {
     src.args(["--vm-address", "10.77.0.102", "--serve", svc])
         .args(["--control", &src_sock, "--duration", "60s"]);
     let _src = Reaper(Some(src.stdout(Stdio::piped()).spawn().unwrap()));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(std::path::Path::new(&src_sock).exists() && std::path::Path::new(&dst_sock).exists()) {
-        assert!(Instant::now() < deadline, "VMMs did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let load = {
-        let mut c = Command::new("ip");
-        c.args([
-            "netns",
-            "exec",
-            "ferry-h3",
-            ferry(),
-            "load",
-            "--target",
-            svc,
-        ])
-        .args(["--clients", "16", "--duration", "5s", "--json", "--quiet"]);
-        Reaper(Some(c.stdout(Stdio::piped()).spawn().unwrap()))
-    };
+    wait_for_sockets("handover", &[&src_sock, &dst_sock]);
+    let load = load_from_h3(svc, 16, "5s", None);
     std::thread::sleep(Duration::from_millis(1500));
     let h = in_host("ferry-h1", &["handover", &src_sock, "--json"])
         .output()
