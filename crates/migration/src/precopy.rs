@@ -201,11 +201,7 @@ pub(crate) fn run(
     }
     stats.downtime_parts.verify = lap();
     let report = s.complete()?;
-    stats.downtime_parts.clients = s.clients_ms;
-    stats.downtime_parts.destination = lap() - s.clients_ms;
-    stats.downtime_parts.destination_verify = report.verify_ms;
-    stats.clients = s.clients.clone();
-    stats.destination_service = report.service;
+    s.note_started(&mut stats, &report, lap());
     stats.destination_cpu_s = report.cpu_s;
     add_encoding(&mut stats, &sender, compressed);
     stats.source_cpu_s = s.cpu_secs();

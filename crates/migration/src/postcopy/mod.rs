@@ -128,12 +128,8 @@ pub(crate) fn switch(
     let report = s.complete()?;
     // The VM runs there now: from here a failure must not resume it here.
     s.switched = true;
-    stats.downtime_parts.clients = s.clients_ms;
-    stats.downtime_parts.destination = lap() - s.clients_ms;
-    stats.downtime_parts.destination_verify = report.verify_ms;
-    stats.clients = s.clients.clone();
+    s.note_started(stats, &report, lap());
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
-    stats.destination_service = report.service;
     progress(&Progress {
         round,
         remaining_pages: pending_pages,

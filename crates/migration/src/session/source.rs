@@ -383,6 +383,23 @@ impl<'a> SourceSession<'a> {
         Ok(report)
     }
 
+    /// Records in `stats` what the switch cost and brought: `ms` ran from
+    /// the end of the previous downtime part until Started, of which the
+    /// clients' checkpoint was this side's and the rest the destination's.
+    pub(crate) fn note_started(
+        &self,
+        stats: &mut crate::stats::MigrationStats,
+        report: &StartedReport,
+        ms: f64,
+    ) {
+        let parts = &mut stats.downtime_parts;
+        parts.clients = self.clients_ms;
+        parts.destination = ms - self.clients_ms;
+        parts.destination_verify = report.verify_ms;
+        stats.clients = self.clients.clone();
+        stats.destination_service = report.service.clone();
+    }
+
     /// Host CPU seconds this side used: data threads and this thread.
     pub(crate) fn cpu_secs(&self) -> f64 {
         self.cpu.secs() + thread_cpu_secs() - self.ctl_cpu0
