@@ -126,7 +126,7 @@ impl MigratableVm for Vm {
         let s = self
             .service()
             .ok_or_else(|| VmOpError::from("the VM has no service device".to_string()))?;
-        Ok(s.move_out()?.0)
+        Ok(s.move_out()?)
     }
 }
 

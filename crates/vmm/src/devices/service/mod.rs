@@ -49,6 +49,9 @@ pub enum ServiceError {
     /// The device cannot hand its connections over now.
     #[error("the service device cannot hand over its connections: {0}")]
     Handover(String),
+    /// The clients cannot move with the VM now.
+    #[error("the service device cannot move its clients: {0}")]
+    Move(String),
     /// The VM's own address could not be set up, moved or restored.
     #[error(transparent)]
     Address(crate::hostnet::NetError),

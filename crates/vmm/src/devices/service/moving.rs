@@ -24,6 +24,7 @@
 //! [`ServiceDevice::release`] when the vCPUs run: the address goes up here,
 //! the sockets go live, a gratuitous ARP tells the peers.
 
+use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -56,7 +57,7 @@ pub(super) enum Moving {
     /// (plus connections accepted from the listen queue at the last
     /// moment, not served yet).
     Out {
-        checkpointed: Vec<u64>,
+        checkpointed: HashSet<u64>,
         queued: Vec<FrozenConn>,
     },
     /// Destination: connections restored in repair mode, registered, to go
@@ -72,8 +73,8 @@ pub(super) struct Restored {
     rx: Inbox,
 }
 
-fn handover_err(e: impl std::fmt::Display) -> ServiceError {
-    ServiceError::Handover(e.to_string())
+fn move_err(e: impl std::fmt::Display) -> ServiceError {
+    ServiceError::Move(e.to_string())
 }
 
 /// Tests make a step fail on purpose: FERRY_TEST_FAIL_CLIENTS=prepare
@@ -152,16 +153,14 @@ impl ServiceDevice {
 
     /// Source, the VM paused and its readers frozen: takes the address
     /// down, then checkpoints every connection (the ones waiting in the
-    /// listen queue too). Returns them encoded, and how many.
-    pub fn move_out(&self) -> Result<(Vec<u8>, usize), ServiceError> {
-        let address = lock(&self.address).clone().ok_or_else(|| {
-            ServiceError::Handover("the VM has no address of its own to move".into())
-        })?;
+    /// listen queue too). Returns them encoded.
+    pub fn move_out(&self) -> Result<Vec<u8>, ServiceError> {
+        let address = lock(&self.address)
+            .clone()
+            .ok_or_else(|| move_err("the VM has no address of its own to move"))?;
         let mut moving = lock(&self.moving);
         if !matches!(*moving, Moving::Agreed) {
-            return Err(ServiceError::Handover(
-                "the clients were not agreed to move".into(),
-            ));
+            return Err(move_err("the clients were not agreed to move"));
         }
         let t = std::time::Instant::now();
         address.take_down().map_err(ServiceError::Address)?;
@@ -187,7 +186,7 @@ impl ServiceDevice {
             .map(|(&id, c)| (id, &c.stream, pending.remove(&id).unwrap_or_default()))
             .chain(queued.iter().map(|q| (q.id, &q.stream, Vec::new())));
         let mut out = Vec::new();
-        let mut checkpointed = Vec::new();
+        let mut checkpointed = HashSet::new();
         let mut failed = None;
         // (No duplicate descriptors here: growing the descriptor table of a
         // process with many threads waits an RCU grace period.)
@@ -195,7 +194,7 @@ impl ServiceDevice {
             match tcp_repair::checkpoint(s) {
                 Ok(tcp) => {
                     out.push(MovedConn { id, pending, tcp });
-                    checkpointed.push(id);
+                    checkpointed.insert(id);
                 }
                 // A client that closed its side: it stays and is closed here.
                 Err(NetError::NotEstablished { .. }) => {
@@ -224,8 +223,7 @@ impl ServiceDevice {
         if let Some(e) = failed {
             return Err(ServiceError::Address(e));
         }
-        let bytes = postcard::to_stdvec(&out).map_err(handover_err)?;
-        Ok((bytes, n))
+        postcard::to_stdvec(&out).map_err(move_err)
     }
 
     /// Undoes [`move_out`](Self::move_out) (the migration failed): the
@@ -253,11 +251,9 @@ impl ServiceDevice {
                 .iter()
                 .map(|(&id, c)| (id, &c.stream))
                 .chain(queued.iter().map(|q| (q.id, &q.stream)));
-            for (id, s) in streams {
-                if checkpointed.contains(&id) {
-                    if let Err(e) = tcp_repair::resume(s) {
-                        tracing::warn!(error = %e, "a client connection could not leave repair mode");
-                    }
+            for (_, s) in streams.filter(|(id, _)| checkpointed.contains(id)) {
+                if let Err(e) = tcp_repair::resume(s) {
+                    tracing::warn!(error = %e, "a client connection could not leave repair mode");
                 }
             }
         }
@@ -324,19 +320,36 @@ impl ServiceDevice {
         let conns: Vec<MovedConn> =
             postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))?;
         let mut restored = Vec::with_capacity(conns.len());
-        for c in conns {
-            let parked = tcp_repair::restore_parked(&c.tcp).map_err(ServiceError::Address)?;
-            let shut = parked.stream().try_clone().map_err(handover_err)?;
-            let (tx, rx) = Outbox::new();
-            self.register(c.id, tx.clone(), shut);
-            self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
-            restored.push(Restored {
-                id: c.id,
-                parked,
-                pending: c.pending,
-                tx,
-                rx,
-            });
+        let rebuilt = (|| {
+            for c in conns {
+                let parked = tcp_repair::restore_parked(&c.tcp).map_err(ServiceError::Address)?;
+                let shut = parked.stream().try_clone().map_err(move_err)?;
+                let (tx, rx) = Outbox::new();
+                self.register(c.id, tx.clone(), shut);
+                self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
+                restored.push(Restored {
+                    id: c.id,
+                    parked,
+                    pending: c.pending,
+                    tx,
+                    rx,
+                });
+            }
+            if test_hook("restore") {
+                return Err(ServiceError::BadState(
+                    "FERRY_TEST_FAIL_CLIENTS=restore (a test hook) fails the restore".into(),
+                ));
+            }
+            Ok(())
+        })();
+        if let Err(e) = rebuilt {
+            // Unregistered, the parked sockets close silently: the source
+            // takes its clients back.
+            let mut conns = lock(&self.conns);
+            for r in &restored {
+                conns.remove(&r.id);
+            }
+            return Err(e);
         }
         let n = restored.len();
         tracing::debug!(
@@ -344,15 +357,6 @@ impl ServiceDevice {
             n,
             "clients restored (parked)"
         );
-        if test_hook("restore") {
-            // The parked sockets close silently: the source takes over again.
-            for r in &restored {
-                lock(&self.conns).remove(&r.id);
-            }
-            return Err(ServiceError::BadState(
-                "FERRY_TEST_FAIL_CLIENTS=restore (a test hook) fails the restore".into(),
-            ));
-        }
         self.stats.moved_in.store(n as u64, Ordering::Relaxed);
         *lock(&self.moving) = Moving::In(restored);
         Ok(format!(
@@ -367,10 +371,9 @@ impl ServiceDevice {
     /// [`release`](Self::release).
     pub(super) fn go_live(self: &Arc<Self>, restored: Vec<Restored>) {
         let t = std::time::Instant::now();
-        if let Some(a) = lock(&self.address).clone() {
-            if let Err(e) = a.bring_up() {
-                tracing::error!(error = %e, "the VM's address cannot go up here: its clients are cut off");
-            }
+        let address = lock(&self.address).clone();
+        if let Some(Err(e)) = address.as_ref().map(|a| a.bring_up()) {
+            tracing::error!(error = %e, "the VM's address cannot go up here: its clients are cut off");
         }
         for r in restored {
             match r.parked.go_live() {
@@ -381,7 +384,7 @@ impl ServiceDevice {
                 }
             }
         }
-        if let Some(a) = lock(&self.address).clone() {
+        if let Some(a) = address {
             a.announce_in_background();
         }
         tracing::debug!(ms = t.elapsed().as_secs_f64() * 1e3, "clients live");
