@@ -139,7 +139,8 @@ fn backend(kind: BackendKind) -> Backend {
 }
 
 /// Migrates `vm` to `to`. On success the VM runs there, and this VM's
-/// service clients are forwarded to it (the caller releases the VM here).
+/// service clients either moved with it or are forwarded to it (the
+/// caller releases the VM here).
 pub fn migrate(
     vm: &Vm,
     to: &Endpoint,
