@@ -87,9 +87,12 @@ impl VmAddress {
     pub fn on_this_host(ip: Ipv4Addr) -> Result<VmAddress, NetError> {
         let addrs = host_addrs();
         if let Some(a) = addrs.iter().find(|a| a.addr == ip) {
-            return Err(NetError::InUse {
-                ip,
-                dev: a.dev.clone(),
+            let dev = a.dev.clone();
+            // A VM's address is a /32; anything wider is the host's own.
+            return Err(if a.mask == Ipv4Addr::BROADCAST {
+                NetError::InUse { ip, dev }
+            } else {
+                NetError::HostAddress { ip, dev }
             });
         }
         let dev = addrs

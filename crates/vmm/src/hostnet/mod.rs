@@ -44,9 +44,17 @@ pub enum NetError {
     /// No interface of this host has a subnet holding the address.
     #[error("no interface on this host has a subnet holding {0}: a VM address must be on one of the host's networks")]
     NoInterface(std::net::Ipv4Addr),
-    /// The address is already one of this host's.
+    /// The address is already on this host as a /32: another VM's.
     #[error("{ip} is already an address of this host (on {dev}): another VM holds it, or a VMM that died left it (remove it with `ip addr del {ip}/32 dev {dev}`)")]
     InUse {
+        /// The address.
+        ip: std::net::Ipv4Addr,
+        /// Where it is.
+        dev: String,
+    },
+    /// The address is the host's own (on its interface with a subnet).
+    #[error("{ip} is this host's own address (on {dev}): give the VM an address of its own in that subnet")]
+    HostAddress {
         /// The address.
         ip: std::net::Ipv4Addr,
         /// Where it is.
