@@ -455,17 +455,24 @@ mod tests {
         }
     }
 
+    /// A listener on loopback, a client (reads time out after 5 s) and the
+    /// server's end of its connection.
+    fn connected() -> (TcpListener, TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let (server, _) = l.accept().unwrap();
+        (l, client, server)
+    }
+
     #[test]
     fn a_connection_survives_checkpoint_close_and_restore() {
         if !repair_allowed() {
             return;
         }
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        let (mut server, _) = l.accept().unwrap();
+        let (l, mut client, mut server) = connected();
         // Unread on both sides when the server side is checkpointed.
         client.write_all(b"request one|").unwrap();
         server.write_all(b"answer one|").unwrap();
@@ -506,12 +513,7 @@ mod tests {
         if !repair_allowed() {
             return;
         }
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        let (mut server, _) = l.accept().unwrap();
+        let (_l, mut client, mut server) = connected();
         client.write_all(b"abc").unwrap();
         std::thread::sleep(Duration::from_millis(20));
         let cp = checkpoint(&server).unwrap();
@@ -529,9 +531,7 @@ mod tests {
         if !repair_allowed() {
             return;
         }
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (server, _) = l.accept().unwrap();
+        let (_l, client, server) = connected();
         drop(client); // the server side goes to CLOSE_WAIT
         std::thread::sleep(Duration::from_millis(20));
         assert!(matches!(
