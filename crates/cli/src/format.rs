@@ -88,3 +88,43 @@ mod tests {
         assert!(parse_duration("-1s").is_err());
     }
 }
+
+/// A UTC time as `YYYYMMDD-HHMMSS` (for file names that sort by time).
+pub fn utc_stamp(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days since 1970-01-01 to a civil date (proleptic Gregorian calendar).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod stamp_tests {
+    use super::utc_stamp;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn stamps_are_utc_calendar_times() {
+        assert_eq!(utc_stamp(UNIX_EPOCH), "19700101-000000");
+        // 2000-02-29 (a leap day) 12:34:56 UTC.
+        let t = UNIX_EPOCH + Duration::from_secs(951_827_696);
+        assert_eq!(utc_stamp(t), "20000229-123456");
+        let t = UNIX_EPOCH + Duration::from_secs(1_795_478_400);
+        assert_eq!(utc_stamp(t), "20261124-000000");
+    }
+}

@@ -86,6 +86,20 @@ pub struct MigrateArgs {
     /// dedup chunk cache per encoder thread (e.g. 64M).
     #[arg(long, value_parser = parse_mem_size)]
     dedup_cache: Option<u64>,
+    /// Write the migration's timeline here (JSON lines every 10 ms from
+    /// both sides, events, and the summary; `ferry report` draws it).
+    /// Default: a new file under $FERRY_RUNS_DIR, else
+    /// ~/.local/state/ferry/migrations.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    /// Write no timeline.
+    #[arg(long, conflicts_with = "timeline")]
+    no_timeline: bool,
+    /// How long the destination's part of the timeline goes on after the
+    /// switch (precopy) or the last page (postcopy); `ferry migrate`
+    /// returns that much later (e.g. 1s, 0s).
+    #[arg(long, value_parser = crate::format::parse_duration, default_value = "1s")]
+    timeline_tail: Duration,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -103,6 +117,7 @@ impl MigrateArgs {
             prefetch: self.prefetch,
             postcopy_after: self.postcopy_after,
             reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
+            timeline_tail_ms: self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,
             streams: self.streams.unwrap_or(base.streams),
             downtime_ms: self.downtime_ms,
             max_rounds: self.max_rounds,
@@ -149,17 +164,55 @@ fn parse_rate(s: &str) -> Result<u64, String> {
     }
 }
 
+/// Where the timeline goes: as asked (made absolute: the VMM writes it
+/// from its own directory), or a new file in the runs directory.
+fn timeline_path(args: &MigrateArgs, mode: &str) -> Result<Option<PathBuf>> {
+    if args.no_timeline {
+        return Ok(None);
+    }
+    let path = match &args.timeline {
+        Some(p) => p.clone(),
+        None => runs_dir().join(format!(
+            "{}-{mode}-{}.jsonl",
+            format::utc_stamp(std::time::SystemTime::now()),
+            std::process::id()
+        )),
+    };
+    Ok(Some(if path.is_absolute() {
+        path
+    } else {
+        std::env::current_dir()
+            .context("cannot tell the current directory")?
+            .join(path)
+    }))
+}
+
+/// Where timelines go by default.
+pub fn runs_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("FERRY_RUNS_DIR") {
+        return d.into();
+    }
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
+        .unwrap_or_else(std::env::temp_dir);
+    state.join("ferry/migrations")
+}
+
 pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     let options = args.options()?;
+    let timeline = timeline_path(&args, if args.resume { "resume" } else { options.mode.name() })?;
     let mut c = ControlClient::connect(&args.socket)?;
     let req = match &args.to {
         _ if args.resume => Request::MigrateResume {
             to: args.to.clone(),
             reconnect_timeout_ms: Some(options.reconnect_timeout_ms),
+            timeline: timeline.clone(),
         },
         Some(to) => Request::Migrate(MigrateRequest {
             to: to.clone(),
             options,
+            timeline: timeline.clone(),
         }),
         None => anyhow::bail!("--to is needed (where to migrate)"),
     };
@@ -194,16 +247,26 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         ));
     });
     bar.finish_and_clear();
-    let stats: MigrationStats = serde_json::from_value(reply?["stats"].take())
+    let mut reply = reply?;
+    let stats: MigrationStats = serde_json::from_value(reply["stats"].take())
         .context("the VMM's migration report does not parse")?;
+    let written = reply["timeline"].as_str().map(str::to_string);
+    if let Some(e) = reply["timeline_error"].as_str() {
+        eprintln!("ferry: warning: {e}");
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&stats)?);
+        let mut v = serde_json::to_value(&stats)?;
+        v["timeline"] = serde_json::json!(written);
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         let to = args
             .to
             .as_ref()
             .map_or("the destination".into(), |t| t.to_string());
         print_table(&to, &stats);
+        if let Some(p) = &written {
+            println!("timeline     {p}  (ferry report {p})");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -45,5 +45,8 @@ pub fn receive_with_reconnect(
         session.run(vm, &sink, &mut phases)
     })();
     drop(phases);
+    if result.is_ok() {
+        session.send_timeline(vm);
+    }
     session.conclude(result)
 }

@@ -35,6 +35,7 @@ pub(crate) mod sender;
 pub(crate) mod session;
 pub mod sink;
 pub mod stats;
+pub mod telemetry;
 pub mod transport;
 pub mod vm;
 

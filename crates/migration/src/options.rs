@@ -29,6 +29,9 @@ pub mod defaults {
     /// broke before reporting "postcopy paused" and waiting for
     /// `ferry migrate --resume` (ms).
     pub const RECONNECT_TIMEOUT_MS: u64 = 30_000;
+    /// How long the destination's timeline goes on after the switch (ms):
+    /// long enough to see the guest settle at its new host.
+    pub const TIMELINE_TAIL_MS: u32 = 1_000;
     /// Postcopy, destination: how long a paused postcopy waits for its
     /// source to come back before the VM is given up (ms): longer than the
     /// source's own retrying, so an operator has time to resume by hand.
@@ -230,6 +233,10 @@ pub struct MigrateOptions {
     pub postcopy_after: PostcopyAfter,
     /// Postcopy: how long to keep reconnecting after a broken link (ms).
     pub reconnect_timeout_ms: u64,
+    /// How long the destination goes on sampling its timeline after the
+    /// VM started there (precopy) or every page arrived (postcopy), before
+    /// sending it back (ms; the source waits that long after the switch).
+    pub timeline_tail_ms: u32,
 }
 
 impl Default for MigrateOptions {
@@ -247,6 +254,7 @@ impl Default for MigrateOptions {
             prefetch: defaults::PREFETCH,
             postcopy_after: PostcopyAfter::default(),
             reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
+            timeline_tail_ms: defaults::TIMELINE_TAIL_MS,
         }
     }
 }
@@ -267,6 +275,9 @@ impl MigrateOptions {
         let max_cache = crate::encoded::MAX_CACHE_BYTES;
         let shards = crate::encoded::MAX_SHARDS;
         let c = &self.compression;
+        if self.timeline_tail_ms > 60_000 {
+            return Err("the timeline tail must be at most 60 s".into());
+        }
         if !(1..=defaults::MAX_STREAMS).contains(&self.streams) {
             return Err(format!("streams must be 1 to {}", defaults::MAX_STREAMS));
         }

@@ -50,12 +50,16 @@ pub fn resume(
     conclude(session, result)
 }
 
-/// Stamps a finished migration with its wall-clock start and applies the
-/// session's safety rule.
+/// Collects the destination's timeline of a migration that succeeded,
+/// stamps it with its wall-clock start and applies the session's safety
+/// rule.
 fn conclude(
-    session: SourceSession,
+    mut session: SourceSession,
     result: Result<MigrationStats, MigrationError>,
 ) -> Result<MigrationStats, MigrationError> {
+    if result.is_ok() {
+        session.collect_timeline();
+    }
     let start_unix_s = session.start_unix_s();
     session.conclude(result.map(|stats| MigrationStats {
         start_unix_s,

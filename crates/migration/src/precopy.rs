@@ -65,7 +65,8 @@ pub(crate) fn run(
         s.bulk.len(),
         opts.bandwidth,
         &sample,
-    );
+    )
+    .watched_by(s.tel.clone());
 
     s.start_dirty_log()?;
     let (mut runs, mut holes) = first_round(&s.regions, |i| vm.data_ranges(i));
@@ -73,6 +74,7 @@ pub(crate) fn run(
     let mut bandwidth;
     let mut throttle = 0u32;
     let switch = loop {
+        s.tel.round_began(round, total_pages(&runs));
         progress(&Progress {
             round,
             remaining_pages: total_pages(&runs),
@@ -105,6 +107,7 @@ pub(crate) fn run(
                 .map_err(MigrationError::vm("throttle"))?;
             tracing::info!(throttle, "auto-converge throttles the vCPUs");
         }
+        s.tel.set_dirty(rs.dirty_rate, throttle);
         add_round(&mut stats, rs);
         runs = next;
         holes.clear();
@@ -161,6 +164,7 @@ pub(crate) fn run(
         return Ok(stats);
     }
     let remaining = total_pages(&last);
+    s.tel.round_began(round, remaining);
     progress(&Progress {
         round,
         remaining_pages: remaining,
@@ -207,13 +211,15 @@ pub(crate) fn run(
     stats.source_cpu_s = s.cpu_secs();
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     stats.total_secs = secs(s.t_start.elapsed());
+    // With the destination's service: clients that stay are forwarded
+    // from now on, not after the destination's timeline came back.
     progress(&Progress {
         round,
         remaining_pages: 0,
         throughput: bandwidth,
         bytes: stats.bytes,
         phase: Phase::Done,
-        ..Default::default()
+        destination_service: stats.destination_service.clone(),
     });
     Ok(stats)
 }

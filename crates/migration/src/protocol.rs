@@ -38,7 +38,7 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 5;
+pub const VERSION_MAX: u16 = 6;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -47,6 +47,9 @@ pub const VERSION_RESUME: u16 = 4;
 /// The first version where the VM's clients move with it (ClientsPlan,
 /// ClientsAnswer, Clients; Started reports restore and verify times).
 pub const VERSION_CLIENTS: u16 = 5;
+/// The first version where the destination sends its timeline back
+/// (TimelineAsk, Timeline).
+pub const VERSION_TIMELINE: u16 = 6;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -108,6 +111,14 @@ pub enum Kind {
     /// v5, source to destination just before Complete when the clients
     /// move: their connections, checkpointed (opaque to the engine).
     Clients = 21,
+    /// v6, source to destination after the clients plan: how long to go on
+    /// sampling after the VM started there (or every page arrived) before
+    /// sending the timeline back (ms, u32).
+    TimelineAsk = 22,
+    /// v6, destination to source last, after Started (precopy) or Finished
+    /// (postcopy) and the tail: the destination's timeline, zstd-compressed
+    /// JSON lines (empty when it kept none).
+    Timeline = 23,
 }
 
 impl Kind {
@@ -135,6 +146,8 @@ impl Kind {
             19 => ClientsPlan,
             20 => ClientsAnswer,
             21 => Clients,
+            22 => TimelineAsk,
+            23 => Timeline,
             _ => return None,
         })
     }
@@ -212,6 +225,19 @@ pub enum Role {
     /// v4: the control connection again, after a link broke during
     /// postcopy (same session id).
     Resume,
+}
+
+impl Role {
+    /// The connection's name in timelines and metrics (a resumed control
+    /// connection counts as the control connection).
+    pub fn link_name(self) -> String {
+        match self {
+            Role::Control | Role::Resume => "control".into(),
+            Role::Bulk(i) => format!("bulk{i}"),
+            Role::Demand => "demand".into(),
+            Role::Fds => "fds".into(),
+        }
+    }
 }
 
 /// Opens a connection.
@@ -517,6 +543,8 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::ClientsPlan => "ClientsPlan",
         Kind::ClientsAnswer => "ClientsAnswer",
         Kind::Clients => "Clients",
+        Kind::TimelineAsk => "TimelineAsk",
+        Kind::Timeline => "Timeline",
     }
 }
 

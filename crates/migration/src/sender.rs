@@ -101,6 +101,8 @@ struct RoundCtx<'a> {
     /// Page bytes that went through an encoder, and what they became.
     encoded_in: AtomicU64,
     encoded_out: AtomicU64,
+    /// Where pages sent are counted live.
+    tel: Option<&'a crate::telemetry::Telemetry>,
 }
 
 /// The sending side of the bulk streams, kept for a whole migration.
@@ -110,6 +112,7 @@ pub(crate) struct PageSender {
     compressed: bool,
     pipeline: bool,
     bandwidth: Option<f64>,
+    tel: Option<std::sync::Arc<crate::telemetry::Telemetry>>,
 }
 
 impl PageSender {
@@ -140,7 +143,14 @@ impl PageSender {
             compressed,
             pipeline: compressed && copt.pipeline,
             bandwidth,
+            tel: None,
         }
+    }
+
+    /// Counts the pages it sends in `tel` as they go.
+    pub(crate) fn watched_by(mut self, tel: std::sync::Arc<crate::telemetry::Telemetry>) -> Self {
+        self.tel = Some(tel);
+        self
     }
 
     /// The codec policy (its summary and link estimate go in the stats).
@@ -178,6 +188,7 @@ impl PageSender {
             bytes: AtomicU64::new(hole_bytes),
             encoded_in: AtomicU64::new(0),
             encoded_out: AtomicU64::new(0),
+            tel: self.tel.as_deref(),
         };
         let n = conns.len();
         let work = if self.compressed {
@@ -382,6 +393,9 @@ fn send<W: Write>(
         }
         ctx.pages.fetch_add(b.gpas.len() as u64, Ordering::Relaxed);
         frames += 1;
+    }
+    if let Some(t) = ctx.tel {
+        t.add_pages(b.gpas.len() as u64 + total_pages(&b.zeros));
     }
     let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;

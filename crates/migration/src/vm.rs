@@ -77,6 +77,14 @@ pub trait MigratableVm: Send + Sync {
     fn guest_apf_count(&self) -> Option<u64> {
         None
     }
+    /// Where the engine reports live figures of this migration (the VMM's
+    /// timeline and metrics read them); None: nobody watches.
+    fn telemetry(&self) -> Option<std::sync::Arc<crate::telemetry::Telemetry>> {
+        None
+    }
+    /// The destination's timeline arrived (JSON lines, as its
+    /// [`IncomingVm::timeline`] gave them); the default drops it.
+    fn peer_timeline(&self, _lines: Vec<u8>) {}
     /// Whether the VM's clients can move with it (asked once per
     /// migration, before any page is sent).
     fn clients_plan(&self) -> Option<ClientsPlan> {
@@ -143,6 +151,15 @@ pub trait IncomingVm: PageStore {
     /// As [`MigratableVm::guest_apf_count`] (read once every page is here).
     fn guest_apf_count(&self) -> Option<u64> {
         None
+    }
+    /// As [`MigratableVm::telemetry`].
+    fn telemetry(&self) -> Option<std::sync::Arc<crate::telemetry::Telemetry>> {
+        None
+    }
+    /// This side's timeline so far, as JSON lines (sent to the source at
+    /// the end; empty when it keeps none).
+    fn timeline(&self) -> Vec<u8> {
+        Vec::new()
     }
     /// Gets ready to take the source's clients over (before any page
     /// arrives); Err says why it cannot, and the source forwards instead.

@@ -54,6 +54,9 @@ pub enum Request {
         /// the paused migration's own setting when absent.
         #[serde(default)]
         reconnect_timeout_ms: Option<u64>,
+        /// Write the resumed migration's timeline here.
+        #[serde(default)]
+        timeline: Option<PathBuf>,
     },
     /// Move the VM to a new VMM process on this host without copying its
     /// memory; the control socket's path moves with it.
@@ -82,6 +85,10 @@ pub struct MigrateRequest {
     /// How to migrate.
     #[serde(flatten)]
     pub options: ferry_migration::MigrateOptions,
+    /// Write the migration's timeline (JSON lines, both sides, then the
+    /// summary) here, whether it succeeds or not; none when absent.
+    #[serde(default)]
+    pub timeline: Option<PathBuf>,
 }
 
 /// Why a control call failed.
@@ -541,6 +548,7 @@ impl ControlHandler for VmControl {
             Request::MigrateResume {
                 to,
                 reconnect_timeout_ms,
+                timeline,
             } => {
                 let mut paused = self
                     .paused
@@ -552,12 +560,18 @@ impl ControlHandler for VmControl {
                     paused.opts.reconnect_timeout_ms = ms;
                 }
                 let dest = to.clone().unwrap_or_else(|| paused.to.clone());
-                let result = crate::migration::resume(vm, paused, to, &mut |p| {
-                    if let Ok(v) = serde_json::to_value(p) {
-                        progress(v);
-                    }
+                let head = header(vm, "resume", &dest.to_string(), paused.opts.mode.name());
+                let rec = crate::timeline::Recorder::new("source");
+                let result = vm.watch().record(vm, &rec, || {
+                    crate::migration::resume(vm, paused, to, &mut |p| {
+                        if let Ok(v) = serde_json::to_value(p) {
+                            progress(v);
+                        }
+                    })
                 });
-                self.migrated(dest.to_string(), result)
+                let summary = summary_line(&result);
+                let reply = self.migrated(dest.to_string(), result);
+                with_timeline(reply, &rec, timeline.as_deref(), head, summary)
             }
             Request::Quit => {
                 *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(After::Stop);
@@ -568,12 +582,18 @@ impl ControlHandler for VmControl {
             ),
             Request::Handover { binary, verify } => self.hand_over(binary, verify, progress),
             Request::Migrate(m) => {
-                let result = crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
-                    if let Ok(v) = serde_json::to_value(p) {
-                        progress(v);
-                    }
+                let head = header(vm, "migrate", &m.to.to_string(), m.options.mode.name());
+                let rec = crate::timeline::Recorder::new("source");
+                let result = vm.watch().record(vm, &rec, || {
+                    crate::migration::migrate(vm, &m.to, &m.options, &mut |p| {
+                        if let Ok(v) = serde_json::to_value(p) {
+                            progress(v);
+                        }
+                    })
                 });
-                self.migrated(m.to.to_string(), result)
+                let summary = summary_line(&result);
+                let reply = self.migrated(m.to.to_string(), result);
+                with_timeline(reply, &rec, m.timeline.as_deref(), head, summary)
             }
         }
     }
@@ -648,6 +668,58 @@ impl VmControl {
             Err(e @ E::PostcopyBroken { .. }) => Err(e.to_string()),
             Err(e) => Err(format!("migration failed, the VM keeps running here: {e}")),
         }
+    }
+}
+
+/// The first line of a timeline: what migrated where, and how.
+fn header(vm: &Vm, what: &str, to: &str, mode: &str) -> Value {
+    let c = vm.config();
+    json!({
+        "type": "header", "format": 1, "what": what, "mode": mode, "to": to,
+        "t": ferry_migration::telemetry::unix_now(),
+        "vm": {
+            "mem_bytes": c.mem_bytes, "vcpus": c.vcpus,
+            "workloads": c.workloads.0.iter().map(|w| w.to_string()).collect::<Vec<_>>(),
+            "tick_hz": c.tick_hz,
+        },
+        "ferry": env!("CARGO_PKG_VERSION"),
+    })
+}
+
+/// The last line of a timeline: the migration's result.
+fn summary_line(
+    result: &Result<ferry_migration::MigrationStats, ferry_migration::MigrationError>,
+) -> Value {
+    match result {
+        Ok(stats) => json!({ "type": "summary", "ok": true, "stats": stats }),
+        Err(e) => json!({ "type": "summary", "ok": false, "error": e.to_string() }),
+    }
+}
+
+/// Writes the timeline (when asked for) and says where in the reply: a
+/// field of a success, a sentence after an error.
+fn with_timeline(
+    reply: Result<Value, String>,
+    rec: &crate::timeline::Recorder,
+    path: Option<&std::path::Path>,
+    head: Value,
+    summary: Value,
+) -> Result<Value, String> {
+    let Some(path) = path else { return reply };
+    let written = rec
+        .write(path, head, summary)
+        .map_err(|e| format!("cannot write the timeline {}: {e}", path.display()));
+    match (reply, written) {
+        (Ok(mut v), Ok(())) => {
+            v["timeline"] = json!(path);
+            Ok(v)
+        }
+        (Ok(mut v), Err(w)) => {
+            v["timeline_error"] = json!(w);
+            Ok(v)
+        }
+        (Err(e), Ok(())) => Err(format!("{e} (timeline: {})", path.display())),
+        (Err(e), Err(w)) => Err(format!("{e} ({w})")),
     }
 }
 

@@ -15,6 +15,7 @@ pub mod handover;
 pub mod hostnet;
 pub mod metrics;
 pub mod migration;
+pub mod timeline;
 pub mod vmm;
 pub mod vstate;
 pub mod workload;

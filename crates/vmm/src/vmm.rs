@@ -482,6 +482,8 @@ pub struct Vm {
     started: Mutex<Option<Instant>>,
     /// Per region, what held data when `prealloc` populated the rest.
     data_before_prealloc: Mutex<Option<Vec<DataRanges>>>,
+    /// The migration being recorded, if any (timeline and metrics).
+    watch: crate::timeline::Watch,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -633,6 +635,7 @@ impl Vm {
             loaded: AtomicBool::new(false),
             started: Mutex::new(None),
             data_before_prealloc: Mutex::new(None),
+            watch: crate::timeline::Watch::default(),
             vm_fd,
             _kvm: kvm,
             host_info,
@@ -1068,6 +1071,11 @@ impl Vm {
     /// Reads the guest's metrics page now.
     pub fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
         MetricsSnapshot::read(&self.memory)
+    }
+
+    /// The migration being recorded, if any.
+    pub fn watch(&self) -> &crate::timeline::Watch {
+        &self.watch
     }
 
     /// The service device, if the VM has one.

@@ -53,6 +53,8 @@ pub(crate) struct Incoming<'a> {
     /// Pauses on a broken link, and their time.
     pauses: u32,
     paused: Duration,
+    /// Live figures for watchers.
+    tel: Arc<crate::telemetry::Telemetry>,
 }
 
 /// The running postcopy phase.
@@ -127,6 +129,9 @@ impl<'a> Incoming<'a> {
             live: None,
             pauses: 0,
             paused: Duration::ZERO,
+            tel: vm
+                .telemetry()
+                .unwrap_or_else(crate::telemetry::Telemetry::new),
         }
     }
 
@@ -151,7 +156,8 @@ impl<'a> Incoming<'a> {
 
     /// Accepts this session's demand connection.
     fn accept_demand(&self) -> Result<Conn, MigrationError> {
-        let (c, h) = self.listener.accept_hello(self.timeout)?;
+        let (mut c, h) = self.listener.accept_hello(self.timeout)?;
+        c.count_into(self.tel.link(&h.role.link_name()));
         if h.role != Role::Demand || h.session != self.session {
             return Err(ProtocolError::Unexpected {
                 got: Kind::Hello,
@@ -331,6 +337,7 @@ impl DestinationPhases for Incoming<'_> {
         if self.live.is_none() {
             return Ok(false);
         }
+        self.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
         let result = self.run_phase(ctl, rx, stats);
         stats.postcopy_pauses = self.pauses;
         stats.postcopy_paused_s = self.paused.as_secs_f64();
@@ -391,6 +398,8 @@ impl Incoming<'_> {
                         wait_s = self.reconnect_timeout.as_secs_f64(),
                         "postcopy paused: the link to the source broke; the VM runs on, vCPUs touching a missing page wait for the source to reconnect"
                     );
+                    self.tel.event("link_broken", e.to_string());
+                    self.tel.set_phase(crate::telemetry::LivePhase::Paused);
                     let _ = ctl.stream().shutdown(std::net::Shutdown::Both);
                     rx.cut();
                     if let Some(live) = self.live.as_mut() {
@@ -402,6 +411,8 @@ impl Incoming<'_> {
                         let _ = live.shared.take_failure();
                     }
                     *ctl = self.await_resume(&e)?;
+                    ctl.count_into(self.tel.link(&protocol::Role::Control.link_name()));
+                    self.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
                     self.pauses += 1;
                     self.paused += t.elapsed();
                     tracing::info!(paused_s = t.elapsed().as_secs_f64(), "postcopy resumed");
@@ -485,6 +496,7 @@ impl Incoming<'_> {
             self.timeout,
             self.session,
             h.streams,
+            &self.tel,
         )?;
         let live = self.live.as_mut().ok_or(ProtocolError::Closed)?;
         live.link = live.shared.connect(demand, bulk)?;

@@ -128,6 +128,8 @@ pub(crate) fn switch(
     let report = s.complete()?;
     // The VM runs there now: from here a failure must not resume it here.
     s.switched = true;
+    s.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
+    s.tel.set_remaining_pages(pending_pages);
     s.note_started(stats, &report, lap());
     stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
     progress(&Progress {
@@ -222,6 +224,8 @@ fn follow(
             Ok(connected) => connected,
             Err(reason) => {
                 if epoch.paused_since.is_none() {
+                    s.tel.event("link_broken", reason.clone());
+                    s.tel.set_phase(crate::telemetry::LivePhase::Paused);
                     tracing::warn!(
                         %reason,
                         retry_s = opts.reconnect_timeout().as_secs_f64(),
@@ -243,6 +247,8 @@ fn follow(
                         post.pauses += 1;
                         post.paused_s += secs(since.elapsed());
                         epoch.paused_since = None;
+                        s.tel.event("resumed", format!("{} pages missing", total_pages(&connected.0)));
+                        s.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
                         tracing::info!(missing = total_pages(&connected.0), "postcopy resumed");
                         connected
                     }
@@ -282,6 +288,7 @@ fn follow(
                 post.secs = secs(epoch.t_post.elapsed());
                 stats.source_cpu_s += s.cpu_secs();
                 stats.total_secs = secs(s.t_start.elapsed());
+                s.tel.event("finished", "every page arrived at the destination");
                 progress(&Progress {
                     round: epoch.round,
                     bytes: stats.bytes,

@@ -12,6 +12,7 @@ use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, Rou
 use crate::receiver::Received;
 use crate::sink::PageSink;
 use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport, StartedReportV1};
+use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Listener};
 use crate::vm::{ClientsAnswer, ClientsPlan, IncomingVm};
 use crate::MigrationError;
@@ -59,6 +60,10 @@ pub(crate) struct DestSession<'a> {
     started: bool,
     /// This side agreed to take the VM's clients over.
     clients_agreed: bool,
+    /// Live figures for watchers (the VM's, or a private one).
+    tel: std::sync::Arc<Telemetry>,
+    /// The source wants this side's timeline, this long after the end (v6).
+    timeline_tail: Option<Duration>,
 }
 
 impl<'a> DestSession<'a> {
@@ -83,6 +88,8 @@ impl<'a> DestSession<'a> {
                         version: 0,
                         started: false,
                         clients_agreed: false,
+                        tel: Telemetry::new(),
+                        timeline_tail: None,
                     })
                 }
                 Err(ProtocolError::Closed) => continue,
@@ -100,6 +107,10 @@ impl<'a> DestSession<'a> {
     /// answers its clients plan (v5).
     pub(crate) fn handshake(&mut self, vm: &dyn IncomingVm) -> Result<(), MigrationError> {
         let (regions, vcpus) = (vm.regions(), vm.vcpus());
+        if let Some(t) = vm.telemetry() {
+            self.tel = t;
+        }
+        self.ctl.count_into(self.tel.link(&Role::Control.link_name()));
         self.version = protocol::negotiate(&self.hello)?;
         self.ctl.send(Kind::HelloAck, &self.version)?;
         let layout: Layout = self.ctl.recv(Kind::Layout)?;
@@ -122,6 +133,15 @@ impl<'a> DestSession<'a> {
                 self.ctl.send(Kind::ClientsAnswer, &answer)?;
             }
         }
+        if self.version >= protocol::VERSION_TIMELINE {
+            let tail: u32 = self.ctl.recv(Kind::TimelineAsk)?;
+            // A source may ask for a long tail; this side bounds it.
+            self.timeline_tail = Some(Duration::from_millis(u64::from(tail.min(60_000))));
+        }
+        self.tel
+            .set_total_bytes(regions.iter().map(|r| r.size()).sum());
+        self.tel.set_phase(LivePhase::Running);
+        self.tel.event("open", format!("v{}", self.version));
         tracing::info!(version = self.version, "incoming migration session open");
         Ok(())
     }
@@ -133,6 +153,7 @@ impl<'a> DestSession<'a> {
             self.timeout,
             self.hello.session,
             self.hello.streams,
+            &self.tel,
         )
     }
 
@@ -201,6 +222,7 @@ impl<'a> DestSession<'a> {
                     rx.barrier(&rd.frames, self.timeout)?;
                     stats.rounds = rd.round + 1;
                     tracing::debug!(round = rd.round, "round applied");
+                    self.tel.event("round_applied", rd.round.to_string());
                     self.ctl.send(Kind::RoundAck, &rd.round)?;
                 }
                 Kind::State => state = Some(f.body),
@@ -212,6 +234,7 @@ impl<'a> DestSession<'a> {
                 }
                 Kind::Complete => {
                     let t = Instant::now();
+                    self.tel.set_phase(LivePhase::Switching);
                     let state = state.take().ok_or(ProtocolError::Unexpected {
                         got: Kind::Complete,
                         want: "State before Complete",
@@ -263,11 +286,35 @@ impl<'a> DestSession<'a> {
                         self.ctl.send(Kind::Started, &v1)?;
                     }
                     tracing::info!(restore_ms = stats.restore_ms, "VM started here");
-                    mode.after_start(&mut self.ctl, rx, stats)?;
+                    self.tel.event("started", format!("restore {:.1} ms", stats.restore_ms));
+                    if mode.after_start(&mut self.ctl, rx, stats)? {
+                        self.tel.event("finished", "every page arrived");
+                    }
+                    self.tel.set_phase(LivePhase::Succeeded);
                     return Ok(());
                 }
                 _ => mode.on_message(&f)?,
             }
+        }
+    }
+
+    /// After a migration that succeeded, if the source asked (v6): goes on
+    /// sampling for the tail it asked for, then sends this side's timeline.
+    /// The VM runs here whatever happens to it: a failure is only logged.
+    pub(crate) fn send_timeline(&mut self, vm: &dyn IncomingVm) {
+        let Some(tail) = self.timeline_tail else {
+            return;
+        };
+        tracing::debug!(tail_ms = tail.as_millis() as u64, "timeline tail");
+        std::thread::sleep(tail);
+        let mut body = crate::telemetry::pack_lines(&vm.timeline());
+        if body.len() > protocol::MAX_BODY {
+            tracing::warn!(bytes = body.len(), "timeline too large to send back");
+            body.clear();
+        }
+        match self.ctl.send_frame(Kind::Timeline, &body) {
+            Ok(()) => tracing::debug!(bytes = body.len(), "timeline sent back"),
+            Err(e) => tracing::warn!(error = %e, "could not send the timeline back"),
         }
     }
 
@@ -278,6 +325,8 @@ impl<'a> DestSession<'a> {
         result: Result<T, MigrationError>,
     ) -> Result<T, MigrationError> {
         if let Err(e) = &result {
+            self.tel.event("failed", e.to_string());
+            self.tel.set_phase(LivePhase::Failed);
             if self.started {
                 tracing::error!(error = %e, "incoming migration failed after the VM started here");
             } else {
@@ -299,21 +348,24 @@ impl<'a> DestSession<'a> {
 }
 
 /// Accepts `streams` bulk connections of `session` (clamped to 1-64),
-/// each by its role; anything else fails the session.
+/// each by its role (and counted in `tel` under it); anything else fails
+/// the session.
 pub(crate) fn accept_bulk(
     listener: &Listener,
     timeout: Duration,
     session: u64,
     streams: u16,
+    tel: &Telemetry,
 ) -> Result<Vec<Conn>, MigrationError> {
     let n = streams.clamp(1, 64) as usize;
     let mut slots: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
     for _ in 0..n {
-        let (c, h) = listener.accept_hello(timeout)?;
+        let (mut c, h) = listener.accept_hello(timeout)?;
         match h.role {
             Role::Bulk(i)
                 if h.session == session && (i as usize) < n && slots[i as usize].is_none() =>
             {
+                c.count_into(tel.link(&h.role.link_name()));
                 slots[i as usize] = Some(c)
             }
             _ => {

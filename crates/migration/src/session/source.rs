@@ -17,6 +17,7 @@ use crate::memory::RegionView;
 use crate::options::MigrateOptions;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
 use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
+use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
 use crate::MigrationError;
@@ -46,6 +47,8 @@ pub(crate) struct SourceSession<'a> {
     pub(crate) cpu: CpuMeter,
     ctl_cpu0: f64,
     pub(crate) t_start: Instant,
+    /// Live figures for watchers (the VM's, or a private one).
+    pub(crate) tel: std::sync::Arc<Telemetry>,
 }
 
 impl<'a> SourceSession<'a> {
@@ -77,6 +80,7 @@ impl<'a> SourceSession<'a> {
             cpu: CpuMeter::default(),
             ctl_cpu0: thread_cpu_secs(),
             t_start,
+            tel: vm.telemetry().unwrap_or_else(Telemetry::new),
         }
     }
 
@@ -152,9 +156,10 @@ impl<'a> SourceSession<'a> {
 
     fn reconnect_once(&mut self) -> Result<(Vec<crate::ranges::GpaPages>, Conn), MigrationError> {
         let hello = self.hello(Role::Resume);
-        let ctl = self
-            .ctl
-            .insert(Conn::open(self.to, self.opts.timeout(), &hello)?);
+        let ctl = self.ctl.insert(self.metered(
+            Conn::open(self.to, self.opts.timeout(), &hello)?,
+            Role::Resume,
+        ));
         ctl.flush()?;
         let version: u16 = ctl.recv(Kind::HelloAck)?;
         if version < protocol::VERSION_RESUME {
@@ -195,14 +200,23 @@ impl<'a> SourceSession<'a> {
     /// Connects, agrees on a version and checks the layout.
     pub(crate) fn open(&mut self) -> Result<(), MigrationError> {
         let hello = self.hello(Role::Control);
-        let ctl = self
-            .ctl
-            .insert(Conn::open(self.to, self.opts.timeout(), &hello)?);
+        let ctl = self.ctl.insert(self.metered(
+            Conn::open(self.to, self.opts.timeout(), &hello)?,
+            Role::Control,
+        ));
         ctl.flush()?;
         self.version = ctl.recv(Kind::HelloAck)?;
         let layout = super::layout_of(&self.regions, self.vm.vcpus());
         self.ctl()?.send(Kind::Layout, &layout)?;
         self.plan_clients()?;
+        if self.version >= protocol::VERSION_TIMELINE {
+            let tail = self.opts.timeline_tail_ms;
+            self.ctl()?.send(Kind::TimelineAsk, &tail)?;
+        }
+        let total: u64 = self.regions.iter().map(|r| r.size()).sum();
+        self.tel.set_total_bytes(total);
+        self.tel.set_phase(LivePhase::Running);
+        self.tel.event("open", format!("{} v{}", self.to, self.version));
         tracing::info!(to = %self.to, version = self.version, "migration session open");
         Ok(())
     }
@@ -240,15 +254,22 @@ impl<'a> SourceSession<'a> {
         Ok(())
     }
 
+    /// Counts `c`'s bytes as the connection of `role`.
+    fn metered(&self, mut c: Conn, role: Role) -> Conn {
+        c.count_into(self.tel.link(&role.link_name()));
+        c
+    }
+
     /// Opens one more connection of this session in `role`.
     pub(crate) fn open_role(&self, role: Role) -> Result<Conn, MigrationError> {
-        Conn::open(self.to, self.opts.timeout(), &self.hello(role))
+        let c = Conn::open(self.to, self.opts.timeout(), &self.hello(role))?;
+        Ok(self.metered(c, role))
     }
 
     /// Opens the bulk streams; with `codec`, each announces its codec caches.
     pub(crate) fn open_bulk(&mut self, codec: Option<&CodecSetup>) -> Result<(), MigrationError> {
         for i in 0..self.opts.streams.max(1) {
-            let mut c = Conn::open(self.to, self.opts.timeout(), &self.hello(Role::Bulk(i)))?;
+            let mut c = self.open_role(Role::Bulk(i))?;
             if let Some(setup) = codec {
                 protocol::send(&mut c.writer, Kind::Codec, setup)?;
             }
@@ -279,6 +300,7 @@ impl<'a> SourceSession<'a> {
     pub(crate) fn pause(&mut self) -> Result<(), MigrationError> {
         self.vm.pause().map_err(MigrationError::vm("pause"))?;
         self.paused = true;
+        self.tel.set_phase(LivePhase::Switching);
         tracing::info!("source paused");
         Ok(())
     }
@@ -336,6 +358,55 @@ impl<'a> SourceSession<'a> {
         Ok(ctl.recv(Kind::Finished)?)
     }
 
+    /// After a migration that succeeded: waits for the destination's
+    /// timeline (it samples for the tail after the switch first) and hands
+    /// it to the VM. Never fails the migration: a missing timeline is only
+    /// an event in this side's.
+    pub(crate) fn collect_timeline(&mut self) {
+        // The migration is over: the destination's bulk threads end when
+        // their streams close, and only then does it sample its tail.
+        for c in &self.bulk {
+            let _ = c.stream().shutdown(std::net::Shutdown::Both);
+        }
+        self.bulk.clear();
+        self.tel.set_phase(LivePhase::Succeeded);
+        if self.version < protocol::VERSION_TIMELINE {
+            self.tel.event(
+                "timeline",
+                format!(
+                    "the destination speaks protocol v{}: it sends no timeline",
+                    self.version
+                ),
+            );
+            return;
+        }
+        let wait = Duration::from_millis(u64::from(self.opts.timeline_tail_ms))
+            + Duration::from_secs(5);
+        let got = (|| -> Result<Vec<u8>, ProtocolError> {
+            let ctl = self.ctl.as_mut().ok_or(ProtocolError::Closed)?;
+            ctl.stream()
+                .set_read_timeout(Some(wait))
+                .map_err(ProtocolError::Io)?;
+            let f = protocol::read_frame(&mut ctl.reader)?;
+            if f.kind != Kind::Timeline {
+                return Err(ProtocolError::Unexpected {
+                    got: f.kind,
+                    want: "Timeline",
+                });
+            }
+            crate::telemetry::unpack_lines(&f.body).map_err(|reason| ProtocolError::Malformed {
+                kind: Kind::Timeline,
+                reason,
+            })
+        })();
+        match got {
+            Ok(lines) => self.vm.peer_timeline(lines),
+            Err(e) => self
+                .tel
+                .event("timeline", format!("no timeline from the destination: {e}")),
+        }
+    }
+
     /// Sends Complete and waits for Started. From here the destination may
     /// start the VM at any moment: an Abort means it did not; anything else
     /// but Started leaves the outcome unknown, and resuming here could run
@@ -380,6 +451,7 @@ impl<'a> SourceSession<'a> {
             c.detail = note.clone();
         }
         tracing::info!(service = ?report.service, "destination started the VM");
+        self.tel.event("started", "the VM runs at the destination");
         Ok(report)
     }
 
@@ -435,6 +507,14 @@ impl<'a> SourceSession<'a> {
                     }
                     Err(_) => break,
                 }
+            }
+        }
+        match &result {
+            Ok(_) => self.tel.set_phase(LivePhase::Succeeded),
+            Err(MigrationError::PostcopyPaused(_)) => self.tel.set_phase(LivePhase::Paused),
+            Err(e) => {
+                self.tel.event("failed", e.to_string());
+                self.tel.set_phase(LivePhase::Failed);
             }
         }
         match &result {

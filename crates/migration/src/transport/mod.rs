@@ -10,9 +10,12 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::protocol::{self, Hello, Kind, ProtocolError};
+use crate::telemetry::LinkMeter;
 use crate::MigrationError;
 
 /// Where a migration peer listens: `tcp:HOST:PORT` or `unix:PATH`.
@@ -68,95 +71,124 @@ impl<'de> serde::Deserialize<'de> for Endpoint {
     }
 }
 
-/// One connected socket, TCP or Unix.
+/// One connected socket, TCP or Unix, counting its bytes into a
+/// [`LinkMeter`] once it has one (the timeline's bytes per stream).
 #[derive(Debug)]
-pub enum Stream {
-    /// TCP.
+pub struct Stream {
+    sock: Sock,
+    meter: Option<Arc<LinkMeter>>,
+}
+
+#[derive(Debug)]
+enum Sock {
     Tcp(TcpStream),
-    /// Unix-domain.
     Unix(UnixStream),
 }
 
 impl Stream {
+    fn of(sock: Sock) -> Stream {
+        Stream { sock, meter: None }
+    }
+
     /// Connects to `to`, waiting at most `timeout`.
     pub fn connect(to: &Endpoint, timeout: Duration) -> io::Result<Stream> {
         match to {
             Endpoint::Tcp(a) => {
                 let s = TcpStream::connect_timeout(a, timeout)?;
                 s.set_nodelay(true)?;
-                Ok(Stream::Tcp(s))
+                Ok(Stream::of(Sock::Tcp(s)))
             }
-            Endpoint::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
+            Endpoint::Unix(p) => Ok(Stream::of(Sock::Unix(UnixStream::connect(p)?))),
         }
     }
 
-    /// A second handle on the same socket.
+    /// A second handle on the same socket (counting into the same meter).
     pub fn try_clone(&self) -> io::Result<Stream> {
-        Ok(match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        let sock = match &self.sock {
+            Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
+            Sock::Unix(s) => Sock::Unix(s.try_clone()?),
+        };
+        Ok(Stream {
+            sock,
+            meter: self.meter.clone(),
         })
+    }
+
+    /// Counts what this handle reads and writes from now on into `meter`.
+    pub fn count_into(&mut self, meter: Arc<LinkMeter>) {
+        self.meter = Some(meter);
     }
 
     /// Read and write timeouts (None: block).
     pub fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.set_read_timeout(t).and_then(|_| s.set_write_timeout(t)),
-            Stream::Unix(s) => s.set_read_timeout(t).and_then(|_| s.set_write_timeout(t)),
+        match &self.sock {
+            Sock::Tcp(s) => s.set_read_timeout(t).and_then(|_| s.set_write_timeout(t)),
+            Sock::Unix(s) => s.set_read_timeout(t).and_then(|_| s.set_write_timeout(t)),
         }
     }
 
     /// The read timeout alone.
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.set_read_timeout(t),
-            Stream::Unix(s) => s.set_read_timeout(t),
+        match &self.sock {
+            Sock::Tcp(s) => s.set_read_timeout(t),
+            Sock::Unix(s) => s.set_read_timeout(t),
         }
     }
 
     /// Shuts down one or both directions.
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.shutdown(how),
-            Stream::Unix(s) => s.shutdown(how),
+        match &self.sock {
+            Sock::Tcp(s) => s.shutdown(how),
+            Sock::Unix(s) => s.shutdown(how),
         }
     }
 
     /// The Unix socket, for descriptor passing (None over TCP).
     pub fn as_unix(&self) -> Option<&UnixStream> {
-        match self {
-            Stream::Unix(s) => Some(s),
-            Stream::Tcp(_) => None,
+        match &self.sock {
+            Sock::Unix(s) => Some(s),
+            Sock::Tcp(_) => None,
         }
     }
 
     /// True for TCP (the kernel's delivery rate is known there).
     pub fn is_tcp(&self) -> bool {
-        matches!(self, Stream::Tcp(_))
+        matches!(self.sock, Sock::Tcp(_))
+    }
+
+    fn counted(&self, n: io::Result<usize>, sent: bool) -> io::Result<usize> {
+        if let (Ok(n), Some(m)) = (&n, &self.meter) {
+            let c = if sent { &m.sent } else { &m.received };
+            c.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        n
     }
 }
 
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
+        let n = match &mut self.sock {
+            Sock::Tcp(s) => s.read(buf),
+            Sock::Unix(s) => s.read(buf),
+        };
+        self.counted(n, false)
     }
 }
 
 impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
+        let n = match &mut self.sock {
+            Sock::Tcp(s) => s.write(buf),
+            Sock::Unix(s) => s.write(buf),
+        };
+        self.counted(n, true)
     }
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
-        }
+        let n = match &mut self.sock {
+            Sock::Tcp(s) => s.write_vectored(bufs),
+            Sock::Unix(s) => s.write_vectored(bufs),
+        };
+        self.counted(n, true)
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
@@ -165,9 +197,9 @@ impl Write for Stream {
 
 impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
-        match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) => s.as_raw_fd(),
+        match &self.sock {
+            Sock::Tcp(s) => s.as_raw_fd(),
+            Sock::Unix(s) => s.as_raw_fd(),
         }
     }
 }
@@ -222,6 +254,12 @@ impl Conn {
     /// Flushes what was written.
     pub fn flush(&mut self) -> Result<(), ProtocolError> {
         self.writer.flush().map_err(ProtocolError::Io)
+    }
+
+    /// Counts this connection's bytes into `meter` from now on.
+    pub fn count_into(&mut self, meter: Arc<LinkMeter>) {
+        self.reader.get_mut().count_into(meter.clone());
+        self.writer.get_mut().count_into(meter);
     }
 
     /// The socket (for TCP_INFO, timeouts, shutdown).
@@ -317,9 +355,9 @@ impl Listener {
                 let s = match self {
                     Listener::Tcp(l) => l.accept().map(|(s, _)| {
                         let _ = s.set_nodelay(true);
-                        Stream::Tcp(s)
+                        Stream::of(Sock::Tcp(s))
                     }),
-                    Listener::Unix(l, _) => l.accept().map(|(s, _)| Stream::Unix(s)),
+                    Listener::Unix(l, _) => l.accept().map(|(s, _)| Stream::of(Sock::Unix(s))),
                 };
                 match s {
                     Ok(s) => return Ok(s),

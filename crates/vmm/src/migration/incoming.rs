@@ -73,6 +73,14 @@ impl IncomingVm for Vm {
         super::guest_apf_count(self)
     }
 
+    fn telemetry(&self) -> Option<std::sync::Arc<ferry_migration::telemetry::Telemetry>> {
+        self.watch().current().map(|r| r.telemetry().clone())
+    }
+
+    fn timeline(&self) -> Vec<u8> {
+        self.watch().current().map_or_else(Vec::new, |r| r.lines())
+    }
+
     fn prepare_clients(&self, plan: &ClientsPlan) -> Result<(), String> {
         match self.service() {
             Some(s) => s.prepare_clients(plan.ip, plan.port, plan.connections),
@@ -113,7 +121,9 @@ impl Incoming {
     /// once this returns Ok; `timeout` bounds each step after the source
     /// connected. On failure the VM was never started.
     pub fn receive(&self, vm: &Vm, timeout: Duration) -> Result<IncomingStats, MigrationError> {
-        ferry_migration::receive(vm, &self.listener, timeout)
+        let rec = crate::timeline::Recorder::new("destination");
+        vm.watch()
+            .record(vm, &rec, || ferry_migration::receive(vm, &self.listener, timeout))
     }
 
     /// [`Incoming::receive`], where a postcopy whose link broke waits
@@ -124,6 +134,9 @@ impl Incoming {
         timeout: Duration,
         reconnect_timeout: Duration,
     ) -> Result<IncomingStats, MigrationError> {
-        ferry_migration::receive_with_reconnect(vm, &self.listener, timeout, reconnect_timeout)
+        let rec = crate::timeline::Recorder::new("destination");
+        vm.watch().record(vm, &rec, || {
+            ferry_migration::receive_with_reconnect(vm, &self.listener, timeout, reconnect_timeout)
+        })
     }
 }

@@ -107,6 +107,16 @@ impl MigratableVm for Vm {
         super::guest_apf_count(self)
     }
 
+    fn telemetry(&self) -> Option<std::sync::Arc<ferry_migration::telemetry::Telemetry>> {
+        self.watch().current().map(|r| r.telemetry().clone())
+    }
+
+    fn peer_timeline(&self, lines: Vec<u8>) {
+        if let Some(r) = self.watch().current() {
+            r.set_peer_lines(lines);
+        }
+    }
+
     fn clients_plan(&self) -> Option<ClientsPlan> {
         let (ip, port, connections) = self.service()?.clients_plan()?;
         Some(ClientsPlan {

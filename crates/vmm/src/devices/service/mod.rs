@@ -90,6 +90,12 @@ pub struct ServiceStats {
     pub moved_out: AtomicU64,
     /// Connections restored here from the VM's previous host.
     pub moved_in: AtomicU64,
+    /// Sum over answered requests of post-to-answer time (host TSC ticks;
+    /// the post time is in the slot, in guest memory, so a request posted
+    /// before a migration and answered after it counts the downtime).
+    pub latency_ticks: AtomicU64,
+    /// Longest of those since the timeline last took it (ticks).
+    pub latency_max_ticks: AtomicU64,
 }
 
 /// The device's own state besides guest memory, for save/restore: which
@@ -642,6 +648,7 @@ impl ServiceDevice {
         fence(Ordering::Acquire);
         let len = m.read_u32_volatile(gpa + svc_off::SLOT_LEN).unwrap_or(0) as usize;
         let conn = m.read_u64_volatile(gpa + svc_off::SLOT_TAG).unwrap_or(0);
+        let posted_tsc = m.read_u64_volatile(gpa + svc_off::SLOT_POST_TSC).unwrap_or(0);
         let mut frame = vec![0u8; 4 + len.min(MAX_BODY)];
         frame[..4].copy_from_slice(&(len.min(MAX_BODY) as u32).to_le_bytes());
         let ok = len <= MAX_BODY
@@ -653,6 +660,15 @@ impl ServiceDevice {
         if !ok {
             self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
             return;
+        }
+        // Another host's TSC (a move between machines) reads as nonsense:
+        // a negative or over-a-minute time is not counted.
+        let ticks = rdtsc().wrapping_sub(posted_tsc);
+        if ticks < 60 * 4_000_000_000 {
+            self.stats.latency_ticks.fetch_add(ticks, Ordering::Relaxed);
+            self.stats
+                .latency_max_ticks
+                .fetch_max(ticks, Ordering::Relaxed);
         }
         self.stats.responses.fetch_add(1, Ordering::Relaxed);
         if let Some(c) = lock(&self.conns).get(&conn) {

@@ -1,0 +1,256 @@
+//! A migration's timeline on one side: every 10 ms, what the engine's
+//! [`Telemetry`] says (phase, round, bytes per connection), what the guest
+//! did (workload counters, the request service's answers and their
+//! latency), and every 100 ms the host CPU each thread of this VMM used.
+//! Events (rounds, the switch, a broken link) go in as they happen.
+//!
+//! Lines are JSON, one object each, tagged `"type"`: `"sample"` or
+//! `"event"`, and `"side"`: `"source"` or `"destination"`. docs/timeline.md
+//! lists every field. The source's file also holds the destination's lines
+//! (sent back over the migration's control connection) and the summary.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_migration::telemetry::{unix_now, Telemetry};
+use serde_json::{json, Value};
+
+use crate::vmm::Vm;
+
+/// How often the timeline samples.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(10);
+/// Thread CPU is read every this many samples (it costs a /proc read per
+/// thread, and the kernel counts it in 10 ms ticks anyway).
+const CPU_EVERY: u32 = 10;
+
+/// One migration's recording on one side.
+pub struct Recorder {
+    side: &'static str,
+    tel: Arc<Telemetry>,
+    lines: Mutex<Vec<u8>>,
+    peer: Mutex<Vec<u8>>,
+    stop: AtomicBool,
+}
+
+impl Recorder {
+    /// A recorder for `side` ("source" or "destination") of a migration.
+    pub fn new(side: &'static str) -> Arc<Recorder> {
+        Arc::new(Recorder {
+            side,
+            tel: Telemetry::new(),
+            lines: Mutex::new(Vec::new()),
+            peer: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    /// The live figures the engine fills.
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.tel
+    }
+
+    /// Samples `vm` every 10 ms until [`Recorder::stop`]; run it on a
+    /// thread of its own.
+    pub fn sample_until_stopped(&self, vm: &Vm) {
+        let mut prev = Prev::default();
+        let mut next = Instant::now();
+        let mut n = 0u32;
+        while !self.stop.load(Ordering::Relaxed) {
+            let cpu = n.is_multiple_of(CPU_EVERY);
+            let line = sample(self.side, vm, &self.tel, &mut prev, cpu);
+            self.push(&line);
+            self.drain_events();
+            n += 1;
+            next += SAMPLE_EVERY;
+            let now = Instant::now();
+            if next > now {
+                std::thread::sleep(next - now);
+            } else {
+                next = now; // fell behind (a busy host): do not burst
+            }
+        }
+        self.drain_events();
+    }
+
+    /// Ends [`Recorder::sample_until_stopped`] after its current sample.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    fn push(&self, v: &Value) {
+        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        // Serializing a Value into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *lines, v);
+        lines.push(b'\n');
+    }
+
+    fn drain_events(&self) {
+        for e in self.tel.take_events() {
+            self.push(&json!({
+                "type": "event", "side": self.side, "t": e.t,
+                "what": e.what, "detail": e.detail,
+            }));
+        }
+    }
+
+    /// A copy of this side's lines so far.
+    pub fn lines(&self) -> Vec<u8> {
+        self.drain_events();
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Keeps the other side's lines (the destination's, at the source).
+    pub fn set_peer_lines(&self, lines: Vec<u8>) {
+        *self.peer.lock().unwrap_or_else(|e| e.into_inner()) = lines;
+    }
+
+    /// Writes the whole timeline to `path`: a header, both sides' lines
+    /// and `summary` (the migration's result) last.
+    pub fn write(&self, path: &std::path::Path, header: Value, summary: Value) -> std::io::Result<()> {
+        use std::io::Write;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+        serde_json::to_writer(&mut f, &header)?;
+        f.write_all(b"\n")?;
+        f.write_all(&self.lines())?;
+        f.write_all(&self.peer.lock().unwrap_or_else(|e| e.into_inner()))?;
+        serde_json::to_writer(&mut f, &summary)?;
+        f.write_all(b"\n")?;
+        f.flush()
+    }
+}
+
+/// What the previous sample read (the service's latency is a running sum).
+#[derive(Default)]
+struct Prev {
+    answered: u64,
+    latency_ticks: u64,
+}
+
+/// One sample line.
+fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> Value {
+    let t = tel.snapshot();
+    let links: BTreeMap<&str, [u64; 2]> = t
+        .links
+        .iter()
+        .map(|(n, s, r)| (n.as_str(), [*s, *r]))
+        .collect();
+    let mut v = json!({
+        "type": "sample", "side": side, "t": unix_now(),
+        "phase": t.phase, "round": t.round, "remaining_pages": t.remaining_pages,
+        "processed_bytes": t.processed_bytes, "dirty_rate": t.dirty_rate,
+        "throttle_pct": t.throttle_pct, "links": links,
+        "running": vm.run_state() == crate::RunState::Running,
+    });
+    let tsc_khz = vm.tsc_khz().max(1) as f64;
+    if let Ok(m) = vm.metrics() {
+        if m.valid() {
+            let n = vm.config().workloads.0.len();
+            let c = m.cpu_totals();
+            v["guest"] = json!({
+                "progress": (0..n).map(|i| m.progress(i)).collect::<Vec<_>>(),
+                "ticks": c.ticks,
+                "apf_not_present": c.apf_not_present,
+            });
+        }
+    }
+    if let Some(s) = vm.service() {
+        let answered = s.stats.responses.load(Ordering::Relaxed);
+        let ticks = s.stats.latency_ticks.load(Ordering::Relaxed);
+        let max = s.stats.latency_max_ticks.swap(0, Ordering::Relaxed);
+        let n = answered.saturating_sub(prev.answered);
+        let mean_us = if n > 0 {
+            ticks.saturating_sub(prev.latency_ticks) as f64 / n as f64 / tsc_khz * 1e3
+        } else {
+            0.0
+        };
+        v["service"] = json!({
+            "answered": answered,
+            "mean_us": (mean_us * 10.0).round() / 10.0,
+            "max_us": (max as f64 / tsc_khz * 1e4).round() / 10.0,
+            "forwarded": s.stats.forwarded.load(Ordering::Relaxed),
+        });
+        prev.answered = answered;
+        prev.latency_ticks = ticks;
+    }
+    if cpu {
+        v["cpu_ms"] = json!(thread_cpu_ms());
+    }
+    v
+}
+
+/// CPU time each thread of this process used so far (ms), keyed by
+/// "name/tid" (vCPU threads are named vcpuN).
+fn thread_cpu_ms() -> BTreeMap<String, u64> {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let mut out = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // "tid (comm) state ..." : comm may hold spaces, so split at ')'.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // Fields after comm: state is 0; utime is 11, stime 12.
+        let ticks = |i: usize| rest.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+        let ms = (ticks(11) + ticks(12)) * 1000 / hz;
+        out.insert(format!("{comm}/{}", e.file_name().to_string_lossy()), ms);
+    }
+    out
+}
+
+/// The recorder of the migration a VM is in, if any (the engine's trait
+/// calls and the metrics endpoint find it here).
+#[derive(Default)]
+pub struct Watch {
+    current: Mutex<Option<Arc<Recorder>>>,
+    /// The last migration's live figures, kept after it ended (metrics).
+    last: Mutex<Option<Arc<Telemetry>>>,
+}
+
+impl Watch {
+    /// The recorder now, if a migration runs.
+    pub fn current(&self) -> Option<Arc<Recorder>> {
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The running or, failing that, the last migration's figures.
+    pub fn latest(&self) -> Option<Arc<Telemetry>> {
+        self.current()
+            .map(|r| r.tel.clone())
+            .or_else(|| self.last.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Runs `f` with `rec` recording `vm` on a thread of its own.
+    pub fn record<T>(&self, vm: &Vm, rec: &Arc<Recorder>, f: impl FnOnce() -> T) -> T {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(rec.clone());
+        let out = std::thread::scope(|s| {
+            let sampler = std::thread::Builder::new()
+                .name("timeline".into())
+                .spawn_scoped(s, || rec.sample_until_stopped(vm));
+            let out = f();
+            rec.stop();
+            if let Ok(h) = sampler {
+                let _ = h.join();
+            }
+            out
+        });
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(rec.tel.clone());
+        out
+    }
+}
