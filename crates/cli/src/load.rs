@@ -57,7 +57,8 @@ pub struct LoadArgs {
     /// What to send.
     #[arg(long, value_enum, default_value_t = LoadOp::Mixed)]
     op: LoadOp,
-    /// Write every request (client, send time, latency, op, outcome) here as CSV.
+    /// Write every request (client, send time, latency, op, outcome, send
+    /// time since the Unix epoch) here as CSV (`ferry report --load` draws it).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
     /// How long to wait for the guest to start serving.
@@ -379,7 +380,9 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
             std::fs::File::create(path)
                 .with_context(|| format!("cannot create {}", path.display()))?,
         );
-        writeln!(f, "client,send_us,latency_us,op,outcome")?;
+        // send_unix_us lines the requests up with a migration's timeline.
+        writeln!(f, "client,send_us,latency_us,op,outcome,send_unix_us")?;
+        let base_us = (start_unix_s * 1e6) as u64;
         let mut sorted = all.clone();
         sorted.sort_by_key(|(_, r)| r.send_us);
         for (c, r) in &sorted {
@@ -389,7 +392,13 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
                 Outcome::Error => "error",
                 Outcome::Wrong => "wrong",
             };
-            writeln!(f, "{c},{},{},{op},{outcome}", r.send_us, r.latency_us)?;
+            writeln!(
+                f,
+                "{c},{},{},{op},{outcome},{}",
+                r.send_us,
+                r.latency_us,
+                base_us + r.send_us
+            )?;
         }
         f.flush()?;
     }

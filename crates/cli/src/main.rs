@@ -7,6 +7,7 @@ mod handover;
 mod lab;
 mod load;
 mod migrate;
+mod report;
 mod run;
 mod status;
 mod uffd_cost;
@@ -38,6 +39,9 @@ enum Command {
     /// Move a running VM to a new VMM process on this host (e.g. a newer
     /// ferry) without copying its memory; its control socket path stays.
     Handover(handover::HandoverArgs),
+    /// Draw migrations' timelines (from `ferry migrate`) as charts and one
+    /// HTML page, with a table comparing them.
+    Report(report::ReportArgs),
     /// Run a benchmark suite (results go to bench/results/ with their command).
     Bench(bench::BenchArgs),
     /// Test hosts as network namespaces (for migrations across a real network).
@@ -89,6 +93,7 @@ fn main() -> ExitCode {
         Command::Load(args) => load::load(args),
         Command::Lab(cmd) => lab::lab(cmd),
         Command::Bench(args) => bench::bench(args),
+        Command::Report(args) => report::report(args),
         Command::Migrate(args) => migrate::migrate(args),
         Command::Handover(args) => handover::handover(args),
         Command::Status {

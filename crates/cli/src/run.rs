@@ -419,6 +419,8 @@ fn drive(
 ) -> Result<ExitCode> {
     let quiet = front.quiet;
     let duration = front.duration_ms.map(Duration::from_millis);
+    // The next migration's timeline starts with the seconds before it.
+    ferry_vmm::timeline::keep_history(vm);
     // Only now catch Ctrl-C / SIGTERM (to end with a summary): while an
     // incoming VMM waits for its migration, they simply end the process.
     let interrupted = Arc::new(AtomicBool::new(false));

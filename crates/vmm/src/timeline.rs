@@ -58,6 +58,15 @@ impl Recorder {
         let mut next = Instant::now();
         let mut n = 0u32;
         while !self.stop.load(Ordering::Relaxed) {
+            // A destination may wait hours for its source: its timeline
+            // starts when the source connects.
+            if self.side == "destination"
+                && self.tel.phase() == ferry_migration::telemetry::LivePhase::Pending
+            {
+                std::thread::sleep(SAMPLE_EVERY);
+                next = Instant::now();
+                continue;
+            }
             let cpu = n.is_multiple_of(CPU_EVERY);
             let line = sample(self.side, vm, &self.tel, &mut prev, cpu);
             self.push(&line);
@@ -210,13 +219,50 @@ fn thread_cpu_ms() -> BTreeMap<String, u64> {
     out
 }
 
+/// How much of the time before a migration its timeline starts with (the
+/// guest's baseline), when the VMM keeps a history.
+pub const PRE_ROLL: Duration = Duration::from_secs(3);
+
 /// The recorder of the migration a VM is in, if any (the engine's trait
-/// calls and the metrics endpoint find it here).
+/// calls and the metrics endpoint find it here), and the samples of the
+/// last few seconds before it.
 #[derive(Default)]
 pub struct Watch {
     current: Mutex<Option<Arc<Recorder>>>,
     /// The last migration's live figures, kept after it ended (metrics).
     last: Mutex<Option<Arc<Telemetry>>>,
+    /// Sample lines of the last [`PRE_ROLL`] while no migration runs.
+    history: Mutex<std::collections::VecDeque<(Instant, Vec<u8>)>>,
+}
+
+/// Samples `vm` every 10 ms while no migration runs, keeping the last
+/// [`PRE_ROLL`] for the next migration's timeline. The thread ends with
+/// the VM.
+pub fn keep_history(vm: &Arc<Vm>) {
+    let weak = Arc::downgrade(vm);
+    let _ = std::thread::Builder::new()
+        .name("history".into())
+        .spawn(move || {
+            let idle = Telemetry::new();
+            let mut prev = Prev::default();
+            let mut n = 0u32;
+            while let Some(vm) = weak.upgrade() {
+                if vm.watch().current().is_none() {
+                    let line = sample("source", &vm, &idle, &mut prev, n.is_multiple_of(CPU_EVERY));
+                    let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
+                    bytes.push(b'\n');
+                    let mut h = vm.watch().history.lock().unwrap_or_else(|e| e.into_inner());
+                    let now = Instant::now();
+                    while h.front().is_some_and(|(t, _)| now.duration_since(*t) > PRE_ROLL) {
+                        h.pop_front();
+                    }
+                    h.push_back((now, bytes));
+                }
+                n += 1;
+                drop(vm);
+                std::thread::sleep(SAMPLE_EVERY);
+            }
+        });
 }
 
 impl Watch {
@@ -235,9 +281,22 @@ impl Watch {
             .or_else(|| self.last.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
-    /// Runs `f` with `rec` recording `vm` on a thread of its own.
+    /// Runs `f` with `rec` recording `vm` on a thread of its own; the
+    /// source's timeline starts with the history before it.
     pub fn record<T>(&self, vm: &Vm, rec: &Arc<Recorder>, f: impl FnOnce() -> T) -> T {
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(rec.clone());
+        let history: Vec<(Instant, Vec<u8>)> = self
+            .history
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        if rec.side == "source" {
+            let mut lines = rec.lines.lock().unwrap_or_else(|e| e.into_inner());
+            for (_, l) in history {
+                lines.extend_from_slice(&l);
+            }
+        }
         let out = std::thread::scope(|s| {
             let sampler = std::thread::Builder::new()
                 .name("timeline".into())
