@@ -64,6 +64,10 @@ pub struct RunArgs {
     /// (TCP_REPAIR) and this VMM exits. Needs CAP_NET_ADMIN.
     #[arg(long)]
     vm_address: Option<std::net::Ipv4Addr>,
+    /// Serve Prometheus metrics (migration progress named like KubeVirt's,
+    /// and the guest's counters) at http://ADDR/metrics (port 0 picks one).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
     /// Incoming postcopy: how long to wait for the source to come back
     /// when the link breaks (e.g. 5m) before the VM is given up.
     #[arg(long, value_parser = format::parse_duration,
@@ -223,6 +227,13 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         }
     }
 
+    if let Some(at) = args.metrics {
+        let got = ferry_vmm::exporter::serve(&vm, at)
+            .with_context(|| format!("cannot serve metrics on {at}"))?;
+        if !quiet {
+            eprintln!("ferry: metrics at http://{got}/metrics");
+        }
+    }
     if args.prealloc {
         let t = Instant::now();
         vm.prealloc().context("cannot preallocate guest RAM")?;

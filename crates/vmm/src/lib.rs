@@ -10,6 +10,7 @@ pub mod boot;
 pub mod codec_backend;
 pub mod control;
 pub mod devices;
+pub mod exporter;
 pub mod guest_abi;
 pub mod handover;
 pub mod hostnet;

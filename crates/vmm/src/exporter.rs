@@ -1,0 +1,238 @@
+//! A Prometheus endpoint for one VMM (`ferry run --metrics ADDR`): the
+//! migration's figures, named after KubeVirt's `kubevirt_vmi_migration_*`
+//! metrics with ferry's prefix, and the guest's own counters. Plain HTTP
+//! on a thread of its own, text exposition format 0.0.4.
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use ferry_migration::telemetry::LivePhase;
+
+use crate::vmm::Vm;
+
+/// Serves `GET /metrics` for `vm` on `addr` until the VM is gone; returns
+/// the address it listens on (port 0 picks one).
+pub fn serve(vm: &Arc<Vm>, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr)?;
+    let local = listener.local_addr()?;
+    let vm = Arc::downgrade(vm);
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let rate = Mutex::new(None);
+            for conn in listener.incoming().flatten() {
+                if vm.strong_count() == 0 {
+                    break;
+                }
+                let _ = answer(conn, &vm, &rate);
+            }
+        })?;
+    Ok(local)
+}
+
+/// The last scrape's (time, bytes sent): the transfer rate is measured
+/// between two scrapes.
+type RateMark = Mutex<Option<(Instant, u64)>>;
+
+fn answer(mut conn: TcpStream, vm: &Weak<Vm>, rate: &RateMark) -> std::io::Result<()> {
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut request = String::new();
+    reader.read_line(&mut request)?;
+    // The rest of the request's head.
+    let mut line = String::new();
+    while reader.read_line(&mut line)? > 2 {
+        line.clear();
+    }
+    let path = request.split_whitespace().nth(1).unwrap_or("");
+    let (status, body) = match (request.starts_with("GET "), path, vm.upgrade()) {
+        (true, "/metrics", Some(vm)) => ("200 OK", render(&vm, rate)),
+        (true, "/metrics", None) => ("503 Service Unavailable", "the VM is gone\n".into()),
+        (true, _, _) => ("404 Not Found", "ferry serves /metrics only\n".into()),
+        _ => ("405 Method Not Allowed", "GET /metrics\n".into()),
+    };
+    write!(
+        conn,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, v) in samples {
+        let _ = writeln!(out, "{name}{labels} {v}");
+    }
+}
+
+fn one(v: f64) -> Vec<(String, f64)> {
+    vec![(String::new(), v)]
+}
+
+/// The exposition text now.
+pub fn render(vm: &Vm, rate: &RateMark) -> String {
+    let mut o = String::new();
+    let c = vm.config();
+    metric(&mut o, "ferry_vmi_memory_bytes", "gauge", "Guest RAM.", &one(c.mem_bytes as f64));
+    metric(&mut o, "ferry_vmi_vcpus", "gauge", "vCPUs.", &one(f64::from(c.vcpus)));
+    metric(
+        &mut o,
+        "ferry_vmi_running",
+        "gauge",
+        "1 while the VM's vCPUs run on this host.",
+        &one(f64::from(u8::from(vm.run_state() == crate::RunState::Running))),
+    );
+    if let Ok(m) = vm.metrics() {
+        if m.valid() {
+            let progress = c
+                .workloads
+                .0
+                .iter()
+                .enumerate()
+                .map(|(i, w)| (format!("{{workload=\"{w}\"}}"), m.progress(i) as f64))
+                .collect::<Vec<_>>();
+            metric(
+                &mut o,
+                "ferry_vmi_guest_workload_progress_total",
+                "counter",
+                "The guest's own progress counter per workload (it moves with the VM).",
+                &progress,
+            );
+            metric(
+                &mut o,
+                "ferry_vmi_guest_ticks_total",
+                "counter",
+                "Timer ticks the guest handled, all vCPUs.",
+                &one(m.cpu_totals().ticks as f64),
+            );
+        }
+    }
+    if let Some(s) = vm.service() {
+        metric(
+            &mut o,
+            "ferry_vmi_service_requests_answered_total",
+            "counter",
+            "Requests the VM's service answered on this host.",
+            &one(s.stats.responses.load(Ordering::Relaxed) as f64),
+        );
+    }
+    let Some(t) = vm.watch().latest() else {
+        return o;
+    };
+    let snap = t.snapshot();
+    let phase = t.phase();
+    let sent: u64 = snap.links.iter().map(|(_, s, _)| s).sum();
+    let transfer = {
+        let mut last = rate.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let r = match *last {
+            Some((at, b)) if sent >= b && now > at => (sent - b) as f64 / (now - at).as_secs_f64(),
+            _ => 0.0,
+        };
+        *last = Some((now, sent));
+        r
+    };
+    let remaining = snap.remaining_pages * 4096;
+    metric(
+        &mut o,
+        "ferry_vmi_migration_data_total_bytes",
+        "gauge",
+        "Guest memory the migration covers.",
+        &one(snap.total_bytes as f64),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_data_processed_bytes",
+        "gauge",
+        "Page bytes sent (source) so far.",
+        &one(snap.processed_bytes as f64),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_data_remaining_bytes",
+        "gauge",
+        "Page bytes left in the current round (source).",
+        &one(remaining as f64),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_dirty_memory_rate_bytes",
+        "gauge",
+        "Guest dirty rate over the last precopy round (bytes/s).",
+        &one(snap.dirty_rate as f64),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_memory_transfer_rate_bytes",
+        "gauge",
+        "Bytes/s sent on every connection since the previous scrape.",
+        &one(transfer),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_round",
+        "gauge",
+        "Current precopy round (0 = the full copy).",
+        &one(f64::from(snap.round)),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_throttle_percent",
+        "gauge",
+        "vCPU time auto-converge takes away.",
+        &one(f64::from(snap.throttle_pct)),
+    );
+    let phases: Vec<(String, f64)> = LivePhase::ALL
+        .iter()
+        .map(|p| (format!("{{phase=\"{}\"}}", p.name()), f64::from(u8::from(*p == phase))))
+        .collect();
+    metric(
+        &mut o,
+        "ferry_vmi_migration_phase",
+        "gauge",
+        "1 for the phase the latest migration of this VM is in.",
+        &phases,
+    );
+    let running = matches!(
+        phase,
+        LivePhase::Running | LivePhase::Switching | LivePhase::Postcopy | LivePhase::Paused
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migrations_in_running_phase",
+        "gauge",
+        "Migrations of this VM running now.",
+        &one(f64::from(u8::from(running))),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_succeeded",
+        "gauge",
+        "1 if the latest migration succeeded.",
+        &one(f64::from(u8::from(phase == LivePhase::Succeeded))),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_migration_failed",
+        "gauge",
+        "1 if the latest migration failed.",
+        &one(f64::from(u8::from(phase == LivePhase::Failed))),
+    );
+    let links: Vec<(String, f64)> = snap
+        .links
+        .iter()
+        .map(|(n, s, _)| (format!("{{link=\"{n}\"}}"), *s as f64))
+        .collect();
+    metric(
+        &mut o,
+        "ferry_vmi_migration_link_sent_bytes",
+        "counter",
+        "Bytes each connection of the latest migration sent.",
+        &links,
+    );
+    o
+}
