@@ -201,7 +201,14 @@ pub fn runs_dir() -> PathBuf {
 
 pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
     let options = args.options()?;
-    let timeline = timeline_path(&args, if args.resume { "resume" } else { options.mode.name() })?;
+    let timeline = timeline_path(
+        &args,
+        if args.resume {
+            "resume"
+        } else {
+            options.mode.name()
+        },
+    )?;
     let mut c = ControlClient::connect(&args.socket)?;
     let req = match &args.to {
         _ if args.resume => Request::MigrateResume {

@@ -66,7 +66,8 @@ fn wait_listening(port: u16) {
 fn scrape(port: u16) -> Option<String> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     text.starts_with("HTTP/1.1 200")
@@ -83,7 +84,15 @@ fn value(text: &str, name: &str) -> Option<f64> {
 
 fn load(target: &str, secs: &str, out: &Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["load", "--target", target, "--clients", "16", "--duration", secs])
+        .args([
+            "load",
+            "--target",
+            target,
+            "--clients",
+            "16",
+            "--duration",
+            secs,
+        ])
         .args(["--out", out.to_str().unwrap(), "--json", "--quiet"])
         .stdout(Stdio::piped())
         .spawn()
@@ -108,16 +117,28 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     let (mig1, mig2, metrics) = (free_port(), free_port(), free_port());
     let wl = "kv:workers=2,keys=40000,value=1024";
     let vm = |svc: u16, extra: &[&str]| {
-        let mut a: Vec<String> = ["run", "--mem", "256M", "--workload", wl, "--duration", "60s", "--quiet"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let mut a: Vec<String> = [
+            "run",
+            "--mem",
+            "256M",
+            "--workload",
+            wl,
+            "--duration",
+            "60s",
+            "--quiet",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         a.extend(["--serve".into(), format!("127.0.0.1:{svc}")]);
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
     let metrics_at = format!("127.0.0.1:{metrics}");
-    let src_args = vm(svc0, &["--control", &p("src.sock"), "--metrics", &metrics_at]);
+    let src_args = vm(
+        svc0,
+        &["--control", &p("src.sock"), "--metrics", &metrics_at],
+    );
     let _src = spawn(&strs(&src_args));
     let to1 = format!("tcp:127.0.0.1:{mig1}");
     let to2 = format!("tcp:127.0.0.1:{mig2}");
@@ -147,8 +168,16 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     };
     let t1 = p("precopy.jsonl");
     let o = ferry(&[
-        "migrate", &p("src.sock"), "--to", &to1, "--verify", "--bandwidth", "40M",
-        "--timeline", &t1, "--json",
+        "migrate",
+        &p("src.sock"),
+        "--to",
+        &to1,
+        "--verify",
+        "--bandwidth",
+        "40M",
+        "--timeline",
+        &t1,
+        "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -167,16 +196,35 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     let mid = scrapes
         .iter()
         .find(|t| value(t, "ferry_vmi_migration_phase{phase=\"running\"}") == Some(1.0))
-        .unwrap_or_else(|| panic!("no scrape saw the migration run ({} scrapes)", scrapes.len()));
+        .unwrap_or_else(|| {
+            panic!(
+                "no scrape saw the migration run ({} scrapes)",
+                scrapes.len()
+            )
+        });
     let processed = value(mid, "ferry_vmi_migration_data_processed_bytes").unwrap();
     assert!(processed < total, "{processed}");
-    assert_eq!(value(mid, "ferry_vmi_migrations_in_running_phase"), Some(1.0));
-    assert_eq!(value(mid, "ferry_vmi_migration_data_total_bytes"), Some(total));
+    assert_eq!(
+        value(mid, "ferry_vmi_migrations_in_running_phase"),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(mid, "ferry_vmi_migration_data_total_bytes"),
+        Some(total)
+    );
     let last = scrapes.last().unwrap();
-    assert_eq!(value(last, "ferry_vmi_migration_succeeded"), Some(1.0), "{last}");
+    assert_eq!(
+        value(last, "ferry_vmi_migration_succeeded"),
+        Some(1.0),
+        "{last}"
+    );
     assert!(value(last, "ferry_vmi_migration_data_processed_bytes").unwrap() > 0.0);
     assert!(value(last, "ferry_vmi_migration_link_sent_bytes{link=\"bulk0\"}").unwrap() > 0.0);
-    assert_eq!(value(last, "ferry_vmi_running"), Some(0.0), "the source let the VM go");
+    assert_eq!(
+        value(last, "ferry_vmi_running"),
+        Some(0.0),
+        "the source let the VM go"
+    );
     drop(scrapes);
 
     // Postcopy of the same VM onward, under load at its new host.
@@ -184,8 +232,16 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     std::thread::sleep(Duration::from_millis(1500));
     let t2 = p("postcopy.jsonl");
     let o = ferry(&[
-        "migrate", &p("d1.sock"), "--to", &to2, "--mode", "postcopy", "--verify",
-        "--timeline", &t2, "--json",
+        "migrate",
+        &p("d1.sock"),
+        "--to",
+        &to2,
+        "--mode",
+        "postcopy",
+        "--verify",
+        "--timeline",
+        &t2,
+        "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let l2 = load_result(l2);
@@ -194,8 +250,10 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     // Both timelines hold both sides, the switch and a summary.
     for t in [&t1, &t2] {
         let text = std::fs::read_to_string(t).unwrap();
-        let lines: Vec<serde_json::Value> =
-            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(lines[0]["type"], "header");
         assert_eq!(lines.last().unwrap()["type"], "summary");
         assert_eq!(lines.last().unwrap()["ok"], true);
@@ -207,15 +265,31 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
         };
         // 10 ms samples: the pre-roll and the migration on the source,
         // the 1 s tail at the destination.
-        assert!(count("source") > 100, "{t}: {} source samples", count("source"));
-        assert!(count("destination") > 50, "{t}: {} destination samples", count("destination"));
+        assert!(
+            count("source") > 100,
+            "{t}: {} source samples",
+            count("source")
+        );
+        assert!(
+            count("destination") > 50,
+            "{t}: {} destination samples",
+            count("destination")
+        );
         assert!(lines.iter().any(|l| l["what"] == "started"), "{t}");
     }
 
     // The report: 6 charts a run, a table, and every chart has ink.
     let out = p("report");
     let o = ferry(&[
-        "report", &t1, &t2, "--load", &p("load1.csv"), "--load", &p("load2.csv"), "--out", &out,
+        "report",
+        &t1,
+        &t2,
+        "--load",
+        &p("load1.csv"),
+        "--load",
+        &p("load2.csv"),
+        "--out",
+        &out,
         "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -229,27 +303,47 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     let page = Path::new(&out).join("index.html");
     let Some(browser) = ["chromium", "chromium-browser", "google-chrome"]
         .into_iter()
-        .find(|b| Command::new(b).arg("--version").output().is_ok_and(|o| o.status.success()))
+        .find(|b| {
+            Command::new(b)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
     else {
         eprintln!("SKIP the browser check: no chromium installed (apt install chromium)");
         return;
     };
     let dom = Command::new(browser)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000"])
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=10000",
+        ])
         .arg("--dump-dom")
         .arg(&page)
         .output()
         .unwrap();
     let dom = String::from_utf8_lossy(&dom.stdout);
-    assert!(dom.contains("data-charts=\"12\""), "the page did not load its charts");
+    assert!(
+        dom.contains("data-charts=\"12\""),
+        "the page did not load its charts"
+    );
     assert!(
         dom.contains("data-charts-drawn=\"12\""),
         "not every chart drew: {}",
-        dom.lines().find(|l| l.contains("charts drawn")).unwrap_or("no check output")
+        dom.lines()
+            .find(|l| l.contains("charts drawn"))
+            .unwrap_or("no check output")
     );
     let shot = dir.join("report.png");
     let o = Command::new(browser)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+        ])
         .args(["--window-size=1100,4200", "--virtual-time-budget=10000"])
         .arg(format!("--screenshot={}", shot.display()))
         .arg(&page)

@@ -77,14 +77,28 @@ fn one(v: f64) -> Vec<(String, f64)> {
 pub fn render(vm: &Vm, rate: &RateMark) -> String {
     let mut o = String::new();
     let c = vm.config();
-    metric(&mut o, "ferry_vmi_memory_bytes", "gauge", "Guest RAM.", &one(c.mem_bytes as f64));
-    metric(&mut o, "ferry_vmi_vcpus", "gauge", "vCPUs.", &one(f64::from(c.vcpus)));
+    metric(
+        &mut o,
+        "ferry_vmi_memory_bytes",
+        "gauge",
+        "Guest RAM.",
+        &one(c.mem_bytes as f64),
+    );
+    metric(
+        &mut o,
+        "ferry_vmi_vcpus",
+        "gauge",
+        "vCPUs.",
+        &one(f64::from(c.vcpus)),
+    );
     metric(
         &mut o,
         "ferry_vmi_running",
         "gauge",
         "1 while the VM's vCPUs run on this host.",
-        &one(f64::from(u8::from(vm.run_state() == crate::RunState::Running))),
+        &one(f64::from(u8::from(
+            vm.run_state() == crate::RunState::Running,
+        ))),
     );
     if let Ok(m) = vm.metrics() {
         if m.valid() {
@@ -188,7 +202,12 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
     );
     let phases: Vec<(String, f64)> = LivePhase::ALL
         .iter()
-        .map(|p| (format!("{{phase=\"{}\"}}", p.name()), f64::from(u8::from(*p == phase))))
+        .map(|p| {
+            (
+                format!("{{phase=\"{}\"}}", p.name()),
+                f64::from(u8::from(*p == phase)),
+            )
+        })
         .collect();
     metric(
         &mut o,

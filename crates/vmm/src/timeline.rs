@@ -117,7 +117,12 @@ impl Recorder {
 
     /// Writes the whole timeline to `path`: a header, both sides' lines
     /// and `summary` (the migration's result) last.
-    pub fn write(&self, path: &std::path::Path, header: Value, summary: Value) -> std::io::Result<()> {
+    pub fn write(
+        &self,
+        path: &std::path::Path,
+        header: Value,
+        summary: Value,
+    ) -> std::io::Result<()> {
         use std::io::Write;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
@@ -253,7 +258,10 @@ pub fn keep_history(vm: &Arc<Vm>) {
                     bytes.push(b'\n');
                     let mut h = vm.watch().history.lock().unwrap_or_else(|e| e.into_inner());
                     let now = Instant::now();
-                    while h.front().is_some_and(|(t, _)| now.duration_since(*t) > PRE_ROLL) {
+                    while h
+                        .front()
+                        .is_some_and(|(t, _)| now.duration_since(*t) > PRE_ROLL)
+                    {
                         h.pop_front();
                     }
                     h.push_back((now, bytes));

@@ -69,7 +69,8 @@ pub fn load_font(font: Option<&Path>) -> Result<()> {
                 anyhow!("no TrueType font found for the charts (install fonts-dejavu-core, or give --font PATH)")
             })?,
     };
-    let bytes = std::fs::read(&path).with_context(|| format!("cannot read font {}", path.display()))?;
+    let bytes =
+        std::fs::read(&path).with_context(|| format!("cannot read font {}", path.display()))?;
     // plotters keeps fonts for the whole process.
     let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
     plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
@@ -129,9 +130,14 @@ fn draw_inner(path: &Path, c: &Chart) -> Result<(), Box<dyn std::error::Error>> 
             Layer::Line { name, points } => {
                 any |= !points.is_empty();
                 chart
-                    .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))?
+                    .draw_series(LineSeries::new(
+                        points.iter().copied(),
+                        color.stroke_width(2),
+                    ))?
                     .label(name.clone())
-                    .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
+                    .legend(move |(x, y)| {
+                        PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2))
+                    });
             }
             Layer::Dots { name, points } => {
                 any |= !points.is_empty();

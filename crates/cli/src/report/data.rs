@@ -75,7 +75,8 @@ impl Run {
         let name = path
             .file_stem()
             .map_or("run".into(), |s| s.to_string_lossy().into_owned());
-        Run::parse(&name, &text).with_context(|| format!("{} is not a ferry timeline", path.display()))
+        Run::parse(&name, &text)
+            .with_context(|| format!("{} is not a ferry timeline", path.display()))
     }
 
     /// Parses a timeline's lines.
@@ -88,7 +89,9 @@ impl Run {
         if header["type"] != "header" {
             bail!("its first line is not a timeline header");
         }
-        let t0 = header["t"].as_f64().context("the header has no start time")?;
+        let t0 = header["t"]
+            .as_f64()
+            .context("the header has no start time")?;
         let mut run = Run {
             name: name.to_string(),
             header,
@@ -102,7 +105,10 @@ impl Run {
         for (i, l) in lines.enumerate() {
             // A timeline cut short (a VMM killed mid-write) keeps what parsed.
             let Ok(v) = serde_json::from_str::<Value>(l) else {
-                eprintln!("ferry: warning: {name}: line {} does not parse; skipped", i + 2);
+                eprintln!(
+                    "ferry: warning: {name}: line {} does not parse; skipped",
+                    i + 2
+                );
                 continue;
             };
             let side = match v["side"].as_str() {
@@ -160,7 +166,8 @@ impl Run {
         let mut lines = text.lines();
         let head: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
         let col = |name: &str| head.iter().position(|h| *h == name);
-        let (Some(t), Some(lat), Some(out)) = (col("send_unix_us"), col("latency_us"), col("outcome"))
+        let (Some(t), Some(lat), Some(out)) =
+            (col("send_unix_us"), col("latency_us"), col("outcome"))
         else {
             bail!(
                 "{} has no send_unix_us, latency_us and outcome columns (a `ferry load --out` log of this version)",
@@ -339,8 +346,10 @@ impl Run {
             return Vec::new();
         };
         let post = &stats["postcopy"];
-        let (Some(switch), Some(series)) = (post["switch_at_s"].as_f64(), post["faults"]["series"].as_array())
-        else {
+        let (Some(switch), Some(series)) = (
+            post["switch_at_s"].as_f64(),
+            post["faults"]["series"].as_array(),
+        ) else {
             return Vec::new();
         };
         // The fault bins count from the VM's start there, which is the
@@ -349,7 +358,10 @@ impl Run {
             .events
             .iter()
             .find(|e| e.side == Side::Source && e.what == "started")
-            .map_or(switch + stats["start_unix_s"].as_f64().unwrap_or(self.t0) - self.t0, |e| e.t);
+            .map_or(
+                switch + stats["start_unix_s"].as_f64().unwrap_or(self.t0) - self.t0,
+                |e| e.t,
+            );
         series
             .iter()
             .map(|b| FaultBin {
@@ -414,7 +426,12 @@ impl Run {
         let before = mean_in(first.max(start - 10.0) + BIN, start - BIN);
         let during = mean_in(start, end.max(start + BIN));
         let lat: Vec<f64> = {
-            let mut v: Vec<f64> = self.requests.iter().filter(|r| r.ok).map(|r| r.ms).collect();
+            let mut v: Vec<f64> = self
+                .requests
+                .iter()
+                .filter(|r| r.ok)
+                .map(|r| r.ms)
+                .collect();
             v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
             v
         };

@@ -119,7 +119,11 @@ fn markers(r: &Run) -> Vec<Marker> {
             (Side::Source, "failed", _) => ("failed".into(), RGBColor(214, 39, 40)),
             _ => continue,
         };
-        out.push(Marker { t: e.t, label, color });
+        out.push(Marker {
+            t: e.t,
+            label,
+            color,
+        });
     }
     out
 }
@@ -157,15 +161,18 @@ fn draw_run(r: &Run, out: &Path) -> Result<Vec<PathBuf>> {
             points: r.latency_mean(),
         });
     }
-    let chart = |title: String, y: &'static str, layers: Vec<Layer>, note: Option<&str>, unit: bool| Chart {
-        title,
-        y_label: y,
-        x_range: span,
-        layers,
-        markers: &marks,
-        empty_note: note.map(str::to_string),
-        unit_y: unit,
-    };
+    let chart =
+        |title: String, y: &'static str, layers: Vec<Layer>, note: Option<&str>, unit: bool| {
+            Chart {
+                title,
+                y_label: y,
+                x_range: span,
+                layers,
+                markers: &marks,
+                empty_note: note.map(str::to_string),
+                unit_y: unit,
+            }
+        };
     let p = path("latency");
     charts::draw(
         &p,
@@ -190,7 +197,16 @@ fn draw_run(r: &Run, out: &Path) -> Result<Vec<PathBuf>> {
         });
     }
     let p = path("throughput");
-    charts::draw(&p, &chart(title("workload throughput per 100 ms"), "per second", layers, None, false))?;
+    charts::draw(
+        &p,
+        &chart(
+            title("workload throughput per 100 ms"),
+            "per second",
+            layers,
+            None,
+            false,
+        ),
+    )?;
     made.push(p);
 
     let p = path("exec");
@@ -215,10 +231,22 @@ fn draw_run(r: &Run, out: &Path) -> Result<Vec<PathBuf>> {
         Vec::new()
     } else {
         vec![
-            Layer::Line { name: "major (fetched)".into(), points: per(|b| b.major) },
-            Layer::Line { name: "minor (arrived)".into(), points: per(|b| b.minor) },
-            Layer::Line { name: "zero-filled".into(), points: per(|b| b.zero) },
-            Layer::Line { name: "async (KVM workers)".into(), points: per(|b| b.async_worker) },
+            Layer::Line {
+                name: "major (fetched)".into(),
+                points: per(|b| b.major),
+            },
+            Layer::Line {
+                name: "minor (arrived)".into(),
+                points: per(|b| b.minor),
+            },
+            Layer::Line {
+                name: "zero-filled".into(),
+                points: per(|b| b.zero),
+            },
+            Layer::Line {
+                name: "async (KVM workers)".into(),
+                points: per(|b| b.async_worker),
+            },
         ]
     };
     let p = path("faults");
@@ -239,13 +267,22 @@ fn draw_run(r: &Run, out: &Path) -> Result<Vec<PathBuf>> {
         .into_iter()
         .map(|(name, pts)| Layer::Line {
             name,
-            points: pts.into_iter().map(|(t, b)| (t, b / (1 << 20) as f64)).collect(),
+            points: pts
+                .into_iter()
+                .map(|(t, b)| (t, b / (1 << 20) as f64))
+                .collect(),
         })
         .collect();
     let p = path("bandwidth");
     charts::draw(
         &p,
-        &chart(title("bandwidth per stream"), "MiB/s", layers, Some("no stream carried 1 MiB"), false),
+        &chart(
+            title("bandwidth per stream"),
+            "MiB/s",
+            layers,
+            Some("no stream carried 1 MiB"),
+            false,
+        ),
     )?;
     made.push(p);
 
@@ -255,7 +292,11 @@ fn draw_run(r: &Run, out: &Path) -> Result<Vec<PathBuf>> {
     for (side, name) in [(Side::Source, "source"), (Side::Destination, "destination")] {
         let mut pts = Vec::new();
         let mut level = 0.0;
-        for e in r.events.iter().filter(|e| e.side == side && e.what == "phase") {
+        for e in r
+            .events
+            .iter()
+            .filter(|e| e.side == side && e.what == "phase")
+        {
             let next = match e.detail.as_str() {
                 "running" => 0.25,
                 "switching" => 0.5,
@@ -271,7 +312,10 @@ fn draw_run(r: &Run, out: &Path) -> Result<Vec<PathBuf>> {
         if !pts.is_empty() {
             pts.insert(0, (span.0, 0.0));
             pts.push((span.1, level));
-            layers.push(Layer::Line { name: format!("{name} (.25 copying, .5 paused, .75 postcopy, 1 done)"), points: pts });
+            layers.push(Layer::Line {
+                name: format!("{name} (.25 copying, .5 paused, .75 postcopy, 1 done)"),
+                points: pts,
+            });
         }
     }
     let p = path("phases");
@@ -287,15 +331,34 @@ fn fmt_opt(v: &serde_json::Value, scale: f64, digits: usize) -> String {
 
 /// The comparison table's rows: (header, cell per run).
 fn table_rows(figures: &[serde_json::Value]) -> Vec<(&'static str, Vec<String>)> {
-    let col = |k: &str, scale: f64, d: usize| figures.iter().map(|f| fmt_opt(&f[k], scale, d)).collect();
+    let col =
+        |k: &str, scale: f64, d: usize| figures.iter().map(|f| fmt_opt(&f[k], scale, d)).collect();
     vec![
-        ("run", figures.iter().map(|f| f["run"].as_str().unwrap_or("").to_string()).collect()),
-        ("mode", figures.iter().map(|f| f["mode"].as_str().unwrap_or("").to_string()).collect()),
+        (
+            "run",
+            figures
+                .iter()
+                .map(|f| f["run"].as_str().unwrap_or("").to_string())
+                .collect(),
+        ),
+        (
+            "mode",
+            figures
+                .iter()
+                .map(|f| f["mode"].as_str().unwrap_or("").to_string())
+                .collect(),
+        ),
         (
             "result",
             figures
                 .iter()
-                .map(|f| if f["ok"] == true { "ok".into() } else { format!("failed: {}", f["error"].as_str().unwrap_or("")) })
+                .map(|f| {
+                    if f["ok"] == true {
+                        "ok".into()
+                    } else {
+                        format!("failed: {}", f["error"].as_str().unwrap_or(""))
+                    }
+                })
                 .collect(),
         ),
         ("total (s)", col("total_s", 1.0, 3)),
@@ -317,12 +380,18 @@ fn table_rows(figures: &[serde_json::Value]) -> Vec<(&'static str, Vec<String>)>
 
 fn print_table(figures: &[serde_json::Value]) {
     for (h, cells) in table_rows(figures) {
-        println!("{h:<22} {}", cells.iter().map(|c| format!("{c:>16}")).collect::<String>());
+        println!(
+            "{h:<22} {}",
+            cells.iter().map(|c| format!("{c:>16}")).collect::<String>()
+        );
     }
 }
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 /// The page: the table, then each run's charts inline (base64 PNGs), and a
@@ -366,7 +435,12 @@ the time vCPU threads waited on postcopy faults); bandwidth: bytes each connecti
     }
     h.push_str("</table>\n");
     for (r, files) in runs.iter().zip(pngs) {
-        let _ = write!(h, "<h2>{}</h2>\n<p class=\"note\">{}</p>\n", escape(&r.name), escape(&summary_line(r)));
+        let _ = write!(
+            h,
+            "<h2>{}</h2>\n<p class=\"note\">{}</p>\n",
+            escape(&r.name),
+            escape(&summary_line(r))
+        );
         for (f, (key, what)) in files.iter().zip(CHARTS) {
             let bytes = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
             let _ = writeln!(
@@ -419,7 +493,11 @@ fn summary_line(r: &Run) -> String {
         vm["vcpus"].as_u64().unwrap_or(0),
         vm["workloads"]
             .as_array()
-            .map(|a| a.iter().filter_map(|w| w.as_str()).collect::<Vec<_>>().join(" + "))
+            .map(|a| a
+                .iter()
+                .filter_map(|w| w.as_str())
+                .collect::<Vec<_>>()
+                .join(" + "))
             .unwrap_or_default(),
         r.header["to"].as_str().unwrap_or("?"),
     );

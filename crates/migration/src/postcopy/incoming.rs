@@ -129,9 +129,7 @@ impl<'a> Incoming<'a> {
             live: None,
             pauses: 0,
             paused: Duration::ZERO,
-            tel: vm
-                .telemetry()
-                .unwrap_or_else(crate::telemetry::Telemetry::new),
+            tel: vm.telemetry().unwrap_or_default(),
         }
     }
 

@@ -247,7 +247,10 @@ fn follow(
                         post.pauses += 1;
                         post.paused_s += secs(since.elapsed());
                         epoch.paused_since = None;
-                        s.tel.event("resumed", format!("{} pages missing", total_pages(&connected.0)));
+                        s.tel.event(
+                            "resumed",
+                            format!("{} pages missing", total_pages(&connected.0)),
+                        );
                         s.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
                         tracing::info!(missing = total_pages(&connected.0), "postcopy resumed");
                         connected
@@ -288,7 +291,8 @@ fn follow(
                 post.secs = secs(epoch.t_post.elapsed());
                 stats.source_cpu_s += s.cpu_secs();
                 stats.total_secs = secs(s.t_start.elapsed());
-                s.tel.event("finished", "every page arrived at the destination");
+                s.tel
+                    .event("finished", "every page arrived at the destination");
                 progress(&Progress {
                     round: epoch.round,
                     bytes: stats.bytes,

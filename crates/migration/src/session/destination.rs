@@ -110,7 +110,8 @@ impl<'a> DestSession<'a> {
         if let Some(t) = vm.telemetry() {
             self.tel = t;
         }
-        self.ctl.count_into(self.tel.link(&Role::Control.link_name()));
+        self.ctl
+            .count_into(self.tel.link(&Role::Control.link_name()));
         self.version = protocol::negotiate(&self.hello)?;
         self.ctl.send(Kind::HelloAck, &self.version)?;
         let layout: Layout = self.ctl.recv(Kind::Layout)?;
@@ -286,7 +287,8 @@ impl<'a> DestSession<'a> {
                         self.ctl.send(Kind::Started, &v1)?;
                     }
                     tracing::info!(restore_ms = stats.restore_ms, "VM started here");
-                    self.tel.event("started", format!("restore {:.1} ms", stats.restore_ms));
+                    self.tel
+                        .event("started", format!("restore {:.1} ms", stats.restore_ms));
                     if mode.after_start(&mut self.ctl, rx, stats)? {
                         self.tel.event("finished", "every page arrived");
                     }

@@ -80,7 +80,7 @@ impl<'a> SourceSession<'a> {
             cpu: CpuMeter::default(),
             ctl_cpu0: thread_cpu_secs(),
             t_start,
-            tel: vm.telemetry().unwrap_or_else(Telemetry::new),
+            tel: vm.telemetry().unwrap_or_default(),
         }
     }
 
@@ -216,7 +216,8 @@ impl<'a> SourceSession<'a> {
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
         self.tel.set_phase(LivePhase::Running);
-        self.tel.event("open", format!("{} v{}", self.to, self.version));
+        self.tel
+            .event("open", format!("{} v{}", self.to, self.version));
         tracing::info!(to = %self.to, version = self.version, "migration session open");
         Ok(())
     }
@@ -380,8 +381,8 @@ impl<'a> SourceSession<'a> {
             );
             return;
         }
-        let wait = Duration::from_millis(u64::from(self.opts.timeline_tail_ms))
-            + Duration::from_secs(5);
+        let wait =
+            Duration::from_millis(u64::from(self.opts.timeline_tail_ms)) + Duration::from_secs(5);
         let got = (|| -> Result<Vec<u8>, ProtocolError> {
             let ctl = self.ctl.as_mut().ok_or(ProtocolError::Closed)?;
             ctl.stream()

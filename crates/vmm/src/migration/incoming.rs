@@ -122,8 +122,9 @@ impl Incoming {
     /// connected. On failure the VM was never started.
     pub fn receive(&self, vm: &Vm, timeout: Duration) -> Result<IncomingStats, MigrationError> {
         let rec = crate::timeline::Recorder::new("destination");
-        vm.watch()
-            .record(vm, &rec, || ferry_migration::receive(vm, &self.listener, timeout))
+        vm.watch().record(vm, &rec, || {
+            ferry_migration::receive(vm, &self.listener, timeout)
+        })
     }
 
     /// [`Incoming::receive`], where a postcopy whose link broke waits

@@ -648,7 +648,9 @@ impl ServiceDevice {
         fence(Ordering::Acquire);
         let len = m.read_u32_volatile(gpa + svc_off::SLOT_LEN).unwrap_or(0) as usize;
         let conn = m.read_u64_volatile(gpa + svc_off::SLOT_TAG).unwrap_or(0);
-        let posted_tsc = m.read_u64_volatile(gpa + svc_off::SLOT_POST_TSC).unwrap_or(0);
+        let posted_tsc = m
+            .read_u64_volatile(gpa + svc_off::SLOT_POST_TSC)
+            .unwrap_or(0);
         let mut frame = vec![0u8; 4 + len.min(MAX_BODY)];
         frame[..4].copy_from_slice(&(len.min(MAX_BODY) as u32).to_le_bytes());
         let ok = len <= MAX_BODY
