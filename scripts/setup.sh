@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing ferry needs on a Debian machine: a C
 # toolchain for the guest, C++ for the host build of the GPU kernels the
-# codec tests run, make, and Rust (via rustup if cargo is missing).
+# codec tests run, make, Rust (via rustup if cargo is missing), and a font
+# and chromium for `ferry report` and its test.
 set -euo pipefail
 need=()
 for tool in gcc c++ make ld; do command -v "$tool" >/dev/null || need+=("$tool"); done
@@ -18,5 +19,13 @@ if ! command -v cargo >/dev/null; then
     if command -v rustup >/dev/null; then rustup default stable; else
       apt-get install -y -qq cargo rustc >/dev/null; fi
   fi
+fi
+# `ferry report` draws its charts with a system TrueType font, and its test
+# opens the page in a headless chromium (that check skips, saying so, without one).
+if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || ! command -v chromium >/dev/null; then
+  echo "setup: installing fonts-dejavu-core and chromium (ferry report and its browser check)"
+  { apt-get install -y -qq fonts-dejavu-core chromium >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq fonts-dejavu-core chromium >/dev/null 2>&1; }; } \
+    || echo "setup: could not install them; ferry report needs --font, and the browser check will skip"
 fi
 cargo --version
