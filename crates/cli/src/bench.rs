@@ -34,6 +34,10 @@ pub enum Suite {
     /// Clients that follow their VM: kv under 128 clients migrated with
     /// its address and connections (TCP_REPAIR) beside the forwarder.
     Clients,
+    /// What a migration does to the guest: compute and kv (under load on
+    /// the same 1 Gbit link) at several dirty rates, every mode, from the
+    /// runs' timelines.
+    Degradation,
 }
 
 #[derive(clap::Args)]
@@ -62,6 +66,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Hybrid => "hybrid.py",
         Suite::Handover => "handover.py",
         Suite::Clients => "clients.py",
+        Suite::Degradation => "degradation.py",
     });
     if !script.exists() {
         bail!(
