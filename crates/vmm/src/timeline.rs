@@ -161,7 +161,18 @@ fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> V
         "running": vm.run_state() == crate::RunState::Running,
     });
     let tsc_khz = vm.tsc_khz().max(1) as f64;
-    if let Ok(m) = vm.metrics() {
+    // At a destination the metrics page may be registered with
+    // userfaultfd (from the postcopy plan on) and not have arrived: a read
+    // from this thread then stalls the migration. Guest counters are read
+    // there once every page is here (the service's counters are the host's).
+    use ferry_migration::telemetry::LivePhase;
+    let memory_may_be_missing = side == "destination" && tel.phase() != LivePhase::Succeeded;
+    let metrics = if memory_may_be_missing {
+        None
+    } else {
+        vm.metrics().ok()
+    };
+    if let Some(m) = metrics {
         if m.valid() {
             let n = vm.config().workloads.0.len();
             let c = m.cpu_totals();
