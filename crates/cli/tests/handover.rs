@@ -5,13 +5,13 @@
 //! another version leaves the VM running in the old one.
 
 mod common;
-use common::kvm_usable;
+use common::{ferry, kvm_usable};
 
 use std::io::{BufRead, BufReader, Read, Write};
 
 use ferry_vmm::devices::service::wire::{self, Op, Request, Response, Status};
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,13 +19,6 @@ use serde_json::Value;
 
 /// Each test runs a VM on 2 host cores: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn ferry(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(args)
-        .output()
-        .unwrap()
-}
 
 /// A `ferry run` whose VM may move between processes: its control socket
 /// path, what it prints on stdout (the summary of whichever process ends the

@@ -3,21 +3,14 @@
 //! leaves the VM running at the source, ready for a later one.
 
 mod common;
-use common::kvm_usable;
+use common::{ferry, free_port, kvm_usable, wait_listening};
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// These tests pick free ports and run several VMMs each: run them one at a
 /// time so one test's VMM can never take a port another just picked.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn ferry(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(args)
-        .output()
-        .unwrap()
-}
 
 /// Kills its VMM when dropped, so a failing test leaves no VM running.
 struct Reaper(Option<Child>);
@@ -77,14 +70,6 @@ fn spawn_incoming_logged(args: &[&str]) -> (Child, std::sync::Arc<std::sync::Mut
     (c, log)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn wait_status(sock: &str) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -101,20 +86,6 @@ fn progress(status: &serde_json::Value) -> u64 {
     status["metrics"]["workloads"][0]["progress"]
         .as_u64()
         .unwrap()
-}
-
-fn wait_listening(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    // A connect to a port nobody listens on can "succeed" by connecting the
-    // socket to itself (TCP simultaneous open): only a real peer counts.
-    let listening = || {
-        std::net::TcpStream::connect(("127.0.0.1", port))
-            .is_ok_and(|s| s.local_addr().ok() != s.peer_addr().ok())
-    };
-    while !listening() {
-        assert!(Instant::now() < deadline, "destination never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -251,7 +222,7 @@ fn kv_clients_see_no_errors_across_a_migration() {
         "--duration",
         "8s",
     ])));
-    wait_listening(svc_port);
+    wait_listening(svc_port, Duration::from_secs(10));
     let load = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args([
             "load",

@@ -3,19 +3,12 @@
 //! page checked in a real headless browser (Debian's chromium).
 
 mod common;
-use common::kvm_usable;
+use common::{ferry, free_port, kvm_usable, wait_listening};
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
-
-fn ferry(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 /// Kills its process when dropped, so a failing test leaves no VM running.
 struct Reaper(Child);
@@ -40,26 +33,6 @@ fn spawn(args: &[&str]) -> Reaper {
 
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn wait_listening(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let listening = || {
-        std::net::TcpStream::connect(("127.0.0.1", port))
-            .is_ok_and(|s| s.local_addr().ok() != s.peer_addr().ok())
-    };
-    while !listening() {
-        assert!(Instant::now() < deadline, "nothing listens on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// One scrape of a Prometheus endpoint.
@@ -146,8 +119,8 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     let _d1 = spawn(&strs(&d1_args));
     let d2_args = vm(svc2, &["--incoming", &to2]);
     let _d2 = spawn(&strs(&d2_args));
-    wait_listening(svc0);
-    wait_listening(metrics);
+    wait_listening(svc0, Duration::from_secs(15));
+    wait_listening(metrics, Duration::from_secs(15));
 
     // Precopy under load, slowed to ~1 s by a bandwidth cap so the
     // scraper sees it run.

@@ -225,25 +225,27 @@ impl Run {
             .map_or_else(|| self.span().1, |e| e.t)
     }
 
-    fn bins(&self) -> (f64, usize) {
+    fn bins(&self) -> Bins {
         let (lo, hi) = self.span();
         let lo = (lo / BIN).floor() * BIN;
         // Whole bins only: a last, partial one would read as a drop.
-        (lo, (((hi - lo) / BIN).floor() as usize).max(1))
+        Bins {
+            lo,
+            n: (((hi - lo) / BIN).floor() as usize).max(1),
+        }
     }
 
     /// Sums per 100 ms bin of a counter's increases, each side on its own
     /// (each side's device counts from its own zero). Returns (bin start, per second).
     fn rate(&self, value: impl Fn(&Sample) -> Option<u64>) -> Vec<(f64, f64)> {
-        let (lo, n) = self.bins();
-        let mut sums = vec![0.0; n];
+        let bins = self.bins();
+        let mut sums = vec![0.0; bins.n];
         for side in [Side::Source, Side::Destination] {
             let mut prev: Option<u64> = None;
             for s in self.samples.iter().filter(|s| s.side == side) {
                 let Some(v) = value(s) else { continue };
-                if let Some(p) = prev {
-                    let i = ((s.t - lo) / BIN) as usize;
-                    if v > p && i < n {
+                if let (Some(p), Some(i)) = (prev, bins.index(s.t)) {
+                    if v > p {
                         sums[i] += (v - p) as f64;
                     }
                 }
@@ -252,7 +254,7 @@ impl Run {
         }
         sums.iter()
             .enumerate()
-            .map(|(i, x)| (lo + i as f64 * BIN, x / BIN))
+            .map(|(i, x)| (bins.start(i), x / BIN))
             .collect()
     }
 
@@ -305,14 +307,12 @@ impl Run {
     /// while paused on both sides, less the throttle, less the time vCPU
     /// threads waited on postcopy faults (the destination's own account).
     pub fn exec_ratio(&self) -> Vec<(f64, f64)> {
-        let (lo, n) = self.bins();
+        let bins = self.bins();
+        let (lo, n) = (bins.lo, bins.n);
         let mut run = vec![[0.0f64; 2]; n];
         let mut count = vec![[0.0f64; 2]; n];
         for s in &self.samples {
-            let i = ((s.t - lo) / BIN) as usize;
-            if i >= n {
-                continue;
-            }
+            let Some(i) = bins.index(s.t) else { continue };
             let k = (s.side == Side::Destination) as usize;
             count[i][k] += 1.0;
             if s.running {
@@ -328,7 +328,7 @@ impl Run {
                         0.0
                     }
                 };
-                (lo + i as f64 * BIN, share(0).max(share(1)).min(1.0))
+                (bins.start(i), share(0).max(share(1)).min(1.0))
             })
             .collect();
         for (t, r) in self.fault_bins().iter().map(|b| (b.t, b.exec_ratio)) {
@@ -378,27 +378,31 @@ impl Run {
     /// Request latency (ms) per 100 ms: the mean of `ferry load`'s
     /// requests sent in the bin, else the service's own mean.
     pub fn latency_mean(&self) -> Vec<(f64, f64)> {
-        let (lo, n) = self.bins();
-        let mut sum = vec![0.0; n];
-        let mut cnt = vec![0.0; n];
-        if self.requests.is_empty() {
-            for s in self.samples.iter().filter(|s| s.service_mean_us > 0.0) {
-                let i = (((s.t - lo) / BIN) as usize).min(n - 1);
-                sum[i] += s.service_mean_us / 1e3;
+        let bins = self.bins();
+        let mut sum = vec![0.0; bins.n];
+        let mut cnt = vec![0.0; bins.n];
+        let points: Vec<(f64, f64)> = if self.requests.is_empty() {
+            self.samples
+                .iter()
+                .filter(|s| s.service_mean_us > 0.0)
+                .map(|s| (s.t, s.service_mean_us / 1e3))
+                .collect()
+        } else {
+            self.requests
+                .iter()
+                .filter(|r| r.ok)
+                .map(|r| (r.t, r.ms))
+                .collect()
+        };
+        for (t, ms) in points {
+            if let Some(i) = bins.index(t) {
+                sum[i] += ms;
                 cnt[i] += 1.0;
             }
-        } else {
-            for r in self.requests.iter().filter(|r| r.ok) {
-                let i = (r.t - lo) / BIN;
-                if i >= 0.0 && (i as usize) < n {
-                    sum[i as usize] += r.ms;
-                    cnt[i as usize] += 1.0;
-                }
-            }
         }
-        (0..n)
+        (0..bins.n)
             .filter(|&i| cnt[i] > 0.0)
-            .map(|i| (lo + i as f64 * BIN, sum[i] / cnt[i]))
+            .map(|i| (bins.start(i), sum[i] / cnt[i]))
             .collect()
     }
 
@@ -466,6 +470,25 @@ impl Run {
             "latency_p99_ms": pct(0.99),
             "latency_max_ms": lat.last().copied(),
         })
+    }
+}
+
+/// The 100 ms bins a run's series use: `n` whole bins from `lo`.
+struct Bins {
+    lo: f64,
+    n: usize,
+}
+
+impl Bins {
+    /// The bin holding time `t`, if one does.
+    fn index(&self, t: f64) -> Option<usize> {
+        let i = (t - self.lo) / BIN;
+        (i >= 0.0 && (i as usize) < self.n).then_some(i as usize)
+    }
+
+    /// When bin `i` starts.
+    fn start(&self, i: usize) -> f64 {
+        self.lo + i as f64 * BIN
     }
 }
 

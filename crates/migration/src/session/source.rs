@@ -109,10 +109,7 @@ impl<'a> SourceSession<'a> {
     /// When the migration started, in seconds since the Unix epoch (a
     /// resumed session keeps the original start).
     pub(crate) fn start_unix_s(&self) -> f64 {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
-        now - self.t_start.elapsed().as_secs_f64()
+        crate::telemetry::unix_now() - self.t_start.elapsed().as_secs_f64()
     }
 
     /// The destination.
@@ -510,8 +507,9 @@ impl<'a> SourceSession<'a> {
                 }
             }
         }
+        // (A success was marked when the timeline was collected.)
         match &result {
-            Ok(_) => self.tel.set_phase(LivePhase::Succeeded),
+            Ok(_) => {}
             Err(MigrationError::PostcopyPaused(_)) => self.tel.set_phase(LivePhase::Paused),
             Err(e) => {
                 self.tel.event("failed", e.to_string());
