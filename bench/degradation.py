@@ -32,11 +32,14 @@ from benchlib import in_host, sh
 
 SRC, DST, CLIENT = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2"), ("ferry-h3", "10.77.0.3")
 KV = "kv:workers=2,keys=200000,value=1024"
+# compute's own memory is tiny: 384 MiB of random data (filled once at boot)
+# gives the migration something to move, as a real guest's memory would.
+COMPUTE = "compute:tasks=2+fill:content=worst,mib=384"
 LEAD_S, LOAD_S = 3.0, 12.0
 
 
 def workload(kind, rate):
-    base = "compute:tasks=2" if kind == "compute" else KV
+    base = COMPUTE if kind == "compute" else KV
     return base if rate == 0 else f"{base}+dirty:rate={rate},wss=128,pattern=random,tasks=1"
 
 

@@ -130,6 +130,13 @@ impl GuestMemory {
         Ok(unsafe { r.host_addr().add((gpa - r.gpa()) as usize) })
     }
 
+    /// True when every page of `gpa .. gpa + len` has backing (see
+    /// [`MemfdRegion::holds_data`]); false outside guest RAM.
+    pub fn holds_data(&self, gpa: u64, len: u64) -> bool {
+        self.region_for(gpa, len)
+            .is_ok_and(|r| r.holds_data(gpa - r.gpa(), len))
+    }
+
     /// Copies `data` into guest memory at `gpa`.
     pub fn write_bytes(&self, gpa: u64, data: &[u8]) -> Result<(), MemoryError> {
         let p = self.host_ptr(gpa, data.len() as u64)?;

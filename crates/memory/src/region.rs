@@ -245,6 +245,26 @@ impl MemfdRegion {
         out
     }
 
+    /// True when every page of a range has backing in the memfd, asked with
+    /// SEEK_DATA/SEEK_HOLE so a hole is never touched: a thread that must not
+    /// fault (memory under userfaultfd whose pages may still be missing)
+    /// reads the range only after this says yes.
+    pub fn holds_data(&self, offset: u64, len: u64) -> bool {
+        if self.check_range(offset, len).is_err() {
+            return false;
+        }
+        let fd = self.fd.as_raw_fd();
+        let start = (offset & !(PAGE_SIZE - 1)) as i64;
+        // SAFETY: lseek on our own fd with a valid whence has no memory effects.
+        let data = unsafe { libc::lseek(fd, start, libc::SEEK_DATA) };
+        if data != start {
+            return false;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
+        hole >= (offset + len) as i64
+    }
+
     /// Allocates and maps every page of a range now (the guest's or an
     /// incoming migration's first touch then costs nothing). Contents are
     /// unchanged: missing pages become zero pages, present ones stay.

@@ -37,6 +37,34 @@ impl MetricsSnapshot {
         })
     }
 
+    /// Like [`MetricsSnapshot::read`], but touches only pages that are in
+    /// memory (see [`GuestMemory::holds_data`]); words on the others read as
+    /// zero. `None` when the first page, the one with the counters, is not.
+    pub fn read_present(memory: &GuestMemory) -> Option<Self> {
+        const PAGE: u64 = 4096;
+        let mut words = [0u64; Metrics::WORDS];
+        let mut page_ok = (u64::MAX, false);
+        for (i, w) in words.iter_mut().enumerate() {
+            let gpa = METRICS_GPA + 8 * i as u64;
+            let page = gpa & !(PAGE - 1);
+            if page_ok.0 != page {
+                page_ok = (page, memory.holds_data(page, PAGE));
+                if i == 0 && !page_ok.1 {
+                    return None;
+                }
+            }
+            if page_ok.1 {
+                *w = memory.read_u64_volatile(gpa).ok()?;
+            }
+        }
+        // SAFETY: as in `read`: any bit pattern is a valid Metrics.
+        let raw: Metrics = unsafe { std::mem::transmute(words) };
+        Some(MetricsSnapshot {
+            at: Instant::now(),
+            raw,
+        })
+    }
+
     /// True once the guest kernel has set the page up.
     pub fn valid(&self) -> bool {
         self.raw.magic == guest_abi::METRICS_MAGIC

@@ -163,12 +163,12 @@ fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> V
     let tsc_khz = vm.tsc_khz().max(1) as f64;
     // At a destination the metrics page may be registered with
     // userfaultfd (from the postcopy plan on) and not have arrived: a read
-    // from this thread then stalls the migration. Guest counters are read
-    // there once every page is here (the service's counters are the host's).
+    // from this thread would then wait on a fault no one serves before the
+    // vCPUs start, and reading a hole would fill it with zeros. So until
+    // every page is there it reads only the pages in memory.
     use ferry_migration::telemetry::LivePhase;
-    let memory_may_be_missing = side == "destination" && tel.phase() != LivePhase::Succeeded;
-    let metrics = if memory_may_be_missing {
-        None
+    let metrics = if side == "destination" && tel.phase() != LivePhase::Succeeded {
+        vm.metrics_if_present()
     } else {
         vm.metrics().ok()
     };

@@ -77,6 +77,20 @@ pub fn load_font(font: Option<&Path>) -> Result<()> {
         .map_err(|_| anyhow!("{} is not a TrueType font", path.display()))
 }
 
+/// An axis label short enough for the label area: 1.5k, 2M, 0.25.
+fn si(v: f64) -> String {
+    let a = v.abs();
+    let (x, unit) = match a {
+        a if a >= 1e9 => (v / 1e9, "G"),
+        a if a >= 1e6 => (v / 1e6, "M"),
+        a if a >= 1e3 => (v / 1e3, "k"),
+        _ => (v, ""),
+    };
+    let s = format!("{x:.2}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    format!("{s}{unit}")
+}
+
 /// Draws `c` into a PNG at `path` (1000x320).
 pub fn draw(path: &Path, c: &Chart) -> Result<()> {
     draw_inner(path, c).map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))
@@ -109,6 +123,7 @@ fn draw_inner(path: &Path, c: &Chart) -> Result<(), Box<dyn std::error::Error>> 
         .configure_mesh()
         .x_desc("seconds from the migration's start")
         .y_desc(c.y_label)
+        .y_label_formatter(&|v| si(*v))
         .label_style(("sans-serif", 12))
         .light_line_style(RGBColor(235, 235, 235))
         .draw()?;
@@ -168,4 +183,16 @@ fn draw_inner(path: &Path, c: &Chart) -> Result<(), Box<dyn std::error::Error>> 
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn axis_labels_are_short() {
+        assert_eq!(super::si(1_250_000_000.0), "1.25G");
+        assert_eq!(super::si(2_000_000.0), "2M");
+        assert_eq!(super::si(1500.0), "1.5k");
+        assert_eq!(super::si(0.25), "0.25");
+        assert_eq!(super::si(0.0), "0");
+    }
 }
