@@ -28,4 +28,14 @@ if [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || ! command -v chro
     || { apt-get update -qq && apt-get install -y -qq fonts-dejavu-core chromium >/dev/null 2>&1; }; } \
     || echo "setup: could not install them; ferry report needs --font, and the browser check will skip"
 fi
+# The host registry's test runs a real etcd (Debian's etcd-server).
+if ! command -v etcd >/dev/null; then
+  echo "setup: installing etcd-server (the host registry's etcd test)"
+  { apt-get install -y -qq etcd-server >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq etcd-server >/dev/null 2>&1; }; } \
+    || echo "setup: could not install etcd-server; the etcd registry test will skip"
+  # The package starts a system etcd on the default ports; the test runs
+  # its own, so that one is not needed.
+  { systemctl disable --now etcd >/dev/null 2>&1 || service etcd stop >/dev/null 2>&1; } || true
+fi
 cargo --version

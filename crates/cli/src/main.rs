@@ -6,6 +6,7 @@ mod format;
 mod handover;
 mod lab;
 mod load;
+mod memserver;
 mod migrate;
 mod report;
 mod run;
@@ -44,6 +45,11 @@ enum Command {
     Report(report::ReportArgs),
     /// Run a benchmark suite (results go to bench/results/ with their command).
     Bench(bench::BenchArgs),
+    /// Run a memory server: holds pages of split VMs for their main hosts,
+    /// advertised in the host registry.
+    Memserver(memserver::MemserverArgs),
+    /// List the hosts the registry knows (waiting VMMs, memory servers).
+    Hosts(memserver::HostsArgs),
     /// Test hosts as network namespaces (for migrations across a real network).
     #[command(subcommand)]
     Lab(lab::LabCommand),
@@ -96,6 +102,8 @@ fn main() -> ExitCode {
         Command::Report(args) => report::report(args),
         Command::Migrate(args) => migrate::migrate(args),
         Command::Handover(args) => handover::handover(args),
+        Command::Memserver(args) => memserver::memserver(args),
+        Command::Hosts(args) => memserver::hosts(args),
         Command::Status {
             socket,
             json,

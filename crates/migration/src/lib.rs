@@ -22,6 +22,7 @@ pub mod encoded;
 mod error;
 pub mod incoming;
 pub mod memory;
+pub mod memserver;
 pub mod options;
 pub mod outgoing;
 pub(crate) mod pacer;

@@ -38,7 +38,7 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 6;
+pub const VERSION_MAX: u16 = 7;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -50,6 +50,9 @@ pub const VERSION_CLIENTS: u16 = 5;
 /// The first version where the destination sends its timeline back
 /// (TimelineAsk, Timeline).
 pub const VERSION_TIMELINE: u16 = 6;
+/// The first version with memory servers (Role::Store and the Store*
+/// messages; see memserver).
+pub const VERSION_STORE: u16 = 7;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -119,6 +122,21 @@ pub enum Kind {
     /// (postcopy) and the tail: the destination's timeline, zstd-compressed
     /// JSON lines (empty when it kept none).
     Timeline = 23,
+    /// v7, memory server: opens (or joins) a VM's store.
+    StoreOpen = 24,
+    /// v7, memory server: pages held and room left.
+    StoreAck = 25,
+    /// v7, memory server: answer with StoreAck once everything sent before
+    /// has landed.
+    StoreSync = 26,
+    /// v7, memory server: forget these runs.
+    StoreDrop = 27,
+    /// v7, memory server: what do you hold for this VM?
+    StoreList = 28,
+    /// v7, memory server: runs held (one or more frames, the last marked).
+    StoreHeld = 29,
+    /// v7, memory server: free this VM's store.
+    StoreClose = 30,
 }
 
 impl Kind {
@@ -148,6 +166,13 @@ impl Kind {
             21 => Clients,
             22 => TimelineAsk,
             23 => Timeline,
+            24 => StoreOpen,
+            25 => StoreAck,
+            26 => StoreSync,
+            27 => StoreDrop,
+            28 => StoreList,
+            29 => StoreHeld,
+            30 => StoreClose,
             _ => return None,
         })
     }
@@ -225,6 +250,8 @@ pub enum Role {
     /// v4: the control connection again, after a link broke during
     /// postcopy (same session id).
     Resume,
+    /// v7: a connection to a memory server.
+    Store,
 }
 
 impl Role {
@@ -236,6 +263,7 @@ impl Role {
             Role::Bulk(i) => format!("bulk{i}"),
             Role::Demand => "demand".into(),
             Role::Fds => "fds".into(),
+            Role::Store => "store".into(),
         }
     }
 }
@@ -545,6 +573,13 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::Clients => "Clients",
         Kind::TimelineAsk => "TimelineAsk",
         Kind::Timeline => "Timeline",
+        Kind::StoreOpen => "StoreOpen",
+        Kind::StoreAck => "StoreAck",
+        Kind::StoreSync => "StoreSync",
+        Kind::StoreDrop => "StoreDrop",
+        Kind::StoreList => "StoreList",
+        Kind::StoreHeld => "StoreHeld",
+        Kind::StoreClose => "StoreClose",
     }
 }
 

@@ -450,8 +450,12 @@ impl Run {
                 .collect();
             (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
         };
-        // Before: whole bins before the start that had samples.
-        let first = self.samples.first().map_or(start, |s| s.t);
+        // Before: whole bins before the start, from the first one where the
+        // workload made progress (a load that began late is no baseline).
+        let first = rate
+            .iter()
+            .find(|(_, r)| *r > 0.0)
+            .map_or(start, |(t, _)| *t);
         let before = mean_in(first.max(start - 10.0) + BIN, start - BIN);
         let during = mean_in(start, end.max(start + BIN));
         let lat: Vec<f64> = {

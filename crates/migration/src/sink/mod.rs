@@ -55,6 +55,14 @@ pub enum SinkError {
         /// The owner's error.
         source: VmOpError,
     },
+    /// A memory server has no room for more pages.
+    #[error("the memory server is full: {pages} more pages asked, {free} free")]
+    Full {
+        /// Pages asked for.
+        pages: u64,
+        /// Pages free.
+        free: u64,
+    },
     /// A userfaultfd call failed.
     #[error(transparent)]
     Uffd(#[from] ferry_memory::UffdError),

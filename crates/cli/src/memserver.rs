@@ -1,0 +1,190 @@
+//! `ferry memserver` (a memory server for split migration, advertised in
+//! the registry) and `ferry hosts` (what the registry lists).
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use ferry_migration::memserver::MemServer;
+use ferry_migration::{Endpoint, Listener};
+use ferry_registry::{Advertisement, HostEntry, HostKind, DEFAULT_TTL};
+use ferry_vmm::boot::layout::parse_size;
+use serde_json::json;
+
+use crate::format;
+
+fn parse_capacity(s: &str) -> Result<u64, String> {
+    match parse_size(s) {
+        Some(v) if v >= 4096 => Ok(v),
+        _ => Err(format!("'{s}' is not a capacity (e.g. 512M, 4G)")),
+    }
+}
+
+/// `ferry memserver`.
+#[derive(clap::Args)]
+pub struct MemserverArgs {
+    /// Where to listen for migrations and main hosts (HOST:PORT or tcp:HOST:PORT).
+    #[arg(long)]
+    listen: String,
+    /// Guest memory this server may hold, for all VMs together (e.g. 2G).
+    #[arg(long, value_parser = parse_capacity)]
+    capacity: u64,
+    /// The host registry: etcd://HOST:PORT, or dir:PATH; default: the
+    /// embedded one on this machine.
+    #[arg(long)]
+    registry: Option<String>,
+    /// Do not advertise in any registry.
+    #[arg(long, conflicts_with = "registry")]
+    no_registry: bool,
+    /// The name to advertise (default: memserver@ADDR).
+    #[arg(long)]
+    name: Option<String>,
+    /// Stop after this long (default: until Ctrl-C or SIGTERM).
+    #[arg(long, value_parser = format::parse_duration)]
+    duration: Option<Duration>,
+    /// Print JSON for machines.
+    #[arg(long)]
+    json: bool,
+}
+
+fn endpoint(addr: &str) -> Result<Endpoint> {
+    let a = addr.strip_prefix("tcp:").unwrap_or(addr);
+    a.parse::<std::net::SocketAddr>()
+        .map(Endpoint::Tcp)
+        .with_context(|| format!("'{addr}' is not HOST:PORT (an IP address and a port)"))
+}
+
+/// Runs a memory server until stopped.
+pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
+    let listener = Listener::bind(&endpoint(&a.listen)?)?;
+    let at = listener.endpoint().to_string();
+    let at = at.strip_prefix("tcp:").unwrap_or(&at).to_string();
+    let server = MemServer::new(a.capacity / 4096);
+    let advert = if a.no_registry {
+        None
+    } else {
+        let registry = ferry_registry::open(a.registry.as_deref())?;
+        let entry = HostEntry {
+            name: a.name.clone().unwrap_or_else(|| format!("memserver@{at}")),
+            kind: HostKind::Memserver,
+            addr: at.clone(),
+            capacity: a.capacity,
+            free: a.capacity,
+        };
+        let where_ = registry.describe();
+        Some((Advertisement::start(registry, entry, DEFAULT_TTL)?, where_))
+    };
+    if a.json {
+        println!(
+            "{}",
+            json!({"listen": at, "capacity": a.capacity,
+                   "registry": advert.as_ref().map(|(_, w)| w)})
+        );
+    } else {
+        eprintln!(
+            "ferry memserver: listening on {at}, {} for VMs{}",
+            format::bytes(a.capacity as f64),
+            advert
+                .as_ref()
+                .map_or(String::new(), |(_, w)| format!(", advertised in {w}"))
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let serving = {
+        let server = server.clone();
+        std::thread::Builder::new()
+            .name("memserver".into())
+            .spawn(move || server.serve(&listener))?
+    };
+    let t0 = Instant::now();
+    let mut told = u64::MAX;
+    while !stop.load(Ordering::Relaxed) && a.duration.is_none_or(|d| t0.elapsed() < d) {
+        std::thread::sleep(Duration::from_millis(100));
+        if serving.is_finished() {
+            break;
+        }
+        // Keep the registry's view of the room left current.
+        let free = server.free_pages() * 4096;
+        if free != told {
+            if let Some((ad, _)) = &advert {
+                if ad.update(free).is_ok() {
+                    told = free;
+                }
+            }
+        }
+    }
+    server.stop();
+    let served = serving
+        .join()
+        .map_err(|_| anyhow::anyhow!("the memory server thread panicked"))?;
+    drop(advert);
+    let st = &server.stats;
+    let summary = json!({
+        "listen": at,
+        "seconds": t0.elapsed().as_secs_f64(),
+        "connections": st.connections.load(Ordering::Relaxed),
+        "pages_in": st.pages_in.load(Ordering::Relaxed),
+        "pages_out": st.pages_out.load(Ordering::Relaxed),
+        "held_pages": server.vms().iter().map(|(_, n)| n).sum::<u64>(),
+        "vms": server.vms().into_iter().map(|(v, n)| json!({"vm": v, "pages": n})).collect::<Vec<_>>(),
+    });
+    if a.json {
+        println!("{summary}");
+    } else {
+        eprintln!(
+            "ferry memserver: stopped after {:.1} s: {} connections, {} pages in, {} pages out, {} still held",
+            summary["seconds"].as_f64().unwrap_or(0.0),
+            summary["connections"],
+            summary["pages_in"],
+            summary["pages_out"],
+            summary["held_pages"],
+        );
+    }
+    served?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `ferry hosts`.
+#[derive(clap::Args)]
+pub struct HostsArgs {
+    /// The host registry: etcd://HOST:PORT, or dir:PATH; default: the
+    /// embedded one on this machine.
+    #[arg(long)]
+    registry: Option<String>,
+    /// Print JSON for machines.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Lists the hosts the registry knows.
+pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
+    let registry = ferry_registry::open(a.registry.as_deref())?;
+    let hosts = registry.hosts()?;
+    if a.json {
+        println!("{}", serde_json::to_string(&hosts)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("registry {}: {} hosts", registry.describe(), hosts.len());
+    if !hosts.is_empty() {
+        println!(
+            "{:<32} {:<10} {:<24} {:>10} {:>10}",
+            "name", "kind", "address", "capacity", "free"
+        );
+    }
+    for h in &hosts {
+        println!(
+            "{:<32} {:<10} {:<24} {:>10} {:>10}",
+            h.name,
+            h.kind.to_string(),
+            h.addr,
+            format::bytes(h.capacity as f64),
+            format::bytes(h.free as f64)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

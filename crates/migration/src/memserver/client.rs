@@ -1,0 +1,123 @@
+//! A connection to a memory server, as the engine uses it: put pages,
+//! make sure they landed, fetch them back, forget them.
+
+use std::time::Duration;
+
+use crate::protocol::{self, Hello, Kind, Role, MAX_BATCH, PAGE};
+use crate::ranges::GpaPages;
+use crate::transport::{Conn, Endpoint};
+use crate::MigrationError;
+
+use super::{StoreAck, StoreHeld, StoreOpen};
+
+/// One connection to one memory server, for one VM.
+pub struct StoreClient {
+    conn: Conn,
+    addr: String,
+    token: u64,
+}
+
+impl StoreClient {
+    /// Connects and opens (or joins) the VM's store there.
+    pub fn open(
+        to: &Endpoint,
+        timeout: Duration,
+        open: &StoreOpen,
+    ) -> Result<(Self, StoreAck), MigrationError> {
+        let hello = Hello {
+            version_min: protocol::VERSION_STORE,
+            version_max: protocol::VERSION_MAX,
+            role: Role::Store,
+            session: 0,
+            streams: 0,
+        };
+        let mut conn = Conn::open(to, timeout, &hello)?;
+        conn.flush()?;
+        let _version: u16 = conn.recv(Kind::HelloAck)?;
+        conn.send(Kind::StoreOpen, open)?;
+        let ack: StoreAck = conn.recv(Kind::StoreAck)?;
+        Ok((
+            StoreClient {
+                conn,
+                addr: to.to_string(),
+                token: 0,
+            },
+            ack,
+        ))
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Sends pages (`gpas[i]` is page `i` of `data`); not flushed.
+    pub fn put(&mut self, gpas: &[u64], data: &[u8]) -> Result<(), MigrationError> {
+        for (i, batch) in gpas.chunks(MAX_BATCH).enumerate() {
+            let at = i * MAX_BATCH * PAGE;
+            let body = protocol::encode_pages(batch, &data[at..at + batch.len() * PAGE]);
+            protocol::write_frame(&mut self.conn.writer, Kind::Pages, &body)
+                .map_err(protocol::ProtocolError::Io)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until everything sent so far has landed.
+    pub fn sync(&mut self) -> Result<StoreAck, MigrationError> {
+        self.token += 1;
+        self.conn.send(Kind::StoreSync, &self.token)?;
+        Ok(self.conn.recv(Kind::StoreAck)?)
+    }
+
+    /// Fetches pages, in the order asked, into `out` (4096 bytes each).
+    pub fn fetch(&mut self, gpas: &[u64], out: &mut Vec<u8>) -> Result<(), MigrationError> {
+        out.clear();
+        self.conn.send(Kind::PageRequest, &gpas)?;
+        let mut got = 0;
+        while got < gpas.len() {
+            let f = protocol::read_frame(&mut self.conn.reader)?;
+            if f.kind != Kind::Pages {
+                return Err(protocol::ProtocolError::Unexpected {
+                    got: f.kind,
+                    want: "Pages",
+                }
+                .into());
+            }
+            let (addrs, data) = protocol::decode_pages(&f.body)?;
+            if got + addrs.len() > gpas.len() || addrs.as_slice() != &gpas[got..got + addrs.len()] {
+                return Err(MigrationError::Mismatch(format!(
+                    "memory server {} answered other pages than asked",
+                    self.addr
+                )));
+            }
+            got += addrs.len();
+            out.extend_from_slice(data);
+        }
+        Ok(())
+    }
+
+    /// Tells the server to forget pages (not flushed).
+    pub fn drop_runs(&mut self, runs: &[GpaPages]) -> Result<(), MigrationError> {
+        protocol::send(&mut self.conn.writer, Kind::StoreDrop, &runs)?;
+        Ok(())
+    }
+
+    /// Everything the server holds for the VM.
+    pub fn list(&mut self) -> Result<Vec<GpaPages>, MigrationError> {
+        self.conn.send(Kind::StoreList, &())?;
+        let mut runs = Vec::new();
+        loop {
+            let h: StoreHeld = self.conn.recv(Kind::StoreHeld)?;
+            runs.extend(h.runs);
+            if h.last {
+                return Ok(runs);
+            }
+        }
+    }
+
+    /// Frees the VM's store on the server.
+    pub fn close(mut self) -> Result<StoreAck, MigrationError> {
+        self.conn.send(Kind::StoreClose, &())?;
+        Ok(self.conn.recv(Kind::StoreAck)?)
+    }
+}

@@ -1,0 +1,64 @@
+//! Memory servers: the page part of a destination and nothing else (split
+//! migration's sub-hosts). A server holds pages of any number of VMs, each
+//! in a sparse store of that VM's layout, within one capacity for all.
+//!
+//! Every connection opens with a `Hello{Store}` and a `StoreOpen` naming
+//! the VM (the first open creates its store); then, in any order:
+//!
+//! ```text
+//! client (source, main host, gatherer)          memory server
+//!  Hello{Store}, StoreOpen{vm, layout, reserve} ──▶  store found or made
+//!                                               ◀──  StoreAck{held, free}  (or Abort: full, layout)
+//!  Pages{gpa, data}...                          ──▶  held (page-out, migration)
+//!  ZeroRanges{runs}                             ──▶  not held any more (zero)
+//!  StoreDrop{runs}                              ──▶  not held any more (paged in elsewhere)
+//!  StoreSync{token}                             ──▶  everything before it has landed
+//!                                               ◀──  StoreAck{held, free}
+//!  PageRequest{gpas}                            ──▶
+//!                                               ◀──  Pages{those pages, in order}  (Abort if one is not held)
+//!  StoreList                                    ──▶
+//!                                               ◀──  StoreHeld{runs}  (what it holds, for gather)
+//!  StoreClose                                   ──▶  the VM's store is freed
+//!                                               ◀──  StoreAck{0, free}
+//! ```
+//! Files: [`store`] (one VM's pages), [`server`] (the accept loop),
+//! [`client`] (what the engine uses to talk to a server).
+
+pub mod client;
+pub mod server;
+pub mod store;
+
+pub use client::StoreClient;
+pub use server::{MemServer, ServerStats};
+pub use store::VmStore;
+
+use crate::ranges::GpaPages;
+
+/// Opens a VM's store on a connection.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreOpen {
+    /// The VM's id (the same on every connection and server of one split).
+    pub vm: String,
+    /// Its guest RAM regions (gpa, bytes): the store's shape.
+    pub regions: Vec<(u64, u64)>,
+    /// Pages the client means to put here (checked against free room).
+    pub reserve_pages: u64,
+}
+
+/// A server's answer: what it holds for the VM, and its room left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreAck {
+    /// Pages it holds for this VM.
+    pub held_pages: u64,
+    /// Pages it could still take, for all VMs.
+    pub free_pages: u64,
+}
+
+/// What a server holds for a VM (answer to StoreList).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreHeld {
+    /// Runs of held pages (this frame's share).
+    pub runs: Vec<GpaPages>,
+    /// True on the last frame.
+    pub last: bool,
+}

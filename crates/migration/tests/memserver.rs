@@ -1,0 +1,165 @@
+//! A memory server on loopback, through the client the engine uses: pages
+//! put, synced, fetched back intact, dropped, listed; the capacity holds;
+//! strangers and bad frames get a clear refusal and the server lives on.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_migration::memserver::{MemServer, StoreClient, StoreOpen};
+use ferry_migration::protocol::{self, Hello, Kind, Role};
+use ferry_migration::ranges::GpaPages;
+use ferry_migration::transport::Conn;
+use ferry_migration::{Endpoint, Listener};
+
+const PAGE: usize = 4096;
+const T: Duration = Duration::from_secs(5);
+
+fn server(pages: u64) -> (Arc<MemServer>, Endpoint) {
+    let l = Listener::bind(&Endpoint::Tcp("127.0.0.1:0".parse().unwrap())).unwrap();
+    let at = l.endpoint();
+    let s = MemServer::new(pages);
+    let s2 = s.clone();
+    std::thread::spawn(move || s2.serve(&l));
+    (s, at)
+}
+
+fn open(vm: &str, reserve: u64) -> StoreOpen {
+    StoreOpen {
+        vm: vm.into(),
+        regions: vec![(0, 1 << 20), (1 << 32, 1 << 20)],
+        reserve_pages: reserve,
+    }
+}
+
+/// Page `gpa`'s test content.
+fn content(gpa: u64) -> Vec<u8> {
+    (0..PAGE)
+        .map(|i| (gpa >> 12) as u8 ^ (i as u8).wrapping_mul(7))
+        .collect()
+}
+
+#[test]
+fn pages_round_trip_and_the_capacity_holds() {
+    let (srv, at) = server(64);
+    let (mut a, ack) = StoreClient::open(&at, T, &open("vm1", 40)).unwrap();
+    assert_eq!((ack.held_pages, ack.free_pages), (0, 64));
+    let gpas: Vec<u64> = (0..40u64)
+        .map(|i| {
+            if i < 20 {
+                i * 0x1000
+            } else {
+                (1 << 32) + i * 0x1000
+            }
+        })
+        .collect();
+    let data: Vec<u8> = gpas.iter().flat_map(|&g| content(g)).collect();
+    a.put(&gpas, &data).unwrap();
+    let ack = a.sync().unwrap();
+    assert_eq!((ack.held_pages, ack.free_pages), (40, 24));
+    // A second connection for the same VM sees the same store.
+    let (mut b, ack) = StoreClient::open(&at, T, &open("vm1", 0)).unwrap();
+    assert_eq!(ack.held_pages, 40);
+    let want = [gpas[25], gpas[3], gpas[4]];
+    let mut out = Vec::new();
+    b.fetch(&want, &mut out).unwrap();
+    let expect: Vec<u8> = want.iter().flat_map(|&g| content(g)).collect();
+    assert!(out == expect, "fetched pages differ");
+    b.drop_runs(&[GpaPages::new(0, 10)]).unwrap();
+    let ack = b.sync().unwrap();
+    assert_eq!((ack.held_pages, ack.free_pages), (30, 34));
+    assert_eq!(
+        b.list().unwrap(),
+        [
+            GpaPages::new(0xa000, 10),
+            GpaPages::new((1 << 32) + 0x14000, 20)
+        ]
+    );
+    // A page no longer held is refused by name.
+    let e = b.fetch(&[0], &mut out).unwrap_err().to_string();
+    assert!(e.contains("not held"), "{e}");
+    // Another VM may not reserve more than is free, nor outgrow it.
+    let e = StoreClient::open(&at, T, &open("vm2", 35))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("34 pages free"), "{e}");
+    let (mut c, _) = StoreClient::open(&at, T, &open("vm2", 0)).unwrap();
+    let many: Vec<u64> = (0..35u64).map(|i| i * 0x1000).collect();
+    c.put(&many, &vec![1u8; 35 * PAGE]).unwrap();
+    let e = c.sync().unwrap_err().to_string();
+    assert!(e.contains("full"), "{e}");
+    // The layout of a held VM cannot change.
+    let mut other = open("vm1", 0);
+    other.regions = vec![(0, 2 << 20)];
+    let e = StoreClient::open(&at, T, &other).err().unwrap().to_string();
+    assert!(e.contains("layout"), "{e}");
+    // Closing frees the store once its last connection is gone.
+    a.close().unwrap();
+    drop(b);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(srv.vms().iter().filter(|(v, _)| v == "vm1").count(), 0);
+    assert!(srv.free_pages() >= 64 - 35);
+}
+
+#[test]
+fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
+    let (srv, at) = server(16);
+    // A migration control connection is not for a memory server.
+    let hello = Hello {
+        version_min: 1,
+        version_max: protocol::VERSION_MAX,
+        role: Role::Control,
+        session: 1,
+        streams: 1,
+    };
+    let mut c = Conn::open(&at, T, &hello).unwrap();
+    c.flush().unwrap();
+    let e = protocol::read_frame(&mut c.reader).unwrap_err().to_string();
+    assert!(e.contains("memory server"), "{e}");
+    // A client too old for memory servers.
+    let old = Hello {
+        version_min: 1,
+        version_max: 6,
+        role: Role::Store,
+        session: 0,
+        streams: 0,
+    };
+    let mut c = Conn::open(&at, T, &old).unwrap();
+    c.flush().unwrap();
+    assert!(protocol::read_frame(&mut c.reader).is_err());
+    // Not a ferry peer at all.
+    let mut s = std::net::TcpStream::connect(at.to_string().trim_start_matches("tcp:")).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    drop(s);
+    // A corrupt Pages frame after a good open: refused, with the reason.
+    let store_hello = Hello {
+        role: Role::Store,
+        version_max: protocol::VERSION_MAX,
+        ..old
+    };
+    let mut c = Conn::open(&at, T, &store_hello).unwrap();
+    c.flush().unwrap();
+    let _: u16 = c.recv(Kind::HelloAck).unwrap();
+    c.send(Kind::StoreOpen, &open("vm", 0)).unwrap();
+    let _: ferry_migration::memserver::StoreAck = c.recv(Kind::StoreAck).unwrap();
+    let mut raw = Vec::new();
+    protocol::write_frame(
+        &mut raw,
+        Kind::Pages,
+        &protocol::encode_pages(&[0x1000], &[9u8; PAGE]),
+    )
+    .unwrap();
+    let last = raw.len() - 1;
+    raw[last] ^= 1;
+    c.writer.write_all(&raw).unwrap();
+    c.flush().unwrap();
+    let e = protocol::read_frame(&mut c.reader).unwrap_err().to_string();
+    assert!(e.contains("checksum"), "{e}");
+    // The server still serves, and the corrupt page did not land.
+    let (mut good, ack) = StoreClient::open(&at, T, &open("vm", 0)).unwrap();
+    assert_eq!(ack.held_pages, 0);
+    good.put(&[0x2000], &[3u8; PAGE]).unwrap();
+    assert_eq!(good.sync().unwrap().held_pages, 1);
+    assert_eq!(srv.free_pages(), 15);
+}

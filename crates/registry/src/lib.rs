@@ -1,0 +1,224 @@
+//! Which hosts offer memory to VMs, and where a split VM should go.
+//!
+//! Every host that can take part in a split migration advertises itself
+//! here: a waiting destination VMM (a candidate main host, with the memory
+//! it may give the VM) or a memory server (a sub-host, with its free
+//! capacity). An advertisement lives only as long as its owner keeps it
+//! alive, so a dead host disappears by itself.
+//!
+//! - [`embedded`]: one machine (the default): a directory of JSON files,
+//!   each with an expiry the owner keeps pushing forward.
+//! - [`etcd`]: a real etcd cluster through its v3 JSON gateway, each entry
+//!   under a lease that a keep-alive thread renews.
+//! - [`placement`]: from the hosts to a main host and sub-hosts.
+
+pub mod embedded;
+pub mod etcd;
+pub mod placement;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use placement::{place, Placement, PlacementError, SubShare};
+
+/// What a host offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostKind {
+    /// A destination VMM waiting for a VM: a candidate main host.
+    Vmm,
+    /// A memory server: a candidate sub-host.
+    Memserver,
+}
+
+impl std::fmt::Display for HostKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HostKind::Vmm => "vmm",
+            HostKind::Memserver => "memserver",
+        })
+    }
+}
+
+/// One advertisement.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HostEntry {
+    /// Unique name (host name plus what runs there).
+    pub name: String,
+    /// What it offers.
+    pub kind: HostKind,
+    /// Where to reach it (`tcp:HOST:PORT` for a VMM, `HOST:PORT` for a
+    /// memory server).
+    pub addr: String,
+    /// Bytes of guest memory it may hold in all.
+    pub capacity: u64,
+    /// Bytes of that still free.
+    pub free: u64,
+}
+
+/// Why the registry could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// The embedded registry's directory.
+    #[error("registry directory {path}: {source}")]
+    Dir {
+        /// The directory.
+        path: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// etcd did not answer, or answered with an error.
+    #[error("etcd at {endpoint}: {reason}")]
+    Etcd {
+        /// Where.
+        endpoint: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A registry address that is not one.
+    #[error("bad registry address {0:?}: give etcd://HOST:PORT, or dir:PATH for the embedded one")]
+    BadAddress(String),
+    /// An entry that does not decode (another program's key, or damage).
+    #[error("registry entry {key} is not a ferry host: {reason}")]
+    BadEntry {
+        /// Its key or file.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A registry of hosts.
+pub trait Registry: Send + Sync {
+    /// Publishes `entry` so that it expires `ttl` after the last
+    /// [`Registry::advertise`] or [`Registry::refresh`] (a later call with
+    /// the same name replaces it).
+    fn advertise(&self, entry: &HostEntry, ttl: Duration) -> Result<(), RegistryError>;
+    /// Keeps `name`'s entry alive another `ttl`.
+    fn refresh(&self, name: &str, ttl: Duration) -> Result<(), RegistryError>;
+    /// Removes `name`'s entry now.
+    fn withdraw(&self, name: &str) -> Result<(), RegistryError>;
+    /// Every live entry.
+    fn hosts(&self) -> Result<Vec<HostEntry>, RegistryError>;
+    /// Where this registry is, for messages.
+    fn describe(&self) -> String;
+}
+
+/// Opens a registry: `etcd://HOST:PORT`, `dir:PATH`, or `None` for the
+/// embedded one in its default directory.
+pub fn open(addr: Option<&str>) -> Result<Arc<dyn Registry>, RegistryError> {
+    match addr {
+        None => Ok(Arc::new(embedded::Embedded::open(embedded::default_dir())?)),
+        Some(a) if a.starts_with("etcd://") => Ok(Arc::new(etcd::Etcd::new(a)?)),
+        Some(a) if a.starts_with("dir:") => Ok(Arc::new(embedded::Embedded::open(
+            std::path::PathBuf::from(&a[4..]),
+        )?)),
+        Some(a) => Err(RegistryError::BadAddress(a.into())),
+    }
+}
+
+/// An advertisement kept alive by a thread until dropped (then withdrawn).
+pub struct Advertisement {
+    registry: Arc<dyn Registry>,
+    name: String,
+    entry: Arc<std::sync::Mutex<HostEntry>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How long an advertisement outlives its owner's last sign of life.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(5);
+
+impl Advertisement {
+    /// Publishes `entry` and renews it every `ttl / 3`.
+    pub fn start(
+        registry: Arc<dyn Registry>,
+        entry: HostEntry,
+        ttl: Duration,
+    ) -> Result<Self, RegistryError> {
+        registry.advertise(&entry, ttl)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(std::sync::Mutex::new(entry.clone()));
+        let thread = {
+            let (registry, stop, shared) = (registry.clone(), stop.clone(), shared.clone());
+            std::thread::Builder::new()
+                .name("registry".into())
+                .spawn(move || keep_alive(&*registry, &shared, &stop, ttl))
+                .ok()
+        };
+        Ok(Advertisement {
+            registry,
+            name: entry.name,
+            entry: shared,
+            stop,
+            thread,
+        })
+    }
+
+    /// Changes what is advertised (free memory went down or up).
+    pub fn update(&self, free: u64) -> Result<(), RegistryError> {
+        let e = {
+            let mut e = self.entry.lock().unwrap_or_else(|p| p.into_inner());
+            e.free = free;
+            e.clone()
+        };
+        self.registry.advertise(&e, DEFAULT_TTL)
+    }
+}
+
+/// Renews an advertisement until told to stop; a registry that stops
+/// answering is retried (the entry expires meanwhile, and comes back).
+fn keep_alive(
+    registry: &dyn Registry,
+    entry: &std::sync::Mutex<HostEntry>,
+    stop: &AtomicBool,
+    ttl: Duration,
+) {
+    let step = Duration::from_millis(50);
+    let every = ttl / 3;
+    let mut waited = Duration::ZERO;
+    let mut lost = false;
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(step);
+        waited += step;
+        if waited < every {
+            continue;
+        }
+        waited = Duration::ZERO;
+        let e = entry.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        // After a failure the lease may be gone: publish again.
+        let r = if lost {
+            registry.advertise(&e, ttl)
+        } else {
+            registry.refresh(&e.name, ttl)
+        };
+        match r {
+            Ok(()) => {
+                if lost {
+                    tracing::info!("registry {} reachable again", registry.describe());
+                }
+                lost = false;
+            }
+            Err(err) => {
+                if !lost {
+                    tracing::warn!("cannot renew {} in the registry: {err}", e.name);
+                }
+                lost = true;
+            }
+        }
+    }
+}
+
+impl Drop for Advertisement {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Err(e) = self.registry.withdraw(&self.name) {
+            tracing::warn!("cannot withdraw {} from the registry: {e}", self.name);
+        }
+    }
+}
