@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ferry_migration::memserver::MemServer;
 use ferry_migration::{Endpoint, Listener};
 use ferry_registry::{Advertisement, HostEntry, HostKind, DEFAULT_TTL};
@@ -49,11 +49,15 @@ pub struct MemserverArgs {
     json: bool,
 }
 
+/// HOST:PORT or tcp:HOST:PORT (a memory server speaks TCP only).
 fn endpoint(addr: &str) -> Result<Endpoint> {
-    let a = addr.strip_prefix("tcp:").unwrap_or(addr);
-    a.parse::<std::net::SocketAddr>()
-        .map(Endpoint::Tcp)
-        .with_context(|| format!("'{addr}' is not HOST:PORT (an IP address and a port)"))
+    let spec = if addr.starts_with("tcp:") {
+        addr.to_string()
+    } else {
+        format!("tcp:{addr}")
+    };
+    spec.parse::<Endpoint>()
+        .map_err(|e| anyhow::anyhow!("--listen {e}"))
 }
 
 /// Runs a memory server until stopped.

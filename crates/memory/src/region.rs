@@ -257,6 +257,11 @@ impl MemfdRegion {
         let start = (offset & !(PAGE_SIZE - 1)) as i64;
         // SAFETY: lseek on our own fd with a valid whence has no memory effects.
         let data = unsafe { libc::lseek(fd, start, libc::SEEK_DATA) };
+        if data < 0 {
+            // ENXIO: no data from here on; anything else: SEEK_DATA is not
+            // supported, so everything counts as data (as in data_ranges).
+            return std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO);
+        }
         if data != start {
             return false;
         }

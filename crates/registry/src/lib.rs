@@ -123,7 +123,11 @@ pub fn open(addr: Option<&str>) -> Result<Arc<dyn Registry>, RegistryError> {
 pub struct Advertisement {
     registry: Arc<dyn Registry>,
     name: String,
+    /// What is advertised; held across every registry call, so an update
+    /// and a renewal never interleave (the embedded registry's renewal
+    /// rewrites the file it read).
     entry: Arc<std::sync::Mutex<HostEntry>>,
+    ttl: Duration,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -152,6 +156,7 @@ impl Advertisement {
             registry,
             name: entry.name,
             entry: shared,
+            ttl,
             stop,
             thread,
         })
@@ -159,12 +164,9 @@ impl Advertisement {
 
     /// Changes what is advertised (free memory went down or up).
     pub fn update(&self, free: u64) -> Result<(), RegistryError> {
-        let e = {
-            let mut e = self.entry.lock().unwrap_or_else(|p| p.into_inner());
-            e.free = free;
-            e.clone()
-        };
-        self.registry.advertise(&e, DEFAULT_TTL)
+        let mut e = self.entry.lock().unwrap_or_else(|p| p.into_inner());
+        e.free = free;
+        self.registry.advertise(&e, self.ttl)
     }
 }
 
@@ -187,7 +189,7 @@ fn keep_alive(
             continue;
         }
         waited = Duration::ZERO;
-        let e = entry.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let e = entry.lock().unwrap_or_else(|p| p.into_inner());
         // After a failure the lease may be gone: publish again.
         let r = if lost {
             registry.advertise(&e, ttl)

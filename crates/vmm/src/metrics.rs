@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use ferry_memory::{GuestMemory, MemoryError};
+use ferry_memory::{GuestMemory, MemoryError, PAGE_SIZE};
 
 use crate::guest_abi::{self, Metrics, METRICS_GPA};
 
@@ -21,45 +21,32 @@ pub struct MetricsSnapshot {
 }
 
 impl MetricsSnapshot {
-    /// Reads the page from guest memory.
+    /// Reads the page from guest memory, touching only its pages that are in
+    /// memory (asked with [`GuestMemory::holds_data`]); words on the others
+    /// read as zero, which is what such a page holds. A postcopy
+    /// destination's pages still on their way are registered with
+    /// userfaultfd: a read of one from a VMM thread (a timeline sample, a
+    /// metrics scrape) would wait on a fault nobody serves before the vCPUs
+    /// start, and reading a hole would fill it with zeros. Until the page
+    /// with the counters arrives the snapshot is simply not `valid()`.
     pub fn read(memory: &GuestMemory) -> Result<Self, MemoryError> {
+        const PAGE_WORDS: usize = (PAGE_SIZE / 8) as usize;
+        memory.region_for(METRICS_GPA, (Metrics::WORDS * 8) as u64)?;
         let mut words = [0u64; Metrics::WORDS];
-        for (i, w) in words.iter_mut().enumerate() {
-            *w = memory.read_u64_volatile(METRICS_GPA + 8 * i as u64)?;
+        for (p, page_words) in words.chunks_mut(PAGE_WORDS).enumerate() {
+            let page = METRICS_GPA + p as u64 * PAGE_SIZE;
+            if !memory.holds_data(page, PAGE_SIZE) {
+                continue;
+            }
+            for (i, w) in page_words.iter_mut().enumerate() {
+                *w = memory.read_u64_volatile(page + 8 * i as u64)?;
+            }
         }
         // SAFETY: Metrics is repr(C), made only of u64 fields and arrays of them
         // (checked by a const assertion in guest_abi), so any bit pattern of
         // the same size is a valid value.
         let raw: Metrics = unsafe { std::mem::transmute(words) };
         Ok(MetricsSnapshot {
-            at: Instant::now(),
-            raw,
-        })
-    }
-
-    /// Like [`MetricsSnapshot::read`], but touches only pages that are in
-    /// memory (see [`GuestMemory::holds_data`]); words on the others read as
-    /// zero. `None` when the first page, the one with the counters, is not.
-    pub fn read_present(memory: &GuestMemory) -> Option<Self> {
-        const PAGE: u64 = 4096;
-        let mut words = [0u64; Metrics::WORDS];
-        let mut page_ok = (u64::MAX, false);
-        for (i, w) in words.iter_mut().enumerate() {
-            let gpa = METRICS_GPA + 8 * i as u64;
-            let page = gpa & !(PAGE - 1);
-            if page_ok.0 != page {
-                page_ok = (page, memory.holds_data(page, PAGE));
-                if i == 0 && !page_ok.1 {
-                    return None;
-                }
-            }
-            if page_ok.1 {
-                *w = memory.read_u64_volatile(gpa).ok()?;
-            }
-        }
-        // SAFETY: as in `read`: any bit pattern is a valid Metrics.
-        let raw: Metrics = unsafe { std::mem::transmute(words) };
-        Some(MetricsSnapshot {
             at: Instant::now(),
             raw,
         })

@@ -161,17 +161,8 @@ fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> V
         "running": vm.run_state() == crate::RunState::Running,
     });
     let tsc_khz = vm.tsc_khz().max(1) as f64;
-    // At a destination the metrics page may be registered with
-    // userfaultfd (from the postcopy plan on) and not have arrived: a read
-    // from this thread would then wait on a fault no one serves before the
-    // vCPUs start, and reading a hole would fill it with zeros. So until
-    // every page is there it reads only the pages in memory.
-    use ferry_migration::telemetry::LivePhase;
-    let metrics = if side == "destination" && tel.phase() != LivePhase::Succeeded {
-        vm.metrics_if_present()
-    } else {
-        vm.metrics().ok()
-    };
+    // Reads only pages in memory: safe at a postcopy destination too.
+    let metrics = vm.metrics().ok();
     if let Some(m) = metrics {
         if m.valid() {
             let n = vm.config().workloads.0.len();

@@ -1073,12 +1073,6 @@ impl Vm {
         MetricsSnapshot::read(&self.memory)
     }
 
-    /// The metrics page, reading only its pages that are in memory: for
-    /// threads that must not fault on memory still arriving (postcopy).
-    pub fn metrics_if_present(&self) -> Option<MetricsSnapshot> {
-        MetricsSnapshot::read_present(&self.memory)
-    }
-
     /// The migration being recorded, if any.
     pub fn watch(&self) -> &crate::timeline::Watch {
         &self.watch

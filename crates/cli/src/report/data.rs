@@ -235,43 +235,13 @@ impl Run {
         }
     }
 
-    /// Sums per 100 ms bin of a counter's increases, each side on its own
-    /// (each side's device counts from its own zero). Returns (bin start, per second).
-    fn rate(&self, value: impl Fn(&Sample) -> Option<u64>) -> Vec<(f64, f64)> {
+    /// Per 100 ms bin, how fast a counter rose: (bin start, per second).
+    /// Samples are taken in time order and only rises above the highest
+    /// value seen count, so a sample that repeats an older value (a paused
+    /// source while the destination runs on) counts nothing twice.
+    fn increases(&self, mut seen: Vec<(f64, u64)>) -> Vec<(f64, f64)> {
         let bins = self.bins();
         let mut sums = vec![0.0; bins.n];
-        for side in [Side::Source, Side::Destination] {
-            let mut prev: Option<u64> = None;
-            for s in self.samples.iter().filter(|s| s.side == side) {
-                let Some(v) = value(s) else { continue };
-                if let (Some(p), Some(i)) = (prev, bins.index(s.t)) {
-                    if v > p {
-                        sums[i] += (v - p) as f64;
-                    }
-                }
-                prev = Some(v);
-            }
-        }
-        sums.iter()
-            .enumerate()
-            .map(|(i, x)| (bins.start(i), x / BIN))
-            .collect()
-    }
-
-    /// The guest's workload progress per second.
-    /// The counter lives in guest memory, so it runs on from one side to
-    /// the other: both sides' samples are taken in time order and only rises
-    /// above the highest value seen count (a paused source repeats its last
-    /// value while the destination runs on; the destination may read it only
-    /// some time after it started, during postcopy).
-    pub fn progress_rate(&self) -> Vec<(f64, f64)> {
-        let bins = self.bins();
-        let mut sums = vec![0.0; bins.n];
-        let mut seen: Vec<(f64, u64)> = self
-            .samples
-            .iter()
-            .filter_map(|s| Some((s.t, s.progress?)))
-            .collect();
         seen.sort_by(|a, b| a.0.total_cmp(&b.0));
         let mut high: Option<u64> = None;
         for (t, v) in seen {
@@ -286,6 +256,36 @@ impl Run {
             .enumerate()
             .map(|(i, x)| (bins.start(i), x / BIN))
             .collect()
+    }
+
+    /// A counter each side keeps from its own zero (a service device's),
+    /// per second: the sides' rises added up.
+    fn rate(&self, value: impl Fn(&Sample) -> Option<u64>) -> Vec<(f64, f64)> {
+        let per_side = [Side::Source, Side::Destination].map(|side| {
+            self.increases(
+                self.samples
+                    .iter()
+                    .filter(|s| s.side == side)
+                    .filter_map(|s| Some((s.t, value(s)?)))
+                    .collect(),
+            )
+        });
+        let [a, b] = per_side;
+        a.iter().zip(&b).map(|(x, y)| (x.0, x.1 + y.1)).collect()
+    }
+
+    /// The guest's workload progress per second.
+    ///
+    /// The counter lives in guest memory, so it runs on from one side to
+    /// the other: both sides' samples count as one series (the destination
+    /// may read it only some time after it started, during postcopy).
+    pub fn progress_rate(&self) -> Vec<(f64, f64)> {
+        self.increases(
+            self.samples
+                .iter()
+                .filter_map(|s| Some((s.t, s.progress?)))
+                .collect(),
+        )
     }
 
     /// Requests the VM answered per second (its service devices).
