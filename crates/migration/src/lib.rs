@@ -54,4 +54,4 @@ pub use stats::{
     MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
 };
 pub use transport::{Endpoint, Listener};
-pub use vm::{ClientsAnswer, ClientsPlan, IncomingVm, MigratableVm, PageStore};
+pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, IncomingVm, MigratableVm, PageStore};

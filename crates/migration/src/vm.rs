@@ -18,6 +18,20 @@ fn whole(regions: &[RegionView], index: usize) -> Vec<OffsetBytes> {
         .map_or(Vec::new(), |r| vec![OffsetBytes::new(0, r.size())])
 }
 
+/// What a VM's access tracker has seen, per region and page: the input of
+/// split migration's ranking (hot chunks go to the main host).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AccessHistory {
+    /// Per region, per page: 1 if the page was accessed in the last
+    /// period (the clock algorithm's reference bit), else 0.
+    pub clock: Vec<Vec<u8>>,
+    /// Per region, per page: the aging algorithm's 8-bit history (each
+    /// period shifts right and puts that period's access in the top bit).
+    pub aging: Vec<Vec<u8>>,
+    /// Periods observed so far.
+    pub periods: u64,
+}
+
 /// The VM's clients can move with it: the VM has its own IP address on
 /// the hosts' network, where its request service listens.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -80,6 +94,11 @@ pub trait MigratableVm: Send + Sync {
     /// Where the engine reports live figures of this migration (the VMM's
     /// timeline and metrics read them); None: nobody watches.
     fn telemetry(&self) -> Option<std::sync::Arc<crate::telemetry::Telemetry>> {
+        None
+    }
+    /// What the VM's access tracker has seen so far (split migration ranks
+    /// chunks by it); None: the VM tracks no accesses.
+    fn access_history(&self) -> Option<AccessHistory> {
         None
     }
     /// The destination's timeline arrived (JSON lines, as its
