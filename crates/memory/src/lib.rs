@@ -5,10 +5,12 @@
 //! - [`region`]: one memfd-backed region ([`MemfdRegion`]).
 //! - [`guest_memory`]: the VM's regions as one guest-physical address space
 //!   ([`GuestMemory`]), with bounds-checked reads and writes.
+//! - [`mapping`]: residency and hole punching by address (split's pager).
 //! - [`uffd`]: userfaultfd for postcopy, access sampling and write protection
 //!   ([`Userfaultfd`]).
 
 pub mod guest_memory;
+pub mod mapping;
 pub mod region;
 pub mod uffd;
 

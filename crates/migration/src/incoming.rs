@@ -3,9 +3,12 @@
 
 use std::time::Duration;
 
-use crate::session::DestSession;
+use crate::protocol::{Frame, Kind};
+use crate::receiver::Received;
+use crate::session::{DestSession, DestinationPhases};
 use crate::sink::{DirectSink, SwitchSink};
 use crate::stats::IncomingStats;
+use crate::transport::Conn;
 use crate::transport::Listener;
 use crate::vm::IncomingVm;
 use crate::MigrationError;
@@ -38,8 +41,17 @@ pub fn receive_with_reconnect(
     // userfaultfd (the plan tells; precopy never switches).
     let sink = SwitchSink::new(&direct);
     let id = session.session_id();
-    let mut phases =
-        crate::postcopy::Incoming::new(vm, listener, id, timeout, reconnect_timeout, &sink);
+    let mut phases = Phases {
+        postcopy: crate::postcopy::Incoming::new(
+            vm,
+            listener,
+            id,
+            timeout,
+            reconnect_timeout,
+            &sink,
+        ),
+        split: crate::split::incoming::Incoming::new(vm, timeout),
+    };
     let result = (|| {
         session.handshake(vm)?;
         session.run(vm, &sink, &mut phases)
@@ -49,4 +61,50 @@ pub fn receive_with_reconnect(
         session.send_timeline(vm);
     }
     session.conclude(result)
+}
+
+/// A destination's phases: postcopy's (which also serve precopy and
+/// hybrid), or split's once a SplitPlan arrived.
+struct Phases<'a> {
+    postcopy: crate::postcopy::Incoming<'a>,
+    split: crate::split::incoming::Incoming<'a>,
+}
+
+impl DestinationPhases for Phases<'_> {
+    fn on_message(&mut self, f: &Frame) -> Result<(), MigrationError> {
+        match f.kind {
+            Kind::SplitPlan => self.split.on_plan(f),
+            _ => self.postcopy.on_message(f),
+        }
+    }
+
+    fn hashes(
+        &mut self,
+        regions: &[crate::RegionView],
+    ) -> Result<Option<Vec<u64>>, MigrationError> {
+        if self.split.planned() {
+            return self.split.hashes(regions).map(Some);
+        }
+        self.postcopy.hashes(regions)
+    }
+
+    fn before_start(&mut self, rounds: u32) -> Result<(), MigrationError> {
+        if self.split.planned() {
+            return self.split.before_start();
+        }
+        self.postcopy.before_start(rounds)
+    }
+
+    fn after_start(
+        &mut self,
+        ctl: &mut Conn,
+        rx: &Received,
+        stats: &mut IncomingStats,
+    ) -> Result<bool, MigrationError> {
+        if self.split.planned() {
+            self.split.after_start()?;
+            return Ok(false);
+        }
+        self.postcopy.after_start(ctl, rx, stats)
+    }
 }

@@ -35,6 +35,7 @@ pub(crate) mod receiver;
 pub(crate) mod sender;
 pub(crate) mod session;
 pub mod sink;
+pub mod split;
 pub mod stats;
 pub mod telemetry;
 pub mod transport;
@@ -44,14 +45,16 @@ pub use compress::{Backend, BatchEncoder, Compress};
 pub use error::{MigrationError, VmOpError};
 pub use incoming::{receive, receive_with_reconnect};
 pub use memory::RegionView;
-pub use options::{BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter};
+pub use options::{
+    BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter, Rank, SplitOptions,
+};
 pub use outgoing::{migrate, resume};
 pub use postcopy::PausedPostcopy;
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use stats::{
     ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, IncomingStats, Latency,
-    MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
+    MigrationStats, Phase, PostcopyStats, Progress, RoundStats, SplitServerStats, SplitStats,
 };
 pub use transport::{Endpoint, Listener};
 pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, IncomingVm, MigratableVm, PageStore};

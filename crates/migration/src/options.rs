@@ -23,6 +23,11 @@ pub mod defaults {
     pub const PREFETCH: u32 = 8;
     /// Most prefetch pages on each side.
     pub const MAX_PREFETCH: u32 = 512;
+    /// Split: pages per chunk, the unit of placement and remote paging
+    /// (the S-memV paper found 256 best).
+    pub const CHUNK_PAGES: u32 = 256;
+    /// Split: largest chunk (pages).
+    pub const MAX_CHUNK_PAGES: u32 = 4096;
     /// Hybrid: precopy rounds before switching to postcopy.
     pub const POSTCOPY_AFTER_ROUNDS: u32 = 3;
     /// Postcopy, source: how long to keep reconnecting after the link
@@ -52,11 +57,15 @@ pub enum Mode {
     /// Precopy rounds, then postcopy if they have not converged within
     /// [`MigrateOptions::postcopy_after`].
     Hybrid,
+    /// Precopy to a main host that holds the hot part of memory (its
+    /// budget) while the rest goes straight to memory servers; the main
+    /// host pages chunks in and out afterwards ([`SplitOptions`]).
+    Split,
 }
 
 impl Mode {
     /// Every mode this build has.
-    pub const ALL: [Mode; 3] = [Mode::Precopy, Mode::Postcopy, Mode::Hybrid];
+    pub const ALL: [Mode; 4] = [Mode::Precopy, Mode::Postcopy, Mode::Hybrid, Mode::Split];
 
     /// The mode's name on the command line.
     pub fn name(self) -> &'static str {
@@ -64,6 +73,7 @@ impl Mode {
             Mode::Precopy => "precopy",
             Mode::Postcopy => "postcopy",
             Mode::Hybrid => "hybrid",
+            Mode::Split => "split",
         }
     }
 
@@ -143,6 +153,62 @@ impl std::str::FromStr for Mode {
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// How split migration ranks chunks: which are hot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rank {
+    /// The clock algorithm: pages accessed in the last period.
+    #[default]
+    Clock,
+    /// The aging algorithm: 8 periods of history, recent ones weigh most.
+    Aging,
+}
+
+impl std::str::FromStr for Rank {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "clock" => Ok(Rank::Clock),
+            "aging" => Ok(Rank::Aging),
+            _ => Err(format!("unknown rank '{s}' (clock or aging)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Rank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Rank::Clock => "clock",
+            Rank::Aging => "aging",
+        })
+    }
+}
+
+/// Split migration: where the memory the main host does not hold goes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SplitOptions {
+    /// Memory servers (sub-hosts), `ferry memserver` each.
+    pub subs: Vec<crate::transport::Endpoint>,
+    /// Guest memory the main host holds, bytes (rounded down to chunks).
+    pub main_budget: u64,
+    /// Pages per chunk: a power of two.
+    pub chunk_pages: u32,
+    /// How chunks are ranked (hot ones go to the main host).
+    pub rank: Rank,
+}
+
+impl Default for SplitOptions {
+    fn default() -> Self {
+        SplitOptions {
+            subs: Vec::new(),
+            main_budget: 0,
+            chunk_pages: defaults::CHUNK_PAGES,
+            rank: Rank::Clock,
+        }
     }
 }
 
@@ -237,6 +303,8 @@ pub struct MigrateOptions {
     /// VM started there (precopy) or every page arrived (postcopy), before
     /// sending it back (ms; the source waits that long after the switch).
     pub timeline_tail_ms: u32,
+    /// Split: the memory servers, the main host's budget, the chunks.
+    pub split: SplitOptions,
 }
 
 impl Default for MigrateOptions {
@@ -255,6 +323,7 @@ impl Default for MigrateOptions {
             postcopy_after: PostcopyAfter::default(),
             reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
             timeline_tail_ms: defaults::TIMELINE_TAIL_MS,
+            split: SplitOptions::default(),
         }
     }
 }
@@ -298,6 +367,24 @@ impl MigrateOptions {
         }
         if !(1..=shards).contains(&c.workers) {
             return Err(format!("compress threads must be 1 to {shards}"));
+        }
+        if self.mode == Mode::Split {
+            let sp = &self.split;
+            if sp.subs.is_empty() {
+                return Err("split needs at least one memory server (--sub)".into());
+            }
+            if sp.subs.len() > 255 {
+                return Err("split takes at most 255 memory servers".into());
+            }
+            if !sp.chunk_pages.is_power_of_two() || sp.chunk_pages > defaults::MAX_CHUNK_PAGES {
+                return Err(format!(
+                    "chunk pages must be a power of two from 1 to {}",
+                    defaults::MAX_CHUNK_PAGES
+                ));
+            }
+            if sp.main_budget < u64::from(sp.chunk_pages) * crate::ranges::PAGE {
+                return Err("the main host's budget must hold at least one chunk".into());
+            }
         }
         for (bytes, name) in [
             (c.caches.xbzrle_bytes, "xbzrle"),

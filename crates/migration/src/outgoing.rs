@@ -25,7 +25,9 @@ pub fn migrate(
     tracing::info!(%to, mode = %opts.mode, streams = opts.streams, "migration starts");
     let mut session = SourceSession::new(vm, to, opts);
     let result = match opts.mode {
-        Mode::Precopy | Mode::Hybrid => crate::precopy::run(&mut session, backend, progress),
+        Mode::Precopy | Mode::Hybrid | Mode::Split => {
+            crate::precopy::run(&mut session, backend, progress)
+        }
         Mode::Postcopy => crate::postcopy::run(&mut session, progress),
     };
     conclude(session, result)

@@ -31,6 +31,11 @@ pub(crate) fn run(
     if hybrid {
         crate::postcopy::require(s)?;
     }
+    // Split: the same rounds, with each page routed to where its chunk lives.
+    let mut router = match opts.mode {
+        crate::options::Mode::Split => Some(crate::split::source::Router::open(s)?),
+        _ => None,
+    };
     let compressed = copt.enabled() && s.version >= 2;
     let mut stats = MigrationStats {
         mode: opts.mode,
@@ -83,8 +88,16 @@ pub(crate) fn run(
             phase: Phase::Copy,
             ..Default::default()
         });
-        let (mut rs, frames) =
-            sender.send_round(&s.regions, &mut s.bulk, &runs, &holes, round, None, &s.cpu)?;
+        let (mut rs, frames) = {
+            let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
+            let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
+                sender.send_round(regions, bulk, runs, holes, round, None, cpu)
+            };
+            match router.as_mut() {
+                Some(r) => r.round(regions, &runs, &holes, send)?,
+                None => send(&runs, &holes)?,
+            }
+        };
         s.barrier(round, frames)?;
         let bitmaps = vm
             .take_dirty()
@@ -173,15 +186,17 @@ pub(crate) fn run(
         phase: Phase::StopAndCopy,
         ..Default::default()
     });
-    let (rs, frames) = sender.send_round(
-        &s.regions,
-        &mut s.bulk,
-        &last,
-        &[],
-        round,
-        Some(remaining * PAGE),
-        &s.cpu,
-    )?;
+    let (rs, frames) = {
+        let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
+        let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
+            let bytes = Some(total_pages(runs) * PAGE);
+            sender.send_round(regions, bulk, runs, holes, round, bytes, cpu)
+        };
+        match router.as_mut() {
+            Some(r) => r.round(regions, &last, &[], send)?,
+            None => send(&last, &[])?,
+        }
+    };
     s.barrier(round, frames)?;
     add_round(&mut stats, rs);
     s.stop_dirty_log()?;
@@ -204,6 +219,10 @@ pub(crate) fn run(
         stats.bytes += bytes;
     }
     stats.downtime_parts.verify = lap();
+    if let Some(r) = router.as_mut() {
+        r.commit();
+        stats.split = Some(r.stats());
+    }
     let report = s.complete()?;
     s.note_started(&mut stats, &report, lap());
     stats.destination_cpu_s = report.cpu_s;

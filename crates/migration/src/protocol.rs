@@ -38,7 +38,7 @@ pub const MAGIC: u32 = 0x4d59_5246;
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 7;
+pub const VERSION_MAX: u16 = 8;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -53,6 +53,9 @@ pub const VERSION_TIMELINE: u16 = 6;
 /// The first version with memory servers (Role::Store and the Store*
 /// messages; see memserver).
 pub const VERSION_STORE: u16 = 7;
+/// The first version with split migration (SplitPlan to the main host,
+/// StoreFetch on memory servers).
+pub const VERSION_SPLIT: u16 = 8;
 /// Bytes of frame header.
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
@@ -137,6 +140,13 @@ pub enum Kind {
     StoreHeld = 29,
     /// v7, memory server: free this VM's store.
     StoreClose = 30,
+    /// v8, memory server: send the held pages of these runs, run by run
+    /// (each run in frames of at most MAX_BATCH pages, held ones only, so
+    /// the first run's answer comes first), forgetting them if asked.
+    StoreFetch = 31,
+    /// v8, source to the main host after Layout: split migration's plan
+    /// (chunk size, memory servers, where each chunk lives, the budget).
+    SplitPlan = 32,
 }
 
 impl Kind {
@@ -173,6 +183,8 @@ impl Kind {
             28 => StoreList,
             29 => StoreHeld,
             30 => StoreClose,
+            31 => StoreFetch,
+            32 => SplitPlan,
             _ => return None,
         })
     }
@@ -580,6 +592,8 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::StoreList => "StoreList",
         Kind::StoreHeld => "StoreHeld",
         Kind::StoreClose => "StoreClose",
+        Kind::StoreFetch => "StoreFetch",
+        Kind::SplitPlan => "SplitPlan",
     }
 }
 

@@ -72,6 +72,42 @@ pub struct MigrationStats {
     /// What became of the VM's clients, if it has a request service.
     #[serde(default)]
     pub clients: Option<ClientsOutcome>,
+    /// Split migration: how memory was shared out.
+    #[serde(default)]
+    pub split: Option<SplitStats>,
+}
+
+/// How a split migration shared the VM's memory out.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SplitStats {
+    /// Pages per chunk.
+    pub chunk_pages: u32,
+    /// Chunks in all.
+    pub chunks: u64,
+    /// Chunks placed on the main host.
+    pub main_chunks: u64,
+    /// Chunks the main host may hold.
+    pub budget_chunks: u64,
+    /// The ranking (clock or aging).
+    pub rank: String,
+    /// Periods of access history the ranking saw (0: none, chunks went
+    /// in address order).
+    pub history_periods: u64,
+    /// Per memory server.
+    pub servers: Vec<SplitServerStats>,
+}
+
+/// One memory server's share of a split migration.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SplitServerStats {
+    /// Where it listens.
+    pub addr: String,
+    /// Chunks placed there.
+    pub chunks: u64,
+    /// Pages sent there (re-sends included).
+    pub pages: u64,
+    /// Bytes sent there.
+    pub bytes: u64,
 }
 
 /// What became of the VM's service clients at a migration.

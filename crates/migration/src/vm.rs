@@ -180,6 +180,19 @@ pub trait IncomingVm: PageStore {
     fn timeline(&self) -> Vec<u8> {
         Vec::new()
     }
+    /// Whether this VMM can run a split VM: keep a
+    /// [`crate::split::RemotePager`] for as long as the VM runs.
+    fn takes_pager(&self) -> bool {
+        false
+    }
+    /// The VM started on the main host of a split migration: keep its
+    /// pager (dropping it would strand the VM's remote memory).
+    fn adopt_pager(
+        &self,
+        pager: crate::split::RemotePager,
+    ) -> Result<(), crate::split::RemotePager> {
+        Err(pager)
+    }
     /// Gets ready to take the source's clients over (before any page
     /// arrives); Err says why it cannot, and the source forwards instead.
     fn prepare_clients(&self, _plan: &ClientsPlan) -> Result<(), String> {

@@ -8,7 +8,7 @@ use crate::ranges::GpaPages;
 use crate::transport::{Conn, Endpoint};
 use crate::MigrationError;
 
-use super::{StoreAck, StoreHeld, StoreOpen};
+use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 
 /// One connection to one memory server, for one VM.
 pub struct StoreClient {
@@ -92,6 +92,49 @@ impl StoreClient {
             }
             got += addrs.len();
             out.extend_from_slice(data);
+        }
+        Ok(())
+    }
+
+    /// Fetches the held pages of `runs` (v8), run by run: `got(run, gpas,
+    /// data)` sees each frame as it arrives (a page of a run that no frame
+    /// names is a zero page). With `drop` the server forgets them.
+    pub fn fetch_runs(
+        &mut self,
+        runs: &[GpaPages],
+        drop: bool,
+        mut got: impl FnMut(usize, &[u64], &[u8]) -> Result<(), MigrationError>,
+    ) -> Result<(), MigrationError> {
+        let ask = StoreFetch {
+            runs: runs.to_vec(),
+            drop,
+        };
+        self.conn.send(Kind::StoreFetch, &ask)?;
+        for (i, run) in runs.iter().enumerate() {
+            let frames = (run.pages as usize).div_ceil(MAX_BATCH);
+            for f in 0..frames {
+                let frame = protocol::read_frame(&mut self.conn.reader)?;
+                if frame.kind != Kind::Pages {
+                    return Err(protocol::ProtocolError::Unexpected {
+                        got: frame.kind,
+                        want: "Pages",
+                    }
+                    .into());
+                }
+                let (addrs, data) = protocol::decode_pages(&frame.body)?;
+                let lo = run.gpa + (f * MAX_BATCH * PAGE) as u64;
+                let hi = (lo + (MAX_BATCH * PAGE) as u64).min(run.end());
+                if addrs
+                    .iter()
+                    .any(|&g| g < lo || g >= hi || g % PAGE as u64 != 0)
+                {
+                    return Err(MigrationError::Mismatch(format!(
+                        "memory server {} answered pages outside the runs asked",
+                        self.addr
+                    )));
+                }
+                got(i, &addrs, data)?;
+            }
         }
         Ok(())
     }

@@ -16,6 +16,9 @@
 //!                                               ◀──  StoreAck{held, free}
 //!  PageRequest{gpas}                            ──▶
 //!                                               ◀──  Pages{those pages, in order}  (Abort if one is not held)
+//!  StoreFetch{runs, drop} (v8)                  ──▶
+//!                                               ◀──  Pages{held pages of run 1}, Pages{… run 2}, …
+//!                                                    (each run in ⌈len/MAX_BATCH⌉ frames, absent = zero)
 //!  StoreList                                    ──▶
 //!                                               ◀──  StoreHeld{runs}  (what it holds, for gather)
 //!  StoreClose                                   ──▶  the VM's store is freed
@@ -52,6 +55,18 @@ pub struct StoreAck {
     pub held_pages: u64,
     /// Pages it could still take, for all VMs.
     pub free_pages: u64,
+}
+
+/// Asks for the held pages of `runs` (v8): the server answers run by run,
+/// each run in `ceil(len / MAX_BATCH)` Pages frames holding only the pages
+/// it holds (a page it does not hold is a zero page); with `drop` it
+/// forgets them as they go out (they moved to the asker).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreFetch {
+    /// Runs in the order to answer them.
+    pub runs: Vec<GpaPages>,
+    /// Forget the pages once sent.
+    pub drop: bool,
 }
 
 /// What a server holds for a VM (answer to StoreList).

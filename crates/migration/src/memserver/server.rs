@@ -12,7 +12,7 @@ use crate::transport::{Conn, Listener};
 use crate::MigrationError;
 
 use super::store::{Capacity, VmStore};
-use super::{StoreAck, StoreHeld, StoreOpen};
+use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 
 /// Figures a running server shows (its status line, the registry).
 #[derive(Debug, Default)]
@@ -198,6 +198,10 @@ impl MemServer {
                     let gpas: Vec<u64> = protocol::decode(&f, Kind::PageRequest)?;
                     self.send_pages(c, &store, &gpas)?;
                 }
+                Kind::StoreFetch => {
+                    let ask: StoreFetch = protocol::decode(&f, Kind::StoreFetch)?;
+                    self.send_fetched(c, &store, &ask)?;
+                }
                 Kind::StoreList => {
                     let runs = store.held_runs();
                     for (share, last) in protocol::run_frames(&runs) {
@@ -236,6 +240,44 @@ impl MemServer {
             }
             body = f.body;
         }
+    }
+
+    /// Answers a StoreFetch: per run, frames of its held pages (empty when
+    /// it holds none), so the asker can count frames and knows the rest
+    /// of each run is zero.
+    fn send_fetched(
+        &self,
+        c: &mut Conn,
+        store: &VmStore,
+        ask: &StoreFetch,
+    ) -> Result<(), MigrationError> {
+        let mut page = vec![0u8; PAGE];
+        let (mut gpas, mut data) = (Vec::new(), Vec::new());
+        for run in &ask.runs {
+            let pages: Vec<u64> = (0..run.pages).map(|i| run.gpa + i * PAGE as u64).collect();
+            for batch in pages.chunks(MAX_BATCH) {
+                gpas.clear();
+                data.clear();
+                for &g in batch {
+                    if store.read_page(g, &mut page) {
+                        gpas.push(g);
+                        data.extend_from_slice(&page);
+                    }
+                }
+                let body = protocol::encode_pages(&gpas, &data);
+                protocol::write_frame(&mut c.writer, Kind::Pages, &body)
+                    .map_err(ProtocolError::Io)?;
+                self.stats
+                    .pages_out
+                    .fetch_add(gpas.len() as u64, Ordering::Relaxed);
+            }
+            if ask.drop {
+                store.drop_run(*run)?;
+            }
+            // The first run is the page a vCPU waits for: out now.
+            c.flush()?;
+        }
+        Ok(())
     }
 
     /// Answers a PageRequest: the pages in the order asked, in Pages frames.

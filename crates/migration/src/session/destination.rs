@@ -30,6 +30,12 @@ pub(crate) trait DestinationPhases {
         }
         .into())
     }
+    /// Per-page hashes of this side's memory to verify against the
+    /// source's, where the mode knows better than reading memory (split:
+    /// some pages live on memory servers); None: read memory.
+    fn hashes(&mut self, _regions: &[RegionView]) -> Result<Option<Vec<u64>>, MigrationError> {
+        Ok(None)
+    }
     /// After the state is restored, just before the vCPUs start (postcopy
     /// registers the missing pages with userfaultfd here); `rounds` precopy
     /// rounds were applied.
@@ -230,7 +236,11 @@ impl<'a> DestSession<'a> {
                 Kind::Clients if self.clients_agreed => clients = Some(f.body),
                 Kind::Verify => {
                     let t = Instant::now();
-                    stats.verified_pages = verify(vm, regions, &f.body)?;
+                    let mine = match mode.hashes(regions)? {
+                        Some(h) => h,
+                        None => super::hashes(regions, |i| vm.data_ranges(i)),
+                    };
+                    stats.verified_pages = super::compare_hashes(regions, &mine, &f.body)?;
                     stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
                 }
                 Kind::Complete => {
@@ -396,11 +406,4 @@ pub(crate) fn round_done(f: &Frame, rx: &Received) -> Result<RoundDone, Migratio
         .into());
     }
     Ok(rd)
-}
-
-/// Compares the source's per-page hashes with this side's memory; returns
-/// the pages compared. Missing or extra hashes fail it too.
-fn verify(vm: &dyn IncomingVm, regions: &[RegionView], body: &[u8]) -> Result<u64, MigrationError> {
-    let mine = super::hashes(regions, |i| vm.data_ranges(i));
-    super::compare_hashes(regions, &mine, body)
 }

@@ -1,0 +1,86 @@
+//! Calls on a shared guest-memory mapping by address alone, for code that
+//! holds a view of the mapping but not the memfd (the split pager).
+
+use std::io;
+
+use crate::PAGE_SIZE;
+
+/// Which pages of `len` bytes from `addr` are in memory (the memfd's page
+/// cache, for a shared memfd mapping), asked with mincore(2) so nothing is
+/// touched: a page-out must not fault on a hole it would read.
+///
+/// # Safety
+/// `addr .. addr + len` must be a page-aligned range of a mapping the
+/// caller owns.
+pub unsafe fn resident_pages(addr: u64, len: u64) -> io::Result<Vec<bool>> {
+    let pages = len.div_ceil(PAGE_SIZE) as usize;
+    let mut vec = vec![0u8; pages];
+    // SAFETY: the caller promises the range is its own mapping; `vec` has
+    // one byte per page as mincore writes.
+    let r = unsafe { libc::mincore(addr as *mut libc::c_void, len as usize, vec.as_mut_ptr()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(vec.into_iter().map(|b| b & 1 == 1).collect())
+}
+
+/// Frees the memfd pages behind `len` bytes from `addr` (MADV_REMOVE: a
+/// hole punched through the mapping); the next access reads zeros, or
+/// raises a userfaultfd MISSING fault where registered.
+///
+/// # Safety
+/// `addr .. addr + len` must be a page-aligned range of a shared mapping
+/// the caller owns whose contents it means to discard.
+pub unsafe fn remove_range(addr: u64, len: u64) -> io::Result<()> {
+    // SAFETY: the caller promises the range is its own shared mapping and
+    // that its contents may go.
+    let r = unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_REMOVE) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Drops the page table entries of `len` bytes from `addr` (MADV_DONTNEED;
+/// a shared memfd keeps the data): the next access maps the page again,
+/// raising a MINOR fault where the range is registered for them.
+///
+/// # Safety
+/// `addr .. addr + len` must be a page-aligned range of a shared mapping
+/// the caller owns.
+pub unsafe fn drop_ptes(addr: u64, len: u64) -> io::Result<()> {
+    // SAFETY: the caller promises the range is its own shared mapping, so
+    // only page table entries go; the memfd keeps every page.
+    let r = unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, libc::MADV_DONTNEED) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemfdRegion;
+
+    #[test]
+    fn residency_follows_writes_and_removal() {
+        let r = MemfdRegion::new("mapping-test", 0, 8 * PAGE_SIZE).unwrap();
+        let base = r.host_addr() as u64;
+        // SAFETY: page 2 and 5 lie inside the region's mapping.
+        unsafe {
+            r.host_addr().add(2 * PAGE_SIZE as usize).write(1);
+            r.host_addr().add(5 * PAGE_SIZE as usize).write(1);
+        }
+        // SAFETY: the whole region is ours.
+        let res = unsafe { resident_pages(base, 8 * PAGE_SIZE) }.unwrap();
+        assert_eq!(res, [false, false, true, false, false, true, false, false]);
+        // SAFETY: page 2 is ours to discard.
+        unsafe { remove_range(base + 2 * PAGE_SIZE, PAGE_SIZE) }.unwrap();
+        // SAFETY: as above.
+        let res = unsafe { resident_pages(base, 8 * PAGE_SIZE) }.unwrap();
+        assert_eq!(res.iter().filter(|&&b| b).count(), 1);
+        assert!(!r.holds_data(2 * PAGE_SIZE, PAGE_SIZE));
+        assert!(r.holds_data(5 * PAGE_SIZE, PAGE_SIZE));
+    }
+}

@@ -1,0 +1,125 @@
+//! The main host's side of split migration, as the session's phases: take
+//! the plan and open a store connection to every memory server it names
+//! (before any page, so an unreachable server fails the migration while
+//! the VM still runs at the source); verify remote chunks by fetching them
+//! from their servers; at the start, hand the memory to the pager, which
+//! the VM keeps for as long as it runs here.
+
+use std::time::Duration;
+
+use crate::memory::RegionView;
+use crate::memserver::{StoreClient, StoreOpen};
+use crate::protocol::{self, Frame, Kind};
+use crate::vm::IncomingVm;
+use crate::MigrationError;
+
+use super::{ChunkMap, RemotePager, SplitPlan, ON_MAIN};
+
+/// The main host's split phases.
+pub(crate) struct Incoming<'a> {
+    vm: &'a dyn IncomingVm,
+    timeout: Duration,
+    plan: Option<SplitPlan>,
+    stores: Vec<StoreClient>,
+    pager: Option<RemotePager>,
+}
+
+impl<'a> Incoming<'a> {
+    pub(crate) fn new(vm: &'a dyn IncomingVm, timeout: Duration) -> Self {
+        Incoming {
+            vm,
+            timeout,
+            plan: None,
+            stores: Vec::new(),
+            pager: None,
+        }
+    }
+
+    /// True once a SplitPlan arrived.
+    pub(crate) fn planned(&self) -> bool {
+        self.plan.is_some()
+    }
+
+    /// Takes the plan: checks it against this VM and opens the stores.
+    pub(crate) fn on_plan(&mut self, f: &Frame) -> Result<(), MigrationError> {
+        if !self.vm.takes_pager() {
+            return Err(MigrationError::Unsupported(
+                "this VMM cannot page memory from memory servers (split)".into(),
+            ));
+        }
+        let plan: SplitPlan = protocol::decode(f, Kind::SplitPlan)?;
+        let regions = self.vm.regions();
+        plan.check(&ChunkMap::new(&regions, plan.chunk_pages))
+            .map_err(MigrationError::Mismatch)?;
+        let open = StoreOpen {
+            vm: plan.vm.clone(),
+            regions: regions.iter().map(|r| (r.gpa(), r.size())).collect(),
+            reserve_pages: 0,
+        };
+        for to in &plan.servers {
+            let (client, _) = StoreClient::open(to, self.timeout, &open).map_err(|e| {
+                MigrationError::Unsupported(format!(
+                    "the main host cannot reach memory server {to}: {e}"
+                ))
+            })?;
+            self.stores.push(client);
+        }
+        tracing::info!(
+            chunks = plan.places.len(),
+            on_main = plan.places.iter().filter(|&&p| p == ON_MAIN).count(),
+            servers = plan.servers.len(),
+            "split plan"
+        );
+        self.plan = Some(plan);
+        Ok(())
+    }
+
+    /// Per-page hashes of the whole VM: chunks held here from memory,
+    /// the others fetched from their servers (which keep them).
+    pub(crate) fn hashes(&mut self, regions: &[RegionView]) -> Result<Vec<u64>, MigrationError> {
+        let vm = self.vm;
+        let mut out = crate::session::hashes(regions, |i| vm.data_ranges(i));
+        let Some(plan) = &self.plan else {
+            return Ok(out);
+        };
+        let map = ChunkMap::new(regions, plan.chunk_pages);
+        for (k, store) in self.stores.iter_mut().enumerate() {
+            let runs: Vec<_> = (0..map.chunks())
+                .filter(|&c| usize::from(plan.places[c]) == k + 1)
+                .map(|c| map.run(c))
+                .collect();
+            store.fetch_runs(&runs, false, |_, gpas, data| {
+                for (j, &g) in gpas.iter().enumerate() {
+                    let at = map.page_index(g).and_then(|i| out.get_mut(i as usize));
+                    if let Some(h) = at {
+                        *h = protocol::page_hash(&data[j * protocol::PAGE..][..protocol::PAGE]);
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Puts the memory under the pager, just before the vCPUs start.
+    pub(crate) fn before_start(&mut self) -> Result<(), MigrationError> {
+        let Some(plan) = &self.plan else {
+            return Ok(());
+        };
+        let stores = std::mem::take(&mut self.stores);
+        self.pager = Some(RemotePager::start(self.vm.regions(), plan, stores)?);
+        Ok(())
+    }
+
+    /// The VM runs: it keeps the pager from now on.
+    pub(crate) fn after_start(&mut self) -> Result<(), MigrationError> {
+        if let Some(pager) = self.pager.take() {
+            if self.vm.adopt_pager(pager).is_err() {
+                return Err(MigrationError::Unsupported(
+                    "this VMM cannot keep a pager".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

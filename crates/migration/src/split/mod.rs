@@ -1,0 +1,312 @@
+//! Split migration (the S-memV paper): a VM whose memory fits no single
+//! host moves to a main host (vCPUs, devices, and the hot part of memory
+//! up to its budget) and memory servers (the rest), in chunks of 2^k pages
+//! ranked by the source's access history; afterwards the main host pages
+//! chunks in from the servers when the guest touches them and pages the
+//! coldest out to stay within budget.
+//!
+//! ```text
+//! source                                   main host (ferry run --incoming)   memory servers
+//!  ctl  SplitPlan{chunks, homes, servers}  ──▶  opens its store connections  ◀── StoreOpen
+//!  store StoreOpen{vm, reserve}            ──────────────────────────────────▶  store made
+//!  precopy rounds: pages of main chunks on the bulk streams to the main host,
+//!  pages of the others straight to their server; a round ends with RoundDone
+//!  on the main host and StoreSync on every server
+//!  ctl  State, (Verify), Complete          ──▶  remote chunks are holes under
+//!                                               userfaultfd; the pager starts;
+//!                                          ◀──  Started                vCPUs run
+//!  afterwards: fault on a remote chunk ── StoreFetch{page, rest of chunk, drop} ──▶
+//!              page-out of a cold chunk ── Pages + StoreSync ──────────────────▶
+//! ```
+//! Files: [`source`] (the mode's rounds and routing), [`incoming`] (the
+//! main host's phases), [`pager`] (remote paging after the switch).
+
+pub(crate) mod incoming;
+pub mod pager;
+pub(crate) mod source;
+
+use serde::{Deserialize, Serialize};
+
+use crate::memory::RegionView;
+use crate::options::Rank;
+use crate::ranges::{GpaPages, PAGE};
+use crate::transport::Endpoint;
+use crate::vm::AccessHistory;
+
+pub use pager::{PagerStats, RemotePager};
+
+/// A chunk's place in a [`SplitPlan`]: on the main host.
+pub const ON_MAIN: u16 = 0;
+
+/// The source's plan, sent to the main host before any page (v8).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitPlan {
+    /// The VM's id on the memory servers (the same on every connection).
+    pub vm: String,
+    /// Pages per chunk.
+    pub chunk_pages: u32,
+    /// The memory servers, as the main host reaches them.
+    pub servers: Vec<Endpoint>,
+    /// Per chunk (in guest address order over all regions): [`ON_MAIN`],
+    /// or 1 + the index of the server holding it.
+    pub places: Vec<u16>,
+    /// Per chunk: 1 + the server it goes to when paged out.
+    pub homes: Vec<u16>,
+    /// Chunks the main host may hold.
+    pub budget_chunks: u64,
+    /// The ranking page-out uses.
+    pub rank: Rank,
+}
+
+impl SplitPlan {
+    /// Checks the plan against the main host's memory.
+    pub fn check(&self, map: &ChunkMap) -> Result<(), String> {
+        let n = map.chunks();
+        if self.places.len() != n || self.homes.len() != n {
+            return Err(format!(
+                "the plan places {} chunks, this VM's memory has {n} of {} pages",
+                self.places.len(),
+                self.chunk_pages
+            ));
+        }
+        let servers = self.servers.len();
+        if self.places.iter().any(|&p| usize::from(p) > servers)
+            || self
+                .homes
+                .iter()
+                .any(|&h| h == ON_MAIN || usize::from(h) > servers)
+        {
+            return Err(format!("the plan names a server beyond its {servers}"));
+        }
+        let on_main = self.places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
+        if on_main > self.budget_chunks {
+            return Err(format!(
+                "the plan puts {on_main} chunks on the main host, over its budget of {}",
+                self.budget_chunks
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Guest memory cut into chunks of `chunk_pages` pages, numbered in guest
+/// address order over all regions (a region's last chunk may be short).
+#[derive(Clone, Debug)]
+pub struct ChunkMap {
+    /// Per region: (first gpa, pages, first chunk number, first page number).
+    regions: Vec<(u64, u64, usize, u64)>,
+    chunk_pages: u64,
+    chunks: usize,
+}
+
+impl ChunkMap {
+    /// The chunks of `regions`.
+    pub fn new(regions: &[RegionView], chunk_pages: u32) -> Self {
+        let chunk_pages = u64::from(chunk_pages.max(1));
+        let (mut chunks, mut pages, mut out) = (0usize, 0u64, Vec::new());
+        for r in regions {
+            out.push((r.gpa(), r.pages(), chunks, pages));
+            chunks += r.pages().div_ceil(chunk_pages) as usize;
+            pages += r.pages();
+        }
+        ChunkMap {
+            regions: out,
+            chunk_pages,
+            chunks,
+        }
+    }
+
+    /// Number of chunks.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Pages per (whole) chunk.
+    pub fn chunk_pages(&self) -> u64 {
+        self.chunk_pages
+    }
+
+    /// The chunk holding `gpa`.
+    pub fn chunk_of(&self, gpa: u64) -> Option<usize> {
+        self.regions.iter().find_map(|&(base, pages, first, _)| {
+            let off = gpa.checked_sub(base)? / PAGE;
+            (off < pages).then(|| first + (off / self.chunk_pages) as usize)
+        })
+    }
+
+    /// The page number of `gpa` over all regions (the index of its hash).
+    pub fn page_index(&self, gpa: u64) -> Option<u64> {
+        self.regions.iter().find_map(|&(base, pages, _, first)| {
+            let off = gpa.checked_sub(base)? / PAGE;
+            (off < pages).then_some(first + off)
+        })
+    }
+
+    /// The pages of chunk `c`.
+    pub fn run(&self, c: usize) -> GpaPages {
+        let &(base, pages, first, _) = self
+            .regions
+            .iter()
+            .rev()
+            .find(|r| r.2 <= c)
+            .expect("chunk numbers start at 0");
+        let start = (c - first) as u64 * self.chunk_pages;
+        GpaPages::new(
+            base + start * PAGE,
+            self.chunk_pages.min(pages.saturating_sub(start)),
+        )
+    }
+
+    /// How many pages of `runs` fall in each chunk.
+    pub fn pages_per_chunk(&self, runs: &[GpaPages]) -> Vec<u64> {
+        let mut out = vec![0u64; self.chunks];
+        self.each_piece(runs, |c, piece| out[c] += piece.pages);
+        out
+    }
+
+    /// Calls `f(chunk, piece)` for the pieces of `runs` cut at chunk borders.
+    fn each_piece(&self, runs: &[GpaPages], mut f: impl FnMut(usize, GpaPages)) {
+        for run in runs {
+            let mut gpa = run.gpa;
+            while gpa < run.end() {
+                let Some(c) = self.chunk_of(gpa) else { break };
+                let end = self.run(c).end().min(run.end());
+                f(c, GpaPages::new(gpa, (end - gpa) / PAGE));
+                gpa = end;
+            }
+        }
+    }
+
+    /// Cuts `runs` at chunk borders and sorts the pieces by the place of
+    /// their chunk: `out[p]` gets the pieces whose chunk's place is `p`.
+    pub fn route(&self, runs: &[GpaPages], places: &[u16], out: &mut [Vec<GpaPages>]) {
+        self.each_piece(runs, |c, piece| {
+            if let Some(v) = out.get_mut(usize::from(places[c])) {
+                match v.last_mut() {
+                    Some(last) if last.end() == piece.gpa => last.pages += piece.pages,
+                    _ => v.push(piece),
+                }
+            }
+        });
+    }
+}
+
+/// Each chunk's heat: the pages accessed in the last period (clock), or
+/// the sum of the pages' 8-bit aging histories (aging). No history: all 0.
+pub fn chunk_scores(map: &ChunkMap, history: Option<&AccessHistory>, rank: Rank) -> Vec<u64> {
+    let mut scores = vec![0u64; map.chunks()];
+    let Some(h) = history else { return scores };
+    let per_page = match rank {
+        Rank::Clock => &h.clock,
+        Rank::Aging => &h.aging,
+    };
+    for (ri, pages) in per_page.iter().enumerate() {
+        let Some(&(_, n, first, _)) = map.regions.get(ri) else {
+            break;
+        };
+        for (i, &v) in pages.iter().enumerate().take(n as usize) {
+            scores[first + i / map.chunk_pages as usize] += u64::from(v);
+        }
+    }
+    scores
+}
+
+/// Places chunks: the `budget` hottest on the main host (ties: lower
+/// addresses first), every chunk a home server for page-out, dealt so
+/// each server gets about the same number of pages with data. `data[c]`
+/// counts chunk c's pages with data.
+pub fn place(scores: &[u64], data: &[u64], budget: u64, servers: usize) -> (Vec<u16>, Vec<u16>) {
+    let n = scores.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&c| (std::cmp::Reverse(scores[c]), c));
+    let mut places = vec![ON_MAIN; n];
+    let mut homes = vec![1u16; n];
+    let mut load = vec![0u64; servers.max(1)];
+    for (rank, &c) in order.iter().enumerate() {
+        let s = (0..load.len()).min_by_key(|&s| (load[s], s)).unwrap_or(0);
+        homes[c] = s as u16 + 1;
+        if rank as u64 >= budget {
+            places[c] = homes[c];
+            load[s] += data[c].max(1);
+        }
+    }
+    (places, homes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn views(layout: &[(u64, u64)]) -> Vec<RegionView> {
+        // SAFETY: these views are only used for their addresses here.
+        layout
+            .iter()
+            .map(|&(gpa, size)| unsafe { RegionView::new(gpa, size, std::ptr::null_mut()) })
+            .collect()
+    }
+
+    #[test]
+    fn chunks_cover_every_region_and_routing_cuts_at_their_borders() {
+        let map = ChunkMap::new(&views(&[(0, 10 * PAGE), (1 << 32, 4 * PAGE)]), 4);
+        assert_eq!(map.chunks(), 3 + 1);
+        assert_eq!(map.run(2), GpaPages::new(8 * PAGE, 2));
+        assert_eq!(map.run(3), GpaPages::new(1 << 32, 4));
+        assert_eq!(map.chunk_of(9 * PAGE), Some(2));
+        assert_eq!(map.chunk_of((1 << 32) + 3 * PAGE), Some(3));
+        assert_eq!(map.chunk_of(10 * PAGE), None);
+        assert_eq!(map.page_index((1 << 32) + PAGE), Some(11));
+        let places = [0, 1, 0, 2];
+        let mut out = vec![Vec::new(); 3];
+        map.route(
+            &[GpaPages::new(PAGE, 9), GpaPages::new(1 << 32, 2)],
+            &places,
+            &mut out,
+        );
+        assert_eq!(
+            out[0],
+            vec![GpaPages::new(PAGE, 3), GpaPages::new(8 * PAGE, 2)]
+        );
+        assert_eq!(out[1], vec![GpaPages::new(4 * PAGE, 4)]);
+        assert_eq!(out[2], vec![GpaPages::new(1 << 32, 2)]);
+    }
+
+    #[test]
+    fn hot_chunks_fill_the_budget_and_the_rest_is_dealt_evenly() {
+        let map = ChunkMap::new(&views(&[(0, 8 * PAGE)]), 2);
+        let h = AccessHistory {
+            clock: vec![vec![0, 0, 1, 1, 0, 0, 1, 0]],
+            aging: vec![vec![0, 0, 0x80, 0x80, 0xff, 0, 0x40, 0]],
+            periods: 8,
+        };
+        assert_eq!(chunk_scores(&map, Some(&h), Rank::Clock), vec![0, 2, 0, 1]);
+        assert_eq!(
+            chunk_scores(&map, Some(&h), Rank::Aging),
+            vec![0, 0x100, 0xff, 0x40]
+        );
+        let (places, homes) = place(&[0, 2, 0, 1], &[2, 2, 2, 2], 2, 2);
+        assert_eq!(places[1], ON_MAIN);
+        assert_eq!(places[3], ON_MAIN);
+        assert!(places[0] != ON_MAIN && places[2] != ON_MAIN && places[0] != places[2]);
+        assert!(homes.iter().all(|&h| h == 1 || h == 2));
+        let plan = SplitPlan {
+            vm: "x".into(),
+            chunk_pages: 2,
+            servers: vec!["tcp:127.0.0.1:1".parse().unwrap(); 2],
+            places: places.clone(),
+            homes: homes.clone(),
+            budget_chunks: 2,
+            rank: Rank::Clock,
+        };
+        assert!(plan.check(&map).is_ok());
+        let over = SplitPlan {
+            budget_chunks: 1,
+            ..plan.clone()
+        };
+        assert!(over.check(&map).unwrap_err().contains("budget"));
+        let short = SplitPlan {
+            places: places[..3].to_vec(),
+            ..plan
+        };
+        assert!(short.check(&map).is_err());
+    }
+}

@@ -1,0 +1,657 @@
+//! Remote paging on a split VM's main host, for as long as the VM runs
+//! here. All guest RAM is under one userfaultfd (MISSING and WP, and MINOR
+//! where the kernel allows all three), served by one thread, which is the
+//! only writer of the location map, so faults, page-ins and page-outs are
+//! ordered by construction:
+//! - a MISSING fault on a chunk held here is a zero page never written:
+//!   it gets a zero page;
+//! - a MISSING fault on a remote chunk pages it in: the server sends the
+//!   faulting page first (the vCPU is woken at once), then the rest of the
+//!   chunk, and forgets it;
+//! - after a page-in over budget, the coldest chunk held here is paged
+//!   out: write-protected (writers wait), its resident pages read and sent
+//!   to its home server, synced, punched out of the memfd, unprotected;
+//!   the writers then fault MISSING and page it back in;
+//! - access sampling (with MINOR): every period a share of the chunks held
+//!   here loses its page table entries; the first access to one raises a
+//!   MINOR fault, which marks the chunk referenced and maps it back. The
+//!   ranking (clock: last period referenced; aging: 8-bit history) picks
+//!   the page-out victim.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferry_memory::{Event, Features, RegisterMode, UffdError, Userfaultfd};
+
+use crate::memory::RegionView;
+use crate::memserver::StoreClient;
+use crate::options::Rank;
+use crate::ranges::{GpaPages, PAGE};
+use crate::MigrationError;
+
+use super::{ChunkMap, SplitPlan, ON_MAIN};
+
+/// How often the pager samples accesses and ages its chunks.
+const PERIOD: Duration = Duration::from_secs(1);
+/// Most chunks armed for sampling per period (a MINOR fault costs a vCPU
+/// 30-90 µs here, so the share stays small).
+const ARM_MAX: usize = 64;
+/// Page-in latencies kept for the percentiles.
+const LATENCY_SAMPLES: usize = 1 << 16;
+
+/// What remote paging did so far (the VMM's status shows it).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PagerStats {
+    /// Pages per chunk.
+    pub chunk_pages: u64,
+    /// Chunks in all.
+    pub chunks: u64,
+    /// Chunks the main host may hold.
+    pub budget_chunks: u64,
+    /// Chunks held here now.
+    pub resident_chunks: u64,
+    /// Chunks paged in (faults on a remote chunk).
+    pub page_ins: u64,
+    /// Pages those brought (held ones; the rest of a chunk is zero).
+    pub pages_in: u64,
+    /// Chunks paged out.
+    pub page_outs: u64,
+    /// Pages those sent.
+    pub pages_out: u64,
+    /// Zero pages mapped for faults on chunks held here.
+    pub zero_fills: u64,
+    /// MINOR faults taken by access sampling.
+    pub sampled_faults: u64,
+    /// False when the kernel refused MINOR with MISSING+WP: page-out then
+    /// ranks chunks by their faults only.
+    pub sampling: bool,
+    /// Fault to wake of a page-in, µs: median, 99th percentile, most.
+    pub page_in_p50_us: f64,
+    /// As above, 99th percentile.
+    pub page_in_p99_us: f64,
+    /// As above, the most.
+    pub page_in_max_us: f64,
+    /// Why paging stopped (a memory server unreachable), if it did.
+    pub failure: Option<String>,
+}
+
+/// Counters the pager thread updates and anyone may read.
+#[derive(Default)]
+struct Counters {
+    resident: AtomicU64,
+    page_ins: AtomicU64,
+    pages_in: AtomicU64,
+    page_outs: AtomicU64,
+    pages_out: AtomicU64,
+    zero_fills: AtomicU64,
+    sampled: AtomicU64,
+}
+
+struct Shared {
+    stop: AtomicBool,
+    counters: Counters,
+    latency_us: Mutex<Vec<f64>>,
+    failure: Mutex<Option<String>>,
+    /// The location map, per chunk: [`ON_MAIN`] or 1 + server index.
+    places: Mutex<Vec<u16>>,
+}
+
+/// Remote paging for one VM; dropping it stops the thread and releases
+/// the memory from userfaultfd (the VM must not run on without it).
+pub struct RemotePager {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    map: ChunkMap,
+    budget: u64,
+    sampling: bool,
+}
+
+impl RemotePager {
+    /// Puts `regions` under userfaultfd with every chunk the plan places
+    /// elsewhere punched out, and starts serving faults. `stores` are open
+    /// on the plan's servers, in its order.
+    pub fn start(
+        regions: Vec<RegionView>,
+        plan: &SplitPlan,
+        stores: Vec<StoreClient>,
+    ) -> Result<Self, MigrationError> {
+        let map = ChunkMap::new(&regions, plan.chunk_pages);
+        plan.check(&map).map_err(MigrationError::Mismatch)?;
+        let fail = |what: &str, e: UffdError| {
+            MigrationError::Unsupported(format!("split paging needs userfaultfd {what}: {e}"))
+        };
+        let uffd = Userfaultfd::new(Features {
+            missing_shmem: true,
+            minor_shmem: true,
+            wp_shmem: true,
+            ..Default::default()
+        })
+        .or_else(|_| {
+            Userfaultfd::new(Features {
+                missing_shmem: true,
+                wp_shmem: true,
+                ..Default::default()
+            })
+        })
+        .map_err(|e| fail("(MISSING and WP on shared memory)", e))?;
+        // Remote chunks must read as missing here.
+        for (c, &p) in plan.places.iter().enumerate() {
+            if p != ON_MAIN {
+                let run = map.run(c);
+                let host = host_of(&regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
+                // SAFETY: the run lies inside a region of this VM's shared
+                // guest mapping (host_of checked), and its pages live on a
+                // memory server.
+                unsafe { ferry_memory::mapping::remove_range(host, run.bytes()) }
+                    .map_err(|e| MigrationError::vm("punch remote chunks")(e.to_string()))?;
+            }
+        }
+        let all = RegisterMode {
+            missing: true,
+            wp: true,
+            minor: true,
+        };
+        let mut sampling = true;
+        for r in &regions {
+            let got = uffd.register(r.host_start(), r.size(), all).or_else(|_| {
+                sampling = false;
+                uffd.register(
+                    r.host_start(),
+                    r.size(),
+                    RegisterMode {
+                        minor: false,
+                        ..all
+                    },
+                )
+            });
+            let ioctls = got.map_err(|e| fail("registration", e))?;
+            if !(ioctls.copy() && ioctls.zeropage() && ioctls.write_protect()) {
+                return Err(MigrationError::Unsupported(
+                    "this kernel lacks UFFDIO_COPY, ZEROPAGE or WRITEPROTECT on guest memory"
+                        .into(),
+                ));
+            }
+        }
+        let resident = plan.places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            counters: Counters::default(),
+            latency_us: Mutex::new(Vec::new()),
+            failure: Mutex::new(None),
+            places: Mutex::new(plan.places.clone()),
+        });
+        shared.counters.resident.store(resident, Ordering::Relaxed);
+        let n = map.chunks();
+        let worker = Worker {
+            uffd,
+            regions,
+            map: map.clone(),
+            homes: plan.homes.clone(),
+            servers: plan.servers.iter().map(|s| s.to_string()).collect(),
+            budget: plan.budget_chunks,
+            rank: plan.rank,
+            stores,
+            dead: vec![false; plan.servers.len()],
+            last_use: vec![0; n],
+            aging: vec![0x80; n],
+            referenced: vec![false; n],
+            armed: Vec::new(),
+            cursor: 0,
+            tick: 1,
+            sampling,
+            shared: shared.clone(),
+            parked: Vec::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("ferry-pager".into())
+            .spawn(move || worker.run())
+            .map_err(|e| MigrationError::Unsupported(format!("cannot start the pager: {e}")))?;
+        tracing::info!(
+            chunks = n,
+            resident,
+            budget = plan.budget_chunks,
+            sampling,
+            "remote paging started"
+        );
+        Ok(RemotePager {
+            shared,
+            thread: Some(thread),
+            map,
+            budget: plan.budget_chunks,
+            sampling,
+        })
+    }
+
+    /// What paging did so far.
+    pub fn stats(&self) -> PagerStats {
+        let c = &self.shared.counters;
+        let mut lat = self
+            .shared
+            .latency_us
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        lat.sort_by(f64::total_cmp);
+        let pct = |q: f64| {
+            lat.get(((lat.len() as f64 - 1.0) * q).round() as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        PagerStats {
+            chunk_pages: self.map.chunk_pages(),
+            chunks: self.map.chunks() as u64,
+            budget_chunks: self.budget,
+            resident_chunks: c.resident.load(Ordering::Relaxed),
+            page_ins: c.page_ins.load(Ordering::Relaxed),
+            pages_in: c.pages_in.load(Ordering::Relaxed),
+            page_outs: c.page_outs.load(Ordering::Relaxed),
+            pages_out: c.pages_out.load(Ordering::Relaxed),
+            zero_fills: c.zero_fills.load(Ordering::Relaxed),
+            sampled_faults: c.sampled.load(Ordering::Relaxed),
+            sampling: self.sampling,
+            page_in_p50_us: pct(0.5),
+            page_in_p99_us: pct(0.99),
+            page_in_max_us: lat.last().copied().unwrap_or(0.0),
+            failure: self.failure(),
+        }
+    }
+
+    /// Why paging stopped, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// A copy of the location map: per chunk, [`ON_MAIN`] or 1 + server.
+    pub fn places(&self) -> Vec<u16> {
+        self.shared
+            .places
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for RemotePager {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn host_of(regions: &[RegionView], gpa: u64) -> Option<u64> {
+    crate::memory::region_of(regions, gpa)
+        .and_then(|(_, r)| r.host_range(gpa, PAGE))
+        .map(|p| p as u64)
+}
+
+fn bad_gpa(gpa: u64) -> MigrationError {
+    MigrationError::Mismatch(format!("guest address {gpa:#x} is outside the VM's memory"))
+}
+
+/// The pager thread's own state.
+struct Worker {
+    uffd: Userfaultfd,
+    regions: Vec<RegionView>,
+    map: ChunkMap,
+    homes: Vec<u16>,
+    servers: Vec<String>,
+    budget: u64,
+    rank: Rank,
+    stores: Vec<StoreClient>,
+    /// Servers that failed: their chunks cannot come back.
+    dead: Vec<bool>,
+    /// Per chunk: the period it was last seen used.
+    last_use: Vec<u64>,
+    /// Per chunk: aging history (top bit = the latest period).
+    aging: Vec<u8>,
+    /// Per chunk: referenced since it was armed.
+    referenced: Vec<bool>,
+    /// Chunks armed this period.
+    armed: Vec<usize>,
+    /// Where the next arming starts.
+    cursor: usize,
+    tick: u64,
+    sampling: bool,
+    shared: Arc<Shared>,
+    /// Faults on chunks of a dead server: never woken (the VM stops).
+    parked: Vec<u64>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        let mut events = Vec::new();
+        let mut next_period = Instant::now() + PERIOD;
+        while !self.shared.stop.load(Ordering::Acquire) {
+            if Instant::now() >= next_period {
+                self.period();
+                next_period = Instant::now() + PERIOD;
+            }
+            match self.uffd.poll(Duration::from_millis(20)) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    self.fail(format!("reading userfaultfd: {e}"));
+                    break;
+                }
+            }
+            events.clear();
+            if let Err(e) = self.uffd.read_events(&mut events) {
+                self.fail(format!("reading userfaultfd: {e}"));
+                break;
+            }
+            for ev in &events {
+                if let Event::PageFault {
+                    addr, wp, minor, ..
+                } = *ev
+                {
+                    if let Err(e) = self.fault(addr, wp, minor) {
+                        self.fail(e.to_string());
+                    }
+                }
+            }
+        }
+        for r in &self.regions {
+            let _ = self.uffd.unregister(r.host_start(), r.size());
+        }
+    }
+
+    fn fail(&self, why: String) {
+        tracing::error!(%why, "remote paging failed");
+        let mut f = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        f.get_or_insert(why);
+    }
+
+    fn place(&self, c: usize) -> u16 {
+        self.shared.places.lock().unwrap_or_else(|e| e.into_inner())[c]
+    }
+
+    fn set_place(&self, c: usize, p: u16) {
+        self.shared.places.lock().unwrap_or_else(|e| e.into_inner())[c] = p;
+    }
+
+    fn fault(&mut self, addr: u64, wp: bool, minor: bool) -> Result<(), MigrationError> {
+        let page = addr & !(PAGE - 1);
+        let Some(gpa) = self.regions.iter().find_map(|r| r.gpa_of_host(page)) else {
+            return Ok(());
+        };
+        let Some(c) = self.map.chunk_of(gpa) else {
+            return Ok(());
+        };
+        if wp {
+            // A write that waited on a page-out, which has finished: the
+            // page is gone now, and the retry faults MISSING.
+            let _ = self.uffd.wake(page, PAGE);
+            return Ok(());
+        }
+        if minor {
+            self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
+            self.referenced[c] = true;
+            self.last_use[c] = self.tick;
+            return self.map_back(c, page);
+        }
+        let place = self.place(c);
+        if place == ON_MAIN {
+            self.last_use[c] = self.tick;
+            return match self.uffd.zeropage(page, PAGE) {
+                Ok(_) => {
+                    self.shared
+                        .counters
+                        .zero_fills
+                        .fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
+                // Filled since (a second fault on the same page).
+                Err(UffdError::AlreadyMapped { .. }) => {
+                    let _ = self.uffd.wake(page, PAGE);
+                    Ok(())
+                }
+                Err(e) => Err(uffd_err("zero page", e)),
+            };
+        }
+        let server = usize::from(place) - 1;
+        if self.dead[server] {
+            self.parked.push(gpa);
+            return Ok(());
+        }
+        let t = Instant::now();
+        if let Err(e) = self.page_in(c, gpa, server, t) {
+            self.dead[server] = true;
+            self.parked.push(gpa);
+            return Err(MigrationError::Unsupported(format!(
+                "memory server {} failed while paging in {gpa:#x}: {e}; the VM's pages there are out of reach",
+                self.servers[server]
+            )));
+        }
+        self.keep_budget(c)
+    }
+
+    /// A sampled chunk was touched: maps its resident pages back at once,
+    /// so the chunk costs one MINOR fault per period, not one per page.
+    fn map_back(&mut self, c: usize, page: u64) -> Result<(), MigrationError> {
+        let run = self.map.run(c);
+        let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
+        // SAFETY: the chunk lies inside this VM's guest mapping (host_of).
+        let resident =
+            unsafe { ferry_memory::mapping::resident_pages(host, run.bytes()) }.unwrap_or_default();
+        for (i, n) in runs_of(&resident) {
+            let at = host + i as u64 * PAGE;
+            if let Err(UffdError::AlreadyMapped { .. }) =
+                self.uffd.continue_range(at, n as u64 * PAGE)
+            {
+                // Some are mapped already: one by one.
+                for p in 0..n as u64 {
+                    let _ = self.uffd.continue_range(at + p * PAGE, PAGE);
+                }
+            }
+        }
+        let _ = self.uffd.wake(page, PAGE);
+        Ok(())
+    }
+
+    /// Brings chunk `c` from `server`: the page at `gpa` first (its vCPU
+    /// is woken as soon as it is in), then the rest; the server forgets it.
+    fn page_in(
+        &mut self,
+        c: usize,
+        gpa: u64,
+        server: usize,
+        t: Instant,
+    ) -> Result<(), MigrationError> {
+        let run = self.map.run(c);
+        let runs: Vec<GpaPages> = [
+            GpaPages::new(gpa, 1),
+            GpaPages::new(gpa + PAGE, (run.end() - gpa) / PAGE - 1),
+            GpaPages::new(run.gpa, (gpa - run.gpa) / PAGE),
+        ]
+        .into_iter()
+        .filter(|r| r.pages > 0)
+        .collect();
+        let (uffd, regions, shared) = (&self.uffd, &self.regions, &self.shared);
+        let mut pages = 0u64;
+        self.stores[server].fetch_runs(&runs, true, |i, gpas, data| {
+            for (j, &g) in gpas.iter().enumerate() {
+                let host = host_of(regions, g).ok_or_else(|| bad_gpa(g))?;
+                match uffd.copy(host, &data[j * PAGE as usize..][..PAGE as usize], i == 0) {
+                    Ok(_) | Err(UffdError::AlreadyMapped { .. }) => pages += 1,
+                    Err(e) => return Err(uffd_err("copy", e)),
+                }
+            }
+            if i == 0 {
+                if gpas.is_empty() {
+                    // A zero page: the server held nothing for it.
+                    let host = host_of(regions, gpa).ok_or_else(|| bad_gpa(gpa))?;
+                    match uffd.zeropage(host, PAGE) {
+                        Ok(_) | Err(UffdError::AlreadyMapped { .. }) => {}
+                        Err(e) => return Err(uffd_err("zero page", e)),
+                    }
+                }
+                let mut lat = shared.latency_us.lock().unwrap_or_else(|e| e.into_inner());
+                if lat.len() < LATENCY_SAMPLES {
+                    lat.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            Ok(())
+        })?;
+        // The rest of the chunk stays missing: zero pages, filled when touched.
+        self.set_place(c, ON_MAIN);
+        self.last_use[c] = self.tick;
+        self.referenced[c] = true;
+        self.aging[c] |= 0x80;
+        let k = &self.shared.counters;
+        k.resident.fetch_add(1, Ordering::Relaxed);
+        k.page_ins.fetch_add(1, Ordering::Relaxed);
+        k.pages_in.fetch_add(pages, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Pages out the coldest chunks until the main host is within budget
+    /// (never `keep`, just paged in).
+    fn keep_budget(&mut self, keep: usize) -> Result<(), MigrationError> {
+        while self.shared.counters.resident.load(Ordering::Relaxed) > self.budget {
+            let places = self.shared.places.lock().unwrap_or_else(|e| e.into_inner());
+            let victim = (0..places.len())
+                .filter(|&c| places[c] == ON_MAIN && c != keep)
+                .min_by_key(|&c| match self.rank {
+                    Rank::Clock => (self.last_use[c], 0u8, c),
+                    Rank::Aging => (0, self.aging[c], c),
+                });
+            drop(places);
+            let Some(victim) = victim else { return Ok(()) };
+            let home = usize::from(self.homes[victim]) - 1;
+            if self.dead[home] {
+                return Ok(());
+            }
+            if let Err(e) = self.page_out(victim, home) {
+                self.dead[home] = true;
+                return Err(MigrationError::Unsupported(format!(
+                    "memory server {} failed while paging out: {e}; the main host stays over budget",
+                    self.servers[home]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves chunk `c` to `server`: write-protect, read, send, sync, punch,
+    /// unprotect (writers blocked meanwhile fault MISSING next).
+    fn page_out(&mut self, c: usize, server: usize) -> Result<(), MigrationError> {
+        let run = self.map.run(c);
+        let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
+        let len = run.bytes();
+        self.uffd
+            .write_protect(host, len, true)
+            .map_err(|e| uffd_err("write-protect", e))?;
+        let result = (|| -> Result<u64, MigrationError> {
+            // SAFETY: the chunk lies inside this VM's guest mapping.
+            let resident = unsafe { ferry_memory::mapping::resident_pages(host, len) }
+                .map_err(|e| MigrationError::vm("mincore")(e.to_string()))?;
+            let (mut gpas, mut data) = (Vec::new(), Vec::new());
+            let mut page = vec![0u8; PAGE as usize];
+            let view = crate::memory::region_of(&self.regions, run.gpa)
+                .map(|(_, r)| *r)
+                .ok_or_else(|| bad_gpa(run.gpa))?;
+            for (i, &here) in resident.iter().enumerate() {
+                let g = run.gpa + i as u64 * PAGE;
+                // Only resident pages are read: reading a hole would fault
+                // on this very thread.
+                if here && view.read(g, &mut page) && !crate::memory::is_zero(&page) {
+                    gpas.push(g);
+                    data.extend_from_slice(&page);
+                }
+            }
+            let store = &mut self.stores[server];
+            store.put(&gpas, &data)?;
+            store.sync()?;
+            // SAFETY: as above; the chunk's data is on its server now.
+            unsafe { ferry_memory::mapping::remove_range(host, len) }
+                .map_err(|e| MigrationError::vm("punch a paged-out chunk")(e.to_string()))?;
+            Ok(gpas.len() as u64)
+        })();
+        self.uffd
+            .write_protect(host, len, false)
+            .map_err(|e| uffd_err("unprotect", e))?;
+        let _ = self.uffd.wake(host, len);
+        let pages = result?;
+        self.set_place(c, server as u16 + 1);
+        let k = &self.shared.counters;
+        k.resident.fetch_sub(1, Ordering::Relaxed);
+        k.page_outs.fetch_add(1, Ordering::Relaxed);
+        k.pages_out.fetch_add(pages, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Ends a sampling period: ages the chunks armed in it and arms the
+    /// next share of the chunks held here.
+    fn period(&mut self) {
+        for &c in &self.armed {
+            self.aging[c] = (self.aging[c] >> 1) | if self.referenced[c] { 0x80 } else { 0 };
+        }
+        self.armed.clear();
+        self.tick += 1;
+        if !self.sampling {
+            return;
+        }
+        let places = self
+            .shared
+            .places
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let n = places.len();
+        let want =
+            (self.shared.counters.resident.load(Ordering::Relaxed) as usize / 4).clamp(1, ARM_MAX);
+        let mut seen = 0;
+        while self.armed.len() < want && seen < n {
+            let c = self.cursor;
+            self.cursor = (self.cursor + 1) % n;
+            seen += 1;
+            if places[c] != ON_MAIN {
+                continue;
+            }
+            let run = self.map.run(c);
+            let Some(host) = host_of(&self.regions, run.gpa) else {
+                continue;
+            };
+            // SAFETY: the chunk lies inside this VM's shared guest mapping;
+            // only page table entries go, the memfd keeps the pages.
+            if unsafe { ferry_memory::mapping::drop_ptes(host, run.bytes()) }.is_ok() {
+                self.referenced[c] = false;
+                self.armed.push(c);
+            }
+        }
+    }
+}
+
+/// Runs of `true` in `v` as (start, length).
+fn runs_of(v: &[bool]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        if v[i] {
+            let s = i;
+            while i < v.len() && v[i] {
+                i += 1;
+            }
+            out.push((s, i - s));
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+fn uffd_err(what: &str, e: UffdError) -> MigrationError {
+    MigrationError::Unsupported(format!("remote paging: {what}: {e}"))
+}

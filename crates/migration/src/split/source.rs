@@ -1,0 +1,235 @@
+//! The source's side of split migration: a precopy whose pages are routed
+//! by chunk. [`Router::open`] ranks the chunks, places them, opens a store
+//! on every memory server and sends the plan to the main host; each round
+//! then goes to the main host's bulk streams (precopy's sender) and, at the
+//! same time, straight to the servers, one thread per server, ending with
+//! a StoreSync on each (the servers' round barrier).
+
+use std::time::Instant;
+
+use crate::memory::{is_zero, RegionView};
+use crate::memserver::{StoreClient, StoreOpen};
+use crate::protocol::{self, Kind, PAGE};
+use crate::ranges::GpaPages;
+use crate::session::SourceSession;
+use crate::stats::{RoundStats, SplitServerStats, SplitStats};
+use crate::MigrationError;
+
+use super::{chunk_scores, place, ChunkMap, SplitPlan, ON_MAIN};
+
+/// Routes a precopy's pages to the main host and the memory servers.
+pub(crate) struct Router {
+    map: ChunkMap,
+    places: Vec<u16>,
+    stores: Vec<StoreClient>,
+    stats: SplitStats,
+    /// Complete went out: the main host may run the VM on these stores.
+    committed: bool,
+}
+
+impl Router {
+    /// Ranks and places the chunks, opens the stores and sends the plan.
+    pub(crate) fn open(s: &mut SourceSession) -> Result<Self, MigrationError> {
+        if s.version < protocol::VERSION_SPLIT {
+            return Err(MigrationError::Unsupported(format!(
+                "the main host speaks protocol v{}; split needs v{} (a newer ferry there)",
+                s.version,
+                protocol::VERSION_SPLIT
+            )));
+        }
+        let sp = &s.opts.split;
+        let map = ChunkMap::new(&s.regions, sp.chunk_pages);
+        let history = s.vm.access_history();
+        let scores = chunk_scores(&map, history.as_ref(), sp.rank);
+        let vm = s.vm;
+        let (data, _) = crate::dirty::first_round(&s.regions, |i| vm.data_ranges(i));
+        let data_pages = map.pages_per_chunk(&data);
+        let budget = sp.main_budget / (map.chunk_pages() * crate::ranges::PAGE);
+        let (places, homes) = place(&scores, &data_pages, budget, sp.subs.len());
+        let vm_id = format!("{:016x}", s.id());
+        let layout: Vec<(u64, u64)> = s.regions.iter().map(|r| (r.gpa(), r.size())).collect();
+        let mut stores = Vec::new();
+        let mut servers = Vec::new();
+        for (i, to) in sp.subs.iter().enumerate() {
+            let mine = |c: &usize| places[*c] == i as u16 + 1;
+            let chunks = (0..map.chunks()).filter(mine).count() as u64;
+            let reserve: u64 = (0..map.chunks()).filter(mine).map(|c| data_pages[c]).sum();
+            let open = StoreOpen {
+                vm: vm_id.clone(),
+                regions: layout.clone(),
+                reserve_pages: reserve,
+            };
+            let (client, ack) = StoreClient::open(to, s.opts.timeout(), &open)
+                .map_err(|e| MigrationError::Unsupported(format!("memory server {to}: {e}")))?;
+            tracing::info!(%to, chunks, reserve, free = ack.free_pages, "memory server store open");
+            stores.push(client);
+            servers.push(SplitServerStats {
+                addr: to.to_string(),
+                chunks,
+                ..Default::default()
+            });
+        }
+        let main_chunks = places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
+        let plan = SplitPlan {
+            vm: vm_id,
+            chunk_pages: sp.chunk_pages,
+            servers: sp.subs.clone(),
+            places: places.clone(),
+            homes,
+            budget_chunks: budget,
+            rank: sp.rank,
+        };
+        s.ctl()?.send(Kind::SplitPlan, &plan)?;
+        s.tel.event(
+            "split_plan",
+            format!(
+                "{main_chunks} of {} chunks on the main host, the rest on {} servers",
+                map.chunks(),
+                sp.subs.len()
+            ),
+        );
+        let stats = SplitStats {
+            chunk_pages: sp.chunk_pages,
+            chunks: map.chunks() as u64,
+            main_chunks,
+            budget_chunks: budget,
+            rank: sp.rank.to_string(),
+            history_periods: history.map_or(0, |h| h.periods),
+            servers,
+        };
+        Ok(Router {
+            map,
+            places,
+            stores,
+            stats,
+            committed: false,
+        })
+    }
+
+    /// Sends one round: `main(runs, holes)` sends the main host's share on
+    /// this thread while each server's share goes out on its own thread;
+    /// returns main's result with the servers' pages and bytes added, once
+    /// every server has everything.
+    pub(crate) fn round(
+        &mut self,
+        regions: &[RegionView],
+        runs: &[GpaPages],
+        holes: &[GpaPages],
+        main: impl FnOnce(&[GpaPages], &[GpaPages]) -> Result<(RoundStats, Vec<u64>), MigrationError>,
+    ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
+        let t0 = Instant::now();
+        let places = self.stores.len() + 1;
+        let mut routed = vec![Vec::new(); places];
+        self.map.route(runs, &self.places, &mut routed);
+        let mut main_holes = vec![Vec::new(); places];
+        self.map.route(holes, &self.places, &mut main_holes);
+        let mine = std::mem::take(&mut routed[0]);
+        let (result, shares) = std::thread::scope(|sc| {
+            let threads: Vec<_> = self
+                .stores
+                .iter_mut()
+                .zip(routed.iter().skip(1))
+                .map(|(store, share)| sc.spawn(move || put_share(store, regions, share)))
+                .collect();
+            let result = main(&mine, &main_holes[0]);
+            let shares: Vec<_> = threads
+                .into_iter()
+                .map(|t| {
+                    t.join().unwrap_or_else(|_| {
+                        Err(MigrationError::Unsupported(
+                            "a memory server thread panicked".into(),
+                        ))
+                    })
+                })
+                .collect();
+            (result, shares)
+        });
+        let (mut rs, frames) = result?;
+        for (share, server) in shares.into_iter().zip(&mut self.stats.servers) {
+            let (pages, zero, bytes) = share?;
+            server.pages += pages;
+            server.bytes += bytes;
+            rs.pages += pages;
+            rs.zero_pages += zero;
+            rs.bytes += bytes;
+        }
+        rs.secs = t0.elapsed().as_secs_f64();
+        rs.throughput = rs.bytes as f64 / rs.secs.max(1e-6);
+        Ok((rs, frames))
+    }
+
+    /// Complete is about to go out: from here the main host may run the VM
+    /// on these stores, so a failure must not free them.
+    pub(crate) fn commit(&mut self) {
+        self.committed = true;
+    }
+
+    /// What the split did.
+    pub(crate) fn stats(&self) -> SplitStats {
+        self.stats.clone()
+    }
+}
+
+impl Drop for Router {
+    /// A migration that failed before Complete leaves nothing on the
+    /// servers (the VM runs on here).
+    fn drop(&mut self) {
+        if !self.committed {
+            for store in self.stores.drain(..) {
+                let _ = store.close();
+            }
+        }
+    }
+}
+
+/// Puts one server's share of a round: pages with data go out, pages
+/// that became zero are dropped there (absent means zero); then waits
+/// until the server has them all. Returns (pages, zero pages, bytes).
+fn put_share(
+    store: &mut StoreClient,
+    regions: &[RegionView],
+    runs: &[GpaPages],
+) -> Result<(u64, u64, u64), MigrationError> {
+    const BATCH: usize = protocol::MAX_BATCH;
+    let (mut gpas, mut data, mut zero) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut pages, mut zeros, mut bytes) = (0u64, 0u64, 0u64);
+    let mut page = vec![0u8; PAGE];
+    let mut flush = |gpas: &mut Vec<u64>, data: &mut Vec<u8>, store: &mut StoreClient| {
+        if gpas.is_empty() {
+            return Ok(());
+        }
+        bytes += (protocol::HEADER + 4 + gpas.len() * (8 + PAGE)) as u64;
+        let r = store.put(gpas, data);
+        gpas.clear();
+        data.clear();
+        r
+    };
+    for run in runs {
+        for gpa in run.page_addrs() {
+            let Some((_, r)) = crate::memory::region_of(regions, gpa) else {
+                continue;
+            };
+            r.read(gpa, &mut page);
+            if is_zero(&page) {
+                zeros += 1;
+                match zero.last_mut() {
+                    Some(GpaPages { gpa: g, pages: n }) if *g + *n * PAGE as u64 == gpa => *n += 1,
+                    _ => zero.push(GpaPages::new(gpa, 1)),
+                }
+                continue;
+            }
+            pages += 1;
+            gpas.push(gpa);
+            data.extend_from_slice(&page);
+            if gpas.len() == BATCH {
+                flush(&mut gpas, &mut data, store)?;
+            }
+        }
+    }
+    flush(&mut gpas, &mut data, store)?;
+    if !zero.is_empty() {
+        store.drop_runs(&zero)?;
+    }
+    store.sync()?;
+    Ok((pages, zeros, bytes))
+}

@@ -1,0 +1,329 @@
+//! Split migration on plain memory over loopback: a source whose access
+//! history marks some chunks hot moves to a main host (memfd under real
+//! userfaultfd) holding a quarter of its memory, and two memory servers
+//! holding the rest. After the switch a "vCPU" thread reads every page and
+//! writes some, twice over, so chunks are paged in and out many times;
+//! every byte must be the source's, every write must survive page-out and
+//! page-in, and the main host must stay within its budget.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_memory::MemfdRegion;
+use ferry_migration::memserver::MemServer;
+use ferry_migration::split::RemotePager;
+use ferry_migration::{
+    incoming, AccessHistory, Backend, Endpoint, GpaBytes, GpaPages, IncomingVm, Listener,
+    MigratableVm, MigrateOptions, Mode, OffsetBytes, PageStore, Rank, RegionView, SplitOptions,
+    VmOpError,
+};
+
+const PAGE: usize = 4096;
+const LAYOUT: &[(u64, u64)] = &[(0, 1024 * PAGE as u64), (0x1_0000_0000, 512 * PAGE as u64)];
+const CHUNK: u32 = 16;
+
+fn content(gpa: u64, i: usize) -> u8 {
+    // Every third page stays zero.
+    if (gpa / PAGE as u64).is_multiple_of(3) {
+        0
+    } else {
+        (gpa >> 12) as u8 ^ (i as u8).wrapping_mul(13) | 1
+    }
+}
+
+struct Source {
+    mem: Vec<Mutex<Vec<u8>>>,
+}
+
+impl Source {
+    fn new() -> Self {
+        let mem = LAYOUT
+            .iter()
+            .map(|&(gpa, size)| {
+                let v = (0..size as usize)
+                    .map(|i| content(gpa + (i / PAGE * PAGE) as u64, i % PAGE))
+                    .collect();
+                Mutex::new(v)
+            })
+            .collect();
+        Source { mem }
+    }
+
+    fn byte(&self, gpa: u64, off: usize) -> u8 {
+        let (i, &(base, _)) = LAYOUT
+            .iter()
+            .enumerate()
+            .find(|(_, &(b, s))| gpa >= b && gpa < b + s)
+            .unwrap();
+        self.mem[i].lock().unwrap()[(gpa - base) as usize + off]
+    }
+}
+
+impl MigratableVm for Source {
+    fn regions(&self) -> Vec<RegionView> {
+        LAYOUT
+            .iter()
+            .zip(&self.mem)
+            // SAFETY: each Vec lives as long as the Source and is never resized.
+            .map(|(&(gpa, size), m)| unsafe {
+                RegionView::new(gpa, size, m.lock().unwrap().as_mut_ptr())
+            })
+            .collect()
+    }
+    fn vcpus(&self) -> u32 {
+        1
+    }
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        let m = self.mem[index].lock().unwrap();
+        m.chunks(PAGE)
+            .enumerate()
+            .filter(|(_, page)| page.iter().any(|&b| b != 0))
+            .map(|(p, _)| OffsetBytes::new((p * PAGE) as u64, PAGE as u64))
+            .collect()
+    }
+    fn start_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
+        // Pages 200..260 of region 0 change every round (they span main
+        // and remote chunks), and page 3 (zero) gets data.
+        let mut m = self.mem[0].lock().unwrap();
+        let mut bm = vec![0u64; 1024 / 64];
+        for p in (200..260usize).chain([3]) {
+            m[p * PAGE + 9] = m[p * PAGE + 9].wrapping_add(1) | 1;
+            bm[p / 64] |= 1 << (p % 64);
+        }
+        Ok(vec![bm, vec![0u64; 512 / 64]])
+    }
+    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn pause(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn resume(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
+        Ok(b"vcpu state".to_vec())
+    }
+    fn host_written_ranges(&self) -> Vec<GpaBytes> {
+        Vec::new()
+    }
+    /// The second region's first 8 chunks are hot.
+    fn access_history(&self) -> Option<AccessHistory> {
+        let mut clock: Vec<Vec<u8>> = LAYOUT
+            .iter()
+            .map(|&(_, s)| vec![0; s as usize / PAGE])
+            .collect();
+        clock[1][..8 * CHUNK as usize].fill(1);
+        let aging = clock
+            .iter()
+            .map(|r| r.iter().map(|&b| b * 0x80).collect())
+            .collect();
+        Some(AccessHistory {
+            clock,
+            aging,
+            periods: 1,
+        })
+    }
+}
+
+struct Dest {
+    regions: Vec<MemfdRegion>,
+    pager: Mutex<Option<RemotePager>>,
+}
+
+impl PageStore for Dest {
+    fn regions(&self) -> Vec<RegionView> {
+        self.regions
+            .iter()
+            // SAFETY: the regions live as long as the Dest.
+            .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
+            .collect()
+    }
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        self.regions[index]
+            .data_ranges()
+            .into_iter()
+            .map(|(o, l)| OffsetBytes::new(o, l))
+            .collect()
+    }
+    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
+        let r = self
+            .regions
+            .iter()
+            .find(|r| r.contains(run.gpa, run.bytes()))
+            .ok_or("outside")?;
+        Ok(r.punch_hole(run.gpa - r.gpa(), run.bytes())?)
+    }
+}
+
+impl IncomingVm for Dest {
+    fn vcpus(&self) -> u32 {
+        1
+    }
+    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
+        assert_eq!(state, b"vcpu state");
+        Ok(())
+    }
+    fn start(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn takes_pager(&self) -> bool {
+        true
+    }
+    fn adopt_pager(&self, pager: RemotePager) -> Result<(), RemotePager> {
+        *self.pager.lock().unwrap() = Some(pager);
+        Ok(())
+    }
+}
+
+fn host(dst: &Dest, gpa: u64) -> *mut u8 {
+    let r = dst.regions.iter().find(|r| r.contains(gpa, 1)).unwrap();
+    // SAFETY: `gpa` lies in `r` (checked above).
+    unsafe { r.host_addr().add((gpa - r.gpa()) as usize) }
+}
+
+fn server() -> (Arc<MemServer>, Endpoint) {
+    let l = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
+    let at = l.endpoint();
+    let s = MemServer::new(1 << 20);
+    let s2 = s.clone();
+    std::thread::spawn(move || s2.serve(&l));
+    (s, at)
+}
+
+fn usable() -> bool {
+    let f = ferry_memory::Features {
+        missing_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    };
+    match ferry_memory::Userfaultfd::new(f) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: split paging needs userfaultfd MISSING+WP on memfd: {e}");
+            false
+        }
+    }
+}
+
+fn split(rank: Rank) {
+    if !usable() {
+        return;
+    }
+    let (s1, a1) = server();
+    let (s2, a2) = server();
+    let src = Source::new();
+    let dst = Dest {
+        regions: LAYOUT
+            .iter()
+            .map(|&(gpa, size)| MemfdRegion::new("main", gpa, size).unwrap())
+            .collect(),
+        pager: Mutex::new(None),
+    };
+    let total: u64 = LAYOUT.iter().map(|r| r.1).sum();
+    let opts = MigrateOptions {
+        mode: Mode::Split,
+        verify: true,
+        streams: 2,
+        max_rounds: 2,
+        downtime_ms: 0.0,
+        split: SplitOptions {
+            subs: vec![a1, a2],
+            main_budget: total / 4,
+            chunk_pages: CHUNK,
+            rank,
+        },
+        ..Default::default()
+    };
+    let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
+    let to = listener.endpoint();
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = ferry_migration::migrate(&src, &to, &opts, &Backend::cpu(), &|_| {});
+        d.join().unwrap().unwrap();
+        st.unwrap()
+    });
+    let sp = stats.split.clone().expect("split stats");
+    let chunks = total / (u64::from(CHUNK) * PAGE as u64);
+    assert_eq!(sp.chunks, chunks);
+    assert_eq!(sp.budget_chunks, chunks / 4);
+    assert_eq!(sp.main_chunks, chunks / 4);
+    assert_eq!(sp.history_periods, 1);
+    assert!(sp.servers.iter().all(|s| s.pages > 0), "{sp:?}");
+    assert!(stats.verified_pages > 0);
+    // The hot chunks went to the main host: they hold data before any
+    // fault (nothing paged in yet).
+    let r1 = &dst.regions[1];
+    assert!(r1.holds_data(PAGE as u64, PAGE as u64));
+    {
+        let pager = dst.pager.lock().unwrap();
+        let st = pager.as_ref().expect("the VM keeps its pager").stats();
+        assert_eq!(st.page_ins, 0);
+        assert_eq!(st.resident_chunks, chunks / 4);
+    }
+    // Two passes over every page: read it, write every 5th page, then read
+    // the writes back after the second pass paged everything around again.
+    let pages: Vec<u64> = LAYOUT
+        .iter()
+        .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
+        .collect();
+    let hosts: Vec<usize> = pages.iter().map(|&g| host(&dst, g) as usize).collect();
+    let toucher = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for pass in 0..2 {
+            for (k, &h) in hosts.iter().enumerate() {
+                let p = h as *mut u8;
+                // SAFETY: `h` points into a live memfd mapping; a page held
+                // by a memory server blocks this thread until it is in.
+                unsafe {
+                    seen.push((k, pass, p.add(17).read_volatile(), p.add(1).read_volatile()));
+                    if pass == 0 && k % 5 == 0 {
+                        p.add(1).write_volatile(0xAB);
+                    }
+                }
+            }
+        }
+        seen
+    });
+    let seen = toucher.join().unwrap();
+    for (k, pass, b17, b1) in seen {
+        let gpa = pages[k];
+        assert_eq!(b17, src.byte(gpa, 17), "byte 17 of {gpa:#x}, pass {pass}");
+        if pass == 1 && k % 5 == 0 {
+            assert_eq!(b1, 0xAB, "the write to {gpa:#x} survived paging");
+        } else if pass == 0 {
+            assert_eq!(b1, src.byte(gpa, 1), "byte 1 of {gpa:#x}");
+        }
+    }
+    let pager = dst.pager.lock().unwrap().take().unwrap();
+    let st = pager.stats();
+    assert!(st.failure.is_none(), "{:?}", st.failure);
+    assert!(st.page_ins >= chunks / 2, "{st:?}");
+    assert!(st.page_outs >= chunks / 2, "{st:?}");
+    assert!(st.resident_chunks <= chunks / 4, "{st:?}");
+    assert!(st.page_in_p50_us > 0.0);
+    let held = (s1.capacity_pages() - s1.free_pages()) + (s2.capacity_pages() - s2.free_pages());
+    // Paged-in chunks left the servers: what they hold is no more than
+    // the chunks not on the main host.
+    let remote = st.chunks - st.resident_chunks;
+    assert!(
+        held <= remote * u64::from(CHUNK),
+        "{held} pages held for {remote} chunks"
+    );
+    assert!(held > 0);
+    eprintln!("{rank}: {st:?}, servers hold {held} pages");
+    drop(pager);
+}
+
+#[test]
+fn split_with_clock_pages_chunks_in_and_out_and_loses_nothing() {
+    split(Rank::Clock);
+}
+
+#[test]
+fn split_with_aging_pages_chunks_in_and_out_and_loses_nothing() {
+    split(Rank::Aging);
+}
