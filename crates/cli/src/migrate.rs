@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use ferry_migration::options::defaults;
 use ferry_migration::{
     BackendKind, Compress, CompressOptions, Endpoint, MigrateOptions, MigrationStats, Mode,
-    PostcopyAfter, Progress,
+    PostcopyAfter, Progress, Rank, SplitOptions,
 };
 use ferry_vmm::control::{ControlClient, MigrateRequest, Request};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -24,7 +24,8 @@ pub struct MigrateArgs {
     /// Destination: tcp:HOST:PORT, or unix:PATH on this host (a `ferry run
     /// --incoming` there). With --resume: where the destination is now, if
     /// it moved.
-    #[arg(long, required_unless_present = "resume")]
+    /// (--main with --mode split: the main host.)
+    #[arg(long, alias = "main", required_unless_present = "resume")]
     to: Option<Endpoint>,
     /// Continue this VM's postcopy migration that paused on a broken link
     /// (the destination must still wait for it: its --reconnect-timeout).
@@ -39,6 +40,25 @@ pub struct MigrateArgs {
     /// has not converged after --postcopy-after).
     #[arg(long, default_value_t = Mode::Precopy)]
     mode: Mode,
+    /// Split: the memory servers (`ferry memserver`) that hold what the
+    /// main host does not, comma-separated tcp:HOST:PORT.
+    #[arg(long = "sub", value_delimiter = ',')]
+    subs: Vec<Endpoint>,
+    /// Split: guest memory the main host holds (e.g. 256M); the hottest
+    /// chunks go there.
+    #[arg(long, value_parser = parse_mem_size)]
+    main_budget: Option<u64>,
+    /// Split: pages per chunk, the unit of placement and paging (a power
+    /// of two up to 4096).
+    #[arg(long, default_value_t = defaults::CHUNK_PAGES)]
+    chunk_pages: u32,
+    /// Split: how chunks are ranked hot or cold: clock or aging.
+    #[arg(long, default_value_t = Rank::Clock)]
+    rank: Rank,
+    /// Split: copies of every chunk on the memory servers (2: the VM
+    /// survives losing one server).
+    #[arg(long, default_value_t = 1)]
+    replicas: u8,
     /// Postcopy: pages sent on each side of a faulting page (0 = only the page).
     #[arg(long, default_value_t = defaults::PREFETCH)]
     prefetch: u32,
@@ -131,8 +151,21 @@ impl MigrateArgs {
                 workers: self.compress_threads,
                 caches,
             },
+            split: SplitOptions {
+                subs: self.subs.clone(),
+                main_budget: self.main_budget.unwrap_or(0),
+                chunk_pages: self.chunk_pages,
+                rank: self.rank,
+                replicas: self.replicas,
+            },
             ..base
         };
+        if self.mode != Mode::Split && (!self.subs.is_empty() || self.main_budget.is_some()) {
+            anyhow::bail!("--sub and --main-budget are for --mode split");
+        }
+        if self.mode == Mode::Split && self.main_budget.is_none() {
+            anyhow::bail!("--mode split needs --main-budget (the memory the main host holds)");
+        }
         o.check().map_err(anyhow::Error::msg)?;
         Ok(o)
     }
@@ -316,6 +349,21 @@ fn print_table(to: &str, s: &MigrationStats) {
         format::bytes(s.state_bytes as f64)
     );
     println!("converged    {}", s.converged);
+    if let Some(sp) = &s.split {
+        println!(
+            "split        {} of {} chunks ({} pages each) on the main host (budget {}), ranked by {} over {} periods of history",
+            sp.main_chunks, sp.chunks, sp.chunk_pages, sp.budget_chunks, sp.rank, sp.history_periods
+        );
+        for m in &sp.servers {
+            println!(
+                "             {}: {} chunks, {} pages, {}",
+                m.addr,
+                m.chunks,
+                m.pages,
+                format::bytes(m.bytes as f64)
+            );
+        }
+    }
     println!(
         "host CPU     source {:.3} s, destination {:.3} s (migration threads)",
         s.source_cpu_s, s.destination_cpu_s

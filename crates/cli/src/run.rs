@@ -674,6 +674,7 @@ fn summary_json(
         "workloads": workloads,
         "kernel": last.cpu_totals(),
         "service": vm.service().map(|s| service_json(s)),
+        "split": vm.pager_stats(),
     })
 }
 

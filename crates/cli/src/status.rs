@@ -51,6 +51,26 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     );
     println!("migrations  {} incoming", s["migrations"]);
     println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
+    let sp = &s["split"];
+    if sp.is_object() {
+        let n = |k: &str| sp[k].as_u64().unwrap_or(0);
+        println!(
+            "split       {} of {} chunks here (budget {}); paged in {} chunks ({} pages), out {} ({} pages); page-in p50 {:.0} µs, p99 {:.0} µs{}",
+            n("resident_chunks"),
+            n("chunks"),
+            n("budget_chunks"),
+            n("page_ins"),
+            n("pages_in"),
+            n("page_outs"),
+            n("pages_out"),
+            sp["page_in_p50_us"].as_f64().unwrap_or(0.0),
+            sp["page_in_p99_us"].as_f64().unwrap_or(0.0),
+            match sp["failure"].as_str() {
+                Some(f) => format!("; FAILED: {f}"),
+                None => String::new(),
+            }
+        );
+    }
     if metrics {
         println!("metrics     {}", s["metrics"]);
     }

@@ -199,6 +199,9 @@ pub struct SplitOptions {
     pub chunk_pages: u32,
     /// How chunks are ranked (hot ones go to the main host).
     pub rank: Rank,
+    /// Copies of every chunk not on the main host, each on its own server
+    /// (2: the VM survives the loss of one server).
+    pub replicas: u8,
 }
 
 impl Default for SplitOptions {
@@ -208,6 +211,7 @@ impl Default for SplitOptions {
             main_budget: 0,
             chunk_pages: defaults::CHUNK_PAGES,
             rank: Rank::Clock,
+            replicas: 1,
         }
     }
 }
@@ -380,6 +384,16 @@ impl MigrateOptions {
                 return Err(format!(
                     "chunk pages must be a power of two from 1 to {}",
                     defaults::MAX_CHUNK_PAGES
+                ));
+            }
+            if !(1..=2).contains(&sp.replicas) {
+                return Err("replicas must be 1 or 2".into());
+            }
+            if usize::from(sp.replicas) > sp.subs.len() {
+                return Err(format!(
+                    "{} replicas need as many memory servers (--sub), {} given",
+                    sp.replicas,
+                    sp.subs.len()
                 ));
             }
             if sp.main_budget < u64::from(sp.chunk_pages) * crate::ranges::PAGE {

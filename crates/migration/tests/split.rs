@@ -14,8 +14,8 @@ use ferry_migration::memserver::MemServer;
 use ferry_migration::split::RemotePager;
 use ferry_migration::{
     incoming, AccessHistory, Backend, Endpoint, GpaBytes, GpaPages, IncomingVm, Listener,
-    MigratableVm, MigrateOptions, Mode, OffsetBytes, PageStore, Rank, RegionView, SplitOptions,
-    VmOpError,
+    MigratableVm, MigrateOptions, MigrationStats, Mode, OffsetBytes, PageStore, Rank, RegionView,
+    SplitOptions, VmOpError,
 };
 
 const PAGE: usize = 4096;
@@ -209,12 +209,61 @@ fn usable() -> bool {
     }
 }
 
-fn split(rank: Rank) {
-    if !usable() {
-        return;
+/// A TCP relay in front of a memory server that can be cut for good: every
+/// connection through it ends and new ones are refused (the server died).
+struct Relay {
+    at: Endpoint,
+    live: Arc<Mutex<Vec<std::net::TcpStream>>>,
+    dead: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn start(to: &Endpoint) -> Relay {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        let Endpoint::Tcp(to) = to.clone() else {
+            unreachable!()
+        };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = Endpoint::Tcp(l.local_addr().unwrap());
+        let live: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (live2, dead2) = (live.clone(), dead.clone());
+        std::thread::spawn(move || {
+            for a in l.incoming() {
+                let Ok(a) = a else { return };
+                if dead2.load(std::sync::atomic::Ordering::SeqCst) {
+                    let _ = a.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let b = TcpStream::connect(to).unwrap();
+                live2
+                    .lock()
+                    .unwrap()
+                    .extend([a.try_clone().unwrap(), b.try_clone().unwrap()]);
+                for (mut from, mut into) in
+                    [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)]
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut into);
+                        let _ = into.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Relay { at, live, dead }
     }
-    let (s1, a1) = server();
-    let (s2, a2) = server();
+
+    fn cut(&self) {
+        self.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+        for s in self.live.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Moves a fresh source VM to a fresh main host (a quarter of its memory)
+/// and the memory servers `subs`.
+fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (Source, Dest, MigrationStats) {
     let src = Source::new();
     let dst = Dest {
         regions: LAYOUT
@@ -231,10 +280,11 @@ fn split(rank: Rank) {
         max_rounds: 2,
         downtime_ms: 0.0,
         split: SplitOptions {
-            subs: vec![a1, a2],
+            subs,
             main_budget: total / 4,
             chunk_pages: CHUNK,
             rank,
+            replicas,
         },
         ..Default::default()
     };
@@ -246,6 +296,38 @@ fn split(rank: Rank) {
         d.join().unwrap().unwrap();
         st.unwrap()
     });
+    (src, dst, stats)
+}
+
+/// Reads byte 17 of every page of `dst` on another thread (faults served
+/// by the pager); the bytes come back on the channel once all are read.
+fn read_all(dst: &Dest) -> std::sync::mpsc::Receiver<Vec<(u64, u8)>> {
+    let pages: Vec<(u64, usize)> = LAYOUT
+        .iter()
+        .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
+        .map(|g| (g, host(dst, g) as usize))
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // SAFETY: each address points into a live memfd mapping of `dst`,
+        // which outlives the read (the test keeps it until the end).
+        let seen = pages
+            .iter()
+            .map(|&(g, h)| (g, unsafe { (h as *const u8).add(17).read_volatile() }))
+            .collect();
+        let _ = tx.send(seen);
+    });
+    rx
+}
+
+fn split(rank: Rank) {
+    if !usable() {
+        return;
+    }
+    let (s1, a1) = server();
+    let (s2, a2) = server();
+    let (src, dst, stats) = move_vm(vec![a1, a2], rank, 1);
+    let total: u64 = LAYOUT.iter().map(|r| r.1).sum();
     let sp = stats.split.clone().expect("split stats");
     let chunks = total / (u64::from(CHUNK) * PAGE as u64);
     assert_eq!(sp.chunks, chunks);
@@ -271,9 +353,15 @@ fn split(rank: Rank) {
         .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
         .collect();
     let hosts: Vec<usize> = pages.iter().map(|&g| host(&dst, g) as usize).collect();
-    let toucher = std::thread::spawn(move || {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
         let mut seen = Vec::new();
         for pass in 0..2 {
+            if pass == 1 {
+                // Past a sampling period: the pager has unmapped a share
+                // of the chunks it holds, which the next pass pages out.
+                std::thread::sleep(Duration::from_millis(1300));
+            }
             for (k, &h) in hosts.iter().enumerate() {
                 let p = h as *mut u8;
                 // SAFETY: `h` points into a live memfd mapping; a page held
@@ -286,9 +374,12 @@ fn split(rank: Rank) {
                 }
             }
         }
-        seen
+        let _ = tx.send(seen);
     });
-    let seen = toucher.join().unwrap();
+    // A pager that deadlocks would leave the toucher blocked for good.
+    let seen = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the toucher finished: paging went on");
     for (k, pass, b17, b1) in seen {
         let gpa = pages[k];
         assert_eq!(b17, src.byte(gpa, 17), "byte 17 of {gpa:#x}, pass {pass}");
@@ -326,4 +417,64 @@ fn split_with_clock_pages_chunks_in_and_out_and_loses_nothing() {
 #[test]
 fn split_with_aging_pages_chunks_in_and_out_and_loses_nothing() {
     split(Rank::Aging);
+}
+
+#[test]
+fn with_two_replicas_the_vm_survives_a_dead_memory_server() {
+    if !usable() {
+        return;
+    }
+    let (_s1, a1) = server();
+    let (_s2, a2) = server();
+    let relay = Relay::start(&a1);
+    let (src, dst, stats) = move_vm(vec![relay.at.clone(), a2], Rank::Clock, 2);
+    let sp = stats.split.unwrap();
+    // Both servers hold a copy of every chunk not on the main host.
+    let remote = sp.chunks - sp.main_chunks;
+    assert!(sp.servers.iter().all(|m| m.chunks == remote), "{sp:?}");
+    relay.cut();
+    let seen = read_all(&dst)
+        .recv_timeout(Duration::from_secs(60))
+        .expect("every page came from the surviving copies");
+    for (gpa, b) in seen {
+        assert_eq!(b, src.byte(gpa, 17), "byte 17 of {gpa:#x}");
+    }
+    let st = dst.pager.lock().unwrap().as_ref().unwrap().stats();
+    assert_eq!(st.lost_servers, vec![relay.at.to_string()], "{st:?}");
+    assert!(st.failure.is_none(), "{st:?}");
+    assert!(st.page_ins > 0 && st.page_outs > 0, "{st:?}");
+}
+
+#[test]
+fn without_replicas_a_dead_memory_server_stops_the_vm_and_says_which() {
+    if !usable() {
+        return;
+    }
+    let (_s1, a1) = server();
+    let (_s2, a2) = server();
+    let relay = Relay::start(&a1);
+    let (_src, dst, _) = move_vm(vec![relay.at.clone(), a2], Rank::Clock, 1);
+    relay.cut();
+    let reader = read_all(&dst);
+    // A page held by the dead server cannot come back: the reader waits,
+    // and the pager says why.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let failure = loop {
+        let pager = dst.pager.lock().unwrap();
+        if let Some(f) = pager.as_ref().unwrap().failure() {
+            break f;
+        }
+        drop(pager);
+        assert!(std::time::Instant::now() < deadline, "no failure reported");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(failure.contains(&relay.at.to_string()), "{failure}");
+    assert!(failure.contains("out of reach"), "{failure}");
+    assert!(reader.recv_timeout(Duration::from_millis(300)).is_err());
+    // Giving the VM up releases what waits on its memory (before the
+    // memory itself goes).
+    drop(dst.pager.lock().unwrap().take());
+    reader
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the reader was released");
 }

@@ -525,6 +525,7 @@ impl ControlHandler for VmControl {
                 "tsc_khz": vm.tsc_khz(),
                 "service": vm.service().map(|s| s.local_addr().to_string()),
                 "vm_address": vm.service().and_then(|s| s.vm_address()).map(|a| a.to_string()),
+                "split": vm.pager_stats(),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),

@@ -484,6 +484,8 @@ pub struct Vm {
     data_before_prealloc: Mutex<Option<Vec<DataRanges>>>,
     /// The migration being recorded, if any (timeline and metrics).
     watch: crate::timeline::Watch,
+    /// A split VM's remote paging (on its main host), kept while it runs.
+    pager: Mutex<Option<ferry_migration::split::RemotePager>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -636,6 +638,7 @@ impl Vm {
             started: Mutex::new(None),
             data_before_prealloc: Mutex::new(None),
             watch: crate::timeline::Watch::default(),
+            pager: Mutex::new(None),
             vm_fd,
             _kvm: kvm,
             host_info,
@@ -995,6 +998,20 @@ impl Vm {
     /// What the vCPUs are asked to do now.
     pub fn run_state(&self) -> RunState {
         self.shared.requested()
+    }
+
+    /// Keeps a split VM's pager for as long as the VM lives.
+    pub fn keep_pager(&self, pager: ferry_migration::split::RemotePager) {
+        *self.pager.lock().unwrap_or_else(|e| e.into_inner()) = Some(pager);
+    }
+
+    /// What remote paging did, for a split VM on its main host.
+    pub fn pager_stats(&self) -> Option<ferry_migration::split::PagerStats> {
+        self.pager
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|p| p.stats())
     }
 
     /// Guest memory.

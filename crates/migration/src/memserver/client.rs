@@ -145,6 +145,11 @@ impl StoreClient {
         Ok(())
     }
 
+    /// Sends what is buffered (drops) now.
+    pub fn flush(&mut self) -> Result<(), MigrationError> {
+        Ok(self.conn.flush()?)
+    }
+
     /// Everything the server holds for the VM.
     pub fn list(&mut self) -> Result<Vec<GpaPages>, MigrationError> {
         self.conn.send(Kind::StoreList, &())?;

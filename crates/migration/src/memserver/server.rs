@@ -271,11 +271,12 @@ impl MemServer {
                     .pages_out
                     .fetch_add(gpas.len() as u64, Ordering::Relaxed);
             }
+            // The first run is the page a vCPU waits for: out now, before
+            // the store lets go of what it sent.
+            c.flush()?;
             if ask.drop {
                 store.drop_run(*run)?;
             }
-            // The first run is the page a vCPU waits for: out now.
-            c.flush()?;
         }
         Ok(())
     }

@@ -50,8 +50,12 @@ pub struct SplitPlan {
     /// Per chunk (in guest address order over all regions): [`ON_MAIN`],
     /// or 1 + the index of the server holding it.
     pub places: Vec<u16>,
-    /// Per chunk: 1 + the server it goes to when paged out.
+    /// Per chunk: 1 + the server it goes to when paged out (a chunk not
+    /// on the main host lives there).
     pub homes: Vec<u16>,
+    /// Per chunk: 1 + the server holding its second copy, or 0 (no
+    /// replicas).
+    pub mirrors: Vec<u16>,
     /// Chunks the main host may hold.
     pub budget_chunks: u64,
     /// The ranking page-out uses.
@@ -62,7 +66,7 @@ impl SplitPlan {
     /// Checks the plan against the main host's memory.
     pub fn check(&self, map: &ChunkMap) -> Result<(), String> {
         let n = map.chunks();
-        if self.places.len() != n || self.homes.len() != n {
+        if self.places.len() != n || self.homes.len() != n || self.mirrors.len() != n {
             return Err(format!(
                 "the plan places {} chunks, this VM's memory has {n} of {} pages",
                 self.places.len(),
@@ -211,26 +215,53 @@ pub fn chunk_scores(map: &ChunkMap, history: Option<&AccessHistory>, rank: Rank)
     scores
 }
 
+/// Where each chunk goes: [`SplitPlan::places`], `homes` and `mirrors`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// [`ON_MAIN`] or the chunk's home.
+    pub places: Vec<u16>,
+    /// 1 + the server each chunk lives on when not on the main host.
+    pub homes: Vec<u16>,
+    /// 1 + the server of its second copy, or 0.
+    pub mirrors: Vec<u16>,
+}
+
 /// Places chunks: the `budget` hottest on the main host (ties: lower
-/// addresses first), every chunk a home server for page-out, dealt so
-/// each server gets about the same number of pages with data. `data[c]`
-/// counts chunk c's pages with data.
-pub fn place(scores: &[u64], data: &[u64], budget: u64, servers: usize) -> (Vec<u16>, Vec<u16>) {
+/// addresses first); every chunk gets a home server for page-out (and with
+/// 2 `replicas` a mirror on another server), dealt so each server gets
+/// about the same number of pages with data. `data[c]` counts chunk c's
+/// pages with data.
+pub fn place(scores: &[u64], data: &[u64], budget: u64, servers: usize, replicas: u8) -> Placed {
     let n = scores.len();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by_key(|&c| (std::cmp::Reverse(scores[c]), c));
-    let mut places = vec![ON_MAIN; n];
-    let mut homes = vec![1u16; n];
+    let mut out = Placed {
+        places: vec![ON_MAIN; n],
+        homes: vec![1u16; n],
+        mirrors: vec![0u16; n],
+    };
     let mut load = vec![0u64; servers.max(1)];
+    let least = |load: &[u64], not: usize| {
+        (0..load.len())
+            .filter(|&s| s != not)
+            .min_by_key(|&s| (load[s], s))
+    };
     for (rank, &c) in order.iter().enumerate() {
-        let s = (0..load.len()).min_by_key(|&s| (load[s], s)).unwrap_or(0);
-        homes[c] = s as u16 + 1;
+        let home = least(&load, usize::MAX).unwrap_or(0);
+        out.homes[c] = home as u16 + 1;
+        let mirror = (replicas > 1).then(|| least(&load, home)).flatten();
+        if let Some(m) = mirror {
+            out.mirrors[c] = m as u16 + 1;
+        }
         if rank as u64 >= budget {
-            places[c] = homes[c];
-            load[s] += data[c].max(1);
+            out.places[c] = out.homes[c];
+            load[home] += data[c].max(1);
+            if let Some(m) = mirror {
+                load[m] += data[c].max(1);
+            }
         }
     }
-    (places, homes)
+    out
 }
 
 #[cfg(test)]
@@ -283,17 +314,27 @@ mod tests {
             chunk_scores(&map, Some(&h), Rank::Aging),
             vec![0, 0x100, 0xff, 0x40]
         );
-        let (places, homes) = place(&[0, 2, 0, 1], &[2, 2, 2, 2], 2, 2);
+        let Placed {
+            places,
+            homes,
+            mirrors,
+        } = place(&[0, 2, 0, 1], &[2, 2, 2, 2], 2, 2, 1);
         assert_eq!(places[1], ON_MAIN);
         assert_eq!(places[3], ON_MAIN);
         assert!(places[0] != ON_MAIN && places[2] != ON_MAIN && places[0] != places[2]);
         assert!(homes.iter().all(|&h| h == 1 || h == 2));
+        assert!(mirrors.iter().all(|&m| m == 0));
+        let two = place(&[0, 2, 0, 1], &[2, 2, 2, 2], 2, 3, 2);
+        for c in 0..4 {
+            assert!(two.mirrors[c] != 0 && two.mirrors[c] != two.homes[c]);
+        }
         let plan = SplitPlan {
             vm: "x".into(),
             chunk_pages: 2,
             servers: vec!["tcp:127.0.0.1:1".parse().unwrap(); 2],
             places: places.clone(),
             homes: homes.clone(),
+            mirrors: mirrors.clone(),
             budget_chunks: 2,
             rank: Rank::Clock,
         };
@@ -308,5 +349,11 @@ mod tests {
             ..plan
         };
         assert!(short.check(&map).is_err());
+        let same = SplitPlan {
+            mirrors: homes.clone(),
+            places: places.clone(),
+            ..short
+        };
+        assert!(same.check(&map).unwrap_err().contains("both copies"));
     }
 }

@@ -73,7 +73,10 @@ pub struct PagerStats {
     pub page_in_p99_us: f64,
     /// As above, the most.
     pub page_in_max_us: f64,
-    /// Why paging stopped (a memory server unreachable), if it did.
+    /// Memory servers lost while paging (their chunks are served from
+    /// their second copies, where there are any).
+    pub lost_servers: Vec<String>,
+    /// Why paging stopped (a chunk with no copy left), if it did.
     pub failure: Option<String>,
 }
 
@@ -94,12 +97,14 @@ struct Shared {
     counters: Counters,
     latency_us: Mutex<Vec<f64>>,
     failure: Mutex<Option<String>>,
+    lost: Mutex<Vec<String>>,
     /// The location map, per chunk: [`ON_MAIN`] or 1 + server index.
     places: Mutex<Vec<u16>>,
 }
 
-/// Remote paging for one VM; dropping it stops the thread and releases
-/// the memory from userfaultfd (the VM must not run on without it).
+/// Remote paging for one VM; dropping it stops the thread, releases the
+/// memory from userfaultfd and frees the VM's stores on the servers (the
+/// VM must not run on without it).
 pub struct RemotePager {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
@@ -180,6 +185,7 @@ impl RemotePager {
             counters: Counters::default(),
             latency_us: Mutex::new(Vec::new()),
             failure: Mutex::new(None),
+            lost: Mutex::new(Vec::new()),
             places: Mutex::new(plan.places.clone()),
         });
         shared.counters.resident.store(resident, Ordering::Relaxed);
@@ -189,17 +195,18 @@ impl RemotePager {
             regions,
             map: map.clone(),
             homes: plan.homes.clone(),
+            mirrors: plan.mirrors.clone(),
             servers: plan.servers.iter().map(|s| s.to_string()).collect(),
             budget: plan.budget_chunks,
             rank: plan.rank,
             stores,
             dead: vec![false; plan.servers.len()],
             last_use: vec![0; n],
+            events: 0,
             aging: vec![0x80; n],
             referenced: vec![false; n],
             armed: Vec::new(),
             cursor: 0,
-            tick: 1,
             sampling,
             shared: shared.clone(),
             parked: Vec::new(),
@@ -254,6 +261,12 @@ impl RemotePager {
             page_in_p50_us: pct(0.5),
             page_in_p99_us: pct(0.99),
             page_in_max_us: lat.last().copied().unwrap_or(0.0),
+            lost_servers: self
+                .shared
+                .lost
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             failure: self.failure(),
         }
     }
@@ -302,14 +315,18 @@ struct Worker {
     regions: Vec<RegionView>,
     map: ChunkMap,
     homes: Vec<u16>,
+    mirrors: Vec<u16>,
     servers: Vec<String>,
     budget: u64,
     rank: Rank,
     stores: Vec<StoreClient>,
     /// Servers that failed: their chunks cannot come back.
     dead: Vec<bool>,
-    /// Per chunk: the period it was last seen used.
+    /// Per chunk: when it was last seen used (a count of paging events,
+    /// so chunks used within one period still have an order).
     last_use: Vec<u64>,
+    /// The paging event count.
+    events: u64,
     /// Per chunk: aging history (top bit = the latest period).
     aging: Vec<u8>,
     /// Per chunk: referenced since it was armed.
@@ -318,7 +335,6 @@ struct Worker {
     armed: Vec<usize>,
     /// Where the next arming starts.
     cursor: usize,
-    tick: u64,
     sampling: bool,
     shared: Arc<Shared>,
     /// Faults on chunks of a dead server: never woken (the VM stops).
@@ -361,6 +377,10 @@ impl Worker {
         for r in &self.regions {
             let _ = self.uffd.unregister(r.host_start(), r.size());
         }
+        // The VM is gone from here: what the servers hold for it is garbage.
+        for store in self.stores.drain(..) {
+            let _ = store.close();
+        }
     }
 
     fn fail(&self, why: String) {
@@ -395,15 +415,15 @@ impl Worker {
             let _ = self.uffd.wake(page, PAGE);
             return Ok(());
         }
+        self.events += 1;
+        self.last_use[c] = self.events;
         if minor {
             self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
             self.referenced[c] = true;
-            self.last_use[c] = self.tick;
             return self.map_back(c, page);
         }
         let place = self.place(c);
         if place == ON_MAIN {
-            self.last_use[c] = self.tick;
             return match self.uffd.zeropage(page, PAGE) {
                 Ok(_) => {
                     self.shared
@@ -420,31 +440,75 @@ impl Worker {
                 Err(e) => Err(uffd_err("zero page", e)),
             };
         }
-        let server = usize::from(place) - 1;
-        if self.dead[server] {
-            self.parked.push(gpa);
-            return Ok(());
-        }
         let t = Instant::now();
-        if let Err(e) = self.page_in(c, gpa, server, t) {
-            self.dead[server] = true;
-            self.parked.push(gpa);
-            return Err(MigrationError::Unsupported(format!(
-                "memory server {} failed while paging in {gpa:#x}: {e}; the VM's pages there are out of reach",
-                self.servers[server]
-            )));
+        for server in self.copies(c) {
+            if self.dead[server] {
+                continue;
+            }
+            match self.page_in(c, gpa, server, t) {
+                Ok(()) => {
+                    // The other copy is stale from now on.
+                    for other in self.copies(c) {
+                        if other != server && !self.dead[other] {
+                            let run = [self.map.run(c)];
+                            let store = &mut self.stores[other];
+                            if let Err(e) = store.drop_runs(&run).and_then(|_| store.flush()) {
+                                self.lose(other, &e.to_string());
+                            }
+                        }
+                    }
+                    return self.keep_budget(c);
+                }
+                Err(e) => self.lose(server, &e.to_string()),
+            }
         }
-        self.keep_budget(c)
+        self.parked.push(gpa);
+        let names: Vec<&str> = self
+            .copies(c)
+            .into_iter()
+            .map(|s| self.servers[s].as_str())
+            .collect();
+        Err(MigrationError::Unsupported(format!(
+            "page {gpa:#x} is out of reach: memory server {} failed and the VM cannot run on without it",
+            names.join(" and ")
+        )))
+    }
+
+    /// The servers holding chunk `c` when it is not here (home first).
+    fn copies(&self, c: usize) -> Vec<usize> {
+        [self.homes[c], self.mirrors[c]]
+            .into_iter()
+            .filter(|&s| s != ON_MAIN)
+            .map(|s| usize::from(s) - 1)
+            .collect()
+    }
+
+    /// A memory server failed: paging goes on with the other copies.
+    fn lose(&mut self, server: usize, why: &str) {
+        if !std::mem::replace(&mut self.dead[server], true) {
+            tracing::error!(server = %self.servers[server], %why, "memory server lost");
+            let mut lost = self.shared.lost.lock().unwrap_or_else(|e| e.into_inner());
+            lost.push(self.servers[server].clone());
+        }
     }
 
     /// A sampled chunk was touched: maps its resident pages back at once,
     /// so the chunk costs one MINOR fault per period, not one per page.
     fn map_back(&mut self, c: usize, page: u64) -> Result<(), MigrationError> {
+        self.map_resident(c)?;
+        let _ = self.uffd.wake(page, PAGE);
+        Ok(())
+    }
+
+    /// Maps every page of chunk `c` that is in memory but lost its page
+    /// table entry to sampling (so this thread can read it without
+    /// faulting on itself).
+    fn map_resident(&self, c: usize) -> Result<(), MigrationError> {
         let run = self.map.run(c);
         let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         // SAFETY: the chunk lies inside this VM's guest mapping (host_of).
-        let resident =
-            unsafe { ferry_memory::mapping::resident_pages(host, run.bytes()) }.unwrap_or_default();
+        let resident = unsafe { ferry_memory::mapping::resident_pages(host, run.bytes()) }
+            .map_err(|e| MigrationError::vm("mincore")(e.to_string()))?;
         for (i, n) in runs_of(&resident) {
             let at = host + i as u64 * PAGE;
             if let Err(UffdError::AlreadyMapped { .. }) =
@@ -456,7 +520,6 @@ impl Worker {
                 }
             }
         }
-        let _ = self.uffd.wake(page, PAGE);
         Ok(())
     }
 
@@ -506,7 +569,6 @@ impl Worker {
         })?;
         // The rest of the chunk stays missing: zero pages, filled when touched.
         self.set_place(c, ON_MAIN);
-        self.last_use[c] = self.tick;
         self.referenced[c] = true;
         self.aging[c] |= 0x80;
         let k = &self.shared.counters;
@@ -524,32 +586,41 @@ impl Worker {
             let victim = (0..places.len())
                 .filter(|&c| places[c] == ON_MAIN && c != keep)
                 .min_by_key(|&c| match self.rank {
-                    Rank::Clock => (self.last_use[c], 0u8, c),
-                    Rank::Aging => (0, self.aging[c], c),
+                    Rank::Clock => (0u8, self.last_use[c]),
+                    Rank::Aging => (self.aging[c], self.last_use[c]),
                 });
             drop(places);
             let Some(victim) = victim else { return Ok(()) };
-            let home = usize::from(self.homes[victim]) - 1;
-            if self.dead[home] {
-                return Ok(());
+            let live: Vec<usize> = self
+                .copies(victim)
+                .into_iter()
+                .filter(|&s| !self.dead[s])
+                .collect();
+            if live.is_empty() {
+                return Err(MigrationError::Unsupported(
+                    "every memory server of a chunk to page out was lost; the main host stays over budget"
+                        .into(),
+                ));
             }
-            if let Err(e) = self.page_out(victim, home) {
-                self.dead[home] = true;
-                return Err(MigrationError::Unsupported(format!(
-                    "memory server {} failed while paging out: {e}; the main host stays over budget",
-                    self.servers[home]
-                )));
-            }
+            self.page_out(victim, &live)?;
         }
         Ok(())
     }
 
-    /// Moves chunk `c` to `server`: write-protect, read, send, sync, punch,
-    /// unprotect (writers blocked meanwhile fault MISSING next).
-    fn page_out(&mut self, c: usize, server: usize) -> Result<(), MigrationError> {
+    /// Moves chunk `c` to `servers` (its home, and its mirror): write-
+    /// protect, read, send, sync, punch, unprotect (writers blocked
+    /// meanwhile fault MISSING next). A server that fails is lost; the
+    /// chunk moves if one copy landed.
+    fn page_out(&mut self, c: usize, servers: &[usize]) -> Result<(), MigrationError> {
         let run = self.map.run(c);
         let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         let len = run.bytes();
+        // Mapped first: a page sampling left unmapped would raise a MINOR
+        // fault on this very thread when read (and mapping it after the
+        // write protection would map it writable).
+        if self.sampling {
+            self.map_resident(c)?;
+        }
         self.uffd
             .write_protect(host, len, true)
             .map_err(|e| uffd_err("write-protect", e))?;
@@ -571,9 +642,19 @@ impl Worker {
                     data.extend_from_slice(&page);
                 }
             }
-            let store = &mut self.stores[server];
-            store.put(&gpas, &data)?;
-            store.sync()?;
+            let mut landed = 0;
+            for &server in servers {
+                let store = &mut self.stores[server];
+                match store.put(&gpas, &data).and_then(|_| store.sync()) {
+                    Ok(_) => landed += 1,
+                    Err(e) => self.lose(server, &e.to_string()),
+                }
+            }
+            if landed == 0 {
+                return Err(MigrationError::Unsupported(
+                    "every memory server of a chunk failed while paging it out".into(),
+                ));
+            }
             // SAFETY: as above; the chunk's data is on its server now.
             unsafe { ferry_memory::mapping::remove_range(host, len) }
                 .map_err(|e| MigrationError::vm("punch a paged-out chunk")(e.to_string()))?;
@@ -584,7 +665,7 @@ impl Worker {
             .map_err(|e| uffd_err("unprotect", e))?;
         let _ = self.uffd.wake(host, len);
         let pages = result?;
-        self.set_place(c, server as u16 + 1);
+        self.set_place(c, self.homes[c]);
         let k = &self.shared.counters;
         k.resident.fetch_sub(1, Ordering::Relaxed);
         k.page_outs.fetch_add(1, Ordering::Relaxed);
@@ -599,7 +680,6 @@ impl Worker {
             self.aging[c] = (self.aging[c] >> 1) | if self.referenced[c] { 0x80 } else { 0 };
         }
         self.armed.clear();
-        self.tick += 1;
         if !self.sampling {
             return;
         }

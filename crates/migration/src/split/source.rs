@@ -21,6 +21,8 @@ use super::{chunk_scores, place, ChunkMap, SplitPlan, ON_MAIN};
 pub(crate) struct Router {
     map: ChunkMap,
     places: Vec<u16>,
+    /// Per chunk not on the main host: 1 + the server of its second copy, or 0.
+    mirrors: Vec<u16>,
     stores: Vec<StoreClient>,
     stats: SplitStats,
     /// Complete went out: the main host may run the VM on these stores.
@@ -45,13 +47,24 @@ impl Router {
         let (data, _) = crate::dirty::first_round(&s.regions, |i| vm.data_ranges(i));
         let data_pages = map.pages_per_chunk(&data);
         let budget = sp.main_budget / (map.chunk_pages() * crate::ranges::PAGE);
-        let (places, homes) = place(&scores, &data_pages, budget, sp.subs.len());
+        let placed = place(&scores, &data_pages, budget, sp.subs.len(), sp.replicas);
+        let places = placed.places.clone();
+        // Where second copies go: the mirror of every chunk not on the main host.
+        let mirrors: Vec<u16> = (0..map.chunks())
+            .map(|c| {
+                if places[c] == ON_MAIN {
+                    ON_MAIN
+                } else {
+                    placed.mirrors[c]
+                }
+            })
+            .collect();
         let vm_id = format!("{:016x}", s.id());
         let layout: Vec<(u64, u64)> = s.regions.iter().map(|r| (r.gpa(), r.size())).collect();
         let mut stores = Vec::new();
         let mut servers = Vec::new();
         for (i, to) in sp.subs.iter().enumerate() {
-            let mine = |c: &usize| places[*c] == i as u16 + 1;
+            let mine = |c: &usize| places[*c] == i as u16 + 1 || mirrors[*c] == i as u16 + 1;
             let chunks = (0..map.chunks()).filter(mine).count() as u64;
             let reserve: u64 = (0..map.chunks()).filter(mine).map(|c| data_pages[c]).sum();
             let open = StoreOpen {
@@ -75,7 +88,8 @@ impl Router {
             chunk_pages: sp.chunk_pages,
             servers: sp.subs.clone(),
             places: places.clone(),
-            homes,
+            homes: placed.homes,
+            mirrors: placed.mirrors,
             budget_chunks: budget,
             rank: sp.rank,
         };
@@ -83,9 +97,10 @@ impl Router {
         s.tel.event(
             "split_plan",
             format!(
-                "{main_chunks} of {} chunks on the main host, the rest on {} servers",
+                "{main_chunks} of {} chunks on the main host, the rest on {} servers ({} copies)",
                 map.chunks(),
-                sp.subs.len()
+                sp.subs.len(),
+                sp.replicas
             ),
         );
         let stats = SplitStats {
@@ -100,6 +115,7 @@ impl Router {
         Ok(Router {
             map,
             places,
+            mirrors,
             stores,
             stats,
             committed: false,
@@ -121,6 +137,13 @@ impl Router {
         let places = self.stores.len() + 1;
         let mut routed = vec![Vec::new(); places];
         self.map.route(runs, &self.places, &mut routed);
+        // Second copies: the same pages again, to each chunk's mirror.
+        let mut copies = vec![Vec::new(); places];
+        self.map.route(runs, &self.mirrors, &mut copies);
+        for (k, extra) in copies.into_iter().enumerate().skip(1) {
+            routed[k].extend(extra);
+            routed[k].sort_unstable();
+        }
         let mut main_holes = vec![Vec::new(); places];
         self.map.route(holes, &self.places, &mut main_holes);
         let mine = std::mem::take(&mut routed[0]);

@@ -61,6 +61,18 @@ impl IncomingVm for Vm {
         Ok(Vm::start(self)?)
     }
 
+    fn takes_pager(&self) -> bool {
+        true
+    }
+
+    fn adopt_pager(
+        &self,
+        pager: ferry_migration::split::RemotePager,
+    ) -> Result<(), ferry_migration::split::RemotePager> {
+        self.keep_pager(pager);
+        Ok(())
+    }
+
     fn service_addr(&self) -> Option<String> {
         self.service().map(|s| s.local_addr().to_string())
     }
