@@ -457,6 +457,145 @@ fn split_vms_run_on_a_main_host_and_memory_servers_with_verification() {
     }
 }
 
+/// Starts `ferry memserver` on ferry-h3 at `port` and waits until it listens.
+fn memserver_on_h3(port: u16) -> Reaper {
+    let listen = format!("tcp:10.77.0.3:{port}");
+    let c = in_host(
+        "ferry-h3",
+        &[
+            "memserver",
+            "--listen",
+            &listen,
+            "--capacity",
+            "256M",
+            "--no-registry",
+        ],
+    )
+    .stdout(Stdio::null())
+    .spawn()
+    .unwrap();
+    wait_port_in("ferry-h1", "10.77.0.3", port);
+    Reaper(Some(c))
+}
+
+/// A memory server is killed under a split VM that pages all the time
+/// (its main host holds 25%): with `--replicas 2` the VM runs on from the
+/// other copies and says which server it lost; without, the VM stops and
+/// says which server took its pages with it. The VMM lives on either way.
+#[test]
+fn a_killed_memory_server_is_survived_with_replicas_and_named_without() {
+    if !kvm_usable() {
+        return;
+    }
+    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
+        missing_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    }) {
+        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (n, replicas) in [(0u16, "2"), (1, "1")] {
+        let (a, b) = (7620 + 2 * n, 7621 + 2 * n);
+        let mut servers = vec![memserver_on_h3(a), memserver_on_h3(b)];
+        let subs = format!("tcp:10.77.0.3:{a},tcp:10.77.0.3:{b}");
+        let (src_sock, dst_sock) = (
+            dir.join(format!("src{n}.sock")),
+            dir.join(format!("dst{n}.sock")),
+        );
+        let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
+        let to = format!("tcp:10.77.0.2:{}", 7460 + n);
+        let vm = [
+            "run",
+            "--mem",
+            "128M",
+            "--workload",
+            "compute+dirty:rate=64,wss=48,pattern=random",
+            "--quiet",
+            "--json",
+        ];
+        let _dst = Reaper(Some(
+            in_host("ferry-h2", &vm)
+                .args([
+                    "--incoming",
+                    &to,
+                    "--control",
+                    dst_sock,
+                    "--duration",
+                    "60s",
+                ])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+        let _src = Reaper(Some(
+            in_host("ferry-h1", &vm)
+                .args(["--control", src_sock, "--duration", "60s"])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        ));
+        wait_for_sockets("kill", &[src_sock, dst_sock]);
+        let m = in_host(
+            "ferry-h1",
+            &[
+                "migrate", src_sock, "--mode", "split", "--main", &to, "--sub", &subs,
+            ],
+        )
+        .args(["--main-budget", "32M", "--replicas", replicas, "--json"])
+        .output()
+        .unwrap();
+        assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+        std::thread::sleep(Duration::from_millis(500));
+        drop(servers.remove(0)); // SIGKILL: the first server dies
+        let killed = format!("tcp:10.77.0.3:{a}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = |what: &str| {
+            let st = status_in("ferry-h2", dst_sock);
+            assert!(Instant::now() < deadline, "{what}: {st}");
+            st
+        };
+        if replicas == "2" {
+            let st = loop {
+                let st = status("the lost server was reported");
+                if st["split"]["lost_servers"]
+                    .as_array()
+                    .is_some_and(|l| !l.is_empty())
+                {
+                    break st;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            };
+            assert_eq!(st["split"]["lost_servers"][0], killed.as_str(), "{st}");
+            let pins = st["split"]["page_ins"].as_u64().unwrap();
+            std::thread::sleep(Duration::from_secs(2));
+            let later = status("paging went on");
+            assert!(later["split"]["failure"].is_null(), "{later}");
+            assert_eq!(later["state"], "running", "{later}");
+            assert!(
+                later["split"]["page_ins"].as_u64().unwrap() > pins,
+                "{later}"
+            );
+            eprintln!("replicas 2, one server killed: {}", later["split"]);
+        } else {
+            let st = loop {
+                let st = status("the VM stopped, naming the server");
+                if st["split"]["failure"].is_string() {
+                    break st;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            };
+            let why = st["split"]["failure"].as_str().unwrap();
+            assert!(why.contains(&killed), "{st}");
+            assert_eq!(st["state"], "paused", "{st}");
+            eprintln!("no replicas, one server killed: {why}");
+        }
+    }
+}
+
 /// `ferry status --json` of a VM in a lab host.
 fn status_in(host: &str, sock: &str) -> serde_json::Value {
     let o = in_host(host, &["status", sock, "--json"]).output().unwrap();

@@ -180,10 +180,12 @@ pub trait IncomingVm: PageStore {
     fn timeline(&self) -> Vec<u8> {
         Vec::new()
     }
-    /// Whether this VMM can run a split VM: keep a
-    /// [`crate::split::RemotePager`] for as long as the VM runs.
-    fn takes_pager(&self) -> bool {
-        false
+    /// The memfd behind each region, in order (duplicates), for a split
+    /// VM's pager, which reads what it pages out through them rather than
+    /// through the guest mapping its own userfaultfd watches; None: this
+    /// VMM cannot run a split VM.
+    fn memory_fds(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
+        None
     }
     /// The VM started on the main host of a split migration: keep its
     /// pager (dropping it would strand the VM's remote memory).

@@ -170,8 +170,11 @@ impl IncomingVm for Dest {
     fn start(&self) -> Result<(), VmOpError> {
         Ok(())
     }
-    fn takes_pager(&self) -> bool {
-        true
+    fn memory_fds(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
+        self.regions
+            .iter()
+            .map(|r| r.fd().try_clone_to_owned().ok())
+            .collect()
     }
     fn adopt_pager(&self, pager: RemotePager) -> Result<(), RemotePager> {
         *self.pager.lock().unwrap() = Some(pager);
@@ -390,7 +393,16 @@ fn split(rank: Rank) {
         }
     }
     let pager = dst.pager.lock().unwrap().take().unwrap();
-    let st = pager.stats();
+    // The last fault's vCPU runs as soon as its page is in; the rest of
+    // that chunk and the page-out it brings may still be on their way.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let st = loop {
+        let st = pager.stats();
+        if st.resident_chunks <= st.budget_chunks || std::time::Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     assert!(st.failure.is_none(), "{:?}", st.failure);
     assert!(st.page_ins >= chunks / 2, "{st:?}");
     assert!(st.page_outs >= chunks / 2, "{st:?}");
@@ -454,6 +466,14 @@ fn without_replicas_a_dead_memory_server_stops_the_vm_and_says_which() {
     let (_s2, a2) = server();
     let relay = Relay::start(&a1);
     let (_src, dst, _) = move_vm(vec![relay.at.clone(), a2], Rank::Clock, 1);
+    let told = Arc::new(Mutex::new(Vec::<String>::new()));
+    let t2 = told.clone();
+    dst.pager
+        .lock()
+        .unwrap()
+        .as_ref()
+        .unwrap()
+        .on_failure(move |why| t2.lock().unwrap().push(why.to_string()));
     relay.cut();
     let reader = read_all(&dst);
     // A page held by the dead server cannot come back: the reader waits,
@@ -470,6 +490,11 @@ fn without_replicas_a_dead_memory_server_stops_the_vm_and_says_which() {
     };
     assert!(failure.contains(&relay.at.to_string()), "{failure}");
     assert!(failure.contains("out of reach"), "{failure}");
+    assert_eq!(
+        *told.lock().unwrap(),
+        vec![failure.clone()],
+        "the VMM was told once"
+    );
     assert!(reader.recv_timeout(Duration::from_millis(300)).is_err());
     // Giving the VM up releases what waits on its memory (before the
     // memory itself goes).

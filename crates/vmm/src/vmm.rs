@@ -1001,7 +1001,18 @@ impl Vm {
     }
 
     /// Keeps a split VM's pager for as long as the VM lives.
+    /// If paging fails for good (a memory server died with the only copy
+    /// of some pages), the vCPUs stop: the VM cannot run on without them,
+    /// and `ferry status` says which server (the pager's failure).
     pub fn keep_pager(&self, pager: ferry_migration::split::RemotePager) {
+        let shared = self.shared.clone();
+        pager.on_failure(move |why| {
+            tracing::error!(%why, "the VM stops: part of its memory is out of reach");
+            // Only asked, not waited for: a vCPU may be blocked on the
+            // very page that cannot come.
+            shared.set_requested(RunState::Paused);
+            shared.kick_all();
+        });
         *self.pager.lock().unwrap_or_else(|e| e.into_inner()) = Some(pager);
     }
 

@@ -42,7 +42,7 @@ impl<'a> Incoming<'a> {
 
     /// Takes the plan: checks it against this VM and opens the stores.
     pub(crate) fn on_plan(&mut self, f: &Frame) -> Result<(), MigrationError> {
-        if !self.vm.takes_pager() {
+        if self.vm.memory_fds().is_none() {
             return Err(MigrationError::Unsupported(
                 "this VMM cannot page memory from memory servers (split)".into(),
             ));
@@ -107,7 +107,10 @@ impl<'a> Incoming<'a> {
             return Ok(());
         };
         let stores = std::mem::take(&mut self.stores);
-        self.pager = Some(RemotePager::start(self.vm.regions(), plan, stores)?);
+        let fds = self.vm.memory_fds().ok_or_else(|| {
+            MigrationError::Unsupported("the VM's memory has no file to page out from".into())
+        })?;
+        self.pager = Some(RemotePager::start(self.vm.regions(), fds, plan, stores)?);
         Ok(())
     }
 

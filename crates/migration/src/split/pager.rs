@@ -3,11 +3,11 @@
 //! where the kernel allows all three), served by one thread, which is the
 //! only writer of the location map, so faults, page-ins and page-outs are
 //! ordered by construction:
-//! - a MISSING fault on a chunk held here is a zero page never written:
-//!   it gets a zero page;
+//! - a MISSING fault on a chunk held here is a page never written: every
+//!   hole of the chunk gets a zero page at once;
 //! - a MISSING fault on a remote chunk pages it in: the server sends the
 //!   faulting page first (the vCPU is woken at once), then the rest of the
-//!   chunk, and forgets it;
+//!   chunk, and forgets it; what it did not hold becomes zero pages;
 //! - after a page-in over budget, the coldest chunk held here is paged
 //!   out: write-protected (writers wait), its resident pages read and sent
 //!   to its home server, synced, punched out of the memfd, unprotected;
@@ -60,7 +60,8 @@ pub struct PagerStats {
     pub page_outs: u64,
     /// Pages those sent.
     pub pages_out: u64,
-    /// Zero pages mapped for faults on chunks held here.
+    /// Zero pages mapped into chunks held here (never-written pages of a
+    /// chunk filled at its first fault, or the pages a page-in did not bring).
     pub zero_fills: u64,
     /// MINOR faults taken by access sampling.
     pub sampled_faults: u64,
@@ -92,12 +93,16 @@ struct Counters {
     sampled: AtomicU64,
 }
 
+type FailureHook = Box<dyn Fn(&str) + Send>;
+
 struct Shared {
     stop: AtomicBool,
     counters: Counters,
     latency_us: Mutex<Vec<f64>>,
     failure: Mutex<Option<String>>,
     lost: Mutex<Vec<String>>,
+    /// Told once when paging fails (the VMM stops the VM).
+    on_failure: Mutex<Option<FailureHook>>,
     /// The location map, per chunk: [`ON_MAIN`] or 1 + server index.
     places: Mutex<Vec<u16>>,
 }
@@ -119,11 +124,20 @@ impl RemotePager {
     /// on the plan's servers, in its order.
     pub fn start(
         regions: Vec<RegionView>,
+        fds: Vec<std::os::fd::OwnedFd>,
         plan: &SplitPlan,
         stores: Vec<StoreClient>,
     ) -> Result<Self, MigrationError> {
         let map = ChunkMap::new(&regions, plan.chunk_pages);
         plan.check(&map).map_err(MigrationError::Mismatch)?;
+        if fds.len() != regions.len() {
+            return Err(MigrationError::Mismatch(format!(
+                "{} memory files for {} regions",
+                fds.len(),
+                regions.len()
+            )));
+        }
+        let files: Vec<std::fs::File> = fds.into_iter().map(std::fs::File::from).collect();
         let fail = |what: &str, e: UffdError| {
             MigrationError::Unsupported(format!("split paging needs userfaultfd {what}: {e}"))
         };
@@ -186,6 +200,7 @@ impl RemotePager {
             latency_us: Mutex::new(Vec::new()),
             failure: Mutex::new(None),
             lost: Mutex::new(Vec::new()),
+            on_failure: Mutex::new(None),
             places: Mutex::new(plan.places.clone()),
         });
         shared.counters.resident.store(resident, Ordering::Relaxed);
@@ -193,6 +208,7 @@ impl RemotePager {
         let worker = Worker {
             uffd,
             regions,
+            files,
             map: map.clone(),
             homes: plan.homes.clone(),
             mirrors: plan.mirrors.clone(),
@@ -271,6 +287,25 @@ impl RemotePager {
         }
     }
 
+    /// Calls `hook` once when paging fails for good (a page out of reach):
+    /// at once if it already has. It runs on the pager's thread and must
+    /// not wait for the VM's vCPUs (they may wait for the pager).
+    pub fn on_failure(&self, hook: impl Fn(&str) + Send + 'static) {
+        let failure = self
+            .shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(why) = failure.as_ref() {
+            hook(why);
+        }
+        *self
+            .shared
+            .on_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Box::new(hook));
+    }
+
     /// Why paging stopped, if it did.
     pub fn failure(&self) -> Option<String> {
         self.shared
@@ -313,6 +348,9 @@ fn bad_gpa(gpa: u64) -> MigrationError {
 struct Worker {
     uffd: Userfaultfd,
     regions: Vec<RegionView>,
+    /// The memfd behind each region: page-out reads through it, never
+    /// through the mapping (a page there may fault on this very thread).
+    files: Vec<std::fs::File>,
     map: ChunkMap,
     homes: Vec<u16>,
     mirrors: Vec<u16>,
@@ -384,13 +422,21 @@ impl Worker {
     }
 
     fn fail(&self, why: String) {
+        let sh = &self.shared;
+        let mut f = sh.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_some() {
+            return;
+        }
         tracing::error!(%why, "remote paging failed");
-        let mut f = self
-            .shared
-            .failure
+        if let Some(hook) = sh
+            .on_failure
             .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        f.get_or_insert(why);
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            hook(&why);
+        }
+        *f = Some(why);
     }
 
     fn place(&self, c: usize) -> u16 {
@@ -424,21 +470,12 @@ impl Worker {
         }
         let place = self.place(c);
         if place == ON_MAIN {
-            return match self.uffd.zeropage(page, PAGE) {
-                Ok(_) => {
-                    self.shared
-                        .counters
-                        .zero_fills
-                        .fetch_add(1, Ordering::Relaxed);
-                    Ok(())
-                }
-                // Filled since (a second fault on the same page).
-                Err(UffdError::AlreadyMapped { .. }) => {
-                    let _ = self.uffd.wake(page, PAGE);
-                    Ok(())
-                }
-                Err(e) => Err(uffd_err("zero page", e)),
-            };
+            // Never-written pages of a chunk held here: all of them at
+            // once (a guest filling fresh memory faults once per chunk,
+            // not once per page; the budget counts whole chunks anyway).
+            self.fill_holes(c)?;
+            let _ = self.uffd.wake(page, PAGE);
+            return Ok(());
         }
         let t = Instant::now();
         for server in self.copies(c) {
@@ -490,6 +527,37 @@ impl Worker {
             let mut lost = self.shared.lost.lock().unwrap_or_else(|e| e.into_inner());
             lost.push(self.servers[server].clone());
         }
+    }
+
+    /// Maps zero pages over every hole of chunk `c` (waking whoever waits
+    /// on one).
+    fn fill_holes(&self, c: usize) -> Result<(), MigrationError> {
+        let run = self.map.run(c);
+        let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
+        // SAFETY: the chunk lies inside this VM's guest mapping (host_of).
+        let resident = unsafe { ferry_memory::mapping::resident_pages(host, run.bytes()) }
+            .map_err(|e| MigrationError::vm("mincore")(e.to_string()))?;
+        let holes: Vec<bool> = resident.iter().map(|&r| !r).collect();
+        let mut filled = 0;
+        for (i, n) in runs_of(&holes) {
+            let at = host + i as u64 * PAGE;
+            match self.uffd.zeropage(at, n as u64 * PAGE) {
+                Ok(_) => filled += n as u64,
+                Err(UffdError::AlreadyMapped { .. }) => {
+                    for p in 0..n as u64 {
+                        if self.uffd.zeropage(at + p * PAGE, PAGE).is_ok() {
+                            filled += 1;
+                        }
+                    }
+                }
+                Err(e) => return Err(uffd_err("zero page", e)),
+            }
+        }
+        self.shared
+            .counters
+            .zero_fills
+            .fetch_add(filled, Ordering::Relaxed);
+        Ok(())
     }
 
     /// A sampled chunk was touched: maps its resident pages back at once,
@@ -567,7 +635,8 @@ impl Worker {
             }
             Ok(())
         })?;
-        // The rest of the chunk stays missing: zero pages, filled when touched.
+        // The pages the server did not hold are zero pages.
+        self.fill_holes(c)?;
         self.set_place(c, ON_MAIN);
         self.referenced[c] = true;
         self.aging[c] |= 0x80;
@@ -597,10 +666,9 @@ impl Worker {
                 .filter(|&s| !self.dead[s])
                 .collect();
             if live.is_empty() {
-                return Err(MigrationError::Unsupported(
-                    "every memory server of a chunk to page out was lost; the main host stays over budget"
-                        .into(),
-                ));
+                // Not fatal: the VM runs on, over budget.
+                tracing::warn!("every memory server of a chunk to page out was lost; the main host stays over budget");
+                return Ok(());
             }
             self.page_out(victim, &live)?;
         }
@@ -615,31 +683,28 @@ impl Worker {
         let run = self.map.run(c);
         let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         let len = run.bytes();
-        // Mapped first: a page sampling left unmapped would raise a MINOR
-        // fault on this very thread when read (and mapping it after the
-        // write protection would map it writable).
-        if self.sampling {
-            self.map_resident(c)?;
-        }
+        let (ri, view) = crate::memory::region_of(&self.regions, run.gpa)
+            .map(|(i, r)| (i, *r))
+            .ok_or_else(|| bad_gpa(run.gpa))?;
         self.uffd
             .write_protect(host, len, true)
             .map_err(|e| uffd_err("write-protect", e))?;
         let result = (|| -> Result<u64, MigrationError> {
-            // SAFETY: the chunk lies inside this VM's guest mapping.
-            let resident = unsafe { ferry_memory::mapping::resident_pages(host, len) }
-                .map_err(|e| MigrationError::vm("mincore")(e.to_string()))?;
+            // Read through the memfd: a hole reads as zeros there, and
+            // nothing this thread does can raise a fault it would have to
+            // serve itself. Writers wait on the protection meanwhile.
+            let mut bytes = vec![0u8; len as usize];
+            std::os::unix::fs::FileExt::read_exact_at(
+                &self.files[ri],
+                &mut bytes,
+                run.gpa - view.gpa(),
+            )
+            .map_err(|e| MigrationError::vm("read a chunk to page out")(e.to_string()))?;
             let (mut gpas, mut data) = (Vec::new(), Vec::new());
-            let mut page = vec![0u8; PAGE as usize];
-            let view = crate::memory::region_of(&self.regions, run.gpa)
-                .map(|(_, r)| *r)
-                .ok_or_else(|| bad_gpa(run.gpa))?;
-            for (i, &here) in resident.iter().enumerate() {
-                let g = run.gpa + i as u64 * PAGE;
-                // Only resident pages are read: reading a hole would fault
-                // on this very thread.
-                if here && view.read(g, &mut page) && !crate::memory::is_zero(&page) {
-                    gpas.push(g);
-                    data.extend_from_slice(&page);
+            for (i, page) in bytes.chunks_exact(PAGE as usize).enumerate() {
+                if !crate::memory::is_zero(page) {
+                    gpas.push(run.gpa + i as u64 * PAGE);
+                    data.extend_from_slice(page);
                 }
             }
             let mut landed = 0;

@@ -61,8 +61,12 @@ impl IncomingVm for Vm {
         Ok(Vm::start(self)?)
     }
 
-    fn takes_pager(&self) -> bool {
-        true
+    fn memory_fds(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
+        self.memory()
+            .regions()
+            .iter()
+            .map(|r| r.fd().try_clone_to_owned().ok())
+            .collect()
     }
 
     fn adopt_pager(
