@@ -28,6 +28,11 @@ use crate::{GuestMemory, PAGE_SIZE};
 /// the whole region and still madvised in large runs.
 pub const CHUNK_PAGES: u64 = 512;
 
+/// Most runs one chunk is split into around pages just written (which
+/// arm skips); past it the whole chunk is armed, as one madvise call costs
+/// less than many for scattered writes.
+const MAX_RUNS_PER_CHUNK: usize = 8;
+
 /// Why tracking failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AccessError {
@@ -56,6 +61,9 @@ pub enum AccessError {
 pub struct ArmReport {
     /// Pages whose next access raises a MINOR fault.
     pub pages: u64,
+    /// Pages of the share left mapped because the last period's dirty
+    /// log says they were written (their access is known without a fault).
+    pub skipped: u64,
     /// madvise calls made.
     pub runs: u64,
     /// Time taken.
@@ -88,6 +96,8 @@ pub struct AccessStats {
     pub pages_armed_total: u64,
     /// Mean pages armed per arm.
     pub pages_armed_per_arm: f64,
+    /// Pages of the armed shares skipped as just written, over all arms.
+    pub pages_skipped_total: u64,
     /// MINOR faults recorded.
     pub minor_faults_total: u64,
     /// Time the last arm took (µs).
@@ -135,6 +145,9 @@ struct Periodic {
     next_share: u32,
     arms: u64,
     pages_armed_total: u64,
+    pages_skipped_total: u64,
+    /// Per range, the pages the last period's dirty log reported.
+    written: Vec<Vec<u64>>,
     arm_us_last: f64,
     arm_us_total: f64,
     end_period_us_last: f64,
@@ -211,6 +224,8 @@ impl AccessTracker {
                 next_share: 0,
                 arms: 0,
                 pages_armed_total: 0,
+                pages_skipped_total: 0,
+                written: Vec::new(),
                 arm_us_last: 0.0,
                 arm_us_total: 0.0,
                 end_period_us_last: 0.0,
@@ -242,32 +257,44 @@ impl AccessTracker {
     /// one's next access raises a MINOR fault (a hole stays a hole: its
     /// access is a MISSING fault, allocated as usual where only MINOR is
     /// registered). Those pages count as not read until they fault.
+    ///
+    /// Pages the last period's dirty log reported written are left mapped
+    /// and keep their previous sample: a page written again is known
+    /// accessed without a fault, and sampling it would only cost the
+    /// writer a fault (a write-heavy working set would pay one per page).
     pub fn arm(&self) -> Result<ArmReport, AccessError> {
         let t = Instant::now();
         let mut p = self.lock();
         let share = p.next_share;
         p.next_share = (share + 1) % self.share;
-        let (mut pages, mut runs) = (0, 0);
-        for (range, seen) in self.ranges.iter().zip(&self.seen) {
-            for (start, end) in share_runs(range.pages, share, self.share) {
+        let (mut pages, mut skipped, mut runs) = (0, 0, 0);
+        for (i, (range, seen)) in self.ranges.iter().zip(&self.seen).enumerate() {
+            let written = p.written.get(i).map(Vec::as_slice);
+            let share_pages: u64 = share_runs(range.pages, share, self.share)
+                .iter()
+                .map(|(s, e)| e - s)
+                .sum();
+            let mut armed = 0;
+            for (start, end) in arm_runs(range.pages, share, self.share, written) {
                 // Forget the last sample first: a fault after the madvise
                 // below is this sample's.
-                let words = (start / 64) as usize..end.div_ceil(64) as usize;
-                for w in &seen[words] {
-                    w.store(0, Ordering::Relaxed);
-                }
+                clear_bits(seen, start, end);
                 drop_ptes(range.host + start * PAGE_SIZE, (end - start) * PAGE_SIZE)?;
-                pages += end - start;
+                armed += end - start;
                 runs += 1;
             }
+            pages += armed;
+            skipped += share_pages - armed;
         }
         let micros = t.elapsed().as_secs_f64() * 1e6;
         p.arms += 1;
         p.pages_armed_total += pages;
+        p.pages_skipped_total += skipped;
         p.arm_us_last = micros;
         p.arm_us_total += micros;
         Ok(ArmReport {
             pages,
+            skipped,
             runs,
             micros,
         })
@@ -330,6 +357,7 @@ impl AccessTracker {
                 accessed += u64::from(bits.count_ones());
             }
         }
+        p.written = dirty.map(<[Vec<u64>]>::to_vec).unwrap_or_default();
         let now = Instant::now();
         p.tracked += now.saturating_duration_since(p.period_start);
         p.period_start = now;
@@ -370,6 +398,7 @@ impl AccessTracker {
             arms: p.arms,
             pages_armed_total: p.pages_armed_total,
             pages_armed_per_arm: per(p.pages_armed_total as f64, p.arms),
+            pages_skipped_total: p.pages_skipped_total,
             minor_faults_total: faults,
             arm_us_last: p.arm_us_last,
             arm_us_mean: per(p.arm_us_total, p.arms),
@@ -400,6 +429,65 @@ fn share_runs(pages: u64, share: u32, shares: u32) -> Vec<(u64, u64)> {
         c += u64::from(shares);
     }
     runs
+}
+
+/// The runs arm drops for share `share` of a range: the share's chunks
+/// less the pages `written` (bit per page) marks, merged where adjacent. A
+/// chunk that would split into more than [`MAX_RUNS_PER_CHUNK`] runs is
+/// armed whole.
+fn arm_runs(pages: u64, share: u32, shares: u32, written: Option<&[u64]>) -> Vec<(u64, u64)> {
+    let is_written = |p: u64| {
+        written
+            .and_then(|w| w.get((p / 64) as usize))
+            .is_some_and(|w| w & (1 << (p % 64)) != 0)
+    };
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut c = u64::from(share);
+    while c * CHUNK_PAGES < pages {
+        let (start, end) = (c * CHUNK_PAGES, ((c + 1) * CHUNK_PAGES).min(pages));
+        c += u64::from(shares);
+        let mut parts = Vec::new();
+        let mut open: Option<u64> = None;
+        for p in start..end {
+            match (is_written(p), open) {
+                (false, None) => open = Some(p),
+                (true, Some(s)) => {
+                    parts.push((s, p));
+                    open = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(s) = open {
+            parts.push((s, end));
+        }
+        if parts.len() > MAX_RUNS_PER_CHUNK {
+            parts = vec![(start, end)];
+        }
+        for (s, e) in parts {
+            match runs.last_mut() {
+                Some(last) if last.1 == s => last.1 = e,
+                _ => runs.push((s, e)),
+            }
+        }
+    }
+    runs
+}
+
+/// Clears the bits of pages [start, end).
+fn clear_bits(bits: &[AtomicU64], start: u64, end: u64) {
+    let mut p = start;
+    while p < end {
+        let (word, bit) = ((p / 64) as usize, p % 64);
+        let n = (64 - bit).min(end - p);
+        let mask = if n == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << n) - 1) << bit
+        };
+        bits[word].fetch_and(!mask, Ordering::Relaxed);
+        p += n;
+    }
 }
 
 /// MADV_DONTNEED on one tracked run.
@@ -469,6 +557,29 @@ mod tests {
             share_runs(100, 1, 8).is_empty(),
             "a small region sits some shares out"
         );
+        for share in 0..3 {
+            assert_eq!(arm_runs(pages, share, 3, None), share_runs(pages, share, 3));
+        }
+    }
+
+    #[test]
+    fn arm_skips_pages_just_written_unless_scattered() {
+        let pages = 3 * CHUNK_PAGES;
+        let mut written = vec![0u64; (pages / 64) as usize];
+        let mut write = |p: u64| written[(p / 64) as usize] |= 1 << (p % 64);
+        // Chunk 0: a written stretch in the middle; chunk 2: written
+        // every other page at its start (too scattered to skip).
+        (100..300).for_each(&mut write);
+        (1024..1024 + 40).step_by(2).for_each(&mut write);
+        assert_eq!(
+            arm_runs(pages, 0, 2, Some(&written)),
+            vec![(0, 100), (300, 512), (1024, 1536)]
+        );
+        assert_eq!(arm_runs(pages, 1, 2, Some(&written)), vec![(512, 1024)]);
+        let bits: Vec<AtomicU64> = (0..3).map(|_| AtomicU64::new(u64::MAX)).collect();
+        clear_bits(&bits, 3, 130);
+        let words: Vec<u64> = bits.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        assert_eq!(words, vec![0b111, 0, u64::MAX << 2]);
     }
 
     #[test]
@@ -619,9 +730,11 @@ mod tests {
         assert_eq!((s.clock[0][3], s.aging[0][3]), (1, 0xc0));
         assert_eq!((s.clock[0][600], s.aging[0][600]), (0, 0));
 
-        // Period 3: share 1 is armed; 600 is read, 700 is not.
-        assert_eq!(t.arm().unwrap().pages, CHUNK_PAGES);
-        touch(&m, &[600, 3]);
+        // Period 3: share 1 is armed, but for 700, just written (so it
+        // stays mapped and its read below raises no fault); 600 is read.
+        let arm = t.arm().unwrap();
+        assert_eq!((arm.pages, arm.skipped), (CHUNK_PAGES - 1, 1));
+        touch(&m, &[600, 3, 700]);
         t.end_period(None);
         let s = t.snapshot();
         assert_eq!((s.clock[0][600], s.aging[0][600]), (1, 0x80));
@@ -641,8 +754,13 @@ mod tests {
         let st = t.stats();
         assert_eq!(st.minor_faults_total, 4, "{st:?}");
         assert_eq!(
-            (st.arms, st.pages_armed_total, st.periods),
-            (3, 3 * CHUNK_PAGES, 4)
+            (
+                st.arms,
+                st.pages_armed_total,
+                st.pages_skipped_total,
+                st.periods
+            ),
+            (3, 3 * CHUNK_PAGES - 1, 1, 4)
         );
         assert!(
             st.fault_service_us_total > 0.0 && st.arm_us_mean > 0.0,
