@@ -240,8 +240,15 @@ impl Shared {
         self.phase.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers RAM and starts the dirty log consumer: Tracking.
+    /// Starts the dirty log consumer and registers RAM: Tracking.
+    ///
+    /// Order matters (here and in `end`): turning the dirty log on changes
+    /// KVM's memslots, which waits for every vCPU inside KVM, and a vCPU
+    /// may sit in a fault on registered RAM that only the tracking thread
+    /// resolves, while the caller holds the lock that thread needs. So
+    /// memslots change only while RAM is not registered.
     fn begin(&self, phase: &mut Phase) -> Result<(), AccessStartError> {
+        self.dirty.start(Consumer::Access)?;
         let mode = RegisterMode {
             minor: true,
             ..Default::default()
@@ -257,20 +264,17 @@ impl Shared {
                 for &(a, l) in &regions[..=i] {
                     let _ = self.uffd.unregister(a, l);
                 }
+                let _ = self.dirty.stop(Consumer::Access);
                 return Err(e);
             }
-        }
-        if let Err(e) = self.dirty.start(Consumer::Access) {
-            self.unregister();
-            return Err(e.into());
         }
         self.tracker.restart_period();
         phase.state = TrackingState::Tracking;
         Ok(())
     }
 
-    /// Unregisters RAM (waking anyone waiting on a fault) and stops the
-    /// dirty log consumer.
+    /// Unregisters RAM (waking anyone waiting on a fault) and then stops
+    /// the dirty log consumer (see `begin` for why in this order).
     fn end(&self, phase: &mut Phase, to: TrackingState) {
         self.unregister();
         // Faults read before the unregistration are answered by it.
