@@ -25,7 +25,7 @@ pub struct MigrateArgs {
     /// --incoming` there). With --resume: where the destination is now, if
     /// it moved.
     /// (--main with --mode split: the main host.)
-    #[arg(long, alias = "main", required_unless_present = "resume")]
+    #[arg(long, alias = "main", required_unless_present_any = ["resume", "subs", "registry"])]
     to: Option<Endpoint>,
     /// Continue this VM's postcopy migration that paused on a broken link
     /// (the destination must still wait for it: its --reconnect-timeout).
@@ -44,6 +44,12 @@ pub struct MigrateArgs {
     /// main host does not, comma-separated tcp:HOST:PORT.
     #[arg(long = "sub", value_delimiter = ',')]
     subs: Vec<Endpoint>,
+    /// Split: the host registry to place the VM by when --sub is not
+    /// given (etcd://HOST:PORT or dir:PATH; default: this machine's):
+    /// the main host is --main, or the waiting VMM offering most memory;
+    /// the rest goes to the memory servers with most room.
+    #[arg(long)]
+    registry: Option<String>,
     /// Split: guest memory the main host holds (e.g. 256M); the hottest
     /// chunks go there.
     #[arg(long, value_parser = parse_mem_size)]
@@ -163,8 +169,12 @@ impl MigrateArgs {
         if self.mode != Mode::Split && (!self.subs.is_empty() || self.main_budget.is_some()) {
             anyhow::bail!("--sub and --main-budget are for --mode split");
         }
-        if self.mode == Mode::Split && self.main_budget.is_none() {
+        if self.mode == Mode::Split && self.main_budget.is_none() && !self.subs.is_empty() {
             anyhow::bail!("--mode split needs --main-budget (the memory the main host holds)");
+        }
+        if self.mode == Mode::Split && self.subs.is_empty() {
+            // Placed from the registry later (migrate()).
+            return Ok(o);
         }
         o.check().map_err(anyhow::Error::msg)?;
         Ok(o)
@@ -220,6 +230,60 @@ fn timeline_path(args: &MigrateArgs, mode: &str) -> Result<Option<PathBuf>> {
     }))
 }
 
+/// Split without --sub: asks the registry for a main host and memory
+/// servers (ferry_registry::place), fills in the servers and the main
+/// host's budget, and returns the main host.
+fn place_from_registry(
+    args: &MigrateArgs,
+    options: &mut MigrateOptions,
+    mem_bytes: u64,
+) -> Result<Endpoint> {
+    let registry = ferry_registry::open(args.registry.as_deref())?;
+    let hosts = registry.hosts()?;
+    let sp = &mut options.split;
+    let chunk_bytes = u64::from(sp.chunk_pages) * 4096;
+    let main = args.to.as_ref().map(|t| {
+        let t = t.to_string();
+        t.strip_prefix("tcp:").unwrap_or(&t).to_string()
+    });
+    let req = ferry_registry::placement::Request {
+        chunks: mem_bytes.div_ceil(chunk_bytes),
+        chunk_bytes,
+        main: main.as_deref(),
+        main_budget: args.main_budget,
+        replicas: u32::from(sp.replicas),
+    };
+    let placed = ferry_registry::place(&hosts, &req)
+        .with_context(|| format!("no split placement in the registry {}", registry.describe()))?;
+    sp.main_budget = placed.main_chunks * chunk_bytes;
+    sp.subs = placed
+        .subs
+        .iter()
+        .map(|s| {
+            format!("tcp:{}", s.addr)
+                .parse()
+                .map_err(anyhow::Error::msg)
+        })
+        .collect::<Result<_>>()?;
+    if !args.json {
+        eprintln!(
+            "ferry: placed by {}: main {} ({} chunks), memory servers {}",
+            registry.describe(),
+            placed.main_name,
+            placed.main_chunks,
+            placed
+                .subs
+                .iter()
+                .map(|s| format!("{} ({} chunks)", s.name, s.chunks))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    format!("tcp:{}", placed.main_addr)
+        .parse()
+        .map_err(anyhow::Error::msg)
+}
+
 /// Where timelines go by default.
 pub fn runs_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("FERRY_RUNS_DIR") {
@@ -243,7 +307,16 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         },
     )?;
     let mut c = ControlClient::connect(&args.socket)?;
-    let req = match &args.to {
+    let mut options = options;
+    let mut to = args.to.clone();
+    if options.mode == Mode::Split && options.split.subs.is_empty() {
+        let mem_bytes = c.call(&Request::Status)?["mem_bytes"]
+            .as_u64()
+            .context("the VMM did not say how much memory the VM has")?;
+        to = Some(place_from_registry(&args, &mut options, mem_bytes)?);
+        options.check().map_err(anyhow::Error::msg)?;
+    }
+    let req = match &to {
         _ if args.resume => Request::MigrateResume {
             to: args.to.clone(),
             reconnect_timeout_ms: Some(options.reconnect_timeout_ms),
@@ -251,7 +324,7 @@ pub fn migrate(args: MigrateArgs) -> Result<ExitCode> {
         },
         Some(to) => Request::Migrate(MigrateRequest {
             to: to.clone(),
-            options,
+            options: options.clone(),
             timeline: timeline.clone(),
         }),
         None => anyhow::bail!("--to is needed (where to migrate)"),

@@ -78,6 +78,19 @@ pub struct RunArgs {
     /// source's.
     #[arg(long)]
     incoming: Option<ferry_migration::Endpoint>,
+    /// With --incoming: advertise this waiting VMM in the host registry
+    /// (a main host `ferry migrate --mode split` can pick), until a VM
+    /// arrives.
+    #[arg(long, requires = "incoming")]
+    advertise: bool,
+    /// The host registry for --advertise: etcd://HOST:PORT or dir:PATH
+    /// (default: this machine's).
+    #[arg(long, requires = "advertise")]
+    registry: Option<String>,
+    /// With --advertise: guest memory offered to a split VM (default: all
+    /// of --mem).
+    #[arg(long, requires = "advertise", value_parser = parse_offer)]
+    offer: Option<u64>,
     /// Control socket path (default: /tmp/ferry-<pid>.sock).
     #[arg(long)]
     control: Option<PathBuf>,
@@ -96,6 +109,19 @@ pub struct RunArgs {
     /// Same as --apf off.
     #[arg(long, conflicts_with = "apf")]
     no_apf: bool,
+    /// Access tracking period in ms (0 = off): every period, writes from
+    /// KVM's dirty log and sampled reads (userfaultfd minor faults) update
+    /// each page's clock and aging history (split migration ranks memory
+    /// by them; 1000 is the paper's period). Off by default: on this PVM
+    /// host the dirty log alone costs a writing guest 13-26% of its
+    /// throughput (docs/split.md). Never on for --incoming.
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    access_period: u64,
+    /// Access tracking samples 1/N of the pages per period (each page
+    /// every N periods).
+    #[arg(long, default_value_t = 8, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    access_share: u32,
     /// Guest timer ticks per second.
     #[arg(long, default_value_t = 100)]
     tick_hz: u32,
@@ -132,6 +158,19 @@ struct Carried {
     /// protocol, so a ferry without the feature can still hand over.
     #[serde(default)]
     vm_address: Option<std::net::Ipv4Addr>,
+    /// Access tracking (period ms, share); absent or 0: off.
+    #[serde(default)]
+    access_period_ms: u64,
+    #[serde(default)]
+    access_share: u32,
+}
+
+/// The access tracking a run asks for.
+fn access_config(period_ms: u64, share: u32) -> Option<ferry_vmm::access::AccessConfig> {
+    (period_ms > 0).then(|| ferry_vmm::access::AccessConfig {
+        period: Duration::from_millis(period_ms),
+        share: share.max(1),
+    })
 }
 
 fn unix_ms() -> u64 {
@@ -177,6 +216,10 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     config.console = (!quiet).then(|| console_sink(Arc::new(AtomicBool::new(false))));
     config.serve = args.serve;
     config.vm_address = args.vm_address;
+    // An incoming VM's RAM is under the migration's userfaultfd.
+    if args.incoming.is_none() {
+        config.access = access_config(args.access_period, args.access_share);
+    }
     if let (Some(ip), Some(serve)) = (args.vm_address, args.serve) {
         if !serve.ip().is_unspecified() && serve.ip() != std::net::IpAddr::V4(ip) {
             bail!("--serve {serve} and --vm-address {ip}: the service listens on the VM's address; give --serve {ip}:PORT or 0.0.0.0:PORT");
@@ -213,6 +256,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         duration_ms: args.duration.map(|d| d.as_millis() as u64),
         started_unix_ms: 0,
         vm_address: args.vm_address,
+        access_period_ms: args.access_period,
+        access_share: args.access_share,
     }));
     if !quiet {
         eprintln!(
@@ -253,6 +298,27 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         Some(at) => {
             let incoming = ferry_vmm::migration::Incoming::listen(at)
                 .context("cannot listen for the incoming migration")?;
+            // Withdrawn (dropped) once a VM arrived.
+            let _advert = if args.advertise {
+                let registry = ferry_registry::open(args.registry.as_deref())?;
+                let addr = incoming.endpoint().to_string();
+                let addr = addr.strip_prefix("tcp:").unwrap_or(&addr).to_string();
+                let offer = args.offer.unwrap_or(vm.config().mem_bytes);
+                let entry = ferry_registry::HostEntry {
+                    name: format!("vmm@{addr}"),
+                    kind: ferry_registry::HostKind::Vmm,
+                    addr,
+                    capacity: offer,
+                    free: offer,
+                };
+                Some(ferry_registry::Advertisement::start(
+                    registry,
+                    entry,
+                    ferry_registry::DEFAULT_TTL,
+                )?)
+            } else {
+                None
+            };
             if !quiet {
                 eprintln!(
                     "ferry: waiting for an incoming migration on {}",
@@ -349,6 +415,9 @@ fn adopt(fd: i32) -> Result<ExitCode> {
     let mut front: Carried = serde_json::from_str(&taken.run).unwrap_or_default();
     quiet.store(front.quiet, Ordering::Relaxed);
     let vm = taken.vm.clone();
+    if let Some(access) = access_config(front.access_period_ms, front.access_share) {
+        vm.start_access(access);
+    }
     if let (Some(ip), Some(svc)) = (front.vm_address, vm.service()) {
         if let Err(e) = svc.keep_address(ip) {
             eprintln!("ferry: warning: the VM's address {ip} stays on this host, but its clients cannot move with it from this process: {e}");
@@ -675,7 +744,12 @@ fn summary_json(
         "kernel": last.cpu_totals(),
         "service": vm.service().map(|s| service_json(s)),
         "split": vm.pager_stats(),
+        "access": vm.access().status(),
     })
+}
+
+fn parse_offer(s: &str) -> Result<u64, String> {
+    ferry_vmm::boot::layout::parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 64M)"))
 }
 
 fn service_json(s: &ferry_vmm::devices::service::ServiceDevice) -> serde_json::Value {
@@ -752,6 +826,9 @@ fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
             svc["address"].as_str().unwrap_or(""),
             svc["connections"], svc["posted"], svc["responses"], svc["echoes"], svc["bad_frames"]
         );
+    }
+    if let Some(line) = crate::status::access_line(&s["access"]) {
+        println!("access       {line}");
     }
     let k = &s["kernel"];
     println!(

@@ -71,6 +71,10 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
             }
         );
     }
+    println!(
+        "access      {}",
+        access_line(&s["access"]).unwrap_or_else(|| "off".into())
+    );
     if metrics {
         println!("metrics     {}", s["metrics"]);
     }
@@ -97,4 +101,32 @@ pub fn ctl(socket: &Path, action: Action, out: Option<PathBuf>, json: bool) -> R
         println!("ok");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Access tracking's state and cost in one line (None when it is off).
+pub fn access_line(a: &Value) -> Option<String> {
+    let state = a["state"].as_str()?;
+    let f = |k: &str| a[k].as_f64().unwrap_or(0.0);
+    if state == "failed" && f("periods") == 0.0 {
+        return Some(format!(
+            "unavailable: {}",
+            a["error"].as_str().unwrap_or("no reason given")
+        ));
+    }
+    let mut line = format!(
+        "{state}: {} periods of {} ms, {:.0} pages armed per period (1/{}), {:.0} minor faults/s, \
+         arm {:.2} ms, fault service {:.1} µs, vCPU time lost ≈{:.2}%",
+        a["periods"],
+        a["period_ms"],
+        f("pages_armed_per_arm"),
+        a["share"],
+        f("minor_faults_per_s"),
+        f("arm_us_mean") / 1e3,
+        f("fault_service_us_mean"),
+        f("vcpu_time_lost_pct"),
+    );
+    if let Some(e) = a["error"].as_str() {
+        line.push_str(&format!(" ({e})"));
+    }
+    Some(line)
 }

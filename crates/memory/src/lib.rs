@@ -8,12 +8,16 @@
 //! - [`mapping`]: residency and hole punching by address (split's pager).
 //! - [`uffd`]: userfaultfd for postcopy, access sampling and write protection
 //!   ([`Userfaultfd`]).
+//! - [`access`]: per-page clock and aging histories from sampled reads and
+//!   logged writes ([`AccessTracker`]).
 
+pub mod access;
 pub mod guest_memory;
 pub mod mapping;
 pub mod region;
 pub mod uffd;
 
+pub use access::{AccessError, AccessSnapshot, AccessStats, AccessTracker, ArmReport};
 pub use guest_memory::{GuestMemory, MemoryError, Plain};
 pub use region::{MemfdRegion, RegionError};
 pub use uffd::{Event, Features, Ioctls, RegisterMode, UffdError, Userfaultfd};

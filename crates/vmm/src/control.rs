@@ -526,6 +526,7 @@ impl ControlHandler for VmControl {
                 "service": vm.service().map(|s| s.local_addr().to_string()),
                 "vm_address": vm.service().and_then(|s| s.vm_address()).map(|a| a.to_string()),
                 "split": vm.pager_stats(),
+                "access": vm.access().status(),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),
@@ -619,6 +620,9 @@ impl VmControl {
             run: (setup.run)(),
             verify,
         };
+        // The new process maps the memory afresh; this one's tracking
+        // steps aside (and comes back only if the VM stays here).
+        let tracking = self.vm.access().pause();
         match hand_over(&self.vm, &plan, &mut |step| {
             progress(json!({ "step": step }))
         }) {
@@ -633,7 +637,12 @@ impl VmControl {
                     Some(After::HandedOver(pid));
                 Err(format!("handover outcome unknown: the new VMM (pid {pid}) took the VM and then did not confirm it runs it ({reason}); this VMM lets the VM go"))
             }
-            Err(e) => Err(format!("handover failed, the VM keeps running here: {e}")),
+            Err(e) => {
+                if tracking {
+                    self.vm.access().resume();
+                }
+                Err(format!("handover failed, the VM keeps running here: {e}"))
+            }
         }
     }
 

@@ -4,8 +4,10 @@
 //! Layout: [`vstate`] holds the KVM objects, [`boot`] what the guest finds at
 //! entry, [`devices`] the port-I/O devices, [`guest_abi`] the contract with the
 //! guest, [`workload`] the workload specs, [`metrics`] the guest's counters,
-//! [`vmm`] the VM lifecycle and [`control`] its control socket.
+//! [`vmm`] the VM lifecycle, [`access`] its access tracking and [`control`]
+//! its control socket.
 
+pub mod access;
 pub mod boot;
 pub mod codec_backend;
 pub mod control;

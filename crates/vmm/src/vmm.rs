@@ -15,6 +15,7 @@ use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vmm_sys_util::signal::Killable;
 
+use crate::access::{AccessConfig, AccessSlot};
 use crate::boot::layout::{LayoutError, MemoryLayout};
 use crate::boot::loader::{load_kernel, KernelError};
 use crate::boot::setup;
@@ -24,6 +25,7 @@ use crate::devices::service::{ServiceDevice, ServiceError};
 use crate::devices::Devices;
 use crate::guest_abi::{self, BootInfo, BOOT_APF};
 use crate::metrics::MetricsSnapshot;
+use crate::vstate::dirty::{DirtyLog, KvmLog};
 use crate::vstate::kvm::{has_async_pf, open_kvm, KvmError};
 use crate::vstate::persist::{self, KvmVmState, PersistError, VcpuState};
 use crate::vstate::{vcpu, vm};
@@ -57,6 +59,9 @@ pub struct VmConfig {
     /// interface whose subnet holds it): the service listens there, and
     /// its clients move with the VM at a migration. Needs CAP_NET_ADMIN.
     pub vm_address: Option<std::net::Ipv4Addr>,
+    /// Track page accesses while the VM runs (split migration ranks
+    /// memory by them); `None` = off.
+    pub access: Option<AccessConfig>,
 }
 
 impl VmConfig {
@@ -74,6 +79,7 @@ impl VmConfig {
             console: None,
             serve: None,
             vm_address: None,
+            access: None,
         }
     }
 
@@ -486,6 +492,10 @@ pub struct Vm {
     watch: crate::timeline::Watch,
     /// A split VM's remote paging (on its main host), kept while it runs.
     pager: Mutex<Option<ferry_migration::split::RemotePager>>,
+    /// KVM's dirty log, shared by a migration and access tracking.
+    dirty: Arc<DirtyLog>,
+    /// Access tracking, when on.
+    access: AccessSlot,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -626,6 +636,10 @@ impl Vm {
                 .collect(),
             devices: Devices::new(config.console.clone(), service),
         });
+        let dirty = Arc::new(DirtyLog::new(Box::new(KvmLog::new(
+            vm_fd.clone(),
+            memory.clone(),
+        ))));
         Ok(Vm {
             config,
             layout,
@@ -639,6 +653,8 @@ impl Vm {
             data_before_prealloc: Mutex::new(None),
             watch: crate::timeline::Watch::default(),
             pager: Mutex::new(None),
+            dirty,
+            access: AccessSlot::default(),
             vm_fd,
             _kvm: kvm,
             host_info,
@@ -694,6 +710,9 @@ impl Vm {
         let threads_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Some(s) = self.service() {
             s.release();
+        }
+        if let Some(access) = self.config.access {
+            self.start_access(access);
         }
         tracing::debug!(
             threads_ms,
@@ -962,8 +981,38 @@ impl Vm {
         }
     }
 
+    /// Starts access tracking on this running VM (a failure is logged and
+    /// shown in its status; the VM runs on without it).
+    pub fn start_access(&self, config: AccessConfig) {
+        let shared = self.shared.clone();
+        self.access.start(
+            &self.memory,
+            self.dirty.clone(),
+            config,
+            Box::new(move || {
+                shared
+                    .tids
+                    .iter()
+                    .map(|t| t.load(Ordering::Acquire))
+                    .collect()
+            }),
+        );
+    }
+
+    /// Access tracking (pause it before reading all of guest memory).
+    pub fn access(&self) -> &AccessSlot {
+        &self.access
+    }
+
+    /// KVM's dirty log and its consumers.
+    pub fn dirty_log(&self) -> &Arc<DirtyLog> {
+        &self.dirty
+    }
+
     /// Stops the VM, joins the vCPU threads and says why it stopped.
     pub fn stop(&self) -> VmExit {
+        // Tracking first: no vCPU may be left waiting on its faults.
+        self.access.stop();
         self.shared.finish(VmExit::Stopped);
         if let Some(s) = &self.shared.devices.service {
             s.shutdown();

@@ -4,13 +4,15 @@
 use std::sync::Mutex;
 
 use ferry_migration::{
-    Backend, BackendKind, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, MigratableVm,
-    MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress, RegionView, VmOpError,
+    AccessHistory, Backend, BackendKind, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes,
+    MigratableVm, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress,
+    RegionView, VmOpError,
 };
 
 use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
 use crate::vmm::Vm;
-use crate::vstate::{persist, vm};
+use crate::vstate::dirty::Consumer;
+use crate::vstate::persist;
 
 /// The service ring: the device writes requests into it from the host,
 /// which KVM's dirty log does not see.
@@ -33,18 +35,25 @@ impl MigratableVm for Vm {
         self.config().vcpus
     }
 
+    // Through the arbiter: access tracking may read the same log.
     fn start_dirty_log(&self) -> Result<(), VmOpError> {
-        vm::register_memory(self.vm_fd(), self.memory(), true)?;
-        vm::take_dirty_log(self.vm_fd(), self.memory())?;
-        Ok(())
+        Ok(self.dirty_log().start(Consumer::Migration)?)
     }
 
     fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
-        Ok(vm::take_dirty_log(self.vm_fd(), self.memory())?)
+        Ok(self.dirty_log().take(Consumer::Migration)?)
     }
 
     fn stop_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(vm::register_memory(self.vm_fd(), self.memory(), false)?)
+        Ok(self.dirty_log().stop(Consumer::Migration)?)
+    }
+
+    fn access_history(&self) -> Option<AccessHistory> {
+        self.access().snapshot().map(|s| AccessHistory {
+            clock: s.clock,
+            aging: s.aging,
+            periods: s.periods,
+        })
     }
 
     /// When the clients move with the VM, the readers stop between frames
@@ -164,18 +173,40 @@ pub fn migrate(
         )));
     }
     let progress = Mutex::new(progress);
-    let mut stats =
-        ferry_migration::migrate(vm, to, opts, &backend(opts.compression.backend), &|p| {
-            // Postcopy: the VM serves from the destination before the
-            // migration ends; forward clients from then on (unless they
-            // moved with it).
-            if let Some(addr) = &p.destination_service {
-                redirect_service(vm, to, addr);
+    // The migration reads all of guest memory: access tracking steps
+    // aside (its faults would stall the reads and count them as accesses).
+    let tracking = vm.access().pause();
+    let result = ferry_migration::migrate(vm, to, opts, &backend(opts.compression.backend), &|p| {
+        // Postcopy: the VM serves from the destination before the
+        // migration ends; forward clients from then on (unless they
+        // moved with it).
+        if let Some(addr) = &p.destination_service {
+            redirect_service(vm, to, addr);
+        }
+        (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
+    });
+    let mut stats = match result {
+        Ok(stats) => stats,
+        Err(e) => {
+            if tracking && runs_here_after(&e) {
+                vm.access().resume();
             }
-            (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
-        })?;
+            return Err(e);
+        }
+    };
     settle_clients(vm, to, &mut stats);
     Ok(stats)
+}
+
+/// Whether the VM goes on running here after a migration failed this way
+/// (not after a postcopy switch, nor when the outcome is unknown).
+fn runs_here_after(e: &MigrationError) -> bool {
+    !matches!(
+        e,
+        MigrationError::PostcopyPaused(_)
+            | MigrationError::InDoubt(_)
+            | MigrationError::PostcopyBroken { .. }
+    )
 }
 
 /// After a migration that succeeded: clients that moved are let go here,

@@ -1,5 +1,6 @@
 //! KVM state: the system fd, the VM and its vCPUs.
 
+pub mod dirty;
 pub mod kvm;
 pub mod persist;
 pub mod vcpu;

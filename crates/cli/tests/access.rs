@@ -1,0 +1,126 @@
+//! Access tracking as `ferry run` users see it: on by its flag, its
+//! periods, faults and cost in `ferry status`, the guest running on.
+
+mod common;
+use common::{ferry, kvm_usable};
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Kills its VMM when dropped, so a failing test leaves no VM running.
+struct Reaper(Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> Reaper {
+    Reaper(
+        Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn status(sock: &str) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let o = ferry(&["status", sock, "--json", "--metrics"]);
+        if o.status.success() {
+            return serde_json::from_slice(&o.stdout).unwrap();
+        }
+        assert!(Instant::now() < deadline, "no VM answered on {sock}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn progress(s: &serde_json::Value) -> u64 {
+    s["metrics"]["workloads"][0]["progress"].as_u64().unwrap()
+}
+
+#[test]
+fn status_reports_access_tracking_and_the_guest_runs_on() {
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-access-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
+    let _vm = spawn(&[
+        "run",
+        "--mem",
+        "128M",
+        "--workload",
+        "dirty:rate=32,wss=16",
+        "--access-period",
+        "200",
+        "--control",
+        &sock,
+        "--duration",
+        "60s",
+    ]);
+    let first = status(&sock);
+    if first["access"]["state"] == "failed" && first["access"]["periods"] == 0 {
+        eprintln!(
+            "SKIP: access tracking unavailable here: {}",
+            first["access"]["error"]
+        );
+        return;
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let a = status(&sock);
+    std::thread::sleep(Duration::from_millis(300));
+    let b = status(&sock);
+    let acc = &b["access"];
+    eprintln!("access: {acc}");
+    assert_eq!(acc["state"], "tracking", "{acc}");
+    assert_eq!(acc["period_ms"], 200);
+    assert_eq!(acc["share"], 8);
+    assert!(acc["periods"].as_u64().unwrap() >= 3, "{acc}");
+    assert!(acc["minor_faults_total"].as_u64().unwrap() > 0, "{acc}");
+    assert!(acc["pages_armed_per_arm"].as_f64().unwrap() > 0.0, "{acc}");
+    assert!(progress(&b) > progress(&a), "the dirty workload advances");
+
+    let o = ferry(&["status", &sock]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    let line = text.lines().find(|l| l.starts_with("access")).unwrap();
+    assert!(
+        line.contains("tracking:")
+            && line.contains("minor faults/s")
+            && line.contains("vCPU time lost"),
+        "{line}"
+    );
+    eprintln!("{line}");
+}
+
+#[test]
+fn access_tracking_can_be_turned_off() {
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-access-off-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
+    let _vm = spawn(&[
+        "run",
+        "--mem",
+        "64M",
+        "--access-period",
+        "0",
+        "--control",
+        &sock,
+        "--duration",
+        "60s",
+    ]);
+    assert!(status(&sock)["access"].is_null());
+    let o = ferry(&["status", &sock]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("access      off"));
+    let o = ferry(&["run", "--access-share", "0", "--duration", "1s"]);
+    assert!(!o.status.success());
+}
