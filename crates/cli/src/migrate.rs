@@ -36,8 +36,10 @@ pub struct MigrateArgs {
     #[arg(long, value_parser = crate::format::parse_duration, default_value = "30s")]
     reconnect_timeout: Duration,
     /// Migration mode: precopy, postcopy (run at the destination at once,
-    /// memory follows on demand) or hybrid (precopy, then postcopy if it
-    /// has not converged after --postcopy-after).
+    /// memory follows on demand), hybrid (precopy, then postcopy if it
+    /// has not converged after --postcopy-after), split (the hot part to a
+    /// main host, the rest to memory servers: --sub, --main-budget) or
+    /// gather (a split VM back to one host: run it on its main host).
     #[arg(long, default_value_t = Mode::Precopy)]
     mode: Mode,
     /// Split: the memory servers (`ferry memserver`) that hold what the
@@ -422,6 +424,15 @@ fn print_table(to: &str, s: &MigrationStats) {
         format::bytes(s.state_bytes as f64)
     );
     println!("converged    {}", s.converged);
+    if let Some(g) = &s.gather {
+        println!(
+            "gather       {} pages pulled from {} memory servers in {:.3} s ({} chunks were there), the rest from the main host",
+            g.pulled_pages,
+            g.servers.len(),
+            g.pull_secs,
+            g.remote_chunks
+        );
+    }
     if let Some(sp) = &s.split {
         println!(
             "split        {} of {} chunks ({} pages each) on the main host (budget {}), ranked by {} over {} periods of history",

@@ -696,6 +696,139 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
     }
 }
 
+/// A split VM (main host holding 25%, paging all the time) is gathered
+/// back whole to a third host with --verify while it pages; its workload
+/// runs on there, and the main host's VMM ends ("migrated").
+#[test]
+fn a_split_vm_is_gathered_back_to_one_host() {
+    if !kvm_usable() {
+        return;
+    }
+    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
+        missing_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    }) {
+        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-gather-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _servers = [memserver_on_h3(7650), memserver_on_h3(7651)];
+    let sock = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let (src_sock, main_sock, whole_sock) =
+        (sock("src.sock"), sock("main.sock"), sock("whole.sock"));
+    let vm = [
+        "run",
+        "--mem",
+        "128M",
+        "--workload",
+        "compute+dirty:rate=64,wss=48,pattern=random",
+        "--quiet",
+        "--json",
+    ];
+    let spawn = |host: &str, extra: &[&str]| {
+        Reaper(Some(
+            in_host(host, &vm)
+                .args(extra)
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ))
+    };
+    let whole = spawn(
+        "ferry-h3",
+        &[
+            "--incoming",
+            "tcp:10.77.0.3:7652",
+            "--control",
+            &whole_sock,
+            "--duration",
+            "4s",
+        ],
+    );
+    let main = spawn(
+        "ferry-h2",
+        &[
+            "--incoming",
+            "tcp:10.77.0.2:7653",
+            "--control",
+            &main_sock,
+            "--duration",
+            "60s",
+        ],
+    );
+    let src = spawn("ferry-h1", &["--control", &src_sock, "--duration", "60s"]);
+    wait_for_sockets("gather", &[&src_sock, &main_sock, &whole_sock]);
+    std::thread::sleep(Duration::from_millis(700));
+    let split = in_host(
+        "ferry-h1",
+        &[
+            "migrate",
+            &src_sock,
+            "--mode",
+            "split",
+            "--main",
+            "tcp:10.77.0.2:7653",
+        ],
+    )
+    .args([
+        "--sub",
+        "tcp:10.77.0.3:7650,tcp:10.77.0.3:7651",
+        "--main-budget",
+        "32M",
+        "--json",
+    ])
+    .output()
+    .unwrap();
+    assert!(
+        split.status.success(),
+        "{}",
+        String::from_utf8_lossy(&split.stderr)
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let paged = status_in("ferry-h2", &main_sock)["split"]["page_ins"]
+        .as_u64()
+        .unwrap();
+    let g = in_host(
+        "ferry-h2",
+        &[
+            "migrate",
+            &main_sock,
+            "--mode",
+            "gather",
+            "--to",
+            "tcp:10.77.0.3:7652",
+            "--verify",
+            "--json",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    let stats = json(&g.stdout);
+    assert_eq!(stats["verified_pages"], 128 * 256, "{stats}");
+    let gs = &stats["gather"];
+    assert!(gs["pulled_pages"].as_u64().unwrap() > 0, "{gs}");
+    eprintln!(
+        "gather: {gs}; the main host had paged in {paged} chunks; downtime {} ms",
+        stats["downtime_ms"]
+    );
+    let m = json(&main.output().stdout);
+    assert_eq!(m["ending"], "migrated", "{m}");
+    let w = json(&whole.output().stdout);
+    assert!(w["split"].is_null(), "the VM is whole again: {w}");
+    for (i, before) in m["workloads"].as_array().unwrap().iter().enumerate() {
+        let (b, a) = (
+            before["progress"].as_u64().unwrap(),
+            w["workloads"][i]["progress"].as_u64().unwrap(),
+        );
+        assert!(a > b, "workload {i} ran on after the gather: {b} -> {a}");
+    }
+    drop(src);
+}
+
 /// A memory server is killed under a split VM that pages all the time
 /// (its main host holds 25%): with `--replicas 2` the VM runs on from the
 /// other copies and says which server it lost; without, the VM stops and

@@ -50,7 +50,7 @@ pub fn receive_with_reconnect(
             reconnect_timeout,
             &sink,
         ),
-        split: crate::split::incoming::Incoming::new(vm, timeout),
+        split: crate::split::incoming::Incoming::new(vm, timeout, &sink),
     };
     let result = (|| {
         session.handshake(vm)?;
@@ -71,10 +71,11 @@ struct Phases<'a> {
 }
 
 impl DestinationPhases for Phases<'_> {
-    fn on_message(&mut self, f: &Frame) -> Result<(), MigrationError> {
+    fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         match f.kind {
             Kind::SplitPlan => self.split.on_plan(f),
-            _ => self.postcopy.on_message(f),
+            Kind::GatherPlan => self.split.on_gather(f, ctl),
+            _ => self.postcopy.on_message(f, ctl),
         }
     }
 

@@ -53,8 +53,9 @@ pub use postcopy::PausedPostcopy;
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use stats::{
-    ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, IncomingStats, Latency,
-    MigrationStats, Phase, PostcopyStats, Progress, RoundStats, SplitServerStats, SplitStats,
+    ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, GatherStats,
+    IncomingStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
+    SplitServerStats, SplitStats,
 };
 pub use transport::{Endpoint, Listener};
 pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, IncomingVm, MigratableVm, PageStore};

@@ -61,11 +61,21 @@ pub enum Mode {
     /// budget) while the rest goes straight to memory servers; the main
     /// host pages chunks in and out afterwards ([`SplitOptions`]).
     Split,
+    /// Brings a split VM back to one host: the destination pulls what the
+    /// memory servers hold, then takes the main host's part by precopy,
+    /// while the main host keeps paging (without paging out).
+    Gather,
 }
 
 impl Mode {
     /// Every mode this build has.
-    pub const ALL: [Mode; 4] = [Mode::Precopy, Mode::Postcopy, Mode::Hybrid, Mode::Split];
+    pub const ALL: [Mode; 5] = [
+        Mode::Precopy,
+        Mode::Postcopy,
+        Mode::Hybrid,
+        Mode::Split,
+        Mode::Gather,
+    ];
 
     /// The mode's name on the command line.
     pub fn name(self) -> &'static str {
@@ -74,6 +84,7 @@ impl Mode {
             Mode::Postcopy => "postcopy",
             Mode::Hybrid => "hybrid",
             Mode::Split => "split",
+            Mode::Gather => "gather",
         }
     }
 

@@ -25,7 +25,7 @@ pub fn migrate(
     tracing::info!(%to, mode = %opts.mode, streams = opts.streams, "migration starts");
     let mut session = SourceSession::new(vm, to, opts);
     let result = match opts.mode {
-        Mode::Precopy | Mode::Hybrid | Mode::Split => {
+        Mode::Precopy | Mode::Hybrid | Mode::Split | Mode::Gather => {
             crate::precopy::run(&mut session, backend, progress)
         }
         Mode::Postcopy => crate::postcopy::run(&mut session, progress),

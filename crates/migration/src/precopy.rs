@@ -36,6 +36,11 @@ pub(crate) fn run(
         crate::options::Mode::Split => Some(crate::split::source::Router::open(s)?),
         _ => None,
     };
+    // Gather: the destination pulls the memory servers' part first.
+    let mut gather = match opts.mode {
+        crate::options::Mode::Gather => Some(crate::split::gather::Gather::open(s)?),
+        _ => None,
+    };
     let compressed = copt.enabled() && s.version >= 2;
     let mut stats = MigrationStats {
         mode: opts.mode,
@@ -57,6 +62,9 @@ pub(crate) fn run(
         shards: copt.workers.clamp(1, crate::encoded::MAX_SHARDS),
     });
     s.open_bulk(setup.as_ref())?;
+    if let Some(g) = gather.as_mut() {
+        g.wait_pulled(s)?;
+    }
     let vm = s.vm;
     let sample = if compressed {
         sample_pages(&s.regions, |i| vm.data_ranges(i), 256)
@@ -75,6 +83,9 @@ pub(crate) fn run(
 
     s.start_dirty_log()?;
     let (mut runs, mut holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    if let Some(g) = &gather {
+        holes = g.main_holes(&holes);
+    }
     let mut round = 0u32;
     let mut bandwidth;
     let mut throttle = 0u32;
@@ -214,7 +225,13 @@ pub(crate) fn run(
             phase: Phase::Verify,
             ..Default::default()
         });
-        let (pages, bytes) = s.send_verify()?;
+        let (pages, bytes) = match &gather {
+            Some(g) => {
+                let hashes = g.hashes(s)?;
+                (hashes.len() as u64, s.send_hashes(&hashes)?)
+            }
+            None => s.send_verify()?,
+        };
         stats.verified_pages = pages;
         stats.bytes += bytes;
     }
@@ -222,6 +239,10 @@ pub(crate) fn run(
     if let Some(r) = router.as_mut() {
         r.commit();
         stats.split = Some(r.stats());
+    }
+    if let Some(g) = gather.as_mut() {
+        g.commit();
+        stats.gather = Some(g.stats());
     }
     let report = s.complete()?;
     s.note_started(&mut stats, &report, lap());

@@ -147,6 +147,11 @@ pub enum Kind {
     /// v8, source to the main host after Layout: split migration's plan
     /// (chunk size, memory servers, where each chunk lives, the budget).
     SplitPlan = 32,
+    /// v8, a split VM's main host to the gathering destination: pull these
+    /// runs from these memory servers before any page from the main host.
+    GatherPlan = 33,
+    /// v8, the gathering destination: everything on the servers landed.
+    GatherReady = 34,
 }
 
 impl Kind {
@@ -185,6 +190,8 @@ impl Kind {
             30 => StoreClose,
             31 => StoreFetch,
             32 => SplitPlan,
+            33 => GatherPlan,
+            34 => GatherReady,
             _ => return None,
         })
     }
@@ -594,6 +601,8 @@ fn kind_name(k: Kind) -> &'static str {
         Kind::StoreClose => "StoreClose",
         Kind::StoreFetch => "StoreFetch",
         Kind::SplitPlan => "SplitPlan",
+        Kind::GatherPlan => "GatherPlan",
+        Kind::GatherReady => "GatherReady",
     }
 }
 

@@ -75,6 +75,22 @@ pub struct MigrationStats {
     /// Split migration: how memory was shared out.
     #[serde(default)]
     pub split: Option<SplitStats>,
+    /// Gather: what the destination pulled from the memory servers.
+    #[serde(default)]
+    pub gather: Option<GatherStats>,
+}
+
+/// What a gather pulled from the memory servers.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GatherStats {
+    /// The memory servers.
+    pub servers: Vec<String>,
+    /// Chunks they held when the gather began.
+    pub remote_chunks: u64,
+    /// Pages the destination pulled from them.
+    pub pulled_pages: u64,
+    /// Seconds the pull took (all servers at once).
+    pub pull_secs: f64,
 }
 
 /// How a split migration shared the VM's memory out.

@@ -101,6 +101,11 @@ pub trait MigratableVm: Send + Sync {
     fn access_history(&self) -> Option<AccessHistory> {
         None
     }
+    /// A split VM's pager on its main host (gather reads from it); None
+    /// for a VM that is not split.
+    fn pager(&self) -> Option<std::sync::Arc<crate::split::RemotePager>> {
+        None
+    }
     /// The destination's timeline arrived (JSON lines, as its
     /// [`IncomingVm::timeline`] gave them); the default drops it.
     fn peer_timeline(&self, _lines: Vec<u8>) {}
@@ -188,12 +193,12 @@ pub trait IncomingVm: PageStore {
         None
     }
     /// The VM started on the main host of a split migration: keep its
-    /// pager (dropping it would strand the VM's remote memory).
-    fn adopt_pager(
-        &self,
-        pager: crate::split::RemotePager,
-    ) -> Result<(), crate::split::RemotePager> {
-        Err(pager)
+    /// pager (dropping it would strand the VM's remote memory). A VMM that
+    /// cannot says why (the pager is then dropped).
+    fn adopt_pager(&self, _pager: crate::split::RemotePager) -> Result<(), VmOpError> {
+        Err(VmOpError::from(
+            "this VMM cannot keep a split VM's pager".to_string(),
+        ))
     }
     /// Gets ready to take the source's clients over (before any page
     /// arrives); Err says why it cannot, and the source forwards instead.

@@ -131,7 +131,60 @@ impl MigratableVm for Source {
 
 struct Dest {
     regions: Vec<MemfdRegion>,
-    pager: Mutex<Option<RemotePager>>,
+    pager: Mutex<Option<Arc<RemotePager>>>,
+}
+
+impl Dest {
+    fn new() -> Self {
+        Dest {
+            regions: LAYOUT
+                .iter()
+                .map(|&(gpa, size)| MemfdRegion::new("main", gpa, size).unwrap())
+                .collect(),
+            pager: Mutex::new(None),
+        }
+    }
+}
+
+/// A split VM's main host is in turn the source of a gather.
+impl MigratableVm for Dest {
+    fn regions(&self) -> Vec<RegionView> {
+        PageStore::regions(self)
+    }
+    fn vcpus(&self) -> u32 {
+        1
+    }
+    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
+        PageStore::data_ranges(self, index)
+    }
+    fn start_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    /// The test's readers only read.
+    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
+        Ok(LAYOUT
+            .iter()
+            .map(|&(_, s)| vec![0u64; (s as usize / PAGE).div_ceil(64)])
+            .collect())
+    }
+    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn pause(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn resume(&self) -> Result<(), VmOpError> {
+        Ok(())
+    }
+    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
+        Ok(b"vcpu state".to_vec())
+    }
+    fn host_written_ranges(&self) -> Vec<GpaBytes> {
+        Vec::new()
+    }
+    fn pager(&self) -> Option<Arc<RemotePager>> {
+        self.pager.lock().unwrap().clone()
+    }
 }
 
 impl PageStore for Dest {
@@ -176,8 +229,8 @@ impl IncomingVm for Dest {
             .map(|r| r.fd().try_clone_to_owned().ok())
             .collect()
     }
-    fn adopt_pager(&self, pager: RemotePager) -> Result<(), RemotePager> {
-        *self.pager.lock().unwrap() = Some(pager);
+    fn adopt_pager(&self, pager: RemotePager) -> Result<(), VmOpError> {
+        *self.pager.lock().unwrap() = Some(Arc::new(pager));
         Ok(())
     }
 }
@@ -268,13 +321,7 @@ impl Relay {
 /// and the memory servers `subs`.
 fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (Source, Dest, MigrationStats) {
     let src = Source::new();
-    let dst = Dest {
-        regions: LAYOUT
-            .iter()
-            .map(|&(gpa, size)| MemfdRegion::new("main", gpa, size).unwrap())
-            .collect(),
-        pager: Mutex::new(None),
-    };
+    let dst = Dest::new();
     let total: u64 = LAYOUT.iter().map(|r| r.1).sum();
     let opts = MigrateOptions {
         mode: Mode::Split,
@@ -393,6 +440,7 @@ fn split(rank: Rank) {
         }
     }
     let pager = dst.pager.lock().unwrap().take().unwrap();
+    let pager = Arc::try_unwrap(pager).ok().unwrap();
     // The last fault's vCPU runs as soon as its page is in; the rest of
     // that chunk and the page-out it brings may still be on their way.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -502,4 +550,59 @@ fn without_replicas_a_dead_memory_server_stops_the_vm_and_says_which() {
     reader
         .recv_timeout(Duration::from_secs(20))
         .expect("the reader was released");
+}
+
+#[test]
+fn gather_brings_a_split_vm_back_whole_while_it_pages() {
+    if !usable() {
+        return;
+    }
+    let (_s1, a1) = server();
+    let (_s2, a2) = server();
+    let (src, main, _) = move_vm(vec![a1, a2], Rank::Clock, 1);
+    let before = main.pager.lock().unwrap().as_ref().unwrap().stats();
+    // The guest reads all its memory while it is gathered.
+    let reader = read_all(&main);
+    let whole = Dest::new();
+    let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
+    let to = listener.endpoint();
+    let opts = MigrateOptions {
+        mode: Mode::Gather,
+        verify: true,
+        streams: 2,
+        ..Default::default()
+    };
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&whole, &listener, Duration::from_secs(10)));
+        let st = ferry_migration::migrate(&main, &to, &opts, &Backend::cpu(), &|_| {});
+        d.join().unwrap().unwrap();
+        st.unwrap()
+    });
+    let g = stats.gather.expect("gather stats");
+    assert!(g.pulled_pages > 0 && g.remote_chunks > 0, "{g:?}");
+    assert_eq!(
+        stats.verified_pages,
+        LAYOUT.iter().map(|r| r.1 / PAGE as u64).sum::<u64>()
+    );
+    reader
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the main host paged on during the gather");
+    let after = main.pager.lock().unwrap().as_ref().unwrap().stats();
+    assert_eq!(
+        after.page_outs, before.page_outs,
+        "nothing paged out while gathering"
+    );
+    // Every byte is at the destination, none under userfaultfd there.
+    for &(gpa, size) in LAYOUT {
+        for p in 0..size / PAGE as u64 {
+            let g = gpa + p * PAGE as u64;
+            // SAFETY: `g` lies in the destination's live memfd mapping.
+            let b = unsafe { host(&whole, g).add(17).read_volatile() };
+            assert_eq!(b, src.byte(g, 17), "byte 17 of {g:#x}");
+        }
+    }
+    eprintln!(
+        "gather: {g:?}; main host paged in {} chunks meanwhile",
+        after.page_ins - before.page_ins
+    );
 }

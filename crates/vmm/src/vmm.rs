@@ -491,7 +491,7 @@ pub struct Vm {
     /// The migration being recorded, if any (timeline and metrics).
     watch: crate::timeline::Watch,
     /// A split VM's remote paging (on its main host), kept while it runs.
-    pager: Mutex<Option<ferry_migration::split::RemotePager>>,
+    pager: Mutex<Option<Arc<ferry_migration::split::RemotePager>>>,
     /// KVM's dirty log, shared by a migration and access tracking.
     dirty: Arc<DirtyLog>,
     /// Access tracking, when on.
@@ -1062,7 +1062,12 @@ impl Vm {
             shared.set_requested(RunState::Paused);
             shared.kick_all();
         });
-        *self.pager.lock().unwrap_or_else(|e| e.into_inner()) = Some(pager);
+        *self.pager.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(pager));
+    }
+
+    /// A split VM's pager (gather reads from it).
+    pub fn pager(&self) -> Option<Arc<ferry_migration::split::RemotePager>> {
+        self.pager.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// What remote paging did, for a split VM on its main host.

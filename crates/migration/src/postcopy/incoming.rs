@@ -202,7 +202,7 @@ impl<'a> Incoming<'a> {
 }
 
 impl DestinationPhases for Incoming<'_> {
-    fn on_message(&mut self, f: &Frame) -> Result<(), MigrationError> {
+    fn on_message(&mut self, f: &Frame, _ctl: &mut Conn) -> Result<(), MigrationError> {
         if f.kind != Kind::PostcopyPlan || self.planned {
             return Err(ProtocolError::Unexpected {
                 got: f.kind,

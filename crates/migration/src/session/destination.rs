@@ -22,8 +22,9 @@ use crate::MigrationError;
 /// start.
 pub(crate) trait DestinationPhases {
     /// A control message the session does not handle itself (a mode's own
-    /// phase); the default refuses it.
-    fn on_message(&mut self, f: &Frame) -> Result<(), MigrationError> {
+    /// phase), with the control connection to answer on; the default
+    /// refuses it.
+    fn on_message(&mut self, f: &Frame, _ctl: &mut Conn) -> Result<(), MigrationError> {
         Err(ProtocolError::Unexpected {
             got: f.kind,
             want: "RoundDone, State, Verify or Complete",
@@ -305,7 +306,7 @@ impl<'a> DestSession<'a> {
                     self.tel.set_phase(LivePhase::Succeeded);
                     return Ok(());
                 }
-                _ => mode.on_message(&f)?,
+                _ => mode.on_message(&f, &mut self.ctl)?,
             }
         }
     }

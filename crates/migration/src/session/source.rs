@@ -277,8 +277,12 @@ impl<'a> SourceSession<'a> {
         Ok(())
     }
 
-    /// Starts dirty tracking (stopped again by [`SourceSession::conclude`]).
+    /// Starts dirty tracking (stopped again by [`SourceSession::conclude`]);
+    /// once on, a second call keeps what it tracked.
     pub(crate) fn start_dirty_log(&mut self) -> Result<(), MigrationError> {
+        if self.dirty_log {
+            return Ok(());
+        }
         self.vm
             .start_dirty_log()
             .map_err(MigrationError::vm("start dirty log"))?;

@@ -10,6 +10,8 @@ use std::time::Duration;
 use crate::memory::RegionView;
 use crate::memserver::{StoreClient, StoreOpen};
 use crate::protocol::{self, Frame, Kind};
+use crate::sink::PageSink;
+use crate::transport::Conn;
 use crate::vm::IncomingVm;
 use crate::MigrationError;
 
@@ -18,6 +20,8 @@ use super::{ChunkMap, RemotePager, SplitPlan, ON_MAIN};
 /// The main host's split phases.
 pub(crate) struct Incoming<'a> {
     vm: &'a dyn IncomingVm,
+    /// Where a gather's pulled pages land.
+    sink: &'a dyn PageSink,
     timeout: Duration,
     plan: Option<SplitPlan>,
     stores: Vec<StoreClient>,
@@ -25,9 +29,10 @@ pub(crate) struct Incoming<'a> {
 }
 
 impl<'a> Incoming<'a> {
-    pub(crate) fn new(vm: &'a dyn IncomingVm, timeout: Duration) -> Self {
+    pub(crate) fn new(vm: &'a dyn IncomingVm, timeout: Duration, sink: &'a dyn PageSink) -> Self {
         Incoming {
             vm,
+            sink,
             timeout,
             plan: None,
             stores: Vec::new(),
@@ -74,6 +79,73 @@ impl<'a> Incoming<'a> {
         Ok(())
     }
 
+    /// A gather (this side takes a split VM back whole): pulls every run
+    /// the plan names from its server, all servers at once, before the
+    /// main host sends anything, then says GatherReady (pages pulled).
+    pub(crate) fn on_gather(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
+        let plan: super::GatherPlan = protocol::decode(f, Kind::GatherPlan)?;
+        if plan.pulls.len() != plan.servers.len() {
+            return Err(protocol::ProtocolError::Malformed {
+                kind: Kind::GatherPlan,
+                reason: "one list of runs per server".into(),
+            }
+            .into());
+        }
+        let regions = self.vm.regions();
+        let open = StoreOpen {
+            vm: plan.vm.clone(),
+            regions: regions.iter().map(|r| (r.gpa(), r.size())).collect(),
+            reserve_pages: 0,
+        };
+        let (sink, timeout) = (self.sink, self.timeout);
+        let pulled = std::thread::scope(|sc| {
+            let threads: Vec<_> = plan
+                .servers
+                .iter()
+                .zip(&plan.pulls)
+                .map(|(to, runs)| {
+                    let open = &open;
+                    sc.spawn(move || -> Result<u64, MigrationError> {
+                        let (mut store, _) = StoreClient::open(to, timeout, open).map_err(|e| {
+                            MigrationError::Unsupported(format!("memory server {to}: {e}"))
+                        })?;
+                        // What a server does not hold is zero.
+                        for r in runs {
+                            sink.zero(*r)?;
+                        }
+                        let mut pages = 0;
+                        store.fetch_runs(runs, false, |_, gpas, data| {
+                            for (j, &g) in gpas.iter().enumerate() {
+                                let page = &data[j * protocol::PAGE..][..protocol::PAGE];
+                                sink.write(crate::ranges::GpaPages::new(g, 1), page)?;
+                            }
+                            pages += gpas.len() as u64;
+                            Ok(())
+                        })?;
+                        Ok(pages)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| {
+                    t.join().unwrap_or_else(|_| {
+                        Err(MigrationError::Unsupported(
+                            "a gather thread panicked".into(),
+                        ))
+                    })
+                })
+                .sum::<Result<u64, MigrationError>>()
+        })?;
+        tracing::info!(
+            pulled,
+            servers = plan.servers.len(),
+            "gather: the servers' pages are here"
+        );
+        ctl.send(Kind::GatherReady, &pulled)?;
+        Ok(())
+    }
+
     /// Per-page hashes of the whole VM: chunks held here from memory,
     /// the others fetched from their servers (which keep them).
     pub(crate) fn hashes(&mut self, regions: &[RegionView]) -> Result<Vec<u64>, MigrationError> {
@@ -83,21 +155,7 @@ impl<'a> Incoming<'a> {
             return Ok(out);
         };
         let map = ChunkMap::new(regions, plan.chunk_pages);
-        for (k, store) in self.stores.iter_mut().enumerate() {
-            let runs: Vec<_> = (0..map.chunks())
-                .filter(|&c| usize::from(plan.places[c]) == k + 1)
-                .map(|c| map.run(c))
-                .collect();
-            store.fetch_runs(&runs, false, |_, gpas, data| {
-                for (j, &g) in gpas.iter().enumerate() {
-                    let at = map.page_index(g).and_then(|i| out.get_mut(i as usize));
-                    if let Some(h) = at {
-                        *h = protocol::page_hash(&data[j * protocol::PAGE..][..protocol::PAGE]);
-                    }
-                }
-                Ok(())
-            })?;
-        }
+        super::hash_remote(&map, &plan.places, &mut self.stores, &mut out)?;
         Ok(out)
     }
 
@@ -117,11 +175,9 @@ impl<'a> Incoming<'a> {
     /// The VM runs: it keeps the pager from now on.
     pub(crate) fn after_start(&mut self) -> Result<(), MigrationError> {
         if let Some(pager) = self.pager.take() {
-            if self.vm.adopt_pager(pager).is_err() {
-                return Err(MigrationError::Unsupported(
-                    "this VMM cannot keep a pager".into(),
-                ));
-            }
+            self.vm
+                .adopt_pager(pager)
+                .map_err(MigrationError::vm("keep the pager"))?;
         }
         Ok(())
     }

@@ -21,6 +21,7 @@
 //! Files: [`source`] (the mode's rounds and routing), [`incoming`] (the
 //! main host's phases), [`pager`] (remote paging after the switch).
 
+pub(crate) mod gather;
 pub(crate) mod incoming;
 pub mod pager;
 pub(crate) mod source;
@@ -33,7 +34,18 @@ use crate::ranges::{GpaPages, PAGE};
 use crate::transport::Endpoint;
 use crate::vm::AccessHistory;
 
-pub use pager::{PagerStats, RemotePager};
+pub use pager::{GatherSnapshot, PagerStats, RemotePager};
+
+/// What a gathering destination pulls from the memory servers (v8).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GatherPlan {
+    /// The VM's id on the servers.
+    pub vm: String,
+    /// The servers.
+    pub servers: Vec<Endpoint>,
+    /// Per server, the runs to pull from it.
+    pub pulls: Vec<Vec<GpaPages>>,
+}
 
 /// A chunk's place in a [`SplitPlan`]: on the main host.
 pub const ON_MAIN: u16 = 0;
@@ -79,8 +91,18 @@ impl SplitPlan {
                 .homes
                 .iter()
                 .any(|&h| h == ON_MAIN || usize::from(h) > servers)
+            || self.mirrors.iter().any(|&m| usize::from(m) > servers)
         {
             return Err(format!("the plan names a server beyond its {servers}"));
+        }
+        let misplaced = (0..n).any(|c| {
+            (self.places[c] != ON_MAIN && self.places[c] != self.homes[c])
+                || self.mirrors[c] == self.homes[c]
+        });
+        if misplaced {
+            return Err(
+                "the plan puts a chunk away from its home, or both its copies on one server".into(),
+            );
         }
         let on_main = self.places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
         if on_main > self.budget_chunks {
@@ -193,6 +215,42 @@ impl ChunkMap {
             }
         });
     }
+}
+
+/// Replaces, in `hashes` (one per page of the VM, in order), the hashes
+/// of every chunk `places` puts on a server by those of the server's
+/// pages (fetched, left there); a page a server does not hold is zero.
+pub(crate) fn hash_remote(
+    map: &ChunkMap,
+    places: &[u16],
+    stores: &mut [crate::memserver::StoreClient],
+    hashes: &mut [u64],
+) -> Result<(), crate::MigrationError> {
+    let zero = crate::protocol::page_hash(&[0u8; crate::protocol::PAGE]);
+    for (k, store) in stores.iter_mut().enumerate() {
+        let runs: Vec<GpaPages> = (0..map.chunks())
+            .filter(|&c| usize::from(places[c]) == k + 1)
+            .map(|c| map.run(c))
+            .collect();
+        for run in &runs {
+            for g in run.page_addrs() {
+                if let Some(h) = map.page_index(g).and_then(|i| hashes.get_mut(i as usize)) {
+                    *h = zero;
+                }
+            }
+        }
+        store.fetch_runs(&runs, false, |_, gpas, data| {
+            for (j, &g) in gpas.iter().enumerate() {
+                if let Some(h) = map.page_index(g).and_then(|i| hashes.get_mut(i as usize)) {
+                    *h = crate::protocol::page_hash(
+                        &data[j * crate::protocol::PAGE..][..crate::protocol::PAGE],
+                    );
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 /// Each chunk's heat: the pages accessed in the last period (clock), or
@@ -354,6 +412,6 @@ mod tests {
             places: places.clone(),
             ..short
         };
-        assert!(same.check(&map).unwrap_err().contains("both copies"));
+        assert!(same.check(&map).unwrap_err().contains("both its copies"));
     }
 }

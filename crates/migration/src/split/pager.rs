@@ -105,6 +105,12 @@ struct Shared {
     on_failure: Mutex<Option<FailureHook>>,
     /// The location map, per chunk: [`ON_MAIN`] or 1 + server index.
     places: Mutex<Vec<u16>>,
+    /// A gather reads the servers: no page-outs, and page-ins leave the
+    /// servers' copies in place.
+    gathering: AtomicBool,
+    /// Held for the whole of a page-out: a gather's snapshot waits for
+    /// one in flight (its chunk would be a hole here and not yet there).
+    paging_out: Mutex<()>,
 }
 
 /// Remote paging for one VM; dropping it stops the thread, releases the
@@ -116,6 +122,22 @@ pub struct RemotePager {
     map: ChunkMap,
     budget: u64,
     sampling: bool,
+    /// The VM's id on the servers, and the servers.
+    vm: String,
+    servers: Vec<crate::transport::Endpoint>,
+}
+
+/// Where a split VM's memory is when a gather begins.
+#[derive(Clone, Debug)]
+pub struct GatherSnapshot {
+    /// The VM's id on the servers.
+    pub vm: String,
+    /// Pages per chunk.
+    pub chunk_pages: u32,
+    /// The memory servers.
+    pub servers: Vec<crate::transport::Endpoint>,
+    /// Per chunk: [`ON_MAIN`] or 1 + the server holding it.
+    pub places: Vec<u16>,
 }
 
 impl RemotePager {
@@ -202,6 +224,8 @@ impl RemotePager {
             lost: Mutex::new(Vec::new()),
             on_failure: Mutex::new(None),
             places: Mutex::new(plan.places.clone()),
+            gathering: AtomicBool::new(false),
+            paging_out: Mutex::new(()),
         });
         shared.counters.resident.store(resident, Ordering::Relaxed);
         let n = map.chunks();
@@ -244,6 +268,8 @@ impl RemotePager {
             map,
             budget: plan.budget_chunks,
             sampling,
+            vm: plan.vm.clone(),
+            servers: plan.servers.clone(),
         })
     }
 
@@ -304,6 +330,31 @@ impl RemotePager {
             .on_failure
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(Box::new(hook));
+    }
+
+    /// A gather begins: from now on nothing is paged out and page-ins
+    /// leave the servers' copies in place, so what the servers hold stays
+    /// what the snapshot says (a chunk paged in meanwhile has the same
+    /// bytes on both sides until the guest writes it, which the dirty log
+    /// sees).
+    pub fn begin_gather(&self) -> GatherSnapshot {
+        self.shared.gathering.store(true, Ordering::SeqCst);
+        let _no_page_out = self
+            .shared
+            .paging_out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        GatherSnapshot {
+            vm: self.vm.clone(),
+            chunk_pages: self.map.chunk_pages() as u32,
+            servers: self.servers.clone(),
+            places: self.places(),
+        }
+    }
+
+    /// The gather failed: the VM stays split here, paging as before.
+    pub fn end_gather(&self) {
+        self.shared.gathering.store(false, Ordering::SeqCst);
     }
 
     /// Why paging stopped, if it did.
@@ -483,6 +534,7 @@ impl Worker {
                 continue;
             }
             match self.page_in(c, gpa, server, t) {
+                Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
                 Ok(()) => {
                     // The other copy is stale from now on.
                     for other in self.copies(c) {
@@ -611,7 +663,8 @@ impl Worker {
         .collect();
         let (uffd, regions, shared) = (&self.uffd, &self.regions, &self.shared);
         let mut pages = 0u64;
-        self.stores[server].fetch_runs(&runs, true, |i, gpas, data| {
+        let drop = !shared.gathering.load(Ordering::SeqCst);
+        self.stores[server].fetch_runs(&runs, drop, |i, gpas, data| {
             for (j, &g) in gpas.iter().enumerate() {
                 let host = host_of(regions, g).ok_or_else(|| bad_gpa(g))?;
                 match uffd.copy(host, &data[j * PAGE as usize..][..PAGE as usize], i == 0) {
@@ -650,7 +703,11 @@ impl Worker {
     /// Pages out the coldest chunks until the main host is within budget
     /// (never `keep`, just paged in).
     fn keep_budget(&mut self, keep: usize) -> Result<(), MigrationError> {
-        while self.shared.counters.resident.load(Ordering::Relaxed) > self.budget {
+        // (A gather pages nothing out: checked each time round, since
+        // one may begin between two page-outs.)
+        while !self.shared.gathering.load(Ordering::SeqCst)
+            && self.shared.counters.resident.load(Ordering::Relaxed) > self.budget
+        {
             let places = self.shared.places.lock().unwrap_or_else(|e| e.into_inner());
             let victim = (0..places.len())
                 .filter(|&c| places[c] == ON_MAIN && c != keep)
@@ -680,6 +737,11 @@ impl Worker {
     /// meanwhile fault MISSING next). A server that fails is lost; the
     /// chunk moves if one copy landed.
     fn page_out(&mut self, c: usize, servers: &[usize]) -> Result<(), MigrationError> {
+        let shared = self.shared.clone();
+        let _out = shared.paging_out.lock().unwrap_or_else(|e| e.into_inner());
+        if shared.gathering.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         let run = self.map.run(c);
         let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         let len = run.bytes();

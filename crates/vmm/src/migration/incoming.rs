@@ -69,10 +69,7 @@ impl IncomingVm for Vm {
             .collect()
     }
 
-    fn adopt_pager(
-        &self,
-        pager: ferry_migration::split::RemotePager,
-    ) -> Result<(), ferry_migration::split::RemotePager> {
+    fn adopt_pager(&self, pager: ferry_migration::split::RemotePager) -> Result<(), VmOpError> {
         self.keep_pager(pager);
         Ok(())
     }

@@ -31,6 +31,10 @@ impl MigratableVm for Vm {
         super::views(self)
     }
 
+    fn pager(&self) -> Option<std::sync::Arc<ferry_migration::split::RemotePager>> {
+        Vm::pager(self)
+    }
+
     fn vcpus(&self) -> u32 {
         self.config().vcpus
     }
