@@ -38,6 +38,10 @@ pub enum Suite {
     /// the same 1 Gbit link) at several dirty rates, every mode, from the
     /// runs' timelines.
     Degradation,
+    /// Split migration of a sorting VM to a main host holding part of its
+    /// memory, beside enough memory and swap (memory cgroup + swap file):
+    /// migration time, downtime, the sort's slowdown, page-ins, chunk sizes.
+    Split,
 }
 
 #[derive(clap::Args)]
@@ -67,6 +71,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Handover => "handover.py",
         Suite::Clients => "clients.py",
         Suite::Degradation => "degradation.py",
+        Suite::Split => "split.py",
     });
     if !script.exists() {
         bail!(

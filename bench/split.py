@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Split migration (issue 14), the S-memV paper's experiments scaled to this
+machine. A VM running `sort` (a radix sort of --sort-mib MiB of random keys,
+which works on twice that) moves from ferry-h1 to ferry-h2 one second after
+its start, to a destination that holds only a budget of its memory (each of --budgets):
+
+- enough: a plain precopy to a destination with room for all of it (the
+  reference for migration time and downtime);
+- split-clock / split-aging: `--mode split` with the main host holding
+  the budget, the rest on two memory servers on ferry-h3, chunks ranked by
+  the source's access history (the source runs with --access-period 1000);
+- swap: a plain precopy to a destination VMM held to the budget (plus
+  --overhead for the VMM itself) by a v1 memory cgroup, with swap on a file
+  (the paper's "virtual memory" baseline);
+- none: the same VM never migrated (the sort's own runtime).
+
+Per run: migration time and downtime, the sort's runtime (the guest's own
+measure of its task, start to end, across the move) and page-ins (split:
+the pager's chunks paged in; swap: pswpin pages from /proc/vmstat). Every
+VM runs with --access-period 1000 so each pays the same tracking cost.
+`--chunks` adds a chunk-size sweep of split-clock. Cells are medians of
+--runs. Results: bench/results/split.{json,md}.
+
+Usage: python3 bench/split.py [--runs 3] [--mem 512M] [--sort-mib 96]
+       [--budgets 256M,160M] [--chunks 1,16,64,256,512]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import benchlib
+from benchlib import in_host, sh
+
+SRC, DST, SUB = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2"), ("ferry-h3", "10.77.0.3")
+CGROUP = "/sys/fs/cgroup/memory/ferry-split-bench"
+SWAPFILE = "/var/tmp/ferry-split-bench.swap"
+
+
+def size_bytes(s):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
+
+
+def pswpin():
+    for line in open("/proc/vmstat"):
+        if line.startswith("pswpin "):
+            return int(line.split()[1])
+    return 0
+
+
+def swap_setup(limit):
+    """A swap file and a memory cgroup held to `limit` bytes."""
+    if not os.path.exists(SWAPFILE):
+        sh("fallocate", "-l", "2G", SWAPFILE)
+        os.chmod(SWAPFILE, 0o600)
+        sh("mkswap", SWAPFILE)
+    sh("swapon", SWAPFILE, check=False)
+    os.makedirs(CGROUP, exist_ok=True)
+    with open(os.path.join(CGROUP, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+
+
+def swap_teardown():
+    sh("swapoff", SWAPFILE, check=False)
+    if os.path.exists(SWAPFILE):
+        os.unlink(SWAPFILE)
+    if os.path.isdir(CGROUP):
+        try:
+            os.rmdir(CGROUP)
+        except OSError:
+            pass
+
+
+def sort_ms(summary):
+    """The sort task's runtime (ms) from a VMM's run summary, or None."""
+    for w in summary.get("workloads", []):
+        if w["spec"].startswith("sort") and w.get("result") == "ok" and w.get("finished_task_ms"):
+            return w["finished_task_ms"][0]
+    return None
+
+
+def memservers(ferry, ports):
+    procs = [subprocess.Popen(in_host(SUB[0], ferry, "memserver", "--listen", f"tcp:{SUB[1]}:{p}",
+                                      "--capacity", "2G", "--no-registry"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    time.sleep(0.5)
+    return procs
+
+
+def run_once(ferry, a, config, chunk, budget, tmp, port):
+    """One VM, one configuration; returns the run's figures."""
+    src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
+    benchlib.fresh(src_sock, dst_sock)
+    common = ["run", "--mem", a.mem, "--workload", f"sort:mib={a.sort_mib}", "--quiet", "--json"]
+    src_cmd = in_host(SRC[0], ferry, *common, "--control", src_sock, "--access-period", "1000",
+                      "--duration", f"{a.timeout}s")
+    procs, servers = [], []
+    try:
+        if config == "none":
+            src = subprocess.Popen(src_cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            procs.append(src)
+            out, _ = src.communicate(timeout=a.timeout + 30)
+            ms = sort_ms(json.loads(out))
+            if ms is None:
+                raise RuntimeError("the sort did not finish")
+            return {"sort_ms": ms}
+        to = f"tcp:{DST[1]}:{port}"
+        dst_cmd = [*common, "--incoming", to, "--control", dst_sock, "--duration", f"{a.timeout}s"]
+        if config == "swap":
+            dst_cmd = ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$0" "$@"', ferry, *dst_cmd]
+            dst = subprocess.Popen(in_host(DST[0], *dst_cmd), stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+        else:
+            dst = subprocess.Popen(in_host(DST[0], ferry, *dst_cmd), stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+        procs.append(dst)
+        src = subprocess.Popen(src_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(src)
+        flags = []
+        if config.startswith("split"):
+            servers = memservers(ferry, (port + 1000, port + 2000))
+            flags = ["--mode", "split", "--sub", f"tcp:{SUB[1]}:{port + 1000},tcp:{SUB[1]}:{port + 2000}",
+                     "--main-budget", budget, "--chunk-pages", str(chunk),
+                     "--rank", config.split("-")[1]]
+        benchlib.wait_for(src_sock, dst_sock)
+        time.sleep(a.lead)
+        swapped0 = pswpin()
+        m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", to, *flags, "--json"), check=False)
+        if m.returncode != 0:
+            raise RuntimeError(m.stderr.strip()[-300:])
+        stats = json.loads(m.stdout)
+        out, _ = dst.communicate(timeout=a.timeout + 30)
+        summary = json.loads(out)
+        ms = sort_ms(summary)
+        if ms is None:
+            raise RuntimeError(f"the sort did not finish within {a.timeout} s")
+        pager = summary.get("split") or {}
+        return {
+            "total_s": stats["total_secs"],
+            "downtime_ms": stats["downtime_ms"],
+            "sort_ms": ms,
+            "page_ins": pager.get("page_ins", 0) if config.startswith("split") else pswpin() - swapped0,
+            "page_outs": pager.get("page_outs", 0),
+        }
+    finally:
+        benchlib.reap(*procs, *servers)
+
+
+def cell(ferry, a, config, chunk, budget, tmp, port):
+    runs, errors = [], []
+    for _ in range(a.runs):
+        port[0] += 1
+        try:
+            runs.append(run_once(ferry, a, config, chunk, budget, tmp, port[0]))
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+            errors.append(str(e).strip())
+            print(f"{config} chunk {chunk}: a run failed: {e}", flush=True)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
+    c = {"config": config, "budget": budget, "chunk_pages": chunk, "median": med, "runs": runs,
+         "errors": errors}
+    print(json.dumps({k: c[k] for k in ("config", "budget", "chunk_pages", "median")}), flush=True)
+    return c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ferry", default="target/release/ferry")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--mem", default="512M")
+    ap.add_argument("--sort-mib", type=int, default=96)
+    ap.add_argument("--budgets", default="256M,160M", help="the destination's memory, one set of cells each")
+    ap.add_argument("--overhead", default="32M", help="the swap destination's VMM beside guest memory")
+    ap.add_argument("--lead", type=float, default=1.0, help="seconds the sort runs before the move")
+    ap.add_argument("--timeout", type=int, default=120)
+    ap.add_argument("--chunks", default="", help="chunk sizes (pages) to sweep with split-clock")
+    ap.add_argument("--configs", default="none,enough,split-clock,split-aging,swap")
+    a = ap.parse_args()
+    ferry = os.path.abspath(a.ferry)
+    up = sh(ferry, "lab", "up", "3", check=False)
+    if up.returncode != 0:
+        sys.exit(f"cannot build the lab: {up.stderr}")
+    configs = a.configs.split(",")
+    budgets = a.budgets.split(",")
+    cells = []
+    port = [7800]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for config in [c for c in configs if c in ("none", "enough")]:
+                cells.append(cell(ferry, a, config, 256, "", tmp, port))
+            for budget in budgets:
+                if "swap" in configs:
+                    swap_setup(size_bytes(budget) + size_bytes(a.overhead))
+                for config in [c for c in configs if c not in ("none", "enough")]:
+                    cells.append(cell(ferry, a, config, 256, budget, tmp, port))
+            for chunk in [int(c) for c in a.chunks.split(",") if c]:
+                cells.append(cell(ferry, a, "split-clock", chunk, budgets[-1], tmp, port))
+    finally:
+        swap_teardown()
+        sh(ferry, "lab", "down", check=False)
+    write(a, cells)
+
+
+def write(a, cells):
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    command = benchlib.recorded_command("split.py")
+    with open(os.path.join(out, "split.json"), "w") as f:
+        json.dump({"command": command, "cells": cells}, f, indent=1)
+    md = os.path.join(out, "split.md")
+    notes = benchlib.kept_notes(md)
+    base = {c["config"]: c["median"] for c in cells if c["budget"] == ""}
+    none_ms = base.get("none", {}).get("sort_ms")
+    enough = base.get("enough", {})
+    lines = [
+        "# Split migration against enough memory and swap",
+        "",
+        f"Command: `{command}` (medians of {a.runs}; a {a.mem} VM, 1 vCPU, running `sort:mib={a.sort_mib}`",
+        f"(it works on {2 * a.sort_mib} MiB), moved {a.lead:g} s after its start from ferry-h1 to ferry-h2;",
+        "the destination holds `budget` of its memory: split puts the rest on two memory servers on ferry-h3,",
+        f"swap is a v1 memory cgroup of the budget + {a.overhead} with swap on a file). Every VM tracks",
+        "accesses (--access-period 1000). Sort runtime: the guest's own measure of its task, across the move.",
+        "",
+        "| config | budget | chunk pages | migration s | vs enough | downtime ms | vs enough | sort s | slowdown vs none | page-ins |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        m = c["median"]
+        if not m:
+            continue
+        tot, down = m.get("total_s"), m.get("downtime_ms")
+        vs_t = f"{(tot / enough['total_s'] - 1) * 100:+.0f}%" if tot and enough.get("total_s") else ""
+        vs_d = f"{down - enough['downtime_ms']:+.1f} ms" if down is not None and enough.get("downtime_ms") is not None else ""
+        slow = f"{(m['sort_ms'] / none_ms - 1) * 100:+.0f}%" if none_ms else ""
+        lines.append(
+            f"| {c['config']} | {c['budget'] or 'all'} | {c['chunk_pages']} | {'' if tot is None else f'{tot:.3f}'} | {vs_t} | "
+            f"{'' if down is None else f'{down:.1f}'} | {vs_d} | {m['sort_ms'] / 1e3:.2f} | {slow} | "
+            f"{m.get('page_ins', '')} |")
+    lines += benchlib.failed_runs(cells, lambda c: f"{c['config']} {c['budget']} chunk {c['chunk_pages']}")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n" + notes)
+    print(f"wrote {md}")
+
+
+if __name__ == "__main__":
+    main()
