@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Split migration (issue 14), the S-memV paper's experiments scaled to this
 machine. A VM running `sort` (a radix sort of --sort-mib MiB of random keys,
-which works on twice that) moves from ferry-h1 to ferry-h2 one second after
+which works on twice that) moves from ferry-h1 to ferry-h2 --lead seconds after
 its start, to a destination that holds only a budget of its memory (each of --budgets):
 
 - enough: a plain precopy to a destination with room for all of it (the
   reference for migration time and downtime);
 - split-clock / split-aging: `--mode split` with the main host holding
   the budget, the rest on two memory servers on ferry-h3, chunks ranked by
-  the source's access history (the source runs with --access-period 1000);
+  the source's access history when it tracks one (--access-period; off by
+  default: at 1000 ms it keeps this sort from finishing in 15 s, against
+  3.5 s untracked), else in address order; the main host pages by clock
+  or aging either way;
 - swap: a plain precopy to a destination VMM held to the budget (plus
   --overhead for the VMM itself) by a v1 memory cgroup, with swap on a file
   (the paper's "virtual memory" baseline);
@@ -17,7 +20,7 @@ its start, to a destination that holds only a budget of its memory (each of --bu
 Per run: migration time and downtime, the sort's runtime (the guest's own
 measure of its task, start to end, across the move) and page-ins (split:
 the pager's chunks paged in; swap: pswpin pages from /proc/vmstat). Every
-VM runs with --access-period 1000 so each pays the same tracking cost.
+source runs with the same --access-period.
 `--chunks` adds a chunk-size sweep of split-clock. Cells are medians of
 --runs. Results: bench/results/split.{json,md}.
 
@@ -97,27 +100,32 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     benchlib.fresh(src_sock, dst_sock)
     common = ["run", "--mem", a.mem, "--workload", f"sort:mib={a.sort_mib}", "--quiet", "--json"]
-    src_cmd = in_host(SRC[0], ferry, *common, "--control", src_sock, "--access-period", "1000",
-                      "--duration", f"{a.timeout}s")
+    # No --duration: a VMM ends when its sort has finished (or, the
+    # source, once migrated).
+    src_cmd = in_host(SRC[0], ferry, *common, "--control", src_sock,
+                      "--access-period", str(a.access_period))
     procs, servers = [], []
     try:
         if config == "none":
             src = subprocess.Popen(src_cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             procs.append(src)
-            out, _ = src.communicate(timeout=a.timeout + 30)
+            out, _ = src.communicate(timeout=a.timeout)
             ms = sort_ms(json.loads(out))
             if ms is None:
                 raise RuntimeError("the sort did not finish")
             return {"sort_ms": ms}
         to = f"tcp:{DST[1]}:{port}"
-        dst_cmd = [*common, "--incoming", to, "--control", dst_sock, "--duration", f"{a.timeout}s"]
+        dst_cmd = [*common, "--incoming", to, "--control", dst_sock]
         if config == "swap":
-            dst_cmd = ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$0" "$@"', ferry, *dst_cmd]
-            dst = subprocess.Popen(in_host(DST[0], *dst_cmd), stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True)
+            # Into the cgroup before entering the lab host (whose /sys does
+            # not show the cgroup tree); the VMM inherits it.
+            wrapped = ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$0" "$@"',
+                       *in_host(DST[0], ferry, *dst_cmd)]
+            dst = subprocess.Popen(wrapped, stdout=subprocess.PIPE,
+                                   stderr=open(os.path.join(tmp, "dst.err"), "w"), text=True)
         else:
             dst = subprocess.Popen(in_host(DST[0], ferry, *dst_cmd), stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True)
+                                   stderr=open(os.path.join(tmp, "dst.err"), "w"), text=True)
         procs.append(dst)
         src = subprocess.Popen(src_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(src)
@@ -134,7 +142,10 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
         if m.returncode != 0:
             raise RuntimeError(m.stderr.strip()[-300:])
         stats = json.loads(m.stdout)
-        out, _ = dst.communicate(timeout=a.timeout + 30)
+        out, _ = dst.communicate(timeout=a.timeout)
+        if not out.strip():
+            err = open(os.path.join(tmp, "dst.err")).read().strip()
+            raise RuntimeError(f"the destination VMM ended without a summary: {err[-300:]}")
         summary = json.loads(out)
         ms = sort_ms(summary)
         if ms is None:
@@ -172,19 +183,22 @@ def main():
     ap.add_argument("--ferry", default="target/release/ferry")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mem", default="512M")
-    ap.add_argument("--sort-mib", type=int, default=96)
-    ap.add_argument("--budgets", default="256M,160M", help="the destination's memory, one set of cells each")
+    ap.add_argument("--sort-mib", type=int, default=192)
+    ap.add_argument("--budgets", default="384M,256M", help="the destination's memory, one set of cells each")
     ap.add_argument("--overhead", default="32M", help="the swap destination's VMM beside guest memory")
-    ap.add_argument("--lead", type=float, default=1.0, help="seconds the sort runs before the move")
+    ap.add_argument("--lead", type=float, default=0.5, help="seconds the sort runs before the move")
     ap.add_argument("--timeout", type=int, default=120)
+    ap.add_argument("--access-period", type=int, default=0,
+                    help="the source's access tracking (ms; 0: off, split ranks chunks in address order)")
     ap.add_argument("--chunks", default="", help="chunk sizes (pages) to sweep with split-clock")
     ap.add_argument("--configs", default="none,enough,split-clock,split-aging,swap")
+    ap.add_argument("--out", default="split", help="results/OUT.{json,md}")
     a = ap.parse_args()
     ferry = os.path.abspath(a.ferry)
     up = sh(ferry, "lab", "up", "3", check=False)
     if up.returncode != 0:
         sys.exit(f"cannot build the lab: {up.stderr}")
-    configs = a.configs.split(",")
+    configs = [c for c in a.configs.split(",") if c]
     budgets = a.budgets.split(",")
     cells = []
     port = [7800]
@@ -209,9 +223,9 @@ def write(a, cells):
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     command = benchlib.recorded_command("split.py")
-    with open(os.path.join(out, "split.json"), "w") as f:
+    with open(os.path.join(out, f"{a.out}.json"), "w") as f:
         json.dump({"command": command, "cells": cells}, f, indent=1)
-    md = os.path.join(out, "split.md")
+    md = os.path.join(out, f"{a.out}.md")
     notes = benchlib.kept_notes(md)
     base = {c["config"]: c["median"] for c in cells if c["budget"] == ""}
     none_ms = base.get("none", {}).get("sort_ms")
@@ -222,8 +236,8 @@ def write(a, cells):
         f"Command: `{command}` (medians of {a.runs}; a {a.mem} VM, 1 vCPU, running `sort:mib={a.sort_mib}`",
         f"(it works on {2 * a.sort_mib} MiB), moved {a.lead:g} s after its start from ferry-h1 to ferry-h2;",
         "the destination holds `budget` of its memory: split puts the rest on two memory servers on ferry-h3,",
-        f"swap is a v1 memory cgroup of the budget + {a.overhead} with swap on a file). Every VM tracks",
-        "accesses (--access-period 1000). Sort runtime: the guest's own measure of its task, across the move.",
+        f"swap is a v1 memory cgroup of the budget + {a.overhead} with swap on a file). Sources track accesses",
+        f"with --access-period {a.access_period} (0: off). Sort runtime: the guest's own measure of its task, across the move.",
         "",
         "| config | budget | chunk pages | migration s | vs enough | downtime ms | vs enough | sort s | slowdown vs none | page-ins |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -392,6 +392,23 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
     }
 }
 
+/// The lab hosts for a split test, or None (saying why) where KVM or
+/// userfaultfd MISSING+WP on memfd is missing.
+fn split_lab() -> Option<Lab> {
+    if !kvm_usable() {
+        return None;
+    }
+    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
+        missing_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    }) {
+        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
+        return None;
+    }
+    lab_up()
+}
+
 /// Waits until `addr:port` accepts connections from lab host `host`.
 fn wait_port_in(host: &str, addr: &str, port: u16) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -410,40 +427,8 @@ fn wait_port_in(host: &str, addr: &str, port: u16) {
 
 #[test]
 fn split_vms_run_on_a_main_host_and_memory_servers_with_verification() {
-    if !kvm_usable() {
-        return;
-    }
-    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
-        missing_shmem: true,
-        wp_shmem: true,
-        ..Default::default()
-    }) {
-        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
-        return;
-    }
-    let Some(_lab) = lab_up() else { return };
-    let _servers: Vec<Reaper> = [7601u16, 7602]
-        .iter()
-        .map(|port| {
-            let listen = format!("tcp:10.77.0.3:{port}");
-            let c = in_host(
-                "ferry-h3",
-                &[
-                    "memserver",
-                    "--listen",
-                    &listen,
-                    "--capacity",
-                    "256M",
-                    "--no-registry",
-                ],
-            )
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-            wait_port_in("ferry-h1", "10.77.0.3", *port);
-            Reaper(Some(c))
-        })
-        .collect();
+    let Some(_lab) = split_lab() else { return };
+    let _servers = [memserver_on_h3(7601), memserver_on_h3(7602)];
     const SUBS: &str = "tcp:10.77.0.3:7601,tcp:10.77.0.3:7602";
     const S25: &[&str] = &["--mode", "split", "--sub", SUBS, "--main-budget", "32M"];
     const S50: &[&str] = &["--mode", "split", "--sub", SUBS, "--main-budget", "64M"];
@@ -504,10 +489,7 @@ fn memserver_on_h3(port: u16) -> Reaper {
 /// with a real etcd started here, in ferry-h3.
 #[test]
 fn split_placed_by_the_registry_embedded_and_etcd() {
-    if !kvm_usable() {
-        return;
-    }
-    let Some(_lab) = lab_up() else { return };
+    let Some(_lab) = split_lab() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-reg-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -701,18 +683,7 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
 /// runs on there, and the main host's VMM ends ("migrated").
 #[test]
 fn a_split_vm_is_gathered_back_to_one_host() {
-    if !kvm_usable() {
-        return;
-    }
-    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
-        missing_shmem: true,
-        wp_shmem: true,
-        ..Default::default()
-    }) {
-        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
-        return;
-    }
-    let Some(_lab) = lab_up() else { return };
+    let Some(_lab) = split_lab() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-gather-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let _servers = [memserver_on_h3(7650), memserver_on_h3(7651)];
@@ -835,18 +806,7 @@ fn a_split_vm_is_gathered_back_to_one_host() {
 /// says which server took its pages with it. The VMM lives on either way.
 #[test]
 fn a_killed_memory_server_is_survived_with_replicas_and_named_without() {
-    if !kvm_usable() {
-        return;
-    }
-    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
-        missing_shmem: true,
-        wp_shmem: true,
-        ..Default::default()
-    }) {
-        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
-        return;
-    }
-    let Some(_lab) = lab_up() else { return };
+    let Some(_lab) = split_lab() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-kill-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (n, replicas) in [(0u16, "2"), (1, "1")] {
