@@ -828,7 +828,7 @@ fn a_killed_memory_server_is_survived_with_replicas_and_named_without() {
             "--quiet",
             "--json",
         ];
-        let _dst = Reaper(Some(
+        let mut dst = Reaper(Some(
             in_host("ferry-h2", &vm)
                 .args([
                     "--incoming",
@@ -903,6 +903,18 @@ fn a_killed_memory_server_is_survived_with_replicas_and_named_without() {
             assert!(why.contains(&killed), "{st}");
             assert_eq!(st["state"], "paused", "{st}");
             eprintln!("no replicas, one server killed: {why}");
+            // The VM can still be given up: its VMM quits, though a vCPU
+            // waits on a page that never comes.
+            let q = in_host("ferry-h2", &["ctl", dst_sock, "quit"])
+                .output()
+                .unwrap();
+            assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+            let child = dst.0.as_mut().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while child.try_wait().unwrap().is_none() {
+                assert!(Instant::now() < deadline, "the VMM did not quit");
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
     }
 }

@@ -1011,8 +1011,11 @@ impl Vm {
 
     /// Stops the VM, joins the vCPU threads and says why it stopped.
     pub fn stop(&self) -> VmExit {
-        // Tracking first: no vCPU may be left waiting on its faults.
+        // Tracking and remote paging first: no vCPU may be left waiting on
+        // their faults (a split VM's page on a dead server never comes; with
+        // the pager gone the vCPU's access completes and it can leave).
         self.access.stop();
+        drop(self.pager.lock().unwrap_or_else(|e| e.into_inner()).take());
         self.shared.finish(VmExit::Stopped);
         if let Some(s) = &self.shared.devices.service {
             s.shutdown();
@@ -1020,12 +1023,17 @@ impl Vm {
         let handles: Vec<_> =
             std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
         // Keep kicking until every thread is out: a kick can race a thread that
-        // is between checking its state and entering KVM_RUN.
+        // is between checking its state and entering KVM_RUN. Less and less
+        // often: the kick is a real-time signal, and they queue, so a thread
+        // that cannot take them (stopped by a debugger) must not fill the
+        // user's whole signal queue.
         let mut c = self.shared.lock();
+        let mut pause = Duration::from_millis(1);
         while c.running_threads > 0 {
             drop(c);
             self.shared.kick_all();
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(100));
             c = self.shared.lock();
         }
         let exit = c.exit.clone().unwrap_or(VmExit::Stopped);
