@@ -492,6 +492,8 @@ pub struct Vm {
     watch: crate::timeline::Watch,
     /// A split VM's remote paging (on its main host), kept while it runs.
     pager: Mutex<Option<Arc<ferry_migration::split::RemotePager>>>,
+    /// Its last figures, once the VM stopped and the pager went.
+    pager_final: Mutex<Option<ferry_migration::split::PagerStats>>,
     /// KVM's dirty log, shared by a migration and access tracking.
     dirty: Arc<DirtyLog>,
     /// Access tracking, when on.
@@ -653,6 +655,7 @@ impl Vm {
             data_before_prealloc: Mutex::new(None),
             watch: crate::timeline::Watch::default(),
             pager: Mutex::new(None),
+            pager_final: Mutex::new(None),
             dirty,
             access: AccessSlot::default(),
             vm_fd,
@@ -1015,7 +1018,10 @@ impl Vm {
         // their faults (a split VM's page on a dead server never comes; with
         // the pager gone the vCPU's access completes and it can leave).
         self.access.stop();
-        drop(self.pager.lock().unwrap_or_else(|e| e.into_inner()).take());
+        if let Some(pager) = self.pager.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // What it did stays readable (the run summary comes after).
+            *self.pager_final.lock().unwrap_or_else(|e| e.into_inner()) = Some(pager.stats());
+        }
         self.shared.finish(VmExit::Stopped);
         if let Some(s) = &self.shared.devices.service {
             s.shutdown();
@@ -1080,11 +1086,18 @@ impl Vm {
 
     /// What remote paging did, for a split VM on its main host.
     pub fn pager_stats(&self) -> Option<ferry_migration::split::PagerStats> {
-        self.pager
+        let live = self
+            .pager
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
-            .map(|p| p.stats())
+            .map(|p| p.stats());
+        live.or_else(|| {
+            self.pager_final
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
     }
 
     /// Guest memory.
