@@ -2,47 +2,9 @@
 //! periods, faults and cost in `ferry status`, the guest running on.
 
 mod common;
-use common::{ferry, kvm_usable};
+use common::{ferry, kvm_usable, progress, spawn_reaped as spawn, wait_status as status};
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// Kills its VMM when dropped, so a failing test leaves no VM running.
-struct Reaper(Child);
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(args: &[&str]) -> Reaper {
-    Reaper(
-        Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
-
-fn status(sock: &str) -> serde_json::Value {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let o = ferry(&["status", sock, "--json", "--metrics"]);
-        if o.status.success() {
-            return serde_json::from_slice(&o.stdout).unwrap();
-        }
-        assert!(Instant::now() < deadline, "no VM answered on {sock}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn progress(s: &serde_json::Value) -> u64 {
-    s["metrics"]["workloads"][0]["progress"].as_u64().unwrap()
-}
+use std::time::Duration;
 
 #[test]
 fn status_reports_access_tracking_and_the_guest_runs_on() {

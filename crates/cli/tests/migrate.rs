@@ -3,7 +3,7 @@
 //! leaves the VM running at the source, ready for a later one.
 
 mod common;
-use common::{ferry, free_port, kvm_usable, wait_listening};
+use common::{ferry, free_port, kvm_usable, progress, wait_listening, wait_status};
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -68,24 +68,6 @@ fn spawn_incoming_logged(args: &[&str]) -> (Child, std::sync::Arc<std::sync::Mut
         }
     });
     (c, log)
-}
-
-fn wait_status(sock: &str) -> serde_json::Value {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let o = ferry(&["status", sock, "--json", "--metrics"]);
-        if o.status.success() {
-            return serde_json::from_slice(&o.stdout).unwrap();
-        }
-        assert!(Instant::now() < deadline, "no VM answered on {sock}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn progress(status: &serde_json::Value) -> u64 {
-    status["metrics"]["workloads"][0]["progress"]
-        .as_u64()
-        .unwrap()
 }
 
 #[test]

@@ -3,33 +3,12 @@
 //! page checked in a real headless browser (Debian's chromium).
 
 mod common;
-use common::{ferry, free_port, kvm_usable, wait_listening};
+use common::{ferry, free_port, kvm_usable, spawn_reaped as spawn, wait_listening};
 
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-/// Kills its process when dropped, so a failing test leaves no VM running.
-struct Reaper(Child);
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(args: &[&str]) -> Reaper {
-    Reaper(
-        Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
 
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()

@@ -2,7 +2,7 @@
 // Each test file uses its own subset of these.
 #![allow(dead_code)]
 
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// Runs the ferry under test with `args` and waits for it.
@@ -53,4 +53,47 @@ pub fn kvm_usable() -> bool {
             false
         }
     }
+}
+
+/// A process killed when dropped, so a failing test leaves no VM running.
+pub struct Reaper(pub Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts the ferry under test with `args`, its output discarded.
+pub fn spawn_reaped(args: &[&str]) -> Reaper {
+    Reaper(
+        Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// `ferry status --json --metrics` of the VM at `sock`, once it answers
+/// (within 10 s).
+pub fn wait_status(sock: &str) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let o = ferry(&["status", sock, "--json", "--metrics"]);
+        if o.status.success() {
+            return serde_json::from_slice(&o.stdout).unwrap();
+        }
+        assert!(Instant::now() < deadline, "no VM answered on {sock}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The first workload's progress counter in a [`wait_status`] answer.
+pub fn progress(status: &serde_json::Value) -> u64 {
+    status["metrics"]["workloads"][0]["progress"]
+        .as_u64()
+        .unwrap()
 }
