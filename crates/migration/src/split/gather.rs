@@ -64,18 +64,11 @@ impl Gather {
         };
         // Writes from here on are sent again by the main host.
         s.start_dirty_log()?;
-        let mut pulls = vec![Vec::new(); g.snap.servers.len()];
-        for c in 0..g.map.chunks() {
-            let p = g.snap.places[c];
-            if p != ON_MAIN {
-                let run = g.map.run(c);
-                let v: &mut Vec<GpaPages> = &mut pulls[usize::from(p) - 1];
-                match v.last_mut() {
-                    Some(last) if last.end() == run.gpa => last.pages += run.pages,
-                    _ => v.push(run),
-                }
-            }
-        }
+        // Per server, the runs it holds (place 0, the main host's, left out).
+        let mut pulls = g
+            .map
+            .runs_by_place(&g.snap.places, g.snap.servers.len() + 1);
+        pulls.remove(0);
         let plan = GatherPlan {
             vm: g.snap.vm.clone(),
             servers: g.snap.servers.clone(),

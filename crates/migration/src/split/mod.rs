@@ -203,6 +203,16 @@ impl ChunkMap {
         }
     }
 
+    /// All memory sorted by the place of its chunk: `out[p]` holds the
+    /// runs of the chunks whose place is `p` (neighbours merged), for
+    /// places `0..places_n`.
+    pub fn runs_by_place(&self, places: &[u16], places_n: usize) -> Vec<Vec<GpaPages>> {
+        let all: Vec<GpaPages> = (0..self.chunks).map(|c| self.run(c)).collect();
+        let mut out = vec![Vec::new(); places_n];
+        self.route(&all, places, &mut out);
+        out
+    }
+
     /// Cuts `runs` at chunk borders and sorts the pieces by the place of
     /// their chunk: `out[p]` gets the pieces whose chunk's place is `p`.
     pub fn route(&self, runs: &[GpaPages], places: &[u16], out: &mut [Vec<GpaPages>]) {
@@ -227,19 +237,16 @@ pub(crate) fn hash_remote(
     hashes: &mut [u64],
 ) -> Result<(), crate::MigrationError> {
     let zero = crate::protocol::page_hash(&[0u8; crate::protocol::PAGE]);
-    for (k, store) in stores.iter_mut().enumerate() {
-        let runs: Vec<GpaPages> = (0..map.chunks())
-            .filter(|&c| usize::from(places[c]) == k + 1)
-            .map(|c| map.run(c))
-            .collect();
-        for run in &runs {
+    let by_place = map.runs_by_place(places, stores.len() + 1);
+    for (store, runs) in stores.iter_mut().zip(by_place.iter().skip(1)) {
+        for run in runs {
             for g in run.page_addrs() {
                 if let Some(h) = map.page_index(g).and_then(|i| hashes.get_mut(i as usize)) {
                     *h = zero;
                 }
             }
         }
-        store.fetch_runs(&runs, false, |_, gpas, data| {
+        store.fetch_runs(runs, false, |_, gpas, data| {
             for (j, &g) in gpas.iter().enumerate() {
                 if let Some(h) = map.page_index(g).and_then(|i| hashes.get_mut(i as usize)) {
                     *h = crate::protocol::page_hash(

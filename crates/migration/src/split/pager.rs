@@ -9,9 +9,11 @@
 //!   faulting page first (the vCPU is woken at once), then the rest of the
 //!   chunk, and forgets it; what it did not hold becomes zero pages;
 //! - after a page-in over budget, the coldest chunk held here is paged
-//!   out: write-protected (writers wait), its resident pages read and sent
-//!   to its home server, synced, punched out of the memfd, unprotected;
-//!   the writers then fault MISSING and page it back in;
+//!   out: write-protected (writers wait), read through the memfd (never the
+//!   guest mapping, where this thread could fault on itself), its non-zero
+//!   pages sent to its home server (and mirror), synced, punched out of
+//!   the memfd, unprotected; the writers then fault MISSING and page it
+//!   back in;
 //! - access sampling (with MINOR): every period a share of the chunks held
 //!   here loses its page table entries; the first access to one raises a
 //!   MINOR fault, which marks the chunk referenced and maps it back. The
@@ -584,11 +586,7 @@ impl Worker {
     /// Maps zero pages over every hole of chunk `c` (waking whoever waits
     /// on one).
     fn fill_holes(&self, c: usize) -> Result<(), MigrationError> {
-        let run = self.map.run(c);
-        let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
-        // SAFETY: the chunk lies inside this VM's guest mapping (host_of).
-        let resident = unsafe { ferry_memory::mapping::resident_pages(host, run.bytes()) }
-            .map_err(|e| MigrationError::vm("mincore")(e.to_string()))?;
+        let (host, resident) = self.residency(c)?;
         let holes: Vec<bool> = resident.iter().map(|&r| !r).collect();
         let mut filled = 0;
         for (i, n) in runs_of(&holes) {
@@ -612,23 +610,22 @@ impl Worker {
         Ok(())
     }
 
-    /// A sampled chunk was touched: maps its resident pages back at once,
-    /// so the chunk costs one MINOR fault per period, not one per page.
-    fn map_back(&mut self, c: usize, page: u64) -> Result<(), MigrationError> {
-        self.map_resident(c)?;
-        let _ = self.uffd.wake(page, PAGE);
-        Ok(())
-    }
-
-    /// Maps every page of chunk `c` that is in memory but lost its page
-    /// table entry to sampling (so this thread can read it without
-    /// faulting on itself).
-    fn map_resident(&self, c: usize) -> Result<(), MigrationError> {
+    /// Chunk `c`'s first host address, and which of its pages are in the
+    /// memfd (asked with mincore: nothing is touched).
+    fn residency(&self, c: usize) -> Result<(u64, Vec<bool>), MigrationError> {
         let run = self.map.run(c);
         let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         // SAFETY: the chunk lies inside this VM's guest mapping (host_of).
         let resident = unsafe { ferry_memory::mapping::resident_pages(host, run.bytes()) }
             .map_err(|e| MigrationError::vm("mincore")(e.to_string()))?;
+        Ok((host, resident))
+    }
+
+    /// A sampled chunk was touched: maps all its resident pages back at
+    /// once (sampling dropped their page table entries), so the chunk costs
+    /// one MINOR fault per period, not one per page; then wakes the fault.
+    fn map_back(&mut self, c: usize, page: u64) -> Result<(), MigrationError> {
+        let (host, resident) = self.residency(c)?;
         for (i, n) in runs_of(&resident) {
             let at = host + i as u64 * PAGE;
             if let Err(UffdError::AlreadyMapped { .. }) =
@@ -640,6 +637,7 @@ impl Worker {
                 }
             }
         }
+        let _ = self.uffd.wake(page, PAGE);
         Ok(())
     }
 
