@@ -3,6 +3,8 @@
 //! touch every page in random order as soon as the VM starts (writing some
 //! of them), so every page is either fetched on demand or pushed.
 
+mod common;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
@@ -113,10 +115,7 @@ struct Dest {
 
 impl Dest {
     fn new() -> Self {
-        let regions = LAYOUT
-            .iter()
-            .map(|&(gpa, size)| MemfdRegion::new("dest", gpa, size).unwrap())
-            .collect();
+        let regions = common::memfd_regions("dest", LAYOUT);
         Dest {
             regions,
             threads: Mutex::new(Vec::new()),
@@ -142,26 +141,13 @@ impl Dest {
 
 impl PageStore for Dest {
     fn regions(&self) -> Vec<RegionView> {
-        self.regions
-            .iter()
-            // SAFETY: the regions live as long as the Dest.
-            .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
-            .collect()
+        common::views(&self.regions)
     }
     fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        self.regions[index]
-            .data_ranges()
-            .into_iter()
-            .map(|(o, l)| OffsetBytes::new(o, l))
-            .collect()
+        common::data_ranges(&self.regions, index)
     }
     fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
-        let r = self
-            .regions
-            .iter()
-            .find(|r| r.contains(run.gpa, run.bytes()))
-            .ok_or("outside")?;
-        Ok(r.punch_hole(run.gpa - r.gpa(), run.bytes())?)
+        common::discard(&self.regions, run)
     }
 }
 

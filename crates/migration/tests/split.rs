@@ -6,6 +6,8 @@
 //! every byte must be the source's, every write must survive page-out and
 //! page-in, and the main host must stay within its budget.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -137,10 +139,7 @@ struct Dest {
 impl Dest {
     fn new() -> Self {
         Dest {
-            regions: LAYOUT
-                .iter()
-                .map(|&(gpa, size)| MemfdRegion::new("main", gpa, size).unwrap())
-                .collect(),
+            regions: common::memfd_regions("main", LAYOUT),
             pager: Mutex::new(None),
         }
     }
@@ -189,26 +188,13 @@ impl MigratableVm for Dest {
 
 impl PageStore for Dest {
     fn regions(&self) -> Vec<RegionView> {
-        self.regions
-            .iter()
-            // SAFETY: the regions live as long as the Dest.
-            .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
-            .collect()
+        common::views(&self.regions)
     }
     fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        self.regions[index]
-            .data_ranges()
-            .into_iter()
-            .map(|(o, l)| OffsetBytes::new(o, l))
-            .collect()
+        common::data_ranges(&self.regions, index)
     }
     fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
-        let r = self
-            .regions
-            .iter()
-            .find(|r| r.contains(run.gpa, run.bytes()))
-            .ok_or("outside")?;
-        Ok(r.punch_hole(run.gpa - r.gpa(), run.bytes())?)
+        common::discard(&self.regions, run)
     }
 }
 
