@@ -426,11 +426,12 @@ fn print_table(to: &str, s: &MigrationStats) {
     println!("converged    {}", s.converged);
     if let Some(g) = &s.gather {
         println!(
-            "gather       {} pages pulled from {} memory servers in {:.3} s ({} chunks were there), the rest from the main host",
+            "gather       {} pages pulled from {} memory servers in {:.3} s ({} chunks were there), the rest from the main host; it paged in {} chunks meanwhile",
             g.pulled_pages,
             g.servers.len(),
             g.pull_secs,
-            g.remote_chunks
+            g.remote_chunks,
+            g.page_ins
         );
     }
     if let Some(sp) = &s.split {

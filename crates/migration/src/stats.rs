@@ -91,6 +91,12 @@ pub struct GatherStats {
     pub pulled_pages: u64,
     /// Seconds the pull took (all servers at once).
     pub pull_secs: f64,
+    /// Chunks the main host paged in while it was gathered (the guest
+    /// runs on).
+    pub page_ins: u64,
+    /// Chunks it paged out meanwhile: none, or the servers' copies would
+    /// no longer be what the destination pulled.
+    pub page_outs: u64,
 }
 
 /// How a split migration shared the VM's memory out.

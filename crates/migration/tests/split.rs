@@ -546,7 +546,6 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
     let (_s1, a1) = server();
     let (_s2, a2) = server();
     let (src, main, _) = move_vm(vec![a1, a2], Rank::Clock, 1);
-    let before = main.pager.lock().unwrap().as_ref().unwrap().stats();
     // The guest reads all its memory while it is gathered.
     let reader = read_all(&main);
     let whole = Dest::new();
@@ -573,11 +572,8 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
     reader
         .recv_timeout(Duration::from_secs(60))
         .expect("the main host paged on during the gather");
-    let after = main.pager.lock().unwrap().as_ref().unwrap().stats();
-    assert_eq!(
-        after.page_outs, before.page_outs,
-        "nothing paged out while gathering"
-    );
+    // The reader pages out until the gather begins; never after.
+    assert_eq!(g.page_outs, 0, "nothing paged out while gathering: {g:?}");
     // Every byte is at the destination, none under userfaultfd there.
     for &(gpa, size) in LAYOUT {
         for p in 0..size / PAGE as u64 {
@@ -587,8 +583,5 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
             assert_eq!(b, src.byte(g, 17), "byte 17 of {g:#x}");
         }
     }
-    eprintln!(
-        "gather: {g:?}; main host paged in {} chunks meanwhile",
-        after.page_ins - before.page_ins
-    );
+    eprintln!("gather: {g:?}");
 }

@@ -146,7 +146,12 @@ impl Gather {
 
     /// What the gather did.
     pub(crate) fn stats(&self) -> GatherStats {
-        self.stats.clone()
+        let (now, then) = (self.pager.stats(), &self.snap.at_start);
+        GatherStats {
+            page_ins: now.page_ins - then.page_ins,
+            page_outs: now.page_outs - then.page_outs,
+            ..self.stats.clone()
+        }
     }
 }
 

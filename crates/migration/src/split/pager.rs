@@ -140,6 +140,9 @@ pub struct GatherSnapshot {
     pub servers: Vec<crate::transport::Endpoint>,
     /// Per chunk: [`ON_MAIN`] or 1 + the server holding it.
     pub places: Vec<u16>,
+    /// The pager's counters once paging-out had stopped (a page-out
+    /// under way when the gather began is counted here).
+    pub at_start: PagerStats,
 }
 
 impl RemotePager {
@@ -351,6 +354,7 @@ impl RemotePager {
             chunk_pages: self.map.chunk_pages() as u32,
             servers: self.servers.clone(),
             places: self.places(),
+            at_start: self.stats(),
         }
     }
 
