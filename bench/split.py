@@ -115,7 +115,7 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
                 raise RuntimeError("the sort did not finish")
             return {"sort_ms": ms}
         to = f"tcp:{DST[1]}:{port}"
-        dst_cmd = [*common, "--incoming", to, "--control", dst_sock]
+        dst_cmd = [*common, "--incoming", to, "--control", dst_sock, "--apf", a.apf]
         if config == "swap":
             # Into the cgroup before entering the lab host (whose /sys does
             # not show the cgroup tree); the VMM inherits it.
@@ -127,11 +127,14 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
             dst = subprocess.Popen(in_host(DST[0], ferry, *dst_cmd), stdout=subprocess.PIPE,
                                    stderr=open(os.path.join(tmp, "dst.err"), "w"), text=True)
         procs.append(dst)
+        if config.startswith("split"):
+            # Up before the source starts: every config moves the sort
+            # --lead seconds after its start.
+            servers = memservers(ferry, (port + 1000, port + 2000))
         src = subprocess.Popen(src_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(src)
         flags = []
         if config.startswith("split"):
-            servers = memservers(ferry, (port + 1000, port + 2000))
             flags = ["--mode", "split", "--sub", f"tcp:{SUB[1]}:{port + 1000},tcp:{SUB[1]}:{port + 2000}",
                      "--main-budget", budget, "--chunk-pages", str(chunk),
                      "--rank", config.split("-")[1]]
@@ -142,11 +145,15 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
         if m.returncode != 0:
             raise RuntimeError(m.stderr.strip()[-300:])
         stats = json.loads(m.stdout)
+        if a.dump:
+            open(os.path.join(a.dump, f"{config}-{budget}-{chunk}-migrate.json"), "w").write(m.stdout)
         out, _ = dst.communicate(timeout=a.timeout)
         if not out.strip():
             err = open(os.path.join(tmp, "dst.err")).read().strip()
             raise RuntimeError(f"the destination VMM ended without a summary: {err[-300:]}")
         summary = json.loads(out)
+        if a.dump:
+            open(os.path.join(a.dump, f"{config}-{budget}-{chunk}-destination.json"), "w").write(out)
         ms = sort_ms(summary)
         if ms is None:
             raise RuntimeError(f"the sort did not finish within {a.timeout} s")
@@ -190,6 +197,9 @@ def main():
     ap.add_argument("--timeout", type=int, default=120)
     ap.add_argument("--access-period", type=int, default=0,
                     help="the source's access tracking (ms; 0: off, split ranks chunks in address order)")
+    ap.add_argument("--dump", default="", help="a folder for each run's migration JSON and destination summary (the last run of a cell wins)")
+    ap.add_argument("--apf", default="on", choices=["on", "off"],
+                    help="async page faults for the destination's guest")
     ap.add_argument("--chunks", default="", help="chunk sizes (pages) to sweep with split-clock")
     ap.add_argument("--configs", default="none,enough,split-clock,split-aging,swap")
     ap.add_argument("--out", default="split", help="results/OUT.{json,md}")

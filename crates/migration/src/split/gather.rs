@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use crate::memserver::{StoreClient, StoreOpen};
+use crate::memserver::StoreOpen;
 use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
@@ -118,11 +118,9 @@ impl Gather {
             regions: s.regions.iter().map(|r| (r.gpa(), r.size())).collect(),
             reserve_pages: 0,
         };
-        let mut stores = self
-            .snap
-            .servers
-            .iter()
-            .map(|to| StoreClient::open(to, s.opts.timeout(), &open).map(|(c, _)| c))
+        let mut stores = super::open_stores(&self.snap.servers, s.opts.timeout(), |_| open.clone())
+            .into_iter()
+            .map(|r| r.map(|(c, _)| c))
             .collect::<Result<Vec<_>, _>>()?;
         // A chunk paged in since the snapshot: its bytes here are the
         // newest (the servers' copy may predate a write).

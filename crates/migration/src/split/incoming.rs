@@ -61,11 +61,9 @@ impl<'a> Incoming<'a> {
             regions: regions.iter().map(|r| (r.gpa(), r.size())).collect(),
             reserve_pages: 0,
         };
-        for to in &plan.servers {
-            let (client, _) = StoreClient::open(to, self.timeout, &open).map_err(|e| {
-                MigrationError::Unsupported(format!(
-                    "the main host cannot reach memory server {to}: {e}"
-                ))
+        for r in super::open_stores(&plan.servers, self.timeout, |_| open.clone()) {
+            let (client, _) = r.map_err(|e| {
+                MigrationError::Unsupported(format!("the main host cannot reach a {e}"))
             })?;
             self.stores.push(client);
         }

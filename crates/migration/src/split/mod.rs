@@ -227,6 +227,41 @@ impl ChunkMap {
     }
 }
 
+/// Opens a store on every server at once (a connection each, in
+/// parallel), `open(i)` saying what to open on server `i`; the results in
+/// the servers' order, each error naming its server.
+pub(crate) fn open_stores(
+    servers: &[Endpoint],
+    timeout: std::time::Duration,
+    open: impl Fn(usize) -> crate::memserver::StoreOpen + Sync,
+) -> Vec<Result<(crate::memserver::StoreClient, crate::memserver::StoreAck), crate::MigrationError>>
+{
+    std::thread::scope(|sc| {
+        let open = &open;
+        let threads: Vec<_> = servers
+            .iter()
+            .enumerate()
+            .map(|(i, to)| {
+                sc.spawn(move || {
+                    crate::memserver::StoreClient::open(to, timeout, &open(i)).map_err(|e| {
+                        crate::MigrationError::Unsupported(format!("memory server {to}: {e}"))
+                    })
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join().unwrap_or_else(|_| {
+                    Err(crate::MigrationError::Unsupported(
+                        "a memory server thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    })
+}
+
 /// Replaces, in `hashes` (one per page of the VM, in order), the hashes
 /// of every chunk `places` puts on a server by those of the server's
 /// pages (fetched, left there); a page a server does not hold is zero.

@@ -17,8 +17,14 @@
 //! - access sampling (with MINOR): every period a share of the chunks held
 //!   here loses its page table entries; the first access to one raises a
 //!   MINOR fault, which marks the chunk referenced and maps it back. The
-//!   ranking (clock: last period referenced; aging: 8-bit history) picks
-//!   the page-out victim.
+//!   ranking (clock: last use; aging: 8-bit history) picks the page-out
+//!   victim;
+//! - clock also arms on demand, as a two-handed clock: while the main host
+//!   pages out, a front hand keeps a lead of chunks armed, and the victim
+//!   is the chunk armed longest ago that no access has touched since (the
+//!   back hand), so a chunk in use is never taken for cold merely because
+//!   no period sampled it. Arming costs one MINOR fault per chunk in use,
+//!   paid only while paging out.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +46,19 @@ const PERIOD: Duration = Duration::from_secs(1);
 /// Most chunks armed for sampling per period (a MINOR fault costs a vCPU
 /// 30-90 µs here, so the share stays small).
 const ARM_MAX: usize = 64;
+/// Chunks the clock keeps armed ahead of page-out: this share of the
+/// budget, within the bounds below.
+const CLOCK_LEAD_SHARE: u64 = 8;
+const CLOCK_LEAD_MIN: usize = 4;
+const CLOCK_LEAD_MAX: usize = 256;
+/// How long an armed chunk must go untouched before the clock takes it
+/// for cold (a chunk in use is touched within a few milliseconds).
+const CLOCK_MIN_EXPOSURE: Duration = Duration::from_millis(10);
+/// Chunks the idle loop keeps free below the budget (so a page-in seldom
+/// waits for a page-out): this share of the budget, within the bounds.
+const RESERVE_SHARE: u64 = 32;
+const RESERVE_MIN: u64 = 1;
+const RESERVE_MAX: u64 = 16;
 /// Page-in latencies kept for the percentiles.
 const LATENCY_SAMPLES: usize = 1 << 16;
 
@@ -62,6 +81,9 @@ pub struct PagerStats {
     pub page_outs: u64,
     /// Pages those sent.
     pub pages_out: u64,
+    /// Page-outs of a chunk the clock had armed and seen untouched since
+    /// (the others fell back to the least recently seen chunk).
+    pub cold_victims: u64,
     /// Zero pages mapped into chunks held here (never-written pages of a
     /// chunk filled at its first fault, or the pages a page-in did not bring).
     pub zero_fills: u64,
@@ -91,6 +113,7 @@ struct Counters {
     pages_in: AtomicU64,
     page_outs: AtomicU64,
     pages_out: AtomicU64,
+    cold_victims: AtomicU64,
     zero_fills: AtomicU64,
     sampled: AtomicU64,
 }
@@ -250,6 +273,9 @@ impl RemotePager {
             events: 0,
             aging: vec![0x80; n],
             referenced: vec![false; n],
+            armed_at: vec![None; n],
+            hand: 0,
+            pressed: false,
             armed: Vec::new(),
             cursor: 0,
             sampling,
@@ -302,6 +328,7 @@ impl RemotePager {
             pages_in: c.pages_in.load(Ordering::Relaxed),
             page_outs: c.page_outs.load(Ordering::Relaxed),
             pages_out: c.pages_out.load(Ordering::Relaxed),
+            cold_victims: c.cold_victims.load(Ordering::Relaxed),
             zero_fills: c.zero_fills.load(Ordering::Relaxed),
             sampled_faults: c.sampled.load(Ordering::Relaxed),
             sampling: self.sampling,
@@ -426,6 +453,13 @@ struct Worker {
     aging: Vec<u8>,
     /// Per chunk: referenced since it was armed.
     referenced: Vec<bool>,
+    /// Per chunk held here: when it was armed and not touched since.
+    armed_at: Vec<Option<Instant>>,
+    /// The clock's front hand.
+    hand: usize,
+    /// A page-in found the budget full: from then on the idle loop pages
+    /// out ahead (not before: a VM that never pages keeps its chunks).
+    pressed: bool,
     /// Chunks armed this period.
     armed: Vec<usize>,
     /// Where the next arming starts.
@@ -445,9 +479,24 @@ impl Worker {
                 self.period();
                 next_period = Instant::now() + PERIOD;
             }
-            match self.uffd.poll(Duration::from_millis(20)) {
+            // Page-out down to the low watermark runs only while no fault
+            // waits: a fault never queues behind it for more than one chunk.
+            let idle_work = self.below_watermark_needed();
+            let wait = if idle_work {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(20)
+            };
+            match self.uffd.poll(wait) {
                 Ok(true) => {}
-                Ok(false) => continue,
+                Ok(false) => {
+                    if idle_work {
+                        if let Err(e) = self.evict_one(None) {
+                            self.fail(e.to_string());
+                        }
+                    }
+                    continue;
+                }
                 Err(e) => {
                     self.fail(format!("reading userfaultfd: {e}"));
                     break;
@@ -520,9 +569,10 @@ impl Worker {
         }
         self.events += 1;
         self.last_use[c] = self.events;
+        self.referenced[c] = true;
+        self.armed_at[c] = None;
         if minor {
             self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
-            self.referenced[c] = true;
             return self.map_back(c, page);
         }
         let place = self.place(c);
@@ -667,12 +717,37 @@ impl Worker {
         let mut pages = 0u64;
         let drop = !shared.gathering.load(Ordering::SeqCst);
         self.stores[server].fetch_runs(&runs, drop, |i, gpas, data| {
-            for (j, &g) in gpas.iter().enumerate() {
-                let host = host_of(regions, g).ok_or_else(|| bad_gpa(g))?;
-                match uffd.copy(host, &data[j * PAGE as usize..][..PAGE as usize], i == 0) {
-                    Ok(_) | Err(UffdError::AlreadyMapped { .. }) => pages += 1,
-                    Err(e) => return Err(uffd_err("copy", e)),
+            // One copy per run of consecutive pages (a chunk is one run in
+            // one region): a page at a time costs an ioctl each.
+            let mut j = 0;
+            while j < gpas.len() {
+                let mut n = 1;
+                while j + n < gpas.len() && gpas[j + n] == gpas[j] + n as u64 * PAGE {
+                    n += 1;
                 }
+                let host = host_of(regions, gpas[j]).ok_or_else(|| bad_gpa(gpas[j]))?;
+                let last = host_of(regions, gpas[j + n - 1]);
+                let bytes = &data[j * PAGE as usize..][..n * PAGE as usize];
+                let whole = last == Some(host + (n as u64 - 1) * PAGE);
+                match whole.then(|| uffd.copy(host, bytes, i == 0)) {
+                    Some(Ok(_)) => pages += n as u64,
+                    Some(Err(e)) if !matches!(e, UffdError::AlreadyMapped { .. }) => {
+                        return Err(uffd_err("copy", e))
+                    }
+                    // Some page is mapped already, or the run spans two
+                    // regions: a page at a time.
+                    _ => {
+                        for (k, &g) in gpas[j..j + n].iter().enumerate() {
+                            let host = host_of(regions, g).ok_or_else(|| bad_gpa(g))?;
+                            let page = &bytes[k * PAGE as usize..][..PAGE as usize];
+                            match uffd.copy(host, page, i == 0) {
+                                Ok(_) | Err(UffdError::AlreadyMapped { .. }) => pages += 1,
+                                Err(e) => return Err(uffd_err("copy", e)),
+                            }
+                        }
+                    }
+                }
+                j += n;
             }
             if i == 0 {
                 if gpas.is_empty() {
@@ -692,6 +767,11 @@ impl Worker {
         })?;
         // The pages the server did not hold are zero pages.
         self.fill_holes(c)?;
+        // A vCPU that faulted on a page of the chunk while it came in
+        // waits for a wake (the copies did not wake): give it now, not
+        // after the page-out that may follow.
+        let host = host_of(regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
+        let _ = self.uffd.wake(host, run.bytes());
         self.set_place(c, ON_MAIN);
         self.referenced[c] = true;
         self.aging[c] |= 0x80;
@@ -703,35 +783,142 @@ impl Worker {
     }
 
     /// Pages out the coldest chunks until the main host is within budget
-    /// (never `keep`, just paged in).
+    /// (never `keep`, just paged in): the hard limit, paid by the fault
+    /// that crossed it. The idle loop keeps a reserve below it, so this
+    /// seldom has work.
     fn keep_budget(&mut self, keep: usize) -> Result<(), MigrationError> {
         // (A gather pages nothing out: checked each time round, since
         // one may begin between two page-outs.)
         while !self.shared.gathering.load(Ordering::SeqCst)
             && self.shared.counters.resident.load(Ordering::Relaxed) > self.budget
         {
-            let places = self.shared.places.lock().unwrap_or_else(|e| e.into_inner());
-            let victim = (0..places.len())
-                .filter(|&c| places[c] == ON_MAIN && c != keep)
+            if !self.evict_one(Some(keep))? {
+                return Ok(());
+            }
+            // Paging has begun: the idle loop keeps a reserve from now on.
+            self.pressed = true;
+        }
+        Ok(())
+    }
+
+    /// True when the main host holds more than its low watermark (the
+    /// budget less a reserve for the next page-ins) and may page out.
+    fn below_watermark_needed(&self) -> bool {
+        let reserve = (self.budget / RESERVE_SHARE).clamp(RESERVE_MIN, RESERVE_MAX);
+        self.pressed
+            && !self.shared.gathering.load(Ordering::SeqCst)
+            && self.budget > reserve
+            && self.shared.counters.resident.load(Ordering::Relaxed) > self.budget - reserve
+            && self.failure_free()
+    }
+
+    fn failure_free(&self) -> bool {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+            && !self.dead.iter().all(|&d| d)
+    }
+
+    /// Pages out the coldest chunk held here other than `keep`; false when
+    /// there is none to page out.
+    fn evict_one(&mut self, keep: Option<usize>) -> Result<bool, MigrationError> {
+        let clock = self.rank == Rank::Clock && self.sampling;
+        let keep = keep.unwrap_or(usize::MAX);
+        let places = self
+            .shared
+            .places
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let held = |c: &usize| places[*c] == ON_MAIN && *c != keep;
+        let cold = if clock {
+            self.clock_victim(&places, keep)
+        } else {
+            None
+        };
+        let victim = cold.or_else(|| {
+            (0..places.len())
+                .filter(held)
                 .min_by_key(|&c| match self.rank {
                     Rank::Clock => (0u8, self.last_use[c]),
                     Rank::Aging => (self.aging[c], self.last_use[c]),
-                });
-            drop(places);
-            let Some(victim) = victim else { return Ok(()) };
-            let live: Vec<usize> = self
-                .copies(victim)
-                .into_iter()
-                .filter(|&s| !self.dead[s])
-                .collect();
-            if live.is_empty() {
-                // Not fatal: the VM runs on, over budget.
-                tracing::warn!("every memory server of a chunk to page out was lost; the main host stays over budget");
-                return Ok(());
-            }
-            self.page_out(victim, &live)?;
+                })
+        });
+        let Some(victim) = victim else {
+            return Ok(false);
+        };
+        let live: Vec<usize> = self
+            .copies(victim)
+            .into_iter()
+            .filter(|&s| !self.dead[s])
+            .collect();
+        if live.is_empty() {
+            // Not fatal: the VM runs on, over budget.
+            tracing::warn!("every memory server of a chunk to page out was lost; the main host stays over budget");
+            return Ok(false);
         }
-        Ok(())
+        self.page_out(victim, &live)?;
+        if cold.is_some() {
+            let k = &self.shared.counters;
+            k.cold_victims.fetch_add(1, Ordering::Relaxed);
+        }
+        if clock {
+            self.clock_arm(&places, keep, victim);
+        }
+        Ok(true)
+    }
+
+    /// The back hand: the chunk held here that was armed longest ago and
+    /// has gone untouched for long enough, if any.
+    fn clock_victim(&self, places: &[u16], keep: usize) -> Option<usize> {
+        let now = Instant::now();
+        (0..places.len())
+            .filter(|&c| places[c] == ON_MAIN && c != keep)
+            .filter_map(|c| self.armed_at[c].map(|t| (t, c)))
+            .filter(|(t, _)| now.duration_since(*t) >= CLOCK_MIN_EXPOSURE)
+            .max_by_key(|&(_, c)| self.last_use[c])
+            .map(|(_, c)| c)
+    }
+
+    /// The front hand: arms chunks held here (drops their page table
+    /// entries: the next access raises a MINOR fault, which disarms) until
+    /// the lead is armed again.
+    fn clock_arm(&mut self, places: &[u16], keep: usize, gone: usize) {
+        let lead =
+            ((self.budget / CLOCK_LEAD_SHARE) as usize).clamp(CLOCK_LEAD_MIN, CLOCK_LEAD_MAX);
+        let held = |c: usize| places[c] == ON_MAIN && c != keep && c != gone;
+        let mut armed = (0..places.len())
+            .filter(|&c| held(c) && self.armed_at[c].is_some())
+            .count();
+        let now = Instant::now();
+        let n = places.len();
+        let mut seen = 0;
+        while armed < lead && seen < n {
+            let c = self.hand;
+            self.hand = (self.hand + 1) % n;
+            seen += 1;
+            if !held(c) || self.armed_at[c].is_some() {
+                continue;
+            }
+            if self.drop_ptes(c) {
+                self.armed_at[c] = Some(now);
+                armed += 1;
+            }
+        }
+    }
+
+    /// Drops chunk `c`'s page table entries (the memfd keeps its pages):
+    /// its next access raises a MINOR fault.
+    fn drop_ptes(&self, c: usize) -> bool {
+        let run = self.map.run(c);
+        let Some(host) = host_of(&self.regions, run.gpa) else {
+            return false;
+        };
+        // SAFETY: the chunk lies inside this VM's shared guest mapping;
+        // only page table entries go, the memfd keeps the pages.
+        unsafe { ferry_memory::mapping::drop_ptes(host, run.bytes()) }.is_ok()
     }
 
     /// Moves chunk `c` to `servers` (its home, and its mirror): write-
@@ -795,6 +982,7 @@ impl Worker {
         let _ = self.uffd.wake(host, len);
         let pages = result?;
         self.set_place(c, self.homes[c]);
+        self.armed_at[c] = None;
         let k = &self.shared.counters;
         k.resident.fetch_sub(1, Ordering::Relaxed);
         k.page_outs.fetch_add(1, Ordering::Relaxed);
@@ -829,14 +1017,9 @@ impl Worker {
             if places[c] != ON_MAIN {
                 continue;
             }
-            let run = self.map.run(c);
-            let Some(host) = host_of(&self.regions, run.gpa) else {
-                continue;
-            };
-            // SAFETY: the chunk lies inside this VM's shared guest mapping;
-            // only page table entries go, the memfd keeps the pages.
-            if unsafe { ferry_memory::mapping::drop_ptes(host, run.bytes()) }.is_ok() {
+            if self.drop_ptes(c) {
                 self.referenced[c] = false;
+                self.armed_at[c].get_or_insert(Instant::now());
                 self.armed.push(c);
             }
         }

@@ -61,26 +61,39 @@ impl Router {
             .collect();
         let vm_id = format!("{:016x}", s.id());
         let layout: Vec<(u64, u64)> = s.regions.iter().map(|r| (r.gpa(), r.size())).collect();
+        let mine = |i: usize, c: usize| places[c] == i as u16 + 1 || mirrors[c] == i as u16 + 1;
+        let opened = super::open_stores(&sp.subs, s.opts.timeout(), |i| StoreOpen {
+            vm: vm_id.clone(),
+            regions: layout.clone(),
+            reserve_pages: (0..map.chunks())
+                .filter(|&c| mine(i, c))
+                .map(|c| data_pages[c])
+                .sum(),
+        });
         let mut stores = Vec::new();
         let mut servers = Vec::new();
-        for (i, to) in sp.subs.iter().enumerate() {
-            let mine = |c: &usize| places[*c] == i as u16 + 1 || mirrors[*c] == i as u16 + 1;
-            let chunks = (0..map.chunks()).filter(mine).count() as u64;
-            let reserve: u64 = (0..map.chunks()).filter(mine).map(|c| data_pages[c]).sum();
-            let open = StoreOpen {
-                vm: vm_id.clone(),
-                regions: layout.clone(),
-                reserve_pages: reserve,
-            };
-            let (client, ack) = StoreClient::open(to, s.opts.timeout(), &open)
-                .map_err(|e| MigrationError::Unsupported(format!("memory server {to}: {e}")))?;
-            tracing::info!(%to, chunks, reserve, free = ack.free_pages, "memory server store open");
-            stores.push(client);
-            servers.push(SplitServerStats {
-                addr: to.to_string(),
-                chunks,
-                ..Default::default()
-            });
+        let mut failed = None;
+        for (i, (to, r)) in sp.subs.iter().zip(opened).enumerate() {
+            match r {
+                Ok((client, ack)) => {
+                    let chunks = (0..map.chunks()).filter(|&c| mine(i, c)).count() as u64;
+                    tracing::info!(%to, chunks, free = ack.free_pages, "memory server store open");
+                    stores.push(client);
+                    servers.push(SplitServerStats {
+                        addr: to.to_string(),
+                        chunks,
+                        ..Default::default()
+                    });
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        if let Some(e) = failed {
+            // Nothing stays on the servers that did open.
+            for store in stores {
+                let _ = store.close();
+            }
+            return Err(e);
         }
         let main_chunks = places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
         let plan = SplitPlan {
