@@ -154,6 +154,8 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
         summary = json.loads(out)
         if a.dump:
             open(os.path.join(a.dump, f"{config}-{budget}-{chunk}-destination.json"), "w").write(out)
+            open(os.path.join(a.dump, f"{config}-{budget}-{chunk}-destination.err"), "w").write(
+                open(os.path.join(tmp, "dst.err")).read())
         ms = sort_ms(summary)
         if ms is None:
             raise RuntimeError(f"the sort did not finish within {a.timeout} s")

@@ -54,6 +54,8 @@ const CLOCK_LEAD_MAX: usize = 256;
 /// How long an armed chunk must go untouched before the clock takes it
 /// for cold (a chunk in use is touched within a few milliseconds).
 const CLOCK_MIN_EXPOSURE: Duration = Duration::from_millis(10);
+/// How far one quick refault moves the clock's choice.
+const LOOP_LEARN: f64 = 0.1;
 /// Chunks the idle loop keeps free below the budget (so a page-in seldom
 /// waits for a page-out): this share of the budget, within the bounds.
 const RESERVE_SHARE: u64 = 32;
@@ -84,6 +86,9 @@ pub struct PagerStats {
     /// Page-outs of a chunk the clock had armed and seen untouched since
     /// (the others fell back to the least recently seen chunk).
     pub cold_victims: u64,
+    /// Of those, the ones taken as the idle chunk used last, because the
+    /// chunk idle longest kept coming straight back (a loop).
+    pub loop_victims: u64,
     /// Zero pages mapped into chunks held here (never-written pages of a
     /// chunk filled at its first fault, or the pages a page-in did not bring).
     pub zero_fills: u64,
@@ -114,6 +119,7 @@ struct Counters {
     page_outs: AtomicU64,
     pages_out: AtomicU64,
     cold_victims: AtomicU64,
+    loop_victims: AtomicU64,
     zero_fills: AtomicU64,
     sampled: AtomicU64,
 }
@@ -276,6 +282,8 @@ impl RemotePager {
             armed_at: vec![None; n],
             hand: 0,
             pressed: false,
+            evicted: vec![None; n],
+            loop_weight: 0.0,
             armed: Vec::new(),
             cursor: 0,
             sampling,
@@ -329,6 +337,7 @@ impl RemotePager {
             page_outs: c.page_outs.load(Ordering::Relaxed),
             pages_out: c.pages_out.load(Ordering::Relaxed),
             cold_victims: c.cold_victims.load(Ordering::Relaxed),
+            loop_victims: c.loop_victims.load(Ordering::Relaxed),
             zero_fills: c.zero_fills.load(Ordering::Relaxed),
             sampled_faults: c.sampled.load(Ordering::Relaxed),
             sampling: self.sampling,
@@ -457,6 +466,12 @@ struct Worker {
     armed_at: Vec<Option<Instant>>,
     /// The clock's front hand.
     hand: usize,
+    /// Per chunk paged out: the page-out count then, and whether the
+    /// clock took it as the one used last.
+    evicted: Vec<Option<(u64, bool)>>,
+    /// How much quick refaults favour taking the idle chunk used last over
+    /// the one used longest ago (above one half: the former).
+    loop_weight: f64,
     /// A page-in found the budget full: from then on the idle loop pages
     /// out ahead (not before: a VM that never pages keeps its chunks).
     pressed: bool,
@@ -602,6 +617,7 @@ impl Worker {
                             }
                         }
                     }
+                    self.learn_refault(c);
                     return self.keep_budget(c);
                 }
                 Err(e) => self.lose(server, &e.to_string()),
@@ -838,7 +854,7 @@ impl Worker {
         } else {
             None
         };
-        let victim = cold.or_else(|| {
+        let victim = cold.map(|(c, _)| c).or_else(|| {
             (0..places.len())
                 .filter(held)
                 .min_by_key(|&c| match self.rank {
@@ -860,9 +876,12 @@ impl Worker {
             return Ok(false);
         }
         self.page_out(victim, &live)?;
-        if cold.is_some() {
+        let outs = self.shared.counters.page_outs.load(Ordering::Relaxed);
+        self.evicted[victim] = Some((outs, cold.is_some_and(|(_, last)| last)));
+        if let Some((_, last)) = cold {
             let k = &self.shared.counters;
             k.cold_victims.fetch_add(1, Ordering::Relaxed);
+            k.loop_victims.fetch_add(u64::from(last), Ordering::Relaxed);
         }
         if clock {
             self.clock_arm(&places, keep, victim);
@@ -870,24 +889,52 @@ impl Worker {
         Ok(true)
     }
 
-    /// The back hand: the chunk held here that was armed longest ago and
-    /// has gone untouched for long enough, if any.
-    fn clock_victim(&self, places: &[u16], keep: usize) -> Option<usize> {
+    /// The back hand: among the chunks held here that were armed and have
+    /// gone untouched for long enough, the one used longest ago, or, while
+    /// that choice keeps coming straight back (a loop over more than the
+    /// budget, where the chunk idle longest is the one needed next), the
+    /// one used last. Returns it and whether it was the latter.
+    fn clock_victim(&self, places: &[u16], keep: usize) -> Option<(usize, bool)> {
         let now = Instant::now();
-        (0..places.len())
+        let idle = (0..places.len())
             .filter(|&c| places[c] == ON_MAIN && c != keep)
-            .filter_map(|c| self.armed_at[c].map(|t| (t, c)))
-            .filter(|(t, _)| now.duration_since(*t) >= CLOCK_MIN_EXPOSURE)
-            .max_by_key(|&(_, c)| self.last_use[c])
-            .map(|(_, c)| c)
+            .filter(|&c| {
+                self.armed_at[c].is_some_and(|t| now.duration_since(t) >= CLOCK_MIN_EXPOSURE)
+            });
+        let loop_mode = self.loop_weight > 0.5;
+        if loop_mode {
+            idle.max_by_key(|&c| self.last_use[c]).map(|c| (c, true))
+        } else {
+            idle.min_by_key(|&c| self.last_use[c]).map(|c| (c, false))
+        }
+    }
+
+    /// Chunk `c` came back: if it was paged out only a lead of page-outs
+    /// ago, the choice that took it was wrong, and the other one gains.
+    fn learn_refault(&mut self, c: usize) {
+        let outs = self.shared.counters.page_outs.load(Ordering::Relaxed);
+        let Some((at, by_last_use)) = self.evicted[c] else {
+            return;
+        };
+        if outs.saturating_sub(at) > self.clock_lead() as u64 {
+            return;
+        }
+        if by_last_use {
+            self.loop_weight *= 1.0 - LOOP_LEARN;
+        } else {
+            self.loop_weight += (1.0 - self.loop_weight) * LOOP_LEARN;
+        }
+    }
+
+    fn clock_lead(&self) -> usize {
+        ((self.budget / CLOCK_LEAD_SHARE) as usize).clamp(CLOCK_LEAD_MIN, CLOCK_LEAD_MAX)
     }
 
     /// The front hand: arms chunks held here (drops their page table
     /// entries: the next access raises a MINOR fault, which disarms) until
     /// the lead is armed again.
     fn clock_arm(&mut self, places: &[u16], keep: usize, gone: usize) {
-        let lead =
-            ((self.budget / CLOCK_LEAD_SHARE) as usize).clamp(CLOCK_LEAD_MIN, CLOCK_LEAD_MAX);
+        let lead = self.clock_lead();
         let held = |c: usize| places[c] == ON_MAIN && c != keep && c != gone;
         let mut armed = (0..places.len())
             .filter(|&c| held(c) && self.armed_at[c].is_some())
