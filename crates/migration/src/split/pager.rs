@@ -144,6 +144,19 @@ struct Shared {
     paging_out: Mutex<()>,
 }
 
+impl Shared {
+    /// The location map, held (a panicked holder left it whole: every
+    /// write is one element).
+    fn places_held(&self) -> std::sync::MutexGuard<'_, Vec<u16>> {
+        self.places.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A copy of the location map.
+    fn places(&self) -> Vec<u16> {
+        self.places_held().clone()
+    }
+}
+
 /// Remote paging for one VM; dropping it stops the thread, releases the
 /// memory from userfaultfd and frees the VM's stores on the servers (the
 /// VM must not run on without it).
@@ -410,11 +423,7 @@ impl RemotePager {
 
     /// A copy of the location map: per chunk, [`ON_MAIN`] or 1 + server.
     pub fn places(&self) -> Vec<u16> {
-        self.shared
-            .places
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.shared.places()
     }
 }
 
@@ -561,11 +570,11 @@ impl Worker {
     }
 
     fn place(&self, c: usize) -> u16 {
-        self.shared.places.lock().unwrap_or_else(|e| e.into_inner())[c]
+        self.shared.places_held()[c]
     }
 
     fn set_place(&self, c: usize, p: u16) {
-        self.shared.places.lock().unwrap_or_else(|e| e.into_inner())[c] = p;
+        self.shared.places_held()[c] = p;
     }
 
     fn fault(&mut self, addr: u64, wp: bool, minor: bool) -> Result<(), MigrationError> {
@@ -789,7 +798,6 @@ impl Worker {
         let host = host_of(regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         let _ = self.uffd.wake(host, run.bytes());
         self.set_place(c, ON_MAIN);
-        self.referenced[c] = true;
         self.aging[c] |= 0x80;
         let k = &self.shared.counters;
         k.resident.fetch_add(1, Ordering::Relaxed);
@@ -842,12 +850,7 @@ impl Worker {
     fn evict_one(&mut self, keep: Option<usize>) -> Result<bool, MigrationError> {
         let clock = self.rank == Rank::Clock && self.sampling;
         let keep = keep.unwrap_or(usize::MAX);
-        let places = self
-            .shared
-            .places
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let places = self.shared.places();
         let held = |c: &usize| places[*c] == ON_MAIN && *c != keep;
         let cold = if clock {
             self.clock_victim(&places, keep)
@@ -1047,12 +1050,7 @@ impl Worker {
         if !self.sampling {
             return;
         }
-        let places = self
-            .shared
-            .places
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let places = self.shared.places();
         let n = places.len();
         let want =
             (self.shared.counters.resident.load(Ordering::Relaxed) as usize / 4).clamp(1, ARM_MAX);
