@@ -109,19 +109,32 @@ pub struct RunArgs {
     /// Same as --apf off.
     #[arg(long, conflicts_with = "apf")]
     no_apf: bool,
-    /// Access tracking period in ms (0 = off): every period, writes from
-    /// KVM's dirty log and sampled reads (userfaultfd minor faults) update
-    /// each page's clock and aging history (split migration ranks memory
-    /// by them; 1000 is the paper's period). Off by default: on this PVM
-    /// host the dirty log alone costs a writing guest 13-26% of its
-    /// throughput (docs/split.md). Never on for --incoming.
-    #[arg(long, default_value_t = 0, value_name = "MS")]
+    /// Access tracking period in ms (0 = off): every period, sampled
+    /// userfaultfd minor faults (and with `--access-writes log`, KVM's
+    /// dirty log) update each page's clock and aging history, which split
+    /// migration ranks memory by (1000 is the paper's period). On by
+    /// default: it costs a guest ~1-4% here (bench/results/access.md).
+    /// Never on for --incoming.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
     access_period: u64,
     /// Access tracking samples 1/N of the pages per period (each page
     /// every N periods).
     #[arg(long, default_value_t = 8, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..))]
     access_share: u32,
+    /// Access tracking: pages one sampled fault answers for (a power of
+    /// two up to 512): the fault maps that aligned group back and marks
+    /// it read, so a task streaming through sampled memory faults once
+    /// per group, not per page.
+    #[arg(long, default_value_t = ferry_memory::DEFAULT_GRAIN_PAGES, value_name = "PAGES",
+          value_parser = parse_grain)]
+    access_grain: u64,
+    /// Access tracking: where writes are seen. `sample`: the sampled
+    /// faults alone (a write to an armed page raises one too); `log`: KVM's
+    /// dirty log as well, every write in the sampled share (on this PVM
+    /// host a logging memslot slows a writing guest by ~25%).
+    #[arg(long, default_value = "sample", value_parser = ["sample", "log"], value_name = "FROM")]
+    access_writes: String,
     /// Guest timer ticks per second.
     #[arg(long, default_value_t = 100)]
     tick_hz: u32,
@@ -163,14 +176,43 @@ struct Carried {
     access_period_ms: u64,
     #[serde(default)]
     access_share: u32,
+    /// 0 (an older ferry's run): the default grain.
+    #[serde(default)]
+    access_grain: u64,
+    /// Writes from KVM's dirty log (--access-writes log).
+    #[serde(default)]
+    access_log_writes: bool,
 }
 
 /// The access tracking a run asks for.
-fn access_config(period_ms: u64, share: u32) -> Option<ferry_vmm::access::AccessConfig> {
+fn access_config(
+    period_ms: u64,
+    share: u32,
+    grain: u64,
+    log_writes: bool,
+) -> Option<ferry_vmm::access::AccessConfig> {
     (period_ms > 0).then(|| ferry_vmm::access::AccessConfig {
         period: Duration::from_millis(period_ms),
         share: share.max(1),
+        grain: if grain == 0 {
+            ferry_memory::DEFAULT_GRAIN_PAGES
+        } else {
+            grain
+        },
+        writes: if log_writes {
+            ferry_vmm::access::WriteSource::Log
+        } else {
+            ferry_vmm::access::WriteSource::Sample
+        },
     })
+}
+
+/// A power of two from 1 to 512 (pages).
+fn parse_grain(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n.is_power_of_two() && n <= 512 => Ok(n),
+        _ => Err(format!("{s:?} is not a power of two from 1 to 512")),
+    }
 }
 
 fn unix_ms() -> u64 {
@@ -218,7 +260,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     config.vm_address = args.vm_address;
     // An incoming VM's RAM is under the migration's userfaultfd.
     if args.incoming.is_none() {
-        config.access = access_config(args.access_period, args.access_share);
+        config.access = access_config(
+            args.access_period,
+            args.access_share,
+            args.access_grain,
+            args.access_writes == "log",
+        );
     }
     if let (Some(ip), Some(serve)) = (args.vm_address, args.serve) {
         if !serve.ip().is_unspecified() && serve.ip() != std::net::IpAddr::V4(ip) {
@@ -258,6 +305,8 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         vm_address: args.vm_address,
         access_period_ms: args.access_period,
         access_share: args.access_share,
+        access_grain: args.access_grain,
+        access_log_writes: args.access_writes == "log",
     }));
     if !quiet {
         eprintln!(
@@ -415,7 +464,12 @@ fn adopt(fd: i32) -> Result<ExitCode> {
     let mut front: Carried = serde_json::from_str(&taken.run).unwrap_or_default();
     quiet.store(front.quiet, Ordering::Relaxed);
     let vm = taken.vm.clone();
-    if let Some(access) = access_config(front.access_period_ms, front.access_share) {
+    if let Some(access) = access_config(
+        front.access_period_ms,
+        front.access_share,
+        front.access_grain,
+        front.access_log_writes,
+    ) {
         vm.start_access(access);
     }
     if let (Some(ip), Some(svc)) = (front.vm_address, vm.service()) {

@@ -114,12 +114,14 @@ pub fn access_line(a: &Value) -> Option<String> {
         ));
     }
     let mut line = format!(
-        "{state}: {} periods of {} ms, {:.0} pages armed per period (1/{}), {:.0} minor faults/s, \
-         arm {:.2} ms, fault service {:.1} µs, vCPU time lost ≈{:.2}%",
+        "{state}: {} periods of {} ms, {:.0} pages armed per period (1/{}, a fault per {} pages, \
+         writes by {}), {:.0} minor faults/s, arm {:.2} ms, fault service {:.1} µs, vCPU time lost ≈{:.2}%",
         a["periods"],
         a["period_ms"],
         f("pages_armed_per_arm"),
         a["share"],
+        a["grain_pages"],
+        a["writes"].as_str().unwrap_or("sample"),
         f("minor_faults_per_s"),
         f("arm_us_mean") / 1e3,
         f("fault_service_us_mean"),

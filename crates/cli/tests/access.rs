@@ -62,6 +62,43 @@ fn status_reports_access_tracking_and_the_guest_runs_on() {
 }
 
 #[test]
+fn access_tracking_is_on_by_default_with_sampled_writes() {
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-access-default-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
+    let _vm = spawn(&[
+        "run",
+        "--mem",
+        "64M",
+        "--control",
+        &sock,
+        "--duration",
+        "60s",
+    ]);
+    let acc = status(&sock)["access"].clone();
+    if acc["state"] == "failed" && acc["periods"] == 0 {
+        eprintln!("SKIP: access tracking unavailable here: {}", acc["error"]);
+        return;
+    }
+    assert_eq!(acc["state"], "tracking", "{acc}");
+    assert_eq!(acc["period_ms"], 1000, "{acc}");
+    assert_eq!(acc["writes"], "sample", "{acc}");
+    assert_eq!(acc["grain_pages"], 64, "{acc}");
+    for bad in ["3", "1024", "0"] {
+        let o = ferry(&["run", "--access-grain", bad, "--duration", "1s"]);
+        assert!(!o.status.success(), "--access-grain {bad} accepted");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("power of two"),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+#[test]
 fn access_tracking_can_be_turned_off() {
     if !kvm_usable() {
         return;

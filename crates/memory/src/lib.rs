@@ -17,7 +17,9 @@ pub mod mapping;
 pub mod region;
 pub mod uffd;
 
-pub use access::{AccessError, AccessSnapshot, AccessStats, AccessTracker, ArmReport};
+pub use access::{
+    AccessError, AccessSnapshot, AccessStats, AccessTracker, ArmReport, DEFAULT_GRAIN_PAGES,
+};
 pub use guest_memory::{GuestMemory, MemoryError, Plain};
 pub use region::{MemfdRegion, RegionError};
 pub use uffd::{Event, Features, Ioctls, RegisterMode, UffdError, Userfaultfd};

@@ -388,6 +388,31 @@ impl Userfaultfd {
         Ok(u64::try_from(a.result).unwrap_or(0))
     }
 
+    /// Like [`continue_range`](Self::continue_range), but a page the
+    /// kernel cannot map ends the call, not the whole range: returns the
+    /// bytes mapped (and woken) from `addr` before it, which may be 0 (the
+    /// page at `addr` is mapped already, or not in the page cache). Other
+    /// failures are errors.
+    pub fn continue_prefix(&self, addr: u64, len: u64) -> Result<u64, UffdError> {
+        let mut a = abi::RangeMode {
+            range: abi::Range { start: addr, len },
+            mode: 0,
+            result: 0,
+        };
+        match self.ioctl("CONTINUE", abi::UFFDIO_CONTINUE, &mut a, addr, len) {
+            Ok(()) => Ok(len),
+            // A partial map ends in EAGAIN with the bytes done in `result`.
+            Err(_) if a.result > 0 => Ok(a.result as u64),
+            Err(UffdError::AlreadyMapped { .. }) => Ok(0),
+            Err(UffdError::Ioctl { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::EFAULT | libc::ENOENT)) =>
+            {
+                Ok(0)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Write-protects a range, or removes the protection and wakes the
     /// writers blocked on it.
     pub fn write_protect(&self, addr: u64, len: u64, protect: bool) -> Result<(), UffdError> {

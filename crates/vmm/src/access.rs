@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use ferry_memory::{
     AccessError, AccessSnapshot, AccessStats, AccessTracker, Event, Features, GuestMemory,
-    RegisterMode, UffdError, Userfaultfd, PAGE_SIZE,
+    RegisterMode, UffdError, Userfaultfd, DEFAULT_GRAIN_PAGES, PAGE_SIZE,
 };
 
 use crate::vstate::dirty::{Consumer, DirtyLog, DirtyLogError};
@@ -32,6 +32,25 @@ pub struct AccessConfig {
     /// Pages rotate through this many shares (each is sampled every
     /// `share` periods).
     pub share: u32,
+    /// Pages one sampled fault answers for (power of two, at most 512).
+    pub grain: u64,
+    /// Where writes are seen.
+    pub writes: WriteSource,
+}
+
+/// Where access tracking learns of writes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WriteSource {
+    /// The sampled faults alone (any access to an armed page raises one,
+    /// a write too): no dirty log, so the guest pays only for the faults.
+    /// The default: on this PVM host a memslot that logs writes slows a
+    /// writing guest by ~25% however few pages are re-protected.
+    #[default]
+    Sample,
+    /// KVM's dirty log as well: every page written is seen (in
+    /// manual-protect mode, in the share being sampled).
+    Log,
 }
 
 impl Default for AccessConfig {
@@ -39,6 +58,8 @@ impl Default for AccessConfig {
         AccessConfig {
             period: Duration::from_secs(1),
             share: 8,
+            grain: DEFAULT_GRAIN_PAGES,
+            writes: WriteSource::Sample,
         }
     }
 }
@@ -86,6 +107,8 @@ pub struct AccessStatus {
     pub error: Option<String>,
     /// Period length (ms).
     pub period_ms: u64,
+    /// Where writes are seen.
+    pub writes: WriteSource,
     /// MINOR faults taken in vCPU threads themselves. Most guest faults
     /// come from KVM's async page fault workers instead (KVM resolves a
     /// host fault off the vCPU thread where it can, whether or not the
@@ -128,7 +151,7 @@ impl AccessTracking {
         config: AccessConfig,
         vcpu_tids: Box<dyn Fn() -> Vec<u32> + Send + Sync>,
     ) -> Result<Self, AccessStartError> {
-        let tracker = AccessTracker::for_memory(memory, config.share)?;
+        let tracker = AccessTracker::for_memory(memory, config.share)?.with_grain(config.grain)?;
         let uffd = Userfaultfd::new(Features {
             minor_shmem: true,
             thread_id: true,
@@ -223,6 +246,7 @@ impl AccessTracking {
             state: phase.state,
             error: phase.error.clone(),
             period_ms: self.shared.config.period.as_millis() as u64,
+            writes: self.shared.config.writes,
             vcpu_faults: self.shared.vcpu_faults.load(Ordering::Relaxed),
             stats: self.shared.tracker.stats(),
         }
@@ -240,6 +264,16 @@ impl Shared {
         self.phase.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn logs_writes(&self) -> bool {
+        self.config.writes == WriteSource::Log
+    }
+
+    /// One page per group is armed (writes sampled, or not logged at all);
+    /// else the whole share, less the pages just logged written.
+    fn arms_samples(&self) -> bool {
+        !self.logs_writes() || self.dirty.partial()
+    }
+
     /// Starts the dirty log consumer and registers RAM: Tracking.
     ///
     /// Order matters (here and in `end`): turning the dirty log on changes
@@ -248,7 +282,9 @@ impl Shared {
     /// resolves, while the caller holds the lock that thread needs. So
     /// memslots change only while RAM is not registered.
     fn begin(&self, phase: &mut Phase) -> Result<(), AccessStartError> {
-        self.dirty.start(Consumer::Access)?;
+        if self.logs_writes() {
+            self.dirty.start_sampled(Consumer::Access)?;
+        }
         let mode = RegisterMode {
             minor: true,
             ..Default::default()
@@ -264,7 +300,9 @@ impl Shared {
                 for &(a, l) in &regions[..=i] {
                     let _ = self.uffd.unregister(a, l);
                 }
-                let _ = self.dirty.stop(Consumer::Access);
+                if self.logs_writes() {
+                    let _ = self.dirty.stop(Consumer::Access);
+                }
                 return Err(e);
             }
         }
@@ -279,8 +317,10 @@ impl Shared {
         self.unregister();
         // Faults read before the unregistration are answered by it.
         let _ = self.uffd.read_events(&mut Vec::new());
-        if let Err(e) = self.dirty.stop(Consumer::Access) {
-            tracing::warn!(error = %e, "cannot stop the access tracker's dirty log");
+        if self.logs_writes() {
+            if let Err(e) = self.dirty.stop(Consumer::Access) {
+                tracing::warn!(error = %e, "cannot stop the access tracker's dirty log");
+            }
         }
         phase.state = to;
     }
@@ -317,20 +357,17 @@ impl Shared {
                 continue; // only MINOR is registered; nothing else waits on us
             };
             // Record before the wake-up: the access belongs to this period.
-            self.tracker.record(addr);
+            let Some(group) = self.tracker.record(addr) else {
+                continue;
+            };
             let page = addr & !(PAGE_SIZE - 1);
-            let mut tries = 0;
-            loop {
-                match self.uffd.continue_range(page, PAGE_SIZE) {
-                    // Another thread's fault on the page mapped it first.
-                    Ok(_) | Err(UffdError::AlreadyMapped { .. }) => break,
-                    Err(UffdError::Ioctl { source, .. })
-                        if source.raw_os_error() == Some(libc::EAGAIN) && tries < 3 =>
-                    {
-                        tries += 1;
-                    }
-                    Err(e) => return Err(format!("resolving a fault: {e}")),
-                }
+            continue_page(&self.uffd, page).map_err(|e| format!("resolving a fault: {e}"))?;
+            // The rest of the group is recorded read: map it back too, so
+            // the task that faulted does not fault again on its neighbours
+            // (with sampled writes only one page per group is armed).
+            if !self.arms_samples() {
+                continue_group(&self.uffd, group)
+                    .map_err(|e| format!("mapping a sampled group back: {e}"))?;
             }
             self.tracker
                 .add_fault_cost(woke.elapsed().as_nanos() as u64);
@@ -341,8 +378,34 @@ impl Shared {
         Ok(())
     }
 
-    /// Closes a period with the writes KVM logged, arms the next share.
+    /// Closes a period (with the writes KVM logged, if it logs them) and
+    /// arms the next share.
+    ///
+    /// Where KVM's log is in manual-protect mode, writes are sampled like
+    /// reads: only the share about to be armed is write-protected again,
+    /// so a guest writing everywhere pays a logging fault on 1/share of
+    /// its pages per period, not on all of them (a radix sort ran at a
+    /// third of its speed with every page re-protected each period).
     fn period(&self) -> Result<(), String> {
+        if !self.logs_writes() {
+            self.tracker.end_period(None);
+            self.tracker
+                .arm_sampled()
+                .map_err(|e| format!("arming the next share: {e}"))?;
+            return Ok(());
+        }
+        if self.dirty.partial() {
+            let next = self.tracker.next_share_mask();
+            let dirty = self
+                .dirty
+                .take_some(Consumer::Access, &next)
+                .map_err(|e| format!("reading the dirty log: {e}"))?;
+            self.tracker.end_period_sampled(&dirty);
+            self.tracker
+                .arm_sampled()
+                .map_err(|e| format!("arming the next share: {e}"))?;
+            return Ok(());
+        }
         let dirty = self
             .dirty
             .take(Consumer::Access)
@@ -353,6 +416,37 @@ impl Shared {
             .map_err(|e| format!("arming the next share: {e}"))?;
         Ok(())
     }
+}
+
+/// Maps the faulting page back and wakes its thread first.
+fn continue_page(uffd: &Userfaultfd, page: u64) -> Result<(), UffdError> {
+    let mut tries = 0;
+    loop {
+        match uffd.continue_range(page, PAGE_SIZE) {
+            // Another thread's fault on the page mapped it first.
+            Ok(_) | Err(UffdError::AlreadyMapped { .. }) => return Ok(()),
+            Err(UffdError::Ioctl { source, .. })
+                if source.raw_os_error() == Some(libc::EAGAIN) && tries < 3 =>
+            {
+                tries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Maps back every page of `(addr, bytes)` that is armed, in as few calls
+/// as the group allows: a page still mapped (skipped by arm as just
+/// written, or the one already continued) or not in the page cache (a
+/// hole, allocated as usual when touched) is stepped over.
+fn continue_group(uffd: &Userfaultfd, (addr, bytes): (u64, u64)) -> Result<(), UffdError> {
+    let end = addr + bytes;
+    let mut at = addr;
+    while at < end {
+        let mapped = uffd.continue_prefix(at, end - at)?;
+        at += if mapped == 0 { PAGE_SIZE } else { mapped };
+    }
+    Ok(())
 }
 
 /// Unregisters guest RAM if the thread panics: a thread blocked on a
@@ -498,6 +592,7 @@ impl AccessSlot {
                 state: TrackingState::Failed,
                 error: Some(why.clone()),
                 period_ms: 0,
+                writes: WriteSource::default(),
                 vcpu_faults: 0,
                 stats: AccessStats::default(),
             }),

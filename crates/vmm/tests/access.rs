@@ -8,7 +8,7 @@ use common::kvm_usable;
 use std::time::{Duration, Instant};
 
 use ferry_migration::{Endpoint, MigratableVm, MigrateOptions};
-use ferry_vmm::access::{AccessConfig, TrackingState};
+use ferry_vmm::access::{AccessConfig, TrackingState, WriteSource};
 use ferry_vmm::migration::{migrate, Incoming};
 use ferry_vmm::{Vm, VmConfig};
 
@@ -53,12 +53,23 @@ fn tracking_or_skip(vm: &Vm) -> bool {
 
 #[test]
 fn tracking_builds_histories_and_steps_aside_for_migrations() {
+    tracking_case(WriteSource::Log, 1);
+}
+
+#[test]
+fn sampled_tracking_needs_no_dirty_log_and_steps_aside_for_migrations() {
+    tracking_case(WriteSource::Sample, ferry_memory::DEFAULT_GRAIN_PAGES);
+}
+
+fn tracking_case(writes: WriteSource, grain: u64) {
     if !kvm_usable() {
         return;
     }
     let access = AccessConfig {
         period: Duration::from_millis(100),
         share: 4,
+        grain,
+        writes,
     };
     let src = running(Some(access));
     if !tracking_or_skip(&src) {
@@ -94,9 +105,12 @@ fn tracking_builds_histories_and_steps_aside_for_migrations() {
     assert!(migrate(&src, &nobody, &MigrateOptions::default(), &mut |_| {}).is_err());
     let s = src.access().status().unwrap();
     assert_eq!(s.state, TrackingState::Tracking, "{s:?}");
-    assert!(src
-        .dirty_log()
-        .is_started(ferry_vmm::vstate::dirty::Consumer::Access));
+    assert_eq!(
+        src.dirty_log()
+            .is_started(ferry_vmm::vstate::dirty::Consumer::Access),
+        writes == WriteSource::Log,
+        "the dirty log serves tracking only when it logs writes"
+    );
     assert!(!src
         .dirty_log()
         .is_started(ferry_vmm::vstate::dirty::Consumer::Migration));

@@ -53,20 +53,40 @@ pub type Bitmaps = Vec<Vec<u64>>;
 pub trait LogSource: Send + Sync {
     /// Turns logging on or off on every memslot.
     fn set_logging(&self, on: bool) -> Result<(), KvmError>;
-    /// The pages written since the last call, clearing them.
+    /// The pages written since the last call, clearing them (and
+    /// write-protecting them, so their next write is logged).
     fn take(&self) -> Result<Bitmaps, KvmError>;
+    /// Whether [`take_some`](Self::take_some) can leave pages unprotected.
+    fn partial(&self) -> bool {
+        false
+    }
+    /// The pages logged dirty, clearing (and re-protecting) only those
+    /// inside `keep`; the rest stay logged dirty and writable, so their
+    /// writes cost the guest nothing and later reads report them again.
+    /// Where the log cannot do that, the same as [`take`](Self::take).
+    fn take_some(&self, keep: &Bitmaps) -> Result<Bitmaps, KvmError> {
+        let _ = keep;
+        self.take()
+    }
 }
 
-/// KVM's classic dirty log on a VM's memslots.
+/// KVM's dirty log on a VM's memslots: manual-protect mode where KVM has
+/// it (a read re-protects only what the reader clears), else classic.
 pub struct KvmLog {
     vm: Arc<VmFd>,
     memory: Arc<GuestMemory>,
+    manual: bool,
 }
 
 impl KvmLog {
-    /// The log of `vm`, whose memslots map `memory`.
+    /// The log of `vm`, whose memslots map `memory`; switches the VM to
+    /// manual protection where KVM offers it (call before logging starts).
     pub fn new(vm: Arc<VmFd>, memory: Arc<GuestMemory>) -> Self {
-        KvmLog { vm, memory }
+        let manual = vm::enable_manual_dirty_log(&vm).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "KVM's dirty log stays classic (every read re-protects)");
+            false
+        });
+        KvmLog { vm, memory, manual }
     }
 }
 
@@ -76,7 +96,26 @@ impl LogSource for KvmLog {
     }
 
     fn take(&self) -> Result<Bitmaps, KvmError> {
-        vm::take_dirty_log(&self.vm, &self.memory)
+        let dirty = vm::take_dirty_log(&self.vm, &self.memory)?;
+        if self.manual {
+            vm::clear_dirty_log(&self.vm, &self.memory, &dirty)?;
+        }
+        Ok(dirty)
+    }
+
+    fn partial(&self) -> bool {
+        self.manual
+    }
+
+    fn take_some(&self, keep: &Bitmaps) -> Result<Bitmaps, KvmError> {
+        if !self.manual {
+            return self.take();
+        }
+        let dirty = vm::take_dirty_log(&self.vm, &self.memory)?;
+        let mut clear = dirty.clone();
+        and_into(&mut clear, keep);
+        vm::clear_dirty_log(&self.vm, &self.memory, &clear)?;
+        Ok(dirty)
     }
 }
 
@@ -103,11 +142,31 @@ impl DirtyLog {
     /// `who` wants the pages written from now on (what it had pending is
     /// dropped). The first interested consumer turns logging on.
     pub fn start(&self, who: Consumer) -> Result<(), DirtyLogError> {
+        self.start_with(who, true)
+    }
+
+    /// [`start`](Self::start) for a consumer that reads with
+    /// [`take_some`](Self::take_some) alone: when it is the first, the log
+    /// is not cleared, so pages stay writable until a take_some asks for
+    /// them (KVM's INITIALLY_SET mode logs every page dirty at the start
+    /// rather than write-protecting all of guest RAM at once). What comes
+    /// back outside `keep` is stale anyway.
+    pub fn start_sampled(&self, who: Consumer) -> Result<(), DirtyLogError> {
+        let clear = !self.source.partial();
+        self.start_with(who, clear)
+    }
+
+    fn start_with(&self, who: Consumer, clear: bool) -> Result<(), DirtyLogError> {
         let mut pending = self.lock();
         if pending.iter().all(Option::is_none) {
             self.source.set_logging(true)?;
             // Whatever the log held is older than anyone's interest.
-            if let Err(e) = self.source.take() {
+            let cleared = if clear {
+                self.source.take().map(drop)
+            } else {
+                Ok(())
+            };
+            if let Err(e) = cleared {
                 let _ = self.source.set_logging(false);
                 return Err(e.into());
             }
@@ -139,6 +198,35 @@ impl DirtyLog {
         Ok(mine)
     }
 
+    /// Like [`take`](Self::take), but KVM re-protects only the pages in
+    /// `keep`: the others stay logged dirty and writable (no fault on
+    /// their next write), so what comes back outside `keep` may be stale,
+    /// pages written any time since they were last cleared. Every page
+    /// returned still reaches the other consumers, so nothing a migration
+    /// needs is lost (it may see a page twice). See
+    /// [`partial`](Self::partial).
+    pub fn take_some(&self, who: Consumer, keep: &Bitmaps) -> Result<Bitmaps, DirtyLogError> {
+        let mut pending = self.lock();
+        if pending[who.index()].is_none() {
+            return Err(DirtyLogError::NotStarted(who));
+        }
+        let new = self.source.take_some(keep)?;
+        for (i, p) in pending.iter_mut().enumerate() {
+            if let Some(p) = p.as_mut().filter(|_| i != who.index()) {
+                or_into(p, &new);
+            }
+        }
+        let mut mine = pending[who.index()].replace(Vec::new()).unwrap_or_default();
+        or_into(&mut mine, &new);
+        Ok(mine)
+    }
+
+    /// Whether [`take_some`](Self::take_some) leaves pages outside `keep`
+    /// unprotected (KVM's manual-protect mode); else it clears everything.
+    pub fn partial(&self) -> bool {
+        self.source.partial()
+    }
+
     /// `who` loses interest; the last one turns logging off.
     pub fn stop(&self, who: Consumer) -> Result<(), DirtyLogError> {
         let mut pending = self.lock();
@@ -154,6 +242,16 @@ impl DirtyLog {
     /// Whether `who` is interested now.
     pub fn is_started(&self, who: Consumer) -> bool {
         self.lock()[who.index()].is_some()
+    }
+}
+
+/// dst &= mask (pages past the mask's end are cleared).
+fn and_into(dst: &mut Bitmaps, mask: &Bitmaps) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        let m = mask.get(i).map(Vec::as_slice).unwrap_or(&[]);
+        for (j, d) in d.iter_mut().enumerate() {
+            *d &= m.get(j).copied().unwrap_or(0);
+        }
     }
 }
 
@@ -258,5 +356,68 @@ mod tests {
         assert!(pages(&log.take(Migration).unwrap()).is_empty());
         assert_eq!(pages(&log.take(Access).unwrap()), vec![6]);
         assert!(log.is_started(Access) && log.is_started(Migration));
+    }
+
+    /// A manual-protect log: bits stay set until cleared.
+    #[derive(Default)]
+    struct Manual(Mutex<Bitmaps>);
+
+    impl Manual {
+        fn write(&self, page: u64) {
+            let mut w = self.0.lock().unwrap();
+            if w.is_empty() {
+                *w = vec![vec![0; 2]];
+            }
+            w[0][(page / 64) as usize] |= 1 << (page % 64);
+        }
+    }
+
+    impl LogSource for Arc<Manual> {
+        fn set_logging(&self, _on: bool) -> Result<(), KvmError> {
+            Ok(())
+        }
+        fn take(&self) -> Result<Bitmaps, KvmError> {
+            Ok(std::mem::take(&mut *self.0.lock().unwrap()))
+        }
+        fn partial(&self) -> bool {
+            true
+        }
+        fn take_some(&self, keep: &Bitmaps) -> Result<Bitmaps, KvmError> {
+            let mut w = self.0.lock().unwrap();
+            let out = w.clone();
+            for (d, k) in w.iter_mut().zip(keep) {
+                for (d, k) in d.iter_mut().zip(k) {
+                    *d &= !k;
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    #[test]
+    fn a_partial_take_clears_only_what_it_keeps_and_loses_nothing() {
+        use Consumer::{Access, Migration};
+        let m = Arc::new(Manual::default());
+        let log = DirtyLog::new(Box::new(m.clone()));
+        assert!(log.partial());
+        m.write(1); // logged before the sampled start: not cleared by it
+        log.start_sampled(Access).unwrap();
+        m.write(2);
+        m.write(70);
+        let keep = vec![vec![u64::MAX, 0]]; // pages 0..64
+        assert_eq!(
+            pages(&log.take_some(Access, &keep).unwrap()),
+            vec![1, 2, 70]
+        );
+        // Pages 1 and 2 were cleared; 70 stays logged and comes again.
+        assert_eq!(pages(&log.take_some(Access, &keep).unwrap()), vec![70]);
+        // A migration starting now clears everything (page 70 goes to the
+        // tracker's pending, a harmless repeat); its own takes clear in
+        // full and see what the tracker read since.
+        log.start(Migration).unwrap();
+        m.write(3);
+        assert_eq!(pages(&log.take_some(Access, &keep).unwrap()), vec![3, 70]);
+        assert_eq!(pages(&log.take(Migration).unwrap()), vec![3]);
+        assert!(pages(&log.take(Migration).unwrap_or_default()).is_empty());
     }
 }
