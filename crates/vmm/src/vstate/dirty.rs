@@ -310,7 +310,7 @@ mod tests {
 
     fn pages(b: &Bitmaps) -> Vec<u64> {
         let mut out = Vec::new();
-        for (w, word) in b[0].iter().enumerate() {
+        for (w, word) in b.iter().flatten().enumerate() {
             for bit in 0..64 {
                 if word & (1 << bit) != 0 {
                     out.push(w as u64 * 64 + bit);
@@ -418,6 +418,6 @@ mod tests {
         m.write(3);
         assert_eq!(pages(&log.take_some(Access, &keep).unwrap()), vec![3, 70]);
         assert_eq!(pages(&log.take(Migration).unwrap()), vec![3]);
-        assert!(pages(&log.take(Migration).unwrap_or_default()).is_empty());
+        assert!(pages(&log.take(Migration).unwrap()).is_empty());
     }
 }
