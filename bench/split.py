@@ -56,16 +56,28 @@ def pswpin():
     return 0
 
 
-def swap_setup(limit):
-    """A swap file and a memory cgroup held to `limit` bytes."""
+def swap_setup(limit, swap_bytes):
+    """A swap file and a memory cgroup held to `limit` bytes. Its OOM killer
+    is off, so a VMM the kernel cannot reclaim for fast enough waits for
+    swap rather than dying (with it on, every 256 MiB run of a 512 MiB VM
+    was killed while the migration wrote the VM's memory)."""
+    if os.path.exists(SWAPFILE) and os.path.getsize(SWAPFILE) < swap_bytes:
+        sh("swapoff", SWAPFILE, check=False)
+        os.unlink(SWAPFILE)
     if not os.path.exists(SWAPFILE):
-        sh("fallocate", "-l", "2G", SWAPFILE)
+        sh("fallocate", "-l", str(swap_bytes), SWAPFILE)
         os.chmod(SWAPFILE, 0o600)
         sh("mkswap", SWAPFILE)
     sh("swapon", SWAPFILE, check=False)
     os.makedirs(CGROUP, exist_ok=True)
     with open(os.path.join(CGROUP, "memory.limit_in_bytes"), "w") as f:
         f.write(str(limit))
+    for knob, value in (("memory.oom_control", "1"), ("memory.swappiness", "100")):
+        try:
+            with open(os.path.join(CGROUP, knob), "w") as f:
+                f.write(value)
+        except OSError as e:
+            print(f"warning: cannot set {knob}: {e}", flush=True)
 
 
 def swap_teardown():
@@ -99,11 +111,16 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
     """One VM, one configuration; returns the run's figures."""
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     benchlib.fresh(src_sock, dst_sock)
-    common = ["run", "--mem", a.mem, "--workload", f"sort:mib={a.sort_mib}", "--quiet", "--json"]
+    workload = f"sort:mib={a.sort_mib}"
+    if a.fill_mib:
+        workload += f"+fill:content=worst,mib={a.fill_mib}"
+    common = ["run", "--mem", a.mem, "--workload", workload, "--quiet", "--json"]
     # No --duration: a VMM ends when its sort has finished (or, the
-    # source, once migrated).
-    src_cmd = in_host(SRC[0], ferry, *common, "--control", src_sock,
-                      "--access-period", str(a.access_period))
+    # source, once migrated). Never migrated, it tracks nothing: the
+    # reference is the sort alone, so tracking's cost counts against the rest.
+    tracking = ["--access-period", str(0 if config == "none" else a.access_period),
+                "--access-share", str(a.access_share)]
+    src_cmd = in_host(SRC[0], ferry, *common, "--control", src_sock, *tracking)
     procs, servers = [], []
     try:
         if config == "none":
@@ -197,8 +214,14 @@ def main():
     ap.add_argument("--overhead", default="32M", help="the swap destination's VMM beside guest memory")
     ap.add_argument("--lead", type=float, default=0.5, help="seconds the sort runs before the move")
     ap.add_argument("--timeout", type=int, default=120)
-    ap.add_argument("--access-period", type=int, default=0,
+    ap.add_argument("--access-period", type=int, default=1000,
                     help="the source's access tracking (ms; 0: off, split ranks chunks in address order)")
+    ap.add_argument("--access-share", type=int, default=8,
+                    help="the source samples 1/N of its pages per period")
+    ap.add_argument("--fill-mib", type=int, default=0,
+                    help="a second task fills this much guest memory with random data and leaves it be "
+                         "(the paper filled its VM's memory before the sort)")
+    ap.add_argument("--swap-size", default="2G", help="the swap file")
     ap.add_argument("--dump", default="", help="a folder for each run's migration JSON and destination summary (the last run of a cell wins)")
     ap.add_argument("--apf", default="on", choices=["on", "off"],
                     help="async page faults for the destination's guest")
@@ -220,7 +243,7 @@ def main():
                 cells.append(cell(ferry, a, config, 256, "", tmp, port))
             for budget in budgets:
                 if "swap" in configs:
-                    swap_setup(size_bytes(budget) + size_bytes(a.overhead))
+                    swap_setup(size_bytes(budget) + size_bytes(a.overhead), size_bytes(a.swap_size))
                 for config in [c for c in configs if c not in ("none", "enough")]:
                     cells.append(cell(ferry, a, config, 256, budget, tmp, port))
             for chunk in [int(c) for c in a.chunks.split(",") if c]:
@@ -246,10 +269,13 @@ def write(a, cells):
         "# Split migration against enough memory and swap",
         "",
         f"Command: `{command}` (medians of {a.runs}; a {a.mem} VM, 1 vCPU, running `sort:mib={a.sort_mib}`",
-        f"(it works on {2 * a.sort_mib} MiB), moved {a.lead:g} s after its start from ferry-h1 to ferry-h2;",
+        f"(it works on {2 * a.sort_mib} MiB)"
+        + (f" beside a task that fills {a.fill_mib} MiB with random data and leaves it be" if a.fill_mib else "")
+        + f", moved {a.lead:g} s after its start from ferry-h1 to ferry-h2;",
         "the destination holds `budget` of its memory: split puts the rest on two memory servers on ferry-h3,",
-        f"swap is a v1 memory cgroup of the budget + {a.overhead} with swap on a file). Sources track accesses",
-        f"with --access-period {a.access_period} (0: off). Sort runtime: the guest's own measure of its task, across the move.",
+        f"swap is a v1 memory cgroup of the budget + {a.overhead} with swap on a file, its OOM killer off). Sources track",
+        f"accesses with --access-period {a.access_period} --access-share {a.access_share} (0: off), except `none`, which",
+        "never moves and tracks nothing. Sort runtime: the guest's own measure of its task, across the move.",
         "",
         "| config | budget | chunk pages | migration s | vs enough | downtime ms | vs enough | sort s | slowdown vs none | page-ins |",
         "|---|---|---|---|---|---|---|---|---|---|",
