@@ -4,10 +4,12 @@ migration time and downtime per configuration and budget, medians with the
 runs as dots) and, when the chunk sweep ran, bench/results/split-chunks.png
 (sort runtime and page-ins against chunk size).
 
-Usage: python3 bench/split_plot.py
+Usage: python3 bench/split_plot.py [NAME]   (NAME: results/NAME.json, default split;
+another name plots its main figure as results/NAME.png only)
 """
 import json
 import os
+import sys
 
 import matplotlib
 
@@ -33,7 +35,8 @@ def bars(ax, cells, key, scale, title, unit):
 
 
 def main():
-    path = os.path.join(RESULTS, "split.json")
+    name = sys.argv[1] if len(sys.argv) > 1 else "split"
+    path = os.path.join(RESULTS, f"{name}.json")
     cells = [c for c in json.load(open(path))["cells"] if c["median"] and c["chunk_pages"] == 256]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     bars(axes[0], cells, "sort_ms", 1e-3, "sort runtime (guest's measure, across the move)", "s")
@@ -41,8 +44,10 @@ def main():
     bars(axes[1], moved, "total_s", 1.0, "migration time", "s")
     bars(axes[2], moved, "downtime_ms", 1.0, "downtime", "ms")
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "split.png"), dpi=110)
-    print("wrote", os.path.join(RESULTS, "split.png"))
+    fig.savefig(os.path.join(RESULTS, f"{name}.png"), dpi=110)
+    print("wrote", os.path.join(RESULTS, f"{name}.png"))
+    if name != "split":
+        return
     sweep_path = os.path.join(RESULTS, "split-chunks.json")
     if not os.path.exists(sweep_path):
         return
