@@ -8,10 +8,9 @@ its start, to a destination that holds only a budget of its memory (each of --bu
   reference for migration time and downtime);
 - split-clock / split-aging: `--mode split` with the main host holding
   the budget, the rest on two memory servers on ferry-h3, chunks ranked by
-  the source's access history when it tracks one (--access-period; off by
-  default: at 1000 ms it keeps this sort from finishing in 15 s, against
-  3.5 s untracked), else in address order; the main host pages by clock
-  or aging either way;
+  the source's access history (--access-period, on by default like
+  `ferry run`; 0: off, chunks in address order); the main host pages by
+  clock or aging either way;
 - swap: a plain precopy to a destination VMM held to the budget (plus
   --overhead for the VMM itself) by a v1 memory cgroup, with swap on a file
   (the paper's "virtual memory" baseline);
