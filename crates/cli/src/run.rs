@@ -210,7 +210,7 @@ fn access_config(
 /// A power of two from 1 to 512 (pages).
 fn parse_grain(s: &str) -> Result<u64, String> {
     match s.parse::<u64>() {
-        Ok(n) if n.is_power_of_two() && n <= 512 => Ok(n),
+        Ok(n) if ferry_memory::valid_grain(n) => Ok(n),
         _ => Err(format!("{s:?} is not a power of two from 1 to 512")),
     }
 }

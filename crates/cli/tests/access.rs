@@ -6,27 +6,34 @@ use common::{ferry, kvm_usable, progress, spawn_reaped as spawn, wait_status as 
 
 use std::time::Duration;
 
+/// A `ferry run` with `args`, its control socket in a directory of its
+/// own (`tag` names it), running for at most a minute.
+fn vm(tag: &str, args: &[&str]) -> (common::Reaper, String) {
+    let dir = std::env::temp_dir().join(format!("ferry-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
+    let mut all = vec!["run"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--control", &sock, "--duration", "60s"]);
+    (spawn(&all), sock)
+}
+
 #[test]
 fn status_reports_access_tracking_and_the_guest_runs_on() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-access-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
-    let _vm = spawn(&[
-        "run",
-        "--mem",
-        "128M",
-        "--workload",
-        "dirty:rate=32,wss=16",
-        "--access-period",
-        "200",
-        "--control",
-        &sock,
-        "--duration",
-        "60s",
-    ]);
+    let (_vm, sock) = vm(
+        "access",
+        &[
+            "--mem",
+            "128M",
+            "--workload",
+            "dirty:rate=32,wss=16",
+            "--access-period",
+            "200",
+        ],
+    );
     let first = status(&sock);
     if first["access"]["state"] == "failed" && first["access"]["periods"] == 0 {
         eprintln!(
@@ -66,18 +73,7 @@ fn access_tracking_is_on_by_default_with_sampled_writes() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-access-default-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
-    let _vm = spawn(&[
-        "run",
-        "--mem",
-        "64M",
-        "--control",
-        &sock,
-        "--duration",
-        "60s",
-    ]);
+    let (_vm, sock) = vm("access-default", &["--mem", "64M"]);
     let acc = status(&sock)["access"].clone();
     if acc["state"] == "failed" && acc["periods"] == 0 {
         eprintln!("SKIP: access tracking unavailable here: {}", acc["error"]);
@@ -103,20 +99,7 @@ fn access_tracking_can_be_turned_off() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-access-off-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("vm.sock").to_string_lossy().into_owned();
-    let _vm = spawn(&[
-        "run",
-        "--mem",
-        "64M",
-        "--access-period",
-        "0",
-        "--control",
-        &sock,
-        "--duration",
-        "60s",
-    ]);
+    let (_vm, sock) = vm("access-off", &["--mem", "64M", "--access-period", "0"]);
     assert!(status(&sock)["access"].is_null());
     let o = ferry(&["status", &sock]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("access      off"));

@@ -173,6 +173,33 @@ struct Periodic {
     period_start: Instant,
 }
 
+impl Periodic {
+    /// The share an arm starting now drops (of `shares`); the next arm
+    /// takes the one after it.
+    fn take_share(&mut self, shares: u32) -> u32 {
+        let share = self.next_share;
+        self.next_share = (share + 1) % shares;
+        self.armed_share = Some(share);
+        share
+    }
+
+    /// Counts an arm begun at `t` in the statistics.
+    fn count_arm(&mut self, t: Instant, pages: u64, skipped: u64, runs: u64) -> ArmReport {
+        let micros = t.elapsed().as_secs_f64() * 1e6;
+        self.arms += 1;
+        self.pages_armed_total += pages;
+        self.pages_skipped_total += skipped;
+        self.arm_us_last = micros;
+        self.arm_us_total += micros;
+        ArmReport {
+            pages,
+            skipped,
+            runs,
+            micros,
+        }
+    }
+}
+
 /// Per-page clock and aging histories from sampled reads and logged writes.
 pub struct AccessTracker {
     ranges: Vec<Range>,
@@ -223,7 +250,7 @@ impl AccessTracker {
     /// back, so a task streaming through armed memory faults once per
     /// group, not once per page.
     pub fn with_grain(mut self, pages: u64) -> Result<Self, AccessError> {
-        if !pages.is_power_of_two() || pages > CHUNK_PAGES {
+        if !valid_grain(pages) {
             return Err(AccessError::BadGrain(pages));
         }
         self.grain = pages;
@@ -306,9 +333,7 @@ impl AccessTracker {
     pub fn arm_sampled(&self) -> Result<ArmReport, AccessError> {
         let t = Instant::now();
         let mut p = self.lock();
-        let share = p.next_share;
-        p.next_share = (share + 1) % self.share;
-        p.armed_share = Some(share);
+        let share = p.take_share(self.share);
         let round = p.arms / u64::from(self.share);
         let (mut pages, mut runs) = (0, 0);
         for (range, seen) in self.ranges.iter().zip(&self.seen) {
@@ -327,17 +352,7 @@ impl AccessTracker {
                 }
             }
         }
-        let micros = t.elapsed().as_secs_f64() * 1e6;
-        p.arms += 1;
-        p.pages_armed_total += pages;
-        p.arm_us_last = micros;
-        p.arm_us_total += micros;
-        Ok(ArmReport {
-            pages,
-            skipped: 0,
-            runs,
-            micros,
-        })
+        Ok(p.count_arm(t, pages, 0, runs))
     }
 
     /// Drops the page table entries of the next share of pages, so each
@@ -352,9 +367,7 @@ impl AccessTracker {
     pub fn arm(&self) -> Result<ArmReport, AccessError> {
         let t = Instant::now();
         let mut p = self.lock();
-        let share = p.next_share;
-        p.next_share = (share + 1) % self.share;
-        p.armed_share = Some(share);
+        let share = p.take_share(self.share);
         let (mut pages, mut skipped, mut runs) = (0, 0, 0);
         for (i, (range, seen)) in self.ranges.iter().zip(&self.seen).enumerate() {
             let written = p.written.get(i).map(Vec::as_slice);
@@ -374,18 +387,7 @@ impl AccessTracker {
             pages += armed;
             skipped += share_pages - armed;
         }
-        let micros = t.elapsed().as_secs_f64() * 1e6;
-        p.arms += 1;
-        p.pages_armed_total += pages;
-        p.pages_skipped_total += skipped;
-        p.arm_us_last = micros;
-        p.arm_us_total += micros;
-        Ok(ArmReport {
-            pages,
-            skipped,
-            runs,
-            micros,
-        })
+        Ok(p.count_arm(t, pages, skipped, runs))
     }
 
     /// A MINOR fault on the page holding `host_addr`: that page's group
@@ -605,6 +607,12 @@ fn arm_runs(pages: u64, share: u32, shares: u32, written: Option<&[u64]>) -> Vec
         }
     }
     runs
+}
+
+/// Whether one fault may answer for `pages` pages: a power of two of at
+/// most [`CHUNK_PAGES`] (so a group lies within one share).
+pub fn valid_grain(pages: u64) -> bool {
+    pages.is_power_of_two() && pages <= CHUNK_PAGES
 }
 
 /// Which page of a group of `len` pages the `round`-th arm of its share

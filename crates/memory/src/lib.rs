@@ -18,7 +18,8 @@ pub mod region;
 pub mod uffd;
 
 pub use access::{
-    AccessError, AccessSnapshot, AccessStats, AccessTracker, ArmReport, DEFAULT_GRAIN_PAGES,
+    valid_grain, AccessError, AccessSnapshot, AccessStats, AccessTracker, ArmReport,
+    DEFAULT_GRAIN_PAGES,
 };
 pub use guest_memory::{GuestMemory, MemoryError, Plain};
 pub use region::{MemfdRegion, RegionError};

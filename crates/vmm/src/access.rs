@@ -387,19 +387,15 @@ impl Shared {
     /// its pages per period, not on all of them (a radix sort ran at a
     /// third of its speed with every page re-protected each period).
     fn period(&self) -> Result<(), String> {
-        if !self.logs_writes() {
-            self.tracker.end_period(None);
-            self.tracker
-                .arm_sampled()
-                .map_err(|e| format!("arming the next share: {e}"))?;
-            return Ok(());
-        }
-        if self.dirty.partial() {
-            let next = self.tracker.next_share_mask();
-            let dirty = self
-                .dirty
-                .take_some(Consumer::Access, &next)
-                .map_err(|e| format!("reading the dirty log: {e}"))?;
+        if self.arms_samples() {
+            let dirty = if self.logs_writes() {
+                let next = self.tracker.next_share_mask();
+                self.dirty
+                    .take_some(Consumer::Access, &next)
+                    .map_err(|e| format!("reading the dirty log: {e}"))?
+            } else {
+                Vec::new() // the faults alone
+            };
             self.tracker.end_period_sampled(&dirty);
             self.tracker
                 .arm_sampled()

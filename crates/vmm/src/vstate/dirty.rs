@@ -182,20 +182,7 @@ impl DirtyLog {
 
     /// The pages written since `who` last took (or started), clearing them.
     pub fn take(&self, who: Consumer) -> Result<Bitmaps, DirtyLogError> {
-        let mut pending = self.lock();
-        if pending[who.index()].is_none() {
-            return Err(DirtyLogError::NotStarted(who));
-        }
-        let new = self.source.take()?;
-        for (i, p) in pending.iter_mut().enumerate() {
-            if let Some(p) = p.as_mut().filter(|_| i != who.index()) {
-                or_into(p, &new);
-            }
-        }
-        let mut mine = pending[who.index()].replace(Vec::new()).unwrap_or_default();
-        or_into(&mut mine, &new);
-        // Same shape as KVM's answer even when nothing was pending.
-        Ok(mine)
+        self.take_with(who, |source| source.take())
     }
 
     /// Like [`take`](Self::take), but KVM re-protects only the pages in
@@ -206,11 +193,21 @@ impl DirtyLog {
     /// needs is lost (it may see a page twice). See
     /// [`partial`](Self::partial).
     pub fn take_some(&self, who: Consumer, keep: &Bitmaps) -> Result<Bitmaps, DirtyLogError> {
+        self.take_with(who, |source| source.take_some(keep))
+    }
+
+    /// Reads the log with `read`, hands what it returned to every other
+    /// interested consumer, and gives `who` its pending pages with it.
+    fn take_with(
+        &self,
+        who: Consumer,
+        read: impl FnOnce(&dyn LogSource) -> Result<Bitmaps, KvmError>,
+    ) -> Result<Bitmaps, DirtyLogError> {
         let mut pending = self.lock();
         if pending[who.index()].is_none() {
             return Err(DirtyLogError::NotStarted(who));
         }
-        let new = self.source.take_some(keep)?;
+        let new = read(self.source.as_ref())?;
         for (i, p) in pending.iter_mut().enumerate() {
             if let Some(p) = p.as_mut().filter(|_| i != who.index()) {
                 or_into(p, &new);
@@ -218,6 +215,7 @@ impl DirtyLog {
         }
         let mut mine = pending[who.index()].replace(Vec::new()).unwrap_or_default();
         or_into(&mut mine, &new);
+        // Same shape as KVM's answer even when nothing was pending.
         Ok(mine)
     }
 
