@@ -99,3 +99,10 @@ def start_proxy(ferry, host, listen, rtt):
                                      "--to", listen, "--rtt-ms", str(rtt)),
                              stdout=subprocess.PIPE, text=True)
     return proxy, proxy.stdout.readline().strip()
+
+
+def drop_vm_address(addr, hosts):
+    """Takes a VM's own address (`ferry run --vm-address`) off every lab
+    host in `hosts` (a VMM that had to be killed leaves it behind)."""
+    for host in hosts:
+        sh(*in_host(host, "ip", "addr", "del", f"{addr}/32", "dev", "eth0"), check=False)

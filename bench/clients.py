@@ -45,10 +45,7 @@ PARTS = ("pause", "last_round", "save_state", "verify", "clients", "destination"
 
 
 def drop_vm_address():
-    """Takes the VM's address off every lab host (a VMM that had to be
-    killed leaves it behind)."""
-    for host in (SRC[0], DST[0]):
-        sh(*in_host(host, "ip", "addr", "del", f"{VM_ADDR}/32", "dev", "eth0"), check=False)
+    benchlib.drop_vm_address(VM_ADDR, (SRC[0], DST[0]))
 
 
 def once(ferry, config, tmp, port, lead_s=7.0, load_s=16):

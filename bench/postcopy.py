@@ -31,7 +31,8 @@ other's runs).
 
 Usage: python3 bench/postcopy.py [--runs 3] [--mem 1G] [--rtts 0,0.15,1]
            [--sections faults,memtouch] [--memtouch-tasks 4] [--memtouch-mib 192]
-           [--memtouch-prefetch 8] [--memtouch-push none,100M] [--local]
+           [--memtouch-prefetch 8] [--memtouch-push hold,none,100M]
+           [--memtouch-vcpus 1] [--priorities realtime,normal] [--local]
 """
 import argparse
 import json
@@ -75,16 +76,23 @@ def fault_figures(stats):
     }
 
 
-def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
+def priority_env(priority):
+    """The VMMs' environment for a fault-path priority: realtime (the
+    default) or normal (FERRY_FAULT_PRIORITY=normal)."""
+    return {**os.environ, "FERRY_FAULT_PRIORITY": priority}
+
+
+def migrate_once(ferry, mem, rtt, apf, prefetch, priority, tmp, port):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     benchlib.fresh(src_sock, dst_sock)
+    env = priority_env(priority)
     common = ["run", "--mem", mem, "--vcpus", "2", "--workload", workload(mem), "--quiet", "--json"]
     listen = f"{DST[1]}:{port}"
     dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}",
                                    "--apf", apf, "--control", dst_sock, "--duration", "2s"),
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--control", src_sock, "--duration", "120s"),
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     proxy, to = benchlib.start_proxy(ferry, DST[0], listen, rtt)
     try:
         benchlib.wait_for(src_sock, dst_sock)
@@ -100,6 +108,12 @@ def migrate_once(ferry, mem, rtt, apf, prefetch, tmp, port):
     return fault_figures(stats)
 
 
+# `--memtouch-push hold`: the push waits this long after the switch (the
+# most ferry allows), so the tasks' pages come by demand alone, as in the
+# paper's measurement (its background transfer was off).
+HOLD = "20s"
+
+
 def memtouch_spec(tasks, mib):
     return f"memtouch:tasks={tasks},mib={mib},after=migrate"
 
@@ -111,7 +125,7 @@ def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     benchlib.fresh(src_sock, dst_sock)
     spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
-    common = ["run", "--mem", a.mem, "--vcpus", "2", "--workload", spec, "--quiet", "--json"]
+    common = ["run", "--mem", a.mem, "--vcpus", str(a.memtouch_vcpus), "--workload", spec, "--quiet", "--json"]
     listen = f"{DST[1]}:{port}"
     # No --duration: the destination ends when every task is done and
     # prints its summary (each finished task's time).
@@ -136,7 +150,7 @@ def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
                 raise RuntimeError("memtouch tasks never got ready")
             time.sleep(0.2)
         fill_s = time.time() - t_fill
-        limit = [] if push == "none" else ["--bandwidth", push]
+        limit = {"none": [], "hold": ["--push-delay", HOLD]}.get(push, ["--bandwidth", push])
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
                         "--prefetch", str(a.memtouch_prefetch), *limit, "--json"), check=False)
         if m.returncode != 0:
@@ -182,7 +196,7 @@ def write_memtouch(a, cells, out):
     command = benchlib.recorded_command("postcopy.py")
     spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
     with open(os.path.join(out, "postcopy-memtouch.json"), "w") as f:
-        json.dump({"command": command, "workload": spec, "mem": a.mem, "vcpus": 2,
+        json.dump({"command": command, "workload": spec, "mem": a.mem, "vcpus": a.memtouch_vcpus,
                    "link": "loopback" if a.local else "lab veth",
                    "prefetch": a.memtouch_prefetch, "push_limits": a.memtouch_push.split(","),
                    "cells": cells}, f, indent=1)
@@ -191,11 +205,12 @@ def write_memtouch(a, cells, out):
     lines = [
         "# Postcopy: memtouch after the switch, APF on and off",
         "",
-        f"Command: `{command}` (medians of {a.runs}; {a.mem} VM, 2 vCPUs, `{spec}`, "
+        f"Command: `{command}` (medians of {a.runs}; {a.mem} VM, {a.memtouch_vcpus} vCPU(s), `{spec}`, "
         f"prefetch {a.memtouch_prefetch};",
         ("both VMMs on this host's loopback (--local); " if a.local else "lab hosts (veth); ")
-        + "delay added by `ferry lab delay` on the destination side; push limit: `ferry migrate --bandwidth`,",
-        "which paces the background push only). Each task filled its region with",
+        + "delay added by `ferry lab delay` on the destination side; push: `hold` = `ferry migrate",
+        f"--push-delay {HOLD}` (demand paging alone while the tasks run, the paper's setting), `none` = unlimited,",
+        "else `--bandwidth`, which paces the background push only). Each task filled its region with",
         "random data before the migration and touches (reads and writes) each page once after it;",
         "its time runs from the first moment a guest task saw the move (host info page) to its end.",
         "Task columns: the fastest to the slowest task of a run, each the median over the runs.",
@@ -237,8 +252,12 @@ def main():
     ap.add_argument("--memtouch-tasks", type=int, default=4)
     ap.add_argument("--memtouch-mib", type=int, default=192, help="MiB per memtouch task")
     ap.add_argument("--memtouch-prefetch", type=int, default=8)
-    ap.add_argument("--memtouch-push", default="none,100M",
-                    help="background push limits (ferry migrate --bandwidth), none = unlimited")
+    ap.add_argument("--memtouch-push", default="hold",
+                    help="background push: hold (held while the tasks run, the paper's setting), "
+                         "none (unlimited) or a limit (ferry migrate --bandwidth, e.g. 100M)")
+    ap.add_argument("--memtouch-vcpus", type=int, default=1, help="the paper's VM had 1 vCPU")
+    ap.add_argument("--priorities", default="realtime,normal",
+                    help="faults section: fault path priorities to compare (realtime, normal)")
     ap.add_argument("--local", action="store_true",
                     help="VMMs and proxy on 127.0.0.1 in this namespace, no lab")
     a = ap.parse_args()
@@ -279,15 +298,20 @@ def run_faults(ferry, a, rtts, port):
         for rtt in rtts:
             for apf in ("on", "off"):
                 for prefetch in (0, 8):
-                    runs = []
+                    # Priorities interleaved run by run: their ratio is
+                    # taken under the same load.
+                    runs = {p: [] for p in a.priorities.split(",")}
                     for _ in range(a.runs):
-                        port += 1
-                        runs.append(migrate_once(ferry, a.mem, rtt, apf, prefetch, tmp, port))
-                    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                    cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "median": med, "runs": runs}
-                    cells.append(cell)
-                    print(json.dumps({k: cell[k] for k in ("rtt_ms", "apf", "prefetch", "median")}),
-                          flush=True)
+                        for p in runs:
+                            port += 1
+                            runs[p].append(migrate_once(ferry, a.mem, rtt, apf, prefetch, p, tmp, port))
+                    for p, rs in runs.items():
+                        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                        cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "priority": p,
+                                "median": med, "runs": rs}
+                        cells.append(cell)
+                        print(json.dumps({k: cell[k] for k in ("rtt_ms", "apf", "prefetch", "priority", "median")}),
+                              flush=True)
     return (floor, cells), port
 
 
@@ -310,13 +334,17 @@ def write_faults(a, result, out):
         f"Bare local userfaultfd fault on this host (`ferry lab uffd-cost`, same run): "
         f"p50 {floor['p50']:.0f} µs, p99 {floor['p99']:.0f} µs.",
         "",
-        "| added RTT | APF | prefetch | downtime ms | postcopy s | faults | major | async worker | absorbed by APF | stopped a vCPU | p50 µs | p99 µs | min exec ratio | prefetched |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Fault path priority: `realtime` (the default: the fault, demand and lander threads run",
+        "SCHED_FIFO 1) or `normal` (`FERRY_FAULT_PRIORITY=normal`), run by run interleaved.",
+        "",
+        "| added RTT | APF | prefetch | priority | downtime ms | postcopy s | faults | major | async worker | absorbed by APF | stopped a vCPU | p50 µs | p99 µs | min exec ratio | prefetched |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         m = c["median"]
         lines.append(
-            f"| {c['rtt_ms']} ms | {c['apf']} | {c['prefetch']} | {m['downtime_ms']:.2f} | {m['postcopy_s']:.3f} | "
+            f"| {c['rtt_ms']} ms | {c['apf']} | {c['prefetch']} | {c.get('priority', 'normal')} | "
+            f"{m['downtime_ms']:.2f} | {m['postcopy_s']:.3f} | "
             f"{m['faults']:.0f} | {m['major']:.0f} | {m['async_worker']:.0f} | {m['apf_absorbed']:.0f} | {m['blocked']:.0f} | {m['p50_us']:.0f} | "
             f"{m['p99_us']:.0f} | {m['min_exec_ratio']:.2f} | {m['prefetched']:.0f} |")
     with open(md, "w") as f:

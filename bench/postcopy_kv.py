@@ -20,6 +20,7 @@ and, when matplotlib is installed, postcopy-kv-<rtt>.png (100 ms mean latency
 and execution ratio over time, one line per cell).
 
 Usage: python3 bench/postcopy_kv.py [--runs 2] [--rtts 0,0.15,1] [--keys 480000]
+           [--address move|forward]
 """
 import argparse
 import csv
@@ -35,6 +36,9 @@ import benchlib
 from benchlib import in_host, sh
 
 SRC, DST, CLI = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2"), "ferry-h3"
+# --address move: the VM's own address, which moves with it (its clients'
+# connections too); forward: the source host's, and its VMM forwards.
+VM_ADDR = "10.77.0.100"
 BIN_S = 0.1
 BEFORE_S, AFTER_S = 2.0, 5.0
 
@@ -43,17 +47,22 @@ def workload(keys):
     return f"kv:workers=4,keys={keys},value=1024"
 
 
-def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s):
+def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s, address):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     csv_path = os.path.join(tmp, "requests.csv")
     benchlib.fresh(src_sock, dst_sock, csv_path)
     common = ["run", "--mem", "1G", "--vcpus", "2", "--workload", workload(keys), "--quiet", "--json"]
     listen = f"{DST[1]}:{port}"
-    svc = f"{SRC[1]}:{port + 1}"
+    if address == "move":
+        svc = f"{VM_ADDR}:{port + 1}"
+        src_args = ["--vm-address", VM_ADDR, "--serve", svc]
+    else:
+        svc = f"{SRC[1]}:{port + 1}"
+        src_args = ["--serve", svc]
     dst = subprocess.Popen(in_host(DST[0], ferry, *common, "--incoming", f"tcp:{listen}", "--apf", apf,
                                    "--serve", f"{DST[1]}:0", "--control", dst_sock, "--duration", f"{load_s + 5:.0f}s"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    src = subprocess.Popen(in_host(SRC[0], ferry, *common, "--serve", svc, "--control", src_sock,
+    src = subprocess.Popen(in_host(SRC[0], ferry, *common, *src_args, "--control", src_sock,
                                    "--duration", "300s"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load = None
@@ -79,7 +88,9 @@ def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s):
         out, err = load.communicate(timeout=load_s + 60)
         summary = json.loads(out)
     finally:
-        benchlib.reap(src, dst, proxy, load)
+        # SIGTERM: the VMM holding the VM's address takes it off its host.
+        benchlib.reap(src, dst, proxy, load, grace=5)
+        benchlib.drop_vm_address(VM_ADDR, (SRC[0], DST[0]))
     with open(csv_path) as f:
         reqs = [(int(r["send_us"]) / 1e6, int(r["latency_us"]), r["outcome"]) for r in csv.DictReader(f)]
     p = stats["postcopy"]
@@ -176,6 +187,9 @@ def main():
     ap.add_argument("--keys", type=int, default=480000, help="1 KiB values: 480000 is ~470 MiB")
     ap.add_argument("--load-s", type=float, default=10.0)
     ap.add_argument("--lead-s", type=float, default=3.0, help="load before the switch")
+    ap.add_argument("--address", choices=("move", "forward"), default="move",
+                    help="move: the VM has its own address and its clients' connections move with it; "
+                         "forward: the source host's address, and the source forwards them")
     a = ap.parse_args()
     ferry = os.path.abspath(a.ferry)
     up = sh(ferry, "lab", "up", "3", check=False)
@@ -192,7 +206,7 @@ def main():
                         for _ in range(a.runs):
                             port += 2
                             runs.append(run_once(ferry, a.keys, rtt, apf, prefetch, tmp, port, a.load_s,
-                                                 a.lead_s))
+                                                 a.lead_s, a.address))
                         keys = [k for k in runs[0] if not k.startswith("_")]
                         med = {k: statistics.median(r[k] for r in runs) for k in keys}
                         cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "median": med, "runs": runs}
@@ -205,7 +219,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     command = benchlib.recorded_command("postcopy_kv.py")
     with open(os.path.join(out, "postcopy-kv.json"), "w") as f:
-        json.dump({"command": command, "workload": workload(a.keys), "cells": cells}, f)
+        json.dump({"command": command, "workload": workload(a.keys), "address": a.address, "cells": cells}, f)
     plots = [p for p in (plot(out, cells, r) for r in sorted({c["rtt_ms"] for c in cells})) if p]
     md = os.path.join(out, "postcopy-kv.md")
     notes = benchlib.kept_notes(md)
@@ -215,7 +229,9 @@ def main():
         f"Command: `{command}` (medians of {a.runs}; 1 GiB VM, 2 vCPUs, `{workload(a.keys)}`;",
         "128 `ferry load` clients on a third lab host for "
         f"{a.load_s:.0f} s, the switch {a.lead_s:.0f} s after the table is served;",
-        "delay added by `ferry lab delay` on the destination host).",
+        "delay added by `ferry lab delay` on the destination host;",
+        ("clients reach the VM at its own address, which moves with it (`ferry run --vm-address`))."
+         if a.address == "move" else "clients reach the source host, whose VMM forwards them after the switch)."),
         "",
         "Baseline: mean latency over the 2 s before the switch. Back to baseline: the 100 ms mean",
         "stays within 1.5x the baseline for 500 ms (5.0 = not within the 5 s looked at).",

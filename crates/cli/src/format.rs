@@ -44,6 +44,16 @@ pub fn rate(v: f64, unit: &str) -> String {
 
 /// Parses `10s`, `500ms`, `2m`, `1h` or plain seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    parse_duration_from(text, false)
+}
+
+/// Like [`parse_duration`], where 0 also means something (no delay, no
+/// tail).
+pub fn parse_duration_or_zero(text: &str) -> Result<std::time::Duration, String> {
+    parse_duration_from(text, true)
+}
+
+fn parse_duration_from(text: &str, zero: bool) -> Result<std::time::Duration, String> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -63,9 +73,10 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
             ))
         }
     };
-    if !secs.is_finite() || secs <= 0.0 || secs > 30.0 * 86400.0 {
+    if !secs.is_finite() || secs < 0.0 || (secs == 0.0 && !zero) || secs > 30.0 * 86400.0 {
+        let least = if zero { "0 or more" } else { "more than 0" };
         return Err(format!(
-            "'{text}' is out of range (more than 0, at most 30 days)"
+            "'{text}' is out of range ({least}, at most 30 days)"
         ));
     }
     Ok(std::time::Duration::from_secs_f64(secs))
@@ -86,6 +97,9 @@ mod tests {
         assert!(parse_duration("3 parsecs").is_err());
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("-1s").is_err());
+        assert_eq!(parse_duration_or_zero("0s").unwrap().as_millis(), 0);
+        assert_eq!(parse_duration_or_zero("2s").unwrap().as_secs(), 2);
+        assert!(parse_duration_or_zero("-1s").is_err());
     }
 }
 

@@ -70,6 +70,11 @@ pub struct MigrateArgs {
     /// Postcopy: pages sent on each side of a faulting page (0 = only the page).
     #[arg(long, default_value_t = defaults::PREFETCH)]
     prefetch: u32,
+    /// Postcopy: hold the background push this long after the switch
+    /// (e.g. 2s, at most 20s), so at first only the pages the guest asks
+    /// for cross the link.
+    #[arg(long, value_parser = crate::format::parse_duration_or_zero, default_value = "0s")]
+    push_delay: Duration,
     /// Hybrid: switch to postcopy after this many dirty rounds (e.g. 3) or
     /// seconds (e.g. 2.5s) without converging.
     #[arg(long, default_value_t = PostcopyAfter::default())]
@@ -126,7 +131,7 @@ pub struct MigrateArgs {
     /// How long the destination's part of the timeline goes on after the
     /// switch (precopy) or the last page (postcopy); `ferry migrate`
     /// returns that much later (e.g. 1s, 0s).
-    #[arg(long, value_parser = crate::format::parse_duration, default_value = "1s")]
+    #[arg(long, value_parser = crate::format::parse_duration_or_zero, default_value = "1s")]
     timeline_tail: Duration,
     /// Print the result as JSON.
     #[arg(long)]
@@ -143,6 +148,7 @@ impl MigrateArgs {
         let o = MigrateOptions {
             mode: self.mode,
             prefetch: self.prefetch,
+            push_delay_ms: self.push_delay.as_millis().min(u64::MAX as u128) as u64,
             postcopy_after: self.postcopy_after,
             reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
             timeline_tail_ms: self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,

@@ -222,6 +222,13 @@ fn migrate_across(sc: &Scenario, n: u16) {
         if sc.mode.contains(&"0") {
             assert_eq!(p["prefetched_pages"], 0, "{}", sc.name());
         }
+        if sc.mode.contains(&"--push-delay") {
+            // Pages the guest left alone wait for the held push (the
+            // kernel's, and the working set's untouched ones).
+            let secs = p["secs"].as_f64().unwrap();
+            assert!(secs >= 0.9, "{}: the push was not held: {p}", sc.name());
+            assert!(p["requests"].as_u64().unwrap() > 0, "{}: {p}", sc.name());
+        }
     }
     if sc.mode.contains(&"split") {
         let sp = &stats["split"];
@@ -351,6 +358,8 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
     let Some(_lab) = lab_up() else { return };
     const POST8: &[&str] = &["--mode", "postcopy", "--prefetch", "8"];
     const POST0: &[&str] = &["--mode", "postcopy", "--prefetch", "0"];
+    // Demand paging alone for the first second (the paper's setting).
+    const HELD: &[&str] = &["--mode", "postcopy", "--push-delay", "1s"];
     const HYBRID: &[&str] = &[
         "--mode",
         "hybrid",
@@ -375,6 +384,7 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
             POST0,
         ),
         post("dirty:rate=1024,wss=64,pattern=random", "2", false, POST8),
+        post("dirty:rate=256,wss=64,pattern=random", "1", false, HELD),
         Scenario {
             until_done: true,
             ..post("sort:mib=32", "1", false, POST8)

@@ -29,6 +29,7 @@ pub(crate) mod pacer;
 pub mod pagein;
 pub(crate) mod postcopy;
 pub(crate) mod precopy;
+pub(crate) mod priority;
 pub mod protocol;
 pub mod ranges;
 pub(crate) mod receiver;

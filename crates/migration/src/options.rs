@@ -23,6 +23,11 @@ pub mod defaults {
     pub const PREFETCH: u32 = 8;
     /// Most prefetch pages on each side.
     pub const MAX_PREFETCH: u32 = 512;
+    /// Postcopy: the longest hold on the background push (ms). A
+    /// destination that hears nothing for its session timeout (30 s by
+    /// default) while pages are missing takes the link for broken, and
+    /// with no fault and no push nothing crosses it.
+    pub const MAX_PUSH_DELAY_MS: u64 = 20_000;
     /// Split: pages per chunk, the unit of placement and remote paging
     /// (the S-memV paper found 256 best).
     pub const CHUNK_PAGES: u32 = 256;
@@ -310,6 +315,10 @@ pub struct MigrateOptions {
     pub compression: CompressOptions,
     /// Postcopy: pages sent on each side of a faulting page, when not sent yet.
     pub prefetch: u32,
+    /// Postcopy: how long after the switch the background push waits
+    /// (ms), so only the pages the guest asks for cross the link at first
+    /// (the yabusame paper's setting: demand paging alone, the push later).
+    pub push_delay_ms: u64,
     /// Hybrid: when to stop precopy and switch.
     pub postcopy_after: PostcopyAfter,
     /// Postcopy: how long to keep reconnecting after a broken link (ms).
@@ -335,6 +344,7 @@ impl Default for MigrateOptions {
             timeout_ms: defaults::TIMEOUT_MS,
             compression: CompressOptions::default(),
             prefetch: defaults::PREFETCH,
+            push_delay_ms: 0,
             postcopy_after: PostcopyAfter::default(),
             reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
             timeline_tail_ms: defaults::TIMELINE_TAIL_MS,
@@ -378,6 +388,12 @@ impl MigrateOptions {
             return Err(format!(
                 "prefetch must be 0 to {} pages",
                 defaults::MAX_PREFETCH
+            ));
+        }
+        if self.push_delay_ms > defaults::MAX_PUSH_DELAY_MS {
+            return Err(format!(
+                "the push delay must be at most {} s (a destination that hears nothing for its session timeout takes the link for broken)",
+                defaults::MAX_PUSH_DELAY_MS / 1000
             ));
         }
         if !(1..=shards).contains(&c.workers) {
@@ -463,6 +479,11 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.check().unwrap_err().contains("streams"));
+        let held = MigrateOptions {
+            push_delay_ms: defaults::MAX_PUSH_DELAY_MS + 1,
+            ..Default::default()
+        };
+        assert!(held.check().unwrap_err().contains("push delay"));
         assert!("teleport".parse::<Mode>().unwrap_err().contains("postcopy"));
         let o: MigrateOptions =
             serde_json::from_str(r#"{"mode":"hybrid","postcopy_after":"1.5s","prefetch":0}"#)

@@ -445,3 +445,29 @@ fn hybrid_switches_to_postcopy_when_precopy_does_not_converge() {
     // The pages dirtied in the last round.
     assert_eq!(p.pending_pages, 100);
 }
+
+#[test]
+fn a_held_push_leaves_the_pages_to_demand_and_ends_once_nothing_is_left() {
+    if !uffd_usable() {
+        return;
+    }
+    let opts = MigrateOptions {
+        mode: Mode::Postcopy,
+        push_delay_ms: 5_000,
+        verify: true,
+        ..Default::default()
+    };
+    let (stats, _, _) = run(&opts);
+    let p = stats.postcopy.unwrap();
+    eprintln!("push held: {p:?}");
+    // The "vCPUs" touch every page long before the hold ends: all of them
+    // came by demand, and the pushers gave up waiting once none was left.
+    assert_eq!(p.pushed_pages + p.pushed_zero_pages, 0, "{p:?}");
+    // (A page asked for twice goes twice: the second copy is dropped.)
+    assert!(p.demand_pages >= p.pending_pages, "{p:?}");
+    assert_eq!(p.faults.supplied_pages, p.pending_pages);
+    assert!(
+        p.secs < 4.0,
+        "the held pushers did not wait out the hold: {p:?}"
+    );
+}

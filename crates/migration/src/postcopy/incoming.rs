@@ -711,6 +711,7 @@ impl Shared {
 
     /// Lands the source's answers until the connection closes.
     fn land_demand(&self, mut r: std::io::BufReader<Stream>) -> Result<(), MigrationError> {
+        crate::priority::fault_path();
         let (mut scratch, mut data) = (Vec::new(), Vec::new());
         loop {
             let h = match protocol::read_header(&mut r) {
@@ -739,6 +740,7 @@ impl Shared {
 
     /// The fault thread: turns faults into requests, zero fills and wakes.
     fn serve_faults(&self) -> Result<(), MigrationError> {
+        crate::priority::fault_path();
         let mut events = Vec::new();
         let mut ask: Vec<u64> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {

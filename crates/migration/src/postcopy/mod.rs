@@ -271,7 +271,15 @@ fn follow(
                 }
             }
         };
-        let out = source::Outgoing::new(s.regions.clone(), &pending, opts.prefetch, opts.bandwidth);
+        // The hold runs from the switch: a resumed epoch pushes at once.
+        let push_from = epoch.t_post + std::time::Duration::from_millis(opts.push_delay_ms);
+        let out = source::Outgoing::new(
+            s.regions.clone(),
+            &pending,
+            opts.prefetch,
+            opts.bandwidth,
+            push_from,
+        );
         let result = serve(s, &out, demand, epoch, stats.bytes, progress);
         let post = stats.postcopy.get_or_insert_with(Default::default);
         post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);
@@ -366,6 +374,7 @@ fn serve(
             if demand_thread.is_finished() {
                 // The demand connection ended before the push did: the
                 // link broke. Pushers blocked on a silent peer end too.
+                out.halt.store(true, Ordering::Release);
                 for b in &bulk_socks {
                     let _ = b.shutdown(std::net::Shutdown::Both);
                 }

@@ -16,6 +16,7 @@
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use super::pages::{PageIndex, PageSet};
 use crate::memory::{is_zero, region_of, RegionView};
@@ -52,6 +53,11 @@ pub(crate) struct Outgoing {
     pub(crate) bytes: AtomicU64,
     /// The demand thread stops when this is set (or its connection closes).
     pub(crate) done: AtomicBool,
+    /// The push does not start before this (`--push-delay`): until then
+    /// only requested windows go out.
+    push_from: Instant,
+    /// Set when the link broke: a pusher still held stops at once.
+    pub(crate) halt: AtomicBool,
     pub(crate) cpu: CpuMeter,
     /// `--bandwidth` for the push (demand answers are never held back, but
     /// count against it).
@@ -64,6 +70,7 @@ impl Outgoing {
         pending: &[GpaPages],
         prefetch: u32,
         bandwidth: Option<f64>,
+        push_from: Instant,
     ) -> Self {
         let index = PageIndex::new(&regions);
         let unsent = PageSet::of_runs(&index, pending);
@@ -81,6 +88,8 @@ impl Outgoing {
             prefetched_pages: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             done: AtomicBool::new(false),
+            push_from,
+            halt: AtomicBool::new(false),
             cpu: CpuMeter::default(),
             pacer: Pacer::new(bandwidth),
         }
@@ -181,7 +190,13 @@ impl Outgoing {
     /// Pushes pages on one bulk stream until none is left; returns the
     /// frames sent.
     pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
-        lower_priority();
+        crate::priority::background();
+        while Instant::now() < self.push_from {
+            if self.halt.load(Ordering::Acquire) || self.unsent() == 0 {
+                return Ok(0);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let cpu0 = crate::stats::thread_cpu_secs();
         let (mut batch, mut addrs, mut data, mut zeros) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -218,6 +233,7 @@ impl Outgoing {
     /// Answers page requests on the demand connection until the migration
     /// is done or the destination closes it.
     pub(crate) fn serve_demand(&self, conn: &mut Conn) -> Result<(), MigrationError> {
+        crate::priority::fault_path();
         let cpu0 = crate::stats::thread_cpu_secs();
         let (mut window, mut addrs, mut data) = (Vec::new(), Vec::new(), Vec::new());
         let result = loop {
@@ -249,15 +265,5 @@ impl Outgoing {
         };
         self.cpu.add(crate::stats::thread_cpu_secs() - cpu0);
         result
-    }
-}
-
-/// Pushing yields the CPU to the demand thread (nice 10 for this thread).
-fn lower_priority() {
-    // SAFETY: gettid has no preconditions; setpriority on our own thread id
-    // changes only this thread's nice value.
-    unsafe {
-        let tid = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
     }
 }
