@@ -390,6 +390,12 @@ impl MigrateOptions {
                 defaults::MAX_PREFETCH
             ));
         }
+        if self.push_delay_ms > 0 && !matches!(self.mode, Mode::Postcopy | Mode::Hybrid) {
+            return Err(format!(
+                "a push delay is for postcopy and hybrid; {} has no push after a switch",
+                self.mode
+            ));
+        }
         if self.push_delay_ms > defaults::MAX_PUSH_DELAY_MS {
             return Err(format!(
                 "the push delay must be at most {} s (a destination that hears nothing for its session timeout takes the link for broken)",
@@ -480,10 +486,19 @@ mod tests {
         };
         assert!(bad.check().unwrap_err().contains("streams"));
         let held = MigrateOptions {
+            mode: Mode::Postcopy,
             push_delay_ms: defaults::MAX_PUSH_DELAY_MS + 1,
             ..Default::default()
         };
-        assert!(held.check().unwrap_err().contains("push delay"));
+        assert!(held.check().unwrap_err().contains("at most"));
+        let precopy_held = MigrateOptions {
+            push_delay_ms: 1000,
+            ..Default::default()
+        };
+        assert!(precopy_held
+            .check()
+            .unwrap_err()
+            .contains("postcopy and hybrid"));
         assert!("teleport".parse::<Mode>().unwrap_err().contains("postcopy"));
         let o: MigrateOptions =
             serde_json::from_str(r#"{"mode":"hybrid","postcopy_after":"1.5s","prefetch":0}"#)

@@ -271,7 +271,8 @@ fn follow(
                 }
             }
         };
-        // The hold runs from the switch: a resumed epoch pushes at once.
+        // The hold runs from the switch: an epoch resumed after it pushes
+        // at once, one resumed inside it holds for the rest.
         let push_from = epoch.t_post + std::time::Duration::from_millis(opts.push_delay_ms);
         let out = source::Outgoing::new(
             s.regions.clone(),

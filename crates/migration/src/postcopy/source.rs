@@ -192,7 +192,13 @@ impl Outgoing {
     pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
         crate::priority::background();
         while Instant::now() < self.push_from {
-            if self.halt.load(Ordering::Acquire) || self.unsent() == 0 {
+            if self.halt.load(Ordering::Acquire) {
+                // The demand connection ended first: like a pusher whose
+                // socket was shut, this epoch fails (never a barrier
+                // for pages no one will send).
+                return Err(ProtocolError::Closed.into());
+            }
+            if self.unsent() == 0 {
                 return Ok(0);
             }
             std::thread::sleep(Duration::from_millis(5));
