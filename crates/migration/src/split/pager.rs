@@ -1017,9 +1017,14 @@ impl Worker {
                 }
             }
             if landed == 0 {
-                return Err(MigrationError::Unsupported(
-                    "every memory server of a chunk failed while paging it out".into(),
-                ));
+                let names: Vec<String> = servers
+                    .iter()
+                    .map(|&i| self.servers[i].to_string())
+                    .collect();
+                return Err(MigrationError::Unsupported(format!(
+                    "every memory server of a chunk failed while paging it out ({})",
+                    names.join(", ")
+                )));
             }
             // SAFETY: as above; the chunk's data is on its server now.
             unsafe { ferry_memory::mapping::remove_range(host, len) }
