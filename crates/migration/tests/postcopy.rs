@@ -218,16 +218,41 @@ fn uffd_usable() -> bool {
     }
 }
 
-/// A TCP relay that breaks every connection it carries once, after
-/// `cut_after` bytes went from the source to the destination (the link
-/// breaks), and relays new connections normally from then on.
+/// When a [`Relay`] breaks the link.
+#[derive(Clone, Copy)]
+enum Cut {
+    /// After this many bytes went from the source to the destination.
+    After(u64),
+    /// When the destination sends Finished: that frame is dropped (the
+    /// link broke with it on the wire).
+    AtFinished,
+    /// When the source sends its last Complete (the one after every page
+    /// landed): that frame is dropped, and the link stays down for good.
+    AtLastComplete,
+}
+
+impl Cut {
+    /// The header whose sight cuts, and in which direction (true: from
+    /// the source).
+    fn header(self) -> Option<([u8; 6], bool)> {
+        let m = ferry_migration::protocol::MAGIC.to_le_bytes();
+        match self {
+            Cut::After(_) => None,
+            Cut::AtFinished => Some(([m[0], m[1], m[2], m[3], 17, 0], false)),
+            Cut::AtLastComplete => Some(([m[0], m[1], m[2], m[3], 9, 0], true)),
+        }
+    }
+}
+
+/// A TCP relay that breaks every connection it carries once (see [`Cut`]),
+/// and relays new connections normally from then on.
 struct Relay {
     at: std::net::SocketAddr,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
-    fn start(to: std::net::SocketAddr, cut_after: u64) -> Relay {
+    fn start(to: std::net::SocketAddr, when: Cut) -> Relay {
         use std::io::{Read, Write};
         use std::net::{Shutdown, TcpListener, TcpStream};
         use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -237,10 +262,15 @@ impl Relay {
         let cut = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
         let live: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        // Completes seen (the first one starts the VM at the destination).
+        let completes = Arc::new(AtomicU64::new(0));
         let c = cut.clone();
         std::thread::spawn(move || {
             for a in l.incoming() {
                 let Ok(a) = a else { return };
+                if matches!(when, Cut::AtLastComplete) && c.load(Ordering::SeqCst) {
+                    continue; // down for good: dropped unanswered
+                }
                 let Ok(b) = TcpStream::connect(to) else {
                     continue;
                 };
@@ -251,18 +281,31 @@ impl Relay {
                     (a.try_clone().unwrap(), b.try_clone().unwrap(), true),
                     (b, a, false),
                 ] {
-                    let (c, sent, live) = (c.clone(), sent.clone(), live.clone());
+                    let (c, sent, live, completes) =
+                        (c.clone(), sent.clone(), live.clone(), completes.clone());
                     std::thread::spawn(move || {
                         let mut buf = vec![0u8; 16 << 10];
                         while let Ok(n) = from.read(&mut buf) {
-                            if n == 0 || into.write_all(&buf[..n]).is_err() {
+                            let seen = when.header().is_some_and(|(h, from_source)| {
+                                from_source == counted
+                                    && !c.load(Ordering::SeqCst)
+                                    && buf[..n].windows(6).any(|w| w == h)
+                            });
+                            let at_header = seen
+                                && (!matches!(when, Cut::AtLastComplete)
+                                    || completes.fetch_add(1, Ordering::SeqCst) >= 1);
+                            if n == 0 || (!at_header && into.write_all(&buf[..n]).is_err()) {
                                 break;
                             }
-                            if counted
-                                && sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64
-                                    >= cut_after
-                                && !c.swap(true, Ordering::SeqCst)
-                            {
+                            let over = match when {
+                                Cut::After(limit) => {
+                                    counted
+                                        && sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64
+                                            >= limit
+                                }
+                                Cut::AtFinished | Cut::AtLastComplete => at_header,
+                            };
+                            if over && !c.swap(true, Ordering::SeqCst) {
                                 for s in live.lock().unwrap().drain(..) {
                                     let _ = s.shutdown(Shutdown::Both);
                                 }
@@ -281,13 +324,12 @@ fn run(opts: &MigrateOptions) -> (MigrationStats, Source, Dest) {
     run_through(opts, None)
 }
 
-/// Like [`run`], through a relay that breaks the link once after
-/// `cut_after` bytes (when given).
-fn run_through(opts: &MigrateOptions, cut_after: Option<u64>) -> (MigrationStats, Source, Dest) {
+/// Like [`run`], through a relay that breaks the link once (when given).
+fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, Source, Dest) {
     let src = Source::new();
     let dst = Dest::new();
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
-    let relay = cut_after.map(|n| {
+    let relay = cut.map(|n| {
         let ferry_migration::Endpoint::Tcp(at) = listener.endpoint() else {
             unreachable!()
         };
@@ -297,8 +339,15 @@ fn run_through(opts: &MigrateOptions, cut_after: Option<u64>) -> (MigrationStats
         Some(r) => ferry_migration::Endpoint::Tcp(r.at),
         None => listener.endpoint(),
     };
+    // A link down for good: the destination waits 2 s for its source.
+    let reconnect = match cut {
+        Some(Cut::AtLastComplete) => Duration::from_secs(2),
+        _ => Duration::from_secs(300),
+    };
     let (stats, istats) = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| {
+            incoming::receive_with_reconnect(&dst, &listener, Duration::from_secs(10), reconnect)
+        });
         let st = ferry_migration::migrate(&src, &to, opts, &Backend::cpu(), &|_| {});
         (st.unwrap(), d.join().unwrap().unwrap())
     });
@@ -344,6 +393,22 @@ fn run_through(opts: &MigrateOptions, cut_after: Option<u64>) -> (MigrationStats
         "the source never runs again"
     );
     let p = stats.postcopy.as_ref().expect("a postcopy phase");
+    if let Some(end @ (Cut::AtFinished | Cut::AtLastComplete)) = cut {
+        // The report never reached the source: it says so (no faults, not
+        // verified). The destination has every page and its report.
+        assert!(relay.as_ref().unwrap().cut.load(Ordering::SeqCst));
+        assert_eq!(p.faults, Default::default());
+        assert_eq!(stats.verified_pages, 0);
+        let f = istats.postcopy.as_ref().expect("the destination's report");
+        assert_eq!(f.supplied_pages, p.pending_pages);
+        if matches!(end, Cut::AtFinished) {
+            // It verified every page before it sent Finished.
+            assert_eq!(istats.verified_pages, total);
+        } else {
+            assert_eq!(istats.postcopy_pauses, 1);
+        }
+        return (stats, src, dst);
+    }
     assert_eq!(istats.postcopy.as_ref(), Some(&p.faults));
     assert_eq!(stats.verified_pages, total);
     if let Some(r) = relay {
@@ -366,7 +431,7 @@ fn a_postcopy_link_cut_midway_reconnects_and_loses_nothing() {
         ..Default::default()
     };
     // ~2.5 MB of pending pages: the cut comes in the middle of them.
-    let (stats, _, _) = run_through(&opts, Some(1 << 20));
+    let (stats, _, _) = run_through(&opts, Some(Cut::After(1 << 20)));
     let p = stats.postcopy.unwrap();
     eprintln!("cut and reconnected: {p:?}");
     // Whichever epoch brought it, each pending page landed once.
@@ -470,4 +535,48 @@ fn a_held_push_leaves_the_pages_to_demand_and_ends_once_nothing_is_left() {
         p.secs < 4.0,
         "the held pushers did not wait out the hold: {p:?}"
     );
+}
+
+#[test]
+fn a_link_cut_with_finished_on_the_wire_releases_the_source() {
+    if !uffd_usable() {
+        return;
+    }
+    let opts = MigrateOptions {
+        mode: Mode::Postcopy,
+        verify: true,
+        reconnect_timeout_ms: 1_500,
+        timeout_ms: 1_000,
+        ..Default::default()
+    };
+    // The destination ended with Finished; the source never read it. It
+    // tries to reconnect, finds no destination waiting, and, since every
+    // page had been acknowledged, reports the migration done instead of
+    // keeping its VM paused for good.
+    let t = std::time::Instant::now();
+    let (stats, src, _) = run_through(&opts, Some(Cut::AtFinished));
+    let p = stats.postcopy.unwrap();
+    eprintln!("Finished lost: {p:?} after {:?}", t.elapsed());
+    assert_eq!(src.resumes.load(Ordering::SeqCst), 0);
+    assert!(t.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_link_lost_for_good_after_every_page_landed_ends_both_sides_well() {
+    if !uffd_usable() {
+        return;
+    }
+    let opts = MigrateOptions {
+        mode: Mode::Postcopy,
+        verify: true,
+        reconnect_timeout_ms: 1_500,
+        timeout_ms: 1_000,
+        ..Default::default()
+    };
+    // The link goes down for good with the source's last Complete on it:
+    // the destination, with every page, keeps its VM once its source
+    // does not come back (it used to stop it), and the source is released.
+    let (stats, src, _) = run_through(&opts, Some(Cut::AtLastComplete));
+    eprintln!("Complete lost: {:?}", stats.postcopy);
+    assert_eq!(src.resumes.load(Ordering::SeqCst), 0);
 }

@@ -181,6 +181,23 @@ impl<'a> Incoming<'a> {
         Ok(())
     }
 
+    /// The fault report, once every page is here (the guest's counters
+    /// read true then).
+    fn report(&self, live: &Live) -> crate::stats::FaultReport {
+        let vcpus: Vec<u32> = self.vm.vcpu_tids();
+        let own = |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
+        let absorbed = self
+            .guest_apf_base
+            .zip(self.vm.guest_apf_count())
+            .map(|(base, now)| now.saturating_sub(base));
+        let mut report = live.shared.tracker.report(&vcpus, &own, absorbed);
+        let s = live.shared.sink.stats();
+        report.supplied_pages = s.copied + s.zero_filled;
+        report.kept_pages = s.kept;
+        report.demand_pages = live.shared.demand_pages.load(Ordering::Relaxed);
+        report
+    }
+
     fn lost(&self, e: MigrationError) -> MigrationError {
         let Some(live) = &self.live else { return e };
         let missing = live.shared.tracker.missing();
@@ -408,7 +425,29 @@ impl Incoming<'_> {
                         // Failures of the cut connections are this pause.
                         let _ = live.shared.take_failure();
                     }
-                    *ctl = self.await_resume(&e)?;
+                    *ctl = match self.await_resume(&e) {
+                        Ok(c) => c,
+                        Err(gone) => match self.live.as_ref() {
+                            // Every page is here: the VM needs nothing
+                            // more from its source. Only the source's
+                            // last word (and any verification) is lost.
+                            Some(live) if live.shared.tracker.missing() == 0 => {
+                                tracing::warn!(
+                                    error = %gone,
+                                    "postcopy: the source did not come back, but every page had arrived; the VM runs on (not verified)"
+                                );
+                                self.tel.event(
+                                    "finished",
+                                    format!("every page arrived; the source's last word is lost: {gone}"),
+                                );
+                                stats.postcopy = Some(self.report(live));
+                                self.pauses += 1;
+                                self.paused += t.elapsed();
+                                return Ok(());
+                            }
+                            _ => return Err(gone),
+                        },
+                    };
                     ctl.count_into(self.tel.link(&protocol::Role::Control.link_name()));
                     self.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
                     self.pauses += 1;
@@ -548,19 +587,7 @@ impl Incoming<'_> {
                         }
                         .into());
                     }
-                    let vcpus: Vec<u32> = self.vm.vcpu_tids();
-                    let own =
-                        |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
-                    // Every page is here: the guest's counters read true.
-                    let absorbed = self
-                        .guest_apf_base
-                        .zip(self.vm.guest_apf_count())
-                        .map(|(base, now)| now.saturating_sub(base));
-                    let mut report = live.shared.tracker.report(&vcpus, &own, absorbed);
-                    let s = live.shared.sink.stats();
-                    report.supplied_pages = s.copied + s.zero_filled;
-                    report.kept_pages = s.kept;
-                    report.demand_pages = live.shared.demand_pages.load(Ordering::Relaxed);
+                    let report = self.report(live);
                     ctl.send(Kind::Finished, &report)?;
                     tracing::info!(
                         faults = report.faults,

@@ -158,6 +158,7 @@ pub(crate) fn switch(
             round,
             t_post: Instant::now(),
             paused_since: None,
+            landed: false,
         },
         Ok((pending, demand)),
         progress,
@@ -191,6 +192,9 @@ pub(crate) struct Epoch {
     t_post: Instant,
     /// Set while the link is broken.
     paused_since: Option<Instant>,
+    /// The destination acknowledged that every pending page landed: what
+    /// this side holds is no longer needed there.
+    landed: bool,
 }
 
 /// Continues a paused postcopy: reconnects (within the reconnect timeout)
@@ -255,6 +259,25 @@ fn follow(
                         tracing::info!(missing = total_pages(&connected.0), "postcopy resumed");
                         connected
                     }
+                    Err(e) if epoch.landed => {
+                        // The link broke after the destination had every
+                        // page (e.g. with its Finished on the wire) and
+                        // it did not take the source back: it has ended.
+                        // Nothing here is needed any more: release.
+                        s.drop_links();
+                        tracing::warn!(
+                            %reason,
+                            error = %e,
+                            "postcopy: every page had landed at the destination (acknowledged) when the link broke; its final report is lost"
+                        );
+                        stats.verified_pages = 0;
+                        let note = format!(
+                            "every page landed at the destination (acknowledged); the link broke before its final report ({reason}), so its fault report{} missing",
+                            if opts.verify { " and the verification result are" } else { " is" }
+                        );
+                        finished(s, stats, &epoch, &note, progress);
+                        return Ok(());
+                    }
                     Err(e) => {
                         s.drop_links();
                         return Err(MigrationError::PostcopyPaused(Box::new(PausedPostcopy {
@@ -282,6 +305,7 @@ fn follow(
             push_from,
         );
         let result = serve(s, &out, demand, epoch, stats.bytes, progress);
+        epoch.landed |= out.landed.load(Ordering::Acquire);
         let post = stats.postcopy.get_or_insert_with(Default::default);
         post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);
         post.pushed_zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
@@ -297,17 +321,13 @@ fn follow(
             Ok((faults, verified)) => {
                 post.faults = faults;
                 stats.verified_pages = verified;
-                post.secs = secs(epoch.t_post.elapsed());
-                stats.source_cpu_s += s.cpu_secs();
-                stats.total_secs = secs(s.t_start.elapsed());
-                s.tel
-                    .event("finished", "every page arrived at the destination");
-                progress(&Progress {
-                    round: epoch.round,
-                    bytes: stats.bytes,
-                    phase: Phase::Done,
-                    ..Default::default()
-                });
+                finished(
+                    s,
+                    stats,
+                    &epoch,
+                    "every page arrived at the destination",
+                    progress,
+                );
                 return Ok(());
             }
             Err(e) if e.is_link_break() && s.version >= protocol::VERSION_RESUME => {
@@ -322,6 +342,27 @@ fn follow(
             }
         }
     }
+}
+
+/// The phase's end on this side: its times, the event, the last progress.
+fn finished(
+    s: &mut SourceSession,
+    stats: &mut MigrationStats,
+    epoch: &Epoch,
+    note: &str,
+    progress: &dyn Fn(&Progress),
+) {
+    let post = stats.postcopy.get_or_insert_with(Default::default);
+    post.secs = secs(epoch.t_post.elapsed());
+    stats.source_cpu_s += s.cpu_secs();
+    stats.total_secs = secs(s.t_start.elapsed());
+    s.tel.event("finished", note);
+    progress(&Progress {
+        round: epoch.round,
+        bytes: stats.bytes,
+        phase: Phase::Done,
+        ..Default::default()
+    });
 }
 
 /// One epoch of the phase (between the switch or a resume and the end or
@@ -386,6 +427,7 @@ fn serve(
             }
             // Acknowledged once every pending page landed there.
             s.barrier(epoch.round, frames)?;
+            out.landed.store(true, Ordering::Release);
             let mut verified = 0;
             if let Some(h) = hasher {
                 let hashes = h.join().map_err(|_| panicked("hashing"))?;
