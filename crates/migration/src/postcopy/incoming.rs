@@ -427,26 +427,12 @@ impl Incoming<'_> {
                     }
                     *ctl = match self.await_resume(&e) {
                         Ok(c) => c,
-                        Err(gone) => match self.live.as_ref() {
-                            // Every page is here: the VM needs nothing
-                            // more from its source. Only the source's
-                            // last word (and any verification) is lost.
-                            Some(live) if live.shared.tracker.missing() == 0 => {
-                                tracing::warn!(
-                                    error = %gone,
-                                    "postcopy: the source did not come back, but every page had arrived; the VM runs on (not verified)"
-                                );
-                                self.tel.event(
-                                    "finished",
-                                    format!("every page arrived; the source's last word is lost: {gone}"),
-                                );
-                                stats.postcopy = Some(self.report(live));
-                                self.pauses += 1;
-                                self.paused += t.elapsed();
-                                return Ok(());
-                            }
-                            _ => return Err(gone),
-                        },
+                        Err(gone) => {
+                            self.end_without_source(gone, stats)?;
+                            self.pauses += 1;
+                            self.paused += t.elapsed();
+                            return Ok(());
+                        }
                     };
                     ctl.count_into(self.tel.link(&protocol::Role::Control.link_name()));
                     self.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
@@ -457,6 +443,39 @@ impl Incoming<'_> {
                 r => return r,
             }
         }
+    }
+
+    /// The source did not come back (`gone`). With every page here the VM
+    /// needs nothing more from it: the phase ends well, with this side's
+    /// report, and only the source's last word is lost. Else `gone`.
+    fn end_without_source(
+        &mut self,
+        gone: MigrationError,
+        stats: &mut IncomingStats,
+    ) -> Result<(), MigrationError> {
+        let Some(live) = self
+            .live
+            .as_ref()
+            .filter(|l| l.shared.tracker.missing() == 0)
+        else {
+            return Err(gone);
+        };
+        let verified = if stats.verified_pages > 0 {
+            "verified"
+        } else {
+            "not verified"
+        };
+        tracing::warn!(
+            error = %gone,
+            verified,
+            "postcopy: the source did not come back, but every page had arrived; the VM runs on"
+        );
+        self.tel.event(
+            "finished",
+            format!("every page arrived ({verified}); the source's last word is lost: {gone}"),
+        );
+        stats.postcopy = Some(self.report(live));
+        Ok(())
     }
 
     /// Waits for this session's source to connect again (Role::Resume),

@@ -304,8 +304,7 @@ fn follow(
             opts.bandwidth,
             push_from,
         );
-        let result = serve(s, &out, demand, epoch, stats.bytes, progress);
-        epoch.landed |= out.landed.load(Ordering::Acquire);
+        let result = serve(s, &out, demand, &mut epoch, stats.bytes, progress);
         let post = stats.postcopy.get_or_insert_with(Default::default);
         post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);
         post.pushed_zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
@@ -367,12 +366,13 @@ fn finished(
 
 /// One epoch of the phase (between the switch or a resume and the end or
 /// a broken link): the demand thread, a pusher per bulk stream, and on
-/// this thread the barrier, the hashes and Finished.
+/// this thread the barrier (acknowledged: `epoch.landed`), the hashes and
+/// Finished.
 fn serve(
     s: &mut SourceSession,
     out: &source::Outgoing,
     mut demand: Conn,
-    epoch: Epoch,
+    epoch: &mut Epoch,
     base_bytes: u64,
     progress: &dyn Fn(&Progress),
 ) -> Result<(crate::stats::FaultReport, u64), MigrationError> {
@@ -427,7 +427,7 @@ fn serve(
             }
             // Acknowledged once every pending page landed there.
             s.barrier(epoch.round, frames)?;
-            out.landed.store(true, Ordering::Release);
+            epoch.landed = true;
             let mut verified = 0;
             if let Some(h) = hasher {
                 let hashes = h.join().map_err(|_| panicked("hashing"))?;

@@ -58,8 +58,6 @@ pub(crate) struct Outgoing {
     push_from: Instant,
     /// Set when the link broke: a pusher still held stops at once.
     pub(crate) halt: AtomicBool,
-    /// The destination acknowledged that every pending page landed.
-    pub(crate) landed: AtomicBool,
     pub(crate) cpu: CpuMeter,
     /// `--bandwidth` for the push (demand answers are never held back, but
     /// count against it).
@@ -92,7 +90,6 @@ impl Outgoing {
             done: AtomicBool::new(false),
             push_from,
             halt: AtomicBool::new(false),
-            landed: AtomicBool::new(false),
             cpu: CpuMeter::default(),
             pacer: Pacer::new(bandwidth),
         }
