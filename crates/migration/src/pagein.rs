@@ -8,12 +8,12 @@
 //! could ever start. Other sinks (userfaultfd) get the frame only after its
 //! checksum held, so a running guest never sees a corrupt page.
 
-use std::io::{BufReader, Read};
-use std::os::fd::AsRawFd;
+use std::io::Read;
 
 use crate::protocol::{eof_is_truncated, Header, Kind, ProtocolError, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
+use crate::transport::ConnReader;
 use crate::MigrationError;
 
 fn malformed(reason: String) -> ProtocolError {
@@ -26,8 +26,8 @@ fn malformed(reason: String) -> ProtocolError {
 /// Reads the body of the Pages frame `h` and lands its pages in `sink`.
 /// Returns the number of pages. `scratch` and `data` are buffers kept
 /// between calls.
-pub fn read_pages<R: Read + AsRawFd>(
-    r: &mut BufReader<R>,
+pub fn read_pages(
+    r: &mut ConnReader,
     h: &Header,
     regions: &[crate::memory::RegionView],
     sink: &dyn PageSink,

@@ -3,7 +3,6 @@
 //! decode thread (caches mirrored from the source's encoders). Every frame
 //! is checked (magic, length, checksum, addresses) before it lands.
 
-use std::io::BufReader;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::{Condvar, Mutex};
@@ -16,7 +15,7 @@ use crate::protocol::{self, Kind, ProtocolError, PAGE};
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
 use crate::stats::{thread_cpu_secs, CpuMeter};
-use crate::transport::Stream;
+use crate::transport::{Closer, ConnReader};
 use crate::MigrationError;
 
 /// What the bulk threads share with the control thread.
@@ -32,7 +31,7 @@ pub(crate) struct Received {
     /// CPU seconds of the bulk threads.
     pub(crate) cpu: CpuMeter,
     /// The streams' sockets, to cut them when the link broke.
-    socks: Mutex<Vec<Stream>>,
+    socks: Mutex<Vec<Closer>>,
 }
 
 impl Received {
@@ -51,7 +50,7 @@ impl Received {
     }
 
     /// Keeps a handle on a stream's socket for [`Received::cut`].
-    pub(crate) fn hold(&self, s: Stream) {
+    pub(crate) fn hold(&self, s: Closer) {
         self.socks.lock().unwrap_or_else(|e| e.into_inner()).push(s);
     }
 
@@ -60,7 +59,7 @@ impl Received {
     pub(crate) fn cut(&self) {
         self.stop();
         for s in self.socks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            s.shutdown();
         }
     }
 
@@ -241,7 +240,7 @@ fn decode_loop(
 pub(crate) fn bulk_loop(
     regions: &[RegionView],
     sink: &dyn PageSink,
-    mut r: BufReader<Stream>,
+    mut r: ConnReader,
     idx: usize,
     rx: &Received,
 ) -> Result<(), MigrationError> {

@@ -20,7 +20,6 @@
 //! mirror decodes in the same order.
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::Mutex;
@@ -35,7 +34,7 @@ use crate::pacer::Pacer;
 use crate::protocol::{self, Kind, MAX_BATCH, PAGE};
 use crate::ranges::{push_page, total_pages, GpaPages};
 use crate::stats::{secs, thread_cpu_secs, CpuMeter, RoundStats};
-use crate::transport::Conn;
+use crate::transport::{Conn, ConnWriter};
 use crate::{MigrationError, ProtocolError};
 
 /// Buffers between two stages.
@@ -173,7 +172,7 @@ impl PageSender {
         cpu: &CpuMeter,
     ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
         let t0 = Instant::now();
-        let (hole_frames, hole_bytes) = protocol::write_holes(&mut conns[0].writer, holes)?;
+        let (hole_frames, hole_bytes) = protocol::write_holes(conns[0].writer(), holes)?;
         let ctx = RoundCtx {
             regions,
             round,
@@ -208,8 +207,7 @@ impl PageSender {
                 .enumerate()
                 .map(|(i, (conn, st))| {
                     let (ctx, work) = (&ctx, &work);
-                    let sock = conn.stream().is_tcp().then(|| conn.stream().as_raw_fd());
-                    s.spawn(move || run_stream(ctx, &mut conn.writer, sock, st, work, i, n))
+                    s.spawn(move || run_stream(ctx, conn.writer(), st, work, i, n))
                 })
                 .collect();
             handles
@@ -349,14 +347,9 @@ fn encode(
     Ok(())
 }
 
-/// Writes a batch's frames; returns how many. `sock` is the connection's
-/// TCP socket, for the kernel's delivery rate while the policy probes.
-fn send<W: Write>(
-    ctx: &RoundCtx,
-    w: &mut W,
-    sock: Option<RawFd>,
-    b: &Batch,
-) -> Result<u64, MigrationError> {
+/// Writes a batch's frames; returns how many. The writer also tells the
+/// kernel's delivery rate while the policy probes (TCP only).
+fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &Batch) -> Result<u64, MigrationError> {
     let mut frames = 0;
     let mut bytes = 0u64;
     if !b.zeros.is_empty() {
@@ -378,8 +371,7 @@ fn send<W: Write>(
                 bytes += n;
                 // Only `auto` probes the link (a getsockopt per batch).
                 if !ctx.crc_at_fetch {
-                    ctx.policy
-                        .observe_raw_sent(n, sock.and_then(crate::stats::delivery_rate));
+                    ctx.policy.observe_raw_sent(n, w.delivery_rate());
                 }
             }
             m => {
@@ -403,10 +395,9 @@ fn send<W: Write>(
 }
 
 /// Sends one stream's share of a round; returns the frames it wrote.
-fn run_stream<W: Write + Send>(
+fn run_stream(
     ctx: &RoundCtx,
-    w: &mut W,
-    sock: Option<RawFd>,
+    w: &mut ConnWriter,
     s: &mut StreamState,
     work: &Work,
     stream: usize,
@@ -418,7 +409,7 @@ fn run_stream<W: Write + Send>(
         s.pool.push(Batch::default());
     }
     let result = if ctx.pipeline {
-        run_pipelined(ctx, w, sock, s, work, stream, streams)
+        run_pipelined(ctx, w, s, work, stream, streams)
     } else {
         let mut frames = 0;
         let mut b = s.pool.pop().unwrap_or_default();
@@ -428,7 +419,7 @@ fn run_stream<W: Write + Send>(
             fetch(ctx, &item, &mut b);
             b.shard = shard as u8;
             out = encode(ctx, s.shards.get_mut(shard), &mut b)
-                .and_then(|_| send(ctx, w, sock, &b).map(|f| frames += f));
+                .and_then(|_| send(ctx, w, &b).map(|f| frames += f));
             if out.is_err() {
                 break;
             }
@@ -443,10 +434,9 @@ fn run_stream<W: Write + Send>(
     Ok(frames)
 }
 
-fn run_pipelined<W: Write + Send>(
+fn run_pipelined(
     ctx: &RoundCtx,
-    writer: &mut W,
-    sock: Option<RawFd>,
+    writer: &mut ConnWriter,
     s: &mut StreamState,
     work: &Work,
     stream: usize,
@@ -497,7 +487,7 @@ fn run_pipelined<W: Write + Send>(
             let mut frames = 0;
             for r in out_rx.iter() {
                 let b = r?;
-                frames += send(ctx, writer, sock, &b)?;
+                frames += send(ctx, writer, &b)?;
                 let _ = free_tx.send(b);
             }
             Ok(frames)

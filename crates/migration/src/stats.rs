@@ -451,27 +451,6 @@ pub(crate) fn thread_cpu_secs() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
-/// The kernel's latest delivery-rate sample of a TCP connection (bytes/s):
-/// what the path really carries, measured from its ACKs.
-pub(crate) fn delivery_rate(fd: std::os::fd::RawFd) -> Option<f64> {
-    // SAFETY: tcp_info is plain integers; all zeros is a valid value.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `info`, which we own.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&mut info as *mut libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_delivery_rate) + 8;
-    (r == 0 && len as usize >= needed && info.tcpi_delivery_rate > 0)
-        .then_some(info.tcpi_delivery_rate as f64)
-}
-
 /// Sums CPU seconds from several threads.
 #[derive(Default)]
 pub(crate) struct CpuMeter(std::sync::atomic::AtomicU64);

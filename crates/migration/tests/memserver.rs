@@ -115,7 +115,7 @@ fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
     };
     let mut c = Conn::open(&at, T, &hello).unwrap();
     c.flush().unwrap();
-    let e = protocol::read_frame(&mut c.reader).unwrap_err().to_string();
+    let e = protocol::read_frame(c.reader()).unwrap_err().to_string();
     assert!(e.contains("memory server"), "{e}");
     // A client too old for memory servers.
     let old = Hello {
@@ -127,7 +127,7 @@ fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
     };
     let mut c = Conn::open(&at, T, &old).unwrap();
     c.flush().unwrap();
-    assert!(protocol::read_frame(&mut c.reader).is_err());
+    assert!(protocol::read_frame(c.reader()).is_err());
     // Not a ferry peer at all.
     let mut s = std::net::TcpStream::connect(at.to_string().trim_start_matches("tcp:")).unwrap();
     s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
@@ -152,9 +152,9 @@ fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
     .unwrap();
     let last = raw.len() - 1;
     raw[last] ^= 1;
-    c.writer.write_all(&raw).unwrap();
+    c.writer().write_all(&raw).unwrap();
     c.flush().unwrap();
-    let e = protocol::read_frame(&mut c.reader).unwrap_err().to_string();
+    let e = protocol::read_frame(c.reader()).unwrap_err().to_string();
     assert!(e.contains("checksum"), "{e}");
     // The server still serves, and the corrupt page did not land.
     let (mut good, ack) = StoreClient::open(&at, T, &open("vm", 0)).unwrap();

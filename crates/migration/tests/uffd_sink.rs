@@ -2,7 +2,7 @@
 //! while other threads land them, and every page arrives whole, exactly
 //! once. Skips loudly where userfaultfd is not available.
 
-use std::io::{BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use ferry_memory::{Features, MemfdRegion, RegisterMode, UffdError, Userfaultfd};
 use ferry_migration::sink::{LandPolicy, PageSink, UffdSink};
+use ferry_migration::transport::{Conn, Stream};
 use ferry_migration::{GpaPages, OffsetBytes, RegionView};
 
 const PAGE: u64 = 4096;
@@ -245,7 +246,8 @@ fn a_corrupt_frame_never_lands_in_registered_memory() {
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(bytes).unwrap();
         drop(a);
-        let mut r = BufReader::new(b);
+        let conn = Conn::new(Stream::unix(b), None).unwrap();
+        let (mut r, _) = conn.into_parts();
         let h = ferry_migration::protocol::read_header(&mut r).unwrap();
         let (mut s1, mut s2) = (Vec::new(), Vec::new());
         ferry_migration::pagein::read_pages(&mut r, &h, &[view], &sink, &mut s1, &mut s2)

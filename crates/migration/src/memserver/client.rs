@@ -56,7 +56,7 @@ impl StoreClient {
         for (i, batch) in gpas.chunks(MAX_BATCH).enumerate() {
             let at = i * MAX_BATCH * PAGE;
             let body = protocol::encode_pages(batch, &data[at..at + batch.len() * PAGE]);
-            protocol::write_frame(&mut self.conn.writer, Kind::Pages, &body)
+            protocol::write_frame(self.conn.writer(), Kind::Pages, &body)
                 .map_err(protocol::ProtocolError::Io)?;
         }
         Ok(())
@@ -75,7 +75,7 @@ impl StoreClient {
         self.conn.send(Kind::PageRequest, &gpas)?;
         let mut got = 0;
         while got < gpas.len() {
-            let f = protocol::read_frame(&mut self.conn.reader)?;
+            let f = protocol::read_frame(self.conn.reader())?;
             if f.kind != Kind::Pages {
                 return Err(protocol::ProtocolError::Unexpected {
                     got: f.kind,
@@ -113,7 +113,7 @@ impl StoreClient {
         for (i, run) in runs.iter().enumerate() {
             let frames = (run.pages as usize).div_ceil(MAX_BATCH);
             for f in 0..frames {
-                let frame = protocol::read_frame(&mut self.conn.reader)?;
+                let frame = protocol::read_frame(self.conn.reader())?;
                 if frame.kind != Kind::Pages {
                     return Err(protocol::ProtocolError::Unexpected {
                         got: frame.kind,
@@ -141,7 +141,7 @@ impl StoreClient {
 
     /// Tells the server to forget pages (not flushed).
     pub fn drop_runs(&mut self, runs: &[GpaPages]) -> Result<(), MigrationError> {
-        protocol::send(&mut self.conn.writer, Kind::StoreDrop, &runs)?;
+        protocol::send(self.conn.writer(), Kind::StoreDrop, &runs)?;
         Ok(())
     }
 

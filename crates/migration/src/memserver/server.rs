@@ -165,10 +165,10 @@ impl MemServer {
         c.send(Kind::StoreAck, &self.ack(&store))?;
         let (mut scratch, mut data, mut body) = (Vec::new(), Vec::new(), Vec::new());
         loop {
-            let h = protocol::read_header(&mut c.reader)?;
+            let h = protocol::read_header(c.reader())?;
             if h.kind == Kind::Pages {
                 let n = crate::pagein::read_pages(
-                    &mut c.reader,
+                    c.reader(),
                     &h,
                     store.regions(),
                     store.as_ref(),
@@ -178,7 +178,7 @@ impl MemServer {
                 self.stats.pages_in.fetch_add(n, Ordering::Relaxed);
                 continue;
             }
-            protocol::read_body_into(&mut c.reader, &h, &mut body)?;
+            protocol::read_body_into(c.reader(), &h, &mut body)?;
             let f = protocol::Frame {
                 kind: h.kind,
                 body: std::mem::take(&mut body),
@@ -206,7 +206,7 @@ impl MemServer {
                     let runs = store.held_runs();
                     for (share, last) in protocol::run_frames(&runs) {
                         protocol::send(
-                            &mut c.writer,
+                            c.writer(),
                             Kind::StoreHeld,
                             &StoreHeld {
                                 runs: share.to_vec(),
@@ -265,8 +265,7 @@ impl MemServer {
                     }
                 }
                 let body = protocol::encode_pages(&gpas, &data);
-                protocol::write_frame(&mut c.writer, Kind::Pages, &body)
-                    .map_err(ProtocolError::Io)?;
+                protocol::write_frame(c.writer(), Kind::Pages, &body).map_err(ProtocolError::Io)?;
                 self.stats
                     .pages_out
                     .fetch_add(gpas.len() as u64, Ordering::Relaxed);
@@ -300,7 +299,7 @@ impl MemServer {
                 data.extend_from_slice(&page);
             }
             let body = protocol::encode_pages(batch, &data);
-            protocol::write_frame(&mut c.writer, Kind::Pages, &body).map_err(ProtocolError::Io)?;
+            protocol::write_frame(c.writer(), Kind::Pages, &body).map_err(ProtocolError::Io)?;
             self.stats
                 .pages_out
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);

@@ -30,7 +30,7 @@ use crate::receiver::Received;
 use crate::session::DestinationPhases;
 use crate::sink::{LandPolicy, SwitchSink, UffdSink};
 use crate::stats::IncomingStats;
-use crate::transport::{Conn, Listener, Stream};
+use crate::transport::{Closer, Conn, ConnReader, ConnWriter, Listener};
 use crate::vm::IncomingVm;
 use crate::MigrationError;
 
@@ -69,7 +69,7 @@ struct Live {
 /// streams belong to the session).
 #[derive(Default)]
 struct Link {
-    socks: Vec<Stream>,
+    socks: Vec<Closer>,
     threads: Vec<JoinHandle<()>>,
     /// The resumed bulk streams' frame counts and failures.
     rx: Option<Arc<Received>>,
@@ -82,7 +82,7 @@ impl Link {
             rx.stop();
         }
         for s in &self.socks {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            s.shutdown();
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -102,7 +102,7 @@ struct Shared {
     /// Pages received on the demand connection.
     demand_pages: AtomicU64,
     /// Where page requests go: the demand connection, none while paused.
-    requests: Mutex<Option<std::io::BufWriter<Stream>>>,
+    requests: Mutex<Option<ConnWriter>>,
 }
 
 impl<'a> Incoming<'a> {
@@ -370,8 +370,7 @@ impl Incoming<'_> {
         let rx = live.link.rx.as_deref().unwrap_or(rx);
         let (mut missing, mut since) = (live.shared.tracker.missing(), Instant::now());
         loop {
-            if !ctl.reader.buffer().is_empty() || readable(ctl.stream(), Duration::from_millis(100))
-            {
+            if ctl.wait_readable(Duration::from_millis(100)) {
                 return Ok(());
             }
             if let Some(e) = self.failure().or_else(|| rx.take_failure()) {
@@ -415,7 +414,7 @@ impl Incoming<'_> {
                     );
                     self.tel.event("link_broken", e.to_string());
                     self.tel.set_phase(crate::telemetry::LivePhase::Paused);
-                    let _ = ctl.stream().shutdown(std::net::Shutdown::Both);
+                    ctl.shutdown();
                     rx.cut();
                     if let Some(live) = self.live.as_mut() {
                         // Sockets first: a fault thread blocked writing a
@@ -542,7 +541,7 @@ impl Incoming<'_> {
                 missing: share.to_vec(),
                 last,
             };
-            protocol::send(&mut c.writer, Kind::PostcopyResume, &part)?;
+            protocol::send(c.writer(), Kind::PostcopyResume, &part)?;
         }
         c.flush()?;
         // The source opens its demand connection, then the bulk streams.
@@ -576,7 +575,7 @@ impl Incoming<'_> {
         let t0 = Instant::now();
         loop {
             self.wait_for_source(ctl, rx)?;
-            let f = match protocol::read_frame(&mut ctl.reader) {
+            let f = match protocol::read_frame(ctl.reader()) {
                 Ok(f) => f,
                 Err(e) => return Err(self.failure().unwrap_or(e.into())),
             };
@@ -640,19 +639,6 @@ impl Drop for Incoming<'_> {
     }
 }
 
-/// True if `s` has bytes (or an end) to read within `wait`.
-fn readable(s: &Stream, wait: Duration) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut p = libc::pollfd {
-        fd: s.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
-    let r = unsafe { libc::poll(&mut p, 1, wait.as_millis() as i32) };
-    r > 0
-}
-
 /// Per region, the ranges outside `pending` (present for the sink).
 fn present_ranges(regions: &[RegionView], pending: &[GpaPages]) -> Vec<Vec<OffsetBytes>> {
     let mut sorted = pending.to_vec();
@@ -700,7 +686,7 @@ impl Shared {
 
     /// Sends page requests on the current demand connection from now on
     /// (none: paused, requests wait in the tracker).
-    fn requests_to(&self, w: Option<std::io::BufWriter<Stream>>) {
+    fn requests_to(&self, w: Option<ConnWriter>) {
         *self.requests.lock().unwrap_or_else(|e| e.into_inner()) = w;
     }
 
@@ -725,10 +711,9 @@ impl Shared {
     /// and (after a resume) the `bulk` streams land on threads of their own.
     fn connect(self: &Arc<Self>, demand: Conn, bulk: Vec<Conn>) -> Result<Link, MigrationError> {
         let mut link = Link::default();
-        let sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
-        let _ = sock.set_read_timeout(None);
-        link.socks.push(sock);
-        let Conn { reader, writer } = demand;
+        let _ = demand.set_read_timeout(None);
+        link.socks.push(demand.closer().map_err(ProtocolError::Io)?);
+        let (reader, writer) = demand.into_parts();
         let sh = self.clone();
         link.threads.push(spawn("postcopy-demand", move || {
             if let Err(e) = sh.land_demand(reader) {
@@ -738,13 +723,12 @@ impl Shared {
         if !bulk.is_empty() {
             let rx = Arc::new(Received::new(bulk.len()));
             for (i, c) in bulk.into_iter().enumerate() {
-                link.socks
-                    .push(c.stream().try_clone().map_err(ProtocolError::Io)?);
+                link.socks.push(c.closer().map_err(ProtocolError::Io)?);
+                let (reader, _) = c.into_parts();
                 let (sh, rx2) = (self.clone(), rx.clone());
                 link.threads.push(spawn("postcopy-bulk", move || {
                     let sink: &dyn crate::sink::PageSink = sh.sink.as_ref();
-                    if let Err(e) = crate::receiver::bulk_loop(&sh.regions, sink, c.reader, i, &rx2)
-                    {
+                    if let Err(e) = crate::receiver::bulk_loop(&sh.regions, sink, reader, i, &rx2) {
                         rx2.fail(i, e);
                     }
                 })?);
@@ -756,7 +740,7 @@ impl Shared {
     }
 
     /// Lands the source's answers until the connection closes.
-    fn land_demand(&self, mut r: std::io::BufReader<Stream>) -> Result<(), MigrationError> {
+    fn land_demand(&self, mut r: ConnReader) -> Result<(), MigrationError> {
         crate::priority::fault_path();
         let (mut scratch, mut data) = (Vec::new(), Vec::new());
         loop {

@@ -116,7 +116,7 @@ pub(crate) fn switch(
             verify: opts.verify,
             guest_apf_base,
         };
-        protocol::send(&mut s.ctl()?.writer, Kind::PostcopyPlan, &plan)?;
+        protocol::send(s.ctl()?.writer(), Kind::PostcopyPlan, &plan)?;
     }
     s.ctl()?.flush()?;
     let mut demand = s.open_role(Role::Demand)?;
@@ -380,12 +380,12 @@ fn serve(
     let t0 = Instant::now();
     // The demand connection idles for as long as no vCPU faults; it ends
     // when this side shuts it down after Finished.
-    let _ = demand.stream().set_read_timeout(None);
-    let demand_sock = demand.stream().try_clone().map_err(ProtocolError::Io)?;
+    let _ = demand.set_read_timeout(None);
+    let demand_sock = demand.closer().map_err(ProtocolError::Io)?;
     let bulk_socks = s
         .bulk
         .iter()
-        .map(|c| c.stream().try_clone())
+        .map(Conn::closer)
         .collect::<Result<Vec<_>, _>>()
         .map_err(ProtocolError::Io)?;
     let vm = s.vm;
@@ -418,7 +418,7 @@ fn serve(
                 // link broke. Pushers blocked on a silent peer end too.
                 out.halt.store(true, Ordering::Release);
                 for b in &bulk_socks {
-                    let _ = b.shutdown(std::net::Shutdown::Both);
+                    b.shutdown();
                 }
             }
             let mut frames = Vec::new();
@@ -438,7 +438,7 @@ fn serve(
             Ok((s.finish()?, verified))
         })();
         out.done.store(true, Ordering::Release);
-        let _ = demand_sock.shutdown(std::net::Shutdown::Both);
+        demand_sock.shutdown();
         let demand_result = demand_thread.join().map_err(|_| panicked("demand"))?;
         match (result, demand_result) {
             (Err(_), Err(e)) => Err(e),

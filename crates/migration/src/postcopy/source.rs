@@ -215,11 +215,11 @@ impl Outgoing {
             zeros.clear();
             let with_data = self.gather(&batch, &mut addrs, &mut data, Some(&mut zeros));
             if with_data > 0 {
-                self.write_pages(&mut conn.writer, &addrs, &data)?;
+                self.write_pages(conn.writer(), &addrs, &data)?;
                 frames += 1;
             }
             if !zeros.is_empty() {
-                let b = protocol::write_zero_ranges(&mut conn.writer, &zeros)?;
+                let b = protocol::write_zero_ranges(conn.writer(), &zeros)?;
                 self.bytes.fetch_add(b, Ordering::Relaxed);
                 frames += 1;
             }
@@ -228,7 +228,7 @@ impl Outgoing {
             self.pushed_zero_pages
                 .fetch_add(crate::ranges::total_pages(&zeros), Ordering::Relaxed);
             self.pacer
-                .pace(self.bytes.load(Ordering::Relaxed), &mut conn.writer)
+                .pace(self.bytes.load(Ordering::Relaxed), conn.writer())
                 .map_err(ProtocolError::Io)?;
         }
         conn.flush()?;
@@ -243,7 +243,7 @@ impl Outgoing {
         let cpu0 = crate::stats::thread_cpu_secs();
         let (mut window, mut addrs, mut data) = (Vec::new(), Vec::new(), Vec::new());
         let result = loop {
-            let f = match protocol::read_frame(&mut conn.reader) {
+            let f = match protocol::read_frame(conn.reader()) {
                 Ok(f) => f,
                 Err(_) if self.done.load(Ordering::Acquire) => break Ok(()),
                 Err(ProtocolError::Closed) => break Ok(()),
@@ -259,7 +259,7 @@ impl Outgoing {
                 self.window(n, &mut window);
                 for part in window.chunks(MAX_BATCH) {
                     self.gather(part, &mut addrs, &mut data, None);
-                    self.write_pages(&mut conn.writer, &addrs, &data)?;
+                    self.write_pages(conn.writer(), &addrs, &data)?;
                 }
                 self.requests.fetch_add(1, Ordering::Relaxed);
                 self.demand_pages

@@ -180,12 +180,13 @@ impl<'a> DestSession<'a> {
         let mut stats = IncomingStats::default();
         std::thread::scope(|s| -> Result<(), MigrationError> {
             for (i, c) in bulk.into_iter().enumerate() {
-                if let Ok(sock) = c.stream().try_clone() {
-                    rx.hold(sock);
+                if let Ok(closer) = c.closer() {
+                    rx.hold(closer);
                 }
+                let (reader, _) = c.into_parts();
                 let (rx, regions) = (&rx, &regions);
                 s.spawn(move || {
-                    if let Err(e) = crate::receiver::bulk_loop(regions, sink, c.reader, i, rx) {
+                    if let Err(e) = crate::receiver::bulk_loop(regions, sink, reader, i, rx) {
                         rx.fail(i, e);
                     }
                 });
@@ -222,7 +223,7 @@ impl<'a> DestSession<'a> {
         let mut state: Option<Vec<u8>> = None;
         let mut clients: Option<Vec<u8>> = None;
         loop {
-            let f = protocol::read_frame(&mut self.ctl.reader)?;
+            let f = protocol::read_frame(self.ctl.reader())?;
             match f.kind {
                 Kind::RoundDone => {
                     let rd = round_done(&f, rx)?;
@@ -347,13 +348,7 @@ impl<'a> DestSession<'a> {
             }
             if !e.is_peer_abort() {
                 self.ctl.abort(&e.to_string());
-                let s = self.ctl.stream();
-                let _ = s.shutdown(std::net::Shutdown::Write);
-                let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-                let mut sink = [0u8; 65536];
-                while matches!(std::io::Read::read(&mut self.ctl.reader, &mut sink), Ok(n) if n > 0)
-                {
-                }
+                self.ctl.drain(Duration::from_secs(1));
             }
         }
         result

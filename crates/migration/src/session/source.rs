@@ -121,7 +121,7 @@ impl<'a> SourceSession<'a> {
     /// end, and the peer sees them go).
     pub(crate) fn drop_links(&mut self) {
         for c in self.ctl.iter().chain(self.bulk.iter()) {
-            let _ = c.stream().shutdown(std::net::Shutdown::Both);
+            c.shutdown();
         }
         self.ctl = None;
         self.bulk.clear();
@@ -269,7 +269,7 @@ impl<'a> SourceSession<'a> {
         for i in 0..self.opts.streams.max(1) {
             let mut c = self.open_role(Role::Bulk(i))?;
             if let Some(setup) = codec {
-                protocol::send(&mut c.writer, Kind::Codec, setup)?;
+                protocol::send(c.writer(), Kind::Codec, setup)?;
             }
             c.flush()?;
             self.bulk.push(c);
@@ -330,7 +330,7 @@ impl<'a> SourceSession<'a> {
             .vm
             .save_state()
             .map_err(MigrationError::vm("save state"))?;
-        protocol::write_frame(&mut self.ctl()?.writer, Kind::State, &state)
+        protocol::write_frame(self.ctl()?.writer(), Kind::State, &state)
             .map_err(ProtocolError::Io)?;
         Ok(state.len() as u64)
     }
@@ -340,7 +340,7 @@ impl<'a> SourceSession<'a> {
         let vm = self.vm;
         let hashes = super::hashes(&self.regions, |i| vm.data_ranges(i));
         let body: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
-        protocol::write_frame(&mut self.ctl()?.writer, Kind::Verify, &body)
+        protocol::write_frame(self.ctl()?.writer(), Kind::Verify, &body)
             .map_err(ProtocolError::Io)?;
         Ok((hashes.len() as u64, (HEADER + body.len()) as u64))
     }
@@ -368,7 +368,7 @@ impl<'a> SourceSession<'a> {
         // The migration is over: the destination's bulk threads end when
         // their streams close, and only then does it sample its tail.
         for c in &self.bulk {
-            let _ = c.stream().shutdown(std::net::Shutdown::Both);
+            c.shutdown();
         }
         self.bulk.clear();
         self.tel.set_phase(LivePhase::Succeeded);
@@ -386,10 +386,9 @@ impl<'a> SourceSession<'a> {
             Duration::from_millis(u64::from(self.opts.timeline_tail_ms)) + Duration::from_secs(5);
         let got = (|| -> Result<Vec<u8>, ProtocolError> {
             let ctl = self.ctl.as_mut().ok_or(ProtocolError::Closed)?;
-            ctl.stream()
-                .set_read_timeout(Some(wait))
+            ctl.set_read_timeout(Some(wait))
                 .map_err(ProtocolError::Io)?;
-            let f = protocol::read_frame(&mut ctl.reader)?;
+            let f = protocol::read_frame(ctl.reader())?;
             if f.kind != Kind::Timeline {
                 return Err(ProtocolError::Unexpected {
                     got: f.kind,
@@ -421,14 +420,14 @@ impl<'a> SourceSession<'a> {
                 .vm
                 .save_clients()
                 .map_err(MigrationError::vm("checkpoint the clients"))?;
-            protocol::write_frame(&mut self.ctl()?.writer, Kind::Clients, &clients)
+            protocol::write_frame(self.ctl()?.writer(), Kind::Clients, &clients)
                 .map_err(ProtocolError::Io)?;
             self.clients_ms = t.elapsed().as_secs_f64() * 1e3;
         }
         let version = self.version;
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
-        let frame = match protocol::read_frame(&mut ctl.reader) {
+        let frame = match protocol::read_frame(ctl.reader()) {
             Ok(f) if f.kind == Kind::Started => f,
             Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
             Ok(f) => {
@@ -497,11 +496,9 @@ impl<'a> SourceSession<'a> {
             )
         );
         if let (true, Some(ctl)) = (broken, self.ctl.as_mut()) {
-            let _ = ctl
-                .stream()
-                .set_read_timeout(Some(Duration::from_millis(500)));
+            let _ = ctl.set_read_timeout(Some(Duration::from_millis(500)));
             loop {
-                match protocol::read_frame(&mut ctl.reader) {
+                match protocol::read_frame(ctl.reader()) {
                     Ok(_) => continue,
                     Err(e @ ProtocolError::Aborted(_)) => {
                         result = Err(e.into());

@@ -14,9 +14,8 @@ mod switch;
 mod uffd;
 pub(crate) mod written;
 
-use std::io::{self, BufReader, Read};
+use std::io;
 use std::marker::PhantomData;
-use std::os::fd::AsRawFd;
 
 pub use direct::DirectSink;
 pub use switch::SwitchSink;
@@ -25,6 +24,7 @@ pub use written::MaybeNonZero;
 
 use crate::error::VmOpError;
 use crate::ranges::GpaPages;
+use crate::transport::ConnReader;
 
 /// Why pages could not land.
 #[derive(Debug, thiserror::Error)]
@@ -101,34 +101,13 @@ impl<'a> InPlace<'a> {
         }
     }
 
-    /// Fills the stretch from `r`: first what it has buffered, then
-    /// straight from the socket with read(2), no copy in between.
-    pub fn fill_from<R: Read + AsRawFd>(&mut self, r: &mut BufReader<R>) -> io::Result<()> {
-        use std::io::BufRead;
-        let buffered = r.buffer();
-        let k = buffered.len().min(self.len);
-        // SAFETY: `ptr` is valid for `len >= k` bytes (the constructor's
-        // promise); BufReader's own buffer cannot overlap guest RAM.
-        unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), self.ptr, k) };
-        r.consume(k);
-        let fd = r.get_ref().as_raw_fd();
-        let mut done = k;
-        while done < self.len {
-            // SAFETY: `ptr + done .. ptr + len` lies inside the stretch;
-            // read(2) writes at most `len - done` bytes there.
-            let n = unsafe { libc::read(fd, self.ptr.add(done).cast(), self.len - done) };
-            match n {
-                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                n if n > 0 => done += n as usize,
-                _ => {
-                    let e = io::Error::last_os_error();
-                    if e.kind() != io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        Ok(())
+    /// Fills the stretch from `r`: what it has buffered, then straight
+    /// from the socket, no copy in between.
+    pub fn fill_from(&mut self, r: &mut ConnReader) -> io::Result<()> {
+        // SAFETY: `ptr .. ptr + len` is writable and ours alone while `self`
+        // lives (the constructor's promise); it is guest RAM, never the
+        // reader's buffer.
+        unsafe { r.read_exact_raw(self.ptr, self.len) }
     }
 
     /// CRC-32C of the stretch appended to `crc` (after [`InPlace::fill_from`]).

@@ -1,0 +1,207 @@
+//! One connected socket, TCP or Unix, and every way ferry touches it: reads
+//! and writes (counted into the link's meter), reads straight into guest
+//! memory, readiness, timeouts, shutdown and the kernel's TCP statistics.
+//! Nothing outside the transport sees the socket's descriptor, so a layer
+//! such as TLS can wrap the stream here and every byte passes through it.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Endpoint;
+use crate::telemetry::LinkMeter;
+
+/// One connected socket, counting its bytes into a [`LinkMeter`] once it
+/// has one (the timeline's bytes per stream).
+#[derive(Debug)]
+pub struct Stream {
+    sock: Sock,
+    meter: Option<Arc<LinkMeter>>,
+}
+
+#[derive(Debug)]
+enum Sock {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn of(sock: Sock) -> Stream {
+        Stream { sock, meter: None }
+    }
+
+    /// A TCP connection just accepted or connected (Nagle off: frames are
+    /// batched by the writer's buffer already).
+    pub fn tcp(s: TcpStream) -> Stream {
+        let _ = s.set_nodelay(true);
+        Stream::of(Sock::Tcp(s))
+    }
+
+    /// A Unix-domain connection.
+    pub fn unix(s: UnixStream) -> Stream {
+        Stream::of(Sock::Unix(s))
+    }
+
+    /// Connects to `to`, waiting at most `timeout`.
+    pub fn connect(to: &Endpoint, timeout: Duration) -> io::Result<Stream> {
+        match to {
+            Endpoint::Tcp(a) => Ok(Stream::tcp(TcpStream::connect_timeout(a, timeout)?)),
+            Endpoint::Unix(p) => Ok(Stream::unix(UnixStream::connect(p)?)),
+        }
+    }
+
+    /// A second handle on the same socket (counting into the same meter).
+    pub(super) fn try_clone(&self) -> io::Result<Stream> {
+        let sock = match &self.sock {
+            Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
+            Sock::Unix(s) => Sock::Unix(s.try_clone()?),
+        };
+        Ok(Stream {
+            sock,
+            meter: self.meter.clone(),
+        })
+    }
+
+    /// Counts what this handle reads and writes from now on into `meter`.
+    pub(super) fn count_into(&mut self, meter: Arc<LinkMeter>) {
+        self.meter = Some(meter);
+    }
+
+    /// Read and write timeouts (None: block).
+    pub(super) fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(t)?;
+        match &self.sock {
+            Sock::Tcp(s) => s.set_write_timeout(t),
+            Sock::Unix(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// The read timeout alone.
+    pub(super) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match &self.sock {
+            Sock::Tcp(s) => s.set_read_timeout(t),
+            Sock::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+
+    /// Shuts down one or both directions.
+    pub(super) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match &self.sock {
+            Sock::Tcp(s) => s.shutdown(how),
+            Sock::Unix(s) => s.shutdown(how),
+        }
+    }
+
+    /// True for TCP (the kernel's delivery rate is known there).
+    pub(super) fn is_tcp(&self) -> bool {
+        matches!(self.sock, Sock::Tcp(_))
+    }
+
+    fn fd(&self) -> RawFd {
+        match &self.sock {
+            Sock::Tcp(s) => s.as_raw_fd(),
+            Sock::Unix(s) => s.as_raw_fd(),
+        }
+    }
+
+    /// True if the socket has bytes (or an end) to read within `wait`.
+    pub(super) fn readable(&self, wait: Duration) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        r > 0
+    }
+
+    /// Reads up to `len` bytes straight to `ptr` with read(2): page data
+    /// lands in guest memory with no copy in between.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + len` must be writable memory that nothing else reads or
+    /// writes during the call.
+    pub(super) unsafe fn read_raw(&mut self, ptr: *mut u8, len: usize) -> io::Result<usize> {
+        loop {
+            // SAFETY: the caller's promise covers `ptr .. ptr + len`; read(2)
+            // writes at most `len` bytes there.
+            let n = unsafe { libc::read(self.fd(), ptr.cast(), len) };
+            if n >= 0 {
+                return self.counted(Ok(n as usize), false);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// The kernel's latest delivery-rate sample of a TCP connection
+    /// (bytes/s): what the path really carries, measured from its ACKs.
+    /// None over Unix sockets or before the first sample.
+    pub(super) fn delivery_rate(&self) -> Option<f64> {
+        if !self.is_tcp() {
+            return None;
+        }
+        // SAFETY: tcp_info is plain integers; all zeros is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `info`, which we own.
+        let r = unsafe {
+            libc::getsockopt(
+                self.fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&mut info as *mut libc::tcp_info).cast(),
+                &mut len,
+            )
+        };
+        let needed = std::mem::offset_of!(libc::tcp_info, tcpi_delivery_rate) + 8;
+        (r == 0 && len as usize >= needed && info.tcpi_delivery_rate > 0)
+            .then_some(info.tcpi_delivery_rate as f64)
+    }
+
+    fn counted(&self, n: io::Result<usize>, sent: bool) -> io::Result<usize> {
+        if let (Ok(n), Some(m)) = (&n, &self.meter) {
+            let c = if sent { &m.sent } else { &m.received };
+            c.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        n
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = match &mut self.sock {
+            Sock::Tcp(s) => s.read(buf),
+            Sock::Unix(s) => s.read(buf),
+        };
+        self.counted(n, false)
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = match &mut self.sock {
+            Sock::Tcp(s) => s.write(buf),
+            Sock::Unix(s) => s.write(buf),
+        };
+        self.counted(n, true)
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let n = match &mut self.sock {
+            Sock::Tcp(s) => s.write_vectored(bufs),
+            Sock::Unix(s) => s.write_vectored(bufs),
+        };
+        self.counted(n, true)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
