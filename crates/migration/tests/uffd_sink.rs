@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_memory::{Features, MemfdRegion, RegisterMode, UffdError, Userfaultfd};
-use ferry_migration::sink::{LandPolicy, PageSink, UffdSink};
+use ferry_migration::sink::{already_mapped, LandPolicy, PageSink, Placed, UffdPlacer, UffdSink};
 use ferry_migration::transport::{Conn, Stream};
 use ferry_migration::{GpaPages, OffsetBytes, RegionView};
 
@@ -260,4 +260,55 @@ fn a_corrupt_frame_never_lands_in_registered_memory() {
     assert_eq!(land(&frame).unwrap(), 3);
     assert_eq!(sink.stats().copied, 3);
     assert!(sink.is_present(BASE + 7 * PAGE) && !sink.is_present(BASE + 2 * PAGE));
+}
+
+#[test]
+fn the_placer_copies_runs_leaves_present_pages_and_zero_fills_only_holes() {
+    let Some(u) = uffd() else { return };
+    let (_mem, view) = region(&u);
+    let placer = UffdPlacer::new(u.clone(), vec![view]);
+    // Pages 1 and 3 are there first: a run over them goes page by page
+    // (after the kernel stops at the first present page) and leaves them.
+    for i in [1, 3] {
+        placer
+            .copy(GpaPages::new(BASE + i * PAGE, 1), &content(i), true)
+            .unwrap();
+    }
+    let gpas: Vec<u64> = (1..6).map(|i| BASE + i * PAGE).collect();
+    let mut data = run_data(1, 5);
+    data[0] ^= 0xff; // different pages 1 and 3: must not land
+    data[2 * PAGE as usize] ^= 0xff;
+    let placed = placer.copy_pages(&gpas, &data, true).unwrap();
+    assert_eq!(placed, Placed { new: 3, present: 2 });
+    // A run whose prefix goes in before a present page (EAGAIN) completes.
+    placer
+        .copy(GpaPages::new(BASE + 12 * PAGE, 1), &content(12), true)
+        .unwrap();
+    let gpas: Vec<u64> = (10..14).map(|i| BASE + i * PAGE).collect();
+    let placed = placer.copy_pages(&gpas, &run_data(10, 4), true).unwrap();
+    assert_eq!(placed.new + placed.present, 4);
+    let mut got = vec![0u8; (4 * PAGE) as usize];
+    assert!(view.read(BASE + 10 * PAGE, &mut got));
+    assert_eq!(got, run_data(10, 4));
+    let again = placer
+        .copy(GpaPages::new(BASE + 2 * PAGE, 1), &content(2), true)
+        .unwrap_err();
+    assert!(already_mapped(&again), "{again}");
+    // Zeros only where the kernel has no page.
+    let z = placer.zero_missing(GpaPages::new(BASE, 8)).unwrap();
+    assert_eq!(z.new + z.present, 8);
+    assert!(z.new >= 2, "{z:?}");
+    let mut got = vec![0u8; (8 * PAGE) as usize];
+    assert!(view.read(BASE, &mut got));
+    let mut want = vec![0u8; PAGE as usize];
+    want.extend(run_data(1, 5));
+    want.extend(vec![0u8; 2 * PAGE as usize]);
+    assert_eq!(got, want, "page 3 kept its first copy, holes read zero");
+    // Outside guest RAM and a short buffer are refused, not placed.
+    assert!(placer
+        .copy_pages(&[BASE + PAGES * PAGE], &content(1), true)
+        .is_err());
+    assert!(placer
+        .copy_pages(&[BASE + 9 * PAGE], &[0u8; 10], true)
+        .is_err());
 }

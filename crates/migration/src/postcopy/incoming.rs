@@ -792,25 +792,20 @@ impl Shared {
                     continue;
                 };
                 let gpa = gpa & !(PAGE - 1);
-                let host = addr & !(PAGE - 1);
                 let Some(n) = self.tracker.index().page_of(gpa) else {
                     continue;
                 };
+                let page = GpaPages::new(gpa, 1);
                 if !self.tracker.planned(n) {
                     // Never had data at the source: zeros, here and now.
-                    match self.uffd.zeropage(host, PAGE) {
-                        Ok(_) | Err(UffdError::AlreadyMapped { .. }) => {}
-                        Err(e) => return Err(uffd_err(e)),
-                    }
+                    self.sink.placer().zero_missing(page)?;
                     self.tracker.zero_fault(tid);
                     continue;
                 }
                 match self.tracker.fault(n, tid, self.sink.is_present(gpa)) {
                     Action::Request => ask.push(gpa),
                     Action::Wait => {}
-                    Action::Wake => {
-                        let _ = self.uffd.wake(host, PAGE);
-                    }
+                    Action::Wake => self.sink.placer().wake(page),
                 }
             }
             self.request(&ask);

@@ -8,8 +8,12 @@
 //!   pages land by UFFDIO_COPY / UFFDIO_ZEROPAGE, which also wakes a vCPU
 //!   waiting on them; a receiver writing through the mapping would fault on
 //!   its own write. For postcopy and remote paging.
+//! - [`UffdPlacer`]: the userfaultfd calls under [`UffdSink`], in guest
+//!   addresses, for pages that land outside a stream: postcopy's zeros for
+//!   never-sent pages, the split pager's page-ins, wakes.
 
 mod direct;
+mod place;
 mod switch;
 mod uffd;
 pub(crate) mod written;
@@ -18,6 +22,7 @@ use std::io;
 use std::marker::PhantomData;
 
 pub use direct::DirectSink;
+pub use place::{already_mapped, Placed, UffdPlacer};
 pub use switch::SwitchSink;
 pub use uffd::{LandObserver, LandPolicy, UffdSink, UffdSinkStats};
 pub use written::MaybeNonZero;

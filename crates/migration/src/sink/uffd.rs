@@ -13,8 +13,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ferry_memory::{UffdError, Userfaultfd};
+use ferry_memory::Userfaultfd;
 
+use super::place::{already_mapped, UffdPlacer};
 use super::{PageSink, SinkError};
 use crate::memory::RegionView;
 use crate::ranges::{GpaPages, OffsetBytes, PAGE};
@@ -51,7 +52,7 @@ pub trait LandObserver: Send + Sync {
 
 /// Lands pages into userfaultfd-registered guest memory.
 pub struct UffdSink {
-    uffd: Arc<Userfaultfd>,
+    placer: UffdPlacer,
     observer: Option<Arc<dyn LandObserver>>,
     regions: Vec<RegionView>,
     present: Vec<Vec<AtomicU64>>,
@@ -99,7 +100,7 @@ impl UffdSink {
             }
         }
         UffdSink {
-            uffd,
+            placer: UffdPlacer::new(uffd, regions.clone()),
             observer: None,
             regions,
             present: bits,
@@ -109,6 +110,12 @@ impl UffdSink {
             overwritten: AtomicU64::new(0),
             kept: AtomicU64::new(0),
         }
+    }
+
+    /// The placement under this sink: for pages that land outside the
+    /// streams (a never-sent page's zeros at its first fault, a wake).
+    pub fn placer(&self) -> &UffdPlacer {
+        &self.placer
     }
 
     /// Tells `observer` of every page supplied from now on.
@@ -212,10 +219,9 @@ impl UffdSink {
         part: GpaPages,
         data: Option<&[u8]>,
     ) -> Result<(), SinkError> {
-        let host = |gpa: u64| region.host_range(gpa, PAGE).map_or(0, |p| p as u64);
         let whole = match data {
-            Some(d) => self.uffd.copy(host(part.gpa), d, true),
-            None => self.uffd.zeropage(host(part.gpa), part.bytes()),
+            Some(d) => self.placer.copy(part, d, true),
+            None => self.placer.zero(part),
         };
         let counter = if data.is_some() {
             &self.copied
@@ -232,9 +238,10 @@ impl UffdSink {
         // Some page of the stretch exists already: go page by page.
         for (k, gpa) in part.page_addrs().enumerate() {
             let one = data.map(|d| &d[k * PAGE as usize..(k + 1) * PAGE as usize]);
+            let page = GpaPages::new(gpa, 1);
             let r = match one {
-                Some(d) => self.uffd.copy(host(gpa), d, true),
-                None => self.uffd.zeropage(host(gpa), PAGE),
+                Some(d) => self.placer.copy(page, d, true),
+                None => self.placer.zero(page),
             };
             match r {
                 Ok(_) => {
@@ -243,13 +250,13 @@ impl UffdSink {
                         o.supplied(GpaPages::new(gpa, 1), one);
                     }
                 }
-                Err(UffdError::AlreadyMapped { .. }) => match self.policy {
+                Err(e) if already_mapped(&e) => match self.policy {
                     LandPolicy::Overwrite => self.overwrite(region, GpaPages::new(gpa, 1), one),
                     LandPolicy::KeepFirst => {
                         self.kept.fetch_add(1, Ordering::Relaxed);
                     }
                 },
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
         }
         Ok(())
