@@ -1,0 +1,65 @@
+//! [`ProtocolError`]: every way a frame or message is refused, and the
+//! peer's own Abort. One type for the whole wire, so a session reports a
+//! corrupt frame, a version mismatch and a peer's reason the same way.
+
+use std::io;
+
+use super::{Kind, MAX_BODY, VERSION_MAX, VERSION_MIN};
+
+/// Why a frame or message was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// Socket error.
+    #[error("migration connection failed: {0}")]
+    Io(#[from] io::Error),
+    /// The peer closed the connection.
+    #[error("the peer closed the migration connection")]
+    Closed,
+    /// The stream ended inside a frame.
+    #[error("migration stream truncated inside a frame")]
+    Truncated,
+    /// Not a ferry migration stream.
+    #[error("not a ferry migration stream (magic {0:#x}): is the peer a ferry destination?")]
+    BadMagic(u32),
+    /// Unknown message kind.
+    #[error("unknown message kind {0}")]
+    BadKind(u16),
+    /// Body too large.
+    #[error("frame body of {0} bytes exceeds the {MAX_BODY}-byte limit")]
+    TooLarge(u32),
+    /// Checksum mismatch.
+    #[error("frame checksum mismatch (kind {kind:?}, {len} bytes): corrupt stream")]
+    Checksum {
+        /// Kind of the corrupt frame.
+        kind: Kind,
+        /// Its length.
+        len: u32,
+    },
+    /// The body does not decode.
+    #[error("malformed {kind:?} message: {reason}")]
+    Malformed {
+        /// Kind.
+        kind: Kind,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No common version.
+    #[error("peer speaks protocol versions {min}..={max}, this ferry speaks {VERSION_MIN}..={VERSION_MAX}")]
+    Version {
+        /// Peer's oldest.
+        min: u16,
+        /// Peer's newest.
+        max: u16,
+    },
+    /// A message that does not belong here.
+    #[error("unexpected {got:?} message while waiting for {want}")]
+    Unexpected {
+        /// What came.
+        got: Kind,
+        /// What was expected.
+        want: &'static str,
+    },
+    /// The peer gave up.
+    #[error("the peer aborted the migration: {0}")]
+    Aborted(String),
+}

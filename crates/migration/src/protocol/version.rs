@@ -1,0 +1,119 @@
+//! Protocol versions: the range this build speaks, what each version added
+//! (one `VERSION_*` constant per feature, which the modes check before
+//! using it), and the negotiation a destination runs on a control Hello.
+//!
+//! Each side speaks `VERSION_MIN..=VERSION_MAX`; the destination picks the
+//! highest version both speak, or refuses with both ranges named. Version 1
+//! is the base protocol (precopy: Hello, Layout, Pages, ZeroRanges, rounds,
+//! State, Verify, Complete, Started, Abort); v2 added compressed bulk
+//! streams (Codec, Encoded: `crate::encoded`), which a source uses only
+//! with a v2 peer (precopy.rs checks `version >= 2`; it has no constant).
+
+use super::{Hello, ProtocolError};
+
+/// Oldest protocol version this build speaks.
+pub const VERSION_MIN: u16 = 1;
+/// Newest protocol version this build speaks.
+pub const VERSION_MAX: u16 = 8;
+/// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
+pub const VERSION_POSTCOPY: u16 = 3;
+/// The first version where a postcopy survives a broken link (Resume
+/// connections, PostcopyResume).
+pub const VERSION_RESUME: u16 = 4;
+/// The first version where the VM's clients move with it (ClientsPlan,
+/// ClientsAnswer, Clients; Started reports restore and verify times).
+pub const VERSION_CLIENTS: u16 = 5;
+/// The first version where the destination sends its timeline back
+/// (TimelineAsk, Timeline).
+pub const VERSION_TIMELINE: u16 = 6;
+/// The first version with memory servers (Role::Store and the Store*
+/// messages; see memserver).
+pub const VERSION_STORE: u16 = 7;
+/// The first version with split migration (SplitPlan to the main host,
+/// StoreFetch on memory servers).
+pub const VERSION_SPLIT: u16 = 8;
+
+/// Picks the version both sides speak, or says why there is none.
+pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
+    let v = h.version_max.min(VERSION_MAX);
+    if v < h.version_min.max(VERSION_MIN) {
+        return Err(ProtocolError::Version {
+            min: h.version_min,
+            max: h.version_max,
+        });
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Role;
+
+    fn hello(min: u16, max: u16) -> Hello {
+        Hello {
+            version_min: min,
+            version_max: max,
+            role: Role::Control,
+            session: 0,
+            streams: 1,
+        }
+    }
+
+    #[test]
+    fn overlapping_ranges_pick_the_highest_common_version() {
+        assert_eq!(negotiate(&hello(1, 9)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(0, u16::MAX)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 1)).unwrap(), 1);
+        assert_eq!(negotiate(&hello(0, 1)).unwrap(), 1);
+        assert_eq!(negotiate(&hello(2, 2)).unwrap(), 2);
+        assert_eq!(negotiate(&hello(2, 3)).unwrap(), 3);
+        assert_eq!(negotiate(&hello(3, 4)).unwrap(), VERSION_RESUME);
+        assert_eq!(
+            negotiate(&hello(VERSION_MAX, VERSION_MAX + 5)).unwrap(),
+            VERSION_MAX
+        );
+    }
+
+    #[test]
+    fn disjoint_ranges_are_refused_naming_both() {
+        for (min, max) in [
+            (VERSION_MAX + 1, VERSION_MAX + 2),
+            (0, 0),
+            // An inverted range overlaps nothing.
+            (5, 3),
+        ] {
+            let e = negotiate(&hello(min, max)).unwrap_err();
+            assert!(
+                matches!(e, ProtocolError::Version { min: a, max: b } if (a, b) == (min, max)),
+                "{e:?}"
+            );
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "peer speaks protocol versions {min}..={max}, \
+                     this ferry speaks {VERSION_MIN}..={VERSION_MAX}"
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn every_feature_version_is_one_this_build_speaks() {
+        let features = [
+            VERSION_POSTCOPY,
+            VERSION_RESUME,
+            VERSION_CLIENTS,
+            VERSION_TIMELINE,
+            VERSION_STORE,
+            VERSION_SPLIT,
+        ];
+        assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
+        assert!(features
+            .iter()
+            .all(|v| (VERSION_MIN..=VERSION_MAX).contains(v)));
+        // The newest feature is the newest version: a new constant comes
+        // with a new VERSION_MAX.
+        assert_eq!(features.last(), Some(&VERSION_MAX));
+    }
+}
