@@ -18,11 +18,12 @@
 //! the resolving calls fill pages behind the compiler's back, and a thread
 //! touching a registered range blocks until its fault is resolved.
 //!
-//! Files: `open.rs` (the descriptor and its API handshake), `mode.rs` (the
-//! features, fault kinds and ioctls asked for and granted), `resolve.rs`
-//! (registering ranges and the ioctls that resolve faults), `event.rs`
-//! (polling for and reading fault events), `abi.rs` (the kernel's structs
-//! and numbers, written out by hand), `tests.rs` (against the real kernel).
+//! Files: this one (the error and the descriptor type), `open.rs` (the
+//! descriptor and its API handshake), `mode.rs` (the features, fault kinds
+//! and ioctls asked for and granted), `resolve.rs` (registering ranges and
+//! the ioctls that resolve faults), `event.rs` (polling for and reading
+//! fault events), `abi.rs` (the kernel's structs and numbers, written out
+//! by hand), `tests.rs` (against the real kernel).
 
 mod abi;
 mod event;
