@@ -102,6 +102,9 @@ pub enum MigrationError {
     /// What was asked cannot be done by this build or with these options.
     #[error("{0}")]
     Unsupported(String),
+    /// The engine broke its own rule (a bug): reported, not acted on.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl MigrationError {

@@ -11,7 +11,7 @@ use crate::encoded::CodecSetup;
 use crate::options::PostcopyAfter;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
-use crate::session::SourceSession;
+use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, Progress, RoundStats};
 use crate::MigrationError;
 
@@ -162,15 +162,8 @@ pub(crate) fn run(
     tracing::info!(rounds = round, converged = %stats.converged, "precopy converged");
 
     // Stop and copy.
-    let t_pause = std::time::Instant::now();
     s.pause()?;
-    let mut mark = t_pause;
-    let mut lap = || {
-        let ms = secs(mark.elapsed()) * 1e3;
-        mark = std::time::Instant::now();
-        ms
-    };
-    stats.downtime_parts.pause = lap();
+    stats.downtime_parts.pause = s.lap_ms();
     let bitmaps = vm
         .take_dirty()
         .map_err(MigrationError::vm("read dirty log"))?;
@@ -182,9 +175,9 @@ pub(crate) fn run(
     if switch {
         s.stop_dirty_log()?;
         let _ = vm.throttle(0);
-        stats.downtime_parts.last_round = lap();
+        stats.downtime_parts.last_round = s.lap_ms();
         add_encoding(&mut stats, &sender, compressed);
-        crate::postcopy::switch(s, &mut stats, last, t_pause, round, progress)?;
+        crate::postcopy::switch(s, &mut stats, last, round, progress)?;
         return Ok(stats);
     }
     let remaining = total_pages(&last);
@@ -211,11 +204,11 @@ pub(crate) fn run(
     s.barrier(round, frames)?;
     add_round(&mut stats, rs);
     s.stop_dirty_log()?;
-    stats.downtime_parts.last_round = lap();
+    stats.downtime_parts.last_round = s.lap_ms();
 
     stats.state_bytes = s.send_state()?;
     stats.bytes += crate::protocol::HEADER as u64 + stats.state_bytes;
-    stats.downtime_parts.save_state = lap();
+    stats.downtime_parts.save_state = s.lap_ms();
     if opts.verify {
         progress(&Progress {
             round,
@@ -235,7 +228,7 @@ pub(crate) fn run(
         stats.verified_pages = pages;
         stats.bytes += bytes;
     }
-    stats.downtime_parts.verify = lap();
+    stats.downtime_parts.verify = s.lap_ms();
     if let Some(r) = router.as_mut() {
         r.commit();
         stats.split = Some(r.stats());
@@ -244,12 +237,13 @@ pub(crate) fn run(
         g.commit();
         stats.gather = Some(g.stats());
     }
-    let report = s.complete()?;
-    s.note_started(&mut stats, &report, lap());
+    let report = s.complete(SourcePhase::Done)?;
+    let ms = s.lap_ms();
+    s.note_started(&mut stats, &report, ms);
     stats.destination_cpu_s = report.cpu_s;
     add_encoding(&mut stats, &sender, compressed);
     stats.source_cpu_s = s.cpu_secs();
-    stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
+    stats.downtime_ms = s.downtime_ms();
     stats.total_secs = secs(s.t_start.elapsed());
     // With the destination's service: clients that stay are forwarded
     // from now on, not after the destination's timeline came back.

@@ -35,7 +35,7 @@ use std::time::Instant;
 use crate::dirty::first_round;
 use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
-use crate::session::SourceSession;
+use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
 use crate::transport::Conn;
 
@@ -68,15 +68,14 @@ pub(crate) fn run(
         ..Default::default()
     };
     stats.compression.asked = "none".into();
-    let t_pause = Instant::now();
     s.pause()?;
-    stats.downtime_parts.pause = secs(t_pause.elapsed()) * 1e3;
+    stats.downtime_parts.pause = s.lap_ms();
     let vm = s.vm;
     let (data, _holes) = first_round(&s.regions, |i| vm.data_ranges(i));
     let mut pending = data;
     pending.extend(vm.host_written_ranges().iter().map(GpaBytes::pages));
     pending.sort_unstable();
-    switch(s, &mut stats, merge_runs(pending), t_pause, 0, progress)?;
+    switch(s, &mut stats, merge_runs(pending), 0, progress)?;
     Ok(stats)
 }
 
@@ -87,17 +86,10 @@ pub(crate) fn switch(
     s: &mut SourceSession,
     stats: &mut MigrationStats,
     pending: Vec<GpaPages>,
-    t_pause: Instant,
     round: u32,
     progress: &dyn Fn(&Progress),
 ) -> Result<(), MigrationError> {
     let opts = s.opts;
-    let mut mark = Instant::now();
-    let mut lap = || {
-        let ms = secs(mark.elapsed()) * 1e3;
-        mark = Instant::now();
-        ms
-    };
     let pending_pages = total_pages(&pending);
     progress(&Progress {
         round,
@@ -121,17 +113,17 @@ pub(crate) fn switch(
     s.ctl()?.flush()?;
     let mut demand = s.open_role(Role::Demand)?;
     demand.flush()?;
-    stats.downtime_parts.last_round += lap();
+    stats.downtime_parts.last_round += s.lap_ms();
     stats.state_bytes = s.send_state()?;
     stats.bytes += protocol::HEADER as u64 + stats.state_bytes;
-    stats.downtime_parts.save_state = lap();
-    let report = s.complete()?;
-    // The VM runs there now: from here a failure must not resume it here.
-    s.switched = true;
-    s.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
+    stats.downtime_parts.save_state = s.lap_ms();
+    // Started moves the session to Switched: from there a failure never
+    // resumes the VM here.
+    let report = s.complete(SourcePhase::Switched)?;
     s.tel.set_remaining_pages(pending_pages);
-    s.note_started(stats, &report, lap());
-    stats.downtime_ms = secs(t_pause.elapsed()) * 1e3;
+    let ms = s.lap_ms();
+    s.note_started(stats, &report, ms);
+    stats.downtime_ms = s.downtime_ms();
     progress(&Progress {
         round,
         remaining_pages: pending_pages,
@@ -147,7 +139,9 @@ pub(crate) fn switch(
     );
 
     stats.postcopy = Some(PostcopyStats {
-        switch_at_s: secs(t_pause.duration_since(s.t_start)),
+        switch_at_s: s
+            .paused_at()
+            .map_or(0.0, |t| secs(t.saturating_duration_since(s.t_start))),
         pending_pages,
         ..Default::default()
     });
@@ -182,6 +176,28 @@ pub struct PausedPostcopy {
     pub(crate) t_start: Instant,
     /// Why it paused.
     pub reason: String,
+}
+
+#[cfg(test)]
+impl PausedPostcopy {
+    /// A paused postcopy with nothing behind it (for the state's tests).
+    pub(crate) fn for_tests() -> Self {
+        PausedPostcopy {
+            session: 1,
+            version: protocol::VERSION_MAX,
+            to: crate::transport::Endpoint::Unix("/nonexistent".into()),
+            opts: Default::default(),
+            stats: Default::default(),
+            epoch: Epoch {
+                round: 0,
+                t_post: Instant::now(),
+                paused_since: None,
+                landed: false,
+            },
+            t_start: Instant::now(),
+            reason: "test".into(),
+        }
+    }
 }
 
 /// Where a postcopy is, across pauses.
@@ -229,7 +245,7 @@ fn follow(
             Err(reason) => {
                 if epoch.paused_since.is_none() {
                     s.tel.event("link_broken", reason.clone());
-                    s.tel.set_phase(crate::telemetry::LivePhase::Paused);
+                    s.link_broken(true);
                     tracing::warn!(
                         %reason,
                         retry_s = opts.reconnect_timeout().as_secs_f64(),
@@ -255,7 +271,7 @@ fn follow(
                             "resumed",
                             format!("{} pages missing", total_pages(&connected.0)),
                         );
-                        s.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
+                        s.link_broken(false);
                         tracing::info!(missing = total_pages(&connected.0), "postcopy resumed");
                         connected
                     }

@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::DestPhase;
 use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
@@ -63,8 +64,8 @@ pub(crate) struct DestSession<'a> {
     hello: Hello,
     /// The protocol version agreed on.
     pub(crate) version: u16,
-    /// The VM runs here (Started went out).
-    started: bool,
+    /// Where this side stands (checked transitions, `state.rs`).
+    phase: DestPhase,
     /// This side agreed to take the VM's clients over.
     clients_agreed: bool,
     /// Live figures for watchers (the VM's, or a private one).
@@ -93,7 +94,7 @@ impl<'a> DestSession<'a> {
                         ctl: c,
                         hello,
                         version: 0,
-                        started: false,
+                        phase: DestPhase::Waiting,
                         clients_agreed: false,
                         tel: Telemetry::new(),
                         timeline_tail: None,
@@ -103,6 +104,20 @@ impl<'a> DestSession<'a> {
                 Ok(_) | Err(_) => c.abort("expected a ferry migration control Hello"),
             }
         }
+    }
+
+    /// The one place this side changes phase: checked, shown to watchers.
+    fn enter(&mut self, next: DestPhase) -> Result<(), MigrationError> {
+        if !self.phase.may_enter(next) {
+            return Err(MigrationError::Internal(format!(
+                "the destination cannot go from {:?} to {next:?}",
+                self.phase
+            )));
+        }
+        self.phase = next;
+        self.tel.set_phase(next.live());
+        tracing::debug!(phase = ?next, "destination phase");
+        Ok(())
     }
 
     /// The session id the source chose (its other connections carry it).
@@ -148,7 +163,7 @@ impl<'a> DestSession<'a> {
         }
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
-        self.tel.set_phase(LivePhase::Running);
+        self.enter(DestPhase::Receiving)?;
         self.tel.event("open", format!("v{}", self.version));
         tracing::info!(version = self.version, "incoming migration session open");
         Ok(())
@@ -247,7 +262,7 @@ impl<'a> DestSession<'a> {
                 }
                 Kind::Complete => {
                     let t = Instant::now();
-                    self.tel.set_phase(LivePhase::Switching);
+                    self.enter(DestPhase::Restoring)?;
                     let state = state.take().ok_or(ProtocolError::Unexpected {
                         got: Kind::Complete,
                         want: "State before Complete",
@@ -274,7 +289,7 @@ impl<'a> DestSession<'a> {
                     let clients_ms = t.elapsed().as_secs_f64() * 1e3 - state_ms;
                     mode.before_start(stats.rounds)?;
                     vm.start().map_err(MigrationError::vm("start"))?;
-                    self.started = true;
+                    self.enter(DestPhase::Started)?;
                     stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
                     tracing::debug!(
                         state_ms,
@@ -304,7 +319,7 @@ impl<'a> DestSession<'a> {
                     if mode.after_start(&mut self.ctl, rx, stats)? {
                         self.tel.event("finished", "every page arrived");
                     }
-                    self.tel.set_phase(LivePhase::Succeeded);
+                    self.enter(DestPhase::Done)?;
                     return Ok(());
                 }
                 _ => mode.on_message(&f, &mut self.ctl)?,
@@ -341,7 +356,7 @@ impl<'a> DestSession<'a> {
         if let Err(e) = &result {
             self.tel.event("failed", e.to_string());
             self.tel.set_phase(LivePhase::Failed);
-            if self.started {
+            if self.phase.vm_started() {
                 tracing::error!(error = %e, "incoming migration failed after the VM started here");
             } else {
                 tracing::warn!(error = %e, "incoming migration failed; no VM was started");

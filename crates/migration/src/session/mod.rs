@@ -6,9 +6,11 @@
 
 pub(crate) mod destination;
 pub(crate) mod source;
+pub(crate) mod state;
 
 pub(crate) use destination::{DestSession, DestinationPhases};
 pub(crate) use source::SourceSession;
+pub(crate) use state::{DestPhase, SourcePhase};
 
 use crate::memory::RegionView;
 use crate::protocol::Layout;

@@ -1,17 +1,14 @@
 //! The source's session: connects, agrees on a version and the layout,
 //! opens the bulk streams, and at the end sends state, hashes and Complete.
 //!
-//! Safety rule (after QEMU's "the source must not be changed or destroyed by
-//! an outgoing migration"): until the destination says Started, any failure
-//! stops dirty tracking, resumes the VM if it was paused, tells the peer to
-//! abort, and returns the error. The VM keeps running here with nothing lost.
-//! Once Complete has gone out, only an Abort proves the destination did not
-//! start the VM; any other failure is `InDoubt` and the VM stays paused here
-//! (never two running copies; the operator resumes it if the destination
-//! did not start). [`SourceSession::conclude`] applies this rule.
+//! Its phase is a [`SourceState`] (`state.rs`): every change goes through
+//! [`SourceSession::enter`], which checks it, tells the watchers and logs it;
+//! [`SourceSession::conclude`] applies the state's safety rule to a failure
+//! (the VM runs on here, or stays paused in doubt or after the switch).
 
 use std::time::{Duration, Instant};
 
+use super::state::{Left, SourcePhase, SourceState};
 use crate::encoded::CodecSetup;
 use crate::memory::RegionView;
 use crate::options::MigrateOptions;
@@ -33,10 +30,8 @@ pub(crate) struct SourceSession<'a> {
     /// The protocol version agreed on.
     pub(crate) version: u16,
     id: u64,
-    paused: bool,
-    dirty_log: bool,
-    /// The VM runs at the destination (postcopy): never resume it here.
-    pub(crate) switched: bool,
+    /// Where the migration stands, and what it holds on the VM.
+    state: SourceState,
     /// The clients move with the VM (the destination said so).
     clients_move: bool,
     /// What became of the clients, once known.
@@ -71,9 +66,7 @@ impl<'a> SourceSession<'a> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64)
                 ^ u64::from(std::process::id()),
-            paused: false,
-            dirty_log: false,
-            switched: false,
+            state: SourceState::new(),
             clients_move: false,
             clients: None,
             clients_ms: 0.0,
@@ -96,8 +89,7 @@ impl<'a> SourceSession<'a> {
         s.id = p.session;
         s.version = p.version;
         s.t_start = p.t_start;
-        s.paused = true;
-        s.switched = true;
+        s.state = SourceState::resumed();
         s
     }
 
@@ -212,7 +204,7 @@ impl<'a> SourceSession<'a> {
         }
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
-        self.tel.set_phase(LivePhase::Running);
+        self.tel.set_phase(self.state.phase().live());
         self.tel
             .event("open", format!("{} v{}", self.to, self.version));
         tracing::info!(to = %self.to, version = self.version, "migration session open");
@@ -279,32 +271,70 @@ impl<'a> SourceSession<'a> {
 
     /// Starts dirty tracking (stopped again by [`SourceSession::conclude`]);
     /// once on, a second call keeps what it tracked.
+    /// Starts dirty tracking and enters Copying (stopped again by
+    /// [`SourceSession::conclude`]); once on, a second call keeps what it
+    /// tracked.
     pub(crate) fn start_dirty_log(&mut self) -> Result<(), MigrationError> {
-        if self.dirty_log {
+        if self.state.dirty_log {
             return Ok(());
         }
         self.vm
             .start_dirty_log()
             .map_err(MigrationError::vm("start dirty log"))?;
-        self.dirty_log = true;
-        Ok(())
+        self.state.dirty_log = true;
+        self.enter(SourcePhase::Copying)
     }
 
     /// Stops dirty tracking.
     pub(crate) fn stop_dirty_log(&mut self) -> Result<(), MigrationError> {
-        self.dirty_log = false;
+        self.state.dirty_log = false;
         self.vm
             .stop_dirty_log()
             .map_err(MigrationError::vm("stop dirty log"))
     }
 
-    /// Pauses the vCPUs (resumed by [`SourceSession::conclude`] on failure).
+    /// Pauses the vCPUs (resumed by [`SourceSession::conclude`] on failure)
+    /// and starts the downtime clock.
     pub(crate) fn pause(&mut self) -> Result<(), MigrationError> {
         self.vm.pause().map_err(MigrationError::vm("pause"))?;
-        self.paused = true;
-        self.tel.set_phase(LivePhase::Switching);
-        tracing::info!("source paused");
+        self.enter(SourcePhase::Paused)
+    }
+
+    /// The one place the source changes phase: checked against the rule,
+    /// shown to watchers (timeline, metrics), logged.
+    pub(crate) fn enter(&mut self, next: SourcePhase) -> Result<(), MigrationError> {
+        self.state
+            .enter(next)
+            .map_err(|e| MigrationError::Internal(e.to_string()))?;
+        self.tel.set_phase(next.live());
+        tracing::info!(phase = next.name(), "source phase");
         Ok(())
+    }
+
+    /// Postcopy's link broke (`true`) or is back: watchers see it paused.
+    pub(crate) fn link_broken(&self, broken: bool) {
+        self.tel.set_phase(if broken {
+            LivePhase::Paused
+        } else {
+            self.state.phase().live()
+        });
+    }
+
+    /// When the VM was paused here.
+    pub(crate) fn paused_at(&self) -> Option<Instant> {
+        self.state.paused_at()
+    }
+
+    /// Milliseconds since the pause or the previous lap: the downtime's
+    /// parts, in order.
+    pub(crate) fn lap_ms(&mut self) -> f64 {
+        self.state.lap_ms()
+    }
+
+    /// The downtime (pause here to Started there), in milliseconds; 0
+    /// before Started.
+    pub(crate) fn downtime_ms(&self) -> f64 {
+        self.state.downtime().map_or(0.0, |d| d.as_secs_f64() * 1e3)
     }
 
     /// Ends a round on the control connection and waits until the
@@ -357,7 +387,9 @@ impl<'a> SourceSession<'a> {
     pub(crate) fn finish(&mut self) -> Result<crate::stats::FaultReport, MigrationError> {
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
-        Ok(ctl.recv(Kind::Finished)?)
+        let report = ctl.recv(Kind::Finished)?;
+        self.enter(SourcePhase::Done)?;
+        Ok(report)
     }
 
     /// After a migration that succeeded: waits for the destination's
@@ -371,7 +403,6 @@ impl<'a> SourceSession<'a> {
             c.shutdown();
         }
         self.bulk.clear();
-        self.tel.set_phase(LivePhase::Succeeded);
         if self.version < protocol::VERSION_TIMELINE {
             self.tel.event(
                 "timeline",
@@ -408,11 +439,12 @@ impl<'a> SourceSession<'a> {
         }
     }
 
-    /// Sends Complete and waits for Started. From here the destination may
-    /// start the VM at any moment: an Abort means it did not; anything else
-    /// but Started leaves the outcome unknown, and resuming here could run
-    /// the VM twice.
-    pub(crate) fn complete(&mut self) -> Result<StartedReport, MigrationError> {
+    /// Sends Complete and waits for Started, then enters `then` (Done, or
+    /// Switched for postcopy). From Complete on the destination may start
+    /// the VM at any moment: an Abort means it did not; anything else but
+    /// Started leaves the outcome unknown, and resuming here could run the
+    /// VM twice (the state's rule).
+    pub(crate) fn complete(&mut self, then: SourcePhase) -> Result<StartedReport, MigrationError> {
         if self.clients_move {
             // Last, so the clients are off this host for the shortest time.
             let t = Instant::now();
@@ -425,6 +457,7 @@ impl<'a> SourceSession<'a> {
             self.clients_ms = t.elapsed().as_secs_f64() * 1e3;
         }
         let version = self.version;
+        self.enter(SourcePhase::Completing)?;
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
         let frame = match protocol::read_frame(ctl.reader()) {
@@ -451,6 +484,7 @@ impl<'a> SourceSession<'a> {
         if let (Some(c), Some(note)) = (self.clients.as_mut(), &report.clients) {
             c.detail = note.clone();
         }
+        self.enter(then)?;
         tracing::info!(service = ?report.service, "destination started the VM");
         self.tel.event("started", "the VM runs at the destination");
         Ok(report)
@@ -508,53 +542,35 @@ impl<'a> SourceSession<'a> {
                 }
             }
         }
-        // (A success was marked when the timeline was collected.)
-        match &result {
-            Ok(_) => {}
-            Err(MigrationError::PostcopyPaused(_)) => self.tel.set_phase(LivePhase::Paused),
-            Err(e) => {
-                self.tel.event("failed", e.to_string());
-                self.tel.set_phase(LivePhase::Failed);
-            }
+        let Err(e) = &result else {
+            return result;
+        };
+        let c = self.state.on_failure(e);
+        self.tel.set_phase(c.live());
+        if c.left != Left::PausedResumable {
+            self.tel.event("failed", e.to_string());
         }
-        match &result {
-            Ok(_) => {}
-            Err(e @ MigrationError::PostcopyPaused(_)) => {
-                // The destination waits for this session to come back: no
-                // Abort, and the VM stays paused here with its memory.
-                tracing::error!(error = %e, "postcopy paused");
+        match c.left {
+            Left::RunsHere => tracing::warn!(error = %e, "migration failed; the VM runs on here"),
+            Left::PausedInDoubt => {
+                tracing::warn!(error = %e, "migration in doubt; the VM stays paused")
             }
-            Err(e) if self.switched => {
-                // The VM runs at the destination and may lack pages only
-                // this side holds: keep it paused here, memory intact.
-                tracing::error!(error = %e, "postcopy broke after the switch; the VM stays paused here with all its memory");
-                if self.dirty_log {
-                    let _ = self.vm.stop_dirty_log();
-                }
-                if let Some(ctl) = self.ctl.as_mut() {
-                    ctl.abort(&e.to_string());
-                }
+            Left::PausedSwitched => {
+                tracing::error!(error = %e, "postcopy broke after the switch; the VM stays paused here with all its memory")
             }
-            Err(MigrationError::InDoubt(e)) => {
-                // The VM may run at the destination: keep it paused here.
-                tracing::warn!(error = %e, "migration in doubt; the VM stays paused");
-                if self.dirty_log {
-                    let _ = self.vm.stop_dirty_log();
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "migration failed; the VM runs on here");
-                let _ = self.vm.throttle(0);
-                if self.dirty_log {
-                    let _ = self.vm.stop_dirty_log();
-                }
-                if self.paused {
-                    let _ = self.vm.resume();
-                }
-                if let Some(ctl) = self.ctl.as_mut() {
-                    ctl.abort(&e.to_string());
-                }
-            }
+            Left::PausedResumable => tracing::error!(error = %e, "postcopy paused"),
+        }
+        if c.unthrottle {
+            let _ = self.vm.throttle(0);
+        }
+        if c.stop_dirty_log && self.state.dirty_log {
+            let _ = self.vm.stop_dirty_log();
+        }
+        if c.resume {
+            let _ = self.vm.resume();
+        }
+        if let (true, Some(ctl)) = (c.abort_peer, self.ctl.as_mut()) {
+            ctl.abort(&e.to_string());
         }
         result
     }
