@@ -81,10 +81,9 @@ def main():
             })
     res = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     cmd = benchlib.recorded_command("access.py")
-    json.dump({"command": cmd, "period_ms": a.period, "cells": cells},
-              open(os.path.join(res, f"{a.out}.json"), "w"), indent=1)
+    benchlib.write_json(os.path.join(res, f"{a.out}.json"), {"command": cmd, "period_ms": a.period, "cells": cells},
+                        indent=1)
     md_path = os.path.join(res, f"{a.out}.md")
-    notes = benchlib.kept_notes(md_path)
     lines = [
         "# What access tracking costs a running guest",
         "",
@@ -99,7 +98,7 @@ def main():
         lines.append(
             f"| {c['workload']} | {c['config']} | {c['unit']} | {c['median']:.3f} | {c['cost_pct']:+.1f}% | "
             f"{f(c['minor_faults'], '{:.0f}')} | {f(c['pages_armed_per_arm'], '{:.0f}')} | {f(c['arm_us_mean'], '{:.0f}')} |")
-    open(md_path, "w").write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md_path, lines)
     print("\n".join(lines))
 
 

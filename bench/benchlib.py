@@ -1,4 +1,5 @@
-"""What the benchmark drivers share about recording their results."""
+"""What the benchmark drivers share: running ferry and the lab, waiting for
+VMMs, reading their reports, medians, and recording results."""
 import os
 import sys
 
@@ -38,11 +39,9 @@ def sh(*args, check=True, **kw):
 def served(ferry, sock):
     """Requests the VM's first workload has answered so far (a kv workload:
     0 while it fills its table), from `ferry status --metrics`."""
-    import json
-    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
     try:
-        return json.loads(out)["metrics"]["workloads"][0]["progress"]
-    except (ValueError, KeyError, IndexError, TypeError):
+        return status(ferry, sock)["metrics"]["workloads"][0]["progress"]
+    except (KeyError, IndexError, TypeError):
         return 0
 
 
@@ -106,3 +105,79 @@ def drop_vm_address(addr, hosts):
     host in `hosts` (a VMM that had to be killed leaves it behind)."""
     for host in hosts:
         sh(*in_host(host, "ip", "addr", "del", f"{addr}/32", "dev", "eth0"), check=False)
+
+
+def lab_up(ferry, hosts, bandwidth=None):
+    """`ferry lab up HOSTS [--bandwidth B]`; exits saying why when the lab
+    cannot be built."""
+    up = sh(ferry, "lab", "up", str(hosts), *(["--bandwidth", bandwidth] if bandwidth else []), check=False)
+    if up.returncode != 0:
+        import sys
+        sys.exit(f"cannot build the lab: {up.stderr}")
+
+
+def wait_started(procs, paths, timeout):
+    """Waits until the VMMs `procs` have created their control sockets
+    `paths`; exits with a VMM's stderr if one ended first, or after
+    `timeout` seconds."""
+    import sys
+    import time
+    deadline = time.time() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        for p in procs:
+            if p.poll() is not None:
+                sys.exit(f"a VMM exited: {p.stderr.read()}")
+        if time.time() > deadline:
+            sys.exit(f"VMMs did not start within {timeout} s")
+        time.sleep(0.02)
+
+
+def report_or_error(out):
+    """The report a `--json` command printed, or {"error": its stderr} when
+    it failed."""
+    import json
+    if out.returncode != 0:
+        return {"error": out.stderr.strip()}
+    return json.loads(out.stdout)
+
+
+def report(out, say=lambda err: err):
+    """The report a `--json` command printed; RuntimeError(say(stderr))
+    when it failed."""
+    import json
+    if out.returncode != 0:
+        raise RuntimeError(say(out.stderr))
+    return json.loads(out.stdout)
+
+
+def status(ferry, sock):
+    """`ferry status --json --metrics` of the VM at `sock`, or None when
+    it does not answer."""
+    import json
+    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
+    try:
+        return json.loads(out)
+    except ValueError:
+        return None
+
+
+def medians(runs, keys=None):
+    """Per key (all of the first run's unless `keys`), the median over
+    `runs` (dicts of numbers)."""
+    import statistics
+    return {k: statistics.median(r[k] for r in runs) for k in (runs[0] if keys is None else keys)}
+
+
+def write_json(path, data, indent=None):
+    """Writes a result's JSON file."""
+    import json
+    with open(path, "w") as f:
+        json.dump(data, f, indent=indent)
+
+
+def write_md(path, lines):
+    """Writes a result's markdown: `lines`, then the hand-written notes the
+    file already had below them (kept_notes)."""
+    notes = kept_notes(path)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n" + notes)

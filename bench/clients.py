@@ -29,7 +29,6 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 import time
@@ -79,9 +78,7 @@ def once(ferry, config, tmp, port, lead_s=7.0, load_s=16):
         time.sleep(lead_s)
         tight = ["--downtime-ms", "2"] if config == "move-tight" else []
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{listen}", "--json", *tight), check=False)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr.strip())
-        stats = json.loads(m.stdout)
+        stats = benchlib.report(m, str.strip)
         try:
             src.wait(timeout=3)
             exited = True
@@ -146,7 +143,7 @@ def main():
                         print(f"{config}: a run failed: {e}", flush=True)
                 if not runs:
                     continue
-                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                med = benchlib.medians(runs)
                 cell = {"config": config, "median": med, "runs": runs, "errors": errors}
                 cells.append(cell)
                 print(json.dumps({"config": config, "median": med}), flush=True)
@@ -167,10 +164,8 @@ def main():
             c.setdefault("command", old.get("command", "?"))
         order = ["before", "forward", "move", "move-tight"]
         cells = sorted(kept + cells, key=lambda c: order.index(c["config"]) if c["config"] in order else 99)
-    with open(path, "w") as f:
-        json.dump({"workload": WORKLOAD, "cells": cells}, f, indent=1)
+    benchlib.write_json(path, {"workload": WORKLOAD, "cells": cells}, indent=1)
     md = os.path.join(out, "clients.md")
-    notes = benchlib.kept_notes(md)
     commands = ", ".join(sorted({"`" + c["command"] + "`" for c in cells if "command" in c}))
     lines = [
         "# Clients that follow their VM: downtime and throughput under 128 clients",
@@ -197,8 +192,7 @@ def main():
             f"{m['errors']:.0f} | {m['wrong_values']:.0f} | {m['reconnects']:.0f} | {m['moved_connections']:.0f} | "
             f"{sum(r['source_exited'] for r in c['runs'])}/{len(c['runs'])} |")
     lines += benchlib.failed_runs(cells, lambda c: c["config"])
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

@@ -16,44 +16,30 @@ bench/results/compression.{json,md}.
 Usage: python3 bench/compression.py [--runs 3] [--link 1gbit] [--mem 1G] [--fill-mib 512]
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import benchlib
+from benchlib import sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
 CODECS = ["rle", "xbzrle", "dedup", "lz4", "zstd:1", "zstd:3", "auto"]
 
 
-def sh(*args, check=True, **kw):
-    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
-
-
 def migrate_once(ferry, mem, workload, extra, tmp):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock)
     common = ["--mem", mem, "--vcpus", "1", "--workload", workload, "--quiet"]
     dst = subprocess.Popen(["ip", "netns", "exec", DST[0], ferry, "run", *common, "--prealloc",
                             "--incoming", f"tcp:{DST[1]}:7400", "--control", dst_sock, "--duration", "1s"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     src = subprocess.Popen(["ip", "netns", "exec", SRC[0], ferry, "run", *common, "--control", src_sock,
                             "--duration", "300s"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
-        for p in (src, dst):
-            if p.poll() is not None:
-                sys.exit(f"a VMM exited: {p.stderr.read()}")
-        if time.time() > deadline:
-            sys.exit("VMMs did not start within 60 s")
-        time.sleep(0.02)
+    benchlib.wait_started((src, dst), (src_sock, dst_sock), timeout=60)
     # Let fill finish (it writes ~150 MiB/s at worst) and dirty reach its working set.
     mib = int(workload.split("mib=")[1]) if "mib=" in workload else 0
     time.sleep(1.5 + mib / 150)
@@ -61,9 +47,7 @@ def migrate_once(ferry, mem, workload, extra, tmp):
              "--max-rounds", "15", "--json", *extra, check=False)
     src.wait(timeout=60)
     dst.wait(timeout=60)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip()}
-    return json.loads(out.stdout)
+    return benchlib.report_or_error(out)
 
 
 def main():
@@ -86,9 +70,7 @@ def main():
     configs = [("none", True)] + [(c, p) for c in a.codecs.split(",") for p in (True, False)]
     rows = []
     tmp = tempfile.mkdtemp()
-    lab = sh(a.ferry, "lab", "up", "2", "--bandwidth", a.link, check=False)
-    if lab.returncode != 0:
-        sys.exit(f"cannot build the lab: {lab.stderr}")
+    benchlib.lab_up(a.ferry, 2, a.link)
     try:
         for wl in a.workloads.split(","):
             for codec, pipe in configs:
@@ -124,8 +106,7 @@ def main():
     res = {"command": benchlib.recorded_command("compression.py"),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "link": a.link, "mem": a.mem,
            "fill_mib": a.fill_mib, "rows": rows}
-    with open(a.out + ".json", "w") as f:
-        json.dump(res, f, indent=2)
+    benchlib.write_json(a.out + ".json", res, indent=2)
     with open(a.out + ".md", "w") as f:
         f.write(f"# Compression benchmark\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
                 f"Date: {res['date']}; {a.mem} VM, 1 vCPU; lab hosts are network namespaces on one 2-core "

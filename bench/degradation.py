@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -136,9 +134,7 @@ def main():
     a = ap.parse_args()
     ferry = os.path.abspath(a.ferry)
     rates = [int(r) for r in a.rates.split(",")]
-    up = sh(ferry, "lab", "up", "3", "--bandwidth", "1gbit", check=False)
-    if up.returncode != 0:
-        sys.exit(f"cannot build the lab: {up.stderr}")
+    benchlib.lab_up(ferry, 3, "1gbit")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     pages = os.path.join(out, "degradation")
     os.makedirs(pages, exist_ok=True)
@@ -162,7 +158,7 @@ def main():
                         if not runs:
                             continue
                         nums = [k for k in runs[0] if isinstance(runs[0][k], (int, float))]
-                        med = {k: statistics.median(r[k] for r in runs) for k in nums}
+                        med = benchlib.medians(runs, nums)
                         cell = {"kind": kind, "rate": rate, "mode": mode, "workload": workload(kind, rate),
                                 "median": med, "runs": runs, "errors": errors}
                         cells.append(cell)
@@ -187,10 +183,8 @@ def main():
         for r in c["runs"]:
             r["timeline"] = os.path.basename(r["timeline"])
             r["load"] = r["load"] and os.path.basename(r["load"])
-    with open(os.path.join(out, "degradation.json"), "w") as f:
-        json.dump({"command": command, "cells": cells}, f, indent=1)
+    benchlib.write_json(os.path.join(out, "degradation.json"), {"command": command, "cells": cells}, indent=1)
     md = os.path.join(out, "degradation.md")
-    notes = benchlib.kept_notes(md)
     lines = [
         "# Degradation during migration: guest throughput, downtime and total time vs dirty rate",
         "",
@@ -214,8 +208,7 @@ def main():
     lines += ["", *[f"![{p}]({p})" for p in plots]]
     lines += ["", "Report pages (charts per run): `degradation/compute/index.html`, `degradation/kv/index.html`."]
     lines += benchlib.failed_runs(cells, lambda c: f"{c['kind']} {c['rate']} {c['mode']}")
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

@@ -18,9 +18,7 @@ Usage: python3 bench/handover.py [--runs 3] [--sizes 256M,1G,4G,16G]
 import argparse
 import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -40,20 +38,12 @@ def mib(size):
     return n * {"M": 1, "G": 1024}[unit]
 
 
-def status(ferry, sock):
-    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
-    try:
-        return json.loads(out)
-    except ValueError:
-        return None
-
-
 def wait_progress(ferry, sock, above, timeout=60):
     """Waits until the workload counter passes `above` (the dirty workload
     has touched its working set once)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        s = status(ferry, sock)
+        s = benchlib.status(ferry, sock)
         if s:
             ws = s["metrics"]["workloads"]
             if not ws or ws[0]["progress"] > above:
@@ -66,7 +56,7 @@ def wait_done(ferry, sock, timeout=120):
     """Waits until every task of the workload is done (fill has filled)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        s = status(ferry, sock)
+        s = benchlib.status(ferry, sock)
         if s and all(w["tasks"] > 0 and w["tasks_done"] == w["tasks"] for w in s["metrics"]["workloads"]):
             return
         time.sleep(0.2)
@@ -92,9 +82,7 @@ def once(ferry, size, workload, tmp, port):
         m0 = shmem_bytes()
         h = sh(ferry, "handover", sock, "--json", check=False)
         m1 = shmem_bytes()
-        if h.returncode != 0:
-            raise RuntimeError(f"handover: {h.stderr.strip()}")
-        ho = json.loads(h.stdout)
+        ho = benchlib.report(h, lambda err: f"handover: {err.strip()}")
         time.sleep(0.5)
         dst = subprocess.Popen([ferry, *common, "--incoming", f"tcp:127.0.0.1:{port}",
                                 "--control", dst_sock, "--duration", "3s"],
@@ -104,9 +92,7 @@ def once(ferry, size, workload, tmp, port):
         m2 = shmem_bytes()
         mg = sh(ferry, "migrate", sock, "--to", f"tcp:127.0.0.1:{port}", "--json", check=False)
         m3 = shmem_bytes()
-        if mg.returncode != 0:
-            raise RuntimeError(f"precopy: {mg.stderr.strip()}")
-        pc = json.loads(mg.stdout)
+        pc = benchlib.report(mg, lambda err: f"precopy: {err.strip()}")
     finally:
         # The VM may live in the handover's new process: end it by its socket.
         sh(ferry, "ctl", sock, "quit", check=False)
@@ -162,18 +148,15 @@ def main():
                         print(f"{size} {workload}: a run failed: {e}", flush=True)
                 if not runs:
                     continue
-                med = {how: {k: statistics.median(r[how][k] for r in runs) for k in runs[0][how]}
-                       for how in runs[0]}
+                med = {how: benchlib.medians([r[how] for r in runs]) for how in runs[0]}
                 cell = {"size": size, "workload": workload, "median": med, "runs": runs, "errors": errors}
                 cells.append(cell)
                 print(json.dumps({k: cell[k] for k in ("size", "workload", "median")}), flush=True)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     command = benchlib.recorded_command("handover.py")
-    with open(os.path.join(out, "handover.json"), "w") as f:
-        json.dump({"command": command, "cells": cells}, f, indent=1)
+    benchlib.write_json(os.path.join(out, "handover.json"), {"command": command, "cells": cells}, indent=1)
     md = os.path.join(out, "handover.md")
-    notes = benchlib.kept_notes(md)
     lines = [
         "# Zero-copy handover beside precopy over loopback",
         "",
@@ -197,8 +180,7 @@ def main():
                 f"| {c['size']} | `{c['workload']}` | {name} | {m['downtime_ms']:.2f} | {m['total_ms']:.1f} | "
                 f"{m['copied_bytes'] / 2**20:.1f} | {m['shmem_growth_mib']:.0f} | {m['cpu_s'] * 1e3:.1f} | {speed} |")
     lines += benchlib.failed_runs(cells, lambda c: f"{c['size']} `{c['workload']}`")
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

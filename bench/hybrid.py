@@ -16,9 +16,7 @@ Usage: python3 bench/hybrid.py [--runs 3] [--rates 256,1024] [--postcopy-after 3
 import argparse
 import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -30,10 +28,10 @@ SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
 
 def progress(ferry, sock):
     """(seconds, bytes the dirty workload wrote so far) from the VM's counters."""
-    out = sh(ferry, "status", sock, "--json", "--metrics", check=False).stdout
+    s = benchlib.status(ferry, sock)
     try:
-        return time.time(), json.loads(out)["metrics"]["workloads"][0]["progress"]
-    except (ValueError, KeyError, IndexError, TypeError):
+        return time.time(), s["metrics"]["workloads"][0]["progress"]
+    except (KeyError, IndexError, TypeError):
         return time.time(), None
 
 
@@ -57,9 +55,7 @@ def migrate_once(ferry, workload, mode, after, tmp, port):
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{DST[1]}:{port}", *flags, "--json"),
                check=False)
         t2, p2 = progress(ferry, dst_sock)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr)
-        stats = json.loads(m.stdout)
+        stats = benchlib.report(m)
     finally:
         benchlib.reap(src, dst)
     before = (p1 - p0) / (t1 - t0)
@@ -87,9 +83,7 @@ def main():
     ap.add_argument("--postcopy-after", default="3")
     a = ap.parse_args()
     ferry = os.path.abspath(a.ferry)
-    up = sh(ferry, "lab", "up", "2", "--bandwidth", "1gbit", check=False)
-    if up.returncode != 0:
-        sys.exit(f"cannot build the lab: {up.stderr}")
+    benchlib.lab_up(ferry, 2, "1gbit")
     cells = []
     try:
         port = 7700
@@ -107,7 +101,7 @@ def main():
                             print(f"{wl} {mode}: a run failed: {e}", flush=True)
                     if not runs:
                         continue
-                    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    med = benchlib.medians(runs)
                     cell = {"workload": wl, "mode": mode, "median": med, "runs": runs, "errors": errors}
                     cells.append(cell)
                     print(json.dumps({k: cell[k] for k in ("workload", "mode", "median")}), flush=True)
@@ -116,10 +110,9 @@ def main():
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     command = benchlib.recorded_command("hybrid.py")
-    with open(os.path.join(out, "hybrid.json"), "w") as f:
-        json.dump({"command": command, "postcopy_after": a.postcopy_after, "cells": cells}, f, indent=1)
+    benchlib.write_json(os.path.join(out, "hybrid.json"),
+                        {"command": command, "postcopy_after": a.postcopy_after, "cells": cells}, indent=1)
     md = os.path.join(out, "hybrid.md")
-    notes = benchlib.kept_notes(md)
     lines = [
         "# Hybrid against precopy with auto-converge, 1 Gbit link",
         "",
@@ -139,8 +132,7 @@ def main():
             f"{m['postcopy_s']:.2f} | {m['max_throttle_pct']:.0f} | {m['guest_mib_s_before']:.0f} | "
             f"{m['guest_mib_s_during']:.0f} | {m['bytes_mib']:.0f} |")
     lines += benchlib.failed_runs(cells, lambda c: f"`{c['workload']}` {c['mode']}")
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

@@ -99,9 +99,7 @@ def migrate_once(ferry, mem, rtt, apf, prefetch, priority, tmp, port):
         time.sleep(2.5)  # boot, and let dirty fill its working set
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
                         "--prefetch", str(prefetch), "--json"), check=False)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr)
-        stats = json.loads(m.stdout)
+        stats = benchlib.report(m)
         dst.wait(timeout=60)
     finally:
         benchlib.reap(src, dst, proxy)
@@ -153,9 +151,7 @@ def memtouch_once(ferry, a, push, rtt, apf, tmp, port):
         limit = {"none": [], "hold": ["--push-delay", HOLD]}.get(push, ["--bandwidth", push])
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
                         "--prefetch", str(a.memtouch_prefetch), *limit, "--json"), check=False)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr)
-        stats = json.loads(m.stdout)
+        stats = benchlib.report(m)
         out, _ = dst.communicate(timeout=600)
         summary = json.loads(out)
     finally:
@@ -181,7 +177,7 @@ def run_memtouch(ferry, a, rtts, port, out):
                         port += 1
                         runs.append(memtouch_once(ferry, a, push, rtt, apf, tmp, port))
                     scalar = [k for k in runs[0] if k != "task_s"]
-                    med = {k: statistics.median(r[k] for r in runs) for k in scalar}
+                    med = benchlib.medians(runs, scalar)
                     # Task i's median over the runs (in the order they finished).
                     med["task_s"] = [statistics.median(sorted(r["task_s"])[i] for r in runs)
                                      for i in range(a.memtouch_tasks)]
@@ -195,13 +191,12 @@ def run_memtouch(ferry, a, rtts, port, out):
 def write_memtouch(a, cells, out):
     command = benchlib.recorded_command("postcopy.py")
     spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
-    with open(os.path.join(out, "postcopy-memtouch.json"), "w") as f:
-        json.dump({"command": command, "workload": spec, "mem": a.mem, "vcpus": a.memtouch_vcpus,
-                   "link": "loopback" if a.local else "lab veth",
-                   "prefetch": a.memtouch_prefetch, "push_limits": a.memtouch_push.split(","),
-                   "cells": cells}, f, indent=1)
+    benchlib.write_json(os.path.join(out, "postcopy-memtouch.json"),
+                        {"command": command, "workload": spec, "mem": a.mem, "vcpus": a.memtouch_vcpus,
+                         "link": "loopback" if a.local else "lab veth",
+                         "prefetch": a.memtouch_prefetch, "push_limits": a.memtouch_push.split(","),
+                         "cells": cells}, indent=1)
     md = os.path.join(out, "postcopy-memtouch.md")
-    notes = benchlib.kept_notes(md)
     lines = [
         "# Postcopy: memtouch after the switch, APF on and off",
         "",
@@ -237,8 +232,7 @@ def write_memtouch(a, cells, out):
         if "on" in by and "off" in by:
             lines.append(f"| {push} | {rtt} ms | {by['off']:.2f} | {by['on']:.2f} | "
                          f"{(by['on'] - by['off']) / by['off'] * 100:+.0f}% |")
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
 
 
 def main():
@@ -272,9 +266,7 @@ def main():
         global SRC, DST
         SRC = DST = LOCAL
     else:
-        up = sh(ferry, "lab", "up", "2", check=False)
-        if up.returncode != 0:
-            sys.exit(f"cannot build the lab: {up.stderr}")
+        benchlib.lab_up(ferry, 2)
     cells, memtouch_cells = [], []
     try:
         port = 7810
@@ -306,7 +298,7 @@ def run_faults(ferry, a, rtts, port):
                             port += 1
                             runs[p].append(migrate_once(ferry, a.mem, rtt, apf, prefetch, p, tmp, port))
                     for p, rs in runs.items():
-                        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                        med = benchlib.medians(rs)
                         cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "priority": p,
                                 "median": med, "runs": rs}
                         cells.append(cell)
@@ -318,12 +310,11 @@ def run_faults(ferry, a, rtts, port):
 def write_faults(a, result, out):
     floor, cells = result
     command = benchlib.recorded_command("postcopy.py")
-    with open(os.path.join(out, "postcopy.json"), "w") as f:
-        json.dump({"command": command, "workload": workload(a.mem), "mem": a.mem,
-                   "link": "loopback" if a.local else "lab veth",
-                   "uffd_floor_us": floor, "cells": cells}, f, indent=1)
+    benchlib.write_json(os.path.join(out, "postcopy.json"),
+                        {"command": command, "workload": workload(a.mem), "mem": a.mem,
+                         "link": "loopback" if a.local else "lab veth",
+                         "uffd_floor_us": floor, "cells": cells}, indent=1)
     md = os.path.join(out, "postcopy.md")
-    notes = benchlib.kept_notes(md)
     lines = [
         "# Postcopy: faults, APF and prefetch",
         "",
@@ -347,8 +338,7 @@ def write_faults(a, result, out):
             f"{m['downtime_ms']:.2f} | {m['postcopy_s']:.3f} | "
             f"{m['faults']:.0f} | {m['major']:.0f} | {m['async_worker']:.0f} | {m['apf_absorbed']:.0f} | {m['blocked']:.0f} | {m['p50_us']:.0f} | "
             f"{m['p99_us']:.0f} | {m['min_exec_ratio']:.2f} | {m['prefetched']:.0f} |")
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -82,9 +81,7 @@ def run_once(ferry, keys, rtt, apf, prefetch, tmp, port, load_s, lead_s, address
         time.sleep(lead_s)
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{to}", "--mode", "postcopy",
                         "--prefetch", str(prefetch), "--json"), check=False)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr)
-        stats = json.loads(m.stdout)
+        stats = benchlib.report(m)
         out, err = load.communicate(timeout=load_s + 60)
         summary = json.loads(out)
     finally:
@@ -192,9 +189,7 @@ def main():
                          "forward: the source host's address, and the source forwards them")
     a = ap.parse_args()
     ferry = os.path.abspath(a.ferry)
-    up = sh(ferry, "lab", "up", "3", check=False)
-    if up.returncode != 0:
-        sys.exit(f"cannot build the lab: {up.stderr}")
+    benchlib.lab_up(ferry, 3)
     cells = []
     try:
         port = 7900
@@ -208,7 +203,7 @@ def main():
                             runs.append(run_once(ferry, a.keys, rtt, apf, prefetch, tmp, port, a.load_s,
                                                  a.lead_s, a.address))
                         keys = [k for k in runs[0] if not k.startswith("_")]
-                        med = {k: statistics.median(r[k] for r in runs) for k in keys}
+                        med = benchlib.medians(runs, keys)
                         cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "median": med, "runs": runs}
                         cells.append(cell)
                         print(json.dumps({k: cell[k] for k in ("rtt_ms", "apf", "prefetch", "median")}),
@@ -218,11 +213,10 @@ def main():
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     command = benchlib.recorded_command("postcopy_kv.py")
-    with open(os.path.join(out, "postcopy-kv.json"), "w") as f:
-        json.dump({"command": command, "workload": workload(a.keys), "address": a.address, "cells": cells}, f)
+    benchlib.write_json(os.path.join(out, "postcopy-kv.json"),
+                        {"command": command, "workload": workload(a.keys), "address": a.address, "cells": cells})
     plots = [p for p in (plot(out, cells, r) for r in sorted({c["rtt_ms"] for c in cells})) if p]
     md = os.path.join(out, "postcopy-kv.md")
-    notes = benchlib.kept_notes(md)
     lines = [
         "# Postcopy under load: kv latency around the switch",
         "",
@@ -249,8 +243,7 @@ def main():
             f"{m['errors']:.0f} | {m['wrong_values']:.0f} |")
     if plots:
         lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in plots) + "."]
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

@@ -14,7 +14,6 @@ bench/results/precopy.{json,md}.
 Usage: python3 bench/precopy.py [--runs 3] [--sizes 256M,1G,4G] [--rates 64,256,1024]
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,20 +22,10 @@ import tempfile
 import time
 
 import benchlib
+from benchlib import sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC, DST = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2")
-
-
-def sh(*args, check=True, **kw):
-    return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
-
-
-def lab(ferry, bandwidth=None):
-    args = [ferry, "lab", "up", "2"] + (["--bandwidth", bandwidth] if bandwidth else [])
-    out = sh(*args, check=False)
-    if out.returncode != 0:
-        sys.exit(f"cannot build the lab: {out.stderr}")
 
 
 def tcp_stream(seconds=2.0):
@@ -54,9 +43,7 @@ def tcp_stream(seconds=2.0):
 
 def migrate_once(ferry, mem, workload, tmp):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock)
     vcpus = "2"
     dst = subprocess.Popen(["ip", "netns", "exec", DST[0], ferry, "run", "--mem", mem, "--vcpus", vcpus,
                             "--workload", workload, "--incoming", f"tcp:{DST[1]}:7400", "--control", dst_sock,
@@ -64,22 +51,13 @@ def migrate_once(ferry, mem, workload, tmp):
     src = subprocess.Popen(["ip", "netns", "exec", SRC[0], ferry, "run", "--mem", mem, "--vcpus", vcpus,
                             "--workload", workload, "--control", src_sock, "--duration", "120s", "--quiet"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 20
-    while not (os.path.exists(src_sock) and os.path.exists(dst_sock)):
-        for p in (src, dst):
-            if p.poll() is not None:
-                sys.exit(f"a VMM exited: {p.stderr.read()}")
-        if time.time() > deadline:
-            sys.exit("VMMs did not start within 20 s")
-        time.sleep(0.02)
+    benchlib.wait_started((src, dst), (src_sock, dst_sock), timeout=20)
     time.sleep(1.5)  # the workload runs (and the dirty workload touches its working set)
     out = sh("ip", "netns", "exec", SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{DST[1]}:7400",
              "--max-rounds", "15", "--json", check=False)
     src.wait(timeout=30)
     dst.wait(timeout=60)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip()}
-    return json.loads(out.stdout)
+    return benchlib.report_or_error(out)
 
 
 def main():
@@ -96,7 +74,7 @@ def main():
     tmp = tempfile.mkdtemp()
     try:
         for link in a.links.split(","):
-            lab(a.ferry, None if link == "unshaped" else link)
+            benchlib.lab_up(a.ferry, 2, None if link == "unshaped" else link)
             baselines[link] = statistics.median(tcp_stream() for _ in range(3))
             print(f"link {link}: one TCP stream carries {baselines[link] / 2**20:.0f} MiB/s")
             for mem in a.sizes.split(","):
@@ -128,8 +106,7 @@ def main():
         sh(a.ferry, "lab", "down", check=False)
     res = {"command": benchlib.recorded_command("precopy.py"),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tcp_stream_bytes_per_s": baselines, "rows": rows}
-    with open(a.out + ".json", "w") as f:
-        json.dump(res, f, indent=2)
+    benchlib.write_json(a.out + ".json", res, indent=2)
     notes = benchlib.kept_notes(a.out + ".md")
     with open(a.out + ".md", "w") as f:
         f.write(f"# Precopy benchmark\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"

@@ -29,9 +29,7 @@ Usage: python3 bench/split.py [--runs 3] [--mem 512M] [--sort-mib 96]
 import argparse
 import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -178,9 +176,7 @@ def run_once(ferry, a, config, chunk, budget, tmp, port):
         time.sleep(a.lead)
         swapped0 = pswpin()
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", to, *flags, "--json"), check=False)
-        if m.returncode != 0:
-            raise RuntimeError(m.stderr.strip()[-300:])
-        stats = json.loads(m.stdout)
+        stats = benchlib.report(m, lambda err: err.strip()[-300:])
         if a.dump:
             open(os.path.join(a.dump, f"{config}-{budget}-{chunk}-migrate.json"), "w").write(m.stdout)
         out = ended_when_sorted(ferry, dst, dst_sock, a)
@@ -216,7 +212,7 @@ def cell(ferry, a, config, chunk, budget, tmp, port):
         except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
             errors.append(str(e).strip())
             print(f"{config} chunk {chunk}: a run failed: {e}", flush=True)
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else {}
+    med = benchlib.medians(runs) if runs else {}
     c = {"config": config, "budget": budget, "chunk_pages": chunk, "median": med, "runs": runs,
          "errors": errors}
     print(json.dumps({k: c[k] for k in ("config", "budget", "chunk_pages", "median")}), flush=True)
@@ -253,9 +249,7 @@ def main():
     ap.add_argument("--out", default="split", help="results/OUT.{json,md}")
     a = ap.parse_args()
     ferry = os.path.abspath(a.ferry)
-    up = sh(ferry, "lab", "up", "3", check=False)
-    if up.returncode != 0:
-        sys.exit(f"cannot build the lab: {up.stderr}")
+    benchlib.lab_up(ferry, 3)
     configs = [c for c in a.configs.split(",") if c]
     budgets = a.budgets.split(",")
     cells = []
@@ -281,10 +275,8 @@ def write(a, cells):
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     command = benchlib.recorded_command("split.py")
-    with open(os.path.join(out, f"{a.out}.json"), "w") as f:
-        json.dump({"command": command, "cells": cells}, f, indent=1)
+    benchlib.write_json(os.path.join(out, f"{a.out}.json"), {"command": command, "cells": cells}, indent=1)
     md = os.path.join(out, f"{a.out}.md")
-    notes = benchlib.kept_notes(md)
     base = {c["config"]: c["median"] for c in cells if c["budget"] == ""}
     none_ms = base.get("none", {}).get("sort_ms")
     enough = base.get("enough", {})
@@ -318,8 +310,7 @@ def write(a, cells):
             f"{'' if down is None else f'{down:.1f}'} | {vs_d} | {m['sort_ms'] / 1e3:.2f} | {slow_e} | {slow} | "
             f"{m.get('page_ins', '')} |")
     lines += benchlib.failed_runs(cells, lambda c: f"{c['config']} {c['budget']} chunk {c['chunk_pages']}")
-    with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n" + notes)
+    benchlib.write_md(md, lines)
     print(f"wrote {md}")
 
 

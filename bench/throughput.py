@@ -73,9 +73,7 @@ def free_port():
 
 def migrate_once(ferry, mem, mib, prealloc, tmp, streams=1):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
-    for p in (src_sock, dst_sock):
-        if os.path.exists(p):
-            os.unlink(p)
+    benchlib.fresh(src_sock, dst_sock)
     port = free_port()
     wl = f"fill:content=worst,mib={mib}"
     common = ["--mem", mem, "--vcpus", "1", "--workload", wl]
@@ -149,8 +147,7 @@ def main():
            "ratio_prealloc": {str(n): ratio[n] for n in counts},
            "ratio_cold": med(c / t for c, t in zip(cold, tcp)),
            "cpu_budget_s_per_gib_for_90pct": budget}
-    with open(a.out + ".json", "w") as f:
-        json.dump(res, f, indent=2)
+    benchlib.write_json(a.out + ".json", res, indent=2)
 
     def row(what, xs, r, cpu):
         return (f"| {what} | {med(xs) / 2**20:.0f} | {', '.join(f'{x / 2**20:.0f}' for x in xs)} | {r:.2f} "

@@ -82,6 +82,17 @@ fn parse_duration_from(text: &str, zero: bool) -> Result<std::time::Duration, St
     Ok(std::time::Duration::from_secs_f64(secs))
 }
 
+/// A default given in milliseconds, written as a duration flag takes it
+/// (`30s`, `1500ms`): the help shows the engine's own default, spelled
+/// once in `ferry_migration::options::defaults`.
+pub fn ms_arg(ms: u64) -> String {
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +111,16 @@ mod tests {
         assert_eq!(parse_duration_or_zero("0s").unwrap().as_millis(), 0);
         assert_eq!(parse_duration_or_zero("2s").unwrap().as_secs(), 2);
         assert!(parse_duration_or_zero("-1s").is_err());
+        for (ms, text) in [
+            (30_000, "30s"),
+            (0, "0s"),
+            (1_500, "1500ms"),
+            (300_000, "300s"),
+        ] {
+            assert_eq!(ms_arg(ms), text);
+            let back = parse_duration_or_zero(&ms_arg(ms)).unwrap();
+            assert_eq!(back.as_millis(), u128::from(ms));
+        }
     }
 }
 

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use ferry_migration::options::defaults;
+use ferry_migration::options::{defaults, AutoConverge};
 use ferry_migration::{
     BackendKind, Compress, CompressOptions, Endpoint, MigrateOptions, MigrationStats, Mode,
     PostcopyAfter, Progress, Rank, SplitOptions,
@@ -33,14 +33,15 @@ pub struct MigrateArgs {
     resume: bool,
     /// Postcopy: how long to keep reconnecting after the link broke before
     /// reporting "postcopy paused" (then --resume continues it).
-    #[arg(long, value_parser = crate::format::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = crate::format::parse_duration,
+          default_value = format::ms_arg(defaults::RECONNECT_TIMEOUT_MS))]
     reconnect_timeout: Duration,
     /// Migration mode: precopy, postcopy (run at the destination at once,
     /// memory follows on demand), hybrid (precopy, then postcopy if it
     /// has not converged after --postcopy-after), split (the hot part to a
     /// main host, the rest to memory servers: --sub, --main-budget) or
     /// gather (a split VM back to one host: run it on its main host).
-    #[arg(long, default_value_t = Mode::Precopy)]
+    #[arg(long, default_value_t = Mode::default())]
     mode: Mode,
     /// Split: the memory servers (`ferry memserver`) that hold what the
     /// main host does not, comma-separated tcp:HOST:PORT.
@@ -61,11 +62,11 @@ pub struct MigrateArgs {
     #[arg(long, default_value_t = defaults::CHUNK_PAGES)]
     chunk_pages: u32,
     /// Split: how chunks are ranked hot or cold: clock or aging.
-    #[arg(long, default_value_t = Rank::Clock)]
+    #[arg(long, default_value_t = Rank::default())]
     rank: Rank,
     /// Split: copies of every chunk on the memory servers (2: the VM
     /// survives losing one server).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = defaults::REPLICAS)]
     replicas: u8,
     /// Postcopy: pages sent on each side of a faulting page (0 = only the page).
     #[arg(long, default_value_t = defaults::PREFETCH)]
@@ -73,7 +74,8 @@ pub struct MigrateArgs {
     /// Postcopy: hold the background push this long after the switch
     /// (e.g. 2s, at most 20s), so at first only the pages the guest asks
     /// for cross the link.
-    #[arg(long, value_parser = crate::format::parse_duration_or_zero, default_value = "0s")]
+    #[arg(long, value_parser = crate::format::parse_duration_or_zero,
+          default_value = format::ms_arg(defaults::PUSH_DELAY_MS))]
     push_delay: Duration,
     /// Hybrid: switch to postcopy after this many dirty rounds (e.g. 3) or
     /// seconds (e.g. 2.5s) without converging.
@@ -98,13 +100,23 @@ pub struct MigrateArgs {
     /// Never throttle the vCPUs (auto-converge is on by default).
     #[arg(long)]
     no_auto_converge: bool,
+    /// Auto-converge: the first throttle, % of vCPU time taken away.
+    #[arg(long, value_name = "PCT", default_value_t = defaults::AUTO_CONVERGE_INITIAL_PCT)]
+    auto_converge_initial: u32,
+    /// Auto-converge: % more taken away at each further round that does
+    /// not converge.
+    #[arg(long, value_name = "PCT", default_value_t = defaults::AUTO_CONVERGE_STEP_PCT)]
+    auto_converge_step: u32,
+    /// Auto-converge: the most vCPU time taken away (%).
+    #[arg(long, value_name = "PCT", default_value_t = defaults::AUTO_CONVERGE_MAX_PCT)]
+    auto_converge_max: u32,
     /// Compression: auto (measure and pick per batch), none, rle, xbzrle,
     /// dedup, lz4, zstd or zstd:LEVEL.
-    #[arg(long, default_value = "none")]
+    #[arg(long, default_value_t = CompressOptions::default().compress)]
     compress: Compress,
     /// Where the codecs run: cpu, or cuda (falls back to the CPU, saying
     /// so, where no CUDA device is found).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value_t = CompressOptions::default().backend)]
     compress_backend: BackendKind,
     /// Fetch, encode and send in turn on one thread per stream instead of
     /// the three-stage pipeline.
@@ -131,7 +143,8 @@ pub struct MigrateArgs {
     /// How long the destination's part of the timeline goes on after the
     /// switch (precopy) or the last page (postcopy); `ferry migrate`
     /// returns that much later (e.g. 1s, 0s).
-    #[arg(long, value_parser = crate::format::parse_duration_or_zero, default_value = "1s")]
+    #[arg(long, value_parser = crate::format::parse_duration_or_zero,
+          default_value = format::ms_arg(defaults::TIMELINE_TAIL_MS.into()))]
     timeline_tail: Duration,
     /// Print the result as JSON.
     #[arg(long)]
@@ -157,6 +170,12 @@ impl MigrateArgs {
             max_rounds: self.max_rounds,
             verify: self.verify,
             auto_converge: !self.no_auto_converge,
+            auto_converge_tuning: AutoConverge {
+                initial_pct: self.auto_converge_initial,
+                step_pct: self.auto_converge_step,
+                max_pct: self.auto_converge_max,
+                ..base.auto_converge_tuning
+            },
             bandwidth: self.bandwidth.map(|b| b as f64),
             compression: CompressOptions {
                 compress: self.compress,
@@ -560,4 +579,56 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
         worst,
         f.series.len()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// `ferry migrate SOCK --to tcp:127.0.0.1:1` with `flags` added, as
+    /// the engine's options.
+    fn parsed(flags: &[&str]) -> Result<MigrateOptions> {
+        let argv = ["ferry", "migrate", "SOCK", "--to", "tcp:127.0.0.1:1"];
+        let cli = crate::Cli::try_parse_from(argv.iter().chain(flags))?;
+        match cli.command {
+            crate::Command::Migrate(args) => args.options(),
+            _ => anyhow::bail!("not parsed as `ferry migrate`"),
+        }
+    }
+
+    #[test]
+    fn no_flags_give_the_engines_own_defaults() {
+        // The defaults live in ferry_migration::options alone: a flag that
+        // restated one (and drifted) would show here.
+        assert_eq!(parsed(&[]).unwrap(), MigrateOptions::default());
+    }
+
+    #[test]
+    fn auto_converge_flags_reach_the_options_and_are_checked() {
+        let o = parsed(&[
+            "--auto-converge-initial",
+            "40",
+            "--auto-converge-step",
+            "5",
+            "--auto-converge-max",
+            "80",
+        ])
+        .unwrap();
+        let want = AutoConverge {
+            initial_pct: 40,
+            step_pct: 5,
+            max_pct: 80,
+            ..AutoConverge::default()
+        };
+        assert_eq!(o.auto_converge_tuning, want);
+        assert!(o.auto_converge);
+        let off = parsed(&["--no-auto-converge"]).unwrap();
+        assert!(!off.auto_converge);
+        let err = parsed(&["--auto-converge-max", "100"]).unwrap_err();
+        assert!(err.to_string().contains("max throttle"), "{err}");
+        let err =
+            parsed(&["--auto-converge-initial", "60", "--auto-converge-max", "50"]).unwrap_err();
+        assert!(err.to_string().contains("above its max"), "{err}");
+    }
 }

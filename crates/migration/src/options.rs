@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 use crate::compress::Compress;
 use ferry_codec::{CacheSizes, Method};
 
+mod auto_converge;
+pub use auto_converge::AutoConverge;
+
 /// The defaults, for the CLI's help text as much as for the engine.
 pub mod defaults {
     /// Downtime target (ms).
@@ -46,6 +49,24 @@ pub mod defaults {
     /// source to come back before the VM is given up (ms): longer than the
     /// source's own retrying, so an operator has time to resume by hand.
     pub const INCOMING_RECONNECT_TIMEOUT_MS: u64 = 300_000;
+    /// Bulk streams where there is more than one core (one where there is
+    /// a single core: [`super::default_streams`]).
+    pub const STREAMS: u16 = 2;
+    /// Split: copies of every chunk on the memory servers.
+    pub const REPLICAS: u8 = 1;
+    /// Postcopy: hold on the background push after the switch (ms); none.
+    pub const PUSH_DELAY_MS: u64 = 0;
+    /// Auto-converge is on unless asked off.
+    pub const AUTO_CONVERGE: bool = true;
+    /// Auto-converge throttles when the guest dirtied more than this share
+    /// of what the round could send.
+    pub const AUTO_CONVERGE_TRIGGER_RATIO: f64 = 0.5;
+    /// Auto-converge's first throttle (% of vCPU time taken away).
+    pub const AUTO_CONVERGE_INITIAL_PCT: u32 = 20;
+    /// Auto-converge: how much more each further round takes away (%).
+    pub const AUTO_CONVERGE_STEP_PCT: u32 = 10;
+    /// Auto-converge's strongest throttle (%): the guest keeps a sliver.
+    pub const AUTO_CONVERGE_MAX_PCT: u32 = 99;
 }
 
 /// Migration modes.
@@ -227,7 +248,7 @@ impl Default for SplitOptions {
             main_budget: 0,
             chunk_pages: defaults::CHUNK_PAGES,
             rank: Rank::Clock,
-            replicas: 1,
+            replicas: defaults::REPLICAS,
         }
     }
 }
@@ -251,6 +272,15 @@ impl std::str::FromStr for BackendKind {
             "cuda" => Ok(BackendKind::Cuda),
             _ => Err(format!("unknown compress backend '{s}' (cpu or cuda)")),
         }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        })
     }
 }
 
@@ -290,29 +320,42 @@ impl CompressOptions {
     }
 }
 
-/// How to migrate.
+/// How to migrate. The fields come in sections by the modes that read
+/// them; every one has a default (`#[serde(default)]`), so a request may
+/// name only what it changes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MigrateOptions {
+    // ── Every mode ──────────────────────────────────────────────────────
     /// The mode.
     pub mode: Mode,
     /// Parallel bulk connections.
     pub streams: u16,
-    /// Stop iterating when the rest would take at most this long (ms).
-    pub downtime_ms: f64,
-    /// Stop iterating after this many dirty rounds regardless.
-    pub max_rounds: u32,
     /// Compare per-page hashes at the end.
     pub verify: bool,
-    /// Throttle the vCPUs step by step when the guest dirties memory faster
-    /// than the link carries it.
-    pub auto_converge: bool,
     /// Most bytes per second on the wire, all streams together.
     pub bandwidth: Option<f64>,
     /// How long to wait for the peer at each step (ms).
     pub timeout_ms: u64,
     /// Compression and the pipelined data path.
     pub compression: CompressOptions,
+    /// How long the destination goes on sampling its timeline after the
+    /// VM started there (precopy) or every page arrived (postcopy), before
+    /// sending it back (ms; the source waits that long after the switch).
+    pub timeline_tail_ms: u32,
+
+    // ── Precopy rounds (precopy, and the rounds of hybrid, split, gather) ──
+    /// Stop iterating when the rest would take at most this long (ms).
+    pub downtime_ms: f64,
+    /// Stop iterating after this many dirty rounds regardless.
+    pub max_rounds: u32,
+    /// Throttle the vCPUs step by step when the guest dirties memory faster
+    /// than the link carries it.
+    pub auto_converge: bool,
+    /// Auto-converge's steps (when `auto_converge` is on).
+    pub auto_converge_tuning: AutoConverge,
+
+    // ── Postcopy (postcopy, and hybrid after its switch) ─────────────────
     /// Postcopy: pages sent on each side of a faulting page, when not sent yet.
     pub prefetch: u32,
     /// Postcopy: how long after the switch the background push waits
@@ -323,10 +366,8 @@ pub struct MigrateOptions {
     pub postcopy_after: PostcopyAfter,
     /// Postcopy: how long to keep reconnecting after a broken link (ms).
     pub reconnect_timeout_ms: u64,
-    /// How long the destination goes on sampling its timeline after the
-    /// VM started there (precopy) or every page arrived (postcopy), before
-    /// sending it back (ms; the source waits that long after the switch).
-    pub timeline_tail_ms: u32,
+
+    // ── Split ────────────────────────────────────────────────────────────
     /// Split: the memory servers, the main host's budget, the chunks.
     pub split: SplitOptions,
 }
@@ -336,18 +377,19 @@ impl Default for MigrateOptions {
         MigrateOptions {
             mode: Mode::default(),
             streams: default_streams(),
-            downtime_ms: defaults::DOWNTIME_MS,
-            max_rounds: defaults::MAX_ROUNDS,
             verify: false,
-            auto_converge: true,
             bandwidth: None,
             timeout_ms: defaults::TIMEOUT_MS,
             compression: CompressOptions::default(),
+            timeline_tail_ms: defaults::TIMELINE_TAIL_MS,
+            downtime_ms: defaults::DOWNTIME_MS,
+            max_rounds: defaults::MAX_ROUNDS,
+            auto_converge: defaults::AUTO_CONVERGE,
+            auto_converge_tuning: AutoConverge::default(),
             prefetch: defaults::PREFETCH,
-            push_delay_ms: 0,
+            push_delay_ms: defaults::PUSH_DELAY_MS,
             postcopy_after: PostcopyAfter::default(),
             reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
-            timeline_tail_ms: defaults::TIMELINE_TAIL_MS,
             split: SplitOptions::default(),
         }
     }
@@ -402,6 +444,7 @@ impl MigrateOptions {
                 defaults::MAX_PUSH_DELAY_MS / 1000
             ));
         }
+        self.auto_converge_tuning.check()?;
         if !(1..=shards).contains(&c.workers) {
             return Err(format!("compress threads must be 1 to {shards}"));
         }
@@ -455,7 +498,7 @@ impl MigrateOptions {
 pub fn default_streams() -> u16 {
     match std::thread::available_parallelism().map(|n| n.get()) {
         Ok(1) => 1,
-        _ => 2,
+        _ => defaults::STREAMS,
     }
 }
 
@@ -511,5 +554,32 @@ mod tests {
         let back: MigrateOptions =
             serde_json::from_str(&serde_json::to_string(&o).unwrap()).unwrap();
         assert_eq!(back, o);
+    }
+
+    #[test]
+    fn options_from_before_auto_converge_tuning_still_parse() {
+        // What a ferry without the auto-converge steps sent over the
+        // control socket: every field it had, auto-converge off.
+        let old = r#"{"mode":"precopy","streams":2,"downtime_ms":10.0,"max_rounds":30,
+            "verify":false,"auto_converge":false,"bandwidth":null,"timeout_ms":30000,
+            "compression":{"compress":"none","pipeline":true,"workers":1,
+            "caches":{"xbzrle_bytes":67108864,"dedup_bytes":67108864},"backend":"cpu"},
+            "prefetch":8,"push_delay_ms":0,"postcopy_after":"3","reconnect_timeout_ms":30000,
+            "timeline_tail_ms":1000,"split":{"subs":[],"main_budget":0,"chunk_pages":256,
+            "rank":"clock","replicas":1}}"#;
+        let o: MigrateOptions = serde_json::from_str(old).unwrap();
+        assert!(!o.auto_converge);
+        assert_eq!(o.auto_converge_tuning, AutoConverge::default());
+        assert_eq!(o.streams, 2);
+        assert!(o.check().is_ok());
+        // A part of the steps fills in the rest.
+        let o: MigrateOptions =
+            serde_json::from_str(r#"{"auto_converge_tuning":{"max_pct":50}}"#).unwrap();
+        assert!(o.auto_converge);
+        assert_eq!(o.auto_converge_tuning.max_pct, 50);
+        assert_eq!(
+            o.auto_converge_tuning.initial_pct,
+            defaults::AUTO_CONVERGE_INITIAL_PCT
+        );
     }
 }
