@@ -19,15 +19,16 @@
 //!  ctl  Verify (optional), Complete            ──▶  uffd released
 //!                                              ◀──  Finished{fault report}
 //! ```
-//! Source files: [`source`] (push and demand), [`incoming`] (destination),
-//! [`faults`] (accounting), [`pages`] (page sets).
+//! Source files: [`source`] (push and demand), [`destination`] (the
+//! destination's phases), [`fault_account`] (the destination's account of
+//! faults and landed pages), [`pages`] (page sets).
 
-pub(crate) mod faults;
-pub(crate) mod incoming;
+pub(crate) mod destination;
+pub(crate) mod fault_account;
 pub(crate) mod pages;
 pub(crate) mod source;
 
-pub(crate) use incoming::Incoming;
+pub(crate) use destination::Incoming;
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;

@@ -8,6 +8,9 @@
 //! async-page-fault worker (a kernel thread: the guest parked one task and
 //! ran another) or one of the VMM's own threads. Who is who is decided at the
 //! end, when the vCPU threads are known.
+//!
+//! This is the account only: the fault thread that reads the faults and
+//! acts on them is `destination/fault_thread.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

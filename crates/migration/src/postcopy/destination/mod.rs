@@ -1,0 +1,324 @@
+//! The destination's side of postcopy, as the session's phases: take the
+//! plan, accept the demand connection, and at the start put all guest RAM
+//! under userfaultfd (MISSING) with the pending pages discarded. Then, while
+//! the VM runs: a fault thread turns faults on pending pages into requests,
+//! fills untouched memory with zeros itself, and wakes faults whose page is
+//! here; a demand thread lands the answers; the bulk streams land the push
+//! through the same sink (first copy wins). The phase ends when every
+//! pending page landed, the hashes match (with verification) and the
+//! source sent Complete; the range is then unregistered.
+//!
+//! A broken link pauses the phase instead of ending it: the VM runs on,
+//! vCPUs touching a missing page wait, and the source may connect again as
+//! the same session (`Role::Resume`) within the reconnect timeout. It is
+//! told which pages are still missing, opens new demand and bulk
+//! connections, and the faults still waiting are asked for again.
+//!
+//! This file holds [`Incoming`] (the session's hooks: plan, start, the
+//! phase after the start) and what the phase's threads share. The rest,
+//! one job a file: [`arm`] puts guest RAM under userfaultfd at the start,
+//! [`control`] answers the source's control messages within one connection
+//! epoch, [`epoch`] starts an epoch's connections and resumes after a
+//! broken link, [`fault_thread`] turns faults into page requests.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ferry_memory::Userfaultfd;
+
+use super::fault_account::Tracker;
+use crate::memory::RegionView;
+use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role};
+use crate::ranges::{GpaPages, PAGE};
+use crate::receiver::Received;
+use crate::session::DestinationPhases;
+use crate::sink::{SwitchSink, UffdSink};
+use crate::stats::IncomingStats;
+use crate::transport::{Conn, ConnWriter, Listener};
+use crate::vm::IncomingVm;
+use crate::MigrationError;
+
+mod arm;
+mod control;
+mod epoch;
+mod fault_thread;
+
+use epoch::Link;
+
+/// A destination's phases: precopy's (none) until a plan arrives, then
+/// postcopy's.
+pub(crate) struct Incoming<'a> {
+    vm: &'a dyn IncomingVm,
+    listener: &'a Listener,
+    session: u64,
+    timeout: Duration,
+    /// How long a paused phase waits for the source to come back.
+    reconnect_timeout: Duration,
+    sink: &'a SwitchSink<'a>,
+    plan: Vec<GpaPages>,
+    planned: bool,
+    verify: bool,
+    guest_apf_base: Option<u64>,
+    demand: Option<Conn>,
+    live: Option<Live>,
+    /// Pauses on a broken link, and their time.
+    pauses: u32,
+    paused: Duration,
+    /// Live figures for watchers.
+    tel: Arc<crate::telemetry::Telemetry>,
+}
+
+/// The running postcopy phase.
+struct Live {
+    shared: Arc<Shared>,
+    fault_thread: Option<JoinHandle<()>>,
+    link: Link,
+}
+
+/// What the phase's threads (fault, demand) share with the control thread.
+struct Shared {
+    uffd: Arc<Userfaultfd>,
+    regions: Vec<RegionView>,
+    sink: Arc<UffdSink>,
+    tracker: Arc<Tracker>,
+    stop: AtomicBool,
+    /// The first failure of a phase thread (the real cause of most others).
+    failure: Mutex<Option<MigrationError>>,
+    /// Pages received on the demand connection.
+    demand_pages: AtomicU64,
+    /// Where page requests go: the demand connection, none while paused.
+    requests: Mutex<Option<ConnWriter>>,
+}
+
+impl<'a> Incoming<'a> {
+    pub(crate) fn new(
+        vm: &'a dyn IncomingVm,
+        listener: &'a Listener,
+        session: u64,
+        timeout: Duration,
+        reconnect_timeout: Duration,
+        sink: &'a SwitchSink<'a>,
+    ) -> Self {
+        Incoming {
+            vm,
+            listener,
+            session,
+            timeout,
+            reconnect_timeout,
+            sink,
+            plan: Vec::new(),
+            planned: false,
+            verify: false,
+            guest_apf_base: None,
+            demand: None,
+            live: None,
+            pauses: 0,
+            paused: Duration::ZERO,
+            tel: vm.telemetry().unwrap_or_default(),
+        }
+    }
+
+    /// Ends the phase's threads and releases the memory from userfaultfd
+    /// (a fault still waiting is retried as a normal one).
+    fn stop(&mut self) {
+        if let Some(live) = self.live.as_mut() {
+            live.shared.stop.store(true, Ordering::Release);
+            for r in &live.shared.regions {
+                let _ = live.shared.uffd.unregister(r.host_start(), r.size());
+            }
+            live.link.cut();
+            if let Some(t) = live.fault_thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn failure(&self) -> Option<MigrationError> {
+        self.live.as_ref().and_then(|l| l.shared.take_failure())
+    }
+
+    /// Accepts this session's demand connection.
+    fn accept_demand(&self) -> Result<Conn, MigrationError> {
+        let (mut c, h) = self.listener.accept_hello(self.timeout)?;
+        c.count_into(self.tel.link(&h.role.link_name()));
+        if h.role != Role::Demand || h.session != self.session {
+            return Err(ProtocolError::Unexpected {
+                got: Kind::Hello,
+                want: "the demand connection of this session",
+            }
+            .into());
+        }
+        Ok(c)
+    }
+
+    fn lost(&self, e: MigrationError) -> MigrationError {
+        let Some(live) = &self.live else { return e };
+        let missing = live.shared.tracker.missing();
+        if missing == 0 {
+            return e;
+        }
+        let first = live
+            .shared
+            .tracker
+            .missing_runs()
+            .first()
+            .map_or(0, |r| r.gpa);
+        MigrationError::PagesLost {
+            reason: e.to_string(),
+            missing,
+            first,
+        }
+    }
+}
+
+impl DestinationPhases for Incoming<'_> {
+    fn on_message(&mut self, f: &Frame, _ctl: &mut Conn) -> Result<(), MigrationError> {
+        if f.kind != Kind::PostcopyPlan || self.planned {
+            return Err(ProtocolError::Unexpected {
+                got: f.kind,
+                want: "RoundDone, State, Verify, PostcopyPlan or Complete",
+            }
+            .into());
+        }
+        let part: PostcopyPlan = protocol::decode(f, Kind::PostcopyPlan)?;
+        let regions = self.vm.regions();
+        for run in &part.pending {
+            let inside = run
+                .pages
+                .checked_mul(PAGE)
+                .is_some_and(|b| regions.iter().any(|r| r.contains_range(run.gpa, b)));
+            if !inside || !run.gpa.is_multiple_of(PAGE) {
+                return Err(ProtocolError::Malformed {
+                    kind: Kind::PostcopyPlan,
+                    reason: format!("{} pages at {:#x} are not in guest RAM", run.pages, run.gpa),
+                }
+                .into());
+            }
+        }
+        self.plan.extend(part.pending);
+        self.verify = part.verify;
+        self.guest_apf_base = part.guest_apf_base;
+        if part.last {
+            self.planned = true;
+            self.demand = Some(self.accept_demand()?);
+            tracing::info!(
+                pending = crate::ranges::total_pages(&self.plan),
+                "postcopy planned"
+            );
+        }
+        Ok(())
+    }
+
+    fn before_start(&mut self, rounds: u32) -> Result<(), MigrationError> {
+        if !self.planned {
+            return Ok(());
+        }
+        let vm = self.vm;
+        let regions = vm.regions();
+        // What this VM holds and the source will not send must be final:
+        // pending pages go (they come again), and without a single precopy
+        // round so does anything the VMM wrote here.
+        let mut discard = self.plan.clone();
+        if rounds == 0 {
+            for (i, r) in regions.iter().enumerate() {
+                discard.extend(
+                    vm.data_ranges(i)
+                        .iter()
+                        .map(|d| GpaPages::new(r.gpa() + d.offset, d.bytes / PAGE)),
+                );
+            }
+        }
+        for run in discard.iter().filter(|r| r.pages > 0) {
+            vm.discard(*run)
+                .map_err(MigrationError::vm("discard pending pages"))?;
+        }
+        let hashes = self
+            .verify
+            .then(|| crate::session::hashes(&regions, |i| vm.data_ranges(i)));
+        let arm::Armed {
+            uffd,
+            tracker,
+            sink,
+        } = arm::arm(&regions, &self.plan, hashes)?;
+        self.sink.switch(sink.clone());
+        let demand = self.demand.take().ok_or(ProtocolError::Closed)?;
+        let shared = Arc::new(Shared {
+            uffd,
+            regions,
+            sink,
+            tracker,
+            stop: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            demand_pages: AtomicU64::new(0),
+            requests: Mutex::new(None),
+        });
+        let sh = shared.clone();
+        let fault_thread = spawn("postcopy-faults", move || {
+            if let Err(e) = sh.serve_faults() {
+                sh.fail(e);
+            }
+        })?;
+        let link = shared.connect(demand, Vec::new())?;
+        self.live = Some(Live {
+            shared,
+            fault_thread: Some(fault_thread),
+            link,
+        });
+        Ok(())
+    }
+
+    fn after_start(
+        &mut self,
+        ctl: &mut Conn,
+        rx: &Received,
+        stats: &mut IncomingStats,
+    ) -> Result<bool, MigrationError> {
+        if self.live.is_none() {
+            return Ok(false);
+        }
+        self.tel.set_phase(crate::telemetry::LivePhase::Postcopy);
+        let result = self.run_phase(ctl, rx, stats);
+        stats.postcopy_pauses = self.pauses;
+        stats.postcopy_paused_s = self.paused.as_secs_f64();
+        self.stop();
+        result.map(|_| true).map_err(|e| self.lost(e))
+    }
+}
+
+impl Drop for Incoming<'_> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Shared {
+    /// Records a phase thread's failure (the first one wins), unless the
+    /// phase is being stopped anyway.
+    fn fail(&self, e: MigrationError) {
+        if self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        tracing::warn!(error = %e, "a postcopy thread failed");
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(e);
+    }
+
+    fn take_failure(&self) -> Option<MigrationError> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+}
+
+/// Starts a named thread of the phase.
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, MigrationError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))
+}
