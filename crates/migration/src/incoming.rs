@@ -40,17 +40,14 @@ pub fn receive_with_reconnect(
     // Pages land straight in memory until a postcopy switch, then through
     // userfaultfd (the plan tells; precopy never switches).
     let sink = SwitchSink::new(&direct);
-    let id = session.session_id();
     let mut phases = Phases {
-        postcopy: crate::postcopy::Incoming::new(
-            vm,
-            listener,
-            id,
-            timeout,
-            reconnect_timeout,
-            &sink,
-        ),
-        split: crate::split::incoming::Incoming::new(vm, timeout, &sink),
+        mode: DestMode::Precopy,
+        vm,
+        listener,
+        session: session.session_id(),
+        timeout,
+        reconnect_timeout,
+        sink: &sink,
     };
     let result = (|| {
         session.handshake(vm)?;
@@ -63,37 +60,98 @@ pub fn receive_with_reconnect(
     session.conclude(result)
 }
 
-/// A destination's phases: postcopy's (which also serve precopy and
-/// hybrid), or split's once a SplitPlan arrived.
+/// The destination's mode, picked by the first plan message that arrives:
+/// none is a precopy (the session's own defaults), a PostcopyPlan makes it
+/// postcopy's (pure or hybrid), a SplitPlan or GatherPlan split's.
+enum DestMode<'a> {
+    Precopy,
+    Postcopy(crate::postcopy::Incoming<'a>),
+    Split(crate::split::destination::Incoming<'a>),
+}
+
+/// The session's hooks, handed to the mode picked so far, and what it
+/// takes to make one.
 struct Phases<'a> {
-    postcopy: crate::postcopy::Incoming<'a>,
-    split: crate::split::incoming::Incoming<'a>,
+    mode: DestMode<'a>,
+    vm: &'a dyn IncomingVm,
+    listener: &'a Listener,
+    session: u64,
+    timeout: Duration,
+    reconnect_timeout: Duration,
+    sink: &'a SwitchSink<'a>,
+}
+
+impl<'a> Phases<'a> {
+    /// The mode `f` asks for, made on its first plan message; a second
+    /// plan of another mode is refused.
+    fn pick(&mut self, f: &Frame) -> Result<&mut dyn DestinationPhases, MigrationError> {
+        let wanted = match f.kind {
+            Kind::PostcopyPlan => Some(Kind::PostcopyPlan),
+            Kind::SplitPlan | Kind::GatherPlan => Some(Kind::SplitPlan),
+            _ => None,
+        };
+        if let (DestMode::Precopy, Some(kind)) = (&self.mode, wanted) {
+            self.mode = if kind == Kind::PostcopyPlan {
+                DestMode::Postcopy(crate::postcopy::Incoming::new(
+                    self.vm,
+                    self.listener,
+                    self.session,
+                    self.timeout,
+                    self.reconnect_timeout,
+                    self.sink,
+                ))
+            } else {
+                DestMode::Split(crate::split::destination::Incoming::new(
+                    self.vm,
+                    self.timeout,
+                    self.sink,
+                ))
+            };
+        }
+        Ok(match &mut self.mode {
+            DestMode::Precopy => return Err(unexpected(f)),
+            DestMode::Postcopy(p) => p,
+            DestMode::Split(sp) => sp,
+        })
+    }
+
+    fn current(&mut self) -> Option<&mut dyn DestinationPhases> {
+        match &mut self.mode {
+            DestMode::Precopy => None,
+            DestMode::Postcopy(p) => Some(p),
+            DestMode::Split(sp) => Some(sp),
+        }
+    }
+}
+
+fn unexpected(f: &Frame) -> MigrationError {
+    crate::protocol::ProtocolError::Unexpected {
+        got: f.kind,
+        want: "RoundDone, State, Verify, a plan or Complete",
+    }
+    .into()
 }
 
 impl DestinationPhases for Phases<'_> {
     fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
-        match f.kind {
-            Kind::SplitPlan => self.split.on_plan(f),
-            Kind::GatherPlan => self.split.on_gather(f, ctl),
-            _ => self.postcopy.on_message(f, ctl),
-        }
+        self.pick(f)?.on_message(f, ctl)
     }
 
     fn hashes(
         &mut self,
         regions: &[crate::RegionView],
     ) -> Result<Option<Vec<u64>>, MigrationError> {
-        if self.split.planned() {
-            return self.split.hashes(regions).map(Some);
+        match self.current() {
+            Some(m) => m.hashes(regions),
+            None => Ok(None),
         }
-        self.postcopy.hashes(regions)
     }
 
     fn before_start(&mut self, rounds: u32) -> Result<(), MigrationError> {
-        if self.split.planned() {
-            return self.split.before_start();
+        match self.current() {
+            Some(m) => m.before_start(rounds),
+            None => Ok(()),
         }
-        self.postcopy.before_start(rounds)
     }
 
     fn after_start(
@@ -102,10 +160,9 @@ impl DestinationPhases for Phases<'_> {
         rx: &Received,
         stats: &mut IncomingStats,
     ) -> Result<bool, MigrationError> {
-        if self.split.planned() {
-            self.split.after_start()?;
-            return Ok(false);
+        match self.current() {
+            Some(m) => m.after_start(ctl, rx, stats),
+            None => Ok(false),
         }
-        self.postcopy.after_start(ctl, rx, stats)
     }
 }

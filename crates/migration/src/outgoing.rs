@@ -2,6 +2,7 @@
 //! options name.
 
 use crate::compress::Backend;
+use crate::mode::SourceMode;
 use crate::options::{MigrateOptions, Mode};
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, Progress};
@@ -24,13 +25,20 @@ pub fn migrate(
     opts.check().map_err(MigrationError::Unsupported)?;
     tracing::info!(%to, mode = %opts.mode, streams = opts.streams, "migration starts");
     let mut session = SourceSession::new(vm, to, opts);
-    let result = match opts.mode {
-        Mode::Precopy | Mode::Hybrid | Mode::Split | Mode::Gather => {
-            crate::precopy::run(&mut session, backend, progress)
-        }
-        Mode::Postcopy => crate::postcopy::run(&mut session, progress),
-    };
+    let mut mode = source_mode(opts.mode);
+    let result = mode.run(&mut session, backend, progress);
     conclude(session, result)
+}
+
+/// The mode object that runs a migration in `mode`.
+fn source_mode(mode: Mode) -> Box<dyn SourceMode> {
+    match mode {
+        Mode::Precopy => Box::new(crate::precopy::Precopy),
+        Mode::Hybrid => Box::new(crate::hybrid::Hybrid),
+        Mode::Postcopy => Box::new(crate::postcopy::Postcopy),
+        Mode::Split => Box::new(crate::split::source::Split::default()),
+        Mode::Gather => Box::new(crate::split::gather::GatherMode::default()),
+    }
 }
 
 /// Continues a postcopy that paused on a broken link

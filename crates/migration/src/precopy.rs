@@ -4,11 +4,15 @@
 //! pause, send the rest, and let the session finish (state, verify,
 //! Complete). The destination side has no phases of its own beyond the
 //! session's round barriers.
+//!
+//! The round loop serves every copy mode through its [`SourceMode`] hooks
+//! (hybrid, split and gather live in their own files); [`Precopy`] is the
+//! mode with none.
 
 use crate::compress::Backend;
 use crate::dirty::{dirty_runs, first_round, sample_pages};
 use crate::encoded::CodecSetup;
-use crate::options::PostcopyAfter;
+use crate::mode::SourceMode;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
 use crate::session::{SourcePhase, SourceSession};
@@ -18,29 +22,22 @@ use crate::MigrationError;
 /// Bytes on the wire per page besides its payload (its address).
 const PAGE_META: u64 = 8;
 
-/// Runs a precopy migration over an open session.
-pub(crate) fn run(
+/// Plain precopy: the round loop with no hooks.
+pub(crate) struct Precopy;
+
+impl SourceMode for Precopy {}
+
+/// Runs the copy rounds of `mode` over a session it opens.
+pub(crate) fn run<M: SourceMode + ?Sized>(
     s: &mut SourceSession,
     backend: &Backend,
     progress: &dyn Fn(&Progress),
+    mode: &mut M,
 ) -> Result<MigrationStats, MigrationError> {
     let opts = s.opts;
     let copt = &opts.compression;
     s.open()?;
-    let hybrid = opts.mode == crate::options::Mode::Hybrid;
-    if hybrid {
-        crate::postcopy::require(s)?;
-    }
-    // Split: the same rounds, with each page routed to where its chunk lives.
-    let mut router = match opts.mode {
-        crate::options::Mode::Split => Some(crate::split::source::Router::open(s)?),
-        _ => None,
-    };
-    // Gather: the destination pulls the memory servers' part first.
-    let mut gather = match opts.mode {
-        crate::options::Mode::Gather => Some(crate::split::gather::Gather::open(s)?),
-        _ => None,
-    };
+    mode.begin(s)?;
     let compressed = copt.enabled() && s.version >= 2;
     let mut stats = MigrationStats {
         mode: opts.mode,
@@ -62,9 +59,7 @@ pub(crate) fn run(
         shards: copt.workers.clamp(1, crate::encoded::MAX_SHARDS),
     });
     s.open_bulk(setup.as_ref())?;
-    if let Some(g) = gather.as_mut() {
-        g.wait_pulled(s)?;
-    }
+    mode.streams_open(s)?;
     let vm = s.vm;
     let sample = if compressed {
         sample_pages(&s.regions, |i| vm.data_ranges(i), 256)
@@ -82,10 +77,8 @@ pub(crate) fn run(
     .watched_by(s.tel.clone());
 
     s.start_dirty_log()?;
-    let (mut runs, mut holes) = first_round(&s.regions, |i| vm.data_ranges(i));
-    if let Some(g) = &gather {
-        holes = g.main_holes(&holes);
-    }
+    let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    let mut holes = mode.holes(holes);
     let mut round = 0u32;
     let mut bandwidth;
     let mut throttle = 0u32;
@@ -104,10 +97,7 @@ pub(crate) fn run(
             let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
                 sender.send_round(regions, bulk, runs, holes, round, None, cpu)
             };
-            match router.as_mut() {
-                Some(r) => r.round(regions, &runs, &holes, send)?,
-                None => send(&runs, &holes)?,
-            }
+            mode.send_round(regions, &runs, &holes, &mut send)?
         };
         s.barrier(round, frames)?;
         let bitmaps = vm
@@ -121,12 +111,9 @@ pub(crate) fn run(
         // Auto-converge (after the full copy): when the guest dirtied more
         // than half of what the round could send, take away more vCPU time,
         // 20% at first, then 10% more each round, up to 99%.
-        if opts.auto_converge && round >= 1 && rs.dirty_rate > 0.5 * rs.throughput {
-            throttle = if throttle == 0 {
-                20
-            } else {
-                (throttle + 10).min(99)
-            };
+        let tuning = &opts.auto_converge_tuning;
+        if opts.auto_converge && round >= 1 && tuning.triggered(rs.dirty_rate, rs.throughput) {
+            throttle = tuning.next(throttle);
             vm.throttle(throttle)
                 .map_err(MigrationError::vm("throttle"))?;
             tracing::info!(throttle, "auto-converge throttles the vCPUs");
@@ -141,14 +128,9 @@ pub(crate) fn run(
             stats.converged = format!("remainder of {dirty} pages fits {:.1} ms", opts.downtime_ms);
             break false;
         }
-        if hybrid && postcopy_due(opts.postcopy_after, round, s.t_start) {
-            stats.converged = format!(
-                "not converged after {} ({dirty} pages dirty): switched to postcopy",
-                match opts.postcopy_after {
-                    PostcopyAfter::Rounds(n) => format!("{n} dirty rounds"),
-                    PostcopyAfter::Secs(x) => format!("{x} s"),
-                }
-            );
+        if let Some(why) = mode.switch_due(s, round) {
+            stats.converged =
+                format!("not converged after {why} ({dirty} pages dirty): switched to postcopy");
             break true;
         }
         if round > opts.max_rounds {
@@ -196,10 +178,7 @@ pub(crate) fn run(
             let bytes = Some(total_pages(runs) * PAGE);
             sender.send_round(regions, bulk, runs, holes, round, bytes, cpu)
         };
-        match router.as_mut() {
-            Some(r) => r.round(regions, &last, &[], send)?,
-            None => send(&last, &[])?,
-        }
+        mode.send_round(regions, &last, &[], &mut send)?
     };
     s.barrier(round, frames)?;
     add_round(&mut stats, rs);
@@ -218,9 +197,9 @@ pub(crate) fn run(
             phase: Phase::Verify,
             ..Default::default()
         });
-        let (pages, bytes) = match &gather {
-            Some(g) => {
-                let hashes = g.hashes(s)?;
+        let (pages, bytes) = match mode.hashes(s) {
+            Some(hashes) => {
+                let hashes = hashes?;
                 (hashes.len() as u64, s.send_hashes(&hashes)?)
             }
             None => s.send_verify()?,
@@ -229,14 +208,7 @@ pub(crate) fn run(
         stats.bytes += bytes;
     }
     stats.downtime_parts.verify = s.lap_ms();
-    if let Some(r) = router.as_mut() {
-        r.commit();
-        stats.split = Some(r.stats());
-    }
-    if let Some(g) = gather.as_mut() {
-        g.commit();
-        stats.gather = Some(g.stats());
-    }
+    mode.commit(&mut stats);
     let report = s.complete(SourcePhase::Done)?;
     let ms = s.lap_ms();
     s.note_started(&mut stats, &report, ms);
@@ -256,15 +228,6 @@ pub(crate) fn run(
         destination_service: stats.destination_service.clone(),
     });
     Ok(stats)
-}
-
-/// True when hybrid has waited long enough for precopy to converge.
-fn postcopy_due(after: PostcopyAfter, rounds_done: u32, t_start: std::time::Instant) -> bool {
-    match after {
-        // Round 0 is the full copy; `n` dirty rounds follow it.
-        PostcopyAfter::Rounds(n) => rounds_done > n,
-        PostcopyAfter::Secs(x) => t_start.elapsed().as_secs_f64() >= x,
-    }
 }
 
 fn add_encoding(stats: &mut MigrationStats, sender: &PageSender, compressed: bool) {

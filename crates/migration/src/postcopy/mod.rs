@@ -55,6 +55,20 @@ pub(crate) fn require(s: &SourceSession) -> Result<(), MigrationError> {
     Ok(())
 }
 
+/// The postcopy mode on the source: no rounds, its own run.
+pub(crate) struct Postcopy;
+
+impl crate::mode::SourceMode for Postcopy {
+    fn run(
+        &mut self,
+        s: &mut SourceSession,
+        _backend: &crate::compress::Backend,
+        progress: &dyn Fn(&Progress),
+    ) -> Result<MigrationStats, MigrationError> {
+        run(s, progress)
+    }
+}
+
 /// Pure postcopy: pause at once and switch.
 pub(crate) fn run(
     s: &mut SourceSession,

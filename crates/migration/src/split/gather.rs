@@ -13,10 +13,11 @@
 use std::sync::Arc;
 
 use crate::memserver::StoreOpen;
+use crate::mode::SourceMode;
 use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
-use crate::stats::GatherStats;
+use crate::stats::{GatherStats, MigrationStats};
 use crate::MigrationError;
 
 use super::{ChunkMap, GatherPlan, GatherSnapshot, RemotePager, ON_MAIN};
@@ -158,6 +159,46 @@ impl Drop for Gather {
     fn drop(&mut self) {
         if !self.committed {
             self.pager.end_gather();
+        }
+    }
+}
+
+/// The gather mode on the source: the destination pulls the memory
+/// servers' part first, then precopy's rounds send what the main host
+/// holds (its holes only for its own chunks).
+#[derive(Default)]
+pub(crate) struct GatherMode {
+    gather: Option<Gather>,
+}
+
+impl SourceMode for GatherMode {
+    fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
+        self.gather = Some(Gather::open(s)?);
+        Ok(())
+    }
+
+    fn streams_open(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
+        match self.gather.as_mut() {
+            Some(g) => g.wait_pulled(s),
+            None => Ok(()),
+        }
+    }
+
+    fn holes(&self, holes: Vec<GpaPages>) -> Vec<GpaPages> {
+        match &self.gather {
+            Some(g) => g.main_holes(&holes),
+            None => holes,
+        }
+    }
+
+    fn hashes(&self, s: &SourceSession) -> Option<Result<Vec<u64>, MigrationError>> {
+        self.gather.as_ref().map(|g| g.hashes(s))
+    }
+
+    fn commit(&mut self, stats: &mut MigrationStats) {
+        if let Some(g) = self.gather.as_mut() {
+            g.commit();
+            stats.gather = Some(g.stats());
         }
     }
 }

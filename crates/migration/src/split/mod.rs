@@ -18,11 +18,13 @@
 //!  afterwards: fault on a remote chunk ── StoreFetch{page, rest of chunk, drop} ──▶
 //!              page-out of a cold chunk ── Pages + StoreSync ──────────────────▶
 //! ```
-//! Files: [`source`] (the mode's rounds and routing), [`incoming`] (the
-//! main host's phases), [`pager`] (remote paging after the switch).
+//! Files: [`source`] (the source's mode: rounds routed per chunk),
+//! [`gather`] (the source's mode that brings a split VM back),
+//! [`destination`] (the main host's mode, picked by a SplitPlan or
+//! GatherPlan), [`pager`] (remote paging after the switch).
 
+pub(crate) mod destination;
 pub(crate) mod gather;
-pub(crate) mod incoming;
 pub mod pager;
 pub(crate) mod source;
 

@@ -9,10 +9,11 @@ use std::time::Instant;
 
 use crate::memory::{is_zero, RegionView};
 use crate::memserver::{StoreClient, StoreOpen};
+use crate::mode::{SendRound, SourceMode};
 use crate::protocol::{self, Kind, PAGE};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
-use crate::stats::{RoundStats, SplitServerStats, SplitStats};
+use crate::stats::{MigrationStats, RoundStats, SplitServerStats, SplitStats};
 use crate::MigrationError;
 
 use super::{chunk_scores, place, ChunkMap, SplitPlan, ON_MAIN};
@@ -268,4 +269,38 @@ fn put_share(
     }
     store.sync()?;
     Ok((pages, zeros, bytes))
+}
+
+/// The split mode on the source: precopy's rounds with every page routed
+/// to where its chunk lives (the main host, or a memory server).
+#[derive(Default)]
+pub(crate) struct Split {
+    router: Option<Router>,
+}
+
+impl SourceMode for Split {
+    fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
+        self.router = Some(Router::open(s)?);
+        Ok(())
+    }
+
+    fn send_round(
+        &mut self,
+        regions: &[RegionView],
+        runs: &[GpaPages],
+        holes: &[GpaPages],
+        send: &mut SendRound<'_>,
+    ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
+        match self.router.as_mut() {
+            Some(r) => r.round(regions, runs, holes, |r, h| send(r, h)),
+            None => send(runs, holes),
+        }
+    }
+
+    fn commit(&mut self, stats: &mut MigrationStats) {
+        if let Some(r) = self.router.as_mut() {
+            r.commit();
+            stats.split = Some(r.stats());
+        }
+    }
 }

@@ -180,3 +180,43 @@ impl<'a> Incoming<'a> {
         Ok(())
     }
 }
+
+impl crate::session::DestinationPhases for Incoming<'_> {
+    fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
+        match f.kind {
+            Kind::SplitPlan => self.on_plan(f),
+            Kind::GatherPlan => self.on_gather(f, ctl),
+            _ => Err(protocol::ProtocolError::Unexpected {
+                got: f.kind,
+                want: "RoundDone, State, Verify or Complete after a split or gather plan",
+            }
+            .into()),
+        }
+    }
+
+    fn hashes(&mut self, regions: &[RegionView]) -> Result<Option<Vec<u64>>, MigrationError> {
+        if !self.planned() {
+            return Ok(None);
+        }
+        Incoming::hashes(self, regions).map(Some)
+    }
+
+    fn before_start(&mut self, _rounds: u32) -> Result<(), MigrationError> {
+        if !self.planned() {
+            return Ok(());
+        }
+        Incoming::before_start(self)
+    }
+
+    fn after_start(
+        &mut self,
+        _ctl: &mut Conn,
+        _rx: &crate::receiver::Received,
+        _stats: &mut crate::stats::IncomingStats,
+    ) -> Result<bool, MigrationError> {
+        if self.planned() {
+            Incoming::after_start(self)?;
+        }
+        Ok(false)
+    }
+}

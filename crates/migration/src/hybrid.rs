@@ -1,0 +1,54 @@
+//! Hybrid: precopy's rounds while they converge; once they have run for
+//! `--postcopy-after` without converging, postcopy takes over from the
+//! paused VM (`postcopy::switch`), so the migration ends in bounded time
+//! however fast the guest dirties memory.
+
+use std::time::Instant;
+
+use crate::mode::SourceMode;
+use crate::options::PostcopyAfter;
+use crate::session::SourceSession;
+use crate::MigrationError;
+
+/// The hybrid mode on the source.
+pub(crate) struct Hybrid;
+
+impl SourceMode for Hybrid {
+    fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
+        crate::postcopy::require(s)
+    }
+
+    fn switch_due(&self, s: &SourceSession, rounds_done: u32) -> Option<String> {
+        let after = s.opts.postcopy_after;
+        postcopy_due(after, rounds_done, s.t_start).then(|| match after {
+            PostcopyAfter::Rounds(n) => format!("{n} dirty rounds"),
+            PostcopyAfter::Secs(x) => format!("{x} s"),
+        })
+    }
+}
+
+/// True when hybrid has waited long enough for precopy to converge.
+fn postcopy_due(after: PostcopyAfter, rounds_done: u32, t_start: Instant) -> bool {
+    match after {
+        // Round 0 is the full copy; `n` dirty rounds follow it.
+        PostcopyAfter::Rounds(n) => rounds_done > n,
+        PostcopyAfter::Secs(x) => t_start.elapsed().as_secs_f64() >= x,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn hybrid_switches_after_n_dirty_rounds_or_after_its_time() {
+        let now = Instant::now();
+        // Round 0 is the full copy: 3 dirty rounds means 4 rounds done.
+        assert!(!postcopy_due(PostcopyAfter::Rounds(3), 3, now));
+        assert!(postcopy_due(PostcopyAfter::Rounds(3), 4, now));
+        assert!(!postcopy_due(PostcopyAfter::Secs(60.0), 100, now));
+        let long_ago = now - Duration::from_secs(3);
+        assert!(postcopy_due(PostcopyAfter::Secs(2.5), 1, long_ago));
+    }
+}
