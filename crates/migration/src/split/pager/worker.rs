@@ -1,0 +1,240 @@
+//! The pager thread: one loop that owns the userfaultfd's events and is the
+//! only writer of the location map, so faults, page-ins and page-outs are
+//! ordered by construction. It waits on the userfaultfd, sends each fault
+//! to what serves it (a hole of a chunk held here, a remote chunk, a
+//! sampled chunk), ends a sampling period every [`PERIOD`], and pages out
+//! ahead down to the low watermark while no fault waits.
+//!
+//! The work itself is in the sibling modules: [`super::page_in`],
+//! [`super::page_out`], [`super::sampling`] and [`super::clock`].
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_memory::{Event, Userfaultfd};
+
+use crate::memory::RegionView;
+use crate::memserver::StoreClient;
+use crate::options::Rank;
+use crate::ranges::{GpaPages, PAGE};
+use crate::sink::UffdPlacer;
+use crate::MigrationError;
+
+use super::super::{ChunkMap, ON_MAIN};
+use super::clock::Clock;
+use super::sampling::PERIOD;
+use super::Shared;
+
+/// The pager thread's own state.
+pub(super) struct Worker {
+    /// Fault handling: registration, write-protect, polling, events.
+    pub(super) uffd: Arc<Userfaultfd>,
+    /// Landing: every page put into guest memory, every map-back and wake.
+    pub(super) placer: UffdPlacer,
+    pub(super) regions: Vec<RegionView>,
+    /// The memfd behind each region: page-out reads through it, never
+    /// through the mapping (a page there may fault on this very thread).
+    pub(super) files: Vec<std::fs::File>,
+    pub(super) map: ChunkMap,
+    pub(super) homes: Vec<u16>,
+    pub(super) mirrors: Vec<u16>,
+    pub(super) servers: Vec<String>,
+    pub(super) budget: u64,
+    pub(super) rank: Rank,
+    pub(super) stores: Vec<StoreClient>,
+    /// Servers that failed: their chunks cannot come back.
+    pub(super) dead: Vec<bool>,
+    /// Per chunk: when it was last seen used (a count of paging events,
+    /// so chunks used within one period still have an order).
+    pub(super) last_use: Vec<u64>,
+    /// The paging event count.
+    pub(super) events: u64,
+    /// Per chunk: aging history (top bit = the latest period).
+    pub(super) aging: Vec<u8>,
+    /// Per chunk: referenced since it was armed.
+    pub(super) referenced: Vec<bool>,
+    /// The clock: which chunks are armed, and its learned victim choice.
+    pub(super) clock: Clock,
+    /// A page-in found the budget full: from then on the idle loop pages
+    /// out ahead (not before: a VM that never pages keeps its chunks).
+    pub(super) pressed: bool,
+    /// Chunks armed this period.
+    pub(super) armed: Vec<usize>,
+    /// Where the next arming starts.
+    pub(super) cursor: usize,
+    pub(super) sampling: bool,
+    pub(super) shared: Arc<Shared>,
+    /// Faults on chunks of a dead server: never woken (the VM stops).
+    pub(super) parked: Vec<u64>,
+}
+
+impl Worker {
+    pub(super) fn run(mut self) {
+        let mut events = Vec::new();
+        let mut next_period = Instant::now() + PERIOD;
+        while !self.shared.stop.load(Ordering::Acquire) {
+            if Instant::now() >= next_period {
+                self.period();
+                next_period = Instant::now() + PERIOD;
+            }
+            // Page-out down to the low watermark runs only while no fault
+            // waits: a fault never queues behind it for more than one chunk.
+            let idle_work = self.below_watermark_needed();
+            let wait = if idle_work {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(20)
+            };
+            match self.uffd.poll(wait) {
+                Ok(true) => {}
+                Ok(false) => {
+                    if idle_work {
+                        if let Err(e) = self.evict_one(None) {
+                            self.fail(e.to_string());
+                        }
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    self.fail(format!("reading userfaultfd: {e}"));
+                    break;
+                }
+            }
+            events.clear();
+            if let Err(e) = self.uffd.read_events(&mut events) {
+                self.fail(format!("reading userfaultfd: {e}"));
+                break;
+            }
+            for ev in &events {
+                if let Event::PageFault {
+                    addr, wp, minor, ..
+                } = *ev
+                {
+                    if let Err(e) = self.fault(addr, wp, minor) {
+                        self.fail(e.to_string());
+                    }
+                }
+            }
+        }
+        for r in &self.regions {
+            let _ = self.uffd.unregister(r.host_start(), r.size());
+        }
+        // The VM is gone from here: what the servers hold for it is garbage.
+        for store in self.stores.drain(..) {
+            let _ = store.close();
+        }
+    }
+
+    pub(super) fn fail(&self, why: String) {
+        let sh = &self.shared;
+        let mut f = sh.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_some() {
+            return;
+        }
+        tracing::error!(%why, "remote paging failed");
+        if let Some(hook) = sh
+            .on_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            hook(&why);
+        }
+        *f = Some(why);
+    }
+
+    fn place(&self, c: usize) -> u16 {
+        self.shared.places_held()[c]
+    }
+
+    pub(super) fn set_place(&self, c: usize, p: u16) {
+        self.shared.places_held()[c] = p;
+    }
+
+    fn fault(&mut self, addr: u64, wp: bool, minor: bool) -> Result<(), MigrationError> {
+        let page = addr & !(PAGE - 1);
+        let Some(gpa) = self.regions.iter().find_map(|r| r.gpa_of_host(page)) else {
+            return Ok(());
+        };
+        let Some(c) = self.map.chunk_of(gpa) else {
+            return Ok(());
+        };
+        if wp {
+            // A write that waited on a page-out, which has finished: the
+            // page is gone now, and the retry faults MISSING.
+            self.placer.wake(GpaPages::new(gpa, 1));
+            return Ok(());
+        }
+        self.events += 1;
+        self.last_use[c] = self.events;
+        self.referenced[c] = true;
+        self.clock.disarm(c);
+        if minor {
+            self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
+            return self.map_back(c, gpa);
+        }
+        let place = self.place(c);
+        if place == ON_MAIN {
+            // Never-written pages of a chunk held here: all of them at
+            // once (a guest filling fresh memory faults once per chunk,
+            // not once per page; the budget counts whole chunks anyway).
+            self.fill_holes(c)?;
+            self.placer.wake(GpaPages::new(gpa, 1));
+            return Ok(());
+        }
+        let t = Instant::now();
+        for server in self.copies(c) {
+            if self.dead[server] {
+                continue;
+            }
+            match self.page_in(c, gpa, server, t) {
+                Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
+                Ok(()) => {
+                    // The other copy is stale from now on.
+                    for other in self.copies(c) {
+                        if other != server && !self.dead[other] {
+                            let run = [self.map.run(c)];
+                            let store = &mut self.stores[other];
+                            if let Err(e) = store.drop_runs(&run).and_then(|_| store.flush()) {
+                                self.lose(other, &e.to_string());
+                            }
+                        }
+                    }
+                    let outs = self.shared.counters.page_outs.load(Ordering::Relaxed);
+                    self.clock.learn_refault(c, outs);
+                    return self.keep_budget(c);
+                }
+                Err(e) => self.lose(server, &e.to_string()),
+            }
+        }
+        self.parked.push(gpa);
+        let names: Vec<&str> = self
+            .copies(c)
+            .into_iter()
+            .map(|s| self.servers[s].as_str())
+            .collect();
+        Err(MigrationError::Unsupported(format!(
+            "page {gpa:#x} is out of reach: memory server {} failed and the VM cannot run on without it",
+            names.join(" and ")
+        )))
+    }
+
+    /// The servers holding chunk `c` when it is not here (home first).
+    pub(super) fn copies(&self, c: usize) -> Vec<usize> {
+        [self.homes[c], self.mirrors[c]]
+            .into_iter()
+            .filter(|&s| s != ON_MAIN)
+            .map(|s| usize::from(s) - 1)
+            .collect()
+    }
+
+    /// A memory server failed: paging goes on with the other copies.
+    pub(super) fn lose(&mut self, server: usize, why: &str) {
+        if !std::mem::replace(&mut self.dead[server], true) {
+            tracing::error!(server = %self.servers[server], %why, "memory server lost");
+            let mut lost = self.shared.lost.lock().unwrap_or_else(|e| e.into_inner());
+            lost.push(self.servers[server].clone());
+        }
+    }
+}
