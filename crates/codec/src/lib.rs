@@ -16,6 +16,7 @@ pub mod dedup;
 mod error;
 mod method;
 mod page;
+mod parse;
 pub mod rle;
 mod sets;
 mod stream;

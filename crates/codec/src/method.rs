@@ -2,9 +2,6 @@
 
 use std::fmt;
 use std::ops::RangeInclusive;
-use std::str::FromStr;
-
-use crate::error::CodecError;
 
 /// How one page of a batch is coded (one byte on the wire).
 #[repr(u8)]
@@ -27,30 +24,13 @@ pub enum PageCodec {
     Zstd = 6,
 }
 
-impl TryFrom<u8> for PageCodec {
-    type Error = CodecError;
-
-    fn try_from(id: u8) -> Result<Self, CodecError> {
-        Ok(match id {
-            0 => PageCodec::Raw,
-            1 => PageCodec::Zero,
-            2 => PageCodec::Rle,
-            3 => PageCodec::Xbzrle,
-            4 => PageCodec::Dedup,
-            5 => PageCodec::Lz4,
-            6 => PageCodec::Zstd,
-            _ => return Err(CodecError::BadCodecId(id)),
-        })
-    }
-}
-
 /// zstd levels a [`Method::Zstd`] may carry.
 pub const ZSTD_LEVELS: RangeInclusive<i32> = 1..=19;
 /// The level of a bare "zstd".
 pub const ZSTD_DEFAULT_LEVEL: i32 = 3;
 
 /// Method ids below this are fixed; zstd takes `ZSTD_ID_BASE + level`.
-const ZSTD_ID_BASE: u8 = 0x40;
+pub(crate) const ZSTD_ID_BASE: u8 = 0x40;
 
 /// What a batch is encoded with (chosen by a policy per batch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,24 +70,6 @@ impl Method {
         }
     }
 
-    /// The method of a wire id (see [`Method::id`]).
-    pub fn from_id(id: u8) -> Result<Method, CodecError> {
-        Ok(match id {
-            0 => Method::None,
-            1 => Method::Rle,
-            2 => Method::Xbzrle,
-            3 => Method::Dedup,
-            4 => Method::Lz4,
-            _ => {
-                let level = i32::from(id.wrapping_sub(ZSTD_ID_BASE));
-                if id < ZSTD_ID_BASE || !ZSTD_LEVELS.contains(&level) {
-                    return Err(CodecError::BadMethodId(id));
-                }
-                Method::Zstd(level)
-            }
-        })
-    }
-
     /// The name without a level: "none", "rle", "xbzrle", "dedup", "lz4", "zstd".
     pub fn name(self) -> &'static str {
         match self {
@@ -134,33 +96,8 @@ impl Method {
     }
 }
 
-impl FromStr for Method {
-    type Err = CodecError;
-
-    /// "none", "rle", "xbzrle", "dedup", "lz4", "zstd" (level 3) or "zstd:N", N in 1..=19.
-    fn from_str(s: &str) -> Result<Method, CodecError> {
-        let bad = || CodecError::BadMethodName(s.to_string());
-        Ok(match s {
-            "none" => Method::None,
-            "rle" => Method::Rle,
-            "xbzrle" => Method::Xbzrle,
-            "dedup" => Method::Dedup,
-            "lz4" => Method::Lz4,
-            "zstd" => Method::Zstd(ZSTD_DEFAULT_LEVEL),
-            _ => {
-                let level = s.strip_prefix("zstd:").ok_or_else(bad)?;
-                let level: i32 = level.parse().map_err(|_| bad())?;
-                if !ZSTD_LEVELS.contains(&level) {
-                    return Err(CodecError::BadZstdLevel(level));
-                }
-                Method::Zstd(level)
-            }
-        })
-    }
-}
-
 impl fmt::Display for Method {
-    /// The name [`FromStr`] reads back; zstd always shows its level ("zstd:3").
+    /// The name `FromStr` reads back; zstd always shows its level ("zstd:3").
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Method::Zstd(level) => write!(f, "zstd:{level}"),

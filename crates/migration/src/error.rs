@@ -2,10 +2,7 @@
 
 use crate::protocol::ProtocolError;
 use crate::sink::SinkError;
-
-/// An error from the VMM (or whatever implements the engine's traits),
-/// kept whole so its own type and cause chain reach the user.
-pub type VmOpError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use crate::vm_error::VmOpError;
 
 /// Why a migration failed. On the source, every failure but
 /// [`MigrationError::InDoubt`] leaves the VM running there with nothing lost.

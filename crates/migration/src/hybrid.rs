@@ -5,15 +5,15 @@
 
 use std::time::Instant;
 
-use crate::mode::SourceMode;
 use crate::options::PostcopyAfter;
+use crate::precopy::Rounds;
 use crate::session::SourceSession;
 use crate::MigrationError;
 
 /// The hybrid mode on the source.
 pub(crate) struct Hybrid;
 
-impl SourceMode for Hybrid {
+impl Rounds for Hybrid {
     fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
         crate::postcopy::require(s)
     }

@@ -29,6 +29,7 @@ pub mod options;
 pub mod outgoing;
 pub(crate) mod pacer;
 pub mod pagein;
+pub mod pager;
 pub(crate) mod postcopy;
 pub(crate) mod precopy;
 pub(crate) mod priority;
@@ -43,6 +44,7 @@ pub mod stats;
 pub mod telemetry;
 pub mod transport;
 pub mod vm;
+mod vm_error;
 
 pub use compress::{Backend, BatchEncoder, Compress};
 pub use error::{MigrationError, VmOpError};

@@ -5,13 +5,14 @@
 //! Complete). The destination side has no phases of its own beyond the
 //! session's round barriers.
 //!
-//! The round loop serves every copy mode through its [`SourceMode`] hooks
+//! The round loop serves every copy mode through its [`Rounds`] hooks
 //! (hybrid, split and gather live in their own files); [`Precopy`] is the
 //! mode with none.
 
 use crate::compress::Backend;
 use crate::dirty::{dirty_runs, first_round, sample_pages};
 use crate::encoded::CodecSetup;
+use crate::memory::RegionView;
 use crate::mode::SourceMode;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
@@ -22,13 +23,81 @@ use crate::MigrationError;
 /// Bytes on the wire per page besides its payload (its address).
 const PAGE_META: u64 = 8;
 
+/// Sends one round's pages to the destination over the bulk streams: runs,
+/// then known-zero holes; returns the round's figures and each stream's
+/// frame count (for the barrier).
+pub(crate) type SendRound<'s> =
+    dyn FnMut(&[GpaPages], &[GpaPages]) -> Result<(RoundStats, Vec<u64>), MigrationError> + 's;
+
+/// What a copy mode adds to the round loop. The defaults are plain
+/// precopy's.
+pub(crate) trait Rounds {
+    /// Once the session is open, before the bulk streams (split places
+    /// its chunks; hybrid checks the destination can do postcopy).
+    fn begin(&mut self, _s: &mut SourceSession) -> Result<(), MigrationError> {
+        Ok(())
+    }
+
+    /// Once the bulk streams are open, before round 0 (gather waits for
+    /// the destination to pull the memory servers' part).
+    fn streams_open(&mut self, _s: &mut SourceSession) -> Result<(), MigrationError> {
+        Ok(())
+    }
+
+    /// Round 0's known-zero ranges, as this mode sends them (gather: only
+    /// the main host's own).
+    fn holes(&self, holes: Vec<GpaPages>) -> Vec<GpaPages> {
+        holes
+    }
+
+    /// Sends a round; `send` takes pages to the destination (split sends
+    /// each memory server its chunks beside it).
+    fn send_round(
+        &mut self,
+        _regions: &[RegionView],
+        runs: &[GpaPages],
+        holes: &[GpaPages],
+        send: &mut SendRound<'_>,
+    ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
+        send(runs, holes)
+    }
+
+    /// After a dirty round that did not converge: why to switch to
+    /// postcopy now (hybrid), or None to go on copying.
+    fn switch_due(&self, _s: &SourceSession, _rounds_done: u32) -> Option<String> {
+        None
+    }
+
+    /// The per-page hashes for Verify where this side's memory does not
+    /// hold every page (gather); None: hash memory.
+    fn hashes(&self, _s: &SourceSession) -> Option<Result<Vec<u64>, MigrationError>> {
+        None
+    }
+
+    /// Complete is about to go out: keep what the destination will use
+    /// and record the mode's figures.
+    fn commit(&mut self, _stats: &mut MigrationStats) {}
+}
+
+/// Every copy mode runs the round loop.
+impl<R: Rounds> SourceMode for R {
+    fn run(
+        &mut self,
+        s: &mut SourceSession,
+        backend: &Backend,
+        progress: &dyn Fn(&Progress),
+    ) -> Result<MigrationStats, MigrationError> {
+        run(s, backend, progress, self)
+    }
+}
+
 /// Plain precopy: the round loop with no hooks.
 pub(crate) struct Precopy;
 
-impl SourceMode for Precopy {}
+impl Rounds for Precopy {}
 
 /// Runs the copy rounds of `mode` over a session it opens.
-pub(crate) fn run<M: SourceMode + ?Sized>(
+pub(crate) fn run<M: Rounds + ?Sized>(
     s: &mut SourceSession,
     backend: &Backend,
     progress: &dyn Fn(&Progress),

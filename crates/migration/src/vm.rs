@@ -7,9 +7,9 @@
 //! - [`IncomingVm`]: a destination VM: a page store plus vCPUs to restore
 //!   and start.
 
-pub use crate::error::VmOpError;
 pub use crate::memory::RegionView;
 use crate::ranges::{GpaBytes, GpaPages, OffsetBytes};
+pub use crate::vm_error::VmOpError;
 
 /// Whole regions as data ranges: the default where a VM cannot tell better.
 fn whole(regions: &[RegionView], index: usize) -> Vec<OffsetBytes> {
@@ -103,7 +103,7 @@ pub trait MigratableVm: Send + Sync {
     }
     /// A split VM's pager on its main host (gather reads from it); None
     /// for a VM that is not split.
-    fn pager(&self) -> Option<std::sync::Arc<crate::split::RemotePager>> {
+    fn pager(&self) -> Option<std::sync::Arc<crate::pager::RemotePager>> {
         None
     }
     /// The destination's timeline arrived (JSON lines, as its
@@ -195,7 +195,7 @@ pub trait IncomingVm: PageStore {
     /// The VM started on the main host of a split migration: keep its
     /// pager (dropping it would strand the VM's remote memory). A VMM that
     /// cannot says why (the pager is then dropped).
-    fn adopt_pager(&self, _pager: crate::split::RemotePager) -> Result<(), VmOpError> {
+    fn adopt_pager(&self, _pager: crate::pager::RemotePager) -> Result<(), VmOpError> {
         Err(VmOpError::from(
             "this VMM cannot keep a split VM's pager".to_string(),
         ))

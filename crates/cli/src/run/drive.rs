@@ -14,25 +14,12 @@ use ferry_vmm::metrics::{rate, MetricsSnapshot};
 use ferry_vmm::{Vm, VmExit};
 use serde_json::json;
 
-use super::handover::Carried;
-use super::summary::{print_summary, summary_json};
+use super::front::Carried;
+use super::summary::{print_summary, summary_json, Ending};
 use crate::format;
 
 const SAMPLE_EVERY: Duration = Duration::from_millis(10);
 const LIVE_EVERY: Duration = Duration::from_millis(500);
-
-/// Why the run ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum Ending {
-    Migrated,
-    Duration,
-    WorkloadsDone,
-    Interrupted,
-    ControlQuit,
-    GuestStopped,
-    HandedOver,
-}
 
 /// Samples the running VM until the run ends, then reports.
 pub(super) fn drive(

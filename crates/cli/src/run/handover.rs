@@ -2,8 +2,8 @@
 //! process at a handover (the run's settings), the offer that makes a
 //! handover possible, and `--adopt-fd`, the new process's side.
 
+use super::front::Carried;
 use std::io::LineWriter;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,34 +15,6 @@ use ferry_vmm::control::{ControlServer, HandoverSetup, VmControl};
 use super::access::access_config;
 use super::drive::drive;
 use super::{console_sink, unix_ms};
-
-/// What the front end of a run passes to the next process at a handover,
-/// so the run goes on there as it would have here.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub(super) struct Carried {
-    pub(super) json: bool,
-    pub(super) quiet: bool,
-    pub(super) timeline: Option<PathBuf>,
-    pub(super) duration_ms: Option<u64>,
-    /// When the run's clock started (ms since the epoch).
-    pub(super) started_unix_ms: u64,
-    /// The VM's own address (up on this host; the new process removes it
-    /// when the VM leaves). Kept in the run's settings, not the handover
-    /// protocol, so a ferry without the feature can still hand over.
-    #[serde(default)]
-    pub(super) vm_address: Option<std::net::Ipv4Addr>,
-    /// Access tracking (period ms, share); absent or 0: off.
-    #[serde(default)]
-    pub(super) access_period_ms: u64,
-    #[serde(default)]
-    pub(super) access_share: u32,
-    /// 0 (an older ferry's run): the default grain.
-    #[serde(default)]
-    pub(super) access_grain: u64,
-    /// Writes from KVM's dirty log (--access-writes log).
-    #[serde(default)]
-    pub(super) access_log_writes: bool,
-}
 
 /// The handover request's needs: this binary, the control socket, and
 /// this run's settings for the next process.

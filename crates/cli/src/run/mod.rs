@@ -9,6 +9,7 @@
 mod access;
 mod args;
 mod drive;
+mod front;
 mod handover;
 mod incoming;
 mod summary;
@@ -29,7 +30,8 @@ use crate::format;
 use access::access_config;
 pub use args::RunArgs;
 use drive::drive;
-use handover::{adopt, offer_handover, Carried};
+use front::Carried;
+use handover::{adopt, offer_handover};
 
 fn unix_ms() -> u64 {
     SystemTime::now()

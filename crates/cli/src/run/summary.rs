@@ -8,7 +8,19 @@ use ferry_vmm::metrics::{rate, MetricsSnapshot};
 use ferry_vmm::{Vm, VmExit};
 use serde_json::json;
 
-use super::drive::Ending;
+/// Why the run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Ending {
+    Migrated,
+    Duration,
+    WorkloadsDone,
+    Interrupted,
+    ControlQuit,
+    GuestStopped,
+    HandedOver,
+}
+
 use crate::format;
 
 pub(super) fn summary_json(

@@ -27,9 +27,9 @@ pub use switch::SwitchSink;
 pub use uffd::{LandObserver, LandPolicy, UffdSink, UffdSinkStats};
 pub use written::MaybeNonZero;
 
-use crate::error::VmOpError;
 use crate::ranges::GpaPages;
 use crate::transport::ConnReader;
+use crate::vm_error::VmOpError;
 
 /// Why pages could not land.
 #[derive(Debug, thiserror::Error)]

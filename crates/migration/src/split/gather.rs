@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use crate::memserver::StoreOpen;
-use crate::mode::SourceMode;
+use crate::precopy::Rounds;
 use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
@@ -171,7 +171,7 @@ pub(crate) struct GatherMode {
     gather: Option<Gather>,
 }
 
-impl SourceMode for GatherMode {
+impl Rounds for GatherMode {
     fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
         self.gather = Some(Gather::open(s)?);
         Ok(())

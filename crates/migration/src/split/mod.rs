@@ -25,18 +25,16 @@
 
 pub(crate) mod destination;
 pub(crate) mod gather;
-pub mod pager;
 pub(crate) mod source;
 
 use serde::{Deserialize, Serialize};
 
-use crate::memory::RegionView;
 use crate::options::Rank;
-use crate::ranges::{GpaPages, PAGE};
+use crate::ranges::GpaPages;
 use crate::transport::Endpoint;
 use crate::vm::AccessHistory;
 
-pub use pager::{GatherSnapshot, PagerStats, RemotePager};
+pub use crate::pager::{ChunkMap, GatherSnapshot, PagerStats, RemotePager, SplitPlan, ON_MAIN};
 
 /// What a gathering destination pulls from the memory servers (v8).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,186 +45,6 @@ pub struct GatherPlan {
     pub servers: Vec<Endpoint>,
     /// Per server, the runs to pull from it.
     pub pulls: Vec<Vec<GpaPages>>,
-}
-
-/// A chunk's place in a [`SplitPlan`]: on the main host.
-pub const ON_MAIN: u16 = 0;
-
-/// The source's plan, sent to the main host before any page (v8).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SplitPlan {
-    /// The VM's id on the memory servers (the same on every connection).
-    pub vm: String,
-    /// Pages per chunk.
-    pub chunk_pages: u32,
-    /// The memory servers, as the main host reaches them.
-    pub servers: Vec<Endpoint>,
-    /// Per chunk (in guest address order over all regions): [`ON_MAIN`],
-    /// or 1 + the index of the server holding it.
-    pub places: Vec<u16>,
-    /// Per chunk: 1 + the server it goes to when paged out (a chunk not
-    /// on the main host lives there).
-    pub homes: Vec<u16>,
-    /// Per chunk: 1 + the server holding its second copy, or 0 (no
-    /// replicas).
-    pub mirrors: Vec<u16>,
-    /// Chunks the main host may hold.
-    pub budget_chunks: u64,
-    /// The ranking page-out uses.
-    pub rank: Rank,
-}
-
-impl SplitPlan {
-    /// Checks the plan against the main host's memory.
-    pub fn check(&self, map: &ChunkMap) -> Result<(), String> {
-        let n = map.chunks();
-        if self.places.len() != n || self.homes.len() != n || self.mirrors.len() != n {
-            return Err(format!(
-                "the plan places {} chunks, this VM's memory has {n} of {} pages",
-                self.places.len(),
-                self.chunk_pages
-            ));
-        }
-        let servers = self.servers.len();
-        if self.places.iter().any(|&p| usize::from(p) > servers)
-            || self
-                .homes
-                .iter()
-                .any(|&h| h == ON_MAIN || usize::from(h) > servers)
-            || self.mirrors.iter().any(|&m| usize::from(m) > servers)
-        {
-            return Err(format!("the plan names a server beyond its {servers}"));
-        }
-        let misplaced = (0..n).any(|c| {
-            (self.places[c] != ON_MAIN && self.places[c] != self.homes[c])
-                || self.mirrors[c] == self.homes[c]
-        });
-        if misplaced {
-            return Err(
-                "the plan puts a chunk away from its home, or both its copies on one server".into(),
-            );
-        }
-        let on_main = self.places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
-        if on_main > self.budget_chunks {
-            return Err(format!(
-                "the plan puts {on_main} chunks on the main host, over its budget of {}",
-                self.budget_chunks
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Guest memory cut into chunks of `chunk_pages` pages, numbered in guest
-/// address order over all regions (a region's last chunk may be short).
-#[derive(Clone, Debug)]
-pub struct ChunkMap {
-    /// Per region: (first gpa, pages, first chunk number, first page number).
-    regions: Vec<(u64, u64, usize, u64)>,
-    chunk_pages: u64,
-    chunks: usize,
-}
-
-impl ChunkMap {
-    /// The chunks of `regions`.
-    pub fn new(regions: &[RegionView], chunk_pages: u32) -> Self {
-        let chunk_pages = u64::from(chunk_pages.max(1));
-        let (mut chunks, mut pages, mut out) = (0usize, 0u64, Vec::new());
-        for r in regions {
-            out.push((r.gpa(), r.pages(), chunks, pages));
-            chunks += r.pages().div_ceil(chunk_pages) as usize;
-            pages += r.pages();
-        }
-        ChunkMap {
-            regions: out,
-            chunk_pages,
-            chunks,
-        }
-    }
-
-    /// Number of chunks.
-    pub fn chunks(&self) -> usize {
-        self.chunks
-    }
-
-    /// Pages per (whole) chunk.
-    pub fn chunk_pages(&self) -> u64 {
-        self.chunk_pages
-    }
-
-    /// The chunk holding `gpa`.
-    pub fn chunk_of(&self, gpa: u64) -> Option<usize> {
-        self.regions.iter().find_map(|&(base, pages, first, _)| {
-            let off = gpa.checked_sub(base)? / PAGE;
-            (off < pages).then(|| first + (off / self.chunk_pages) as usize)
-        })
-    }
-
-    /// The page number of `gpa` over all regions (the index of its hash).
-    pub fn page_index(&self, gpa: u64) -> Option<u64> {
-        self.regions.iter().find_map(|&(base, pages, _, first)| {
-            let off = gpa.checked_sub(base)? / PAGE;
-            (off < pages).then_some(first + off)
-        })
-    }
-
-    /// The pages of chunk `c`.
-    pub fn run(&self, c: usize) -> GpaPages {
-        let &(base, pages, first, _) = self
-            .regions
-            .iter()
-            .rev()
-            .find(|r| r.2 <= c)
-            .expect("chunk numbers start at 0");
-        let start = (c - first) as u64 * self.chunk_pages;
-        GpaPages::new(
-            base + start * PAGE,
-            self.chunk_pages.min(pages.saturating_sub(start)),
-        )
-    }
-
-    /// How many pages of `runs` fall in each chunk.
-    pub fn pages_per_chunk(&self, runs: &[GpaPages]) -> Vec<u64> {
-        let mut out = vec![0u64; self.chunks];
-        self.each_piece(runs, |c, piece| out[c] += piece.pages);
-        out
-    }
-
-    /// Calls `f(chunk, piece)` for the pieces of `runs` cut at chunk borders.
-    fn each_piece(&self, runs: &[GpaPages], mut f: impl FnMut(usize, GpaPages)) {
-        for run in runs {
-            let mut gpa = run.gpa;
-            while gpa < run.end() {
-                let Some(c) = self.chunk_of(gpa) else { break };
-                let end = self.run(c).end().min(run.end());
-                f(c, GpaPages::new(gpa, (end - gpa) / PAGE));
-                gpa = end;
-            }
-        }
-    }
-
-    /// All memory sorted by the place of its chunk: `out[p]` holds the
-    /// runs of the chunks whose place is `p` (neighbours merged), for
-    /// places `0..places_n`.
-    pub fn runs_by_place(&self, places: &[u16], places_n: usize) -> Vec<Vec<GpaPages>> {
-        let all: Vec<GpaPages> = (0..self.chunks).map(|c| self.run(c)).collect();
-        let mut out = vec![Vec::new(); places_n];
-        self.route(&all, places, &mut out);
-        out
-    }
-
-    /// Cuts `runs` at chunk borders and sorts the pieces by the place of
-    /// their chunk: `out[p]` gets the pieces whose chunk's place is `p`.
-    pub fn route(&self, runs: &[GpaPages], places: &[u16], out: &mut [Vec<GpaPages>]) {
-        self.each_piece(runs, |c, piece| {
-            if let Some(v) = out.get_mut(usize::from(places[c])) {
-                match v.last_mut() {
-                    Some(last) if last.end() == piece.gpa => last.pages += piece.pages,
-                    _ => v.push(piece),
-                }
-            }
-        });
-    }
 }
 
 /// Opens a store on every server at once (a connection each, in
@@ -369,6 +187,8 @@ pub fn place(scores: &[u64], data: &[u64], budget: u64, servers: usize, replicas
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::RegionView;
+    use crate::ranges::PAGE;
 
     fn views(layout: &[(u64, u64)]) -> Vec<RegionView> {
         // SAFETY: these views are only used for their addresses here.

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::memory::{is_zero, RegionView};
 use crate::memserver::{StoreClient, StoreOpen};
-use crate::mode::{SendRound, SourceMode};
+use crate::precopy::{Rounds, SendRound};
 use crate::protocol::{self, Kind, PAGE};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
@@ -278,7 +278,7 @@ pub(crate) struct Split {
     router: Option<Router>,
 }
 
-impl SourceMode for Split {
+impl Rounds for Split {
     fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
         self.router = Some(Router::open(s)?);
         Ok(())

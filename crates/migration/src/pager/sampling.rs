@@ -9,19 +9,17 @@
 //! [`UffdPlacer`]: crate::sink::UffdPlacer
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::memory::RegionView;
 use crate::ranges::{GpaPages, PAGE};
 use crate::MigrationError;
 
-use super::super::{ChunkMap, ON_MAIN};
+use super::chunks::{ChunkMap, ON_MAIN};
 use super::host_of;
 use super::page_in::runs_of;
 use super::worker::Worker;
 
-/// How often the pager samples accesses and ages its chunks.
-pub(super) const PERIOD: Duration = Duration::from_secs(1);
 /// Most chunks armed for sampling per period (a MINOR fault costs a vCPU
 /// 30-90 µs here, so the share stays small).
 const ARM_MAX: usize = 64;

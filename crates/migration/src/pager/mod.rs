@@ -34,9 +34,11 @@
 //! pager's own userfaultfd calls are fault handling: registering,
 //! write-protecting a chunk being paged out, polling and reading events.
 
+mod chunks;
 mod clock;
 mod page_in;
 mod page_out;
+mod plan;
 mod sampling;
 mod stats;
 mod worker;
@@ -53,11 +55,12 @@ use crate::ranges::PAGE;
 use crate::sink::{SinkError, UffdPlacer};
 use crate::MigrationError;
 
-use super::{ChunkMap, SplitPlan, ON_MAIN};
 use clock::Clock;
 use stats::{percentiles, Counters};
 use worker::Worker;
 
+pub use chunks::{ChunkMap, ON_MAIN};
+pub use plan::SplitPlan;
 pub use stats::PagerStats;
 
 type FailureHook = Box<dyn Fn(&str) + Send>;

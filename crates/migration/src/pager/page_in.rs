@@ -14,7 +14,7 @@ use std::time::Instant;
 use crate::ranges::{GpaPages, PAGE};
 use crate::MigrationError;
 
-use super::super::ON_MAIN;
+use super::chunks::ON_MAIN;
 use super::stats::record_latency;
 use super::worker::Worker;
 use super::{bad_gpa, host_of, sink_err};

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::options::Rank;
 
-use super::super::ON_MAIN;
+use super::chunks::ON_MAIN;
 
 /// Chunks the clock keeps armed ahead of page-out: this share of the
 /// budget, within the bounds below.

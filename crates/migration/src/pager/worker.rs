@@ -21,10 +21,12 @@ use crate::ranges::{GpaPages, PAGE};
 use crate::sink::UffdPlacer;
 use crate::MigrationError;
 
-use super::super::{ChunkMap, ON_MAIN};
+use super::chunks::{ChunkMap, ON_MAIN};
 use super::clock::Clock;
-use super::sampling::PERIOD;
 use super::Shared;
+
+/// How often the pager samples accesses and ages its chunks.
+pub(super) const PERIOD: Duration = Duration::from_secs(1);
 
 /// The pager thread's own state.
 pub(super) struct Worker {
