@@ -77,7 +77,7 @@ pub trait BatchEncoder: Send {
         pages: &[u64],
         data: &[u8],
         out: &mut EncodedBatch,
-    ) -> Result<(), crate::VmOpError>;
+    ) -> Result<(), crate::vm_error::VmOpError>;
 }
 
 impl BatchEncoder for StreamEncoder {
@@ -87,7 +87,7 @@ impl BatchEncoder for StreamEncoder {
         pages: &[u64],
         data: &[u8],
         out: &mut EncodedBatch,
-    ) -> Result<(), crate::VmOpError> {
+    ) -> Result<(), crate::vm_error::VmOpError> {
         Ok(StreamEncoder::encode(self, method, pages, data, out)?)
     }
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::options::PostcopyAfter;
 use crate::precopy::Rounds;
 use crate::session::SourceSession;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// The hybrid mode on the source.
 pub(crate) struct Hybrid;

@@ -11,7 +11,7 @@ use crate::stats::IncomingStats;
 use crate::transport::Conn;
 use crate::transport::Listener;
 use crate::vm::IncomingVm;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// Receives one migration into `vm` through `listener`; `timeout` bounds
 /// each step once a source has connected (waiting for one is unbounded).
@@ -139,7 +139,7 @@ impl DestinationPhases for Phases<'_> {
 
     fn hashes(
         &mut self,
-        regions: &[crate::RegionView],
+        regions: &[crate::memory::RegionView],
     ) -> Result<Option<Vec<u64>>, MigrationError> {
         match self.current() {
             Some(m) => m.hashes(regions),

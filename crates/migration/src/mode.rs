@@ -14,7 +14,7 @@
 use crate::compress::Backend;
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, Progress};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// A migration mode on the source: it runs the migration over a session
 /// that is not open yet. Every copy mode gets this from precopy's round

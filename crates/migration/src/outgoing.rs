@@ -8,7 +8,7 @@ use crate::session::SourceSession;
 use crate::stats::{MigrationStats, Progress};
 use crate::transport::Endpoint;
 use crate::vm::MigratableVm;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// Migrates `vm` to the ferry destination at `to`, with the codecs of
 /// `backend`. On success the VM runs at the destination and the caller must
@@ -55,7 +55,7 @@ pub fn resume(
     let to = to.unwrap_or_else(|| paused.to.clone());
     let opts = paused.opts.clone();
     tracing::info!(%to, "postcopy resumes");
-    let mut session = SourceSession::resuming(vm, &to, &opts, &paused);
+    let mut session = SourceSession::resuming(vm, &to, &opts, paused.session);
     let result = crate::postcopy::resume(&mut session, paused, progress);
     conclude(session, result)
 }

@@ -14,7 +14,7 @@ use crate::protocol::{eof_is_truncated, Header, Kind, ProtocolError, MAX_BATCH, 
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
 use crate::transport::ConnReader;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 fn malformed(reason: String) -> ProtocolError {
     ProtocolError::Malformed {

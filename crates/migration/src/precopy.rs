@@ -18,7 +18,7 @@ use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
 use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, Progress, RoundStats};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// Bytes on the wire per page besides its payload (its address).
 const PAGE_META: u64 = 8;

@@ -16,7 +16,7 @@ use crate::ranges::GpaPages;
 use crate::sink::PageSink;
 use crate::stats::{thread_cpu_secs, CpuMeter};
 use crate::transport::{Closer, ConnReader};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// What the bulk threads share with the control thread.
 pub(crate) struct Received {

@@ -35,7 +35,7 @@ use crate::protocol::{self, Kind, MAX_BATCH, PAGE};
 use crate::ranges::{push_page, total_pages, GpaPages};
 use crate::stats::{secs, thread_cpu_secs, CpuMeter, RoundStats};
 use crate::transport::{Conn, ConnWriter};
-use crate::{MigrationError, ProtocolError};
+use crate::{error::MigrationError, protocol::ProtocolError};
 
 /// Buffers between two stages.
 const DEPTH: usize = 3;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::protocol::{self, Hello, Kind, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::transport::{Conn, Endpoint};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::transport::{Conn, Listener};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::store::{Capacity, VmStore};
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};

@@ -53,7 +53,7 @@ use crate::memory::RegionView;
 use crate::memserver::StoreClient;
 use crate::ranges::PAGE;
 use crate::sink::{SinkError, UffdPlacer};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use clock::Clock;
 use stats::{percentiles, Counters};

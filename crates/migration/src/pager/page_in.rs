@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::ranges::{GpaPages, PAGE};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::chunks::ON_MAIN;
 use super::stats::record_latency;

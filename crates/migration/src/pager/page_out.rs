@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use crate::options::Rank;
 use crate::ranges::PAGE;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::clock::fallback_victim;
 use super::sampling::drop_ptes;

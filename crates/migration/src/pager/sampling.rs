@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use crate::memory::RegionView;
 use crate::ranges::{GpaPages, PAGE};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::chunks::{ChunkMap, ON_MAIN};
 use super::host_of;

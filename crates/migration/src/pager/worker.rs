@@ -19,7 +19,7 @@ use crate::memserver::StoreClient;
 use crate::options::Rank;
 use crate::ranges::{GpaPages, PAGE};
 use crate::sink::UffdPlacer;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::chunks::{ChunkMap, ON_MAIN};
 use super::clock::Clock;

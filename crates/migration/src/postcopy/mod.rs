@@ -40,7 +40,7 @@ use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
 use crate::transport::Conn;
 
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// Refuses a destination too old for postcopy before anything changed.
 pub(crate) fn require(s: &SourceSession) -> Result<(), MigrationError> {
@@ -180,15 +180,14 @@ pub(crate) fn switch(
 /// lacks can be sent at any later time and is never stale).
 #[derive(Debug)]
 pub struct PausedPostcopy {
-    pub(crate) session: u64,
-    pub(crate) version: u16,
+    /// The session to come back as.
+    pub(crate) session: crate::session::Resumable,
     /// Where the destination was.
     pub to: crate::transport::Endpoint,
     /// The migration's options (a resume uses them again).
     pub opts: crate::options::MigrateOptions,
     pub(crate) stats: MigrationStats,
     pub(crate) epoch: Epoch,
-    pub(crate) t_start: Instant,
     /// Why it paused.
     pub reason: String,
 }
@@ -198,8 +197,11 @@ impl PausedPostcopy {
     /// A paused postcopy with nothing behind it (for the state's tests).
     pub(crate) fn for_tests() -> Self {
         PausedPostcopy {
-            session: 1,
-            version: protocol::VERSION_MAX,
+            session: crate::session::Resumable {
+                id: 1,
+                version: protocol::VERSION_MAX,
+                t_start: Instant::now(),
+            },
             to: crate::transport::Endpoint::Unix("/nonexistent".into()),
             opts: Default::default(),
             stats: Default::default(),
@@ -209,7 +211,6 @@ impl PausedPostcopy {
                 paused_since: None,
                 landed: false,
             },
-            t_start: Instant::now(),
             reason: "test".into(),
         }
     }
@@ -312,13 +313,11 @@ fn follow(
                     Err(e) => {
                         s.drop_links();
                         return Err(MigrationError::PostcopyPaused(Box::new(PausedPostcopy {
-                            session: s.id(),
-                            version: s.version,
+                            session: s.resumable(),
                             to: s.to().clone(),
                             opts: opts.clone(),
                             stats: stats.clone(),
                             epoch,
-                            t_start: s.t_start,
                             reason: format!("{reason}; reconnecting failed: {e}"),
                         })));
                     }

@@ -25,7 +25,7 @@ use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::stats::CpuMeter;
 use crate::transport::Conn;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// Pages per pushed frame: small enough that a new fault redirects the
 /// pusher soon, large enough to keep per-frame costs low.

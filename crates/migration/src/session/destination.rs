@@ -16,7 +16,7 @@ use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport, StartedReportV
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Listener};
 use crate::vm::{ClientsAnswer, ClientsPlan, IncomingVm};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// What a mode adds to the destination's control loop. The defaults are a
 /// precopy destination's: no messages of its own, nothing to do around the

@@ -9,7 +9,7 @@ pub(crate) mod source;
 pub(crate) mod state;
 
 pub(crate) use destination::{DestSession, DestinationPhases};
-pub(crate) use source::SourceSession;
+pub(crate) use source::{Resumable, SourceSession};
 pub(crate) use state::{DestPhase, SourcePhase};
 
 use crate::memory::RegionView;
@@ -37,11 +37,11 @@ pub(crate) fn compare_hashes(
     regions: &[RegionView],
     mine: &[u64],
     body: &[u8],
-) -> Result<u64, crate::MigrationError> {
+) -> Result<u64, crate::error::MigrationError> {
     let theirs = body
         .chunks_exact(8)
         .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()));
-    let verify = |m: crate::memory::HashMismatch| crate::MigrationError::Verify {
+    let verify = |m: crate::memory::HashMismatch| crate::error::MigrationError::Verify {
         bad: m.bad,
         total: m.total,
         first: m.first,

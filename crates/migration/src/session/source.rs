@@ -17,7 +17,16 @@ use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
-use crate::MigrationError;
+use crate::error::MigrationError;
+
+/// What a source session that paused (postcopy, link lost) keeps to come
+/// back as itself: the destination recognises its id.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Resumable {
+    pub(crate) id: u64,
+    pub(crate) version: u16,
+    pub(crate) t_start: Instant,
+}
 
 /// One outgoing migration's connections and what it has done to the VM.
 pub(crate) struct SourceSession<'a> {
@@ -77,20 +86,29 @@ impl<'a> SourceSession<'a> {
         }
     }
 
-    /// A session that continues the paused postcopy `p` (the VM paused
-    /// here and running there; nothing is connected yet).
+    /// A session that comes back as `r` after its postcopy paused (the VM
+    /// paused here and running there; nothing is connected yet).
     pub(crate) fn resuming(
         vm: &'a dyn MigratableVm,
         to: &'a Endpoint,
         opts: &'a MigrateOptions,
-        p: &crate::postcopy::PausedPostcopy,
+        r: Resumable,
     ) -> Self {
         let mut s = SourceSession::new(vm, to, opts);
-        s.id = p.session;
-        s.version = p.version;
-        s.t_start = p.t_start;
+        s.id = r.id;
+        s.version = r.version;
+        s.t_start = r.t_start;
         s.state = SourceState::resumed();
         s
+    }
+
+    /// What it takes to come back as this session later.
+    pub(crate) fn resumable(&self) -> Resumable {
+        Resumable {
+            id: self.id,
+            version: self.version,
+            t_start: self.t_start,
+        }
     }
 
     /// The session id (every connection of the session carries it).

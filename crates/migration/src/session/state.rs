@@ -31,7 +31,7 @@
 use std::time::{Duration, Instant};
 
 use crate::telemetry::LivePhase;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// The source's phases (see the module header).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

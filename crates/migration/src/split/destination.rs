@@ -13,7 +13,7 @@ use crate::protocol::{self, Frame, Kind};
 use crate::sink::PageSink;
 use crate::transport::Conn;
 use crate::vm::IncomingVm;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::{ChunkMap, RemotePager, SplitPlan, ON_MAIN};
 

@@ -18,7 +18,7 @@ use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
 use crate::stats::{GatherStats, MigrationStats};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::{ChunkMap, GatherPlan, GatherSnapshot, RemotePager, ON_MAIN};
 

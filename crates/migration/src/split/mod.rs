@@ -54,7 +54,7 @@ pub(crate) fn open_stores(
     servers: &[Endpoint],
     timeout: std::time::Duration,
     open: impl Fn(usize) -> crate::memserver::StoreOpen + Sync,
-) -> Vec<Result<(crate::memserver::StoreClient, crate::memserver::StoreAck), crate::MigrationError>>
+) -> Vec<Result<(crate::memserver::StoreClient, crate::memserver::StoreAck), crate::error::MigrationError>>
 {
     std::thread::scope(|sc| {
         let open = &open;
@@ -64,7 +64,7 @@ pub(crate) fn open_stores(
             .map(|(i, to)| {
                 sc.spawn(move || {
                     crate::memserver::StoreClient::open(to, timeout, &open(i)).map_err(|e| {
-                        crate::MigrationError::Unsupported(format!("memory server {to}: {e}"))
+                        crate::error::MigrationError::Unsupported(format!("memory server {to}: {e}"))
                     })
                 })
             })
@@ -73,7 +73,7 @@ pub(crate) fn open_stores(
             .into_iter()
             .map(|t| {
                 t.join().unwrap_or_else(|_| {
-                    Err(crate::MigrationError::Unsupported(
+                    Err(crate::error::MigrationError::Unsupported(
                         "a memory server thread panicked".into(),
                     ))
                 })
@@ -90,7 +90,7 @@ pub(crate) fn hash_remote(
     places: &[u16],
     stores: &mut [crate::memserver::StoreClient],
     hashes: &mut [u64],
-) -> Result<(), crate::MigrationError> {
+) -> Result<(), crate::error::MigrationError> {
     let zero = crate::protocol::page_hash(&[0u8; crate::protocol::PAGE]);
     let by_place = map.runs_by_place(places, stores.len() + 1);
     for (store, runs) in stores.iter_mut().zip(by_place.iter().skip(1)) {

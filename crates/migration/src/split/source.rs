@@ -14,7 +14,7 @@ use crate::protocol::{self, Kind, PAGE};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, RoundStats, SplitServerStats, SplitStats};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 use super::{chunk_scores, place, ChunkMap, SplitPlan, ON_MAIN};
 

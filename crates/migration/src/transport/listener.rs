@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::{Conn, Endpoint, Stream};
 use crate::protocol::{Hello, Kind, ProtocolError};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// Listens for migration connections.
 pub enum Listener {

@@ -13,7 +13,7 @@ use super::super::pages::PageIndex;
 use crate::memory::RegionView;
 use crate::ranges::{GpaPages, OffsetBytes};
 use crate::sink::{LandPolicy, UffdSink};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// What [`arm`] set up: the userfaultfd, the account, the sink.
 pub(super) struct Armed {

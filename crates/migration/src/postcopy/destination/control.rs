@@ -14,7 +14,7 @@ use crate::protocol::{self, Kind, ProtocolError};
 use crate::receiver::Received;
 use crate::stats::IncomingStats;
 use crate::transport::Conn;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 impl Incoming<'_> {
     /// One connection epoch of the phase, until Complete or a failure.

@@ -16,7 +16,7 @@ use crate::protocol::{self, Kind, ProtocolError, Role};
 use crate::receiver::Received;
 use crate::stats::IncomingStats;
 use crate::transport::{Closer, Conn, ConnReader};
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 /// One connection epoch of the phase: the demand connection's landing
 /// thread and, after a resume, the bulk streams' (the first epoch's bulk

@@ -15,7 +15,7 @@ use super::Shared;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ranges::{GpaPages, PAGE};
 use crate::transport::ConnWriter;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 impl Shared {
     /// Sends page requests on the current demand connection from now on

@@ -38,7 +38,7 @@ use crate::sink::{SwitchSink, UffdSink};
 use crate::stats::IncomingStats;
 use crate::transport::{Conn, ConnWriter, Listener};
 use crate::vm::IncomingVm;
-use crate::MigrationError;
+use crate::error::MigrationError;
 
 mod arm;
 mod control;
