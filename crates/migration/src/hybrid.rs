@@ -5,10 +5,10 @@
 
 use std::time::Instant;
 
+use crate::error::MigrationError;
 use crate::options::PostcopyAfter;
 use crate::precopy::Rounds;
 use crate::session::SourceSession;
-use crate::error::MigrationError;
 
 /// The hybrid mode on the source.
 pub(crate) struct Hybrid;

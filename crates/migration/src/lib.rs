@@ -3,30 +3,39 @@
 //! implements (and tests implement on plain memory).
 //!
 //! Layout (docs/architecture.md draws it):
-//! - entry points: [`outgoing::migrate`] (source), [`incoming::receive`]
-//!   (destination); each dispatches to a mode's file ([`precopy`], which
-//!   also runs hybrid's rounds; [`postcopy`]).
+//! - entry points: [`source::migrate`] and [`source::resume`] (source),
+//!   [`destination::receive`] (destination); each picks a mode object
+//!   ([`mode`]): the source from the options, the destination from the
+//!   plan message that arrives.
+//! - modes, a file or folder each: [`precopy`] (the round loop every copy
+//!   mode runs, with its hooks), [`hybrid`], [`postcopy`], [`split`]
+//!   (split and gather); [`pager`] is a split VM's remote paging after the
+//!   switch, and [`memserver`] the memory servers.
 //! - [`session`]: what every mode shares on both sides (hello, layout,
-//!   bulk streams, state, verify, Complete/Started, the failure guard).
-//! - [`transport`]: TCP and Unix connections tagged with a role, fd passing.
+//!   bulk streams, state, verify, Complete/Started) and each side's state
+//!   with the safety rule ([`session::state`]).
+//! - [`transport`]: the only code that touches a socket: TCP and Unix
+//!   connections tagged with a role, fd passing.
 //! - data path: [`sender`] (fetch, encode, send; raw is the `none` codec),
 //!   [`pacer`], [`compress`] (codec policy); on the destination
 //!   [`receiver`] and [`pagein`] land everything through one [`sink`].
-//! - wire: [`protocol`], [`encoded`], [`checksum`]; figures: [`stats`];
-//!   options: [`options`]; ranges with their units: [`ranges`].
+//! - wire: [`protocol`], [`encoded`], [`checksum`]; figures: [`stats`],
+//!   [`telemetry`]; options: [`options`]; ranges with their units:
+//!   [`ranges`]; the VMM's side: [`vm`].
 
 pub mod checksum;
 pub mod compress;
+pub mod destination;
 pub(crate) mod dirty;
 pub mod encoded;
 mod error;
 pub(crate) mod hybrid;
-pub mod incoming;
+// TEMP(issue 31): removed once the engine tests use `destination`.
+pub use destination as incoming;
 pub mod memory;
 pub mod memserver;
 pub(crate) mod mode;
 pub mod options;
-pub mod outgoing;
 pub(crate) mod pacer;
 pub mod pagein;
 pub mod pager;
@@ -39,6 +48,7 @@ pub(crate) mod receiver;
 pub(crate) mod sender;
 pub(crate) mod session;
 pub mod sink;
+pub mod source;
 pub mod split;
 pub mod stats;
 pub mod telemetry;
@@ -47,16 +57,16 @@ pub mod vm;
 mod vm_error;
 
 pub use compress::{Backend, BatchEncoder, Compress};
+pub use destination::{receive, receive_with_reconnect};
 pub use error::{MigrationError, VmOpError};
-pub use incoming::{receive, receive_with_reconnect};
 pub use memory::RegionView;
 pub use options::{
     BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter, Rank, SplitOptions,
 };
-pub use outgoing::{migrate, resume};
 pub use postcopy::PausedPostcopy;
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
+pub use source::{migrate, resume};
 pub use stats::{
     ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, GatherStats,
     IncomingStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,

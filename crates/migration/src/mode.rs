@@ -12,9 +12,9 @@
 //! | gather | `split/gather.rs` (servers pulled first, then rounds) | `split/destination.rs` once a GatherPlan arrives |
 
 use crate::compress::Backend;
+use crate::error::MigrationError;
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, Progress};
-use crate::error::MigrationError;
 
 /// A migration mode on the source: it runs the migration over a session
 /// that is not open yet. Every copy mode gets this from precopy's round

@@ -10,11 +10,11 @@
 
 use std::io::Read;
 
+use crate::error::MigrationError;
 use crate::protocol::{eof_is_truncated, Header, Kind, ProtocolError, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
 use crate::transport::ConnReader;
-use crate::error::MigrationError;
 
 fn malformed(reason: String) -> ProtocolError {
     ProtocolError::Malformed {

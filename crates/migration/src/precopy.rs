@@ -12,13 +12,13 @@
 use crate::compress::Backend;
 use crate::dirty::{dirty_runs, first_round, sample_pages};
 use crate::encoded::CodecSetup;
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::mode::SourceMode;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
 use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, Progress, RoundStats};
-use crate::error::MigrationError;
 
 /// Bytes on the wire per page besides its payload (its address).
 const PAGE_META: u64 = 8;

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use ferry_codec::StreamDecoder;
 
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::protocol::{self, Kind, ProtocolError, PAGE};
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
 use crate::stats::{thread_cpu_secs, CpuMeter};
 use crate::transport::{Closer, ConnReader};
-use crate::error::MigrationError;
 
 /// What the bulk threads share with the control thread.
 pub(crate) struct Received {

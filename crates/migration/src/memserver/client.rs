@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
+use crate::error::MigrationError;
 use crate::protocol::{self, Hello, Kind, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::transport::{Conn, Endpoint};
-use crate::error::MigrationError;
 
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 

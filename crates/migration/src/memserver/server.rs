@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::error::MigrationError;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::transport::{Conn, Listener};
-use crate::error::MigrationError;
 
 use super::store::{Capacity, VmStore};
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};

@@ -49,11 +49,11 @@ use std::thread::JoinHandle;
 
 use ferry_memory::{Features, RegisterMode, UffdError, Userfaultfd};
 
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::memserver::StoreClient;
 use crate::ranges::PAGE;
 use crate::sink::{SinkError, UffdPlacer};
-use crate::error::MigrationError;
 
 use clock::Clock;
 use stats::{percentiles, Counters};

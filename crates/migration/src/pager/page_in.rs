@@ -11,8 +11,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use crate::ranges::{GpaPages, PAGE};
 use crate::error::MigrationError;
+use crate::ranges::{GpaPages, PAGE};
 
 use super::chunks::ON_MAIN;
 use super::stats::record_latency;

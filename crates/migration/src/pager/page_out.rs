@@ -12,9 +12,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use crate::error::MigrationError;
 use crate::options::Rank;
 use crate::ranges::PAGE;
-use crate::error::MigrationError;
 
 use super::clock::fallback_victim;
 use super::sampling::drop_ptes;

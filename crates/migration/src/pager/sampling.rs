@@ -11,9 +11,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::ranges::{GpaPages, PAGE};
-use crate::error::MigrationError;
 
 use super::chunks::{ChunkMap, ON_MAIN};
 use super::host_of;

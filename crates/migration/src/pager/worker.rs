@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use ferry_memory::{Event, Userfaultfd};
 
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::memserver::StoreClient;
 use crate::options::Rank;
 use crate::ranges::{GpaPages, PAGE};
 use crate::sink::UffdPlacer;
-use crate::error::MigrationError;
 
 use super::chunks::{ChunkMap, ON_MAIN};
 use super::clock::Clock;

@@ -28,7 +28,7 @@ pub(crate) mod fault_account;
 pub(crate) mod pages;
 pub(crate) mod source;
 
-pub(crate) use destination::Incoming;
+pub(crate) use destination::PostcopyDestination;
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;

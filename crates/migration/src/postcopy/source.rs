@@ -19,13 +19,13 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::pages::{PageIndex, PageSet};
+use crate::error::MigrationError;
 use crate::memory::{is_zero, region_of, RegionView};
 use crate::pacer::Pacer;
 use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::stats::CpuMeter;
 use crate::transport::Conn;
-use crate::error::MigrationError;
 
 /// Pages per pushed frame: small enough that a new fault redirects the
 /// pusher soon, large enough to keep per-frame costs low.

@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use super::DestPhase;
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
@@ -16,12 +17,11 @@ use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport, StartedReportV
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Listener};
 use crate::vm::{ClientsAnswer, ClientsPlan, IncomingVm};
-use crate::error::MigrationError;
 
 /// What a mode adds to the destination's control loop. The defaults are a
 /// precopy destination's: no messages of its own, nothing to do around the
 /// start.
-pub(crate) trait DestinationPhases {
+pub(crate) trait DestinationMode {
     /// A control message the session does not handle itself (a mode's own
     /// phase), with the control connection to answer on; the default
     /// refuses it.
@@ -186,7 +186,7 @@ impl<'a> DestSession<'a> {
         &mut self,
         vm: &dyn IncomingVm,
         sink: &dyn PageSink,
-        mode: &mut dyn DestinationPhases,
+        mode: &mut dyn DestinationMode,
     ) -> Result<IncomingStats, MigrationError> {
         let ctl_cpu0 = thread_cpu_secs();
         let bulk = self.accept_bulk()?;
@@ -231,7 +231,7 @@ impl<'a> DestSession<'a> {
         vm: &dyn IncomingVm,
         regions: &[RegionView],
         rx: &Received,
-        mode: &mut dyn DestinationPhases,
+        mode: &mut dyn DestinationMode,
         ctl_cpu0: f64,
         stats: &mut IncomingStats,
     ) -> Result<(), MigrationError> {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::state::{Left, SourcePhase, SourceState};
 use crate::encoded::CodecSetup;
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::options::MigrateOptions;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
@@ -17,7 +18,6 @@ use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
-use crate::error::MigrationError;
 
 /// What a source session that paused (postcopy, link lost) keeps to come
 /// back as itself: the destination recognises its id.

@@ -30,8 +30,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::telemetry::LivePhase;
 use crate::error::MigrationError;
+use crate::telemetry::LivePhase;
 
 /// The source's phases (see the module header).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,18 +7,18 @@
 
 use std::time::Duration;
 
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::memserver::{StoreClient, StoreOpen};
 use crate::protocol::{self, Frame, Kind};
 use crate::sink::PageSink;
 use crate::transport::Conn;
 use crate::vm::IncomingVm;
-use crate::error::MigrationError;
 
 use super::{ChunkMap, RemotePager, SplitPlan, ON_MAIN};
 
 /// The main host's split phases.
-pub(crate) struct Incoming<'a> {
+pub(crate) struct SplitDestination<'a> {
     vm: &'a dyn IncomingVm,
     /// Where a gather's pulled pages land.
     sink: &'a dyn PageSink,
@@ -28,9 +28,9 @@ pub(crate) struct Incoming<'a> {
     pager: Option<RemotePager>,
 }
 
-impl<'a> Incoming<'a> {
+impl<'a> SplitDestination<'a> {
     pub(crate) fn new(vm: &'a dyn IncomingVm, timeout: Duration, sink: &'a dyn PageSink) -> Self {
-        Incoming {
+        SplitDestination {
             vm,
             sink,
             timeout,
@@ -181,7 +181,7 @@ impl<'a> Incoming<'a> {
     }
 }
 
-impl crate::session::DestinationPhases for Incoming<'_> {
+impl crate::session::DestinationMode for SplitDestination<'_> {
     fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         match f.kind {
             Kind::SplitPlan => self.on_plan(f),
@@ -198,14 +198,14 @@ impl crate::session::DestinationPhases for Incoming<'_> {
         if !self.planned() {
             return Ok(None);
         }
-        Incoming::hashes(self, regions).map(Some)
+        SplitDestination::hashes(self, regions).map(Some)
     }
 
     fn before_start(&mut self, _rounds: u32) -> Result<(), MigrationError> {
         if !self.planned() {
             return Ok(());
         }
-        Incoming::before_start(self)
+        SplitDestination::before_start(self)
     }
 
     fn after_start(
@@ -215,7 +215,7 @@ impl crate::session::DestinationPhases for Incoming<'_> {
         _stats: &mut crate::stats::IncomingStats,
     ) -> Result<bool, MigrationError> {
         if self.planned() {
-            Incoming::after_start(self)?;
+            SplitDestination::after_start(self)?;
         }
         Ok(false)
     }

@@ -12,13 +12,13 @@
 
 use std::sync::Arc;
 
+use crate::error::MigrationError;
 use crate::memserver::StoreOpen;
 use crate::precopy::Rounds;
 use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
 use crate::stats::{GatherStats, MigrationStats};
-use crate::error::MigrationError;
 
 use super::{ChunkMap, GatherPlan, GatherSnapshot, RemotePager, ON_MAIN};
 

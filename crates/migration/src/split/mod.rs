@@ -54,8 +54,12 @@ pub(crate) fn open_stores(
     servers: &[Endpoint],
     timeout: std::time::Duration,
     open: impl Fn(usize) -> crate::memserver::StoreOpen + Sync,
-) -> Vec<Result<(crate::memserver::StoreClient, crate::memserver::StoreAck), crate::error::MigrationError>>
-{
+) -> Vec<
+    Result<
+        (crate::memserver::StoreClient, crate::memserver::StoreAck),
+        crate::error::MigrationError,
+    >,
+> {
     std::thread::scope(|sc| {
         let open = &open;
         let threads: Vec<_> = servers
@@ -64,7 +68,9 @@ pub(crate) fn open_stores(
             .map(|(i, to)| {
                 sc.spawn(move || {
                     crate::memserver::StoreClient::open(to, timeout, &open(i)).map_err(|e| {
-                        crate::error::MigrationError::Unsupported(format!("memory server {to}: {e}"))
+                        crate::error::MigrationError::Unsupported(format!(
+                            "memory server {to}: {e}"
+                        ))
                     })
                 })
             })

@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use crate::error::MigrationError;
 use crate::memory::{is_zero, RegionView};
 use crate::memserver::{StoreClient, StoreOpen};
 use crate::precopy::{Rounds, SendRound};
@@ -14,7 +15,6 @@ use crate::protocol::{self, Kind, PAGE};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, RoundStats, SplitServerStats, SplitStats};
-use crate::error::MigrationError;
 
 use super::{chunk_scores, place, ChunkMap, SplitPlan, ON_MAIN};
 

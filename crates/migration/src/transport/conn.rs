@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Endpoint, Stream};
+use crate::error::MigrationError;
 use crate::protocol::{self, Hello, Kind, ProtocolError};
 use crate::telemetry::LinkMeter;
-use crate::error::MigrationError;
 
 /// Bytes the reader buffers: enough for a frame header and a small message
 /// per read(2); page data bypasses it ([`ConnReader::read_exact_raw`]).

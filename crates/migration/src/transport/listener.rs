@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::{Conn, Endpoint, Stream};
-use crate::protocol::{Hello, Kind, ProtocolError};
 use crate::error::MigrationError;
+use crate::protocol::{Hello, Kind, ProtocolError};
 
 /// Listens for migration connections.
 pub enum Listener {

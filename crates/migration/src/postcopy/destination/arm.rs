@@ -10,10 +10,10 @@ use ferry_memory::{Features, RegisterMode, Userfaultfd};
 
 use super::super::fault_account::Tracker;
 use super::super::pages::PageIndex;
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::ranges::{GpaPages, OffsetBytes};
 use crate::sink::{LandPolicy, UffdSink};
-use crate::error::MigrationError;
 
 /// What [`arm`] set up: the userfaultfd, the account, the sink.
 pub(super) struct Armed {

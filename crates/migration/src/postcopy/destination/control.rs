@@ -9,14 +9,14 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::{Incoming, Live};
+use super::{Live, PostcopyDestination};
+use crate::error::MigrationError;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::receiver::Received;
 use crate::stats::IncomingStats;
 use crate::transport::Conn;
-use crate::error::MigrationError;
 
-impl Incoming<'_> {
+impl PostcopyDestination<'_> {
     /// One connection epoch of the phase, until Complete or a failure.
     pub(super) fn serve(
         &mut self,

@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::{spawn, Incoming, Shared};
+use super::{spawn, PostcopyDestination, Shared};
+use crate::error::MigrationError;
 use crate::protocol::{self, Kind, ProtocolError, Role};
 use crate::receiver::Received;
 use crate::stats::IncomingStats;
 use crate::transport::{Closer, Conn, ConnReader};
-use crate::error::MigrationError;
 
 /// One connection epoch of the phase: the demand connection's landing
 /// thread and, after a resume, the bulk streams' (the first epoch's bulk
@@ -44,7 +44,7 @@ impl Link {
     }
 }
 
-impl Incoming<'_> {
+impl PostcopyDestination<'_> {
     /// The phase: serve the source until it says Complete; on a broken
     /// link, pause and wait for it to resume.
     pub(super) fn run_phase(

@@ -12,10 +12,10 @@ use ferry_memory::{Event, UffdError};
 
 use super::super::fault_account::Action;
 use super::Shared;
+use crate::error::MigrationError;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ranges::{GpaPages, PAGE};
 use crate::transport::ConnWriter;
-use crate::error::MigrationError;
 
 impl Shared {
     /// Sends page requests on the current demand connection from now on

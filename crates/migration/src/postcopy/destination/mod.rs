@@ -14,7 +14,7 @@
 //! told which pages are still missing, opens new demand and bulk
 //! connections, and the faults still waiting are asked for again.
 //!
-//! This file holds [`Incoming`] (the session's hooks: plan, start, the
+//! This file holds [`PostcopyDestination`] (the session's hooks: plan, start, the
 //! phase after the start) and what the phase's threads share. The rest,
 //! one job a file: [`arm`] puts guest RAM under userfaultfd at the start,
 //! [`control`] answers the source's control messages within one connection
@@ -29,16 +29,16 @@ use std::time::Duration;
 use ferry_memory::Userfaultfd;
 
 use super::fault_account::Tracker;
+use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{GpaPages, PAGE};
 use crate::receiver::Received;
-use crate::session::DestinationPhases;
+use crate::session::DestinationMode;
 use crate::sink::{SwitchSink, UffdSink};
 use crate::stats::IncomingStats;
 use crate::transport::{Conn, ConnWriter, Listener};
 use crate::vm::IncomingVm;
-use crate::error::MigrationError;
 
 mod arm;
 mod control;
@@ -49,7 +49,7 @@ use epoch::Link;
 
 /// A destination's phases: precopy's (none) until a plan arrives, then
 /// postcopy's.
-pub(crate) struct Incoming<'a> {
+pub(crate) struct PostcopyDestination<'a> {
     vm: &'a dyn IncomingVm,
     listener: &'a Listener,
     session: u64,
@@ -92,7 +92,7 @@ struct Shared {
     requests: Mutex<Option<ConnWriter>>,
 }
 
-impl<'a> Incoming<'a> {
+impl<'a> PostcopyDestination<'a> {
     pub(crate) fn new(
         vm: &'a dyn IncomingVm,
         listener: &'a Listener,
@@ -101,7 +101,7 @@ impl<'a> Incoming<'a> {
         reconnect_timeout: Duration,
         sink: &'a SwitchSink<'a>,
     ) -> Self {
-        Incoming {
+        PostcopyDestination {
             vm,
             listener,
             session,
@@ -173,7 +173,7 @@ impl<'a> Incoming<'a> {
     }
 }
 
-impl DestinationPhases for Incoming<'_> {
+impl DestinationMode for PostcopyDestination<'_> {
     fn on_message(&mut self, f: &Frame, _ctl: &mut Conn) -> Result<(), MigrationError> {
         if f.kind != Kind::PostcopyPlan || self.planned {
             return Err(ProtocolError::Unexpected {
@@ -287,7 +287,7 @@ impl DestinationPhases for Incoming<'_> {
     }
 }
 
-impl Drop for Incoming<'_> {
+impl Drop for PostcopyDestination<'_> {
     fn drop(&mut self) {
         self.stop();
     }

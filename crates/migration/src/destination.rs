@@ -3,15 +3,15 @@
 
 use std::time::Duration;
 
+use crate::error::MigrationError;
 use crate::protocol::{Frame, Kind};
 use crate::receiver::Received;
-use crate::session::{DestSession, DestinationPhases};
+use crate::session::{DestSession, DestinationMode};
 use crate::sink::{DirectSink, SwitchSink};
 use crate::stats::IncomingStats;
 use crate::transport::Conn;
 use crate::transport::Listener;
 use crate::vm::IncomingVm;
-use crate::error::MigrationError;
 
 /// Receives one migration into `vm` through `listener`; `timeout` bounds
 /// each step once a source has connected (waiting for one is unbounded).
@@ -65,8 +65,8 @@ pub fn receive_with_reconnect(
 /// postcopy's (pure or hybrid), a SplitPlan or GatherPlan split's.
 enum DestMode<'a> {
     Precopy,
-    Postcopy(crate::postcopy::Incoming<'a>),
-    Split(crate::split::destination::Incoming<'a>),
+    Postcopy(crate::postcopy::PostcopyDestination<'a>),
+    Split(crate::split::destination::SplitDestination<'a>),
 }
 
 /// The session's hooks, handed to the mode picked so far, and what it
@@ -84,7 +84,7 @@ struct Phases<'a> {
 impl<'a> Phases<'a> {
     /// The mode `f` asks for, made on its first plan message; a second
     /// plan of another mode is refused.
-    fn pick(&mut self, f: &Frame) -> Result<&mut dyn DestinationPhases, MigrationError> {
+    fn pick(&mut self, f: &Frame) -> Result<&mut dyn DestinationMode, MigrationError> {
         let wanted = match f.kind {
             Kind::PostcopyPlan => Some(Kind::PostcopyPlan),
             Kind::SplitPlan | Kind::GatherPlan => Some(Kind::SplitPlan),
@@ -92,7 +92,7 @@ impl<'a> Phases<'a> {
         };
         if let (DestMode::Precopy, Some(kind)) = (&self.mode, wanted) {
             self.mode = if kind == Kind::PostcopyPlan {
-                DestMode::Postcopy(crate::postcopy::Incoming::new(
+                DestMode::Postcopy(crate::postcopy::PostcopyDestination::new(
                     self.vm,
                     self.listener,
                     self.session,
@@ -101,7 +101,7 @@ impl<'a> Phases<'a> {
                     self.sink,
                 ))
             } else {
-                DestMode::Split(crate::split::destination::Incoming::new(
+                DestMode::Split(crate::split::destination::SplitDestination::new(
                     self.vm,
                     self.timeout,
                     self.sink,
@@ -115,7 +115,7 @@ impl<'a> Phases<'a> {
         })
     }
 
-    fn current(&mut self) -> Option<&mut dyn DestinationPhases> {
+    fn current(&mut self) -> Option<&mut dyn DestinationMode> {
         match &mut self.mode {
             DestMode::Precopy => None,
             DestMode::Postcopy(p) => Some(p),
@@ -132,7 +132,7 @@ fn unexpected(f: &Frame) -> MigrationError {
     .into()
 }
 
-impl DestinationPhases for Phases<'_> {
+impl DestinationMode for Phases<'_> {
     fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         self.pick(f)?.on_message(f, ctl)
     }

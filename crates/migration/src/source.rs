@@ -2,13 +2,13 @@
 //! options name.
 
 use crate::compress::Backend;
+use crate::error::MigrationError;
 use crate::mode::SourceMode;
 use crate::options::{MigrateOptions, Mode};
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, Progress};
 use crate::transport::Endpoint;
 use crate::vm::MigratableVm;
-use crate::error::MigrationError;
 
 /// Migrates `vm` to the ferry destination at `to`, with the codecs of
 /// `backend`. On success the VM runs at the destination and the caller must
