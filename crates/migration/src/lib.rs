@@ -10,11 +10,13 @@
 //!   bulk streams, state, verify, Complete/Started, the failure guard).
 //! - [`transport`]: TCP and Unix connections tagged with a role, fd passing.
 //! - data path: [`sender`] (fetch, encode, send; raw is the `none` codec),
+//!   [`batch`] (the Pages frames every sender builds),
 //!   [`pacer`], [`compress`] (codec policy); on the destination
 //!   [`receiver`] and [`pagein`] land everything through one [`sink`].
 //! - wire: [`protocol`], [`encoded`], [`checksum`]; figures: [`stats`];
 //!   options: [`options`]; ranges with their units: [`ranges`].
 
+pub(crate) mod batch;
 pub mod checksum;
 pub mod compress;
 pub(crate) mod dirty;
