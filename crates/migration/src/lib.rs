@@ -17,12 +17,14 @@
 //! - [`transport`]: the only code that touches a socket: TCP and Unix
 //!   connections tagged with a role, fd passing.
 //! - data path: [`sender`] (fetch, encode, send; raw is the `none` codec),
+//!   [`batch`] (the Pages frames every sender builds),
 //!   [`pacer`], [`compress`] (codec policy); on the destination
 //!   [`receiver`] and [`pagein`] land everything through one [`sink`].
 //! - wire: [`protocol`], [`encoded`], [`checksum`]; figures: [`stats`],
 //!   [`telemetry`]; options: [`options`]; ranges with their units:
 //!   [`ranges`]; the VMM's side: [`vm`].
 
+pub(crate) mod batch;
 pub mod checksum;
 pub mod compress;
 pub mod destination;

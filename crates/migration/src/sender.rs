@@ -4,12 +4,12 @@
 //! fetch ──(3 buffers)──▶ encode shard 0..k ──(3 buffers)──▶ send
 //! ```
 //!
-//! Fetch copies a batch of up to 1024 pages out of guest RAM (zero pages
-//! become ranges), each encoder thread owns one shard's codec state, and send
-//! writes the frames, paced by one [`Pacer`]. Buffers circulate through a
-//! free list, so a round allocates nothing and a slow stage holds the others
-//! back by at most three batches. Without the pipeline one thread does the
-//! three steps in turn.
+//! Fetch copies a batch of up to 1024 pages out of guest RAM into a
+//! [`PageBatch`] (zero pages become ranges), each encoder thread owns one
+//! shard's codec state, and send writes the frames, paced by one [`Pacer`].
+//! Buffers circulate through a free list, so a round allocates nothing and
+//! a slow stage holds the others back by at most three batches. Without
+//! the pipeline one thread does the three steps in turn.
 //!
 //! Raw is this path with the `none` codec: no encoder threads, the frame
 //! checksum computed at fetch while each page is hot in cache, and batches
@@ -27,12 +27,13 @@ use std::time::Instant;
 
 use ferry_codec::{EncodedBatch, Method};
 
+use crate::batch::{Fill, PageBatch};
 use crate::compress::{Backend, BatchEncoder, Policy};
-use crate::memory::{is_zero, RegionView};
+use crate::memory::RegionView;
 use crate::options::CompressOptions;
 use crate::pacer::Pacer;
-use crate::protocol::{self, Kind, MAX_BATCH, PAGE};
-use crate::ranges::{push_page, total_pages, GpaPages};
+use crate::protocol::{self, MAX_BATCH, PAGE};
+use crate::ranges::{total_pages, GpaPages};
 use crate::stats::{secs, thread_cpu_secs, CpuMeter, RoundStats};
 use crate::transport::{Conn, ConnWriter};
 use crate::{error::MigrationError, protocol::ProtocolError};
@@ -43,12 +44,10 @@ const DEPTH: usize = 3;
 /// One batch on its way through the stages.
 #[derive(Default)]
 struct Batch {
-    gpas: Vec<u64>,
+    /// The pages read (their data checksummed at fetch on the raw path).
+    pages: PageBatch,
+    /// The pages' numbers, for the encoders.
     idx: Vec<u64>,
-    data: Vec<u8>,
-    /// CRC-32C of `data`, when fetch computed it (raw path).
-    data_crc: Option<u32>,
-    zeros: Vec<GpaPages>,
     method: Option<Method>,
     shard: u8,
     enc: EncodedBatch,
@@ -290,34 +289,20 @@ fn shard_of(item: &Item, streams: usize, shards: usize) -> usize {
 
 /// Copies the batch's pages out of guest RAM; zero pages become ranges.
 fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
-    b.gpas.clear();
-    b.idx.clear();
-    b.data.clear();
-    b.zeros.clear();
     b.enc.clear();
     b.method = None;
-    let mut crc = 0u32;
-    for gpa in item.iter().flat_map(|r| r.page_addrs()) {
-        let Some((_, r)) = crate::memory::region_of(ctx.regions, gpa) else {
-            continue;
-        };
-        // Copy first, then look: the copy is what gets sent, and no Rust
-        // reference ever points into memory the guest writes.
-        let at = b.data.len();
-        r.copy_page((gpa - r.gpa()) / PAGE as u64, &mut b.data);
-        if is_zero(&b.data[at..]) {
-            b.data.truncate(at);
-            push_page(&mut b.zeros, gpa);
-        } else {
-            b.gpas.push(gpa);
-            b.idx.push(gpa / PAGE as u64);
-            if ctx.crc_at_fetch {
-                // While the page is hot in cache.
-                crc = crate::checksum::append(crc, &b.data[at..]);
-            }
-        }
+    let how = if ctx.crc_at_fetch {
+        Fill::RAW
+    } else {
+        Fill::ENCODE
+    };
+    b.pages.fill_from(ctx.regions, item, how);
+    b.idx.clear();
+    if !ctx.crc_at_fetch {
+        // Only encoders read the page numbers (raw has none).
+        b.idx
+            .extend(b.pages.gpas().iter().map(|gpa| gpa / PAGE as u64));
     }
-    b.data_crc = ctx.crc_at_fetch.then_some(crc);
 }
 
 fn encode(
@@ -325,12 +310,13 @@ fn encode(
     enc: Option<&mut Box<dyn BatchEncoder>>,
     b: &mut Batch,
 ) -> Result<(), MigrationError> {
-    if b.gpas.is_empty() {
+    let data = b.pages.data();
+    if data.is_empty() {
         return Ok(()); // only zero pages: ranges, nothing to encode
     }
     let method = ctx
         .policy
-        .choose(ctx.round, ctx.final_bytes, b.data.len() as u64);
+        .choose(ctx.round, ctx.final_bytes, data.len() as u64);
     b.method = Some(method);
     if method == Method::None {
         return Ok(());
@@ -339,11 +325,11 @@ fn encode(
         MigrationError::Unsupported(format!("{method} chosen on a stream without encoders"))
     })?;
     let t = Instant::now();
-    enc.encode(method, &b.idx, &b.data, &mut b.enc)
+    enc.encode(method, &b.idx, data, &mut b.enc)
         .map_err(MigrationError::Codec)?;
-    let wire = b.enc.payload.len() + 13 * b.gpas.len();
+    let wire = b.enc.payload.len() + 13 * b.pages.gpas().len();
     ctx.policy
-        .observe_encode(method, b.data.len() as u64, wire as u64, secs(t.elapsed()));
+        .observe_encode(method, data.len() as u64, wire as u64, secs(t.elapsed()));
     Ok(())
 }
 
@@ -352,22 +338,16 @@ fn encode(
 fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &Batch) -> Result<u64, MigrationError> {
     let mut frames = 0;
     let mut bytes = 0u64;
-    if !b.zeros.is_empty() {
-        bytes += protocol::write_zero_ranges(w, &b.zeros)?;
-        ctx.zero.fetch_add(total_pages(&b.zeros), Ordering::Relaxed);
+    let p = &b.pages;
+    if p.zero_pages() > 0 {
+        bytes += p.write_zeros(w)?;
+        ctx.zero.fetch_add(p.zero_pages(), Ordering::Relaxed);
         frames += 1;
     }
-    if !b.gpas.is_empty() {
+    if p.pages() > 0 {
         match b.method.unwrap_or(Method::None) {
             Method::None => {
-                let count = (b.gpas.len() as u32).to_le_bytes();
-                let addrs: Vec<u8> = b.gpas.iter().flat_map(|g| g.to_le_bytes()).collect();
-                match b.data_crc {
-                    Some(crc) => protocol::write_pages_frame(w, &count, &addrs, &b.data, crc),
-                    None => protocol::write_frame_parts(w, Kind::Pages, &[&count, &addrs, &b.data]),
-                }
-                .map_err(ProtocolError::Io)?;
-                let n = (protocol::HEADER + 4 + addrs.len() + b.data.len()) as u64;
+                let n = p.write_pages(w).map_err(ProtocolError::Io)?;
                 bytes += n;
                 // Only `auto` probes the link (a getsockopt per batch).
                 if !ctx.crc_at_fetch {
@@ -375,19 +355,19 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &Batch) -> Result<u64, MigrationE
                 }
             }
             m => {
-                let n = crate::encoded::write_encoded(w, m, b.shard, &b.gpas, &b.enc)
+                let n = crate::encoded::write_encoded(w, m, b.shard, p.gpas(), &b.enc)
                     .map_err(ProtocolError::Io)?;
                 bytes += n;
                 ctx.encoded_in
-                    .fetch_add(b.data.len() as u64, Ordering::Relaxed);
+                    .fetch_add(p.data().len() as u64, Ordering::Relaxed);
                 ctx.encoded_out.fetch_add(n, Ordering::Relaxed);
             }
         }
-        ctx.pages.fetch_add(b.gpas.len() as u64, Ordering::Relaxed);
+        ctx.pages.fetch_add(p.pages(), Ordering::Relaxed);
         frames += 1;
     }
     if let Some(t) = ctx.tel {
-        t.add_pages(b.gpas.len() as u64 + total_pages(&b.zeros));
+        t.add_pages(p.pages() + p.zero_pages());
     }
     let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::batch::{self, PageBatch};
 use crate::error::MigrationError;
 use crate::protocol::{self, Hello, Kind, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
@@ -53,13 +54,28 @@ impl StoreClient {
 
     /// Sends pages (`gpas[i]` is page `i` of `data`); not flushed.
     pub fn put(&mut self, gpas: &[u64], data: &[u8]) -> Result<(), MigrationError> {
-        for (i, batch) in gpas.chunks(MAX_BATCH).enumerate() {
+        let mut addrs = Vec::new();
+        for (i, chunk) in gpas.chunks(MAX_BATCH).enumerate() {
             let at = i * MAX_BATCH * PAGE;
-            let body = protocol::encode_pages(batch, &data[at..at + batch.len() * PAGE]);
-            protocol::write_frame(self.conn.writer(), Kind::Pages, &body)
-                .map_err(protocol::ProtocolError::Io)?;
+            addrs.clear();
+            addrs.extend(chunk.iter().flat_map(|g| g.to_le_bytes()));
+            batch::write_pages_frame(
+                self.conn.writer(),
+                &addrs,
+                &data[at..at + chunk.len() * PAGE],
+                None,
+            )
+            .map_err(protocol::ProtocolError::Io)?;
         }
         Ok(())
+    }
+
+    /// Sends a batch's pages with data (its zero runs are the caller's:
+    /// absent means zero here, see [`Self::drop_runs`]); not flushed.
+    /// Returns the bytes written.
+    pub(crate) fn put_batch(&mut self, b: &PageBatch) -> Result<u64, MigrationError> {
+        Ok(b.write_pages(self.conn.writer())
+            .map_err(protocol::ProtocolError::Io)?)
     }
 
     /// Waits until everything sent so far has landed.

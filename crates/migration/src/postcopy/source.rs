@@ -19,10 +19,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::pages::{PageIndex, PageSet};
+use crate::batch::{Fill, PageBatch};
 use crate::error::MigrationError;
-use crate::memory::{is_zero, region_of, RegionView};
+use crate::memory::RegionView;
 use crate::pacer::Pacer;
-use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH, PAGE};
+use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH};
 use crate::ranges::GpaPages;
 use crate::stats::CpuMeter;
 use crate::transport::Conn;
@@ -140,51 +141,26 @@ impl Outgoing {
             .store((n + self.prefetch + 1).min(span.end), Ordering::Release);
     }
 
-    /// Reads pages `pages` (numbers) into `data`, their addresses into
-    /// `addrs`; with `zeros`, a page that reads as zero goes there as a run
-    /// instead (each page is read once). Returns the pages in `data`.
-    fn gather(
-        &self,
-        pages: &[u64],
-        addrs: &mut Vec<u8>,
-        data: &mut Vec<u8>,
-        mut zeros: Option<&mut Vec<GpaPages>>,
-    ) -> usize {
-        addrs.clear();
-        data.clear();
-        for &n in pages {
-            let gpa = self.index.gpa_of(n);
-            let at = data.len();
-            data.resize(at + PAGE, 0);
-            let ok =
-                region_of(&self.regions, gpa).is_some_and(|(_, r)| r.read(gpa, &mut data[at..]));
-            debug_assert!(ok, "page numbers map into guest RAM");
-            if let Some(z) = zeros.as_deref_mut() {
-                if is_zero(&data[at..]) {
-                    data.truncate(at);
-                    crate::ranges::push_page(z, gpa);
-                    continue;
-                }
-            }
-            addrs.extend_from_slice(&gpa.to_le_bytes());
-        }
-        addrs.len() / 8
+    /// Reads pages `pages` (numbers) into `b`, as `how` says.
+    fn fill(&self, b: &mut PageBatch, pages: &[u64], how: Fill) {
+        b.fill(
+            &self.regions,
+            pages.iter().map(|&n| self.index.gpa_of(n)),
+            how,
+        );
+        debug_assert_eq!(
+            b.pages() + b.zero_pages(),
+            pages.len() as u64,
+            "page numbers map into guest RAM"
+        );
     }
 
-    /// Writes gathered pages as one Pages frame.
-    fn write_pages(
-        &self,
-        w: &mut impl Write,
-        addrs: &[u8],
-        data: &[u8],
-    ) -> Result<(), ProtocolError> {
-        let count = ((addrs.len() / 8) as u32).to_le_bytes();
-        protocol::write_frame_parts(w, Kind::Pages, &[&count[..], addrs, data])?;
-        self.bytes.fetch_add(
-            (protocol::HEADER + 4 + addrs.len() + data.len()) as u64,
-            Ordering::Relaxed,
-        );
-        Ok(())
+    /// Writes a batch's pages with data as one Pages frame (if any);
+    /// returns the frames written.
+    fn write_pages(&self, w: &mut impl Write, b: &PageBatch) -> Result<u64, ProtocolError> {
+        let bytes = b.write_pages(w)?;
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(u64::from(bytes > 0))
     }
 
     /// Pushes pages on one bulk stream until none is left; returns the
@@ -204,29 +180,24 @@ impl Outgoing {
             std::thread::sleep(Duration::from_millis(5));
         }
         let cpu0 = crate::stats::thread_cpu_secs();
-        let (mut batch, mut addrs, mut data, mut zeros) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut batch, mut b) = (Vec::new(), PageBatch::default());
         let mut frames = 0u64;
         loop {
             self.next_batch(&mut batch);
             if batch.is_empty() {
                 break;
             }
-            zeros.clear();
-            let with_data = self.gather(&batch, &mut addrs, &mut data, Some(&mut zeros));
-            if with_data > 0 {
-                self.write_pages(conn.writer(), &addrs, &data)?;
+            self.fill(&mut b, &batch, Fill::RAW);
+            // Pages first, then the zero runs.
+            frames += self.write_pages(conn.writer(), &b)?;
+            if b.zero_pages() > 0 {
+                let bytes = b.write_zeros(conn.writer())?;
+                self.bytes.fetch_add(bytes, Ordering::Relaxed);
                 frames += 1;
             }
-            if !zeros.is_empty() {
-                let b = protocol::write_zero_ranges(conn.writer(), &zeros)?;
-                self.bytes.fetch_add(b, Ordering::Relaxed);
-                frames += 1;
-            }
-            self.pushed_pages
-                .fetch_add(with_data as u64, Ordering::Relaxed);
+            self.pushed_pages.fetch_add(b.pages(), Ordering::Relaxed);
             self.pushed_zero_pages
-                .fetch_add(crate::ranges::total_pages(&zeros), Ordering::Relaxed);
+                .fetch_add(b.zero_pages(), Ordering::Relaxed);
             self.pacer
                 .pace(self.bytes.load(Ordering::Relaxed), conn.writer())
                 .map_err(ProtocolError::Io)?;
@@ -241,7 +212,7 @@ impl Outgoing {
     pub(crate) fn serve_demand(&self, conn: &mut Conn) -> Result<(), MigrationError> {
         crate::priority::fault_path();
         let cpu0 = crate::stats::thread_cpu_secs();
-        let (mut window, mut addrs, mut data) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut window, mut b) = (Vec::new(), PageBatch::default());
         let result = loop {
             let f = match protocol::read_frame(conn.reader()) {
                 Ok(f) => f,
@@ -257,9 +228,10 @@ impl Outgoing {
                 })?;
                 window.clear();
                 self.window(n, &mut window);
+                // Every page asked for as data, zero or not.
                 for part in window.chunks(MAX_BATCH) {
-                    self.gather(part, &mut addrs, &mut data, None);
-                    self.write_pages(conn.writer(), &addrs, &data)?;
+                    self.fill(&mut b, part, Fill::EVERY_PAGE);
+                    self.write_pages(conn.writer(), &b)?;
                 }
                 self.requests.fetch_add(1, Ordering::Relaxed);
                 self.demand_pages

@@ -7,11 +7,12 @@
 
 use std::time::Instant;
 
+use crate::batch::{Fill, PageBatch};
 use crate::error::MigrationError;
-use crate::memory::{is_zero, RegionView};
+use crate::memory::RegionView;
 use crate::memserver::{StoreClient, StoreOpen};
 use crate::precopy::{Rounds, SendRound};
-use crate::protocol::{self, Kind, PAGE};
+use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
 use crate::session::SourceSession;
 use crate::stats::{MigrationStats, RoundStats, SplitServerStats, SplitStats};
@@ -219,51 +220,34 @@ impl Drop for Router {
     }
 }
 
-/// Puts one server's share of a round: pages with data go out, pages
-/// that became zero are dropped there (absent means zero); then waits
-/// until the server has them all. Returns (pages, zero pages, bytes).
+/// Puts one server's share of a round: pages with data go out in frames
+/// of up to 1024 pages, pages that became zero are dropped there (absent
+/// means zero); then waits until the server has them all. Returns (pages,
+/// zero pages, bytes).
 fn put_share(
     store: &mut StoreClient,
     regions: &[RegionView],
     runs: &[GpaPages],
 ) -> Result<(u64, u64, u64), MigrationError> {
-    const BATCH: usize = protocol::MAX_BATCH;
-    let (mut gpas, mut data, mut zero) = (Vec::new(), Vec::new(), Vec::new());
+    let mut batch = PageBatch::default();
+    let mut zero: Vec<GpaPages> = Vec::new();
     let (mut pages, mut zeros, mut bytes) = (0u64, 0u64, 0u64);
-    let mut page = vec![0u8; PAGE];
-    let mut flush = |gpas: &mut Vec<u64>, data: &mut Vec<u8>, store: &mut StoreClient| {
-        if gpas.is_empty() {
-            return Ok(());
+    let mut gpas = runs.iter().flat_map(|r| r.page_addrs());
+    loop {
+        let more = batch.fill_upto(regions, &mut gpas, Fill::RAW, protocol::MAX_BATCH);
+        pages += batch.pages();
+        zeros += batch.zero_pages();
+        bytes += store.put_batch(&batch)?;
+        for r in batch.zeros() {
+            match zero.last_mut() {
+                Some(last) if last.end() == r.gpa => last.pages += r.pages,
+                _ => zero.push(*r),
+            }
         }
-        bytes += (protocol::HEADER + 4 + gpas.len() * (8 + PAGE)) as u64;
-        let r = store.put(gpas, data);
-        gpas.clear();
-        data.clear();
-        r
-    };
-    for run in runs {
-        for gpa in run.page_addrs() {
-            let Some((_, r)) = crate::memory::region_of(regions, gpa) else {
-                continue;
-            };
-            r.read(gpa, &mut page);
-            if is_zero(&page) {
-                zeros += 1;
-                match zero.last_mut() {
-                    Some(GpaPages { gpa: g, pages: n }) if *g + *n * PAGE as u64 == gpa => *n += 1,
-                    _ => zero.push(GpaPages::new(gpa, 1)),
-                }
-                continue;
-            }
-            pages += 1;
-            gpas.push(gpa);
-            data.extend_from_slice(&page);
-            if gpas.len() == BATCH {
-                flush(&mut gpas, &mut data, store)?;
-            }
+        if !more {
+            break;
         }
     }
-    flush(&mut gpas, &mut data, store)?;
     if !zero.is_empty() {
         store.drop_runs(&zero)?;
     }

@@ -1,0 +1,401 @@
+//! One batch of guest pages on its way to the wire, for every sender: the
+//! precopy rounds ([`crate::sender`]), postcopy's pusher and demand answers
+//! (`postcopy/source.rs`) and the memory-server puts
+//! ([`crate::memserver::StoreClient`], split's rounds).
+//!
+//! [`PageBatch::fill`] copies each page out of guest RAM once, straight
+//! into the batch; a zero page becomes a run instead, and the page data's
+//! checksum is computed while each page is hot in cache (batches of 1 GiB,
+//! two thirds data, fill in about 0.08 s on the 2-core dev machine; a raw
+//! round of it over a Unix socket takes about 0.1 s on two streams). The
+//! writers then send the Pages frame from the batch's own buffers (no
+//! gathering copy) and the ZeroRanges frame, and say how many bytes went
+//! on the wire. The three senders used to build these frames each their
+//! own way; here the frame layout, the checksum and the byte counts live
+//! in one place.
+
+use std::io::{self, Write};
+
+use crate::checksum;
+use crate::memory::{is_zero, region_of, RegionView};
+use crate::protocol::{self, Kind, ProtocolError, HEADER, PAGE};
+use crate::ranges::{push_page, total_pages, GpaPages};
+
+/// How [`PageBatch::fill`] treats the pages it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fill {
+    /// A page that reads as zero becomes a run in [`PageBatch::zeros`]
+    /// instead of data.
+    pub(crate) zero_runs: bool,
+    /// Checksum the page data as it is copied, so writing the frame only
+    /// checksums its head.
+    pub(crate) crc: bool,
+}
+
+impl Fill {
+    /// Raw Pages frames: zero pages as runs, data checksummed at fill.
+    pub(crate) const RAW: Fill = Fill {
+        zero_runs: true,
+        crc: true,
+    };
+    /// Pages an encoder will likely rewrite: zero pages as runs, no
+    /// checksum yet (a batch sent raw after all is checksummed at write).
+    pub(crate) const ENCODE: Fill = Fill {
+        zero_runs: true,
+        crc: false,
+    };
+    /// Every page as data, zero or not (postcopy's demand answers: each
+    /// page asked for arrives in a Pages frame).
+    pub(crate) const EVERY_PAGE: Fill = Fill {
+        zero_runs: false,
+        crc: true,
+    };
+}
+
+/// Pages read from guest RAM: those with data (addresses, bytes, the
+/// data's CRC-32C when filled with [`Fill::crc`]) and the zero runs.
+/// Reused batch after batch: filling clears it but keeps its buffers.
+#[derive(Debug, Default)]
+pub(crate) struct PageBatch {
+    gpas: Vec<u64>,
+    /// `gpas` as the wire has them (little-endian u64s).
+    addrs: Vec<u8>,
+    /// 4096 bytes per page of `gpas`.
+    data: Vec<u8>,
+    /// Pages that read as zero, as runs (sorted runs give sorted runs).
+    zeros: Vec<GpaPages>,
+    /// CRC-32C of `data`, when computed at fill.
+    crc: Option<u32>,
+}
+
+impl PageBatch {
+    /// Empties the batch (its buffers stay allocated).
+    pub(crate) fn clear(&mut self) {
+        self.gpas.clear();
+        self.addrs.clear();
+        self.data.clear();
+        self.zeros.clear();
+        self.crc = None;
+    }
+
+    /// Refills the batch with the pages at `gpas`, in that order; a page
+    /// outside every region is skipped.
+    pub(crate) fn fill(
+        &mut self,
+        regions: &[RegionView],
+        gpas: impl IntoIterator<Item = u64>,
+        how: Fill,
+    ) {
+        self.fill_upto(regions, gpas, how, usize::MAX);
+    }
+
+    /// Refills the batch with every page of `runs`.
+    pub(crate) fn fill_from(&mut self, regions: &[RegionView], runs: &[GpaPages], how: Fill) {
+        self.fill(regions, runs.iter().flat_map(|r| r.page_addrs()), how);
+    }
+
+    /// Refills the batch from `gpas` until it holds `max` pages of data
+    /// (zero pages do not count); true if it stopped there, so `gpas` (pass
+    /// `&mut iter`) may have more for the next batch.
+    pub(crate) fn fill_upto(
+        &mut self,
+        regions: &[RegionView],
+        gpas: impl IntoIterator<Item = u64>,
+        how: Fill,
+        max: usize,
+    ) -> bool {
+        self.clear();
+        let mut crc = 0u32;
+        let mut full = false;
+        for gpa in gpas {
+            let Some((_, r)) = region_of(regions, gpa) else {
+                continue;
+            };
+            // Copy first, then look: the copy is what gets sent, and no Rust
+            // reference ever points into memory the guest writes.
+            let at = self.data.len();
+            r.copy_page((gpa - r.gpa()) / PAGE as u64, &mut self.data);
+            if how.zero_runs && is_zero(&self.data[at..]) {
+                self.data.truncate(at);
+                push_page(&mut self.zeros, gpa);
+                continue;
+            }
+            self.gpas.push(gpa);
+            self.addrs.extend_from_slice(&gpa.to_le_bytes());
+            if how.crc {
+                // While the page is hot in cache.
+                crc = checksum::append(crc, &self.data[at..]);
+            }
+            if self.gpas.len() >= max {
+                full = true;
+                break;
+            }
+        }
+        self.crc = how.crc.then_some(crc);
+        full
+    }
+
+    /// Addresses of the pages with data.
+    pub(crate) fn gpas(&self) -> &[u64] {
+        &self.gpas
+    }
+
+    /// The pages' data, 4096 bytes each, in the order of [`Self::gpas`].
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The pages that read as zero, as runs.
+    pub(crate) fn zeros(&self) -> &[GpaPages] {
+        &self.zeros
+    }
+
+    /// Pages with data.
+    pub(crate) fn pages(&self) -> u64 {
+        self.gpas.len() as u64
+    }
+
+    /// Pages that read as zero.
+    pub(crate) fn zero_pages(&self) -> u64 {
+        total_pages(&self.zeros)
+    }
+
+    /// Writes the pages with data as one Pages frame (nothing if there are
+    /// none); returns its wire bytes.
+    pub(crate) fn write_pages(&self, w: &mut impl Write) -> io::Result<u64> {
+        if self.gpas.is_empty() {
+            return Ok(0);
+        }
+        write_pages_frame(w, &self.addrs, &self.data, self.crc)
+    }
+
+    /// Writes the zero runs as one ZeroRanges frame (nothing if there are
+    /// none); returns its wire bytes.
+    pub(crate) fn write_zeros(&self, w: &mut impl Write) -> Result<u64, ProtocolError> {
+        if self.zeros.is_empty() {
+            return Ok(0);
+        }
+        protocol::write_zero_ranges(w, &self.zeros)
+    }
+}
+
+/// Writes one Pages frame of the pages at `addrs` (little-endian u64s) with
+/// their `data`, without gathering them; `data_crc` is the data's CRC-32C
+/// if known. Returns the frame's wire bytes.
+pub(crate) fn write_pages_frame(
+    w: &mut impl Write,
+    addrs: &[u8],
+    data: &[u8],
+    data_crc: Option<u32>,
+) -> io::Result<u64> {
+    debug_assert_eq!(data.len() / PAGE, addrs.len() / 8);
+    let count = ((addrs.len() / 8) as u32).to_le_bytes();
+    match data_crc {
+        Some(crc) => protocol::write_pages_frame(w, &count, addrs, data, crc)?,
+        None => protocol::write_frame_parts(w, Kind::Pages, &[&count, addrs, data])?,
+    }
+    Ok((HEADER + count.len() + addrs.len() + data.len()) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{decode, decode_pages, read_frame};
+
+    const P: u64 = PAGE as u64;
+
+    /// Guest memory: each region's pages hold a pattern of their address,
+    /// except the pages listed as zero.
+    struct Guest {
+        mem: Vec<Vec<u8>>,
+        layout: Vec<(u64, u64)>,
+    }
+
+    impl Guest {
+        fn new(layout: &[(u64, u64)], zero: &[u64]) -> Guest {
+            let mem = layout
+                .iter()
+                .map(|&(gpa, pages)| {
+                    let mut v = vec![0u8; (pages * P) as usize];
+                    for (i, page) in v.chunks_exact_mut(PAGE).enumerate() {
+                        let g = gpa + i as u64 * P;
+                        if !zero.contains(&g) {
+                            page_of(g, page);
+                        }
+                    }
+                    v
+                })
+                .collect();
+            Guest {
+                mem,
+                layout: layout.to_vec(),
+            }
+        }
+
+        fn regions(&mut self) -> Vec<RegionView> {
+            self.layout
+                .iter()
+                .zip(self.mem.iter_mut())
+                // SAFETY: the vectors live as long as the Guest and are
+                // never resized; the views do not outlive a test.
+                .map(|(&(gpa, pages), m)| unsafe {
+                    RegionView::new(gpa, pages * P, m.as_mut_ptr())
+                })
+                .collect()
+        }
+    }
+
+    /// The content of the page at `gpa` (never all zero).
+    fn page_of(gpa: u64, out: &mut [u8]) {
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = ((gpa / P) as usize * 7 + i * 13 + 1) as u8 | 1;
+        }
+    }
+
+    fn want_data(gpas: &[u64]) -> Vec<u8> {
+        let mut v = vec![0u8; gpas.len() * PAGE];
+        for (g, page) in gpas.iter().zip(v.chunks_exact_mut(PAGE)) {
+            page_of(*g, page);
+        }
+        v
+    }
+
+    #[test]
+    fn zero_pages_become_runs_and_the_rest_data() {
+        let zero = [2 * P, 3 * P, 4 * P, 7 * P];
+        let mut g = Guest::new(&[(0, 10)], &zero);
+        let regions = g.regions();
+        let mut b = PageBatch::default();
+        b.fill_from(&regions, &[GpaPages::new(0, 10)], Fill::RAW);
+        let data = [0, P, 5 * P, 6 * P, 8 * P, 9 * P];
+        assert_eq!(b.gpas(), data);
+        assert_eq!(b.data(), want_data(&data));
+        assert_eq!(
+            b.zeros(),
+            [GpaPages::new(2 * P, 3), GpaPages::new(7 * P, 1)]
+        );
+        assert_eq!((b.pages(), b.zero_pages()), (6, 4));
+        // Every page as data: the zero pages stay in the frame, as zeros.
+        b.fill_from(&regions, &[GpaPages::new(P, 3)], Fill::EVERY_PAGE);
+        assert_eq!(b.gpas(), [P, 2 * P, 3 * P]);
+        assert!(b.zeros().is_empty());
+        assert_eq!(&b.data()[..PAGE], &want_data(&[P])[..]);
+        assert!(b.data()[PAGE..].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn runs_cross_region_boundaries_and_skip_what_no_region_holds() {
+        // Two adjacent regions (0..4 and 4..8 in pages), then a gap, then
+        // a third at page 20; pages 3 and 4 (both sides of the boundary)
+        // and 20 are zero.
+        let mut g = Guest::new(&[(0, 4), (4 * P, 4), (20 * P, 2)], &[3 * P, 4 * P, 20 * P]);
+        let regions = g.regions();
+        let mut b = PageBatch::default();
+        b.fill_from(&regions, &[GpaPages::new(2 * P, 20)], Fill::RAW);
+        let data = [2 * P, 5 * P, 6 * P, 7 * P, 21 * P];
+        assert_eq!(b.gpas(), data);
+        assert_eq!(b.data(), want_data(&data));
+        // One zero run over the boundary, pages 8..20 skipped (no region).
+        assert_eq!(
+            b.zeros(),
+            [GpaPages::new(3 * P, 2), GpaPages::new(20 * P, 1)]
+        );
+        assert_eq!((b.pages(), b.zero_pages()), (5, 3));
+    }
+
+    #[test]
+    fn the_frames_decode_back_and_count_their_bytes() {
+        let mut g = Guest::new(&[(0x10_0000, 8)], &[0x10_0000 + 3 * P]);
+        let regions = g.regions();
+        let mut b = PageBatch::default();
+        b.fill_from(&regions, &[GpaPages::new(0x10_0000, 8)], Fill::RAW);
+        let mut wire = Vec::new();
+        let zb = b.write_zeros(&mut wire).unwrap();
+        let pb = b.write_pages(&mut wire).unwrap();
+        assert_eq!(zb + pb, wire.len() as u64);
+        assert_eq!(pb, (HEADER + 4 + 7 * (8 + PAGE)) as u64);
+        let mut r = &wire[..];
+        // read_frame checks the frame's CRC-32C.
+        let f = read_frame(&mut r).unwrap();
+        let runs: Vec<GpaPages> = decode(&f, Kind::ZeroRanges).unwrap();
+        assert_eq!(runs, b.zeros());
+        let f = read_frame(&mut r).unwrap();
+        assert_eq!(f.kind, Kind::Pages);
+        let (gpas, data) = decode_pages(&f.body).unwrap();
+        assert_eq!(gpas, b.gpas());
+        assert_eq!(data, want_data(&gpas));
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn the_checksum_at_fill_or_at_write_makes_the_same_frame() {
+        let mut g = Guest::new(&[(0, 40)], &[5 * P, 6 * P]);
+        let regions = g.regions();
+        let runs = [GpaPages::new(0, 40)];
+        let (mut at_fill, mut at_write) = (PageBatch::default(), PageBatch::default());
+        at_fill.fill_from(&regions, &runs, Fill::RAW);
+        at_write.fill_from(&regions, &runs, Fill::ENCODE);
+        let (mut a, mut w) = (Vec::new(), Vec::new());
+        at_fill.write_pages(&mut a).unwrap();
+        at_write.write_pages(&mut w).unwrap();
+        assert_eq!(a, w);
+        // And the same as the whole body encoded and framed at once.
+        let mut whole = Vec::new();
+        let body = protocol::encode_pages(at_fill.gpas(), at_fill.data());
+        protocol::write_frame(&mut whole, Kind::Pages, &body).unwrap();
+        assert_eq!(a, whole);
+    }
+
+    #[test]
+    fn fill_upto_stops_at_max_data_pages_and_goes_on_from_there() {
+        // Pages 1 and 2 zero: they do not count towards the limit.
+        let mut g = Guest::new(&[(0, 7)], &[P, 2 * P]);
+        let regions = g.regions();
+        let mut b = PageBatch::default();
+        let mut it = GpaPages::new(0, 7).page_addrs();
+        assert!(b.fill_upto(&regions, &mut it, Fill::RAW, 3));
+        assert_eq!(b.gpas(), [0, 3 * P, 4 * P]);
+        assert_eq!(b.zeros(), [GpaPages::new(P, 2)]);
+        // Exactly the limit left: full again, then an empty last batch.
+        assert!(b.fill_upto(&regions, &mut it, Fill::RAW, 2));
+        assert_eq!(b.gpas(), [5 * P, 6 * P]);
+        assert!(b.zeros().is_empty());
+        assert!(!b.fill_upto(&regions, &mut it, Fill::RAW, 2));
+        assert_eq!((b.pages(), b.zero_pages()), (0, 0));
+    }
+
+    #[test]
+    fn an_empty_batch_writes_nothing() {
+        let mut g = Guest::new(&[(0, 2)], &[0, P]);
+        let regions = g.regions();
+        let mut b = PageBatch::default();
+        b.fill_from(&regions, &[GpaPages::new(0, 2)], Fill::RAW);
+        let mut wire = Vec::new();
+        assert_eq!(b.write_pages(&mut wire).unwrap(), 0);
+        assert!(wire.is_empty());
+        b.fill_from(&regions, &[], Fill::RAW);
+        assert_eq!(b.write_zeros(&mut wire).unwrap(), 0);
+        assert!(wire.is_empty());
+    }
+
+    #[test]
+    fn a_frame_of_given_pages_is_the_encoded_body_framed() {
+        let gpas = [0x3000u64, 0x1000, 0x7000];
+        let data = want_data(&gpas);
+        let addrs: Vec<u8> = gpas.iter().flat_map(|g| g.to_le_bytes()).collect();
+        let mut wire = Vec::new();
+        let n = write_pages_frame(&mut wire, &addrs, &data, None).unwrap();
+        assert_eq!(n, wire.len() as u64);
+        let mut want = Vec::new();
+        protocol::write_frame(
+            &mut want,
+            Kind::Pages,
+            &protocol::encode_pages(&gpas, &data),
+        )
+        .unwrap();
+        assert_eq!(wire, want);
+        let mut with_crc = Vec::new();
+        write_pages_frame(&mut with_crc, &addrs, &data, Some(checksum::crc32c(&data))).unwrap();
+        assert_eq!(with_crc, want);
+    }
+}
