@@ -8,16 +8,39 @@
 //! `"event"`, and `"side"`: `"source"` or `"destination"`. docs/timeline.md
 //! lists every field. The source's file also holds the destination's lines
 //! (sent back over the migration's control connection) and the summary.
+//!
+//! The timeline reads its VM through [`Sampled`], which the VM implements:
+//! the VM owns its [`Watch`], so the timeline must not import the VM.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ferry_memory::MemoryError;
 use ferry_migration::telemetry::{unix_now, Telemetry};
 use serde_json::{json, Value};
 
-use crate::vmm::Vm;
+use crate::devices::service::ServiceDevice;
+use crate::metrics::MetricsSnapshot;
+use crate::vstate::run_control::RunState;
+
+/// What a timeline sample reads from the VM it records (the VM implements
+/// it; see the module header).
+pub trait Sampled: Sync {
+    /// What the vCPUs are asked to do now.
+    fn run_state(&self) -> RunState;
+    /// Guest TSC frequency (kHz).
+    fn tsc_khz(&self) -> u64;
+    /// The guest's metrics page, read now.
+    fn metrics(&self) -> Result<MetricsSnapshot, MemoryError>;
+    /// How many workloads the guest runs.
+    fn workload_count(&self) -> usize;
+    /// The service device, if the VM has one.
+    fn service(&self) -> Option<&Arc<ServiceDevice>>;
+    /// The VM's migration watch.
+    fn watch(&self) -> &Watch;
+}
 
 /// How often the timeline samples.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(10);
@@ -53,7 +76,7 @@ impl Recorder {
 
     /// Samples `vm` every 10 ms until [`Recorder::stop`]; run it on a
     /// thread of its own.
-    pub fn sample_until_stopped(&self, vm: &Vm) {
+    pub fn sample_until_stopped(&self, vm: &dyn Sampled) {
         let mut prev = Prev::default();
         let mut next = Instant::now();
         let mut n = 0u32;
@@ -146,7 +169,7 @@ struct Prev {
 }
 
 /// One sample line.
-fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> Value {
+fn sample(side: &str, vm: &dyn Sampled, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> Value {
     let t = tel.snapshot();
     let links: BTreeMap<&str, [u64; 2]> = t
         .links
@@ -158,14 +181,14 @@ fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> V
         "phase": t.phase, "round": t.round, "remaining_pages": t.remaining_pages,
         "processed_bytes": t.processed_bytes, "dirty_rate": t.dirty_rate,
         "throttle_pct": t.throttle_pct, "links": links,
-        "running": vm.run_state() == crate::RunState::Running,
+        "running": vm.run_state() == RunState::Running,
     });
     let tsc_khz = vm.tsc_khz().max(1) as f64;
     // Reads only pages in memory: safe at a postcopy destination too.
     let metrics = vm.metrics().ok();
     if let Some(m) = metrics {
         if m.valid() {
-            let n = vm.config().workloads.0.len();
+            let n = vm.workload_count();
             let c = m.cpu_totals();
             v["guest"] = json!({
                 "progress": (0..n).map(|i| m.progress(i)).collect::<Vec<_>>(),
@@ -245,7 +268,7 @@ pub struct Watch {
 /// Samples `vm` every 10 ms while no migration runs, keeping the last
 /// [`PRE_ROLL`] for the next migration's timeline. The thread ends with
 /// the VM.
-pub fn keep_history(vm: &Arc<Vm>) {
+pub fn keep_history<V: Sampled + Send + 'static>(vm: &Arc<V>) {
     let weak = Arc::downgrade(vm);
     let _ = std::thread::Builder::new()
         .name("history".into())
@@ -255,7 +278,13 @@ pub fn keep_history(vm: &Arc<Vm>) {
             let mut n = 0u32;
             while let Some(vm) = weak.upgrade() {
                 if vm.watch().current().is_none() {
-                    let line = sample("source", &vm, &idle, &mut prev, n.is_multiple_of(CPU_EVERY));
+                    let line = sample(
+                        "source",
+                        &*vm,
+                        &idle,
+                        &mut prev,
+                        n.is_multiple_of(CPU_EVERY),
+                    );
                     let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
                     bytes.push(b'\n');
                     let mut h = vm.watch().history.lock().unwrap_or_else(|e| e.into_inner());
@@ -293,7 +322,7 @@ impl Watch {
 
     /// Runs `f` with `rec` recording `vm` on a thread of its own; the
     /// source's timeline starts with the history before it.
-    pub fn record<T>(&self, vm: &Vm, rec: &Arc<Recorder>, f: impl FnOnce() -> T) -> T {
+    pub fn record<T>(&self, vm: &dyn Sampled, rec: &Arc<Recorder>, f: impl FnOnce() -> T) -> T {
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(rec.clone());
         let history: Vec<(Instant, Vec<u8>)> = self
             .history

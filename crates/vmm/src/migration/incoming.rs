@@ -8,7 +8,7 @@ use ferry_migration::{
     OffsetBytes, PageStore, RegionView, VmOpError,
 };
 
-use crate::vmm::{Vm, VmState};
+use crate::vm::{Vm, VmState};
 use crate::vstate::persist;
 
 impl PageStore for Vm {

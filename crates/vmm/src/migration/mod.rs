@@ -11,7 +11,7 @@ pub use outgoing::{migrate, resume};
 
 use ferry_migration::{OffsetBytes, RegionView};
 
-use crate::vmm::Vm;
+use crate::vm::Vm;
 
 pub(crate) fn views(vm: &Vm) -> Vec<RegionView> {
     vm.memory()

@@ -10,7 +10,7 @@ use ferry_migration::{
 };
 
 use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
-use crate::vmm::Vm;
+use crate::vm::Vm;
 use crate::vstate::dirty::Consumer;
 use crate::vstate::persist;
 
