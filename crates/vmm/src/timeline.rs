@@ -352,3 +352,136 @@ impl Watch {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_migration::telemetry::LivePhase;
+
+    /// A VM as the timeline sees it, without KVM.
+    struct Fake {
+        state: RunState,
+        watch: Watch,
+    }
+
+    impl Sampled for Fake {
+        fn run_state(&self) -> RunState {
+            self.state
+        }
+        fn tsc_khz(&self) -> u64 {
+            1_000_000
+        }
+        fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
+            Err(MemoryError::Empty)
+        }
+        fn workload_count(&self) -> usize {
+            1
+        }
+        fn service(&self) -> Option<&Arc<ServiceDevice>> {
+            None
+        }
+        fn watch(&self) -> &Watch {
+            &self.watch
+        }
+    }
+
+    fn fake(state: RunState) -> Fake {
+        Fake {
+            state,
+            watch: Watch::default(),
+        }
+    }
+
+    fn lines(bytes: &[u8]) -> Vec<Value> {
+        bytes
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_sample_says_what_it_could_read() {
+        let tel = Telemetry::new();
+        let mut prev = Prev::default();
+        let v = sample("source", &fake(RunState::Paused), &tel, &mut prev, false);
+        assert_eq!(v["type"], "sample");
+        assert_eq!(v["side"], "source");
+        assert_eq!(v["running"], false);
+        assert_eq!(v["phase"], "pending");
+        // No metrics page and no service device: no guest or service part.
+        assert!(v.get("guest").is_none() && v.get("service").is_none());
+        assert!(v.get("cpu_ms").is_none());
+        let v = sample(
+            "destination",
+            &fake(RunState::Running),
+            &tel,
+            &mut prev,
+            true,
+        );
+        assert_eq!(v["running"], true);
+        let cpu = v["cpu_ms"].as_object().unwrap();
+        assert!(cpu.keys().all(|k| k.contains('/')), "{cpu:?}");
+    }
+
+    #[test]
+    fn recording_sets_the_current_migration_and_keeps_its_figures() {
+        let vm = fake(RunState::Running);
+        vm.watch
+            .history
+            .lock()
+            .unwrap()
+            .push_back((Instant::now(), b"{\"before\":1}\n".to_vec()));
+        let rec = Recorder::new("source");
+        let out = vm.watch.record(&vm, &rec, || {
+            let now = vm.watch.current().expect("a migration runs");
+            assert!(Arc::ptr_eq(&now, &rec));
+            rec.telemetry().event("round", "1");
+            std::thread::sleep(SAMPLE_EVERY * 3);
+            7
+        });
+        assert_eq!(out, 7);
+        assert!(vm.watch.current().is_none());
+        assert!(Arc::ptr_eq(&vm.watch.latest().unwrap(), rec.telemetry()));
+        let got = lines(&rec.lines());
+        // The source's timeline starts with the history before it.
+        assert_eq!(got[0], json!({"before": 1}));
+        assert!(got.iter().any(|l| l["type"] == "sample"));
+        assert!(got
+            .iter()
+            .any(|l| l["type"] == "event" && l["what"] == "round" && l["side"] == "source"));
+        assert!(vm.watch.history.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_destination_samples_nothing_until_its_source_connects() {
+        let vm = fake(RunState::Paused);
+        vm.watch
+            .history
+            .lock()
+            .unwrap()
+            .push_back((Instant::now(), b"{\"before\":1}\n".to_vec()));
+        let rec = Recorder::new("destination");
+        vm.watch.record(&vm, &rec, || {
+            std::thread::sleep(SAMPLE_EVERY * 3);
+        });
+        assert_eq!(rec.telemetry().phase(), LivePhase::Pending);
+        assert!(rec.lines().is_empty(), "no history, no samples");
+    }
+
+    #[test]
+    fn the_written_timeline_is_header_lines_peer_lines_summary() {
+        let rec = Recorder::new("source");
+        rec.push(&json!({"type": "sample", "n": 1}));
+        rec.set_peer_lines(b"{\"type\":\"sample\",\"side\":\"destination\"}\n".to_vec());
+        let dir = std::env::temp_dir().join(format!("ferry-timeline-{}", std::process::id()));
+        let path = dir.join("sub").join("t.jsonl");
+        rec.write(&path, json!({"type": "header"}), json!({"type": "summary"}))
+            .unwrap();
+        let got = lines(&std::fs::read(&path).unwrap());
+        let kinds: Vec<&str> = got.iter().map(|l| l["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["header", "sample", "sample", "summary"]);
+        assert_eq!(got[2]["side"], "destination");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

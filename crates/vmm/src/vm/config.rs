@@ -69,7 +69,7 @@ impl VmConfig {
     }
 
     /// Fresh (zeroed, unpopulated) guest memory in this config's RAM layout,
-    /// the memory [`Vm::create`] builds its VM around.
+    /// the memory [`Vm::create`](super::Vm::create) builds its VM around.
     pub fn new_memory(&self) -> Result<Arc<GuestMemory>, VmError> {
         let layout = MemoryLayout::for_size(self.mem_bytes)?;
         Ok(Arc::new(GuestMemory::new(layout.ranges())?))

@@ -32,7 +32,7 @@ pub enum VmError {
     /// Guest memory could not be set up.
     #[error("guest memory: {0}")]
     Memory(#[from] MemoryError),
-    /// The memory handed to [`Vm::build`] is not laid out as the config's RAM size needs.
+    /// The memory handed to [`Vm::build`](super::Vm::build) is not laid out as the config's RAM size needs.
     #[error("guest memory regions {found:#x?} (gpa, size) do not match the layout of a {mem_bytes}-byte VM: {expected:#x?}")]
     MemoryMismatch {
         /// The config's RAM size.
