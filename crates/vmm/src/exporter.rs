@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry_migration::telemetry::LivePhase;
 
-use crate::vmm::Vm;
+use crate::vm::Vm;
 
 /// Serves `GET /metrics` for `vm` on `addr` until the VM is gone; returns
 /// the address it listens on (port 0 picks one).

@@ -4,8 +4,8 @@
 //! Layout: [`vstate`] holds the KVM objects, [`boot`] what the guest finds at
 //! entry, [`devices`] the port-I/O devices, [`guest_abi`] the contract with the
 //! guest, [`workload`] the workload specs, [`metrics`] the guest's counters,
-//! [`vmm`] the VM lifecycle, [`access`] its access tracking and [`control`]
-//! its control socket.
+//! [`vm`] the VM handle and its lifecycle, [`access`] its access tracking and
+//! [`control`] its control socket.
 
 pub mod access;
 pub mod boot;
@@ -19,11 +19,13 @@ pub mod hostnet;
 pub mod metrics;
 pub mod migration;
 pub mod timeline;
-pub mod vmm;
+pub mod vm;
 pub mod vstate;
 pub mod workload;
 
-pub use vmm::{RunState, Vm, VmConfig, VmError, VmExit, VmState};
+/// The VM module's old path (`ferry_vmm::vmm::Vm` and so on).
+pub use vm as vmm;
+pub use vm::{RunState, Vm, VmConfig, VmError, VmExit, VmState};
 pub use workload::{Workload, WorkloadSet};
 
 /// The test guest kernel, built from `guest/` by this crate's build script.

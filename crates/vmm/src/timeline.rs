@@ -8,16 +8,39 @@
 //! `"event"`, and `"side"`: `"source"` or `"destination"`. docs/timeline.md
 //! lists every field. The source's file also holds the destination's lines
 //! (sent back over the migration's control connection) and the summary.
+//!
+//! The timeline reads its VM through [`Sampled`], which the VM implements:
+//! the VM owns its [`Watch`], so the timeline must not import the VM.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ferry_memory::MemoryError;
 use ferry_migration::telemetry::{unix_now, Telemetry};
 use serde_json::{json, Value};
 
-use crate::vmm::Vm;
+use crate::devices::service::ServiceDevice;
+use crate::metrics::MetricsSnapshot;
+use crate::vstate::run_control::RunState;
+
+/// What a timeline sample reads from the VM it records (the VM implements
+/// it; see the module header).
+pub trait Sampled: Sync {
+    /// What the vCPUs are asked to do now.
+    fn run_state(&self) -> RunState;
+    /// Guest TSC frequency (kHz).
+    fn tsc_khz(&self) -> u64;
+    /// The guest's metrics page, read now.
+    fn metrics(&self) -> Result<MetricsSnapshot, MemoryError>;
+    /// How many workloads the guest runs.
+    fn workload_count(&self) -> usize;
+    /// The service device, if the VM has one.
+    fn service(&self) -> Option<&Arc<ServiceDevice>>;
+    /// The VM's migration watch.
+    fn watch(&self) -> &Watch;
+}
 
 /// How often the timeline samples.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(10);
@@ -53,7 +76,7 @@ impl Recorder {
 
     /// Samples `vm` every 10 ms until [`Recorder::stop`]; run it on a
     /// thread of its own.
-    pub fn sample_until_stopped(&self, vm: &Vm) {
+    pub fn sample_until_stopped(&self, vm: &dyn Sampled) {
         let mut prev = Prev::default();
         let mut next = Instant::now();
         let mut n = 0u32;
@@ -146,7 +169,7 @@ struct Prev {
 }
 
 /// One sample line.
-fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> Value {
+fn sample(side: &str, vm: &dyn Sampled, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> Value {
     let t = tel.snapshot();
     let links: BTreeMap<&str, [u64; 2]> = t
         .links
@@ -158,14 +181,14 @@ fn sample(side: &str, vm: &Vm, tel: &Telemetry, prev: &mut Prev, cpu: bool) -> V
         "phase": t.phase, "round": t.round, "remaining_pages": t.remaining_pages,
         "processed_bytes": t.processed_bytes, "dirty_rate": t.dirty_rate,
         "throttle_pct": t.throttle_pct, "links": links,
-        "running": vm.run_state() == crate::RunState::Running,
+        "running": vm.run_state() == RunState::Running,
     });
     let tsc_khz = vm.tsc_khz().max(1) as f64;
     // Reads only pages in memory: safe at a postcopy destination too.
     let metrics = vm.metrics().ok();
     if let Some(m) = metrics {
         if m.valid() {
-            let n = vm.config().workloads.0.len();
+            let n = vm.workload_count();
             let c = m.cpu_totals();
             v["guest"] = json!({
                 "progress": (0..n).map(|i| m.progress(i)).collect::<Vec<_>>(),
@@ -245,7 +268,7 @@ pub struct Watch {
 /// Samples `vm` every 10 ms while no migration runs, keeping the last
 /// [`PRE_ROLL`] for the next migration's timeline. The thread ends with
 /// the VM.
-pub fn keep_history(vm: &Arc<Vm>) {
+pub fn keep_history<V: Sampled + Send + 'static>(vm: &Arc<V>) {
     let weak = Arc::downgrade(vm);
     let _ = std::thread::Builder::new()
         .name("history".into())
@@ -255,7 +278,13 @@ pub fn keep_history(vm: &Arc<Vm>) {
             let mut n = 0u32;
             while let Some(vm) = weak.upgrade() {
                 if vm.watch().current().is_none() {
-                    let line = sample("source", &vm, &idle, &mut prev, n.is_multiple_of(CPU_EVERY));
+                    let line = sample(
+                        "source",
+                        &*vm,
+                        &idle,
+                        &mut prev,
+                        n.is_multiple_of(CPU_EVERY),
+                    );
                     let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
                     bytes.push(b'\n');
                     let mut h = vm.watch().history.lock().unwrap_or_else(|e| e.into_inner());
@@ -293,7 +322,7 @@ impl Watch {
 
     /// Runs `f` with `rec` recording `vm` on a thread of its own; the
     /// source's timeline starts with the history before it.
-    pub fn record<T>(&self, vm: &Vm, rec: &Arc<Recorder>, f: impl FnOnce() -> T) -> T {
+    pub fn record<T>(&self, vm: &dyn Sampled, rec: &Arc<Recorder>, f: impl FnOnce() -> T) -> T {
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(rec.clone());
         let history: Vec<(Instant, Vec<u8>)> = self
             .history
@@ -321,5 +350,138 @@ impl Watch {
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(rec.tel.clone());
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_migration::telemetry::LivePhase;
+
+    /// A VM as the timeline sees it, without KVM.
+    struct Fake {
+        state: RunState,
+        watch: Watch,
+    }
+
+    impl Sampled for Fake {
+        fn run_state(&self) -> RunState {
+            self.state
+        }
+        fn tsc_khz(&self) -> u64 {
+            1_000_000
+        }
+        fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
+            Err(MemoryError::Empty)
+        }
+        fn workload_count(&self) -> usize {
+            1
+        }
+        fn service(&self) -> Option<&Arc<ServiceDevice>> {
+            None
+        }
+        fn watch(&self) -> &Watch {
+            &self.watch
+        }
+    }
+
+    fn fake(state: RunState) -> Fake {
+        Fake {
+            state,
+            watch: Watch::default(),
+        }
+    }
+
+    fn lines(bytes: &[u8]) -> Vec<Value> {
+        bytes
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_sample_says_what_it_could_read() {
+        let tel = Telemetry::new();
+        let mut prev = Prev::default();
+        let v = sample("source", &fake(RunState::Paused), &tel, &mut prev, false);
+        assert_eq!(v["type"], "sample");
+        assert_eq!(v["side"], "source");
+        assert_eq!(v["running"], false);
+        assert_eq!(v["phase"], "pending");
+        // No metrics page and no service device: no guest or service part.
+        assert!(v.get("guest").is_none() && v.get("service").is_none());
+        assert!(v.get("cpu_ms").is_none());
+        let v = sample(
+            "destination",
+            &fake(RunState::Running),
+            &tel,
+            &mut prev,
+            true,
+        );
+        assert_eq!(v["running"], true);
+        let cpu = v["cpu_ms"].as_object().unwrap();
+        assert!(cpu.keys().all(|k| k.contains('/')), "{cpu:?}");
+    }
+
+    #[test]
+    fn recording_sets_the_current_migration_and_keeps_its_figures() {
+        let vm = fake(RunState::Running);
+        vm.watch
+            .history
+            .lock()
+            .unwrap()
+            .push_back((Instant::now(), b"{\"before\":1}\n".to_vec()));
+        let rec = Recorder::new("source");
+        let out = vm.watch.record(&vm, &rec, || {
+            let now = vm.watch.current().expect("a migration runs");
+            assert!(Arc::ptr_eq(&now, &rec));
+            rec.telemetry().event("round", "1");
+            std::thread::sleep(SAMPLE_EVERY * 3);
+            7
+        });
+        assert_eq!(out, 7);
+        assert!(vm.watch.current().is_none());
+        assert!(Arc::ptr_eq(&vm.watch.latest().unwrap(), rec.telemetry()));
+        let got = lines(&rec.lines());
+        // The source's timeline starts with the history before it.
+        assert_eq!(got[0], json!({"before": 1}));
+        assert!(got.iter().any(|l| l["type"] == "sample"));
+        assert!(got
+            .iter()
+            .any(|l| l["type"] == "event" && l["what"] == "round" && l["side"] == "source"));
+        assert!(vm.watch.history.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_destination_samples_nothing_until_its_source_connects() {
+        let vm = fake(RunState::Paused);
+        vm.watch
+            .history
+            .lock()
+            .unwrap()
+            .push_back((Instant::now(), b"{\"before\":1}\n".to_vec()));
+        let rec = Recorder::new("destination");
+        vm.watch.record(&vm, &rec, || {
+            std::thread::sleep(SAMPLE_EVERY * 3);
+        });
+        assert_eq!(rec.telemetry().phase(), LivePhase::Pending);
+        assert!(rec.lines().is_empty(), "no history, no samples");
+    }
+
+    #[test]
+    fn the_written_timeline_is_header_lines_peer_lines_summary() {
+        let rec = Recorder::new("source");
+        rec.push(&json!({"type": "sample", "n": 1}));
+        rec.set_peer_lines(b"{\"type\":\"sample\",\"side\":\"destination\"}\n".to_vec());
+        let dir = std::env::temp_dir().join(format!("ferry-timeline-{}", std::process::id()));
+        let path = dir.join("sub").join("t.jsonl");
+        rec.write(&path, json!({"type": "header"}), json!({"type": "summary"}))
+            .unwrap();
+        let got = lines(&std::fs::read(&path).unwrap());
+        let kinds: Vec<&str> = got.iter().map(|l| l["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["header", "sample", "sample", "summary"]);
+        assert_eq!(got[2]["side"], "destination");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

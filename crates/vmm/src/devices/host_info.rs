@@ -6,7 +6,7 @@
 //! It is not guest RAM, so no migration copies it (and no postcopy fault can
 //! stall a write to it): each VMM fills it itself. A booted VM starts at
 //! zero; a restored one gets the count from its saved state
-//! ([`crate::vmm::VmState::migrations`]), and an incoming migration then adds
+//! ([`crate::vm::VmState::migrations`]), and an incoming migration then adds
 //! one before the vCPUs run, so the guest can tell the moment it runs on a
 //! new host (memtouch `after=migrate` waits for it).
 

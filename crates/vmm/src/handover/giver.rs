@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::wire::{self, Hello, Message, VmShape, CONNS_PER_MESSAGE};
 use super::{cpu_secs, memory_hashes, monotonic_ns, HandoverError, HandoverStats};
-use crate::control::ControlSocket;
-use crate::vmm::{RunState, Vm};
+use crate::control::server::ControlSocket;
+use crate::vm::{RunState, Vm};
 use crate::vstate::persist;
 
 /// How long the new process may take to start and say hello.

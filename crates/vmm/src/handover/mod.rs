@@ -81,7 +81,7 @@ pub enum HandoverError {
     Aborted(String),
     /// Building or restoring the VM failed (new process).
     #[error(transparent)]
-    Vm(#[from] crate::vmm::VmError),
+    Vm(#[from] crate::vm::VmError),
     /// Guest memory could not be mapped (new process).
     #[error("cannot map the handed-over guest memory: {0}")]
     Memory(String),
@@ -167,7 +167,7 @@ pub struct HandoverStats {
 }
 
 /// Per-page hashes of the VM's guest memory as this process maps it.
-fn memory_hashes(vm: &crate::vmm::Vm) -> Vec<u64> {
+fn memory_hashes(vm: &crate::vm::Vm) -> Vec<u64> {
     ferry_migration::memory::memory_hashes(&crate::migration::views(vm), |i| {
         crate::migration::data_ranges(vm, i)
     })

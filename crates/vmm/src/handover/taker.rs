@@ -15,7 +15,7 @@ use super::wire::{self, Hello, Message};
 use super::{cpu_secs, monotonic_ns, stall_before, HandoverError};
 use crate::devices::serial::ConsoleSink;
 use crate::devices::service::FrozenConn;
-use crate::vmm::{Vm, VmConfig, VmState};
+use crate::vm::{Vm, VmConfig, VmState};
 use crate::vstate::persist;
 
 /// How long to wait for the old process's next message.

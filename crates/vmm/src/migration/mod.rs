@@ -1,17 +1,31 @@
 //! The VMM side of migration, both directions: a [`Vm`] as the engine sees
 //! it (the `ferry-migration` traits), and the calls that run a migration
-//! from the control socket (outgoing) or from `ferry run --incoming`.
-//! KVM specifics (dirty log, state encoding, the service device) stay here.
+//! from the control socket ([`source`]) or from `ferry run --incoming`
+//! ([`destination`]). KVM specifics (dirty log, state encoding, the service
+//! device) stay here. This file holds what both sides read of a VM.
 
-pub mod incoming;
-pub mod outgoing;
+pub mod destination;
+pub mod source;
 
-pub use incoming::Incoming;
-pub use outgoing::{migrate, resume};
+pub use destination::Incoming;
+pub use source::{migrate, resume};
 
-use ferry_migration::{OffsetBytes, RegionView};
+use ferry_migration::{GpaBytes, OffsetBytes, RegionView};
 
-use crate::vmm::Vm;
+use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
+use crate::vm::Vm;
+
+/// The service ring: the device writes requests into it from the host,
+/// which KVM's dirty log does not see.
+pub(crate) fn service_ring(vm: &Vm) -> Vec<GpaBytes> {
+    match vm.service() {
+        Some(_) => vec![GpaBytes::new(
+            SVC_GPA,
+            SVC_HEADER_SIZE + SVC_SLOTS as u64 * SVC_SLOT_SIZE,
+        )],
+        None => Vec::new(),
+    }
+}
 
 pub(crate) fn views(vm: &Vm) -> Vec<RegionView> {
     vm.memory()

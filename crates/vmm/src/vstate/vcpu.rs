@@ -1,98 +1,23 @@
-//! vCPUs: configuration (CPUID, long-mode registers), the run loop on its own
-//! thread, and the kick that pulls a vCPU out of KVM_RUN.
-//!
-//! Kicking: another thread sends the vCPU thread a real-time signal whose
-//! handler sets `immediate_exit` in that vCPU's `kvm_run`. Setting it in the
-//! handler (not before sending) closes the race where the signal lands just
-//! before the thread enters KVM_RUN: KVM then returns EINTR at once.
+//! vCPUs: configuration (CPUID, long-mode registers) and the run loop on
+//! its own thread. What the loop obeys and reports lives beside it: the
+//! run control it shares with the VM handle ([`super::run_control`]), the
+//! kick that gets it out of KVM_RUN ([`super::kick`]) and why it stopped
+//! ([`super::exit`]).
 
-use std::cell::Cell;
-use std::fmt;
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_mp_state, kvm_run, CpuId, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
+pub use super::exit::RegsReport;
+use super::exit::VmExit;
+use super::kick::set_thread_run;
+pub use super::kick::{install_kick_handler, kick_signal};
 use super::kvm::KvmError;
 use super::persist;
+use super::run_control::{RunState, VmShared};
 use crate::boot::setup;
 use crate::devices::PioAction;
-use crate::vmm::{RunState, VmExit, VmShared};
-
-thread_local! {
-    static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
-}
-
-/// The signal used to kick vCPU threads out of KVM_RUN.
-pub fn kick_signal() -> libc::c_int {
-    vmm_sys_util::signal::SIGRTMIN()
-}
-
-extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    KVM_RUN.with(|p| {
-        let run = p.get();
-        if !run.is_null() {
-            // SAFETY: `run` is this thread's own kvm_run mapping, registered by
-            // the vCPU loop and cleared before the VcpuFd (and mapping) is dropped.
-            unsafe { std::ptr::write_volatile(&mut (*run).immediate_exit, 1) };
-        }
-    });
-}
-
-/// Installs the kick handler (idempotent).
-pub fn install_kick_handler() -> Result<(), std::io::Error> {
-    vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler)
-        .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
-}
-
-/// A register dump for error reports.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct RegsReport {
-    /// Instruction pointer.
-    pub rip: u64,
-    /// Stack pointer.
-    pub rsp: u64,
-    /// Flags.
-    pub rflags: u64,
-    /// General registers rax, rbx, rcx, rdx, rsi, rdi, rbp.
-    pub gprs: [u64; 7],
-    /// Control registers cr0, cr2, cr3, cr4.
-    pub cr: [u64; 4],
-    /// EFER.
-    pub efer: u64,
-    /// Code segment selector (its low bits are the privilege level).
-    pub cs: u16,
-}
-
-impl RegsReport {
-    /// Reads the registers of a stopped vCPU (best effort: zeros if KVM refuses).
-    pub fn read(vcpu: &VcpuFd) -> Self {
-        let r = vcpu.get_regs().unwrap_or_default();
-        let s = vcpu.get_sregs().unwrap_or_default();
-        RegsReport {
-            rip: r.rip,
-            rsp: r.rsp,
-            rflags: r.rflags,
-            gprs: [r.rax, r.rbx, r.rcx, r.rdx, r.rsi, r.rdi, r.rbp],
-            cr: [s.cr0, s.cr2, s.cr3, s.cr4],
-            efer: s.efer,
-            cs: s.cs.selector,
-        }
-    }
-}
-
-impl fmt::Display for RegsReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let g = &self.gprs;
-        write!(
-            f,
-            "rip={:#x} rsp={:#x} rflags={:#x} cs={:#x} (CPL{}) rax={:#x} rbx={:#x} rcx={:#x} \
-             rdx={:#x} rsi={:#x} rdi={:#x} rbp={:#x} cr0={:#x} cr2={:#x} cr3={:#x} cr4={:#x} efer={:#x}",
-            self.rip, self.rsp, self.rflags, self.cs, self.cs & 3, g[0], g[1], g[2], g[3], g[4],
-            g[5], g[6], self.cr[0], self.cr[1], self.cr[2], self.cr[3], self.efer
-        )
-    }
-}
 
 /// Gives vCPU `id` its CPUID (APIC id patched in) and long-mode special
 /// registers. Its general registers (the entry point) come later, from
@@ -141,7 +66,7 @@ fn internal_error_details(vcpu: &mut VcpuFd) -> (u32, Vec<u64>) {
 
 /// Runs vCPU `id` until the VM stops. Returns the vCPU so its state can be read.
 pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
-    KVM_RUN.with(|p| p.set(vcpu.get_kvm_run() as *mut kvm_run));
+    set_thread_run(vcpu.get_kvm_run() as *mut kvm_run);
     shared.set_vcpu_tid(id);
     loop {
         vcpu.set_kvm_immediate_exit(0);
@@ -215,7 +140,7 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
             break;
         }
     }
-    KVM_RUN.with(|p| p.set(std::ptr::null_mut()));
+    set_thread_run(std::ptr::null_mut());
     shared.vcpu_exited();
     vcpu
 }
@@ -225,5 +150,21 @@ fn panic_message(lines: &[String]) -> String {
     match lines.iter().rposition(|l| l.starts_with("PANIC")) {
         Some(i) => lines[i..].join("\n"),
         None => lines.last().cloned().unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panic_message;
+
+    #[test]
+    fn a_panic_report_starts_at_the_last_panic_line() {
+        let lines: Vec<String> = ["boot", "PANIC old", "more", "PANIC: bad", "  at x"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(panic_message(&lines), "PANIC: bad\n  at x");
+        let lines = vec!["a".to_string(), "last words".to_string()];
+        assert_eq!(panic_message(&lines), "last words");
+        assert_eq!(panic_message(&[]), "");
     }
 }

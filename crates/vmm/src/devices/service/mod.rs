@@ -11,29 +11,36 @@
 //! free slot (or waits for one), so the ring in guest memory holds every
 //! queued request, and the device's own state is only which connection each
 //! slot belongs to ([`ServiceState`]).
+//!
+//! This file holds the device, its start, the accept thread and the switches
+//! a VM's run and migration flip (hold, release, redirect, shutdown). The
+//! rest is split by what it serves: `ring.rs` (posting into the ring,
+//! the doorbell, forwarding, the saved state), `conn.rs` (client
+//! connections), `handover.rs` (handing them to another VMM process) and
+//! `moving.rs` (moving them with the VM to another host); [`wire`] is the
+//! frame format.
 
 mod conn;
+mod handover;
 mod moving;
+mod ring;
 pub mod wire;
 
 pub use conn::FrozenConn;
+pub use handover::AdoptedConns;
 
 use std::collections::HashMap;
-use std::io::{BufReader, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
-use ferry_memory::{GuestMemory, MemoryError};
-use kvm_bindings::kvm_msi;
+use ferry_memory::GuestMemory;
 use kvm_ioctls::VmFd;
 
-use crate::guest_abi::{self, slot_state, svc_off, svc_slot_gpa, SVC_GPA, SVC_SLOTS};
-use conn::{Conn, Gate, Inbox, Outbox, Spares};
-use wire::MAX_BODY;
+use crate::guest_abi::{svc_off, SVC_GPA, SVC_SLOTS};
+use conn::{Conn, Gate, Spares};
 
 /// Why the device could not start.
 #[derive(Debug, thiserror::Error)]
@@ -157,28 +164,6 @@ pub struct ServiceDevice {
     pub stats: ServiceStats,
 }
 
-/// Connections taken over from another process, registered and not read yet.
-pub struct AdoptedConns(Vec<(FrozenConn, Outbox, Inbox)>);
-
-impl AdoptedConns {
-    /// How many.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// True if none.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Starts serving them on `device`, each from what its reader left.
-    pub fn serve(self, device: &Arc<ServiceDevice>) {
-        for (c, tx, rx) in self.0 {
-            device.spawn_connection(c.id, c.stream, c.pending, tx, rx);
-        }
-    }
-}
-
 /// What happens to a request frame.
 enum Route {
     /// Into this VM's ring.
@@ -300,30 +285,6 @@ impl ServiceDevice {
             == 1
     }
 
-    /// Migration is about to pause the VM: stop posting new requests and wait
-    /// until the guest has answered every request in the ring, so nothing in
-    /// flight belongs to a connection the destination does not know.
-    pub fn hold_and_drain(&self, timeout: Duration) -> Result<(), String> {
-        self.held.store(true, Ordering::SeqCst);
-        let deadline = std::time::Instant::now() + timeout;
-        let mut ring = lock(&self.ring);
-        while ring.free.len() < SVC_SLOTS {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Err(format!(
-                    "the guest did not answer {} in-flight service requests within {timeout:?}",
-                    SVC_SLOTS - ring.free.len()
-                ));
-            }
-            ring = self
-                .slot_freed
-                .wait_timeout(ring, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        Ok(())
-    }
-
     /// The VM runs (it started, or a migration failed): clients that
     /// moved here go live (or, after a failed move, come back), readers
     /// go on, requests go into the ring, and clients are accepted.
@@ -361,321 +322,12 @@ impl ServiceDevice {
         self.slot_freed.notify_all();
     }
 
-    /// Handover, first step (the VM still runs): stop accepting, and stop
-    /// every reader between two frames, so no request is half-read or on
-    /// its way into the ring. Requests already in the ring stay there: they
-    /// travel with guest memory, and the next process answers them.
-    /// Undo with [`thaw`](Self::thaw).
-    pub fn freeze(&self, timeout: Duration) -> Result<(), ServiceError> {
-        if let Some(to) = self.redirected_to() {
-            return Err(ServiceError::Handover(format!(
-                "the VM moved to {to} and this device forwards its clients there"
-            )));
-        }
-        if self.stop.load(Ordering::Acquire) {
-            return Err(ServiceError::Handover("the device is shut down".into()));
-        }
-        // The gate first: its eventfd also wakes the accept thread.
-        self.accepting.store(false, Ordering::Release);
-        self.gate.close();
-        self.stop_accepting();
-        self.slot_freed.notify_all(); // readers waiting for a slot see the gate
-        if let Err(busy) = self.gate.wait_parked(timeout) {
-            self.thaw();
-            return Err(ServiceError::Handover(format!(
-                "{busy} connection readers did not stop within {timeout:?}"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Handover, second step (the VM is paused, so the guest answers
-    /// nothing more): waits until every answer given so far is written to
-    /// its client, so the next process starts with empty queues.
-    pub fn flush_answers(&self, timeout: Duration) -> Result<(), ServiceError> {
-        // Only writers with answers queued are asked (and woken).
-        let acks: Vec<_> = lock(&self.conns)
-            .values()
-            .filter_map(|c| c.tx.barrier())
-            .collect();
-        let deadline = std::time::Instant::now() + timeout;
-        for rx in acks {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            // A writer that ended (its client left) drops the barrier: fine.
-            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(left) {
-                return Err(ServiceError::Handover(format!(
-                    "a client did not take its answers within {timeout:?}"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// Handover, third step: duplicates of every connection's socket, each
-    /// with what its reader had not handled. The device
-    /// keeps serving nothing until [`thaw`](Self::thaw) or
-    /// [`hand_off`](Self::hand_off).
-    pub fn export(&self) -> Result<Vec<FrozenConn>, ServiceError> {
-        let io = |e: std::io::Error| ServiceError::Handover(e.to_string());
-        let mut pending = self.gate.pending();
-        let conns = lock(&self.conns)
-            .iter()
-            .map(|(&id, c)| {
-                Ok(FrozenConn {
-                    id,
-                    stream: c.stream.try_clone().map_err(io)?,
-                    pending: pending.remove(&id).unwrap_or_default(),
-                })
-            })
-            .collect::<Result<Vec<_>, ServiceError>>()?;
-        Ok(conns)
-    }
-
-    /// The handover failed: readers go on where they stopped (clients are
-    /// accepted again at [`release`](Self::release)).
-    pub fn thaw(&self) {
-        self.gate.thaw();
-        self.slot_freed.notify_all();
-    }
-
-    /// The handover succeeded: another process serves every connection.
-    /// Readers and writers leave without a shutdown, which would end the
-    /// connections for that process too; nothing is accepted here again.
-    pub fn hand_off(&self) {
-        self.stop.store(true, Ordering::Release);
-        self.spares.close();
-        // The other process holds the VM's address too: leave it up.
-        if let Some(a) = lock(&self.address).as_ref() {
-            a.forget();
-        }
-        self.gate.hand_off();
-        // Dropping the senders ends the writers once they are idle.
-        lock(&self.conns).clear();
-        self.slot_freed.notify_all();
-    }
-
-    /// Takes over connections another process exported: each is registered
-    /// at once (answers to its requests still in the ring may come as soon
-    /// as the VM resumes); [`AdoptedConns::serve`] starts reading them.
-    pub fn adopt_connections(&self, conns: Vec<FrozenConn>) -> Result<AdoptedConns, ServiceError> {
-        let mut out = Vec::new();
-        for c in conns {
-            let shut = c
-                .stream
-                .try_clone()
-                .map_err(|e| ServiceError::Handover(e.to_string()))?;
-            let (tx, rx) = Outbox::new();
-            self.register(c.id, tx.clone(), shut);
-            self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
-            out.push((c, tx, rx));
-        }
-        Ok(AdoptedConns(out))
-    }
-
     /// Stops posting new requests into the ring (they wait in the device)
     /// until [`release`](Self::release). A VM is built with its device held
     /// and releases it when it starts: until then its memory may still be
     /// arriving (or be handed over) with a ring the device must not touch.
     pub fn hold(&self) {
         self.held.store(true, Ordering::SeqCst);
-    }
-
-    /// Takes over a saved device state (the ring itself is in guest memory
-    /// and travels with it): the slots the saved device owned and its next
-    /// connection id, so requests already in the ring are finished exactly as
-    /// there. Refused once this device has posted requests of its own.
-    ///
-    /// `state.port` is left alone: this device listens on its own address
-    /// (on the same host the source still holds the old port until it
-    /// redirects), and the source's device forwards its clients here.
-    pub fn restore(&self, state: &ServiceState) -> Result<(), ServiceError> {
-        let mut owned = [false; SVC_SLOTS];
-        for &slot in &state.free_slots {
-            let i = slot as usize;
-            if i >= SVC_SLOTS {
-                return Err(ServiceError::BadState(format!(
-                    "free slot {i} is outside the ring of {SVC_SLOTS}"
-                )));
-            }
-            if std::mem::replace(&mut owned[i], true) {
-                return Err(ServiceError::BadState(format!(
-                    "free slot {i} is listed twice"
-                )));
-            }
-        }
-        if state.next_conn == 0 {
-            return Err(ServiceError::BadState(
-                "next connection id 0 (ids start at 1)".into(),
-            ));
-        }
-        // Under the ring lock: a reader takes a slot and counts the post
-        // under it, so no post slips between this check and the update.
-        let mut ring = lock(&self.ring);
-        let posted = self.stats.posted.load(Ordering::Relaxed);
-        if posted > 0 {
-            return Err(ServiceError::AlreadyPosting { posted });
-        }
-        ring.free = state.free_slots.iter().map(|&i| i as usize).collect();
-        // Slots in flight carry the saved connections' ids as tags; new
-        // connections here must never reuse one (their answers would go to
-        // the wrong client), nor an id this device already gave out.
-        self.next_conn.fetch_max(state.next_conn, Ordering::Relaxed);
-        drop(ring);
-        self.slot_freed.notify_all();
-        Ok(())
-    }
-
-    /// The device state besides guest memory.
-    pub fn state(&self) -> ServiceState {
-        ServiceState {
-            port: self.local_addr().port(),
-            next_conn: self.next_conn.load(Ordering::Relaxed),
-            free_slots: lock(&self.ring).free.iter().map(|&i| i as u16).collect(),
-        }
-    }
-
-    /// Sends a request frame to the VM's new host on this connection's own
-    /// upstream connection; a thread copies the answers back to the client.
-    fn forward(
-        &self,
-        upstream: &mut Option<TcpStream>,
-        to: SocketAddr,
-        body: &[u8],
-        tx: &Outbox,
-    ) -> std::io::Result<()> {
-        if upstream.is_none() {
-            let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
-            s.set_nodelay(true)?;
-            let mut r = BufReader::new(s.try_clone()?);
-            let tx = tx.clone();
-            std::thread::Builder::new()
-                .name("svc-fwd".into())
-                .spawn(move || {
-                    while let Ok(Some(b)) = wire::read_frame(&mut r, MAX_BODY) {
-                        let mut f = (b.len() as u32).to_le_bytes().to_vec();
-                        f.extend_from_slice(&b);
-                        if !tx.frame(f) {
-                            break;
-                        }
-                    }
-                })?;
-            *upstream = Some(s);
-        }
-        let s = upstream.as_mut().ok_or(std::io::ErrorKind::NotConnected)?;
-        let mut f = (body.len() as u32).to_le_bytes().to_vec();
-        f.extend_from_slice(body);
-        s.write_all(&f)?;
-        self.stats.forwarded.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Puts a request body into a free slot and tells the guest, or says
-    /// where it must go instead.
-    fn post(&self, body: &[u8], conn: u64) -> Result<Route, MemoryError> {
-        let mut ring = lock(&self.ring);
-        let slot = loop {
-            if self.stop.load(Ordering::Acquire) {
-                return Ok(Route::Closed);
-            }
-            if let Some(to) = *lock(&self.redirect) {
-                return Ok(Route::Forward(to));
-            }
-            if self.gate.is_frozen() {
-                return Ok(Route::Frozen);
-            }
-            if !self.held.load(Ordering::SeqCst) {
-                if let Some(i) = ring.free.pop() {
-                    break i;
-                }
-            }
-            ring = self
-                .slot_freed
-                .wait_timeout(ring, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        };
-        let gpa = svc_slot_gpa(slot);
-        let m = &self.memory;
-        m.write_bytes(gpa + guest_abi::SVC_SLOT_HEADER, body)?;
-        m.write_u32_volatile(gpa + svc_off::SLOT_LEN, body.len() as u32)?;
-        m.write_u64_volatile(gpa + svc_off::SLOT_TAG, conn)?;
-        m.write_u64_volatile(gpa + svc_off::SLOT_POST_TSC, rdtsc())?;
-        fence(Ordering::Release);
-        m.write_u32_volatile(gpa + svc_off::SLOT_STATE, slot_state::POSTED)?;
-        let posted = m.read_u64_volatile(SVC_GPA + svc_off::POSTED)? + 1;
-        m.write_u64_volatile(SVC_GPA + svc_off::POSTED, posted)?;
-        self.stats.posted.fetch_add(1, Ordering::Relaxed);
-        // Posted before reading `spinner` and the sleepers; the guest clears
-        // `spinner` / raises its sleeper count before checking `posted`: one
-        // of us sees the other, so a request is never left unseen.
-        fence(Ordering::SeqCst);
-        if m.read_u64_volatile(SVC_GPA + svc_off::SPINNER)? != 0 {
-            return Ok(Route::Posted); // a worker is polling the ring: no interrupt needed
-        }
-        for n in 0..self.vcpus {
-            let cpu = (ring.next_irq_cpu + n) % self.vcpus;
-            if m.read_u64_volatile(SVC_GPA + svc_off::SLEEPERS + 8 * cpu as u64)? > 0 {
-                ring.next_irq_cpu = cpu + 1;
-                self.interrupt(cpu);
-                break;
-            }
-        }
-        Ok(Route::Posted)
-    }
-
-    fn interrupt(&self, cpu: usize) {
-        let msi = kvm_msi {
-            address_lo: 0xfee0_0000 | ((cpu as u32) << 12),
-            data: guest_abi::VEC_SVC,
-            ..Default::default()
-        };
-        let _ = self.vm.signal_msi(msi);
-    }
-
-    /// A guest worker finished the request in `slot` (called on the vCPU thread).
-    pub fn doorbell(&self, slot: u32) {
-        let slot = slot as usize;
-        if slot >= SVC_SLOTS {
-            self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let gpa = svc_slot_gpa(slot);
-        let m = &self.memory;
-        if m.read_u32_volatile(gpa + svc_off::SLOT_STATE).ok() != Some(slot_state::DONE) {
-            self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        fence(Ordering::Acquire);
-        let len = m.read_u32_volatile(gpa + svc_off::SLOT_LEN).unwrap_or(0) as usize;
-        let conn = m.read_u64_volatile(gpa + svc_off::SLOT_TAG).unwrap_or(0);
-        let posted_tsc = m
-            .read_u64_volatile(gpa + svc_off::SLOT_POST_TSC)
-            .unwrap_or(0);
-        let mut frame = vec![0u8; 4 + len.min(MAX_BODY)];
-        frame[..4].copy_from_slice(&(len.min(MAX_BODY) as u32).to_le_bytes());
-        let ok = len <= MAX_BODY
-            && m.read_bytes(gpa + guest_abi::SVC_SLOT_HEADER, &mut frame[4..])
-                .is_ok();
-        let _ = m.write_u32_volatile(gpa + svc_off::SLOT_STATE, slot_state::FREE);
-        lock(&self.ring).free.push(slot);
-        self.slot_freed.notify_all();
-        if !ok {
-            self.stats.guest_errors.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        // Another host's TSC (a move between machines) reads as nonsense:
-        // a negative or over-a-minute time is not counted.
-        let ticks = rdtsc().wrapping_sub(posted_tsc);
-        if ticks < 60 * 4_000_000_000 {
-            self.stats.latency_ticks.fetch_add(ticks, Ordering::Relaxed);
-            self.stats
-                .latency_max_ticks
-                .fetch_max(ticks, Ordering::Relaxed);
-        }
-        self.stats.responses.fetch_add(1, Ordering::Relaxed);
-        if let Some(c) = lock(&self.conns).get(&conn) {
-            let _ = c.tx.frame(frame);
-        }
     }
 }
 
@@ -685,11 +337,6 @@ impl Drop for ServiceDevice {
     fn drop(&mut self) {
         self.drop_address();
     }
-}
-
-fn rdtsc() -> u64 {
-    // SAFETY: rdtsc has no preconditions on x86-64.
-    unsafe { core::arch::x86_64::_rdtsc() }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use ferry_migration::{
     OffsetBytes, PageStore, RegionView, VmOpError,
 };
 
-use crate::vmm::{Vm, VmState};
+use crate::vm::{Vm, VmState};
 use crate::vstate::persist;
 
 impl PageStore for Vm {
@@ -32,7 +32,7 @@ impl PageStore for Vm {
     /// The service ring: the device may write it from the host (it is held
     /// until the VM starts, so this is the safe side).
     fn device_written_ranges(&self) -> Vec<GpaBytes> {
-        super::outgoing::service_ring(self)
+        super::service_ring(self)
     }
 
     fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {

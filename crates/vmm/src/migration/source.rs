@@ -9,22 +9,9 @@ use ferry_migration::{
     RegionView, VmOpError,
 };
 
-use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
-use crate::vmm::Vm;
+use crate::vm::Vm;
 use crate::vstate::dirty::Consumer;
 use crate::vstate::persist;
-
-/// The service ring: the device writes requests into it from the host,
-/// which KVM's dirty log does not see.
-pub(crate) fn service_ring(vm: &Vm) -> Vec<GpaBytes> {
-    match vm.service() {
-        Some(_) => vec![GpaBytes::new(
-            SVC_GPA,
-            SVC_HEADER_SIZE + SVC_SLOTS as u64 * SVC_SLOT_SIZE,
-        )],
-        None => Vec::new(),
-    }
-}
 
 impl MigratableVm for Vm {
     fn regions(&self) -> Vec<RegionView> {
@@ -113,7 +100,7 @@ impl MigratableVm for Vm {
     }
 
     fn host_written_ranges(&self) -> Vec<GpaBytes> {
-        service_ring(self)
+        super::service_ring(self)
     }
 
     fn guest_apf_count(&self) -> Option<u64> {

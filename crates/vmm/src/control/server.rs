@@ -1,0 +1,254 @@
+//! The control socket's server: binding (or adopting) the socket, the
+//! accept loop, and one thread per connection that reads request lines
+//! (each at most [`MAX_LINE`] bytes), hands them to the [`ControlHandler`]
+//! and writes the replies. What a command does is the handler's business.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::protocol::{parse_request, progress_line, reply_for, Refusal};
+use super::{ControlError, Request, MAX_LINE};
+
+/// Serves requests; implemented by whatever owns the VM.
+pub trait ControlHandler: Send + Sync {
+    /// Handles one request: Ok(fields to add to the reply) or Err(message).
+    fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, String>;
+
+    /// Runs once the reply to a request has been written: effects that may
+    /// end the VMM process (a finished migration) wait for it, so the client
+    /// always gets its whole answer.
+    fn after_reply(&self) {}
+}
+
+/// A control socket's listener, shared by its accept thread and a handover
+/// (which lends it to the next VMM process, so clients keep the path).
+pub struct ControlSocket {
+    path: PathBuf,
+    listener: UnixListener,
+    /// False while a handover holds new clients in the listen queue.
+    accepting: AtomicBool,
+    stop: AtomicBool,
+    /// Another process serves the path now: do not remove it.
+    retired: AtomicBool,
+}
+
+impl ControlSocket {
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The listening socket, to duplicate for the next process.
+    pub fn listener(&self) -> &UnixListener {
+        &self.listener
+    }
+
+    /// New clients wait in the listen queue until [`accept_again`](Self::accept_again)
+    /// (or the next process accepts them).
+    pub fn hold_clients(&self) {
+        self.accepting.store(false, Ordering::Release);
+    }
+
+    /// Accept clients again (a handover failed).
+    pub fn accept_again(&self) {
+        self.accepting.store(true, Ordering::Release);
+    }
+
+    /// Another process serves this path now: stop accepting for good, and
+    /// leave the path in place when this server is dropped.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// A listening control socket; removed when dropped (unless retired).
+pub struct ControlServer {
+    socket: Arc<ControlSocket>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Listens on `path` and serves each connection on its own thread.
+    pub fn start(path: &Path, handler: Arc<dyn ControlHandler>) -> Result<Self, ControlError> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(ControlError::InUse(path.into()));
+            }
+            let _ = std::fs::remove_file(path); // stale socket of a VMM that died
+        }
+        let listener = UnixListener::bind(path).map_err(|source| ControlError::Listen {
+            path: path.into(),
+            source,
+        })?;
+        Self::adopt(listener, path, handler)
+    }
+
+    /// Serves a listening socket bound at `path` by another VMM process
+    /// (a handover): the path stays, clients queued on it are served here.
+    pub fn adopt(
+        listener: UnixListener,
+        path: &Path,
+        handler: Arc<dyn ControlHandler>,
+    ) -> Result<Self, ControlError> {
+        let listen_err = |source| ControlError::Listen {
+            path: path.into(),
+            source,
+        };
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        let socket = Arc::new(ControlSocket {
+            path: path.into(),
+            listener,
+            accepting: AtomicBool::new(true),
+            stop: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+        });
+        let s = socket.clone();
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || accept_loop(&s, handler))
+            .map_err(listen_err)?;
+        Ok(ControlServer {
+            socket,
+            thread: Some(thread),
+        })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.socket.path
+    }
+
+    /// The shared listener (for a handover).
+    pub fn socket(&self) -> Arc<ControlSocket> {
+        self.socket.clone()
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.socket.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if !self.socket.retired.load(Ordering::Acquire) {
+            let _ = std::fs::remove_file(&self.socket.path);
+        }
+    }
+}
+
+fn accept_loop(socket: &ControlSocket, handler: Arc<dyn ControlHandler>) {
+    while !socket.stop.load(Ordering::Acquire) {
+        if !socket.accepting.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        match socket.listener.accept() {
+            Ok((stream, _)) => {
+                let h = handler.clone();
+                let _ = std::thread::Builder::new()
+                    .name("control-conn".into())
+                    .spawn(move || serve(stream, h));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn serve(stream: UnixStream, handler: Arc<dyn ControlHandler>) {
+    let _ = stream.set_nonblocking(false);
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = Vec::new();
+        match (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let reply = match parse_request(&line) {
+            Err(Refusal { reply, close: true }) => {
+                let _ = writeln!(writer, "{reply}");
+                return;
+            }
+            Err(Refusal { reply, .. }) => reply,
+            Ok(req) => reply_for(handler.handle(req, &mut |p| {
+                let _ = writeln!(writer, "{}", progress_line(p));
+            })),
+        };
+        let written = writeln!(writer, "{reply}").and_then(|_| writer.flush());
+        handler.after_reply();
+        if written.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::ControlClient;
+    use serde_json::json;
+    use std::sync::Mutex;
+
+    struct Echo(Mutex<Vec<Request>>);
+    impl ControlHandler for Echo {
+        fn handle(&self, req: Request, _: &mut dyn FnMut(Value)) -> Result<Value, String> {
+            self.0.lock().unwrap().push(req.clone());
+            match req {
+                Request::Quit => Err("no".into()),
+                _ => Ok(json!({"seen": true})),
+            }
+        }
+    }
+
+    #[test]
+    fn requests_replies_and_errors() {
+        let dir = std::env::temp_dir().join(format!("ferry-ctl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("vm.sock");
+        let handler = Arc::new(Echo(Mutex::new(Vec::new())));
+        let server = ControlServer::start(&path, handler.clone()).unwrap();
+        assert!(matches!(
+            ControlServer::start(&path, handler.clone()),
+            Err(ControlError::InUse(_))
+        ));
+        let mut c = ControlClient::connect(&path).unwrap();
+        assert_eq!(c.call(&Request::Status).unwrap()["seen"], true);
+        assert!(matches!(c.call(&Request::Quit), Err(ControlError::Refused(m)) if m == "no"));
+
+        // Garbage and oversized lines get an error reply, not a crash.
+        let mut raw = UnixStream::connect(&path).unwrap();
+        writeln!(raw, "{{\"cmd\":\"explode\"}}").unwrap();
+        let mut r = BufReader::new(raw.try_clone().unwrap());
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        assert!(
+            line.contains("\"ok\":false") && line.contains("commands: status"),
+            "{line}"
+        );
+        raw.write_all(&vec![b'x'; MAX_LINE + 10]).unwrap();
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        assert!(line.contains("longer than"), "{line}");
+
+        drop(server);
+        assert!(!path.exists());
+        assert!(matches!(
+            ControlClient::connect(&path),
+            Err(ControlError::Connect { .. })
+        ));
+        assert_eq!(handler.0.lock().unwrap().len(), 2);
+    }
+}

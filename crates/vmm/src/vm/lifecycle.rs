@@ -1,0 +1,163 @@
+//! A VM's life after it is built: starting its vCPU threads (running or
+//! paused), stopping them and saying why the VM ended, waiting for that,
+//! and releasing a VM that now runs elsewhere.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kvm_ioctls::VcpuFd;
+use vmm_sys_util::signal::Killable;
+
+use super::{RunState, Vm, VmError, VmExit};
+use crate::vstate::vcpu;
+
+impl Vm {
+    /// Starts one thread per vCPU.
+    pub fn start(&self) -> Result<(), VmError> {
+        let t = Instant::now();
+        self.start_threads()?;
+        let threads_ms = t.elapsed().as_secs_f64() * 1e3;
+        if let Some(s) = self.service() {
+            s.release();
+        }
+        if let Some(access) = self.config.access {
+            self.start_access(access);
+        }
+        tracing::debug!(
+            threads_ms,
+            release_ms = t.elapsed().as_secs_f64() * 1e3 - threads_ms,
+            "VM started"
+        );
+        Ok(())
+    }
+
+    /// Starts the vCPU threads paused (a handover: everything is ready
+    /// before the commit point, and [`resume`](Self::resume) is then all
+    /// that runs the guest). The service device stays held.
+    pub fn start_paused(&self) -> Result<(), VmError> {
+        self.shared.set_requested(RunState::Paused);
+        self.start_threads()
+    }
+
+    fn start_threads(&self) -> Result<(), VmError> {
+        vcpu::install_kick_handler().map_err(VmError::Thread)?;
+        let vcpus: Vec<VcpuFd> =
+            std::mem::take(&mut *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()));
+        if vcpus.is_empty() {
+            return Err(VmError::WrongState("already started"));
+        }
+        if !self.loaded.load(Ordering::Acquire) {
+            *self.vcpus.lock().unwrap_or_else(|e| e.into_inner()) = vcpus;
+            return Err(VmError::WrongState(
+                "empty: install a boot image or restore a saved state before start",
+            ));
+        }
+        *self.started.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        let mut handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        let mut threads = self
+            .shared
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.shared.lock().running_threads = vcpus.len() as u32;
+        for (id, fd) in vcpus.into_iter().enumerate() {
+            let shared = self.shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || vcpu::run_loop(fd, id as u32, shared))
+                .map_err(VmError::Thread)?;
+            threads.push(h.pthread_handle());
+            handles.push(h);
+        }
+        Ok(())
+    }
+
+    /// Releases a VM that now runs elsewhere (it is paused here).
+    pub fn finish_migrated(&self, to: String) {
+        self.shared.finish(VmExit::Migrated { to });
+    }
+
+    /// Releases a VM another process on this host runs now (it is paused
+    /// here, and its memory is that process's as well: nothing here
+    /// touches it again).
+    pub fn finish_handed_over(&self, pid: u32) {
+        self.shared.finish(VmExit::HandedOver { pid });
+    }
+
+    /// Asks the VM to stop without waiting (used by `quit`).
+    pub fn request_stop(&self) {
+        self.shared.finish(VmExit::Stopped);
+    }
+
+    /// Waits up to `timeout` for the VM to stop by itself or on request.
+    pub fn wait_exit(&self, timeout: Duration) -> Option<VmExit> {
+        let c = self.shared.lock();
+        match self.shared.wait_until(c, timeout, |c| c.exit.is_some()) {
+            Ok(c) => c.exit.clone(),
+            Err(_) => None,
+        }
+    }
+
+    /// Stops the VM, joins the vCPU threads and says why it stopped.
+    pub fn stop(&self) -> VmExit {
+        // Tracking and remote paging first: no vCPU may be left waiting on
+        // their faults (a split VM's page on a dead server never comes; with
+        // the pager gone the vCPU's access completes and it can leave).
+        self.access.stop();
+        if let Some(pager) = self.pager.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // What it did stays readable (the run summary comes after).
+            *self.pager_final.lock().unwrap_or_else(|e| e.into_inner()) = Some(pager.stats());
+        }
+        self.shared.finish(VmExit::Stopped);
+        if let Some(s) = &self.shared.devices.service {
+            s.shutdown();
+        }
+        let handles: Vec<_> =
+            std::mem::take(&mut *self.handles.lock().unwrap_or_else(|e| e.into_inner()));
+        // Keep kicking until every thread is out: a kick can race a thread that
+        // is between checking its state and entering KVM_RUN. Less and less
+        // often: the kick is a real-time signal, and they queue, so a thread
+        // that cannot take them (stopped by a debugger) must not fill the
+        // user's whole signal queue.
+        let mut c = self.shared.lock();
+        let mut pause = Duration::from_millis(1);
+        while c.running_threads > 0 {
+            drop(c);
+            self.shared.kick_all();
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(100));
+            c = self.shared.lock();
+        }
+        let exit = c.exit.clone().unwrap_or(VmExit::Stopped);
+        drop(c);
+        self.shared
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        let mut vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        for h in handles {
+            if let Ok(fd) = h.join() {
+                vcpus.push(fd);
+            }
+        }
+        exit
+    }
+
+    /// True once the vCPUs were started (an incoming VM: the migration
+    /// got that far).
+    pub fn has_started(&self) -> bool {
+        self.started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Time since start.
+    pub fn uptime(&self) -> Duration {
+        self.started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map_or(Duration::ZERO, |s| s.elapsed())
+    }
+}

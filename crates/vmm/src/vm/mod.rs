@@ -1,0 +1,253 @@
+//! One VM: the handle that owns the KVM VM, its vCPU threads, devices and
+//! guest memory, and what the rest of the VMM asks of it.
+//!
+//! The handle's work is split by what it does: [`config`] (what to build,
+//! checked without KVM) and [`error`], `build.rs` (the KVM VM around guest
+//! memory, and the boot image), [`state`] (saving and restoring everything
+//! but memory), `lifecycle.rs` (start, stop, why it ended) and
+//! `run_control.rs` (pause, resume, throttle). What the vCPU threads share
+//! with the handle sits below, in [`crate::vstate`], so that nothing there
+//! imports this module: run control ([`VmShared`], [`RunState`]) and why
+//! the VM stopped ([`VmExit`]). This file keeps the handle itself, its
+//! accessors, its memory and paging, and access tracking.
+
+mod build;
+pub mod config;
+pub mod error;
+mod lifecycle;
+mod run_control;
+pub mod state;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use ferry_memory::{GuestMemory, MemoryError};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+
+use crate::access::{AccessConfig, AccessSlot};
+use crate::boot::layout::MemoryLayout;
+use crate::devices::host_info::HostInfoPage;
+use crate::devices::service::ServiceDevice;
+use crate::metrics::MetricsSnapshot;
+use crate::timeline::{Sampled, Watch};
+use crate::vstate::dirty::DirtyLog;
+
+pub use crate::vstate::exit::VmExit;
+pub use crate::vstate::run_control::{RunState, VmShared};
+pub use config::VmConfig;
+pub use error::VmError;
+pub use state::VmState;
+
+/// (offset, length) runs of one memory region that hold data.
+type DataRanges = Vec<(u64, u64)>;
+
+/// A VM and its vCPU threads.
+pub struct Vm {
+    config: VmConfig,
+    layout: MemoryLayout,
+    shared: Arc<VmShared>,
+    vcpus: Mutex<Vec<VcpuFd>>,
+    handles: Mutex<Vec<JoinHandle<VcpuFd>>>,
+    tsc_khz: u64,
+    /// The vCPUs have something to run: a boot image or a restored state.
+    loaded: AtomicBool,
+    started: Mutex<Option<Instant>>,
+    /// Per region, what held data when `prealloc` populated the rest.
+    data_before_prealloc: Mutex<Option<Vec<DataRanges>>>,
+    /// The migration being recorded, if any (timeline and metrics).
+    watch: Watch,
+    /// A split VM's remote paging (on its main host), kept while it runs.
+    pager: Mutex<Option<Arc<ferry_migration::split::RemotePager>>>,
+    /// Its last figures, once the VM stopped and the pager went.
+    pager_final: Mutex<Option<ferry_migration::split::PagerStats>>,
+    /// KVM's dirty log, shared by a migration and access tracking.
+    dirty: Arc<DirtyLog>,
+    /// Access tracking, when on.
+    access: AccessSlot,
+    // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
+    vm_fd: Arc<VmFd>,
+    _kvm: Kvm,
+    host_info: HostInfoPage,
+    memory: Arc<GuestMemory>,
+}
+
+impl Vm {
+    /// Starts access tracking on this running VM (a failure is logged and
+    /// shown in its status; the VM runs on without it).
+    pub fn start_access(&self, config: AccessConfig) {
+        let shared = self.shared.clone();
+        self.access.start(
+            &self.memory,
+            self.dirty.clone(),
+            config,
+            Box::new(move || {
+                shared
+                    .tids
+                    .iter()
+                    .map(|t| t.load(Ordering::Acquire))
+                    .collect()
+            }),
+        );
+    }
+
+    /// Access tracking (pause it before reading all of guest memory).
+    pub fn access(&self) -> &AccessSlot {
+        &self.access
+    }
+
+    /// KVM's dirty log and its consumers.
+    pub fn dirty_log(&self) -> &Arc<DirtyLog> {
+        &self.dirty
+    }
+
+    /// Keeps a split VM's pager for as long as the VM lives.
+    /// If paging fails for good (a memory server died with the only copy
+    /// of some pages), the vCPUs stop: the VM cannot run on without them,
+    /// and `ferry status` says which server (the pager's failure).
+    pub fn keep_pager(&self, pager: ferry_migration::split::RemotePager) {
+        let shared = self.shared.clone();
+        pager.on_failure(move |why| {
+            tracing::error!(%why, "the VM stops: part of its memory is out of reach");
+            // Only asked, not waited for: a vCPU may be blocked on the
+            // very page that cannot come.
+            shared.set_requested(RunState::Paused);
+            shared.kick_all();
+        });
+        *self.pager.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(pager));
+    }
+
+    /// A split VM's pager (gather reads from it).
+    pub fn pager(&self) -> Option<Arc<ferry_migration::split::RemotePager>> {
+        self.pager.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// What remote paging did, for a split VM on its main host.
+    pub fn pager_stats(&self) -> Option<ferry_migration::split::PagerStats> {
+        let live = self
+            .pager
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|p| p.stats());
+        live.or_else(|| {
+            self.pager_final
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &Arc<GuestMemory> {
+        &self.memory
+    }
+
+    /// Populates every page of guest RAM now (`--prealloc`: the first touch
+    /// of host memory then costs nothing later). What held data before is
+    /// remembered: the rest is known to read as zeros.
+    pub fn prealloc(&self) -> Result<(), ferry_memory::RegionError> {
+        let before = self
+            .memory
+            .regions()
+            .iter()
+            .map(|r| r.data_ranges())
+            .collect();
+        for r in self.memory.regions() {
+            r.populate(0, r.size())?;
+        }
+        *self
+            .data_before_prealloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(before);
+        Ok(())
+    }
+
+    /// What held data in region `index` when `prealloc` populated the rest
+    /// with zeros (None without preallocation). Only an incoming migration
+    /// writes a waiting VM (besides its service ring), and it receives at
+    /// most one: a failed migration ends the destination VMM.
+    pub fn data_before_prealloc(&self, index: usize) -> Option<Vec<(u64, u64)>> {
+        let before = self
+            .data_before_prealloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        before
+            .as_ref()
+            .map(|ranges| ranges.get(index).cloned().unwrap_or_default())
+    }
+
+    /// The RAM layout.
+    pub fn layout(&self) -> &MemoryLayout {
+        &self.layout
+    }
+
+    /// The configuration it was built from.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Guest TSC frequency.
+    pub fn tsc_khz(&self) -> u64 {
+        self.tsc_khz
+    }
+
+    /// Reads the guest's metrics page now.
+    pub fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
+        MetricsSnapshot::read(&self.memory)
+    }
+
+    /// The migration being recorded, if any.
+    pub fn watch(&self) -> &Watch {
+        &self.watch
+    }
+
+    /// The service device, if the VM has one.
+    pub fn service(&self) -> Option<&Arc<ServiceDevice>> {
+        self.shared.devices.service.as_ref()
+    }
+
+    /// The KVM VM.
+    pub fn vm_fd(&self) -> &Arc<VmFd> {
+        &self.vm_fd
+    }
+
+    /// The guest's most recent console lines.
+    pub fn console_lines(&self) -> Vec<String> {
+        self.shared.devices.serial.lines()
+    }
+}
+
+/// What the timeline reads (it knows no [`Vm`]).
+impl Sampled for Vm {
+    fn run_state(&self) -> RunState {
+        Vm::run_state(self)
+    }
+
+    fn tsc_khz(&self) -> u64 {
+        Vm::tsc_khz(self)
+    }
+
+    fn metrics(&self) -> Result<MetricsSnapshot, MemoryError> {
+        Vm::metrics(self)
+    }
+
+    fn workload_count(&self) -> usize {
+        self.config.workloads.0.len()
+    }
+
+    fn service(&self) -> Option<&Arc<ServiceDevice>> {
+        Vm::service(self)
+    }
+
+    fn watch(&self) -> &Watch {
+        Vm::watch(self)
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,92 @@
+//! Run control on the VM handle: pause (all vCPUs parked, or none),
+//! resume, the auto-converge throttle, and the state the vCPUs are asked to
+//! be in. The state itself, shared with the vCPU threads, is
+//! [`VmShared`](crate::vstate::run_control::VmShared) in `vstate`.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::{RunState, Vm, VmError};
+use crate::vstate::run_control::THROTTLE_PERIOD;
+
+impl Vm {
+    /// Stops the vCPUs at their next exit and waits until all are parked.
+    pub fn pause(&self) -> Result<(), VmError> {
+        let timeout = Duration::from_secs(2);
+        let n = self.config.vcpus;
+        if self.shared.requested() == RunState::Stopped {
+            return Err(VmError::WrongState("stopped"));
+        }
+        self.shared.set_requested(RunState::Paused);
+        self.shared.kick_all();
+        let c = self.shared.lock();
+        let parked = self
+            .shared
+            .wait_until(c, timeout, |c| {
+                c.parked >= c.running_threads.min(n) || c.exit.is_some()
+            })
+            .is_ok();
+        if !parked {
+            // Never leave a VM half-paused: let every vCPU run again.
+            let _ = self.resume();
+            return Err(VmError::PauseTimeout(timeout));
+        }
+        Ok(())
+    }
+
+    /// Lets paused vCPUs run again.
+    pub fn resume(&self) -> Result<(), VmError> {
+        let _c = self.shared.lock();
+        match self.shared.requested() {
+            RunState::Stopped => Err(VmError::WrongState("stopped")),
+            _ => {
+                self.shared.set_requested(RunState::Running);
+                self.shared.changed.notify_all();
+                Ok(())
+            }
+        }
+    }
+
+    /// What the vCPUs are asked to do now.
+    pub fn run_state(&self) -> RunState {
+        self.shared.requested()
+    }
+
+    /// Slows the guest for auto-converge: every vCPU sits out `pct`% (0-99)
+    /// of each 10 ms. A helper thread kicks the vCPUs out of KVM_RUN once per
+    /// period while the throttle is on; 0 stops it.
+    pub fn set_throttle(&self, pct: u32) {
+        let pct = pct.min(99);
+        let was = self.shared.throttle_pct.swap(pct, Ordering::AcqRel);
+        if pct > 0 && was == 0 {
+            let shared = self.shared.clone();
+            let _ = std::thread::Builder::new()
+                .name("throttle".into())
+                .spawn(move || {
+                    while shared.throttle_pct.load(Ordering::Acquire) > 0
+                        && shared.requested() != RunState::Stopped
+                    {
+                        for p in &shared.throttle_pending {
+                            p.store(true, Ordering::Release);
+                        }
+                        shared.kick_all();
+                        std::thread::sleep(THROTTLE_PERIOD);
+                    }
+                });
+        }
+    }
+
+    /// The current auto-converge throttle (percent).
+    pub fn throttle(&self) -> u32 {
+        self.shared.throttle_pct.load(Ordering::Acquire)
+    }
+
+    /// The vCPU threads' kernel ids (0 for one not started yet).
+    pub fn vcpu_tids(&self) -> Vec<u32> {
+        self.shared
+            .tids
+            .iter()
+            .map(|t| t.load(Ordering::Acquire))
+            .collect()
+    }
+}

@@ -1,0 +1,142 @@
+//! A VM's saved state besides guest memory ([`VmState`]): every vCPU, the
+//! KVM VM's own state, the service device's and the guest's migration
+//! count. Saved from a paused VM, restored into one that has not started;
+//! migration and handover carry it, and guest memory travels separately.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::{RunState, Vm, VmError};
+use crate::vstate::persist::{self, KvmVmState, PersistError, VcpuState};
+
+/// A whole VM's state besides guest memory.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct VmState {
+    /// Every vCPU.
+    pub vcpus: Vec<VcpuState>,
+    /// irqchip, PIT, clock.
+    pub kvm: KvmVmState,
+    /// The service device, if any.
+    pub service: Option<crate::devices::service::ServiceState>,
+    /// Incoming migrations the guest had been told of (its host info page).
+    pub migrations: u64,
+}
+
+impl Vm {
+    /// Saves the whole VM state; the VM must be paused (or not started yet).
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        let n = self.config.vcpus as usize;
+        let idle = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        let vcpus = if idle.len() == n {
+            // Not running: the fds are here.
+            let mut out = Vec::new();
+            for (id, fd) in idle.iter().enumerate() {
+                out.push(persist::save_vcpu(fd, id as u32, &self.shared.msr_indices)?);
+            }
+            out
+        } else {
+            drop(idle);
+            if self.shared.requested() != RunState::Paused {
+                return Err(VmError::WrongState(
+                    "not paused: pause it before saving its state",
+                ));
+            }
+            let mut c = self.shared.lock();
+            for id in 0..n {
+                c.save_requested[id] = true;
+                c.saved[id] = None;
+            }
+            self.shared.changed.notify_all();
+            let timeout = Duration::from_secs(5);
+            let mut c = self
+                .shared
+                .wait_until(c, timeout, |c| c.saved.iter().all(Option::is_some))
+                .map_err(|_| VmError::PauseTimeout(timeout))?;
+            let mut out = Vec::new();
+            for s in c.saved.iter_mut() {
+                match s.take() {
+                    Some(Ok(state)) => out.push(state),
+                    Some(Err(e)) => return Err(VmError::SaveFailed(e)),
+                    None => return Err(VmError::SaveFailed("a vCPU gave no state".into())),
+                }
+            }
+            out
+        };
+        Ok(VmState {
+            vcpus,
+            kvm: persist::save_vm(&self.vm_fd)?,
+            service: self.service().map(|s| s.state()),
+            migrations: self.host_info.migrations(),
+        })
+    }
+
+    /// Restores a saved state into this VM, which must not have started:
+    /// KVM state, every vCPU, the service device's own state (a saved
+    /// service and this VM's device must both be there or both absent) and
+    /// the host info page's migration count, as saved.
+    /// Guest memory is restored separately (it is most of the migration);
+    /// nothing here reads or writes it.
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
+        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        if vcpus.len() != self.config.vcpus as usize {
+            return Err(VmError::WrongState("already started: restore before start"));
+        }
+        if state.vcpus.len() != vcpus.len() {
+            return Err(PersistError::Shape {
+                saved: state.vcpus.len(),
+                have: vcpus.len(),
+            }
+            .into());
+        }
+        match (&state.service, self.service()) {
+            (Some(saved), Some(device)) => device.restore(saved)?,
+            (None, None) => {}
+            (Some(_), None) => return Err(VmError::ServiceMissing),
+            (None, Some(_)) => return Err(VmError::ServiceUnexpected),
+        }
+        persist::restore_vm(&self.vm_fd, &state.kvm)?;
+        for (fd, s) in vcpus.iter().zip(&state.vcpus) {
+            if self.config.apf {
+                persist::restore_vcpu(fd, s)?;
+            } else {
+                // APF off here: the guest may have enabled it where it ran
+                // before; KVM then never delivers 'page not present', and
+                // every host fault waits in the vCPU, as if the guest had
+                // never been told of the feature.
+                let mut s = s.clone();
+                for m in &mut s.msrs {
+                    if m.index == persist::MSR_KVM_ASYNC_PF_EN {
+                        m.data = 0;
+                    }
+                }
+                persist::restore_vcpu(fd, &s)?;
+            }
+        }
+        self.host_info.set_migrations(state.migrations);
+        self.loaded.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Tells the guest it has been moved: adds one to the migration count
+    /// on its host info page and returns the new count. A destination calls
+    /// it after [`restore_state`](Self::restore_state) and before
+    /// [`start`](Self::start), so the guest sees the change as soon as it
+    /// runs here (memtouch `after=migrate` waits for it). The page is not
+    /// guest RAM: nothing here waits for memory still at the source.
+    pub fn count_incoming_migration(&self) -> Result<u64, VmError> {
+        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        if vcpus.len() != self.config.vcpus as usize {
+            return Err(VmError::WrongState(
+                "already started: count a migration before start",
+            ));
+        }
+        let n = self.host_info.migrations().wrapping_add(1);
+        self.host_info.set_migrations(n);
+        Ok(n)
+    }
+
+    /// Incoming migrations this VM's guest has been told of.
+    pub fn migrations(&self) -> u64 {
+        self.host_info.migrations()
+    }
+}

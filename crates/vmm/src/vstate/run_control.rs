@@ -1,0 +1,310 @@
+//! Run control shared by a VM's handle and its vCPU threads: the state the
+//! vCPUs are asked to be in ([`RunState`]), parking them while paused
+//! (saving their state there on request), the auto-converge throttle, the
+//! first reason the VM stops, and the kick that gets them out of KVM_RUN.
+//!
+//! It sits here, under the VM, because the vCPU run loop needs it and must
+//! not import the VM module above it; the VM handle (`crate::vm`) builds
+//! one and drives it.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::exit::VmExit;
+use super::kick::kick_signal;
+use super::persist::VcpuState;
+use crate::devices::Devices;
+
+/// What the vCPUs are asked to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunState {
+    /// Run the guest.
+    Running,
+    /// Stay out of KVM_RUN until resumed.
+    Paused,
+    /// Leave the run loop.
+    Stopped,
+}
+
+/// What the VM handle and its vCPU threads wait on each other for (under
+/// [`VmShared`]'s lock, signalled by its condition variable).
+pub(crate) struct Control {
+    /// vCPU threads parked (paused, out of KVM_RUN).
+    pub(crate) parked: u32,
+    /// vCPU threads still in their run loop.
+    pub(crate) running_threads: u32,
+    /// Why the VM stops, once decided (the first reason wins).
+    pub(crate) exit: Option<VmExit>,
+    /// Per vCPU: a state save asked of its parked thread, and the answer.
+    pub(crate) save_requested: Vec<bool>,
+    pub(crate) saved: Vec<Option<Result<VcpuState, String>>>,
+}
+
+/// State shared between the VM handle and its vCPU threads.
+pub struct VmShared {
+    requested: AtomicU8,
+    /// Auto-converge: percent of each THROTTLE_PERIOD the vCPUs sit out.
+    pub(crate) throttle_pct: std::sync::atomic::AtomicU32,
+    /// Per vCPU: a throttle period has started and it has not slept yet.
+    pub(crate) throttle_pending: Vec<std::sync::atomic::AtomicBool>,
+    control: Mutex<Control>,
+    pub(crate) changed: Condvar,
+    /// pthread ids of the running vCPU threads (the kick's targets).
+    pub(crate) threads: Mutex<Vec<libc::pthread_t>>,
+    /// Kernel thread ids of the vCPU threads, as each starts (index = vCPU).
+    pub(crate) tids: Vec<std::sync::atomic::AtomicU32>,
+    /// MSRs saved with each vCPU.
+    pub msr_indices: Vec<u32>,
+    /// The VM's devices.
+    pub devices: Devices,
+}
+
+impl VmShared {
+    /// Run control for a VM of `vcpus` vCPUs: asked to run, no thread
+    /// started yet, no throttle.
+    pub(crate) fn new(vcpus: u32, msr_indices: Vec<u32>, devices: Devices) -> Self {
+        VmShared {
+            requested: AtomicU8::new(RunState::Running as u8),
+            throttle_pct: std::sync::atomic::AtomicU32::new(0),
+            throttle_pending: (0..vcpus)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+            control: Mutex::new(Control {
+                parked: 0,
+                running_threads: 0,
+                exit: None,
+                save_requested: vec![false; vcpus as usize],
+                saved: vec![None; vcpus as usize],
+            }),
+            msr_indices,
+            changed: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+            tids: (0..vcpus)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect(),
+            devices,
+        }
+    }
+
+    /// Records the calling thread as vCPU `id`'s.
+    pub fn set_vcpu_tid(&self, id: u32) {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() } as u32;
+        if let Some(t) = self.tids.get(id as usize) {
+            t.store(tid, Ordering::Release);
+        }
+    }
+
+    /// What the vCPUs should do now.
+    pub fn requested(&self) -> RunState {
+        match self.requested.load(Ordering::Acquire) {
+            0 => RunState::Running,
+            1 => RunState::Paused,
+            _ => RunState::Stopped,
+        }
+    }
+
+    pub(crate) fn set_requested(&self, s: RunState) {
+        self.requested.store(s as u8, Ordering::Release);
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Called by a vCPU thread: true (once per period) if vCPU `id` should sleep for the throttle.
+    pub fn throttle_due(&self, id: u32) -> bool {
+        self.throttle_pending
+            .get(id as usize)
+            .is_some_and(|p| p.swap(false, Ordering::AcqRel))
+    }
+
+    /// How long a throttled vCPU sleeps each period.
+    pub fn throttle_sleep(&self) -> Duration {
+        THROTTLE_PERIOD * self.throttle_pct.load(Ordering::Relaxed) / 100
+    }
+
+    /// Waits up to `timeout` for `done` to hold; gives the guard back either
+    /// way (Err on timeout).
+    pub(crate) fn wait_until<'a>(
+        &self,
+        mut c: MutexGuard<'a, Control>,
+        timeout: Duration,
+        done: impl Fn(&Control) -> bool,
+    ) -> Result<MutexGuard<'a, Control>, MutexGuard<'a, Control>> {
+        let deadline = Instant::now() + timeout;
+        while !done(&c) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(c);
+            }
+            c = self
+                .changed
+                .wait_timeout(c, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(c)
+    }
+
+    /// Called by a vCPU thread: wait while the VM is paused, saving the
+    /// vCPU's state with `save` whenever the VMM asks (vCPU fds live on their
+    /// threads, and KVM state can only be read while the vCPU is out of KVM_RUN).
+    pub fn park(&self, id: u32, save: &mut dyn FnMut() -> Result<VcpuState, String>) {
+        let id = id as usize;
+        let mut c = self.lock();
+        c.parked += 1;
+        self.changed.notify_all();
+        while self.requested() == RunState::Paused {
+            if c.save_requested.get(id).copied().unwrap_or(false) {
+                c.save_requested[id] = false;
+                drop(c);
+                let state = save();
+                c = self.lock();
+                c.saved[id] = Some(state);
+                self.changed.notify_all();
+                continue;
+            }
+            c = self.changed.wait(c).unwrap_or_else(|e| e.into_inner());
+        }
+        c.parked -= 1;
+    }
+
+    /// Records why the VM stops (the first reason wins) and stops every vCPU.
+    pub fn finish(&self, exit: VmExit) {
+        {
+            let mut c = self.lock();
+            c.exit.get_or_insert(exit);
+            self.set_requested(RunState::Stopped);
+            self.changed.notify_all();
+        }
+        self.kick_all();
+    }
+
+    /// Called by a vCPU thread as it leaves its loop.
+    pub fn vcpu_exited(&self) {
+        let mut c = self.lock();
+        c.running_threads -= 1;
+        self.changed.notify_all();
+    }
+
+    /// Kicks every running vCPU thread out of KVM_RUN.
+    pub(crate) fn kick_all(&self) {
+        let threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        for &t in threads.iter() {
+            // SAFETY: `t` is the pthread id of a vCPU thread we spawned and have
+            // not joined yet (ids are removed before joining).
+            unsafe { libc::pthread_kill(t, kick_signal()) };
+        }
+    }
+}
+
+/// Throttle period: a throttled vCPU sleeps pct% of every period.
+pub(crate) const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn shared(vcpus: u32) -> Arc<VmShared> {
+        Arc::new(VmShared::new(vcpus, Vec::new(), Devices::new(None, None)))
+    }
+
+    #[test]
+    fn run_state_round_trips_through_the_atomic() {
+        let s = shared(1);
+        assert_eq!(s.requested(), RunState::Running);
+        for want in [RunState::Paused, RunState::Stopped, RunState::Running] {
+            s.set_requested(want);
+            assert_eq!(s.requested(), want);
+        }
+        assert_eq!(
+            serde_json::to_value(RunState::Paused).unwrap(),
+            serde_json::json!("paused")
+        );
+    }
+
+    #[test]
+    fn the_first_reason_to_stop_wins() {
+        let s = shared(2);
+        s.finish(VmExit::GuestExit { cpu: 1, code: 0 });
+        s.finish(VmExit::Stopped);
+        assert_eq!(s.requested(), RunState::Stopped);
+        assert_eq!(s.lock().exit, Some(VmExit::GuestExit { cpu: 1, code: 0 }));
+    }
+
+    #[test]
+    fn a_throttle_period_is_taken_once_per_vcpu() {
+        let s = shared(2);
+        assert!(!s.throttle_due(0), "no period started");
+        s.throttle_pending[0].store(true, Ordering::Release);
+        assert!(s.throttle_due(0));
+        assert!(!s.throttle_due(0), "taken once");
+        assert!(!s.throttle_due(1));
+        assert!(!s.throttle_due(9), "no such vCPU");
+        s.throttle_pct.store(30, Ordering::Release);
+        assert_eq!(s.throttle_sleep(), Duration::from_millis(3));
+    }
+
+    #[test]
+    fn thread_ids_are_kept_per_vcpu() {
+        let s = shared(2);
+        s.set_vcpu_tid(1);
+        s.set_vcpu_tid(5); // no such vCPU: ignored
+        assert_eq!(s.tids[0].load(Ordering::Acquire), 0);
+        assert_ne!(s.tids[1].load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn waiting_gives_the_guard_back_on_timeout() {
+        let s = shared(1);
+        let c = s.lock();
+        let Err(c) = s.wait_until(c, Duration::from_millis(5), |c| c.parked > 0) else {
+            panic!("nothing parked, yet the wait succeeded");
+        };
+        assert_eq!(c.parked, 0);
+        drop(c);
+        assert!(s
+            .wait_until(s.lock(), Duration::ZERO, |c| c.parked == 0)
+            .is_ok());
+    }
+
+    #[test]
+    fn a_parked_vcpu_saves_on_request_and_leaves_on_resume() {
+        let s = shared(1);
+        s.set_requested(RunState::Paused);
+        s.lock().running_threads = 1;
+        let t = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let mut saves = 0;
+                s.park(0, &mut || {
+                    saves += 1;
+                    Err(format!("save {saves}"))
+                });
+                s.vcpu_exited();
+                saves
+            })
+        };
+        let timeout = Duration::from_secs(10);
+        let c = s.wait_until(s.lock(), timeout, |c| c.parked == 1);
+        let mut c = c.unwrap_or_else(|_| panic!("the vCPU did not park"));
+        c.save_requested[0] = true;
+        s.changed.notify_all();
+        let mut c = s
+            .wait_until(c, timeout, |c| c.saved[0].is_some())
+            .unwrap_or_else(|_| panic!("no state came back"));
+        assert!(matches!(c.saved[0].take(), Some(Err(e)) if e == "save 1"));
+        assert!(!c.save_requested[0]);
+        // As the VM's resume does: under the lock, so the wake-up is not lost.
+        s.set_requested(RunState::Running);
+        s.changed.notify_all();
+        drop(c);
+        assert_eq!(t.join().unwrap(), 1);
+        let c = s.lock();
+        assert_eq!((c.parked, c.running_threads), (0, 0));
+    }
+}
