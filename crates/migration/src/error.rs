@@ -59,13 +59,6 @@ pub enum MigrationError {
         /// Pages pending at the switch.
         pending: u64,
     },
-    /// Postcopy paused (source side): the link broke after the switch and
-    /// did not come back within the reconnect timeout. The VM runs at the
-    /// destination and waits for the pages this side holds; the VM stays
-    /// paused here with all its memory, and [`crate::resume`] (`ferry
-    /// migrate --resume`) continues once the destination is reachable.
-    #[error("postcopy paused: {}. The VM runs at the destination, which still needs pages only this side holds; the VM stays paused here with all its memory: resume the migration (ferry migrate --resume) once the destination is reachable, and do not resume the VM here", .0.reason)]
-    PostcopyPaused(Box<crate::postcopy::PausedPostcopy>),
     /// Postcopy failed at the destination after its VM started: pages it
     /// needs never arrived.
     #[error("postcopy failed after the VM started here: {reason}. {missing} pages never arrived (first at {first:#x}); the VM cannot run on without them: only the source had them, and it keeps the VM paused there if it still runs")]

@@ -39,6 +39,7 @@ pub mod memserver;
 pub(crate) mod mode;
 pub mod options;
 pub(crate) mod pacer;
+pub mod paused;
 pub mod pagein;
 pub mod pager;
 pub(crate) mod postcopy;
@@ -65,7 +66,7 @@ pub use memory::RegionView;
 pub use options::{
     BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter, Rank, SplitOptions,
 };
-pub use postcopy::PausedPostcopy;
+pub use paused::{Outcome, PausedPostcopy};
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use source::{migrate, resume};

@@ -14,7 +14,8 @@
 use crate::compress::Backend;
 use crate::error::MigrationError;
 use crate::session::SourceSession;
-use crate::stats::{MigrationStats, Progress};
+use crate::paused::Outcome;
+use crate::stats::Progress;
 
 /// A migration mode on the source: it runs the migration over a session
 /// that is not open yet. Every copy mode gets this from precopy's round
@@ -28,5 +29,5 @@ pub(crate) trait SourceMode {
         s: &mut SourceSession,
         backend: &Backend,
         progress: &dyn Fn(&Progress),
-    ) -> Result<MigrationStats, MigrationError>;
+    ) -> Result<Outcome, MigrationError>;
 }

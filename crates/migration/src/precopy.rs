@@ -15,6 +15,7 @@ use crate::encoded::CodecSetup;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::mode::SourceMode;
+use crate::paused::Outcome;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
 use crate::session::{SourcePhase, SourceSession};
@@ -86,7 +87,7 @@ impl<R: Rounds> SourceMode for R {
         s: &mut SourceSession,
         backend: &Backend,
         progress: &dyn Fn(&Progress),
-    ) -> Result<MigrationStats, MigrationError> {
+    ) -> Result<Outcome, MigrationError> {
         run(s, backend, progress, self)
     }
 }
@@ -102,7 +103,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     backend: &Backend,
     progress: &dyn Fn(&Progress),
     mode: &mut M,
-) -> Result<MigrationStats, MigrationError> {
+) -> Result<Outcome, MigrationError> {
     let opts = s.opts;
     let copt = &opts.compression;
     s.open()?;
@@ -228,8 +229,8 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         let _ = vm.throttle(0);
         stats.downtime_parts.last_round = s.lap_ms();
         add_encoding(&mut stats, &sender, compressed);
-        crate::postcopy::switch(s, &mut stats, last, round, progress)?;
-        return Ok(stats);
+        let paused = crate::postcopy::switch(s, &mut stats, last, round, progress)?;
+        return Ok(crate::postcopy::outcome(stats, paused));
     }
     let remaining = total_pages(&last);
     s.tel.round_began(round, remaining);
@@ -296,7 +297,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         phase: Phase::Done,
         destination_service: stats.destination_service.clone(),
     });
-    Ok(stats)
+    Ok(Outcome::Done(stats))
 }
 
 fn add_encoding(stats: &mut MigrationStats, sender: &PageSender, compressed: bool) {

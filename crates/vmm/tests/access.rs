@@ -127,7 +127,10 @@ fn tracking_case(writes: WriteSource, grain: u64) {
     let periods = s.stats.periods;
     let stats = std::thread::scope(|sc| {
         let d = sc.spawn(|| incoming.receive(&dst, Duration::from_secs(30)));
-        let st = migrate(&src, &addr, &opts, &mut |_| {}).expect("migration");
+        let st = migrate(&src, &addr, &opts, &mut |_| {})
+            .expect("migration")
+            .done()
+            .expect("done, not paused");
         d.join().unwrap().expect("incoming");
         st
     });

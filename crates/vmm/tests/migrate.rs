@@ -36,7 +36,10 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
     };
     let (stats, istats) = std::thread::scope(|s| {
         let d = s.spawn(|| incoming.receive(&dst, Duration::from_secs(30)));
-        let st = migrate(&src, &addr, &opts, &mut |_| {}).expect("migration");
+        let st = migrate(&src, &addr, &opts, &mut |_| {})
+            .expect("migration")
+            .done()
+            .expect("done, not paused");
         (st, d.join().unwrap().expect("incoming"))
     });
     let at_switch = src.metrics().unwrap();
@@ -89,7 +92,10 @@ fn idle_guest_migrates_with_few_bytes() {
     };
     let stats = std::thread::scope(|s| {
         let d = s.spawn(|| incoming.receive(&dst, Duration::from_secs(30)));
-        let st = migrate(&src, &addr, &opts, &mut |_| {}).unwrap();
+        let st = migrate(&src, &addr, &opts, &mut |_| {})
+            .unwrap()
+            .done()
+            .expect("done, not paused");
         d.join().unwrap().unwrap();
         st
     });

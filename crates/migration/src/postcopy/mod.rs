@@ -36,6 +36,7 @@ use std::time::Instant;
 use crate::dirty::first_round;
 use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
+use crate::paused::{Epoch, Outcome, PausedPostcopy};
 use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
 use crate::transport::Conn;
@@ -64,8 +65,17 @@ impl crate::mode::SourceMode for Postcopy {
         s: &mut SourceSession,
         _backend: &crate::compress::Backend,
         progress: &dyn Fn(&Progress),
-    ) -> Result<MigrationStats, MigrationError> {
+    ) -> Result<Outcome, MigrationError> {
         run(s, progress)
+    }
+}
+
+/// The end of a postcopy: done with `stats`, or paused (the stats go with
+/// the pause, for the resume to go on with).
+pub(crate) fn outcome(stats: MigrationStats, paused: Option<Box<PausedPostcopy>>) -> Outcome {
+    match paused {
+        Some(p) => Outcome::Paused(p),
+        None => Outcome::Done(stats),
     }
 }
 
@@ -73,7 +83,7 @@ impl crate::mode::SourceMode for Postcopy {
 pub(crate) fn run(
     s: &mut SourceSession,
     progress: &dyn Fn(&Progress),
-) -> Result<MigrationStats, MigrationError> {
+) -> Result<Outcome, MigrationError> {
     s.open()?;
     require(s)?;
     s.open_bulk(None)?;
@@ -90,20 +100,21 @@ pub(crate) fn run(
     let mut pending = data;
     pending.extend(vm.host_written_ranges().iter().map(GpaBytes::pages));
     pending.sort_unstable();
-    switch(s, &mut stats, merge_runs(pending), 0, progress)?;
-    Ok(stats)
+    let paused = switch(s, &mut stats, merge_runs(pending), 0, progress)?;
+    Ok(outcome(stats, paused))
 }
 
 /// From a paused VM whose memory the destination lacks `pending` of:
 /// plan, state, start there, then serve and push every pending page until
-/// the destination has them all. `round` numbers the push's barrier.
+/// the destination has them all (or the link broke for good: paused).
+/// `round` numbers the push's barrier.
 pub(crate) fn switch(
     s: &mut SourceSession,
     stats: &mut MigrationStats,
     pending: Vec<GpaPages>,
     round: u32,
     progress: &dyn Fn(&Progress),
-) -> Result<(), MigrationError> {
+) -> Result<Option<Box<PausedPostcopy>>, MigrationError> {
     let opts = s.opts;
     let pending_pages = total_pages(&pending);
     progress(&Progress {
@@ -174,86 +185,32 @@ pub(crate) fn switch(
     )
 }
 
-/// A postcopy the link broke under, kept by the source's VMM until
-/// [`crate::resume`] continues it: the VM is paused there with all its
-/// memory (frozen since the switch, so whatever the destination still
-/// lacks can be sent at any later time and is never stale).
-#[derive(Debug)]
-pub struct PausedPostcopy {
-    /// The session to come back as.
-    pub(crate) session: crate::session::Resumable,
-    /// Where the destination was.
-    pub to: crate::transport::Endpoint,
-    /// The migration's options (a resume uses them again).
-    pub opts: crate::options::MigrateOptions,
-    pub(crate) stats: MigrationStats,
-    pub(crate) epoch: Epoch,
-    /// Why it paused.
-    pub reason: String,
-}
-
-#[cfg(test)]
-impl PausedPostcopy {
-    /// A paused postcopy with nothing behind it (for the state's tests).
-    pub(crate) fn for_tests() -> Self {
-        PausedPostcopy {
-            session: crate::session::Resumable {
-                id: 1,
-                version: protocol::VERSION_MAX,
-                t_start: Instant::now(),
-            },
-            to: crate::transport::Endpoint::Unix("/nonexistent".into()),
-            opts: Default::default(),
-            stats: Default::default(),
-            epoch: Epoch {
-                round: 0,
-                t_post: Instant::now(),
-                paused_since: None,
-                landed: false,
-            },
-            reason: "test".into(),
-        }
-    }
-}
-
-/// Where a postcopy is, across pauses.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Epoch {
-    round: u32,
-    /// The switch (postcopy time runs from here).
-    t_post: Instant,
-    /// Set while the link is broken.
-    paused_since: Option<Instant>,
-    /// The destination acknowledged that every pending page landed: what
-    /// this side holds is no longer needed there.
-    landed: bool,
-}
-
 /// Continues a paused postcopy: reconnects (within the reconnect timeout)
 /// and serves until the destination has every page.
 pub(crate) fn resume(
     s: &mut SourceSession,
     paused: PausedPostcopy,
     progress: &dyn Fn(&Progress),
-) -> Result<MigrationStats, MigrationError> {
+) -> Result<Outcome, MigrationError> {
     let mut stats = paused.stats;
     let reason = format!("resuming after: {}", paused.reason);
-    follow(s, &mut stats, paused.epoch, Err(reason), progress)?;
-    Ok(stats)
+    let again = follow(s, &mut stats, paused.epoch, Err(reason), progress)?;
+    Ok(outcome(stats, again))
 }
 
 /// After the switch: serves and pushes the pending pages until the
 /// destination has them all. A broken link pauses: every connection is
 /// dropped, the source reconnects as the same session, and the destination
 /// names the pages it still lacks, which go out again. `next` is the first
-/// epoch's pages and demand connection, or why the link is down.
+/// epoch's pages and demand connection, or why the link is down. Returns
+/// the pause when the link did not come back within the reconnect timeout.
 fn follow(
     s: &mut SourceSession,
     stats: &mut MigrationStats,
     mut epoch: Epoch,
     mut next: Result<(Vec<GpaPages>, Conn), String>,
     progress: &dyn Fn(&Progress),
-) -> Result<(), MigrationError> {
+) -> Result<Option<Box<PausedPostcopy>>, MigrationError> {
     let opts = s.opts;
     loop {
         let (pending, demand) = match next {
@@ -308,11 +265,11 @@ fn follow(
                             if opts.verify { " and the verification result are" } else { " is" }
                         );
                         finished(s, stats, &epoch, &note, progress);
-                        return Ok(());
+                        return Ok(None);
                     }
                     Err(e) => {
                         s.drop_links();
-                        return Err(MigrationError::PostcopyPaused(Box::new(PausedPostcopy {
+                        return Ok(Some(Box::new(PausedPostcopy {
                             session: s.resumable(),
                             to: s.to().clone(),
                             opts: opts.clone(),
@@ -357,7 +314,7 @@ fn follow(
                     "every page arrived at the destination",
                     progress,
                 );
-                return Ok(());
+                return Ok(None);
             }
             Err(e) if e.is_link_break() && s.version >= protocol::VERSION_RESUME => {
                 next = Err(e.to_string());

@@ -9,7 +9,7 @@ pub(crate) mod source;
 pub(crate) mod state;
 
 pub(crate) use destination::{DestSession, DestinationMode};
-pub(crate) use source::{Resumable, SourceSession};
+pub(crate) use source::SourceSession;
 pub(crate) use state::{DestPhase, SourcePhase};
 
 use crate::memory::RegionView;

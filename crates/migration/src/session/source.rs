@@ -9,6 +9,7 @@
 use std::time::{Duration, Instant};
 
 use super::state::{Left, SourcePhase, SourceState};
+use crate::paused::{Outcome, Resumable};
 use crate::encoded::CodecSetup;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
@@ -18,15 +19,6 @@ use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
-
-/// What a source session that paused (postcopy, link lost) keeps to come
-/// back as itself: the destination recognises its id.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Resumable {
-    pub(crate) id: u64,
-    pub(crate) version: u16,
-    pub(crate) t_start: Instant,
-}
 
 /// One outgoing migration's connections and what it has done to the VM.
 pub(crate) struct SourceSession<'a> {
@@ -531,11 +523,12 @@ impl<'a> SourceSession<'a> {
     }
 
     /// Applies the safety rule to a mode's result: on failure the VM runs
-    /// here again (or stays paused when in doubt) and the peer is told.
-    pub(crate) fn conclude<T>(
+    /// here again (or stays paused when in doubt or switched) and the peer
+    /// is told; a paused postcopy waits for its resume.
+    pub(crate) fn conclude(
         mut self,
-        mut result: Result<T, MigrationError>,
-    ) -> Result<T, MigrationError> {
+        mut result: Result<Outcome, MigrationError>,
+    ) -> Result<Outcome, MigrationError> {
         // A broken or refused connection often means the destination refused
         // the session and closed: its Abort, if it sent one, says why better
         // than "connection reset" (a bulk connect can race its exit).
@@ -560,24 +553,30 @@ impl<'a> SourceSession<'a> {
                 }
             }
         }
-        let Err(e) = &result else {
-            return result;
+        let c = match &result {
+            Ok(Outcome::Done(_)) => return result,
+            Ok(Outcome::Paused(p)) => {
+                tracing::error!(reason = %p.reason, "postcopy paused");
+                self.state.on_pause()
+            }
+            Err(e) => {
+                let c = self.state.on_failure(e);
+                self.tel.event("failed", e.to_string());
+                match c.left {
+                    Left::RunsHere => {
+                        tracing::warn!(error = %e, "migration failed; the VM runs on here")
+                    }
+                    Left::PausedInDoubt => {
+                        tracing::warn!(error = %e, "migration in doubt; the VM stays paused")
+                    }
+                    Left::PausedSwitched | Left::PausedResumable => {
+                        tracing::error!(error = %e, "postcopy broke after the switch; the VM stays paused here with all its memory")
+                    }
+                }
+                c
+            }
         };
-        let c = self.state.on_failure(e);
         self.tel.set_phase(c.live());
-        if c.left != Left::PausedResumable {
-            self.tel.event("failed", e.to_string());
-        }
-        match c.left {
-            Left::RunsHere => tracing::warn!(error = %e, "migration failed; the VM runs on here"),
-            Left::PausedInDoubt => {
-                tracing::warn!(error = %e, "migration in doubt; the VM stays paused")
-            }
-            Left::PausedSwitched => {
-                tracing::error!(error = %e, "postcopy broke after the switch; the VM stays paused here with all its memory")
-            }
-            Left::PausedResumable => tracing::error!(error = %e, "postcopy paused"),
-        }
         if c.unthrottle {
             let _ = self.vm.throttle(0);
         }
@@ -587,7 +586,7 @@ impl<'a> SourceSession<'a> {
         if c.resume {
             let _ = self.vm.resume();
         }
-        if let (true, Some(ctl)) = (c.abort_peer, self.ctl.as_mut()) {
+        if let (true, Some(ctl), Err(e)) = (c.abort_peer, self.ctl.as_mut(), &result) {
             ctl.abort(&e.to_string());
         }
         result

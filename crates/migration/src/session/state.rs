@@ -224,6 +224,19 @@ impl SourceState {
         now.saturating_duration_since(mark).as_secs_f64() * 1e3
     }
 
+    /// What a postcopy that paused (its link lost for good, not a failure)
+    /// leaves behind: the destination waits for this session to come back,
+    /// so no Abort, and the VM stays paused here with its memory.
+    pub(crate) fn on_pause(&self) -> Cleanup {
+        Cleanup {
+            left: Left::PausedResumable,
+            unthrottle: false,
+            stop_dirty_log: false,
+            resume: false,
+            abort_peer: false,
+        }
+    }
+
     /// What a failure with `e` in the current phase must leave behind.
     pub(crate) fn on_failure(&self, e: &MigrationError) -> Cleanup {
         let keep = |left| Cleanup {
@@ -233,13 +246,6 @@ impl SourceState {
             resume: false,
             abort_peer: false,
         };
-        if matches!(e, MigrationError::PostcopyPaused(_)) {
-            // The destination waits for this session to come back.
-            return Cleanup {
-                stop_dirty_log: false,
-                ..keep(Left::PausedResumable)
-            };
-        }
         match self.phase {
             SourcePhase::Switched => Cleanup {
                 abort_peer: true,
@@ -436,8 +442,7 @@ mod tests {
 
     #[test]
     fn a_paused_postcopy_waits_for_resume_without_an_abort() {
-        let p = crate::postcopy::PausedPostcopy::for_tests();
-        let c = SourceState::resumed().on_failure(&MigrationError::PostcopyPaused(Box::new(p)));
+        let c = SourceState::resumed().on_pause();
         assert_eq!(c.left, Left::PausedResumable);
         assert!(!c.resume && !c.abort_peer && !c.stop_dirty_log);
         assert_eq!(c.live(), LivePhase::Paused);

@@ -285,19 +285,17 @@ impl VmControl {
     fn migrated(
         &self,
         to: String,
-        result: Result<ferry_migration::MigrationStats, ferry_migration::MigrationError>,
+        result: Result<ferry_migration::Outcome, ferry_migration::MigrationError>,
     ) -> Result<Value, String> {
-        use ferry_migration::MigrationError as E;
+        use ferry_migration::{MigrationError as E, Outcome};
         match result {
-            Ok(stats) => {
+            Ok(Outcome::Done(stats)) => {
                 *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(After::Migrated(to));
                 Ok(json!({ "stats": stats }))
             }
-            Err(e @ E::PostcopyPaused(_)) => {
-                let msg = e.to_string();
-                if let E::PostcopyPaused(p) = e {
-                    *self.paused.lock().unwrap_or_else(|e| e.into_inner()) = Some(*p);
-                }
+            Ok(Outcome::Paused(p)) => {
+                let msg = p.to_string();
+                *self.paused.lock().unwrap_or_else(|e| e.into_inner()) = Some(*p);
                 Err(msg)
             }
             Err(e @ E::InDoubt(_)) => Err(format!("migration outcome unknown: {e}")),
@@ -323,11 +321,11 @@ fn header(vm: &Vm, what: &str, to: &str, mode: &str) -> Value {
 }
 
 /// The last line of a timeline: the migration's result.
-fn summary_line(
-    result: &Result<ferry_migration::MigrationStats, ferry_migration::MigrationError>,
-) -> Value {
+fn summary_line(result: &Result<ferry_migration::Outcome, ferry_migration::MigrationError>) -> Value {
+    use ferry_migration::Outcome;
     match result {
-        Ok(stats) => json!({ "type": "summary", "ok": true, "stats": stats }),
+        Ok(Outcome::Done(stats)) => json!({ "type": "summary", "ok": true, "stats": stats }),
+        Ok(Outcome::Paused(p)) => json!({ "type": "summary", "ok": false, "error": p.to_string() }),
         Err(e) => json!({ "type": "summary", "ok": false, "error": e.to_string() }),
     }
 }

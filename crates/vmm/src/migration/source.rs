@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use ferry_migration::{
     AccessHistory, Backend, BackendKind, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes,
-    MigratableVm, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress,
+    MigratableVm, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Outcome, Progress,
     RegionView, VmOpError,
 };
 
@@ -148,15 +148,16 @@ fn backend(kind: BackendKind) -> Backend {
     }
 }
 
-/// Migrates `vm` to `to`. On success the VM runs there, and this VM's
-/// service clients either moved with it or are forwarded to it (the
-/// caller releases the VM here).
+/// Migrates `vm` to `to`. Done: the VM runs there, and this VM's service
+/// clients either moved with it or are forwarded to it (the caller releases
+/// the VM here). Paused: a postcopy lost its link; the caller keeps it for
+/// a resume.
 pub fn migrate(
     vm: &Vm,
     to: &Endpoint,
     opts: &MigrateOptions,
     progress: &mut dyn FnMut(&Progress),
-) -> Result<MigrationStats, MigrationError> {
+) -> Result<Outcome, MigrationError> {
     if vm.run_state() != crate::RunState::Running {
         return Err(MigrationError::Unsupported(format!(
             "the VM is {:?}: only a running VM migrates",
@@ -177,7 +178,8 @@ pub fn migrate(
         (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
     });
     let mut stats = match result {
-        Ok(stats) => stats,
+        Ok(Outcome::Done(stats)) => stats,
+        Ok(paused) => return Ok(paused),
         Err(e) => {
             if tracking && runs_here_after(&e) {
                 vm.access().resume();
@@ -186,7 +188,7 @@ pub fn migrate(
         }
     };
     settle_clients(vm, to, &mut stats);
-    Ok(stats)
+    Ok(Outcome::Done(stats))
 }
 
 /// Whether the VM goes on running here after a migration failed this way
@@ -194,8 +196,7 @@ pub fn migrate(
 fn runs_here_after(e: &MigrationError) -> bool {
     !matches!(
         e,
-        MigrationError::PostcopyPaused(_)
-            | MigrationError::InDoubt(_)
+        MigrationError::InDoubt(_)
             | MigrationError::PostcopyBroken { .. }
     )
 }
@@ -252,14 +253,17 @@ pub fn resume(
     paused: ferry_migration::PausedPostcopy,
     to: Option<Endpoint>,
     progress: &mut dyn FnMut(&Progress),
-) -> Result<MigrationStats, MigrationError> {
+) -> Result<Outcome, MigrationError> {
     let dest = to.clone().unwrap_or_else(|| paused.to.clone());
     let progress = Mutex::new(progress);
-    let mut stats = ferry_migration::resume(vm, paused, to, &|p| {
+    let outcome = ferry_migration::resume(vm, paused, to, &|p| {
         (progress.lock().unwrap_or_else(|e| e.into_inner()))(p)
     })?;
+    let Outcome::Done(mut stats) = outcome else {
+        return Ok(outcome);
+    };
     settle_clients(vm, &dest, &mut stats);
-    Ok(stats)
+    Ok(Outcome::Done(stats))
 }
 
 /// Clients keep using this host's port; their requests now go to the
