@@ -1,20 +1,18 @@
 //! The engine on plain memory over loopback TCP and a Unix socket: no KVM
 //! involved.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+mod common;
+
+use common::fake_vm::FakeVm;
 use ferry_migration::{
-    incoming, Backend, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, GpaPages, IncomingVm,
-    Listener, MigratableVm, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, PageStore,
-    Progress, RegionView, VmOpError,
+    incoming, Backend, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, Listener, MigrateOptions,
+    MigrationError, MigrationStats, OffsetBytes, Progress,
 };
 
 const PAGE: usize = 4096;
-
-/// (offset, length) runs of one region.
-type Ranges = Vec<OffsetBytes>;
 
 /// How the two sides are connected.
 #[derive(Clone, Copy, Debug)]
@@ -51,193 +49,20 @@ fn migrate(
     ferry_migration::migrate(vm, to, opts, &Backend::cpu(), progress)
 }
 
-struct FakeVm {
-    mem: Vec<Mutex<Vec<u8>>>,
-    layout: Vec<(u64, u64)>,
-    /// Pages "dirtied" per take_dirty call, scripted.
-    dirty_script: Mutex<Vec<Vec<u64>>>,
-    pauses: AtomicU32,
-    resumes: AtomicU32,
-    state: Mutex<Vec<u8>>,
-    started: AtomicU32,
-    throttles: Mutex<Vec<u32>>,
-    /// How long start() takes (a destination that hangs while starting).
-    start_delay: Mutex<Duration>,
-    /// What IncomingVm::nonzero_ranges reports (None: the default).
-    nonzero: Mutex<Option<Vec<Ranges>>>,
-    /// Pages IncomingVm::zero was asked to clear.
-    zeroed: AtomicU64,
-    /// Clients: the source's plan, the answer it was told, how often it
-    /// checkpointed them; the destination's answer to a plan, whether its
-    /// restore fails, and what it restored (before it started).
-    clients_plan: Option<ClientsPlan>,
-    decided: Mutex<Option<ClientsAnswer>>,
-    clients_saved: AtomicU32,
-    accepts_clients: Result<(), String>,
-    restore_fails: bool,
-    restored_clients: Mutex<Option<(Vec<u8>, u32)>>,
-}
-
-impl FakeVm {
-    fn new(layout: &[(u64, u64)], fill: bool) -> FakeVm {
-        let mem = layout
-            .iter()
-            .map(|&(_, size)| {
-                let mut v = vec![0u8; size as usize];
-                if fill {
-                    for (i, b) in v.iter_mut().enumerate() {
-                        // Every third page stays zero.
-                        if !(i / PAGE).is_multiple_of(3) {
-                            *b = (i as u64).wrapping_mul(2654435761).to_le_bytes()[3];
-                        }
-                    }
-                }
-                Mutex::new(v)
-            })
-            .collect();
-        FakeVm {
-            mem,
-            layout: layout.to_vec(),
-            dirty_script: Mutex::new(Vec::new()),
-            pauses: AtomicU32::new(0),
-            resumes: AtomicU32::new(0),
-            state: Mutex::new(b"vcpu state".to_vec()),
-            started: AtomicU32::new(0),
-            throttles: Mutex::new(Vec::new()),
-            start_delay: Mutex::new(Duration::ZERO),
-            nonzero: Mutex::new(None),
-            zeroed: AtomicU64::new(0),
-            clients_plan: None,
-            decided: Mutex::new(None),
-            clients_saved: AtomicU32::new(0),
-            accepts_clients: Err("a fake VM has no clients".into()),
-            restore_fails: false,
-            restored_clients: Mutex::new(None),
-        }
+/// Every third page stays zero; the others hold data.
+fn filled(_: u64, i: usize) -> u8 {
+    if (i / PAGE).is_multiple_of(3) {
+        0
+    } else {
+        (i as u64).wrapping_mul(2654435761).to_le_bytes()[3]
     }
 }
 
-impl MigratableVm for FakeVm {
-    fn regions(&self) -> Vec<RegionView> {
-        self.layout
-            .iter()
-            .zip(&self.mem)
-            // SAFETY: each Vec lives as long as the FakeVm and is never
-            // resized, so the pointer stays valid while the engine uses it.
-            .map(|(&(gpa, size), m)| unsafe {
-                RegionView::new(gpa, size, m.lock().unwrap().as_mut_ptr())
-            })
-            .collect()
-    }
-    fn vcpus(&self) -> u32 {
-        1
-    }
-    fn start_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
-        // Each call: the scripted pages of region 0 get new content and are reported dirty.
-        let pages = self.dirty_script.lock().unwrap().pop().unwrap_or_default();
-        let mut bm = vec![0u64; (self.layout[0].1 as usize / PAGE).div_ceil(64)];
-        let mut m = self.mem[0].lock().unwrap();
-        for p in pages {
-            m[p as usize * PAGE] ^= 0xff;
-            bm[(p / 64) as usize] |= 1 << (p % 64);
-        }
-        let mut out = vec![bm];
-        out.extend(
-            self.layout[1..]
-                .iter()
-                .map(|r| vec![0u64; (r.1 as usize / PAGE).div_ceil(64)]),
-        );
-        Ok(out)
-    }
-    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn pause(&self) -> Result<(), VmOpError> {
-        self.pauses.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-    fn resume(&self) -> Result<(), VmOpError> {
-        self.resumes.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
-        Ok(self.state.lock().unwrap().clone())
-    }
-    fn throttle(&self, pct: u32) -> Result<(), VmOpError> {
-        self.throttles.lock().unwrap().push(pct);
-        Ok(())
-    }
-    fn host_written_ranges(&self) -> Vec<GpaBytes> {
-        vec![GpaBytes::new(self.layout[0].0, PAGE as u64)]
-    }
-    fn clients_plan(&self) -> Option<ClientsPlan> {
-        self.clients_plan.clone()
-    }
-    fn clients_decided(&self, answer: &ClientsAnswer) {
-        *self.decided.lock().unwrap() = Some(answer.clone());
-    }
-    fn save_clients(&self) -> Result<Vec<u8>, VmOpError> {
-        assert_eq!(
-            self.pauses.load(Ordering::SeqCst),
-            1,
-            "checkpointed while paused"
-        );
-        self.clients_saved.fetch_add(1, Ordering::SeqCst);
-        Ok(b"checkpointed connections".to_vec())
-    }
-}
-
-impl PageStore for FakeVm {
-    fn regions(&self) -> Vec<RegionView> {
-        MigratableVm::regions(self)
-    }
-    fn nonzero_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        match &*self.nonzero.lock().unwrap() {
-            Some(r) => r[index].clone(),
-            None => vec![OffsetBytes::new(0, self.layout[index].1)],
-        }
-    }
-    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
-        let (gpa, len) = (run.gpa, run.bytes());
-        self.zeroed.fetch_add(run.pages, Ordering::SeqCst);
-        for (i, &(base, size)) in self.layout.iter().enumerate() {
-            if gpa >= base && gpa + len <= base + size {
-                let off = (gpa - base) as usize;
-                self.mem[i].lock().unwrap()[off..off + len as usize].fill(0);
-                return Ok(());
-            }
-        }
-        Err("zero outside memory".into())
-    }
-}
-
-impl IncomingVm for FakeVm {
-    fn vcpus(&self) -> u32 {
-        1
-    }
-    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
-        *self.state.lock().unwrap() = state.to_vec();
-        Ok(())
-    }
-    fn start(&self) -> Result<(), VmOpError> {
-        std::thread::sleep(*self.start_delay.lock().unwrap());
-        self.started.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-    fn prepare_clients(&self, _plan: &ClientsPlan) -> Result<(), String> {
-        self.accepts_clients.clone()
-    }
-    fn restore_clients(&self, clients: &[u8]) -> Result<String, VmOpError> {
-        if self.restore_fails {
-            return Err("the fake destination cannot restore its clients".into());
-        }
-        let started = self.started.load(Ordering::SeqCst);
-        *self.restored_clients.lock().unwrap() = Some((clients.to_vec(), started));
-        Ok("3 connections restored".into())
-    }
+/// A source on filled memory whose VMM writes region 0's first page.
+fn source(layout: &[(u64, u64)]) -> FakeVm {
+    FakeVm::new(layout)
+        .with_fill(filled)
+        .with_host_written(vec![GpaBytes::new(layout[0].0, PAGE as u64)])
 }
 
 const LAYOUT: &[(u64, u64)] = &[(0, 64 * PAGE as u64), (0x10_0000, 200 * PAGE as u64)];
@@ -250,11 +75,10 @@ fn precopy_moves_every_page_and_the_state() {
 }
 
 fn precopy_moves_every_page_and_the_state_via(via: Via) {
-    let src = FakeVm::new(LAYOUT, true);
-    *src.dirty_script.lock().unwrap() = vec![vec![], vec![1, 2, 3], (0..40).collect()];
-    let dst = FakeVm::new(LAYOUT, false);
+    let src = source(LAYOUT).with_dirty_script(vec![vec![], vec![1, 2, 3], (0..40).collect()]);
+    let dst = FakeVm::new(LAYOUT);
     // Garbage the destination must overwrite, including where the source has zeros.
-    dst.mem[1].lock().unwrap().fill(0xee);
+    dst.fill(1, 0..LAYOUT[1].1 as usize, 0xee);
     let (listener, addr) = listen(via);
     let opts = MigrateOptions {
         streams: 3,
@@ -268,8 +92,8 @@ fn precopy_moves_every_page_and_the_state_via(via: Via) {
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         (st, d.join().unwrap().unwrap())
     });
-    for (a, b) in src.mem.iter().zip(&dst.mem) {
-        assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
+    for i in 0..src.regions.len() {
+        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
     }
     assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
     assert_eq!(dst.started.load(Ordering::SeqCst), 1);
@@ -294,20 +118,18 @@ fn precopy_moves_every_page_and_the_state_via(via: Via) {
 
 #[test]
 fn zero_ranges_clear_only_pages_that_may_hold_data() {
-    let src = FakeVm::new(LAYOUT, true);
+    let src = source(LAYOUT).with_dirty_script(vec![vec![], vec![5]]);
     // Page 5 holds one byte; the scripted dirtying flips it back to zero,
     // so a later round sends it as a zero range over a page round 0 wrote.
-    src.mem[0].lock().unwrap()[5 * PAGE..6 * PAGE].fill(0);
-    src.mem[0].lock().unwrap()[5 * PAGE] = 0xff;
-    *src.dirty_script.lock().unwrap() = vec![vec![], vec![5]];
-    let dst = FakeVm::new(LAYOUT, false);
+    src.fill(0, 5 * PAGE..6 * PAGE, 0);
+    src.fill(0, 5 * PAGE..5 * PAGE + 1, 0xff);
     // The destination's VMM wrote region 1's pages 10..20 before the
     // migration; everything else reads as zeros.
-    dst.mem[1].lock().unwrap()[10 * PAGE..20 * PAGE].fill(0xee);
-    *dst.nonzero.lock().unwrap() = Some(vec![
+    let dst = FakeVm::new(LAYOUT).with_nonzero(vec![
         vec![],
         vec![OffsetBytes::new(10 * PAGE as u64, 10 * PAGE as u64)],
     ]);
+    dst.fill(1, 10 * PAGE..20 * PAGE, 0xee);
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions {
         streams: 2,
@@ -322,8 +144,8 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
         d.join().unwrap().unwrap();
         st
     });
-    for (a, b) in src.mem.iter().zip(&dst.mem) {
-        assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
+    for i in 0..src.regions.len() {
+        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
     }
     assert!(
         stats.zero_pages >= 80,
@@ -336,10 +158,10 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
 
 #[test]
 fn a_mismatched_destination_refuses_and_the_source_resumes_untouched() {
-    let src = FakeVm::new(LAYOUT, true);
-    let dst = FakeVm::new(&LAYOUT[..1], false);
+    let src = source(LAYOUT);
+    let dst = FakeVm::new(&LAYOUT[..1]);
     let (listener, addr) = listen(Via::Tcp);
-    let before = src.mem[0].lock().unwrap().clone();
+    let before = src.bytes(0);
     let (err, derr) = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
@@ -352,12 +174,12 @@ fn a_mismatched_destination_refuses_and_the_source_resumes_untouched() {
     );
     assert_eq!(dst.started.load(Ordering::SeqCst), 0);
     assert_eq!(src.pauses.load(Ordering::SeqCst), 0);
-    assert!(*src.mem[0].lock().unwrap() == before);
+    assert!(src.bytes(0) == before);
 }
 
 #[test]
 fn a_dead_destination_is_a_clear_error() {
-    let src = FakeVm::new(LAYOUT, true);
+    let src = source(LAYOUT);
     let (listener, addr) = listen(Via::Tcp);
     drop(listener);
     let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
@@ -366,10 +188,9 @@ fn a_dead_destination_is_a_clear_error() {
 
 #[test]
 fn auto_converge_throttles_a_guest_that_outruns_the_link() {
-    let src = FakeVm::new(LAYOUT, true);
     // The same 48 pages dirtied every round: the guest never lets up.
-    *src.dirty_script.lock().unwrap() = (0..8).map(|_| (0..48).collect()).collect();
-    let dst = FakeVm::new(LAYOUT, false);
+    let src = source(LAYOUT).with_dirty_script((0..8).map(|_| (0..48).collect()).collect());
+    let dst = FakeVm::new(LAYOUT);
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions {
         downtime_ms: 0.0,
@@ -389,15 +210,15 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
         "20% first, then 10% more per round: {t:?}"
     );
     assert!(stats.rounds.iter().any(|r| r.throttle_pct > 0));
-    for (a, b) in src.mem.iter().zip(&dst.mem) {
-        assert!(*a.lock().unwrap() == *b.lock().unwrap(), "memory differs");
+    for i in 0..src.regions.len() {
+        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
     }
 }
 
 #[test]
 fn bandwidth_limit_paces_the_copy() {
-    let src = FakeVm::new(LAYOUT, true);
-    let dst = FakeVm::new(LAYOUT, false);
+    let src = source(LAYOUT);
+    let dst = FakeVm::new(LAYOUT);
     let (listener, addr) = listen(Via::Tcp);
     // About 0.7 MiB of non-zero pages at 1 MiB/s.
     let opts = MigrateOptions {
@@ -432,15 +253,14 @@ fn migrate_compressed(compress: &str, pipeline: bool) -> MigrationStats {
 }
 
 fn migrate_compressed_via(compress: &str, pipeline: bool, via: Via) -> MigrationStats {
-    let src = FakeVm::new(BIG, true);
     // Round after round the same pages change a little: xbzrle's case.
-    *src.dirty_script.lock().unwrap() = vec![
+    let src = source(BIG).with_dirty_script(vec![
         (0..2000).step_by(7).collect(),
         (0..3000).step_by(5).collect(),
         (100..900).collect(),
-    ];
-    let dst = FakeVm::new(BIG, false);
-    dst.mem[0].lock().unwrap().fill(0xee);
+    ]);
+    let dst = FakeVm::new(BIG);
+    dst.fill(0, 0..BIG[0].1 as usize, 0xee);
     let (listener, addr) = listen(via);
     let opts = MigrateOptions {
         streams: 2,
@@ -468,9 +288,9 @@ fn migrate_compressed_via(compress: &str, pipeline: bool, via: Via) -> Migration
         got.unwrap();
         st
     });
-    for (a, b) in src.mem.iter().zip(&dst.mem) {
+    for i in 0..src.regions.len() {
         assert!(
-            *a.lock().unwrap() == *b.lock().unwrap(),
+            src.bytes(i) == dst.bytes(i),
             "{compress} pipeline={pipeline}: memory differs"
         );
     }
@@ -514,9 +334,8 @@ fn every_codec_moves_memory_exactly_with_and_without_the_pipeline() {
 /// rather than risk two running copies.
 #[test]
 fn no_confirmation_after_complete_keeps_the_source_paused() {
-    let src = FakeVm::new(LAYOUT, true);
-    let dst = FakeVm::new(LAYOUT, false);
-    *dst.start_delay.lock().unwrap() = Duration::from_millis(1500);
+    let src = source(LAYOUT);
+    let dst = FakeVm::new(LAYOUT).with_start_delay(Duration::from_millis(1500));
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions {
         downtime_ms: 1000.0,
@@ -539,13 +358,12 @@ fn no_confirmation_after_complete_keeps_the_source_paused() {
     );
 }
 
-fn with_clients(mut src: FakeVm) -> FakeVm {
-    src.clients_plan = Some(ClientsPlan {
+fn with_clients(src: FakeVm) -> FakeVm {
+    src.with_clients(ClientsPlan {
         ip: std::net::Ipv4Addr::new(10, 77, 0, 100),
         port: 7000,
         connections: 3,
-    });
-    src
+    })
 }
 
 /// Protocol v5: a destination that takes the clients gets their checkpoint
@@ -553,9 +371,8 @@ fn with_clients(mut src: FakeVm) -> FakeVm {
 /// destination's words.
 #[test]
 fn clients_move_when_the_destination_takes_them() {
-    let src = with_clients(FakeVm::new(LAYOUT, true));
-    let mut dst = FakeVm::new(LAYOUT, false);
-    dst.accepts_clients = Ok(());
+    let src = with_clients(source(LAYOUT));
+    let dst = FakeVm::new(LAYOUT).with_clients_answer(Ok(()));
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions::default();
     let stats = std::thread::scope(|s| {
@@ -578,9 +395,9 @@ fn clients_move_when_the_destination_takes_them() {
 /// them), nothing is checkpointed, and the reason reaches the report.
 #[test]
 fn clients_stay_when_the_destination_refuses_them() {
-    let src = with_clients(FakeVm::new(LAYOUT, true));
-    let mut dst = FakeVm::new(LAYOUT, false);
-    dst.accepts_clients = Err("no interface for 10.77.0.100 here".into());
+    let src = with_clients(source(LAYOUT));
+    let dst =
+        FakeVm::new(LAYOUT).with_clients_answer(Err("no interface for 10.77.0.100 here".into()));
     let (listener, addr) = listen(Via::Tcp);
     let stats = std::thread::scope(|s| {
         let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
@@ -607,10 +424,10 @@ fn clients_stay_when_the_destination_refuses_them() {
 /// the VM on: resumed once, never in doubt.
 #[test]
 fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
-    let src = with_clients(FakeVm::new(LAYOUT, true));
-    let mut dst = FakeVm::new(LAYOUT, false);
-    dst.accepts_clients = Ok(());
-    dst.restore_fails = true;
+    let src = with_clients(source(LAYOUT));
+    let dst = FakeVm::new(LAYOUT)
+        .with_clients_answer(Ok(()))
+        .with_failing_client_restore();
     let (listener, addr) = listen(Via::Tcp);
     let t = std::time::Instant::now();
     let err = std::thread::scope(|s| {
@@ -631,4 +448,95 @@ fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
     );
     assert_eq!(src.resumes.load(Ordering::SeqCst), 1);
     assert_eq!(dst.started.load(Ordering::SeqCst), 0);
+}
+
+/// Both sides' live figures follow a migration to its end: the source
+/// counted every page and the bytes of the VM, the connections were
+/// metered, and both phases end in success.
+#[test]
+fn telemetry_follows_the_migration_on_both_sides() {
+    let src = source(LAYOUT).with_telemetry();
+    let dst = FakeVm::new(LAYOUT).with_telemetry();
+    let (listener, addr) = listen(Via::Tcp);
+    let opts = MigrateOptions {
+        streams: 2,
+        ..Default::default()
+    };
+    let stats = std::thread::scope(|s| {
+        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
+        d.join().unwrap().unwrap();
+        st
+    });
+    let tel = src.telemetry.as_ref().unwrap();
+    let s = tel.snapshot();
+    assert_eq!(s.phase, "succeeded");
+    assert_eq!(s.total_bytes, LAYOUT.iter().map(|r| r.1).sum::<u64>());
+    // Round 0 counts every page, zero ranges included.
+    assert!(s.processed_bytes >= 264 * PAGE as u64, "{s:?}");
+    for name in ["control", "bulk0", "bulk1"] {
+        assert!(
+            s.links.iter().any(|(n, sent, _)| n == name && *sent > 0),
+            "{name} metered: {s:?}"
+        );
+    }
+    let events: Vec<String> = tel.take_events().into_iter().map(|e| e.what).collect();
+    for what in ["open", "round", "started"] {
+        assert!(events.iter().any(|e| e == what), "{what} in {events:?}");
+    }
+    let d = dst.telemetry.as_ref().unwrap().snapshot();
+    assert_eq!(d.phase, "succeeded");
+    assert!(
+        d.links
+            .iter()
+            .any(|(n, _, received)| n == "bulk0" && *received > 0),
+        "{d:?}"
+    );
+    assert!(stats.rounds.len() >= 2, "{}", stats.rounds.len());
+}
+
+/// The fake VM does what its options say: filled pages are data and zero
+/// pages holes, the dirty script runs its last list first and flips byte
+/// 0, a guest that keeps writing changes byte 9 on every read of the dirty
+/// log, and a discard clears and counts its pages.
+#[test]
+fn the_fake_vm_does_what_its_options_say() {
+    use ferry_migration::{GpaPages, MigratableVm, PageStore};
+    let vm = FakeVm::new(LAYOUT)
+        .with_holes()
+        .with_fill(filled)
+        .with_dirty_script(vec![vec![], vec![1, 63]])
+        .with_guest_writing(vec![2], |b| b.wrapping_add(1));
+    // Pages 0, 3, 6... of each region are holes.
+    let data = MigratableVm::data_ranges(&vm, 0);
+    assert_eq!(
+        data[..2],
+        [
+            OffsetBytes::new(PAGE as u64, 2 * PAGE as u64),
+            OffsetBytes::new(4 * PAGE as u64, 2 * PAGE as u64)
+        ]
+    );
+    let before = vm.bytes(0);
+    let round1 = vm.take_dirty().unwrap();
+    assert_eq!(round1.len(), 2);
+    assert_eq!(round1[0], vec![(1 << 1) | (1 << 2) | (1 << 63)]);
+    assert!(round1[1].iter().all(|&w| w == 0));
+    let after = vm.bytes(0);
+    assert_eq!(after[PAGE], before[PAGE] ^ 0xff);
+    assert_eq!(after[63 * PAGE], before[63 * PAGE] ^ 0xff);
+    assert_eq!(after[2 * PAGE + 9], before[2 * PAGE + 9].wrapping_add(1));
+    // Then the script's empty list, then nothing: only the guest writes.
+    assert_eq!(vm.take_dirty().unwrap()[0], vec![1 << 2]);
+    assert_eq!(vm.take_dirty().unwrap()[0], vec![1 << 2]);
+    assert_eq!(
+        vm.byte(2 * PAGE as u64, 9),
+        before[2 * PAGE + 9].wrapping_add(3)
+    );
+    // A discard reads as zeros and leaves a hole.
+    vm.discard(GpaPages::new(PAGE as u64, 2)).unwrap();
+    assert_eq!(vm.zeroed.load(Ordering::SeqCst), 2);
+    // (Asked before reading it: reading a memfd's hole fills it.)
+    assert!(!vm.regions[0].holds_data(PAGE as u64, PAGE as u64));
+    assert!(vm.bytes(0)[PAGE..3 * PAGE].iter().all(|&b| b == 0));
+    assert!(vm.discard(GpaPages::new(63 * PAGE as u64, 2)).is_err());
 }

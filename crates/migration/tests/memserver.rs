@@ -2,27 +2,18 @@
 //! put, synced, fetched back intact, dropped, listed; the capacity holds;
 //! strangers and bad frames get a clear refusal and the server lives on.
 
+mod common;
+
 use std::io::Write;
-use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_migration::memserver::{MemServer, StoreClient, StoreOpen};
+use ferry_migration::memserver::{StoreClient, StoreOpen};
 use ferry_migration::protocol::{self, Hello, Kind, Role};
 use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
-use ferry_migration::{Endpoint, Listener};
 
 const PAGE: usize = 4096;
 const T: Duration = Duration::from_secs(5);
-
-fn server(pages: u64) -> (Arc<MemServer>, Endpoint) {
-    let l = Listener::bind(&Endpoint::Tcp("127.0.0.1:0".parse().unwrap())).unwrap();
-    let at = l.endpoint();
-    let s = MemServer::new(pages);
-    let s2 = s.clone();
-    std::thread::spawn(move || s2.serve(&l));
-    (s, at)
-}
 
 fn open(vm: &str, reserve: u64) -> StoreOpen {
     StoreOpen {
@@ -41,7 +32,7 @@ fn content(gpa: u64) -> Vec<u8> {
 
 #[test]
 fn pages_round_trip_and_the_capacity_holds() {
-    let (srv, at) = server(64);
+    let (srv, at) = common::mem_server(64);
     let (mut a, ack) = StoreClient::open(&at, T, &open("vm1", 40)).unwrap();
     assert_eq!((ack.held_pages, ack.free_pages), (0, 64));
     let gpas: Vec<u64> = (0..40u64)
@@ -104,7 +95,7 @@ fn pages_round_trip_and_the_capacity_holds() {
 
 #[test]
 fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
-    let (srv, at) = server(16);
+    let (srv, at) = common::mem_server(16);
     // A migration control connection is not for a memory server.
     let hello = Hello {
         version_min: 1,

@@ -5,15 +5,13 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ferry_memory::MemfdRegion;
+use common::fake_vm::FakeVm;
 use ferry_migration::{
-    incoming, Backend, GpaBytes, GpaPages, IncomingVm, Listener, MigratableVm, MigrateOptions,
-    MigrationStats, Mode, OffsetBytes, PageStore, PostcopyAfter, RegionView, VmOpError,
+    incoming, Backend, Listener, MigrateOptions, MigrationStats, Mode, PostcopyAfter,
 };
 
 const PAGE: usize = 4096;
@@ -21,8 +19,8 @@ const LAYOUT: &[(u64, u64)] = &[(0, 512 * PAGE as u64), (0x1_0000_0000, 256 * PA
 /// Every 7th page a "vCPU" touches, it writes.
 const WRITE_EVERY: u64 = 7;
 
-fn content(i: usize) -> u8 {
-    // Every fifth page stays zero.
+/// Byte `i` of a region: every fifth page stays zero (a hole).
+fn content(_: u64, i: usize) -> u8 {
     if (i / PAGE).is_multiple_of(5) {
         0
     } else {
@@ -30,192 +28,33 @@ fn content(i: usize) -> u8 {
     }
 }
 
-/// A source on plain memory that dirties a few pages per round.
-struct Source {
-    mem: Vec<Mutex<Vec<u8>>>,
-    resumes: AtomicU32,
+/// A source with 2 vCPUs whose zero pages are holes, as in a memfd, and
+/// whose guest changes 100 pages of region 0 every round: precopy never
+/// converges.
+fn source() -> FakeVm {
+    FakeVm::new(LAYOUT)
+        .with_vcpus(2)
+        .with_holes()
+        .with_fill(content)
+        .with_guest_writing((100..200).collect(), |b| b.wrapping_add(1))
 }
 
-impl Source {
-    fn new() -> Self {
-        let mem = LAYOUT
-            .iter()
-            .map(|&(_, size)| Mutex::new((0..size as usize).map(content).collect()))
-            .collect();
-        Source {
-            mem,
-            resumes: AtomicU32::new(0),
-        }
-    }
-}
-
-impl MigratableVm for Source {
-    fn regions(&self) -> Vec<RegionView> {
-        LAYOUT
-            .iter()
-            .zip(&self.mem)
-            // SAFETY: each Vec lives as long as the Source and is never resized.
-            .map(|(&(gpa, size), m)| unsafe {
-                RegionView::new(gpa, size, m.lock().unwrap().as_mut_ptr())
-            })
-            .collect()
-    }
-    fn vcpus(&self) -> u32 {
-        2
-    }
-    fn start_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    /// Zero pages are holes, as in a memfd.
-    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        let m = self.mem[index].lock().unwrap();
-        m.chunks(PAGE)
-            .enumerate()
-            .filter(|(_, page)| page.iter().any(|&b| b != 0))
-            .map(|(p, _)| OffsetBytes::new((p * PAGE) as u64, PAGE as u64))
-            .collect()
-    }
-    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
-        // 100 pages of region 0 change every round: precopy never converges.
-        let mut m = self.mem[0].lock().unwrap();
-        let mut bm = vec![0u64; 512 / 64];
-        for p in 100..200usize {
-            m[p * PAGE + 9] = m[p * PAGE + 9].wrapping_add(1);
-            bm[p / 64] |= 1 << (p % 64);
-        }
-        Ok(vec![bm, vec![0u64; 256 / 64]])
-    }
-    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn pause(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn resume(&self) -> Result<(), VmOpError> {
-        self.resumes.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
-        Ok(b"vcpu state".to_vec())
-    }
-    fn host_written_ranges(&self) -> Vec<GpaBytes> {
-        Vec::new()
-    }
-}
-
-/// A page-touching thread: (gpa, byte read) per page.
-type Toucher = JoinHandle<Vec<(u64, u8)>>;
-
-/// A destination on memfd memory whose start runs two page-touching threads.
-struct Dest {
-    regions: Vec<MemfdRegion>,
-    threads: Mutex<Vec<Toucher>>,
-    tids: Mutex<Vec<u32>>,
-}
-
-impl Dest {
-    fn new() -> Self {
-        let regions = common::memfd_regions("dest", LAYOUT);
-        Dest {
-            regions,
-            threads: Mutex::new(Vec::new()),
-            tids: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn host(&self, gpa: u64) -> *mut u8 {
-        let r = self.regions.iter().find(|r| r.contains(gpa, 1)).unwrap();
-        // SAFETY: `gpa` lies in `r` (checked above).
-        unsafe { r.host_addr().add((gpa - r.gpa()) as usize) }
-    }
-
-    /// (gpa, byte read) per page touched, and the pages written.
-    fn join(&self) -> Vec<(u64, u8)> {
-        let mut out = Vec::new();
-        for t in self.threads.lock().unwrap().drain(..) {
-            out.extend(t.join().unwrap());
-        }
-        out
-    }
-}
-
-impl PageStore for Dest {
-    fn regions(&self) -> Vec<RegionView> {
-        common::views(&self.regions)
-    }
-    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        common::data_ranges(&self.regions, index)
-    }
-    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
-        common::discard(&self.regions, run)
-    }
-}
-
-impl IncomingVm for Dest {
-    fn vcpus(&self) -> u32 {
-        2
-    }
-    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
-        assert_eq!(state, b"vcpu state");
-        Ok(())
-    }
-    fn start(&self) -> Result<(), VmOpError> {
-        let pages: Vec<u64> = LAYOUT
-            .iter()
-            .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
-            .collect();
-        for t in 0..2u64 {
-            // Each thread its own random order over all pages.
-            let mut order = pages.clone();
-            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ t;
-            for i in (1..order.len()).rev() {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                order.swap(i, (x % (i as u64 + 1)) as usize);
-            }
-            let hosts: Vec<(u64, usize)> =
-                order.iter().map(|&g| (g, self.host(g) as usize)).collect();
-            let (tx, rx) = std::sync::mpsc::channel();
-            let h = std::thread::spawn(move || {
-                // SAFETY: gettid has no preconditions.
-                tx.send(unsafe { libc::gettid() } as u32).unwrap();
-                let mut seen = Vec::new();
-                for (k, &(gpa, host)) in hosts.iter().enumerate() {
-                    let p = (host + 17) as *mut u8;
-                    // SAFETY: `host` points into a live memfd mapping; a
-                    // missing page blocks this thread until it lands.
-                    let v = unsafe { p.read_volatile() };
-                    seen.push((gpa, v));
-                    if t == 0 && (k as u64).is_multiple_of(WRITE_EVERY) {
-                        // SAFETY: as above; byte 1 is this test's guest write.
-                        unsafe { ((host + 1) as *mut u8).write_volatile(0xAB) };
-                    }
-                }
-                seen
-            });
-            self.tids.lock().unwrap().push(rx.recv().unwrap());
-            self.threads.lock().unwrap().push(h);
-        }
-        Ok(())
-    }
-    fn vcpu_tids(&self) -> Vec<u32> {
-        self.tids.lock().unwrap().clone()
-    }
+/// A destination on memfd memory whose start runs two page-touching
+/// threads (the first writes every WRITE_EVERY-th page it touches).
+fn dest() -> FakeVm {
+    FakeVm::new(LAYOUT)
+        .with_vcpus(2)
+        .with_holes()
+        .with_touchers(2, WRITE_EVERY)
 }
 
 fn uffd_usable() -> bool {
-    match ferry_memory::Userfaultfd::new(ferry_memory::Features {
+    let f = ferry_memory::Features {
         missing_shmem: true,
         thread_id: true,
         ..Default::default()
-    }) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: postcopy needs userfaultfd on memfd: {e}");
-            false
-        }
-    }
+    };
+    common::uffd_usable(f, "postcopy needs userfaultfd on memfd")
 }
 
 /// When a [`Relay`] breaks the link.
@@ -320,14 +159,14 @@ impl Relay {
     }
 }
 
-fn run(opts: &MigrateOptions) -> (MigrationStats, Source, Dest) {
+fn run(opts: &MigrateOptions) -> (MigrationStats, FakeVm, FakeVm) {
     run_through(opts, None)
 }
 
 /// Like [`run`], through a relay that breaks the link once (when given).
-fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, Source, Dest) {
-    let src = Source::new();
-    let dst = Dest::new();
+fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, FakeVm, FakeVm) {
+    let src = source();
+    let dst = dest();
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let relay = cut.map(|n| {
         let ferry_migration::Endpoint::Tcp(at) = listener.endpoint() else {
@@ -351,7 +190,8 @@ fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, Sour
         let st = ferry_migration::migrate(&src, &to, opts, &Backend::cpu(), &|_| {});
         (st.unwrap(), d.join().unwrap().unwrap())
     });
-    let seen = dst.join();
+    assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
+    let seen = dst.join_touchers();
     let total = LAYOUT.iter().map(|r| r.1 / PAGE as u64).sum::<u64>();
     assert_eq!(
         seen.len() as u64,
@@ -360,21 +200,13 @@ fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, Sour
     );
     // What a thread read is the source's final content (byte 17 is never
     // written by the "guest").
-    let src_byte = |gpa: u64| {
-        let (i, &(base, _)) = LAYOUT
-            .iter()
-            .enumerate()
-            .find(|(_, r)| gpa >= r.0 && gpa < r.0 + r.1)
-            .unwrap();
-        src.mem[i].lock().unwrap()[(gpa - base) as usize + 17]
-    };
     for &(gpa, v) in &seen {
-        assert_eq!(v, src_byte(gpa), "page {gpa:#x} read wrong content");
+        assert_eq!(v, src.byte(gpa, 17), "page {gpa:#x} read wrong content");
     }
     // Guest writes survived the pages' later arrival (first copy wins),
     // and every page holds the source's bytes otherwise.
     for (i, &(base, size)) in LAYOUT.iter().enumerate() {
-        let m = src.mem[i].lock().unwrap();
+        let m = src.bytes(i);
         for p in 0..size as usize / PAGE {
             let gpa = base + (p * PAGE) as u64;
             // SAFETY: every page has landed; reading the mapping cannot block.

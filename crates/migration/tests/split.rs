@@ -11,229 +11,65 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_memory::MemfdRegion;
+use common::fake_vm::FakeVm;
 use ferry_migration::memserver::MemServer;
-use ferry_migration::split::RemotePager;
 use ferry_migration::{
-    incoming, AccessHistory, Backend, Endpoint, GpaBytes, GpaPages, IncomingVm, Listener,
-    MigratableVm, MigrateOptions, MigrationStats, Mode, OffsetBytes, PageStore, Rank, RegionView,
-    SplitOptions, VmOpError,
+    incoming, AccessHistory, Backend, Endpoint, Listener, MigrateOptions, MigrationStats, Mode,
+    Rank, SplitOptions,
 };
 
 const PAGE: usize = 4096;
 const LAYOUT: &[(u64, u64)] = &[(0, 1024 * PAGE as u64), (0x1_0000_0000, 512 * PAGE as u64)];
 const CHUNK: u32 = 16;
 
-fn content(gpa: u64, i: usize) -> u8 {
-    // Every third page stays zero.
+/// Byte `i` of the region at `base`: every third page stays zero (a hole).
+fn content(base: u64, i: usize) -> u8 {
+    let gpa = base + (i / PAGE * PAGE) as u64;
     if (gpa / PAGE as u64).is_multiple_of(3) {
         0
     } else {
-        (gpa >> 12) as u8 ^ (i as u8).wrapping_mul(13) | 1
+        (gpa >> 12) as u8 ^ ((i % PAGE) as u8).wrapping_mul(13) | 1
     }
 }
 
-struct Source {
-    mem: Vec<Mutex<Vec<u8>>>,
-}
-
-impl Source {
-    fn new() -> Self {
-        let mem = LAYOUT
-            .iter()
-            .map(|&(gpa, size)| {
-                let v = (0..size as usize)
-                    .map(|i| content(gpa + (i / PAGE * PAGE) as u64, i % PAGE))
-                    .collect();
-                Mutex::new(v)
-            })
-            .collect();
-        Source { mem }
-    }
-
-    fn byte(&self, gpa: u64, off: usize) -> u8 {
-        let (i, &(base, _)) = LAYOUT
-            .iter()
-            .enumerate()
-            .find(|(_, &(b, s))| gpa >= b && gpa < b + s)
-            .unwrap();
-        self.mem[i].lock().unwrap()[(gpa - base) as usize + off]
+/// The second region's first 8 chunks are hot.
+fn hot_history() -> AccessHistory {
+    let mut clock: Vec<Vec<u8>> = LAYOUT
+        .iter()
+        .map(|&(_, s)| vec![0; s as usize / PAGE])
+        .collect();
+    clock[1][..8 * CHUNK as usize].fill(1);
+    let aging = clock
+        .iter()
+        .map(|r| r.iter().map(|&b| b * 0x80).collect())
+        .collect();
+    AccessHistory {
+        clock,
+        aging,
+        periods: 1,
     }
 }
 
-impl MigratableVm for Source {
-    fn regions(&self) -> Vec<RegionView> {
-        LAYOUT
-            .iter()
-            .zip(&self.mem)
-            // SAFETY: each Vec lives as long as the Source and is never resized.
-            .map(|(&(gpa, size), m)| unsafe {
-                RegionView::new(gpa, size, m.lock().unwrap().as_mut_ptr())
-            })
-            .collect()
-    }
-    fn vcpus(&self) -> u32 {
-        1
-    }
-    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        let m = self.mem[index].lock().unwrap();
-        m.chunks(PAGE)
-            .enumerate()
-            .filter(|(_, page)| page.iter().any(|&b| b != 0))
-            .map(|(p, _)| OffsetBytes::new((p * PAGE) as u64, PAGE as u64))
-            .collect()
-    }
-    fn start_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
-        // Pages 200..260 of region 0 change every round (they span main
-        // and remote chunks), and page 3 (zero) gets data.
-        let mut m = self.mem[0].lock().unwrap();
-        let mut bm = vec![0u64; 1024 / 64];
-        for p in (200..260usize).chain([3]) {
-            m[p * PAGE + 9] = m[p * PAGE + 9].wrapping_add(1) | 1;
-            bm[p / 64] |= 1 << (p % 64);
-        }
-        Ok(vec![bm, vec![0u64; 512 / 64]])
-    }
-    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn pause(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn resume(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
-        Ok(b"vcpu state".to_vec())
-    }
-    fn host_written_ranges(&self) -> Vec<GpaBytes> {
-        Vec::new()
-    }
-    /// The second region's first 8 chunks are hot.
-    fn access_history(&self) -> Option<AccessHistory> {
-        let mut clock: Vec<Vec<u8>> = LAYOUT
-            .iter()
-            .map(|&(_, s)| vec![0; s as usize / PAGE])
-            .collect();
-        clock[1][..8 * CHUNK as usize].fill(1);
-        let aging = clock
-            .iter()
-            .map(|r| r.iter().map(|&b| b * 0x80).collect())
-            .collect();
-        Some(AccessHistory {
-            clock,
-            aging,
-            periods: 1,
-        })
-    }
+/// The VM to split: its zero pages are holes, its access history marks
+/// some chunks hot, and every round pages 200..260 of region 0 change
+/// (they span main and remote chunks) and page 3 (zero) gets data.
+fn source() -> FakeVm {
+    FakeVm::new(LAYOUT)
+        .with_holes()
+        .with_fill(content)
+        .with_access_history(hot_history())
+        .with_guest_writing((200..260).chain([3]).collect(), |b| b.wrapping_add(1) | 1)
 }
 
-struct Dest {
-    regions: Vec<MemfdRegion>,
-    pager: Mutex<Option<Arc<RemotePager>>>,
-}
-
-impl Dest {
-    fn new() -> Self {
-        Dest {
-            regions: common::memfd_regions("main", LAYOUT),
-            pager: Mutex::new(None),
-        }
-    }
-}
-
-/// A split VM's main host is in turn the source of a gather.
-impl MigratableVm for Dest {
-    fn regions(&self) -> Vec<RegionView> {
-        PageStore::regions(self)
-    }
-    fn vcpus(&self) -> u32 {
-        1
-    }
-    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        PageStore::data_ranges(self, index)
-    }
-    fn start_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    /// The test's readers only read.
-    fn take_dirty(&self) -> Result<Vec<Vec<u64>>, VmOpError> {
-        Ok(LAYOUT
-            .iter()
-            .map(|&(_, s)| vec![0u64; (s as usize / PAGE).div_ceil(64)])
-            .collect())
-    }
-    fn stop_dirty_log(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn pause(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn resume(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
-        Ok(b"vcpu state".to_vec())
-    }
-    fn host_written_ranges(&self) -> Vec<GpaBytes> {
-        Vec::new()
-    }
-    fn pager(&self) -> Option<Arc<RemotePager>> {
-        self.pager.lock().unwrap().clone()
-    }
-}
-
-impl PageStore for Dest {
-    fn regions(&self) -> Vec<RegionView> {
-        common::views(&self.regions)
-    }
-    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        common::data_ranges(&self.regions, index)
-    }
-    fn discard(&self, run: GpaPages) -> Result<(), VmOpError> {
-        common::discard(&self.regions, run)
-    }
-}
-
-impl IncomingVm for Dest {
-    fn vcpus(&self) -> u32 {
-        1
-    }
-    fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
-        assert_eq!(state, b"vcpu state");
-        Ok(())
-    }
-    fn start(&self) -> Result<(), VmOpError> {
-        Ok(())
-    }
-    fn memory_fds(&self) -> Option<Vec<std::os::fd::OwnedFd>> {
-        self.regions
-            .iter()
-            .map(|r| r.fd().try_clone_to_owned().ok())
-            .collect()
-    }
-    fn adopt_pager(&self, pager: RemotePager) -> Result<(), VmOpError> {
-        *self.pager.lock().unwrap() = Some(Arc::new(pager));
-        Ok(())
-    }
-}
-
-fn host(dst: &Dest, gpa: u64) -> *mut u8 {
-    let r = dst.regions.iter().find(|r| r.contains(gpa, 1)).unwrap();
-    // SAFETY: `gpa` lies in `r` (checked above).
-    unsafe { r.host_addr().add((gpa - r.gpa()) as usize) }
+/// A main host, or a gather's destination: memfd memory whose holes are
+/// zero pages. (A split VM's main host is in turn the source of a
+/// gather; the test's readers only read, so it reports nothing dirty.)
+fn dest() -> FakeVm {
+    FakeVm::new(LAYOUT).with_holes()
 }
 
 fn server() -> (Arc<MemServer>, Endpoint) {
-    let l = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
-    let at = l.endpoint();
-    let s = MemServer::new(1 << 20);
-    let s2 = s.clone();
-    std::thread::spawn(move || s2.serve(&l));
-    (s, at)
+    common::mem_server(1 << 20)
 }
 
 fn usable() -> bool {
@@ -242,13 +78,7 @@ fn usable() -> bool {
         wp_shmem: true,
         ..Default::default()
     };
-    match ferry_memory::Userfaultfd::new(f) {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIP: split paging needs userfaultfd MISSING+WP on memfd: {e}");
-            false
-        }
-    }
+    common::uffd_usable(f, "split paging needs userfaultfd MISSING+WP on memfd")
 }
 
 /// A TCP relay in front of a memory server that can be cut for good: every
@@ -305,9 +135,9 @@ impl Relay {
 
 /// Moves a fresh source VM to a fresh main host (a quarter of its memory)
 /// and the memory servers `subs`.
-fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (Source, Dest, MigrationStats) {
-    let src = Source::new();
-    let dst = Dest::new();
+fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (FakeVm, FakeVm, MigrationStats) {
+    let src = source();
+    let dst = dest();
     let total: u64 = LAYOUT.iter().map(|r| r.1).sum();
     let opts = MigrateOptions {
         mode: Mode::Split,
@@ -332,16 +162,17 @@ fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (Source, Dest, Migr
         d.join().unwrap().unwrap();
         st.unwrap()
     });
+    assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
     (src, dst, stats)
 }
 
 /// Reads byte 17 of every page of `dst` on another thread (faults served
 /// by the pager); the bytes come back on the channel once all are read.
-fn read_all(dst: &Dest) -> std::sync::mpsc::Receiver<Vec<(u64, u8)>> {
+fn read_all(dst: &FakeVm) -> std::sync::mpsc::Receiver<Vec<(u64, u8)>> {
     let pages: Vec<(u64, usize)> = LAYOUT
         .iter()
         .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
-        .map(|g| (g, host(dst, g) as usize))
+        .map(|g| (g, dst.host(g) as usize))
         .collect();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -388,7 +219,7 @@ fn split(rank: Rank) {
         .iter()
         .flat_map(|&(gpa, size)| (0..size / PAGE as u64).map(move |i| gpa + i * PAGE as u64))
         .collect();
-    let hosts: Vec<usize> = pages.iter().map(|&g| host(&dst, g) as usize).collect();
+    let hosts: Vec<usize> = pages.iter().map(|&g| dst.host(g) as usize).collect();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut seen = Vec::new();
@@ -548,7 +379,7 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
     let (src, main, _) = move_vm(vec![a1, a2], Rank::Clock, 1);
     // The guest reads all its memory while it is gathered.
     let reader = read_all(&main);
-    let whole = Dest::new();
+    let whole = dest();
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let to = listener.endpoint();
     let opts = MigrateOptions {
@@ -563,6 +394,7 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
         d.join().unwrap().unwrap();
         st.unwrap()
     });
+    assert_eq!(*whole.state.lock().unwrap(), b"vcpu state");
     let g = stats.gather.expect("gather stats");
     assert!(g.pulled_pages > 0 && g.remote_chunks > 0, "{g:?}");
     assert_eq!(
@@ -579,7 +411,7 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
         for p in 0..size / PAGE as u64 {
             let g = gpa + p * PAGE as u64;
             // SAFETY: `g` lies in the destination's live memfd mapping.
-            let b = unsafe { host(&whole, g).add(17).read_volatile() };
+            let b = unsafe { whole.host(g).add(17).read_volatile() };
             assert_eq!(b, src.byte(g, 17), "byte 17 of {g:#x}");
         }
     }

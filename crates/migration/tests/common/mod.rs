@@ -1,42 +1,34 @@
-//! What the engine tests share: guest memory on memfds, seen the way a
-//! VMM shows it to the engine.
+//! What the engine tests share: the one fake VM ([`fake_vm::FakeVm`]), a memory
+//! server on loopback, and the userfaultfd probe the tests that need it
+//! skip on.
 // Each test file uses its own subset of these.
 #![allow(dead_code)]
 
-use ferry_memory::MemfdRegion;
-use ferry_migration::{GpaPages, OffsetBytes, RegionView, VmOpError};
+pub mod fake_vm;
 
-/// Fresh memfd regions in `layout` ((gpa, bytes) each).
-pub fn memfd_regions(name: &str, layout: &[(u64, u64)]) -> Vec<MemfdRegion> {
-    layout
-        .iter()
-        .map(|&(gpa, size)| MemfdRegion::new(name, gpa, size).unwrap())
-        .collect()
+use std::sync::Arc;
+
+use ferry_migration::memserver::MemServer;
+use ferry_migration::{Endpoint, Listener};
+
+/// A memory server of `pages` pages serving on a loopback TCP port.
+pub fn mem_server(pages: u64) -> (Arc<MemServer>, Endpoint) {
+    let l = Listener::bind(&Endpoint::Tcp("127.0.0.1:0".parse().unwrap())).unwrap();
+    let at = l.endpoint();
+    let s = MemServer::new(pages);
+    let s2 = s.clone();
+    std::thread::spawn(move || s2.serve(&l));
+    (s, at)
 }
 
-/// The engine's views of `regions` (PageStore::regions).
-pub fn views(regions: &[MemfdRegion]) -> Vec<RegionView> {
-    regions
-        .iter()
-        // SAFETY: callers keep the regions alive as long as the views.
-        .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
-        .collect()
-}
-
-/// The parts of region `index` that hold data (PageStore::data_ranges).
-pub fn data_ranges(regions: &[MemfdRegion], index: usize) -> Vec<OffsetBytes> {
-    regions[index]
-        .data_ranges()
-        .into_iter()
-        .map(|(o, l)| OffsetBytes::new(o, l))
-        .collect()
-}
-
-/// Punches `run` out of the region holding it (PageStore::discard).
-pub fn discard(regions: &[MemfdRegion], run: GpaPages) -> Result<(), VmOpError> {
-    let r = regions
-        .iter()
-        .find(|r| r.contains(run.gpa, run.bytes()))
-        .ok_or("outside")?;
-    Ok(r.punch_hole(run.gpa - r.gpa(), run.bytes())?)
+/// Whether userfaultfd with `features` works here; if not, says that
+/// `what` is skipped and why.
+pub fn uffd_usable(features: ferry_memory::Features, what: &str) -> bool {
+    match ferry_memory::Userfaultfd::new(features) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIP: {what}: {e}");
+            false
+        }
+    }
 }
