@@ -32,16 +32,14 @@ pub(crate) mod dirty;
 pub mod encoded;
 mod error;
 pub(crate) mod hybrid;
-// TEMP(issue 31): removed once the engine tests use `destination`.
-pub use destination as incoming;
 pub mod memory;
 pub mod memserver;
 pub(crate) mod mode;
 pub mod options;
 pub(crate) mod pacer;
-pub mod paused;
 pub mod pagein;
 pub mod pager;
+pub mod paused;
 pub(crate) mod postcopy;
 pub(crate) mod precopy;
 pub(crate) mod priority;

@@ -13,8 +13,8 @@
 
 use crate::compress::Backend;
 use crate::error::MigrationError;
-use crate::session::SourceSession;
 use crate::paused::Outcome;
+use crate::session::SourceSession;
 use crate::stats::Progress;
 
 /// A migration mode on the source: it runs the migration over a session

@@ -12,6 +12,8 @@ use crate::stats::MigrationStats;
 
 /// What a migration that did not fail came to.
 #[derive(Debug)]
+// Made once per migration and taken apart at once: the size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Outcome {
     /// The VM runs at the destination with all its memory; the caller
     /// releases it here.

@@ -8,7 +8,7 @@ mod common;
 
 use common::fake_vm::FakeVm;
 use ferry_migration::{
-    incoming, Backend, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, Listener, MigrateOptions,
+    destination, Backend, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, Listener, MigrateOptions,
     MigrationError, MigrationStats, OffsetBytes, Progress,
 };
 
@@ -46,7 +46,7 @@ fn migrate(
     opts: &MigrateOptions,
     progress: &dyn Fn(&Progress),
 ) -> Result<MigrationStats, MigrationError> {
-    ferry_migration::migrate(vm, to, opts, &Backend::cpu(), progress)
+    ferry_migration::migrate(vm, to, opts, &Backend::cpu(), progress).map(common::done)
 }
 
 /// Every third page stays zero; the others hold data.
@@ -88,7 +88,7 @@ fn precopy_moves_every_page_and_the_state_via(via: Via) {
         ..Default::default()
     };
     let (stats, istats) = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         (st, d.join().unwrap().unwrap())
     });
@@ -139,7 +139,7 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
@@ -163,7 +163,7 @@ fn a_mismatched_destination_refuses_and_the_source_resumes_untouched() {
     let (listener, addr) = listen(Via::Tcp);
     let before = src.bytes(0);
     let (err, derr) = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
         (e, d.join().unwrap().unwrap_err())
     });
@@ -198,7 +198,7 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
@@ -226,7 +226,7 @@ fn bandwidth_limit_paces_the_copy() {
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
@@ -281,7 +281,7 @@ fn migrate_compressed_via(compress: &str, pipeline: bool, via: Via) -> Migration
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {});
         let got = d.join().unwrap();
         let st = st.unwrap_or_else(|e| panic!("{compress} pipeline={pipeline}: {e}"));
@@ -343,7 +343,7 @@ fn no_confirmation_after_complete_keeps_the_source_paused() {
         ..Default::default()
     };
     let err = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &opts, &|_| {}).unwrap_err();
         let _ = d.join();
         e
@@ -376,7 +376,7 @@ fn clients_move_when_the_destination_takes_them() {
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions::default();
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
@@ -400,7 +400,7 @@ fn clients_stay_when_the_destination_refuses_them() {
         FakeVm::new(LAYOUT).with_clients_answer(Err("no interface for 10.77.0.100 here".into()));
     let (listener, addr) = listen(Via::Tcp);
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st
@@ -431,7 +431,7 @@ fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
     let (listener, addr) = listen(Via::Tcp);
     let t = std::time::Instant::now();
     let err = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
         assert!(d.join().unwrap().is_err());
         e
@@ -463,7 +463,7 @@ fn telemetry_follows_the_migration_on_both_sides() {
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
         d.join().unwrap().unwrap();
         st

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::fake_vm::FakeVm;
 use ferry_migration::{
-    incoming, Backend, Listener, MigrateOptions, MigrationStats, Mode, PostcopyAfter,
+    destination, Backend, Listener, MigrateOptions, MigrationStats, Mode, PostcopyAfter,
 };
 
 const PAGE: usize = 4096;
@@ -185,10 +185,10 @@ fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, Fake
     };
     let (stats, istats) = std::thread::scope(|s| {
         let d = s.spawn(|| {
-            incoming::receive_with_reconnect(&dst, &listener, Duration::from_secs(10), reconnect)
+            destination::receive_with_reconnect(&dst, &listener, Duration::from_secs(10), reconnect)
         });
         let st = ferry_migration::migrate(&src, &to, opts, &Backend::cpu(), &|_| {});
-        (st.unwrap(), d.join().unwrap().unwrap())
+        (common::done(st.unwrap()), d.join().unwrap().unwrap())
     });
     assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
     let seen = dst.join_touchers();

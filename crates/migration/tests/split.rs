@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::fake_vm::FakeVm;
 use ferry_migration::memserver::MemServer;
 use ferry_migration::{
-    incoming, AccessHistory, Backend, Endpoint, Listener, MigrateOptions, MigrationStats, Mode,
+    destination, AccessHistory, Backend, Endpoint, Listener, MigrateOptions, MigrationStats, Mode,
     Rank, SplitOptions,
 };
 
@@ -157,10 +157,10 @@ fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (FakeVm, FakeVm, Mi
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let to = listener.endpoint();
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
         let st = ferry_migration::migrate(&src, &to, &opts, &Backend::cpu(), &|_| {});
         d.join().unwrap().unwrap();
-        st.unwrap()
+        common::done(st.unwrap())
     });
     assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
     (src, dst, stats)
@@ -389,10 +389,10 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| incoming::receive(&whole, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| destination::receive(&whole, &listener, Duration::from_secs(10)));
         let st = ferry_migration::migrate(&main, &to, &opts, &Backend::cpu(), &|_| {});
         d.join().unwrap().unwrap();
-        st.unwrap()
+        common::done(st.unwrap())
     });
     assert_eq!(*whole.state.lock().unwrap(), b"vcpu state");
     let g = stats.gather.expect("gather stats");

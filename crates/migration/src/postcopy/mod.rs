@@ -34,9 +34,9 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::dirty::first_round;
+use crate::paused::{Epoch, Outcome, PausedPostcopy};
 use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
-use crate::paused::{Epoch, Outcome, PausedPostcopy};
 use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
 use crate::transport::Conn;

@@ -9,11 +9,11 @@
 use std::time::{Duration, Instant};
 
 use super::state::{Left, SourcePhase, SourceState};
-use crate::paused::{Outcome, Resumable};
 use crate::encoded::CodecSetup;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::options::MigrateOptions;
+use crate::paused::{Outcome, Resumable};
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
 use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::telemetry::{LivePhase, Telemetry};

@@ -32,3 +32,10 @@ pub fn uffd_usable(features: ferry_memory::Features, what: &str) -> bool {
         }
     }
 }
+
+/// The figures of a migration that finished; a paused postcopy fails the
+/// test (no test here cuts a link for longer than its reconnect timeout).
+pub fn done(o: ferry_migration::Outcome) -> ferry_migration::MigrationStats {
+    o.done()
+        .expect("the migration finished (not a paused postcopy)")
+}

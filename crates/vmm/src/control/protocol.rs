@@ -128,7 +128,7 @@ pub(crate) fn parse_request(line: &[u8]) -> Result<Request, Refusal> {
     serde_json::from_slice::<Request>(line).map_err(|e| Refusal {
         reply: json!({"ok": false, "error": format!(
             "bad request ({e}); send one JSON object per line, e.g. {{\"cmd\":\"status\"}} \
-             (commands: status, metrics, pause, resume, quit)")}),
+             (commands: status, metrics, pause, resume, quit, migrate, migrate-resume, handover, dump)")}),
         close: false,
     })
 }

@@ -321,7 +321,9 @@ fn header(vm: &Vm, what: &str, to: &str, mode: &str) -> Value {
 }
 
 /// The last line of a timeline: the migration's result.
-fn summary_line(result: &Result<ferry_migration::Outcome, ferry_migration::MigrationError>) -> Value {
+fn summary_line(
+    result: &Result<ferry_migration::Outcome, ferry_migration::MigrationError>,
+) -> Value {
     use ferry_migration::Outcome;
     match result {
         Ok(Outcome::Done(stats)) => json!({ "type": "summary", "ok": true, "stats": stats }),

@@ -196,8 +196,7 @@ pub fn migrate(
 fn runs_here_after(e: &MigrationError) -> bool {
     !matches!(
         e,
-        MigrationError::InDoubt(_)
-            | MigrationError::PostcopyBroken { .. }
+        MigrationError::InDoubt(_) | MigrationError::PostcopyBroken { .. }
     )
 }
 
