@@ -8,10 +8,10 @@ use crate::protocol::{Frame, Kind};
 use crate::receiver::Received;
 use crate::session::{DestSession, DestinationMode};
 use crate::sink::{DirectSink, SwitchSink};
-use crate::stats::IncomingStats;
+use crate::stats::DestinationStats;
 use crate::transport::Conn;
 use crate::transport::Listener;
-use crate::vm::IncomingVm;
+use crate::vm::DestinationVm;
 
 /// Receives one migration into `vm` through `listener`; `timeout` bounds
 /// each step once a source has connected (waiting for one is unbounded).
@@ -19,10 +19,10 @@ use crate::vm::IncomingVm;
 /// memory arrived. On failure the VM was never started, unless the error is
 /// [`MigrationError::PagesLost`].
 pub fn receive(
-    vm: &dyn IncomingVm,
+    vm: &dyn DestinationVm,
     listener: &Listener,
     timeout: Duration,
-) -> Result<IncomingStats, MigrationError> {
+) -> Result<DestinationStats, MigrationError> {
     let reconnect = Duration::from_millis(crate::options::defaults::INCOMING_RECONNECT_TIMEOUT_MS);
     receive_with_reconnect(vm, listener, timeout, reconnect)
 }
@@ -30,11 +30,11 @@ pub fn receive(
 /// [`receive`], where a postcopy whose link broke waits `reconnect_timeout`
 /// for its source to come back before the VM is given up.
 pub fn receive_with_reconnect(
-    vm: &dyn IncomingVm,
+    vm: &dyn DestinationVm,
     listener: &Listener,
     timeout: Duration,
     reconnect_timeout: Duration,
-) -> Result<IncomingStats, MigrationError> {
+) -> Result<DestinationStats, MigrationError> {
     let mut session = DestSession::accept(listener, timeout)?;
     let direct = DirectSink::new(vm);
     // Pages land straight in memory until a postcopy switch, then through
@@ -73,7 +73,7 @@ enum DestMode<'a> {
 /// takes to make one.
 struct Phases<'a> {
     mode: DestMode<'a>,
-    vm: &'a dyn IncomingVm,
+    vm: &'a dyn DestinationVm,
     listener: &'a Listener,
     session: u64,
     timeout: Duration,
@@ -158,7 +158,7 @@ impl DestinationMode for Phases<'_> {
         &mut self,
         ctl: &mut Conn,
         rx: &Received,
-        stats: &mut IncomingStats,
+        stats: &mut DestinationStats,
     ) -> Result<bool, MigrationError> {
         match self.current() {
             Some(m) => m.after_start(ctl, rx, stats),

@@ -70,8 +70,8 @@ pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use source::{migrate, resume};
 pub use stats::{
     ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, GatherStats,
-    IncomingStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
+    DestinationStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
     SplitServerStats, SplitStats,
 };
 pub use transport::{Endpoint, Listener};
-pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, IncomingVm, MigratableVm, PageStore};
+pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, DestinationVm, MigratableVm, PageStore};

@@ -390,7 +390,7 @@ impl std::fmt::Display for Phase {
 
 /// What the destination saw.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct IncomingStats {
+pub struct DestinationStats {
     /// Pages written.
     pub pages: u64,
     /// Zero pages.

@@ -4,7 +4,7 @@
 //! The engine only stores here (relaxed atomics, a short lock per event);
 //! it never waits on a reader. One [`Telemetry`] per migration, on each
 //! side; the VMM hands it to the engine through
-//! [`crate::vm::MigratableVm::telemetry`] / [`crate::vm::IncomingVm::telemetry`].
+//! [`crate::vm::MigratableVm::telemetry`] / [`crate::vm::DestinationVm::telemetry`].
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};

@@ -4,7 +4,7 @@
 //! - [`MigratableVm`]: a running VM that can be migrated away (the source).
 //! - [`PageStore`]: memory that receives pages, and nothing else: what a
 //!   memory server implements.
-//! - [`IncomingVm`]: a destination VM: a page store plus vCPUs to restore
+//! - [`DestinationVm`]: a destination VM: a page store plus vCPUs to restore
 //!   and start.
 
 pub use crate::memory::RegionView;
@@ -107,7 +107,7 @@ pub trait MigratableVm: Send + Sync {
         None
     }
     /// The destination's timeline arrived (JSON lines, as its
-    /// [`IncomingVm::timeline`] gave them); the default drops it.
+    /// [`DestinationVm::timeline`] gave them); the default drops it.
     fn peer_timeline(&self, _lines: Vec<u8>) {}
     /// Whether the VM's clients can move with it (asked once per
     /// migration, before any page is sent).
@@ -155,7 +155,7 @@ pub trait PageStore: Send + Sync {
 }
 
 /// A VM waiting to receive a migration: its memory, and vCPUs to start.
-pub trait IncomingVm: PageStore {
+pub trait DestinationVm: PageStore {
     /// Number of vCPUs.
     fn vcpus(&self) -> u32;
     /// Restores the state `save_state` produced.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use ferry_migration::{Endpoint, MigratableVm, MigrateOptions};
 use ferry_vmm::access::{AccessConfig, TrackingState, WriteSource};
-use ferry_vmm::migration::{migrate, Incoming};
+use ferry_vmm::migration::{migrate, WaitingDestination};
 use ferry_vmm::{Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
@@ -118,7 +118,7 @@ fn tracking_case(writes: WriteSource, grain: u64) {
     // A real one: every page verifies (the dirty log served the migration
     // while tracking had it too), tracking stays paused afterwards.
     let dst = Vm::create(config(None)).unwrap();
-    let incoming = Incoming::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let incoming = WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
     let addr = incoming.endpoint();
     let opts = MigrateOptions {
         verify: true,

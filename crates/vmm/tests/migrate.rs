@@ -7,7 +7,7 @@ use common::kvm_usable;
 use std::time::{Duration, Instant};
 
 use ferry_migration::{Endpoint, MigrateOptions};
-use ferry_vmm::migration::{migrate, Incoming};
+use ferry_vmm::migration::{migrate, WaitingDestination};
 use ferry_vmm::{Vm, VmConfig};
 
 const MIB: u64 = 1 << 20;
@@ -27,7 +27,7 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
     let src = running(workload, vcpus);
     std::thread::sleep(Duration::from_millis(300));
     let dst = Vm::create(VmConfig::new(128 * MIB, vcpus, workload.parse().unwrap())).unwrap();
-    let incoming = Incoming::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let incoming = WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
     let addr = incoming.endpoint();
     let opts = MigrateOptions {
         streams: 2,
@@ -84,7 +84,7 @@ fn idle_guest_migrates_with_few_bytes() {
     }
     let src = running("idle", 1);
     let dst = Vm::create(VmConfig::new(128 * MIB, 1, "idle".parse().unwrap())).unwrap();
-    let incoming = Incoming::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let incoming = WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
     let addr = incoming.endpoint();
     let opts = MigrateOptions {
         verify: true,

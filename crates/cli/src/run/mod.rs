@@ -11,7 +11,7 @@ mod args;
 mod drive;
 mod front;
 mod handover;
-mod incoming;
+mod destination;
 mod summary;
 
 use std::fs::File;
@@ -149,7 +149,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             vm.start()?;
             None
         }
-        Some(at) => Some(incoming::receive(&vm, at, &args, quiet)?),
+        Some(at) => Some(destination::receive(&vm, at, &args, quiet)?),
     };
     // Only a VM whose memory is all here can be handed over: not while an
     // incoming migration (a postcopy's pages still arriving) runs.

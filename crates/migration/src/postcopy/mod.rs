@@ -284,7 +284,7 @@ fn follow(
         // The hold runs from the switch: an epoch resumed after it pushes
         // at once, one resumed inside it holds for the rest.
         let push_from = epoch.t_post + std::time::Duration::from_millis(opts.push_delay_ms);
-        let out = source::Outgoing::new(
+        let out = source::SourcePages::new(
             s.regions.clone(),
             &pending,
             opts.prefetch,
@@ -357,7 +357,7 @@ fn finished(
 /// Finished.
 fn serve(
     s: &mut SourceSession,
-    out: &source::Outgoing,
+    out: &source::SourcePages,
     mut demand: Conn,
     epoch: &mut Epoch,
     base_bytes: u64,

@@ -35,7 +35,7 @@ const PUSH_BATCH: usize = 128;
 const NO_HINT: u64 = u64::MAX;
 
 /// What the demand and push threads share.
-pub(crate) struct Outgoing {
+pub(crate) struct SourcePages {
     regions: Vec<RegionView>,
     index: PageIndex,
     /// Pending pages not sent yet.
@@ -65,7 +65,7 @@ pub(crate) struct Outgoing {
     pacer: Pacer,
 }
 
-impl Outgoing {
+impl SourcePages {
     pub(crate) fn new(
         regions: Vec<RegionView>,
         pending: &[GpaPages],
@@ -75,7 +75,7 @@ impl Outgoing {
     ) -> Self {
         let index = PageIndex::new(&regions);
         let unsent = PageSet::of_runs(&index, pending);
-        Outgoing {
+        SourcePages {
             regions,
             unsent,
             index,

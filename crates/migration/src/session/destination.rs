@@ -13,10 +13,10 @@ use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
 use crate::sink::PageSink;
-use crate::stats::{thread_cpu_secs, IncomingStats, StartedReport, StartedReportV1};
+use crate::stats::{thread_cpu_secs, DestinationStats, StartedReport, StartedReportV1};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Listener};
-use crate::vm::{ClientsAnswer, ClientsPlan, IncomingVm};
+use crate::vm::{ClientsAnswer, ClientsPlan, DestinationVm};
 
 /// What a mode adds to the destination's control loop. The defaults are a
 /// precopy destination's: no messages of its own, nothing to do around the
@@ -50,7 +50,7 @@ pub(crate) trait DestinationMode {
         &mut self,
         _ctl: &mut Conn,
         _rx: &Received,
-        _stats: &mut IncomingStats,
+        _stats: &mut DestinationStats,
     ) -> Result<bool, MigrationError> {
         Ok(false)
     }
@@ -127,7 +127,7 @@ impl<'a> DestSession<'a> {
 
     /// Agrees on a version, checks the source's layout against ours and
     /// answers its clients plan (v5).
-    pub(crate) fn handshake(&mut self, vm: &dyn IncomingVm) -> Result<(), MigrationError> {
+    pub(crate) fn handshake(&mut self, vm: &dyn DestinationVm) -> Result<(), MigrationError> {
         let (regions, vcpus) = (vm.regions(), vm.vcpus());
         if let Some(t) = vm.telemetry() {
             self.tel = t;
@@ -184,15 +184,15 @@ impl<'a> DestSession<'a> {
     /// their own threads, the control loop here, with `mode`'s phases.
     pub(crate) fn run(
         &mut self,
-        vm: &dyn IncomingVm,
+        vm: &dyn DestinationVm,
         sink: &dyn PageSink,
         mode: &mut dyn DestinationMode,
-    ) -> Result<IncomingStats, MigrationError> {
+    ) -> Result<DestinationStats, MigrationError> {
         let ctl_cpu0 = thread_cpu_secs();
         let bulk = self.accept_bulk()?;
         let regions = vm.regions();
         let rx = Received::new(bulk.len());
-        let mut stats = IncomingStats::default();
+        let mut stats = DestinationStats::default();
         std::thread::scope(|s| -> Result<(), MigrationError> {
             for (i, c) in bulk.into_iter().enumerate() {
                 if let Ok(closer) = c.closer() {
@@ -228,12 +228,12 @@ impl<'a> DestSession<'a> {
 
     fn control_loop(
         &mut self,
-        vm: &dyn IncomingVm,
+        vm: &dyn DestinationVm,
         regions: &[RegionView],
         rx: &Received,
         mode: &mut dyn DestinationMode,
         ctl_cpu0: f64,
-        stats: &mut IncomingStats,
+        stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
         let mut state: Option<Vec<u8>> = None;
         let mut clients: Option<Vec<u8>> = None;
@@ -330,7 +330,7 @@ impl<'a> DestSession<'a> {
     /// After a migration that succeeded, if the source asked (v6): goes on
     /// sampling for the tail it asked for, then sends this side's timeline.
     /// The VM runs here whatever happens to it: a failure is only logged.
-    pub(crate) fn send_timeline(&mut self, vm: &dyn IncomingVm) {
+    pub(crate) fn send_timeline(&mut self, vm: &dyn DestinationVm) {
         let Some(tail) = self.timeline_tail else {
             return;
         };

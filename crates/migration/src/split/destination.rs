@@ -13,13 +13,13 @@ use crate::memserver::{StoreClient, StoreOpen};
 use crate::protocol::{self, Frame, Kind};
 use crate::sink::PageSink;
 use crate::transport::Conn;
-use crate::vm::IncomingVm;
+use crate::vm::DestinationVm;
 
 use super::{ChunkMap, RemotePager, SplitPlan, ON_MAIN};
 
 /// The main host's split phases.
 pub(crate) struct SplitDestination<'a> {
-    vm: &'a dyn IncomingVm,
+    vm: &'a dyn DestinationVm,
     /// Where a gather's pulled pages land.
     sink: &'a dyn PageSink,
     timeout: Duration,
@@ -29,7 +29,7 @@ pub(crate) struct SplitDestination<'a> {
 }
 
 impl<'a> SplitDestination<'a> {
-    pub(crate) fn new(vm: &'a dyn IncomingVm, timeout: Duration, sink: &'a dyn PageSink) -> Self {
+    pub(crate) fn new(vm: &'a dyn DestinationVm, timeout: Duration, sink: &'a dyn PageSink) -> Self {
         SplitDestination {
             vm,
             sink,
@@ -212,7 +212,7 @@ impl crate::session::DestinationMode for SplitDestination<'_> {
         &mut self,
         _ctl: &mut Conn,
         _rx: &crate::receiver::Received,
-        _stats: &mut crate::stats::IncomingStats,
+        _stats: &mut crate::stats::DestinationStats,
     ) -> Result<bool, MigrationError> {
         if self.planned() {
             SplitDestination::after_start(self)?;

@@ -1,7 +1,7 @@
 //! The one fake VM every engine test migrates: guest memory on memfds (so a
 //! destination can sit under real userfaultfd and hand its fds to a split
 //! pager), seen through the engine's traits on both sides: [`MigratableVm`]
-//! as a source, [`IncomingVm`]/[`PageStore`] as a destination.
+//! as a source, [`DestinationVm`]/[`PageStore`] as a destination.
 //!
 //! [`FakeVm::new`] gives a 1-vCPU VM of zeroed memory that reports whole
 //! regions as data and whose guest never writes; the `with_*` methods set
@@ -19,7 +19,7 @@ use ferry_memory::MemfdRegion;
 use ferry_migration::split::RemotePager;
 use ferry_migration::telemetry::Telemetry;
 use ferry_migration::{
-    AccessHistory, ClientsAnswer, ClientsPlan, GpaBytes, GpaPages, IncomingVm, MigratableVm,
+    AccessHistory, ClientsAnswer, ClientsPlan, GpaBytes, GpaPages, DestinationVm, MigratableVm,
     OffsetBytes, PageStore, RegionView, VmOpError,
 };
 
@@ -450,7 +450,7 @@ impl PageStore for FakeVm {
     }
 }
 
-impl IncomingVm for FakeVm {
+impl DestinationVm for FakeVm {
     fn vcpus(&self) -> u32 {
         self.vcpus
     }

@@ -3,7 +3,7 @@
 //! being copied. Guest RAM is memfds; the new process maps the same files.
 //!
 //! ```text
-//! old VMM (giver)                               new VMM (taker, `run --adopt-fd`)
+//! old VMM (source)                              new VMM (destination, `run --adopt-fd`)
 //!   spawn ──────────────────────────────────▶   Hello (magic, version, pid)
 //!   Offer + memfds, service & control listeners ▶ map memory, KVM VM, memslots,
 //!                                               vCPUs, devices
@@ -25,12 +25,12 @@
 //! before it, so the pause covers only state save, two messages and restore.
 //! The protocol is documented in docs/handover.md.
 
-mod giver;
-mod taker;
+mod source;
+mod destination;
 pub mod wire;
 
-pub use giver::{hand_over, HandoverPlan};
-pub use taker::{take_over, TakenOver};
+pub use source::{hand_over, HandoverPlan};
+pub use destination::{take_over, TakenOver};
 
 use std::time::Duration;
 

@@ -1,10 +1,10 @@
-//! Receiving a VM: the engine's [`PageStore`] and [`IncomingVm`] on a
+//! Receiving a VM: the engine's [`PageStore`] and [`DestinationVm`] on a
 //! [`Vm`] that waits for its migration, and the listener it waits on.
 
 use std::time::Duration;
 
 use ferry_migration::{
-    ClientsPlan, Endpoint, GpaBytes, GpaPages, IncomingStats, IncomingVm, Listener, MigrationError,
+    ClientsPlan, Endpoint, GpaBytes, GpaPages, DestinationStats, DestinationVm, Listener, MigrationError,
     OffsetBytes, PageStore, RegionView, VmOpError,
 };
 
@@ -41,7 +41,7 @@ impl PageStore for Vm {
     }
 }
 
-impl IncomingVm for Vm {
+impl DestinationVm for Vm {
     fn vcpus(&self) -> u32 {
         self.config().vcpus
     }
@@ -113,14 +113,14 @@ impl IncomingVm for Vm {
 }
 
 /// Where a VM waits for its incoming migration.
-pub struct Incoming {
+pub struct WaitingDestination {
     listener: Listener,
 }
 
-impl Incoming {
+impl WaitingDestination {
     /// Listens on `at` (`tcp:HOST:PORT`, port 0 picks one; or `unix:PATH`).
-    pub fn listen(at: &Endpoint) -> Result<Incoming, MigrationError> {
-        Ok(Incoming {
+    pub fn listen(at: &Endpoint) -> Result<WaitingDestination, MigrationError> {
+        Ok(WaitingDestination {
             listener: Listener::bind(at)?,
         })
     }
@@ -133,21 +133,21 @@ impl Incoming {
     /// Waits for a source and receives the migration into `vm`, which runs
     /// once this returns Ok; `timeout` bounds each step after the source
     /// connected. On failure the VM was never started.
-    pub fn receive(&self, vm: &Vm, timeout: Duration) -> Result<IncomingStats, MigrationError> {
+    pub fn receive(&self, vm: &Vm, timeout: Duration) -> Result<DestinationStats, MigrationError> {
         let rec = crate::timeline::Recorder::new("destination");
         vm.watch().record(vm, &rec, || {
             ferry_migration::receive(vm, &self.listener, timeout)
         })
     }
 
-    /// [`Incoming::receive`], where a postcopy whose link broke waits
+    /// [`WaitingDestination::receive`], where a postcopy whose link broke waits
     /// `reconnect_timeout` for the source to come back.
     pub fn receive_with_reconnect(
         &self,
         vm: &Vm,
         timeout: Duration,
         reconnect_timeout: Duration,
-    ) -> Result<IncomingStats, MigrationError> {
+    ) -> Result<DestinationStats, MigrationError> {
         let rec = crate::timeline::Recorder::new("destination");
         vm.watch().record(vm, &rec, || {
             ferry_migration::receive_with_reconnect(vm, &self.listener, timeout, reconnect_timeout)

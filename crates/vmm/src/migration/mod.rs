@@ -7,7 +7,7 @@
 pub mod destination;
 pub mod source;
 
-pub use destination::Incoming;
+pub use destination::WaitingDestination;
 pub use source::{migrate, resume};
 
 use ferry_migration::{GpaBytes, OffsetBytes, RegionView};

@@ -13,7 +13,7 @@ use super::{Live, PostcopyDestination};
 use crate::error::MigrationError;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::receiver::Received;
-use crate::stats::IncomingStats;
+use crate::stats::DestinationStats;
 use crate::transport::Conn;
 
 impl PostcopyDestination<'_> {
@@ -22,7 +22,7 @@ impl PostcopyDestination<'_> {
         &mut self,
         ctl: &mut Conn,
         rx: &Received,
-        stats: &mut IncomingStats,
+        stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
         let t0 = Instant::now();
         loop {

@@ -15,7 +15,7 @@ use super::{spawn, PostcopyDestination, Shared};
 use crate::error::MigrationError;
 use crate::protocol::{self, Kind, ProtocolError, Role};
 use crate::receiver::Received;
-use crate::stats::IncomingStats;
+use crate::stats::DestinationStats;
 use crate::transport::{Closer, Conn, ConnReader};
 
 /// One connection epoch of the phase: the demand connection's landing
@@ -51,7 +51,7 @@ impl PostcopyDestination<'_> {
         &mut self,
         ctl: &mut Conn,
         rx: &Received,
-        stats: &mut IncomingStats,
+        stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
         loop {
             match self.serve(ctl, rx, stats) {
@@ -102,7 +102,7 @@ impl PostcopyDestination<'_> {
     fn end_without_source(
         &mut self,
         gone: MigrationError,
-        stats: &mut IncomingStats,
+        stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
         let Some(live) = self
             .live

@@ -36,9 +36,9 @@ use crate::ranges::{GpaPages, PAGE};
 use crate::receiver::Received;
 use crate::session::DestinationMode;
 use crate::sink::{SwitchSink, UffdSink};
-use crate::stats::IncomingStats;
+use crate::stats::DestinationStats;
 use crate::transport::{Conn, ConnWriter, Listener};
-use crate::vm::IncomingVm;
+use crate::vm::DestinationVm;
 
 mod arm;
 mod control;
@@ -50,7 +50,7 @@ use epoch::Link;
 /// A destination's phases: precopy's (none) until a plan arrives, then
 /// postcopy's.
 pub(crate) struct PostcopyDestination<'a> {
-    vm: &'a dyn IncomingVm,
+    vm: &'a dyn DestinationVm,
     listener: &'a Listener,
     session: u64,
     timeout: Duration,
@@ -94,7 +94,7 @@ struct Shared {
 
 impl<'a> PostcopyDestination<'a> {
     pub(crate) fn new(
-        vm: &'a dyn IncomingVm,
+        vm: &'a dyn DestinationVm,
         listener: &'a Listener,
         session: u64,
         timeout: Duration,
@@ -273,7 +273,7 @@ impl DestinationMode for PostcopyDestination<'_> {
         &mut self,
         ctl: &mut Conn,
         rx: &Received,
-        stats: &mut IncomingStats,
+        stats: &mut DestinationStats,
     ) -> Result<bool, MigrationError> {
         if self.live.is_none() {
             return Ok(false);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use ferry_migration::options::defaults;
-use ferry_migration::{Endpoint, IncomingStats};
+use ferry_migration::{Endpoint, DestinationStats};
 use ferry_vmm::Vm;
 
 use super::RunArgs;
@@ -18,8 +18,8 @@ pub(super) fn receive(
     at: &Endpoint,
     args: &RunArgs,
     quiet: bool,
-) -> Result<IncomingStats> {
-    let incoming = ferry_vmm::migration::Incoming::listen(at)
+) -> Result<DestinationStats> {
+    let incoming = ferry_vmm::migration::WaitingDestination::listen(at)
         .context("cannot listen for the incoming migration")?;
     // Withdrawn (dropped) once a VM arrived.
     let _advert = if args.advertise {
