@@ -18,54 +18,12 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-pub use crate::options::CompressOptions;
 use std::time::Duration;
 use std::time::Instant;
 
 use ferry_codec::{CacheSizes, EncodedBatch, Method, StreamEncoder, PAGE};
 
-/// What the user asked for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compress {
-    /// Let the policy decide per batch.
-    Auto,
-    /// Always this method (`Method::None` = no compression at all).
-    Fixed(Method),
-}
-
-impl std::str::FromStr for Compress {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s == "auto" {
-            return Ok(Compress::Auto);
-        }
-        s.parse::<Method>()
-            .map(Compress::Fixed)
-            .map_err(|e| format!("{e} (or 'auto')"))
-    }
-}
-
-impl serde::Serialize for Compress {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Compress {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl std::fmt::Display for Compress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Compress::Auto => f.write_str("auto"),
-            Compress::Fixed(m) => write!(f, "{m}"),
-        }
-    }
-}
+use crate::options::{Compress, CompressOptions};
 
 /// Encodes batches for one shard: ferry-codec's CPU encoder, or another
 /// backend producing the same bytes (the CUDA one).

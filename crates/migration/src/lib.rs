@@ -57,20 +57,20 @@ pub mod transport;
 pub mod vm;
 mod vm_error;
 
-pub use compress::{Backend, BatchEncoder, Compress};
+pub use compress::{Backend, BatchEncoder};
 pub use destination::{receive, receive_with_reconnect};
 pub use error::{MigrationError, VmOpError};
 pub use memory::RegionView;
 pub use options::{
-    BackendKind, CompressOptions, MigrateOptions, Mode, PostcopyAfter, Rank, SplitOptions,
+    BackendKind, Compress, CompressOptions, MigrateOptions, Mode, PostcopyAfter, Rank, SplitOptions,
 };
 pub use paused::{Outcome, PausedPostcopy};
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use source::{migrate, resume};
 pub use stats::{
-    ClientsOutcome, CompressionStats, DowntimeParts, FaultBin, FaultReport, GatherStats,
-    DestinationStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
+    ClientsOutcome, CompressionStats, DestinationStats, DowntimeParts, FaultBin, FaultReport,
+    GatherStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
     SplitServerStats, SplitStats,
 };
 pub use transport::{Endpoint, Listener};

@@ -204,6 +204,17 @@ pub fn compare_page_hashes(
     Ok(total)
 }
 
+/// All of region `index` as one range that may hold data (none if there is
+/// no such region): what a VM says when it knows no better.
+pub(crate) fn whole_region(
+    regions: &[RegionView],
+    index: usize,
+) -> Vec<crate::ranges::OffsetBytes> {
+    regions.get(index).map_or(Vec::new(), |r| {
+        vec![crate::ranges::OffsetBytes::new(0, r.size())]
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,11 +4,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::compress::Compress;
 use ferry_codec::{CacheSizes, Method};
 
 mod auto_converge;
+mod codec_choice;
 pub use auto_converge::AutoConverge;
+pub use codec_choice::Compress;
 
 /// The defaults, for the CLI's help text as much as for the engine.
 pub mod defaults {

@@ -8,14 +8,13 @@
 //!   and start.
 
 pub use crate::memory::RegionView;
-use crate::ranges::{GpaBytes, GpaPages, OffsetBytes};
+use crate::ranges::{GpaBytes, OffsetBytes};
+pub use crate::sink::PageStore;
 pub use crate::vm_error::VmOpError;
 
 /// Whole regions as data ranges: the default where a VM cannot tell better.
 fn whole(regions: &[RegionView], index: usize) -> Vec<OffsetBytes> {
-    regions
-        .get(index)
-        .map_or(Vec::new(), |r| vec![OffsetBytes::new(0, r.size())])
+    crate::memory::whole_region(regions, index)
 }
 
 /// What a VM's access tracker has seen, per region and page: the input of
@@ -127,31 +126,6 @@ pub trait MigratableVm: Send + Sync {
             "this VM cannot move its clients".to_string(),
         ))
     }
-}
-
-/// Memory that receives pages: the page part of a destination.
-pub trait PageStore: Send + Sync {
-    /// Guest RAM regions.
-    fn regions(&self) -> Vec<RegionView>;
-    /// As [`MigratableVm::data_ranges`].
-    fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        whole(&self.regions(), index)
-    }
-    /// The parts of region `index` that may hold non-zero bytes before the
-    /// migration writes anything (what the VMM itself wrote); zero ranges
-    /// from the source clear only these and the pages the migration wrote.
-    /// Memory populated with zeros (preallocation) belongs outside them.
-    fn nonzero_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        self.data_ranges(index)
-    }
-    /// Guest ranges the VMM's devices may write at any time, even while the
-    /// VM waits for its migration (a device posting requests): zero ranges
-    /// always clear them.
-    fn device_written_ranges(&self) -> Vec<GpaBytes> {
-        Vec::new()
-    }
-    /// Makes pages read as zeros, giving their memory back where it can.
-    fn discard(&self, run: GpaPages) -> Result<(), VmOpError>;
 }
 
 /// A VM waiting to receive a migration: its memory, and vCPUs to start.

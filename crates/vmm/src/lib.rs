@@ -28,5 +28,4 @@ pub use vm as vmm;
 pub use vm::{RunState, Vm, VmConfig, VmError, VmExit, VmState};
 pub use workload::{Workload, WorkloadSet};
 
-/// The test guest kernel, built from `guest/` by this crate's build script.
-pub static GUEST_KERNEL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/guest/ferry-guest.elf"));
+pub use boot::GUEST_KERNEL;

@@ -118,7 +118,8 @@ fn tracking_case(writes: WriteSource, grain: u64) {
     // A real one: every page verifies (the dirty log served the migration
     // while tracking had it too), tracking stays paused afterwards.
     let dst = Vm::create(config(None)).unwrap();
-    let incoming = WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let incoming =
+        WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
     let addr = incoming.endpoint();
     let opts = MigrateOptions {
         verify: true,

@@ -27,7 +27,8 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
     let src = running(workload, vcpus);
     std::thread::sleep(Duration::from_millis(300));
     let dst = Vm::create(VmConfig::new(128 * MIB, vcpus, workload.parse().unwrap())).unwrap();
-    let incoming = WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let incoming =
+        WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
     let addr = incoming.endpoint();
     let opts = MigrateOptions {
         streams: 2,
@@ -84,7 +85,8 @@ fn idle_guest_migrates_with_few_bytes() {
     }
     let src = running("idle", 1);
     let dst = Vm::create(VmConfig::new(128 * MIB, 1, "idle".parse().unwrap())).unwrap();
-    let incoming = WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
+    let incoming =
+        WaitingDestination::listen(&"tcp:127.0.0.1:0".parse::<Endpoint>().unwrap()).unwrap();
     let addr = incoming.endpoint();
     let opts = MigrateOptions {
         verify: true,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use ferry_migration::options::defaults;
-use ferry_migration::{Endpoint, DestinationStats};
+use ferry_migration::{DestinationStats, Endpoint};
 use ferry_vmm::Vm;
 
 use super::RunArgs;

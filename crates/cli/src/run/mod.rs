@@ -8,10 +8,10 @@
 
 mod access;
 mod args;
+mod destination;
 mod drive;
 mod front;
 mod handover;
-mod destination;
 mod summary;
 
 use std::fs::File;

@@ -1,10 +1,10 @@
 //! Pages written straight through the guest mapping: for memory no vCPU
 //! runs on yet (a precopy destination before its start).
 
+use super::PageStore;
 use super::{InPlace, MaybeNonZero, PageSink, SinkError};
 use crate::memory::RegionView;
 use crate::ranges::GpaPages;
-use crate::vm::PageStore;
 
 /// Lands pages in a [`PageStore`]'s memory by plain copies (or read(2) in
 /// place) and clears only the pages that may hold data.

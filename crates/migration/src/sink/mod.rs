@@ -14,6 +14,7 @@
 
 mod direct;
 mod place;
+mod store;
 mod switch;
 mod uffd;
 pub(crate) mod written;
@@ -23,6 +24,7 @@ use std::marker::PhantomData;
 
 pub use direct::DirectSink;
 pub use place::{already_mapped, Placed, UffdPlacer};
+pub use store::PageStore;
 pub use switch::SwitchSink;
 pub use uffd::{LandObserver, LandPolicy, UffdSink, UffdSinkStats};
 pub use written::MaybeNonZero;

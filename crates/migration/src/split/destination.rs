@@ -29,7 +29,11 @@ pub(crate) struct SplitDestination<'a> {
 }
 
 impl<'a> SplitDestination<'a> {
-    pub(crate) fn new(vm: &'a dyn DestinationVm, timeout: Duration, sink: &'a dyn PageSink) -> Self {
+    pub(crate) fn new(
+        vm: &'a dyn DestinationVm,
+        timeout: Duration,
+        sink: &'a dyn PageSink,
+    ) -> Self {
         SplitDestination {
             vm,
             sink,

@@ -19,7 +19,7 @@ use ferry_memory::MemfdRegion;
 use ferry_migration::split::RemotePager;
 use ferry_migration::telemetry::Telemetry;
 use ferry_migration::{
-    AccessHistory, ClientsAnswer, ClientsPlan, GpaBytes, GpaPages, DestinationVm, MigratableVm,
+    AccessHistory, ClientsAnswer, ClientsPlan, DestinationVm, GpaBytes, GpaPages, MigratableVm,
     OffsetBytes, PageStore, RegionView, VmOpError,
 };
 

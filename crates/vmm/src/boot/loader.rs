@@ -116,7 +116,7 @@ mod tests {
 
     #[test]
     fn loads_the_built_in_guest() {
-        let entry = load_kernel(&memory(), crate::GUEST_KERNEL).unwrap();
+        let entry = load_kernel(&memory(), crate::boot::GUEST_KERNEL).unwrap();
         assert_eq!(entry, KERNEL_GPA);
     }
 
@@ -126,7 +126,7 @@ mod tests {
             load_kernel(&memory(), b"not an elf"),
             Err(KernelError::Parse(_))
         ));
-        let img = crate::GUEST_KERNEL;
+        let img = crate::boot::GUEST_KERNEL;
         let cut = &img[..img.len() / 2];
         assert!(load_kernel(&memory(), cut).is_err());
         assert!(load_kernel(&memory(), &[]).is_err());

@@ -4,3 +4,6 @@
 pub mod layout;
 pub mod loader;
 pub mod setup;
+
+/// The test guest kernel, built from `guest/` by this crate's build script.
+pub static GUEST_KERNEL: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/guest/ferry-guest.elf"));

@@ -39,31 +39,31 @@ pub struct ControlSocket {
     retired: AtomicBool,
 }
 
-impl ControlSocket {
+impl crate::handover::MovingListener for ControlSocket {
     /// The socket path.
-    pub fn path(&self) -> &Path {
+    fn path(&self) -> &Path {
         &self.path
     }
 
     /// The listening socket, to duplicate for the next process.
-    pub fn listener(&self) -> &UnixListener {
+    fn listener(&self) -> &UnixListener {
         &self.listener
     }
 
-    /// New clients wait in the listen queue until [`accept_again`](Self::accept_again)
+    /// New clients wait in the listen queue until `accept_again`
     /// (or the next process accepts them).
-    pub fn hold_clients(&self) {
+    fn hold_clients(&self) {
         self.accepting.store(false, Ordering::Release);
     }
 
     /// Accept clients again (a handover failed).
-    pub fn accept_again(&self) {
+    fn accept_again(&self) {
         self.accepting.store(true, Ordering::Release);
     }
 
     /// Another process serves this path now: stop accepting for good, and
     /// leave the path in place when this server is dropped.
-    pub fn retire(&self) {
+    fn retire(&self) {
         self.retired.store(true, Ordering::Release);
         self.stop.store(true, Ordering::Release);
     }

@@ -242,7 +242,10 @@ impl VmControl {
             .ok_or("this VMM cannot hand its VM over yet (an incoming migration is still bringing its memory here)")?;
         let plan = HandoverPlan {
             binary: binary.map_or_else(|| setup.default_binary.clone(), PathBuf::from),
-            control: setup.control.clone(),
+            control: setup
+                .control
+                .clone()
+                .map(|c| c as Arc<dyn crate::handover::MovingListener>),
             run: (setup.run)(),
             verify,
         };

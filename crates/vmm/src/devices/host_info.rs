@@ -17,7 +17,6 @@ use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::VmFd;
 
 use crate::guest_abi::{HostInfo, HOST_INFO_GPA, MAX_RAM_RANGES};
-use crate::vstate::kvm::KvmError;
 
 /// The page's memslot: after every RAM slot (RAM uses slots 0 to
 /// [`MAX_RAM_RANGES`] - 1).
@@ -33,8 +32,8 @@ pub enum HostInfoError {
     #[error("host info page: {0}")]
     Memory(#[from] RegionError),
     /// KVM refused the memslot.
-    #[error("host info page: {0}")]
-    Kvm(#[from] KvmError),
+    #[error("host info page: KVM KVM_SET_USER_MEMORY_REGION (host info page) failed: {0}")]
+    Memslot(#[source] kvm_ioctls::Error),
 }
 
 /// The page, mapped into one VM.
@@ -57,10 +56,7 @@ impl HostInfoPage {
         // SAFETY: the mapping lives as long as `page`, which the VM keeps
         // until after its VM fd is closed (field order in `Vm`); the slot
         // overlaps no RAM slot (the page is in the 32-bit hole).
-        unsafe { vm.set_user_memory_region(region) }.map_err(|source| KvmError::Ioctl {
-            op: "KVM_SET_USER_MEMORY_REGION (host info page)",
-            source,
-        })?;
+        unsafe { vm.set_user_memory_region(region) }.map_err(HostInfoError::Memslot)?;
         Ok(HostInfoPage { page })
     }
 

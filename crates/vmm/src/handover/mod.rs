@@ -25,12 +25,12 @@
 //! before it, so the pause covers only state save, two messages and restore.
 //! The protocol is documented in docs/handover.md.
 
-mod source;
 mod destination;
+mod source;
 pub mod wire;
 
-pub use source::{hand_over, HandoverPlan};
 pub use destination::{take_over, TakenOver};
+pub use source::{hand_over, HandoverPlan};
 
 use std::time::Duration;
 
@@ -203,4 +203,22 @@ fn stall_before(step: &str) {
         eprintln!("ferry: FERRY_HANDOVER_STALL={step}: stalling the handover here");
         std::thread::sleep(Duration::from_secs(600));
     }
+}
+
+/// A listening socket whose path moves to the new process at a handover
+/// (the control socket): the handover holds its clients, hands its
+/// descriptor over, and retires it or takes it back. The control socket
+/// implements it; the handover needs nothing else of the control code.
+pub trait MovingListener: Send + Sync {
+    /// The socket path.
+    fn path(&self) -> &std::path::Path;
+    /// The listening socket, to duplicate for the next process.
+    fn listener(&self) -> &std::os::unix::net::UnixListener;
+    /// New clients wait in the listen queue until `accept_again` (or the
+    /// next process accepts them).
+    fn hold_clients(&self);
+    /// Accept clients again (the handover failed).
+    fn accept_again(&self);
+    /// Another process serves this path now.
+    fn retire(&self);
 }

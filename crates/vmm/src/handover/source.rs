@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Hello, Message, VmShape, CONNS_PER_MESSAGE};
+use super::MovingListener;
 use super::{cpu_secs, memory_hashes, monotonic_ns, HandoverError, HandoverStats};
-use crate::control::server::ControlSocket;
 use crate::vm::{RunState, Vm};
 use crate::vstate::persist;
 
@@ -33,7 +33,7 @@ pub struct HandoverPlan {
     /// The ferry binary the new process runs.
     pub binary: PathBuf,
     /// The control socket whose path moves to the new process.
-    pub control: Option<Arc<ControlSocket>>,
+    pub control: Option<Arc<dyn MovingListener>>,
     /// The old front end's settings for the new one (JSON text).
     pub run: String,
     /// Compare per-page hashes of guest memory in both processes.

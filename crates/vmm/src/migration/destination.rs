@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use ferry_migration::{
-    ClientsPlan, Endpoint, GpaBytes, GpaPages, DestinationStats, DestinationVm, Listener, MigrationError,
-    OffsetBytes, PageStore, RegionView, VmOpError,
+    ClientsPlan, DestinationStats, DestinationVm, Endpoint, GpaBytes, GpaPages, Listener,
+    MigrationError, OffsetBytes, PageStore, RegionView, VmOpError,
 };
 
 use crate::vm::{Vm, VmState};

@@ -84,7 +84,7 @@ impl VmConfig {
                     path: path.display().to_string(),
                     source,
                 }),
-            None => Ok(crate::GUEST_KERNEL.into()),
+            None => Ok(crate::boot::GUEST_KERNEL.into()),
         }
     }
 
@@ -177,7 +177,7 @@ mod tests {
     #[test]
     fn the_kernel_is_the_built_in_one_unless_a_file_is_named() {
         let c = config(64 * MIB, 1, "idle");
-        assert_eq!(&*c.kernel_image().unwrap(), crate::GUEST_KERNEL);
+        assert_eq!(&*c.kernel_image().unwrap(), crate::boot::GUEST_KERNEL);
         let mut c = c;
         c.kernel = Some("/nonexistent/ferry-kernel.elf".into());
         match c.kernel_image() {
