@@ -8,7 +8,7 @@
 
 use crate::error::{ChunkError, CodecError};
 use crate::page::{chunks, chunks_mut};
-use crate::{CHUNK, CHUNKS_PER_PAGE, PAGE};
+use crate::sizes::{CHUNK, CHUNKS_PER_PAGE, PAGE};
 
 /// Bytes of chunk headers at the start of a chunked page.
 pub const CHUNK_HEADERS: usize = 2 * CHUNKS_PER_PAGE;

@@ -2,7 +2,7 @@
 
 use crate::error::CodecError;
 use crate::sets::{alloc, sets_for, SetState};
-use crate::CHUNK;
+use crate::sizes::CHUNK;
 
 /// Most sets a chunk cache may have, so that every reference `set * 2 + way` fits a u32.
 const MAX_SETS: u64 = 1 << 31;

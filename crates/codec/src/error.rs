@@ -22,8 +22,8 @@ pub enum ChunkError {
 /// Errors of [`crate::StreamEncoder`], [`crate::StreamDecoder`] and the id parsers.
 #[derive(Debug, thiserror::Error)]
 pub enum CodecError {
-    /// A batch of more than [`crate::MAX_BATCH_PAGES`] pages.
-    #[error("batch of {0} pages, at most {max} allowed", max = crate::MAX_BATCH_PAGES)]
+    /// A batch of more than [`crate::sizes::MAX_BATCH_PAGES`] pages.
+    #[error("batch of {0} pages, at most {max} allowed", max = crate::sizes::MAX_BATCH_PAGES)]
     BatchTooLarge(usize),
     /// The page data is not pages.len() * 4096 bytes.
     #[error("batch data is {actual} bytes, expected {expected}")]

@@ -19,6 +19,7 @@ mod page;
 mod parse;
 pub mod rle;
 mod sets;
+mod sizes;
 mod stream;
 pub mod superfasthash;
 pub mod xbzrle;
@@ -30,11 +31,4 @@ pub use method::{CacheSizes, Method, PageCodec, ZSTD_DEFAULT_LEVEL, ZSTD_LEVELS}
 pub use page::is_zero_page;
 pub use stream::{check_batch, EncodedBatch, StreamDecoder, StreamEncoder};
 
-/// Bytes in a guest page.
-pub const PAGE: usize = 4096;
-/// Bytes in a chunk of the chunked formats (rle, xbzrle, dedup).
-pub const CHUNK: usize = 256;
-/// Chunks in a page.
-pub const CHUNKS_PER_PAGE: usize = PAGE / CHUNK;
-/// Most pages in one batch; larger batches are refused by encoder and decoder.
-pub const MAX_BATCH_PAGES: usize = 1024;
+pub use sizes::{CHUNK, CHUNKS_PER_PAGE, MAX_BATCH_PAGES, PAGE};

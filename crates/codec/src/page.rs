@@ -1,6 +1,6 @@
 //! Views of batches as pages and of pages as chunks, without copies or panics.
 
-use crate::{CHUNK, PAGE};
+use crate::sizes::{CHUNK, PAGE};
 
 /// True when every byte of `page` is zero.
 ///

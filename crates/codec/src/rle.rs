@@ -5,7 +5,8 @@
 //! runs.
 
 use crate::error::ChunkError;
-use crate::{zrle, CHUNK};
+use crate::sizes::CHUNK;
+use crate::zrle;
 
 /// Byte deltas of a chunk: `d[0] = b[0]`, `d[i] = b[i].wrapping_sub(b[i-1])`.
 pub fn delta(src: &[u8; CHUNK], out: &mut [u8; CHUNK]) {

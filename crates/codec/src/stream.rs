@@ -8,8 +8,9 @@ use crate::dedup::ChunkCache;
 use crate::error::{ChunkError, CodecError};
 use crate::method::{CacheSizes, Method, PageCodec, ZSTD_LEVELS};
 use crate::page::{chunk_at, chunks, is_zero_page, pages, pages_mut};
+use crate::sizes::{MAX_BATCH_PAGES, PAGE};
 use crate::xbzrle::PageCache;
-use crate::{rle, superfasthash, xbzrle, MAX_BATCH_PAGES, PAGE};
+use crate::{rle, superfasthash, xbzrle};
 
 /// One encoded batch; reused across batches (`clear()` keeps capacity).
 ///

@@ -3,7 +3,8 @@
 
 use crate::error::{ChunkError, CodecError};
 use crate::sets::{alloc, sets_for, SetState};
-use crate::{zrle, CHUNK, PAGE};
+use crate::sizes::{CHUNK, PAGE};
+use crate::zrle;
 
 /// Encodes one chunk against its cached version, returning the length, or
 /// `None` when the chunk overflows (it goes verbatim).

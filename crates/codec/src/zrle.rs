@@ -5,7 +5,7 @@
 //! produced: the caller stores the chunk verbatim instead.
 
 use crate::error::ChunkError;
-use crate::CHUNK;
+use crate::sizes::CHUNK;
 
 /// Longest encoding [`encode`] produces; one byte more and the chunk overflows.
 pub const MAX_ENCODED: usize = CHUNK - 1;

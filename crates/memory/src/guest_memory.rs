@@ -1,7 +1,7 @@
 //! The guest-physical view over a VM's RAM regions.
 
+use crate::region::PAGE_SIZE;
 use crate::region::{MemfdRegion, RegionError};
-use crate::PAGE_SIZE;
 
 /// Why a guest memory operation failed.
 #[derive(Debug, thiserror::Error)]

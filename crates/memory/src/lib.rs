@@ -25,5 +25,4 @@ pub use guest_memory::{GuestMemory, MemoryError, Plain};
 pub use region::{MemfdRegion, RegionError};
 pub use uffd::{Event, Features, Ioctls, RegisterMode, UffdError, Userfaultfd};
 
-/// The unit of guest memory accounting.
-pub const PAGE_SIZE: u64 = 4096;
+pub use region::PAGE_SIZE;

@@ -3,7 +3,7 @@
 
 use std::io;
 
-use crate::PAGE_SIZE;
+use crate::region::PAGE_SIZE;
 
 /// Which pages of `len` bytes from `addr` are in memory (the memfd's page
 /// cache, for a shared memfd mapping), asked with mincore(2) so nothing is
@@ -61,7 +61,7 @@ pub unsafe fn drop_ptes(addr: u64, len: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::MemfdRegion;
+    use crate::region::MemfdRegion;
 
     #[test]
     fn residency_follows_writes_and_removal() {

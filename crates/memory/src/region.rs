@@ -2,7 +2,8 @@
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-use crate::PAGE_SIZE;
+/// The unit of guest memory accounting.
+pub const PAGE_SIZE: u64 = 4096;
 
 /// Why a region could not be created or changed.
 #[derive(Debug, thiserror::Error)]

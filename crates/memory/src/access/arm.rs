@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::bits::{clear_bits, set_bits};
 use super::shares::{arm_runs, share_runs};
 use super::{AccessError, AccessTracker, ArmReport};
-use crate::PAGE_SIZE;
+use crate::region::PAGE_SIZE;
 
 impl AccessTracker {
     /// Drops the page table entries of the next share of pages, so each

@@ -36,7 +36,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::{GuestMemory, PAGE_SIZE};
+use crate::guest_memory::GuestMemory;
+use crate::region::PAGE_SIZE;
 
 pub use period::AccessSnapshot;
 pub use shares::valid_grain;

@@ -10,7 +10,7 @@ use super::arm::drop_ptes;
 use super::bits::{clear_bits, for_words};
 use super::shares::share_runs;
 use super::{AccessError, AccessTracker, ArmReport};
-use crate::PAGE_SIZE;
+use crate::region::PAGE_SIZE;
 
 impl AccessTracker {
     /// [`arm`](Self::arm) for a caller that samples writes too

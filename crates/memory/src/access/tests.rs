@@ -2,7 +2,7 @@
 //! and (where userfaultfd MINOR faults exist here) sampled reads.
 
 use super::*;
-use crate::{Event, Features, RegisterMode, UffdError, Userfaultfd};
+use crate::uffd::{Event, Features, RegisterMode, UffdError, Userfaultfd};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 const PAGES: u64 = 2 * CHUNK_PAGES;

@@ -2,7 +2,7 @@
 //!
 //! ferry uses it for postcopy and remote paging (MISSING faults resolved with
 //! [`Userfaultfd::copy`]), access sampling (MINOR faults after
-//! [`crate::MemfdRegion::discard`], resolved with [`Userfaultfd::continue_range`])
+//! [`crate::region::MemfdRegion::discard`], resolved with [`Userfaultfd::continue_range`])
 //! and page-out (write protection).
 //!
 //! Cost: every fault is two thread wake-ups (faulting thread -> handler ->

@@ -3,7 +3,7 @@
 
 use super::abi::feature;
 use super::*;
-use crate::{MemfdRegion, PAGE_SIZE};
+use crate::region::{MemfdRegion, PAGE_SIZE};
 use std::sync::Arc;
 use std::time::Duration;
 
