@@ -281,6 +281,10 @@ fn postcopy_moves_memory_on_demand_with_and_without_prefetch() {
             mode: Mode::Postcopy,
             prefetch,
             verify: true,
+            // With prefetch, the push waits: otherwise on a busy host it
+            // could send every page before the first fault asks for one,
+            // leaving nothing to prefetch (it did, about once in 50 runs).
+            push_delay_ms: if prefetch > 0 { 5_000 } else { 0 },
             ..Default::default()
         };
         let (stats, _, _) = run(&opts);
