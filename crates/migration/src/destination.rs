@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::error::MigrationError;
 use crate::protocol::{Frame, Kind};
 use crate::receiver::Received;
-use crate::session::{DestSession, DestinationMode};
+use crate::session::{DestSession, DestinationContext, DestinationMode};
 use crate::sink::{DirectSink, SwitchSink};
 use crate::stats::DestinationStats;
 use crate::transport::Conn;
@@ -42,12 +42,14 @@ pub fn receive_with_reconnect(
     let sink = SwitchSink::new(&direct);
     let mut phases = Phases {
         mode: DestMode::Precopy,
-        vm,
-        listener,
-        session: session.session_id(),
-        timeout,
-        reconnect_timeout,
-        sink: &sink,
+        cx: DestinationContext {
+            vm,
+            listener,
+            session: session.session_id(),
+            timeout,
+            reconnect_timeout,
+            sink: &sink,
+        },
     };
     let result = (|| {
         session.handshake(vm)?;
@@ -73,12 +75,7 @@ enum DestMode<'a> {
 /// takes to make one.
 struct Phases<'a> {
     mode: DestMode<'a>,
-    vm: &'a dyn DestinationVm,
-    listener: &'a Listener,
-    session: u64,
-    timeout: Duration,
-    reconnect_timeout: Duration,
-    sink: &'a SwitchSink<'a>,
+    cx: DestinationContext<'a>,
 }
 
 impl<'a> Phases<'a> {
@@ -92,20 +89,9 @@ impl<'a> Phases<'a> {
         };
         if let (DestMode::Precopy, Some(kind)) = (&self.mode, wanted) {
             self.mode = if kind == Kind::PostcopyPlan {
-                DestMode::Postcopy(crate::postcopy::PostcopyDestination::new(
-                    self.vm,
-                    self.listener,
-                    self.session,
-                    self.timeout,
-                    self.reconnect_timeout,
-                    self.sink,
-                ))
+                DestMode::Postcopy(crate::postcopy::PostcopyDestination::new(self.cx))
             } else {
-                DestMode::Split(crate::split::destination::SplitDestination::new(
-                    self.vm,
-                    self.timeout,
-                    self.sink,
-                ))
+                DestMode::Split(crate::split::destination::SplitDestination::new(self.cx))
             };
         }
         Ok(match &mut self.mode {

@@ -12,11 +12,26 @@ use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
-use crate::sink::PageSink;
+use crate::sink::{PageSink, SwitchSink};
 use crate::stats::{thread_cpu_secs, DestinationStats, StartedReport, StartedReportV1};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Listener};
 use crate::vm::{ClientsAnswer, ClientsPlan, DestinationVm};
+
+/// What a destination mode is made with: the VM, the listener the
+/// session's other connections arrive on, the session's id and timeouts,
+/// and the sink pages land through.
+#[derive(Clone, Copy)]
+pub(crate) struct DestinationContext<'a> {
+    pub(crate) vm: &'a dyn DestinationVm,
+    pub(crate) listener: &'a Listener,
+    pub(crate) session: u64,
+    /// Bounds each step once the source is connected.
+    pub(crate) timeout: Duration,
+    /// How long a paused postcopy waits for its source to come back.
+    pub(crate) reconnect_timeout: Duration,
+    pub(crate) sink: &'a SwitchSink<'a>,
+}
 
 /// What a mode adds to the destination's control loop. The defaults are a
 /// precopy destination's: no messages of its own, nothing to do around the

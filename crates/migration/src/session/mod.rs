@@ -8,7 +8,7 @@ pub(crate) mod destination;
 pub(crate) mod source;
 pub(crate) mod state;
 
-pub(crate) use destination::{DestSession, DestinationMode};
+pub(crate) use destination::{DestSession, DestinationContext, DestinationMode};
 pub(crate) use source::SourceSession;
 pub(crate) use state::{DestPhase, SourcePhase};
 

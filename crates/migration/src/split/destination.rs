@@ -11,6 +11,7 @@ use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::memserver::{StoreClient, StoreOpen};
 use crate::protocol::{self, Frame, Kind};
+use crate::session::{DestinationContext, DestinationMode};
 use crate::sink::PageSink;
 use crate::transport::Conn;
 use crate::vm::DestinationVm;
@@ -29,15 +30,11 @@ pub(crate) struct SplitDestination<'a> {
 }
 
 impl<'a> SplitDestination<'a> {
-    pub(crate) fn new(
-        vm: &'a dyn DestinationVm,
-        timeout: Duration,
-        sink: &'a dyn PageSink,
-    ) -> Self {
+    pub(crate) fn new(cx: DestinationContext<'a>) -> Self {
         SplitDestination {
-            vm,
-            sink,
-            timeout,
+            vm: cx.vm,
+            sink: cx.sink,
+            timeout: cx.timeout,
             plan: None,
             stores: Vec::new(),
             pager: None,
@@ -185,7 +182,7 @@ impl<'a> SplitDestination<'a> {
     }
 }
 
-impl crate::session::DestinationMode for SplitDestination<'_> {
+impl DestinationMode for SplitDestination<'_> {
     fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         match f.kind {
             Kind::SplitPlan => self.on_plan(f),

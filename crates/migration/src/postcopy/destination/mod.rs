@@ -34,7 +34,7 @@ use crate::memory::RegionView;
 use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{GpaPages, PAGE};
 use crate::receiver::Received;
-use crate::session::DestinationMode;
+use crate::session::{DestinationContext, DestinationMode};
 use crate::sink::{SwitchSink, UffdSink};
 use crate::stats::DestinationStats;
 use crate::transport::{Conn, ConnWriter, Listener};
@@ -93,14 +93,15 @@ struct Shared {
 }
 
 impl<'a> PostcopyDestination<'a> {
-    pub(crate) fn new(
-        vm: &'a dyn DestinationVm,
-        listener: &'a Listener,
-        session: u64,
-        timeout: Duration,
-        reconnect_timeout: Duration,
-        sink: &'a SwitchSink<'a>,
-    ) -> Self {
+    pub(crate) fn new(cx: DestinationContext<'a>) -> Self {
+        let DestinationContext {
+            vm,
+            listener,
+            session,
+            timeout,
+            reconnect_timeout,
+            sink,
+        } = cx;
         PostcopyDestination {
             vm,
             listener,
