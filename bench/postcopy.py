@@ -252,6 +252,11 @@ def main():
     ap.add_argument("--memtouch-vcpus", type=int, default=1, help="the paper's VM had 1 vCPU")
     ap.add_argument("--priorities", default="realtime,normal",
                     help="faults section: fault path priorities to compare (realtime, normal)")
+    ap.add_argument("--cells", default="on:0,on:8,off:0,off:8",
+                    help="faults section: the APF:prefetch cells to run")
+    ap.add_argument("--binaries", default="",
+                    help="faults section: LABEL=PATH,… ferry binaries compared run by run "
+                         "interleaved (e.g. old=…,new=…); default: --ferry alone")
     ap.add_argument("--local", action="store_true",
                     help="VMMs and proxy on 127.0.0.1 in this namespace, no lab")
     a = ap.parse_args()
@@ -283,27 +288,48 @@ def main():
         write_faults(a, cells, out)
 
 
+def binaries_of(a, ferry):
+    """The binaries to compare, by label (--binaries old=PATH,new=PATH), or
+    just --ferry."""
+    if not a.binaries:
+        return {"this": ferry}
+    out = {}
+    for item in a.binaries.split(","):
+        label, _, path = item.partition("=")
+        if not label or not path:
+            sys.exit(f"--binaries: LABEL=PATH[,LABEL=PATH…], not {item!r}")
+        out[label] = os.path.abspath(path)
+    return out
+
+
 def run_faults(ferry, a, rtts, port):
     cells = []
     floor = json.loads(sh(ferry, "lab", "uffd-cost").stdout)
     with tempfile.TemporaryDirectory() as tmp:
+        wanted = [tuple(c.split(":")) for c in a.cells.split(",")]
+        binaries = binaries_of(a, ferry)
         for rtt in rtts:
             for apf in ("on", "off"):
                 for prefetch in (0, 8):
-                    # Priorities interleaved run by run: their ratio is
-                    # taken under the same load.
-                    runs = {p: [] for p in a.priorities.split(",")}
+                    if (apf, str(prefetch)) not in wanted:
+                        continue
+                    # Priorities (and binaries) interleaved run by run:
+                    # their ratio is taken under the same load.
+                    runs = {(b, p): [] for b in binaries for p in a.priorities.split(",")}
                     for _ in range(a.runs):
-                        for p in runs:
+                        for (b, p) in runs:
                             port += 1
-                            runs[p].append(migrate_once(ferry, a.mem, rtt, apf, prefetch, p, tmp, port))
-                    for p, rs in runs.items():
+                            runs[(b, p)].append(
+                                migrate_once(binaries[b], a.mem, rtt, apf, prefetch, p, tmp, port))
+                    for (b, p), rs in runs.items():
                         med = benchlib.medians(rs)
                         cell = {"rtt_ms": rtt, "apf": apf, "prefetch": prefetch, "priority": p,
                                 "median": med, "runs": rs}
+                        if len(binaries) > 1:
+                            cell["binary"] = b
                         cells.append(cell)
-                        print(json.dumps({k: cell[k] for k in ("rtt_ms", "apf", "prefetch", "priority", "median")}),
-                              flush=True)
+                        keys = ("rtt_ms", "apf", "prefetch", "priority", "binary", "median")
+                        print(json.dumps({k: cell[k] for k in keys if k in cell}), flush=True)
     return (floor, cells), port
 
 
@@ -328,13 +354,14 @@ def write_faults(a, result, out):
         "Fault path priority: `realtime` (the default: the fault, demand and lander threads run",
         "SCHED_FIFO 1) or `normal` (`FERRY_FAULT_PRIORITY=normal`), run by run interleaved.",
         "",
-        "| added RTT | APF | prefetch | priority | downtime ms | postcopy s | faults | major | async worker | absorbed by APF | stopped a vCPU | p50 µs | p99 µs | min exec ratio | prefetched |",
+        "| added RTT | APF | prefetch | priority / binary | downtime ms | postcopy s | faults | major | async worker | absorbed by APF | stopped a vCPU | p50 µs | p99 µs | min exec ratio | prefetched |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         m = c["median"]
         lines.append(
-            f"| {c['rtt_ms']} ms | {c['apf']} | {c['prefetch']} | {c.get('priority', 'normal')} | "
+            f"| {c['rtt_ms']} ms | {c['apf']} | {c['prefetch']} | {c.get('priority', 'normal')}"
+            + (f" / {c['binary']}" if "binary" in c else "") + " | "
             f"{m['downtime_ms']:.2f} | {m['postcopy_s']:.3f} | "
             f"{m['faults']:.0f} | {m['major']:.0f} | {m['async_worker']:.0f} | {m['apf_absorbed']:.0f} | {m['blocked']:.0f} | {m['p50_us']:.0f} | "
             f"{m['p99_us']:.0f} | {m['min_exec_ratio']:.2f} | {m['prefetched']:.0f} |")
