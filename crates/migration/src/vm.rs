@@ -12,11 +12,6 @@ use crate::ranges::{GpaBytes, OffsetBytes};
 pub use crate::sink::PageStore;
 pub use crate::vm_error::VmOpError;
 
-/// Whole regions as data ranges: the default where a VM cannot tell better.
-fn whole(regions: &[RegionView], index: usize) -> Vec<OffsetBytes> {
-    crate::memory::whole_region(regions, index)
-}
-
 /// What a VM's access tracker has seen, per region and page: the input of
 /// split migration's ranking (hot chunks go to the main host).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -74,7 +69,7 @@ pub trait MigratableVm: Send + Sync {
     /// The parts of region `index` that may hold data; the rest is known to
     /// read as zeros and need not be read at all.
     fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
-        whole(&self.regions(), index)
+        crate::memory::whole_region(&self.regions(), index)
     }
     /// Auto-converge: slow the guest so it dirties memory more slowly
     /// (percent of vCPU time taken away, 0 = off). VMs that cannot throttle

@@ -8,6 +8,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use super::stream::poll_in;
 use super::{Conn, Endpoint, Stream};
 use crate::error::MigrationError;
 use crate::protocol::{Hello, Kind, ProtocolError};
@@ -73,21 +74,8 @@ impl Listener {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let mut p = libc::pollfd {
-                fd: self.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            let ms = i32::try_from(left.as_millis().clamp(1, 1000)).unwrap_or(1000);
-            // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
-            let r = unsafe { libc::poll(&mut p, 1, ms) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(err(e));
-                }
-            }
-            if r > 0 {
+            let wait = left.clamp(Duration::from_millis(1), Duration::from_secs(1));
+            if poll_in(self.fd(), wait).map_err(err)? {
                 let s = match self {
                     Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::tcp(s)),
                     Listener::Unix(l, _) => l.accept().map(|(s, _)| Stream::unix(s)),

@@ -110,15 +110,7 @@ impl Stream {
 
     /// True if the socket has bytes (or an end) to read within `wait`.
     pub(super) fn readable(&self, wait: Duration) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
-        // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        r > 0
+        poll_in(self.fd(), wait).unwrap_or(false)
     }
 
     /// Reads up to `len` bytes straight to `ptr` with read(2): page data
@@ -204,4 +196,26 @@ impl Write for Stream {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// True if `fd` (a socket or listener of the transport's) is readable, or
+/// at its end, within `wait`; false at the timeout or on an interrupt.
+pub(super) fn poll_in(fd: RawFd, wait: Duration) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(r > 0)
 }

@@ -36,7 +36,7 @@ impl PostcopyDestination<'_> {
                 Kind::RoundDone => {
                     let rx = live.link.rx.as_deref().unwrap_or(rx);
                     let rd = crate::session::destination::round_done(&f, rx)?;
-                    rx.barrier(&rd.frames, self.timeout)?;
+                    rx.barrier(&rd.frames, self.cx.timeout)?;
                     self.wait_landed(live)?;
                     tracing::info!(
                         secs = t0.elapsed().as_secs_f64(),
@@ -99,13 +99,13 @@ impl PostcopyDestination<'_> {
                 return Err(e);
             }
             let missing = live.shared.tracker.missing();
-            if silence.too_long(missing, Instant::now(), self.timeout) {
+            if silence.too_long(missing, Instant::now(), self.cx.timeout) {
                 // A silent link counts as a broken one.
                 return Err(ProtocolError::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     format!(
                         "the source sent nothing for {:.0} s",
-                        self.timeout.as_secs_f64()
+                        self.cx.timeout.as_secs_f64()
                     ),
                 ))
                 .into());
@@ -115,7 +115,7 @@ impl PostcopyDestination<'_> {
 
     /// Waits until every pending page has landed.
     fn wait_landed(&self, live: &Live) -> Result<(), MigrationError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.cx.timeout;
         while live.shared.tracker.missing() > 0 {
             if let Some(e) = self.failure() {
                 return Err(e);
@@ -131,11 +131,11 @@ impl PostcopyDestination<'_> {
     /// The fault report, once every page is here (the guest's counters
     /// read true then).
     pub(super) fn report(&self, live: &Live) -> crate::stats::FaultReport {
-        let vcpus: Vec<u32> = self.vm.vcpu_tids();
+        let vcpus: Vec<u32> = self.cx.vm.vcpu_tids();
         let own = |tid: u32| std::path::Path::new(&format!("/proc/self/task/{tid}")).exists();
         let absorbed = self
             .guest_apf_base
-            .zip(self.vm.guest_apf_count())
+            .zip(self.cx.vm.guest_apf_count())
             .map(|(base, now)| now.saturating_sub(base));
         let mut report = live.shared.tracker.report(&vcpus, &own, absorbed);
         let s = live.shared.sink.stats();

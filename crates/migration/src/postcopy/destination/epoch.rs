@@ -61,7 +61,7 @@ impl PostcopyDestination<'_> {
                     tracing::warn!(
                         error = %e,
                         missing,
-                        wait_s = self.reconnect_timeout.as_secs_f64(),
+                        wait_s = self.cx.reconnect_timeout.as_secs_f64(),
                         "postcopy paused: the link to the source broke; the VM runs on, vCPUs touching a missing page wait for the source to reconnect"
                     );
                     self.tel.event("link_broken", e.to_string());
@@ -133,28 +133,28 @@ impl PostcopyDestination<'_> {
     /// tells it the pages still missing, and takes its new demand and bulk
     /// connections. Gives up after the reconnect timeout.
     fn await_resume(&mut self, why: &MigrationError) -> Result<Conn, MigrationError> {
-        let deadline = Instant::now() + self.reconnect_timeout;
+        let deadline = Instant::now() + self.cx.reconnect_timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(MigrationError::Unsupported(format!(
                     "the link to the source broke ({why}) and the source did not come back within {:.0} s",
-                    self.reconnect_timeout.as_secs_f64()
+                    self.cx.reconnect_timeout.as_secs_f64()
                 )));
             }
-            let (mut c, h) = match self.listener.accept_hello(left) {
+            let (mut c, h) = match self.cx.listener.accept_hello(left) {
                 Ok(got) => got,
                 Err(MigrationError::Listen { source, .. })
                     if source.kind() != std::io::ErrorKind::TimedOut =>
                 {
                     return Err(MigrationError::Listen {
-                        addr: self.listener.endpoint().to_string(),
+                        addr: self.cx.listener.endpoint().to_string(),
                         source,
                     })
                 }
                 Err(_) => continue,
             };
-            if h.role != Role::Resume || h.session != self.session {
+            if h.role != Role::Resume || h.session != self.cx.session {
                 c.abort("this destination runs a migrated VM and waits only for its own source to resume");
                 continue;
             }
@@ -199,9 +199,9 @@ impl PostcopyDestination<'_> {
         // The source opens its demand connection, then the bulk streams.
         let demand = self.accept_demand()?;
         let bulk = crate::session::destination::accept_bulk(
-            self.listener,
-            self.timeout,
-            self.session,
+            self.cx.listener,
+            self.cx.timeout,
+            self.cx.session,
             h.streams,
             &self.tel,
         )?;

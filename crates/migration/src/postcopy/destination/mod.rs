@@ -35,10 +35,9 @@ use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role};
 use crate::ranges::{GpaPages, PAGE};
 use crate::receiver::Received;
 use crate::session::{DestinationContext, DestinationMode};
-use crate::sink::{SwitchSink, UffdSink};
+use crate::sink::UffdSink;
 use crate::stats::DestinationStats;
-use crate::transport::{Conn, ConnWriter, Listener};
-use crate::vm::DestinationVm;
+use crate::transport::{Conn, ConnWriter};
 
 mod arm;
 mod control;
@@ -47,16 +46,10 @@ mod fault_thread;
 
 use epoch::Link;
 
-/// A destination's phases: precopy's (none) until a plan arrives, then
-/// postcopy's.
+/// Postcopy's destination, made when a PostcopyPlan arrives.
 pub(crate) struct PostcopyDestination<'a> {
-    vm: &'a dyn DestinationVm,
-    listener: &'a Listener,
-    session: u64,
-    timeout: Duration,
-    /// How long a paused phase waits for the source to come back.
-    reconnect_timeout: Duration,
-    sink: &'a SwitchSink<'a>,
+    /// The VM, the listener, the session, its timeouts and the sink.
+    cx: DestinationContext<'a>,
     plan: Vec<GpaPages>,
     planned: bool,
     verify: bool,
@@ -94,21 +87,8 @@ struct Shared {
 
 impl<'a> PostcopyDestination<'a> {
     pub(crate) fn new(cx: DestinationContext<'a>) -> Self {
-        let DestinationContext {
-            vm,
-            listener,
-            session,
-            timeout,
-            reconnect_timeout,
-            sink,
-        } = cx;
         PostcopyDestination {
-            vm,
-            listener,
-            session,
-            timeout,
-            reconnect_timeout,
-            sink,
+            cx,
             plan: Vec::new(),
             planned: false,
             verify: false,
@@ -117,7 +97,7 @@ impl<'a> PostcopyDestination<'a> {
             live: None,
             pauses: 0,
             paused: Duration::ZERO,
-            tel: vm.telemetry().unwrap_or_default(),
+            tel: cx.vm.telemetry().unwrap_or_default(),
         }
     }
 
@@ -142,9 +122,9 @@ impl<'a> PostcopyDestination<'a> {
 
     /// Accepts this session's demand connection.
     fn accept_demand(&self) -> Result<Conn, MigrationError> {
-        let (mut c, h) = self.listener.accept_hello(self.timeout)?;
+        let (mut c, h) = self.cx.listener.accept_hello(self.cx.timeout)?;
         c.count_into(self.tel.link(&h.role.link_name()));
-        if h.role != Role::Demand || h.session != self.session {
+        if h.role != Role::Demand || h.session != self.cx.session {
             return Err(ProtocolError::Unexpected {
                 got: Kind::Hello,
                 want: "the demand connection of this session",
@@ -184,7 +164,7 @@ impl DestinationMode for PostcopyDestination<'_> {
             .into());
         }
         let part: PostcopyPlan = protocol::decode(f, Kind::PostcopyPlan)?;
-        let regions = self.vm.regions();
+        let regions = self.cx.vm.regions();
         for run in &part.pending {
             let inside = run
                 .pages
@@ -216,7 +196,7 @@ impl DestinationMode for PostcopyDestination<'_> {
         if !self.planned {
             return Ok(());
         }
-        let vm = self.vm;
+        let vm = self.cx.vm;
         let regions = vm.regions();
         // What this VM holds and the source will not send must be final:
         // pending pages go (they come again), and without a single precopy
@@ -243,7 +223,7 @@ impl DestinationMode for PostcopyDestination<'_> {
             tracker,
             sink,
         } = arm::arm(&regions, &self.plan, hashes)?;
-        self.sink.switch(sink.clone());
+        self.cx.sink.switch(sink.clone());
         let demand = self.demand.take().ok_or(ProtocolError::Closed)?;
         let shared = Arc::new(Shared {
             uffd,
