@@ -54,7 +54,6 @@ pub trait LandObserver: Send + Sync {
 pub struct UffdSink {
     placer: UffdPlacer,
     observer: Option<Arc<dyn LandObserver>>,
-    regions: Vec<RegionView>,
     present: Vec<Vec<AtomicU64>>,
     policy: LandPolicy,
     copied: AtomicU64,
@@ -100,9 +99,8 @@ impl UffdSink {
             }
         }
         UffdSink {
-            placer: UffdPlacer::new(uffd, regions.clone()),
+            placer: UffdPlacer::new(uffd, regions),
             observer: None,
-            regions,
             present: bits,
             policy,
             copied: AtomicU64::new(0),
@@ -134,7 +132,7 @@ impl UffdSink {
 
     /// Pages still missing.
     pub fn missing_pages(&self) -> u64 {
-        let total: u64 = self.regions.iter().map(|r| r.pages()).sum();
+        let total: u64 = self.placer.regions().iter().map(|r| r.pages()).sum();
         let present: u64 = self
             .present
             .iter()
@@ -155,7 +153,8 @@ impl UffdSink {
     }
 
     fn locate(&self, gpa: u64) -> Option<(usize, u64)> {
-        crate::memory::region_of(&self.regions, gpa).map(|(i, r)| (i, (gpa - r.gpa()) / PAGE))
+        crate::memory::region_of(self.placer.regions(), gpa)
+            .map(|(i, r)| (i, (gpa - r.gpa()) / PAGE))
     }
 
     /// Checks the run and claims each page: the steps for every page.
@@ -165,7 +164,9 @@ impl UffdSink {
             pages: run.pages,
         };
         let (ri, first) = self.locate(run.gpa).ok_or(out)?;
-        if !run.gpa.is_multiple_of(PAGE) || !self.regions[ri].contains_range(run.gpa, run.bytes()) {
+        if !run.gpa.is_multiple_of(PAGE)
+            || !self.placer.regions()[ri].contains_range(run.gpa, run.bytes())
+        {
             return Err(SinkError::OutOfRange {
                 gpa: run.gpa,
                 pages: run.pages,
@@ -189,7 +190,7 @@ impl UffdSink {
     /// holds the run's pages, or is None for zeros.
     fn land(&self, run: GpaPages, data: Option<&[u8]>) -> Result<(), SinkError> {
         let (ri, steps) = self.claim(run)?;
-        let region = self.regions[ri];
+        let region = self.placer.regions()[ri];
         let mut i = 0usize;
         while i < steps.len() {
             let mut n = 1;
