@@ -14,7 +14,7 @@ use super::{Hello, ProtocolError};
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 8;
+pub const VERSION_MAX: u16 = 9;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -32,6 +32,12 @@ pub const VERSION_STORE: u16 = 7;
 /// The first version with split migration (SplitPlan to the main host,
 /// StoreFetch on memory servers).
 pub const VERSION_SPLIT: u16 = 8;
+/// The first version of a fleet that does not trust its network: the
+/// source sends the migration token after HelloAck (Token), a StoreOpen
+/// carries its owner's secret and a GatherPlan each store's secret. A
+/// destination that demands a token, and every memory server, refuse older
+/// peers.
+pub const VERSION_TRUST: u16 = 9;
 
 /// Picks the version both sides speak, or says why there is none.
 pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
