@@ -1,0 +1,65 @@
+//! What can go wrong with a fleet's certificates and handshakes.
+
+use std::path::PathBuf;
+
+/// A TLS or certificate failure, with the file or peer it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A credentials file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// No credentials where they were looked for.
+    #[error(
+        "no TLS credentials in {dir} (it needs ca.pem, cert.pem and key.pem): make them with \
+         `ferry pki issue NAME --dir CA --out {dir}`, point --tls-dir or FERRY_TLS_DIR at them, \
+         or pass --insecure to use plaintext"
+    )]
+    Missing {
+        /// The directory looked in.
+        dir: PathBuf,
+    },
+    /// A file holds no usable certificate or key.
+    #[error("{path}: {reason}")]
+    Bad {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Making a certificate failed.
+    #[error("cannot make the certificate: {0}")]
+    Generate(String),
+    /// rustls refused the configuration.
+    #[error("TLS configuration: {0}")]
+    Config(String),
+    /// The handshake failed: the peer's certificate, or ours, was refused,
+    /// or the peer does not speak TLS.
+    #[error("TLS handshake with {peer} failed: {reason}")]
+    Handshake {
+        /// The peer's address.
+        peer: String,
+        /// Why, in words.
+        reason: String,
+    },
+    /// The handshake did not finish in time.
+    #[error("TLS handshake with {peer} did not finish within {secs} s")]
+    HandshakeTimeout {
+        /// The peer's address.
+        peer: String,
+        /// The limit.
+        secs: u64,
+    },
+}

@@ -1,0 +1,298 @@
+//! A fleet made with `pki`, and mutual TLS between its hosts over real
+//! loopback sockets: data both ways on two threads a side, keys renewed
+//! past a cipher's record limit, and each kind of stranger refused with a
+//! reason on both ends.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_tls::pki::{self, Validity};
+use ferry_tls::{Credentials, Handshake, TlsError, TlsSocket};
+use rustls::pki_types::ServerName;
+
+fn scratch(what: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "ferry-tls-{what}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// A CA and one host certificate for `name` at 127.0.0.1.
+fn fleet(name: &str, validity: Validity) -> (PathBuf, PathBuf) {
+    let ca = scratch("ca");
+    pki::init_ca(&ca, "test fleet", Validity::days(1)).unwrap();
+    let host = scratch(name);
+    pki::issue(&ca, name, &host, &["127.0.0.1".into()], validity).unwrap();
+    (ca, host)
+}
+
+fn issue(ca: &Path, name: &str, validity: Validity) -> PathBuf {
+    let host = scratch(name);
+    pki::issue(ca, name, &host, &["127.0.0.1".into()], validity).unwrap();
+    host
+}
+
+/// Handshakes a client with `client` credentials against a server with
+/// `server` credentials; both ends' results.
+fn pair(
+    server: &Credentials,
+    client: &Credentials,
+) -> (Result<TlsSocket, TlsError>, Result<TlsSocket, TlsError>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let config = server.server_config();
+    let accept = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        TlsSocket::handshake(s, Handshake::Server(config), Duration::from_secs(5))
+    });
+    let tcp = TcpStream::connect(at).unwrap();
+    let name = ServerName::IpAddress(at.ip().into());
+    let c = TlsSocket::handshake(
+        tcp,
+        Handshake::Client(client.client_config(), name),
+        Duration::from_secs(5),
+    );
+    (accept.join().unwrap(), c)
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Sends `data` from `a` to `b` and `b`'s own data back at the same time,
+/// each side reading on one thread and writing on another.
+fn both_ways(a: TlsSocket, b: TlsSocket, len: usize) {
+    let (da, db) = (pattern(len, 1), pattern(len, 2));
+    let run = |s: TlsSocket, out: Vec<u8>, expect: Vec<u8>| {
+        std::thread::spawn(move || {
+            let mut w = s.try_clone().unwrap();
+            let writer = std::thread::spawn(move || {
+                for chunk in out.chunks(100_003) {
+                    w.write_all(chunk).unwrap();
+                }
+            });
+            let mut r = s;
+            let mut got = vec![0u8; expect.len()];
+            r.read_exact(&mut got).unwrap();
+            writer.join().unwrap();
+            assert!(got == expect, "bytes differ after the trip");
+        })
+    };
+    let ta = run(a, da.clone(), db.clone());
+    let tb = run(b, db, da);
+    ta.join().unwrap();
+    tb.join().unwrap();
+}
+
+#[test]
+fn two_hosts_of_a_fleet_exchange_data_both_ways_on_two_threads_a_side() {
+    let (ca, a) = fleet("host-a", Validity::days(1));
+    let b = issue(&ca, "host-b", Validity::days(1));
+    let (ca_, cb) = (
+        Credentials::load(&a).unwrap(),
+        Credentials::load(&b).unwrap(),
+    );
+    let (s, c) = pair(&ca_, &cb);
+    let (s, c) = (s.unwrap(), c.unwrap());
+    assert!(s.peer().is("host-b"), "server sees {:?}", s.peer());
+    assert!(c.peer().is("host-a"), "client sees {:?}", c.peer());
+    assert!(c.peer().is("127.0.0.1"));
+    assert!(!c.peer().is("host-b"));
+    both_ways(s, c, 48 << 20);
+}
+
+#[test]
+fn keys_are_renewed_before_a_ciphers_record_limit() {
+    // A cipher that may seal only 64 records per key: 8 MiB is 512 records,
+    // which rustls refuses to send under one key (EncryptExhausted).
+    let mut p = rustls::crypto::ring::default_provider();
+    // (Without TLS 1.2 compiled in, every suite is a TLS 1.3 one.)
+    let rustls::SupportedCipherSuite::Tls13(base) =
+        rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256;
+    let small = rustls::Tls13CipherSuite {
+        common: rustls::crypto::CipherSuiteCommon {
+            confidentiality_limit: 64,
+            ..base.common
+        },
+        ..*base
+    };
+    let small: &'static rustls::Tls13CipherSuite = Box::leak(Box::new(small));
+    p.cipher_suites = vec![rustls::SupportedCipherSuite::Tls13(small)];
+    let p = Arc::new(p);
+    let (ca, a) = fleet("host-a", Validity::days(1));
+    let b = issue(&ca, "host-b", Validity::days(1));
+    let (ca_, cb) = (
+        Credentials::load_with(&a, p.clone()).unwrap(),
+        Credentials::load_with(&b, p).unwrap(),
+    );
+    let (s, c) = pair(&ca_, &cb);
+    both_ways(s.unwrap(), c.unwrap(), 8 << 20);
+}
+
+fn refused(r: Result<TlsSocket, TlsError>) -> String {
+    match r {
+        Ok(_) => panic!("the handshake succeeded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_certificate_from_another_ca_is_refused_on_both_sides() {
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let (_, stranger) = fleet("stranger", Validity::days(1));
+    let (s, c) = pair(
+        &Credentials::load(&a).unwrap(),
+        &Credentials::load(&stranger).unwrap(),
+    );
+    // The client refuses the server first (it too is from another CA).
+    let (s, c) = (refused(s), refused(c));
+    assert!(c.contains("not from this fleet's CA"), "client: {c}");
+    // Same CA name, another key: the signature does not verify.
+    assert!(s.contains("refused this host's certificate"), "server: {s}");
+}
+
+#[test]
+fn an_expired_client_certificate_is_refused_with_the_reason() {
+    let (ca, a) = fleet("host-a", Validity::days(1));
+    let past = time::OffsetDateTime::now_utc() - time::Duration::days(2);
+    let old = issue(&ca, "host-old", Validity::until(past));
+    let (s, c) = pair(
+        &Credentials::load(&a).unwrap(),
+        &Credentials::load(&old).unwrap(),
+    );
+    let s = refused(s);
+    assert!(s.contains("expired"), "server: {s}");
+    // TLS 1.3: the client learns on its first read after the handshake.
+    if let Ok(mut c) = c {
+        let mut b = [0u8; 1];
+        let e = c
+            .read(&mut b)
+            .map(|n| n.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        assert!(e.contains("expired") || e == "0", "client: {e}");
+    }
+}
+
+#[test]
+fn a_client_without_a_certificate_or_without_tls_is_refused() {
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    // No client certificate.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let config = creds.server_config();
+    let server = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        TlsSocket::handshake(s, Handshake::Server(config.clone()), Duration::from_secs(5))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+            + " | "
+            + &{
+                let (s, _) = l.accept().unwrap();
+                TlsSocket::handshake(s, Handshake::Server(config), Duration::from_secs(5))
+                    .map(|_| ())
+                    .unwrap_err()
+                    .to_string()
+            }
+    });
+    let mut roots = rustls::RootCertStore::empty();
+    let ca_pem = std::fs::read(a.join("ca.pem")).unwrap();
+    for c in rustls::pki_types::pem::PemObject::pem_slice_iter(&ca_pem) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let anon = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let c = TlsSocket::handshake(
+        TcpStream::connect(at).unwrap(),
+        Handshake::Client(Arc::new(anon), ServerName::IpAddress(at.ip().into())),
+        Duration::from_secs(5),
+    );
+    if let Ok(mut c) = c {
+        let _ = c.read(&mut [0u8; 1]);
+    }
+    // Plaintext: a ferry frame where a ClientHello should be.
+    let mut plain = TcpStream::connect(at).unwrap();
+    plain.write_all(b"FRY1\0\0\0\0hello, no tls here").unwrap();
+    let s = server.join().unwrap();
+    assert!(s.contains("presented no certificate"), "server: {s}");
+    assert!(s.contains("does not speak TLS"), "server: {s}");
+}
+
+#[test]
+fn a_silent_peer_is_dropped_at_the_handshake_deadline() {
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let _silent = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    let t = Instant::now();
+    let e = TlsSocket::handshake(
+        s,
+        Handshake::Server(creds.server_config()),
+        Duration::from_millis(300),
+    )
+    .unwrap_err();
+    assert!(matches!(e, TlsError::HandshakeTimeout { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+#[test]
+fn credentials_are_reloaded_when_the_files_change() {
+    let (ca, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    assert!(creds.me().is("host-a"));
+    // Rotate: a new certificate for another name into the same directory.
+    pki::issue(&ca, "host-a2", &a, &[], Validity::days(1)).unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    assert!(creds.me().is("host-a2"), "{:?}", creds.me());
+    // A broken file keeps the old credentials.
+    std::fs::write(a.join("cert.pem"), "garbage").unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    assert!(creds.me().is("host-a2"));
+}
+
+#[test]
+fn missing_credentials_say_how_to_make_them_and_a_ca_is_never_overwritten() {
+    let e = Credentials::load(&scratch("none"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("ferry pki issue") && e.contains("--insecure"),
+        "{e}"
+    );
+    let ca = scratch("ca");
+    pki::init_ca(&ca, "fleet", Validity::days(1)).unwrap();
+    let e = pki::init_ca(&ca, "fleet", Validity::days(1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already"), "{e}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(ca.join("ca-key.pem"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
