@@ -9,6 +9,11 @@
 //!  └──────────────────────────────────────────────────┘    the host's network is untouched)
 //! ```
 //! Only these namespaces' addresses are ever used.
+//!
+//! Each host gets its own certificate from a lab CA ([`LAB_CA`]), in
+//! `/etc/netns/ferry-hN/ferry/tls`: `ip netns exec` shows a host that
+//! directory as `/etc/ferry/tls`, ferry's default, so every command run on
+//! a lab host speaks mutual TLS as that host with no flag.
 
 use std::process::{Command, ExitCode};
 
@@ -16,6 +21,14 @@ use anyhow::{bail, Context, Result};
 
 const SWITCH: &str = "ferry-sw";
 const SUBNET: &str = "10.77.0";
+
+/// The lab's certificate authority (made anew by every `ferry lab up`).
+pub const LAB_CA: &str = "/run/ferry-lab/ca";
+
+/// Host `i`'s credentials directory, as the host sees it at /etc/ferry/tls.
+pub fn host_tls_dir(i: u32) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/etc/netns/{}/ferry/tls", host(i)))
+}
 
 #[derive(clap::Subcommand)]
 pub enum LabCommand {
@@ -143,6 +156,22 @@ fn build(n: u32, bandwidth: Option<&str>, delay: Option<&str>) -> Result<()> {
         in_ns(&ns, &["ip", "link", "set", "lo", "up"])?;
         shape(&ns, bandwidth, delay)?;
     }
+    certificates(n)
+}
+
+/// A lab CA and a certificate for each host (its name and address).
+fn certificates(n: u32) -> Result<()> {
+    use ferry_tls::pki::{self, Validity};
+    let ca = std::path::Path::new(LAB_CA);
+    let _ = std::fs::remove_dir_all(ca);
+    pki::init_ca(ca, "ferry lab CA", Validity::days(30))?;
+    // The mount point `ip netns exec` binds each host's /etc/netns/HOST/ferry on.
+    std::fs::create_dir_all("/etc/ferry").context("cannot make /etc/ferry")?;
+    for i in 1..=n {
+        let dir = host_tls_dir(i);
+        let _ = std::fs::remove_dir_all(&dir);
+        pki::issue(ca, &host(i), &dir, &[addr(i)], Validity::days(30))?;
+    }
     Ok(())
 }
 
@@ -176,6 +205,8 @@ fn shape(ns: &str, bandwidth: Option<&str>, delay: Option<&str>) -> Result<()> {
 pub fn down() -> Result<()> {
     for ns in namespaces() {
         ip(&["netns", "del", &ns])?;
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}/ferry"));
+        let _ = std::fs::remove_dir(format!("/etc/netns/{ns}"));
     }
     Ok(())
 }
@@ -192,7 +223,8 @@ pub fn lab(cmd: LabCommand) -> Result<ExitCode> {
                 println!("{}  {}", host(i), addr(i));
             }
             println!(
-                "run a command on a host: ip netns exec {} ferry run ...",
+                "run a command on a host: ip netns exec {} ferry run ... (each host has its own \
+                 certificate from the lab CA in {LAB_CA})",
                 host(1)
             );
         }

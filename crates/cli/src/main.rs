@@ -8,8 +8,10 @@ mod lab;
 mod load;
 mod memserver;
 mod migrate;
+mod pki;
 mod report;
 mod run;
+mod security;
 mod status;
 mod uffd_cost;
 
@@ -27,6 +29,16 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// This host's TLS credentials (ca.pem, cert.pem, key.pem from `ferry
+    /// pki issue`) for every link to another host [env: FERRY_TLS_DIR;
+    /// default: /etc/ferry/tls].
+    #[arg(long, global = true, value_name = "HOSTDIR")]
+    tls_dir: Option<PathBuf>,
+    /// Plaintext, unauthenticated links: anyone on the network can read
+    /// the guest's memory and push a VM into a waiting port [env:
+    /// FERRY_INSECURE=1]. For trusted test networks only.
+    #[arg(long, global = true, conflicts_with = "tls_dir")]
+    insecure: bool,
 }
 
 #[derive(Subcommand)]
@@ -50,6 +62,10 @@ enum Command {
     Memserver(memserver::MemserverArgs),
     /// List the hosts the registry knows (waiting VMMs, memory servers).
     Hosts(memserver::HostsArgs),
+    /// A fleet's certificate authority and its hosts' certificates (the
+    /// mutual TLS every link between hosts speaks).
+    #[command(subcommand)]
+    Pki(pki::PkiCommand),
     /// Test hosts as network namespaces (for migrations across a real network).
     #[command(subcommand)]
     Lab(lab::LabCommand),
@@ -94,7 +110,9 @@ fn main() -> ExitCode {
         // Colours only for a person at a terminal, not in logs and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    security::install(cli.tls_dir, cli.insecure);
     let result = match cli.command {
+        Command::Pki(cmd) => pki::pki(cmd),
         Command::Run(args) => run::run(args),
         Command::Load(args) => load::load(args),
         Command::Lab(cmd) => lab::lab(cmd),

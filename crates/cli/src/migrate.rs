@@ -146,6 +146,10 @@ pub struct MigrateArgs {
     #[arg(long, value_parser = crate::format::parse_duration_or_zero,
           default_value = format::ms_arg(defaults::TIMELINE_TAIL_MS.into()))]
     timeline_tail: Duration,
+    /// The one-time migration token the destination demands (printed by
+    /// its `ferry run --incoming … --token auto`).
+    #[arg(long)]
+    token: Option<String>,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -165,6 +169,7 @@ impl MigrateArgs {
             postcopy_after: self.postcopy_after,
             reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
             timeline_tail_ms: self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,
+            token: self.token.clone().map(ferry_migration::MigrationToken),
             streams: self.streams.unwrap_or(base.streams),
             downtime_ms: self.downtime_ms,
             max_rounds: self.max_rounds,

@@ -10,6 +10,8 @@ use serde_json::Value;
 /// Control actions `ferry ctl` sends.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum Action {
+    /// Print the VM's state (as `ferry status`).
+    Status,
     /// Stop the vCPUs.
     Pause,
     /// Run them again.
@@ -51,6 +53,25 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     );
     println!("migrations  {} incoming", s["migrations"]);
     println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
+    if let Some(w) = s["incoming"].as_object() {
+        println!(
+            "waiting     on {}{}{}{}",
+            w["endpoint"].as_str().unwrap_or("?"),
+            if w["tls"] == true {
+                ", mutual TLS"
+            } else {
+                ", plaintext"
+            },
+            w["from"]
+                .as_str()
+                .map(|f| format!(", only from {f}"))
+                .unwrap_or_default(),
+            w["token"]
+                .as_str()
+                .map(|t| format!(", token {t}"))
+                .unwrap_or_default()
+        );
+    }
     let sp = &s["split"];
     if sp.is_object() {
         let n = |k: &str| sp[k].as_u64().unwrap_or(0);
@@ -82,8 +103,12 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
 }
 
 pub fn ctl(socket: &Path, action: Action, out: Option<PathBuf>, json: bool) -> Result<ExitCode> {
+    if matches!(action, Action::Status) {
+        return status(socket, json, false);
+    }
     let mut c = ControlClient::connect(socket)?;
     let req = match action {
+        Action::Status => Request::Status,
         Action::Pause => Request::Pause,
         Action::Resume => Request::Resume,
         Action::Quit => Request::Quit,

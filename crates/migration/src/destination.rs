@@ -35,7 +35,7 @@ pub fn receive_with_reconnect(
     timeout: Duration,
     reconnect_timeout: Duration,
 ) -> Result<DestinationStats, MigrationError> {
-    let mut session = DestSession::accept(listener, timeout)?;
+    let mut session = DestSession::accept(listener, timeout, vm)?;
     let direct = DirectSink::new(vm);
     // Pages land straight in memory until a postcopy switch, then through
     // userfaultfd (the plan tells; precopy never switches).

@@ -62,7 +62,8 @@ pub use destination::{receive, receive_with_reconnect};
 pub use error::{MigrationError, VmOpError};
 pub use memory::RegionView;
 pub use options::{
-    BackendKind, Compress, CompressOptions, MigrateOptions, Mode, PostcopyAfter, Rank, SplitOptions,
+    BackendKind, Compress, CompressOptions, MigrateOptions, MigrationToken, Mode, PostcopyAfter,
+    Rank, SplitOptions,
 };
 pub use paused::{Outcome, PausedPostcopy};
 pub use protocol::ProtocolError;

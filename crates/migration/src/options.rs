@@ -321,6 +321,36 @@ impl CompressOptions {
     }
 }
 
+/// A one-time migration token: a waiting destination started with
+/// `--token` takes a migration only from a source that presents it. It
+/// never appears in logs (its Debug is redacted).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct MigrationToken(pub String);
+
+impl MigrationToken {
+    /// A new random token: 128 bits from the kernel, as 32 hex digits.
+    pub fn generate() -> std::io::Result<MigrationToken> {
+        let mut b = [0u8; 16];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut b)?;
+        Ok(MigrationToken(
+            b.iter().map(|x| format!("{x:02x}")).collect(),
+        ))
+    }
+
+    /// True if `other` is this token, compared in constant time.
+    pub fn matches(&self, other: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), other.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+    }
+}
+
+impl std::fmt::Debug for MigrationToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MigrationToken(..)")
+    }
+}
+
 /// How to migrate. The fields come in sections by the modes that read
 /// them; every one has a default (`#[serde(default)]`), so a request may
 /// name only what it changes.
@@ -344,6 +374,9 @@ pub struct MigrateOptions {
     /// VM started there (precopy) or every page arrived (postcopy), before
     /// sending it back (ms; the source waits that long after the switch).
     pub timeline_tail_ms: u32,
+    /// The one-time token the destination demands (`ferry run --token`),
+    /// sent on the control connection (v9).
+    pub token: Option<MigrationToken>,
 
     // ── Precopy rounds (precopy, and the rounds of hybrid, split, gather) ──
     /// Stop iterating when the rest would take at most this long (ms).
@@ -383,6 +416,7 @@ impl Default for MigrateOptions {
             timeout_ms: defaults::TIMEOUT_MS,
             compression: CompressOptions::default(),
             timeline_tail_ms: defaults::TIMELINE_TAIL_MS,
+            token: None,
             downtime_ms: defaults::DOWNTIME_MS,
             max_rounds: defaults::MAX_ROUNDS,
             auto_converge: defaults::AUTO_CONVERGE,

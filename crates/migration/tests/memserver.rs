@@ -32,6 +32,7 @@ fn content(gpa: u64) -> Vec<u8> {
 
 #[test]
 fn pages_round_trip_and_the_capacity_holds() {
+    common::secure();
     let (srv, at) = common::mem_server(64);
     let (mut a, ack) = StoreClient::open(&at, T, &open("vm1", 40)).unwrap();
     assert_eq!((ack.held_pages, ack.free_pages), (0, 64));
@@ -95,6 +96,7 @@ fn pages_round_trip_and_the_capacity_holds() {
 
 #[test]
 fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
+    common::secure();
     let (srv, at) = common::mem_server(16);
     // A migration control connection is not for a memory server.
     let hello = Hello {

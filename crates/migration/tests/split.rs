@@ -288,16 +288,19 @@ fn split(rank: Rank) {
 
 #[test]
 fn split_with_clock_pages_chunks_in_and_out_and_loses_nothing() {
+    common::secure();
     split(Rank::Clock);
 }
 
 #[test]
 fn split_with_aging_pages_chunks_in_and_out_and_loses_nothing() {
+    common::secure();
     split(Rank::Aging);
 }
 
 #[test]
 fn with_two_replicas_the_vm_survives_a_dead_memory_server() {
+    common::secure();
     if !usable() {
         return;
     }
@@ -324,6 +327,7 @@ fn with_two_replicas_the_vm_survives_a_dead_memory_server() {
 
 #[test]
 fn without_replicas_a_dead_memory_server_stops_the_vm_and_says_which() {
+    common::secure();
     if !usable() {
         return;
     }
@@ -371,6 +375,7 @@ fn without_replicas_a_dead_memory_server_stops_the_vm_and_says_which() {
 
 #[test]
 fn gather_brings_a_split_vm_back_whole_while_it_pages() {
+    common::secure();
     if !usable() {
         return;
     }

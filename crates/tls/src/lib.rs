@@ -21,6 +21,8 @@ mod socket;
 pub use credentials::{default_dir, Credentials, CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_ENV};
 pub use error::TlsError;
 pub use peer::PeerIdentity;
+/// The rustls this crate builds on (its types appear in the API).
+pub use rustls;
 pub use socket::{Handshake, TlsSocket};
 
 /// How long a handshake may take before the connection is dropped: a

@@ -221,3 +221,16 @@ fn write_file(p: &Path, bytes: &[u8], secret: bool) -> Result<(), TlsError> {
     f.write_all(bytes).and_then(|_| f.sync_all()).map_err(err)?;
     std::fs::rename(&tmp, p).map_err(err)
 }
+
+/// A fleet of one host for tests and demos on one machine: a CA in
+/// `dir/ca` and host `name`'s credentials in `dir/name`, valid for
+/// 127.0.0.1, ::1 and localhost. Returns the host's directory.
+pub fn local_fleet(dir: &Path, name: &str) -> Result<PathBuf, TlsError> {
+    let ca = dir.join("ca");
+    let host = dir.join(name);
+    let _ = std::fs::remove_dir_all(&ca);
+    init_ca(&ca, "ferry local CA", Validity::days(7))?;
+    let sans = ["127.0.0.1", "::1", "localhost"].map(String::from);
+    issue(&ca, name, &host, &sans, Validity::days(7))?;
+    Ok(host)
+}

@@ -53,11 +53,13 @@ fn tracking_or_skip(vm: &Vm) -> bool {
 
 #[test]
 fn tracking_builds_histories_and_steps_aside_for_migrations() {
+    common::secure();
     tracking_case(WriteSource::Log, 1);
 }
 
 #[test]
 fn sampled_tracking_needs_no_dirty_log_and_steps_aside_for_migrations() {
+    common::secure();
     tracking_case(WriteSource::Sample, ferry_memory::DEFAULT_GRAIN_PAGES);
 }
 
@@ -152,6 +154,7 @@ fn tracking_case(writes: WriteSource, grain: u64) {
 
 #[test]
 fn without_tracking_there_is_no_history() {
+    common::secure();
     if !kvm_usable() {
         return;
     }

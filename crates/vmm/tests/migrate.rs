@@ -80,6 +80,7 @@ fn migrate_and_check(workload: &str, vcpus: u32) {
 
 #[test]
 fn idle_guest_migrates_with_few_bytes() {
+    common::secure();
     if !kvm_usable() {
         return;
     }
@@ -118,6 +119,7 @@ fn idle_guest_migrates_with_few_bytes() {
 
 #[test]
 fn compute_and_dirty_guests_migrate_and_keep_running() {
+    common::secure();
     if !kvm_usable() {
         return;
     }

@@ -68,6 +68,15 @@ pub struct RunArgs {
     /// source's.
     #[arg(long)]
     pub(super) incoming: Option<ferry_migration::Endpoint>,
+    /// With --incoming: take the migration only from this host (its
+    /// certificate must name it; TLS only).
+    #[arg(long, requires = "incoming", value_name = "NAME")]
+    pub(super) from: Option<String>,
+    /// With --incoming: demand this one-time migration token from the
+    /// source (`ferry migrate --token`); `auto` makes one, printed and shown
+    /// by `ferry status` as `token`.
+    #[arg(long, requires = "incoming", value_name = "auto|TOKEN")]
+    pub(super) token: Option<String>,
     /// With --incoming: advertise this waiting VMM in the host registry
     /// (a main host `ferry migrate --mode split` can pick), until a VM
     /// arrives.

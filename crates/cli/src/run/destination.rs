@@ -21,6 +21,29 @@ pub(super) fn receive(
 ) -> Result<DestinationStats> {
     let incoming = ferry_vmm::migration::WaitingDestination::listen(at)
         .context("cannot listen for the incoming migration")?;
+    let token = match args.token.as_deref() {
+        Some("auto") => Some(
+            ferry_migration::MigrationToken::generate()
+                .context("cannot make a migration token")?
+                .0,
+        ),
+        Some("") => anyhow::bail!("--token needs a value, or auto"),
+        t => t.map(str::to_string),
+    };
+    let tls = matches!(at, Endpoint::Tcp(_)) && ferry_migration::transport::credentials().is_some();
+    if args.from.is_some() && !tls {
+        anyhow::bail!("--from needs a TCP --incoming with TLS: a plaintext peer has no certificate to name it");
+    }
+    incoming.admit(ferry_migration::transport::Admission {
+        from: args.from.clone(),
+        token: token.clone(),
+    });
+    vm.set_waiting(Some(ferry_vmm::Waiting {
+        endpoint: incoming.endpoint().to_string(),
+        from: args.from.clone(),
+        token: token.clone(),
+        tls,
+    }));
     // Withdrawn (dropped) once a VM arrived.
     let _advert = if args.advertise {
         let registry = ferry_registry::open(args.registry.as_deref())?;
@@ -44,15 +67,26 @@ pub(super) fn receive(
     };
     if !quiet {
         eprintln!(
-            "ferry: waiting for an incoming migration on {}",
-            incoming.endpoint()
+            "ferry: waiting for an incoming migration on {}{}{}",
+            incoming.endpoint(),
+            if tls { " (mutual TLS)" } else { "" },
+            args.from
+                .as_deref()
+                .map(|f| format!(", only from {f}"))
+                .unwrap_or_default()
         );
     }
-    let got = match incoming.receive_with_reconnect(
+    if let (Some(t), Some("auto")) = (&token, args.token.as_deref()) {
+        // The operator hands it to whoever runs `ferry migrate --token`.
+        eprintln!("ferry: migration token {t}");
+    }
+    let got = incoming.receive_with_reconnect(
         vm,
         Duration::from_millis(defaults::TIMEOUT_MS),
         args.reconnect_timeout,
-    ) {
+    );
+    vm.set_waiting(None);
+    let got = match got {
         Ok(got) => got,
         // After a postcopy switch a failure ends a VM that ran
         // here, whether or not pages were missing.

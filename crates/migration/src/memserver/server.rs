@@ -74,8 +74,8 @@ impl MemServer {
     /// Accepts connections until stopped; each runs on a thread of its own.
     pub fn serve(self: &Arc<Self>, listener: &Listener) -> Result<(), MigrationError> {
         while !self.stop.load(Ordering::Relaxed) {
-            let s = match listener.accept(Duration::from_millis(200)) {
-                Ok(s) => s,
+            let (mut c, hello) = match listener.accept_hello(Duration::from_millis(200)) {
+                Ok(admitted) => admitted,
                 Err(MigrationError::Listen { source, .. })
                     if source.kind() == std::io::ErrorKind::TimedOut =>
                 {
@@ -88,10 +88,10 @@ impl MemServer {
             let spawned = std::thread::Builder::new()
                 .name("memserver-conn".into())
                 .spawn(move || {
-                    let Ok(mut c) = Conn::new(s, Some(IDLE)) else {
+                    if c.set_timeouts(Some(IDLE)).is_err() {
                         return;
-                    };
-                    match me.serve_conn(&mut c) {
+                    }
+                    match me.serve_conn(&mut c, &hello) {
                         Ok(()) | Err(MigrationError::Protocol(ProtocolError::Closed)) => {}
                         Err(e) => {
                             tracing::warn!("memory server connection: {e}");
@@ -143,15 +143,14 @@ impl MemServer {
         }
     }
 
-    fn serve_conn(&self, c: &mut Conn) -> Result<(), MigrationError> {
-        let hello: Hello = c.recv(Kind::Hello)?;
+    fn serve_conn(&self, c: &mut Conn, hello: &Hello) -> Result<(), MigrationError> {
         if hello.role != Role::Store {
             return Err(MigrationError::Unsupported(format!(
                 "this is a ferry memory server; a {:?} connection belongs to a VMM",
                 hello.role
             )));
         }
-        let version = protocol::negotiate(&hello)?;
+        let version = protocol::negotiate(hello)?;
         if version < protocol::VERSION_STORE {
             return Err(ProtocolError::Version {
                 min: hello.version_min,

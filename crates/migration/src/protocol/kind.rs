@@ -91,6 +91,9 @@ pub enum Kind {
     GatherPlan = 33,
     /// v8, the gathering destination: everything on the servers landed.
     GatherReady = 34,
+    /// v9, source to destination right after HelloAck: the one-time
+    /// migration token it was given (`Option<String>`).
+    Token = 35,
 }
 
 impl Kind {
@@ -132,6 +135,7 @@ impl Kind {
             32 => SplitPlan,
             33 => GatherPlan,
             34 => GatherReady,
+            35 => Token,
             _ => return None,
         })
     }
@@ -174,6 +178,7 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::SplitPlan => "SplitPlan",
         Kind::GatherPlan => "GatherPlan",
         Kind::GatherReady => "GatherReady",
+        Kind::Token => "Token",
     }
 }
 
@@ -186,14 +191,14 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=34, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 34);
+        // 1..=35, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 35);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(35), None);
+        assert_eq!(Kind::from_u16(36), None);
     }
 
     #[test]

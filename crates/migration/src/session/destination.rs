@@ -90,33 +90,47 @@ pub(crate) struct DestSession<'a> {
 }
 
 impl<'a> DestSession<'a> {
-    /// Waits (as long as it takes) for a source's control connection.
-    /// Connections that close without a word (port probes, health checks)
-    /// are ignored; anything else that is not a control Hello gets an Abort
-    /// and is dropped. The VM is untouched so far.
+    /// Waits (as long as it takes) for a source, and admits the first
+    /// whose control connection agrees on a version, presents the token
+    /// the listener demands (v9) and sends this VM's layout. Anyone else is
+    /// told why with an Abort and the wait goes on: a stranger or a
+    /// mistaken peer never ends it. The VM is untouched so far.
     pub(crate) fn accept(
         listener: &'a Listener,
         timeout: Duration,
+        vm: &dyn DestinationVm,
     ) -> Result<Self, MigrationError> {
+        let mine = super::layout_of(&vm.regions(), vm.vcpus());
         loop {
-            let s = listener.accept(Duration::from_secs(24 * 3600))?;
-            let mut c = Conn::new(s, Some(timeout)).map_err(ProtocolError::Io)?;
-            match c.recv::<Hello>(Kind::Hello) {
-                Ok(hello) if hello.role == Role::Control => {
+            let (mut c, hello) = listener.accept_hello(Duration::from_secs(24 * 3600))?;
+            let who = c
+                .peer()
+                .map(|p| p.name().to_string())
+                .unwrap_or_else(|| "a peer".into());
+            if hello.role != Role::Control {
+                c.abort("expected a ferry migration control Hello: no migration runs here yet");
+                continue;
+            }
+            match admit(&mut c, &hello, &listener.admission(), &mine) {
+                Ok(version) => {
+                    tracing::info!(peer = %who, "incoming migration admitted");
                     return Ok(DestSession {
                         listener,
                         timeout,
                         ctl: c,
                         hello,
-                        version: 0,
+                        version,
                         phase: DestPhase::Waiting,
                         clients_agreed: false,
                         tel: Telemetry::new(),
                         timeline_tail: None,
-                    })
+                    });
                 }
-                Err(ProtocolError::Closed) => continue,
-                Ok(_) | Err(_) => c.abort("expected a ferry migration control Hello"),
+                Err(why) => {
+                    tracing::warn!(peer = %who, "refused a migration: {why}; still waiting");
+                    c.abort(&why);
+                    c.drain(Duration::from_millis(200));
+                }
             }
         }
     }
@@ -140,25 +154,15 @@ impl<'a> DestSession<'a> {
         self.hello.session
     }
 
-    /// Agrees on a version, checks the source's layout against ours and
-    /// answers its clients plan (v5).
+    /// Answers the source's clients plan (v5) and timeline ask (v6); the
+    /// version, token and layout were agreed when it was admitted.
     pub(crate) fn handshake(&mut self, vm: &dyn DestinationVm) -> Result<(), MigrationError> {
-        let (regions, vcpus) = (vm.regions(), vm.vcpus());
+        let regions = vm.regions();
         if let Some(t) = vm.telemetry() {
             self.tel = t;
         }
         self.ctl
             .count_into(self.tel.link(&Role::Control.link_name()));
-        self.version = protocol::negotiate(&self.hello)?;
-        self.ctl.send(Kind::HelloAck, &self.version)?;
-        let layout: Layout = self.ctl.recv(Kind::Layout)?;
-        let mine = super::layout_of(&regions, vcpus);
-        if layout != mine {
-            return Err(MigrationError::Mismatch(format!(
-                "source has memory {:?} and {} vCPUs, this VM {:?} and {} vCPUs",
-                layout.regions, layout.vcpus, mine.regions, mine.vcpus
-            )));
-        }
         if self.version >= protocol::VERSION_CLIENTS {
             let plan: Option<ClientsPlan> = self.ctl.recv(Kind::ClientsPlan)?;
             if let Some(plan) = plan {
@@ -385,9 +389,54 @@ impl<'a> DestSession<'a> {
     }
 }
 
+/// One source's admission on its control connection: a version both
+/// speak (HelloAck), the token `rules` demand (v9) and this VM's layout.
+/// Nothing of the VM moves before it passes; the error says why not.
+fn admit(
+    c: &mut Conn,
+    hello: &Hello,
+    rules: &crate::transport::Admission,
+    mine: &Layout,
+) -> Result<u16, String> {
+    let version = protocol::negotiate(hello).map_err(|e| e.to_string())?;
+    if rules.token.is_some() && version < protocol::VERSION_TRUST {
+        return Err(format!(
+            "this destination demands a migration token (protocol v{}); the source speaks v{version}",
+            protocol::VERSION_TRUST
+        ));
+    }
+    c.send(Kind::HelloAck, &version)
+        .map_err(|e| e.to_string())?;
+    if version >= protocol::VERSION_TRUST {
+        let token: Option<String> = c.recv(Kind::Token).map_err(|e| e.to_string())?;
+        if let Some(want) = &rules.token {
+            let want = crate::options::MigrationToken(want.clone());
+            match token {
+                Some(t) if want.matches(&t) => {}
+                Some(_) => return Err("wrong migration token".into()),
+                None => {
+                    return Err(
+                        "this destination demands a migration token (ferry migrate --token)".into(),
+                    )
+                }
+            }
+        }
+    }
+    let layout: Layout = c.recv(Kind::Layout).map_err(|e| e.to_string())?;
+    if &layout != mine {
+        return Err(MigrationError::Mismatch(format!(
+            "source has memory {:?} and {} vCPUs, this VM {:?} and {} vCPUs",
+            layout.regions, layout.vcpus, mine.regions, mine.vcpus
+        ))
+        .to_string());
+    }
+    Ok(version)
+}
+
 /// Accepts `streams` bulk connections of `session` (clamped to 1-64),
-/// each by its role (and counted in `tel` under it); anything else fails
-/// the session.
+/// each by its role (and counted in `tel` under it), within `timeout` of
+/// the last one. Other connections are left to whoever asks for them (a
+/// stray is dropped by the listener after a while).
 pub(crate) fn accept_bulk(
     listener: &Listener,
     timeout: Duration,
@@ -398,22 +447,17 @@ pub(crate) fn accept_bulk(
     let n = streams.clamp(1, 64) as usize;
     let mut slots: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
     for _ in 0..n {
-        let (mut c, h) = listener.accept_hello(timeout)?;
-        match h.role {
-            Role::Bulk(i)
-                if h.session == session && (i as usize) < n && slots[i as usize].is_none() =>
-            {
-                c.count_into(tel.link(&h.role.link_name()));
-                slots[i as usize] = Some(c)
+        let (mut c, h) = listener.accept_matching(timeout, |h| match h.role {
+            Role::Bulk(i) => {
+                h.session == session && (i as usize) < n && slots[i as usize].is_none()
             }
-            _ => {
-                return Err(ProtocolError::Unexpected {
-                    got: Kind::Hello,
-                    want: "a bulk Hello of this session",
-                }
-                .into())
-            }
-        }
+            _ => false,
+        })?;
+        let Role::Bulk(i) = h.role else {
+            unreachable!("accept_matching took only bulk streams")
+        };
+        c.count_into(tel.link(&h.role.link_name()));
+        slots[i as usize] = Some(c);
     }
     slots
         .into_iter()

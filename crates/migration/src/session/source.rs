@@ -205,6 +205,10 @@ impl<'a> SourceSession<'a> {
         ));
         ctl.flush()?;
         self.version = ctl.recv(Kind::HelloAck)?;
+        if self.version >= protocol::VERSION_TRUST {
+            let token = self.opts.token.clone();
+            self.ctl()?.send(Kind::Token, &token)?;
+        }
         let layout = super::layout_of(&self.regions, self.vm.vcpus());
         self.ctl()?.send(Kind::Layout, &layout)?;
         self.plan_clients()?;

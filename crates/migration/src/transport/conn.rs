@@ -122,6 +122,16 @@ impl Conn {
         self.reader.set_read_timeout(t)
     }
 
+    /// Bounds every later read and write (None: block).
+    pub fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        self.writer.0.get_ref().set_timeouts(t)
+    }
+
+    /// Who the peer's certificate says it is (TLS links only).
+    pub fn peer(&self) -> Option<&ferry_tls::PeerIdentity> {
+        self.writer.0.get_ref().peer()
+    }
+
     /// True when a frame (or an end) can be read within `wait`.
     pub fn wait_readable(&self, wait: Duration) -> bool {
         self.reader.wait_readable(wait)
@@ -331,8 +341,8 @@ mod tests {
         assert!(!a.writer.is_tcp());
         assert_eq!(a.writer.delivery_rate(), None);
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let to = Endpoint::Tcp(l.local_addr().unwrap());
-        let mut c = Conn::new(Stream::connect(&to, Duration::from_secs(5)).unwrap(), None).unwrap();
+        let tcp = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let mut c = Conn::new(Stream::tcp(tcp), None).unwrap();
         let (server, _) = l.accept().unwrap();
         let t = std::thread::spawn(move || {
             let mut s = server;

@@ -5,17 +5,20 @@
 //!
 //! The transport is the only code that touches a socket: [`Stream`] (one
 //! socket and every operation on it), [`Conn`] (its buffered halves, and a
-//! [`Closer`] to cut it from another thread), [`Listener`]. The engine's
-//! modes and sessions see only these, so a layer such as TLS goes in here
-//! once.
+//! [`Closer`] to cut it from another thread), [`Listener`] (and its gate,
+//! which admits peers). The engine's modes and sessions see only these, so
+//! mutual TLS ([`Security`], installed once per process) lives here alone:
+//! every TCP link is TLS unless the process was told `--insecure`.
 
 mod conn;
 pub mod fds;
 mod listener;
+mod security;
 mod stream;
 
 pub use conn::{Closer, Conn, ConnReader, ConnWriter};
-pub use listener::Listener;
+pub use listener::{Admission, Listener, ADMISSION_TIMEOUT};
+pub use security::{credentials, install, Security};
 pub use stream::Stream;
 
 use std::net::{SocketAddr, ToSocketAddrs};

@@ -1,8 +1,9 @@
-//! One connected socket, TCP or Unix, and every way ferry touches it: reads
-//! and writes (counted into the link's meter), reads straight into guest
-//! memory, readiness, timeouts, shutdown and the kernel's TCP statistics.
-//! Nothing outside the transport sees the socket's descriptor, so a layer
-//! such as TLS can wrap the stream here and every byte passes through it.
+//! One connected socket, TCP, TLS over TCP or Unix, and every way ferry
+//! touches it: reads and writes (counted into the link's meter), reads
+//! straight into guest memory, readiness, timeouts, shutdown and the
+//! kernel's TCP statistics. Nothing outside the transport sees the
+//! socket's descriptor, so every byte passes through here, and TLS (the
+//! process's [`Security`](super::Security)) is decided here once.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -12,6 +13,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_tls::rustls::pki_types::ServerName;
+use ferry_tls::{Handshake, PeerIdentity, TlsSocket, HANDSHAKE_TIMEOUT};
+
+use super::security::{installed, Security};
 use super::Endpoint;
 use crate::telemetry::LinkMeter;
 
@@ -26,6 +31,7 @@ pub struct Stream {
 #[derive(Debug)]
 enum Sock {
     Tcp(TcpStream),
+    Tls(TlsSocket),
     Unix(UnixStream),
 }
 
@@ -46,18 +52,65 @@ impl Stream {
         Stream::of(Sock::Unix(s))
     }
 
-    /// Connects to `to`, waiting at most `timeout`.
+    /// Connects to `to`, waiting at most `timeout`; over TCP, runs the TLS
+    /// handshake this process's security asks for (the peer's certificate
+    /// must chain to the fleet CA and name the address connected to).
     pub fn connect(to: &Endpoint, timeout: Duration) -> io::Result<Stream> {
         match to {
-            Endpoint::Tcp(a) => Ok(Stream::tcp(TcpStream::connect_timeout(a, timeout)?)),
+            Endpoint::Tcp(a) => {
+                let security = installed().map_err(io::Error::other)?;
+                let tcp = TcpStream::connect_timeout(a, timeout)?;
+                let _ = tcp.set_nodelay(true);
+                match security {
+                    Security::Tls(creds) => {
+                        let side = Handshake::Client(
+                            creds.client_config(),
+                            ServerName::IpAddress(a.ip().into()),
+                        );
+                        let tls = TlsSocket::handshake(tcp, side, HANDSHAKE_TIMEOUT)
+                            .map_err(io::Error::other)?;
+                        Ok(Stream::of(Sock::Tls(tls)))
+                    }
+                    _ => Ok(Stream::tcp(tcp)),
+                }
+            }
             Endpoint::Unix(p) => Ok(Stream::unix(UnixStream::connect(p)?)),
         }
+    }
+
+    /// A TCP connection just accepted, after the handshake `security` asks
+    /// for (within a few seconds: a silent peer fails here).
+    pub(super) fn accepted_tcp(tcp: TcpStream, security: &Security) -> io::Result<Stream> {
+        let _ = tcp.set_nodelay(true);
+        match security {
+            Security::Tls(creds) => {
+                let side = Handshake::Server(creds.server_config());
+                let tls =
+                    TlsSocket::handshake(tcp, side, HANDSHAKE_TIMEOUT).map_err(io::Error::other)?;
+                Ok(Stream::of(Sock::Tls(tls)))
+            }
+            _ => Ok(Stream::tcp(tcp)),
+        }
+    }
+
+    /// Who the peer's certificate says it is (TLS links only).
+    pub fn peer(&self) -> Option<&PeerIdentity> {
+        match &self.sock {
+            Sock::Tls(t) => Some(t.peer()),
+            _ => None,
+        }
+    }
+
+    /// True if the link is encrypted and its peer authenticated.
+    pub fn is_tls(&self) -> bool {
+        matches!(self.sock, Sock::Tls(_))
     }
 
     /// A second handle on the same socket (counting into the same meter).
     pub(super) fn try_clone(&self) -> io::Result<Stream> {
         let sock = match &self.sock {
             Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
+            Sock::Tls(s) => Sock::Tls(s.try_clone()?),
             Sock::Unix(s) => Sock::Unix(s.try_clone()?),
         };
         Ok(Stream {
@@ -76,6 +129,7 @@ impl Stream {
         self.set_read_timeout(t)?;
         match &self.sock {
             Sock::Tcp(s) => s.set_write_timeout(t),
+            Sock::Tls(s) => s.tcp().set_write_timeout(t),
             Sock::Unix(s) => s.set_write_timeout(t),
         }
     }
@@ -84,6 +138,7 @@ impl Stream {
     pub(super) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match &self.sock {
             Sock::Tcp(s) => s.set_read_timeout(t),
+            Sock::Tls(s) => s.tcp().set_read_timeout(t),
             Sock::Unix(s) => s.set_read_timeout(t),
         }
     }
@@ -92,24 +147,36 @@ impl Stream {
     pub(super) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         match &self.sock {
             Sock::Tcp(s) => s.shutdown(how),
+            Sock::Tls(s) => {
+                if how != Shutdown::Read {
+                    s.close_notify();
+                }
+                s.tcp().shutdown(how)
+            }
             Sock::Unix(s) => s.shutdown(how),
         }
     }
 
     /// True for TCP (the kernel's delivery rate is known there).
     pub(super) fn is_tcp(&self) -> bool {
-        matches!(self.sock, Sock::Tcp(_))
+        matches!(self.sock, Sock::Tcp(_) | Sock::Tls(_))
     }
 
     fn fd(&self) -> RawFd {
         match &self.sock {
             Sock::Tcp(s) => s.as_raw_fd(),
+            Sock::Tls(s) => s.tcp().as_raw_fd(),
             Sock::Unix(s) => s.as_raw_fd(),
         }
     }
 
     /// True if the socket has bytes (or an end) to read within `wait`.
     pub(super) fn readable(&self, wait: Duration) -> bool {
+        if let Sock::Tls(t) = &self.sock {
+            if t.has_buffered() {
+                return true;
+            }
+        }
         poll_in(self.fd(), wait).unwrap_or(false)
     }
 
@@ -120,6 +187,13 @@ impl Stream {
     /// `ptr .. ptr + len` must be writable memory that nothing else reads or
     /// writes during the call.
     pub(super) unsafe fn read_raw(&mut self, ptr: *mut u8, len: usize) -> io::Result<usize> {
+        if let Sock::Tls(t) = &mut self.sock {
+            // SAFETY: the caller's promise: the range is ours to write for
+            // the call. Decrypted bytes are copied there once.
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+            let n = t.read(buf);
+            return self.counted(n, false);
+        }
         loop {
             // SAFETY: the caller's promise covers `ptr .. ptr + len`; read(2)
             // writes at most `len` bytes there.
@@ -172,6 +246,7 @@ impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = match &mut self.sock {
             Sock::Tcp(s) => s.read(buf),
+            Sock::Tls(s) => s.read(buf),
             Sock::Unix(s) => s.read(buf),
         };
         self.counted(n, false)
@@ -182,6 +257,7 @@ impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = match &mut self.sock {
             Sock::Tcp(s) => s.write(buf),
+            Sock::Tls(s) => s.write(buf),
             Sock::Unix(s) => s.write(buf),
         };
         self.counted(n, true)
@@ -189,6 +265,7 @@ impl Write for Stream {
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         let n = match &mut self.sock {
             Sock::Tcp(s) => s.write_vectored(bufs),
+            Sock::Tls(s) => s.write_vectored(bufs),
             Sock::Unix(s) => s.write_vectored(bufs),
         };
         self.counted(n, true)

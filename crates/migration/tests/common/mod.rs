@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod fake_vm;
+pub mod postcopy_rig;
 
 use std::sync::Arc;
 
@@ -38,4 +39,23 @@ pub fn uffd_usable(features: ferry_memory::Features, what: &str) -> bool {
 pub fn done(o: ferry_migration::Outcome) -> ferry_migration::MigrationStats {
     o.done()
         .expect("the migration finished (not a paused postcopy)")
+}
+
+/// Every test's TCP links speak mutual TLS, as ferry's do: a throwaway
+/// fleet (one CA, one host valid for 127.0.0.1) made once per test binary
+/// and installed as this process's security.
+pub fn secure() {
+    static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    FLEET.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()));
+        let host = ferry_tls::pki::local_fleet(&dir, "test-host").expect("a test fleet");
+        let creds = ferry_tls::Credentials::load(&host).expect("the test fleet's credentials");
+        ferry_migration::transport::install(ferry_migration::transport::Security::Tls(creds));
+    });
+}
+
+/// Plaintext links, for the tests that must read the frames on the wire
+/// (a relay cutting at a given message): what `--insecure` gives.
+pub fn insecure() {
+    ferry_migration::transport::install(ferry_migration::transport::Security::Insecure);
 }

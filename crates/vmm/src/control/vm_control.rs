@@ -153,6 +153,8 @@ impl ControlHandler for VmControl {
                 "vm_address": vm.service().and_then(|s| s.vm_address()).map(|a| a.to_string()),
                 "split": vm.pager_stats(),
                 "access": vm.access().status(),
+                "incoming": vm.waiting(),
+                "token": vm.waiting().and_then(|w| w.token),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),

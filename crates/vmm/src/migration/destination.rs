@@ -130,6 +130,12 @@ impl WaitingDestination {
         self.listener.endpoint()
     }
 
+    /// Who may bring the VM: only the host named (`--from`), only with
+    /// the token (`--token`).
+    pub fn admit(&self, rules: ferry_migration::transport::Admission) {
+        self.listener.admit(rules)
+    }
+
     /// Waits for a source and receives the migration into `vm`, which runs
     /// once this returns Ok; `timeout` bounds each step after the source
     /// connected. On failure the VM was never started.

@@ -162,6 +162,7 @@ impl Vm {
             pager_final: Mutex::new(None),
             dirty,
             access: AccessSlot::default(),
+            waiting: Mutex::new(None),
             vm_fd,
             _kvm: kvm,
             host_info,

@@ -66,6 +66,9 @@ pub struct Vm {
     dirty: Arc<DirtyLog>,
     /// Access tracking, when on.
     access: AccessSlot,
+    /// While this VM waits for an incoming migration: where, and who may
+    /// bring it (shown by `status`).
+    waiting: Mutex<Option<Waiting>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -73,7 +76,34 @@ pub struct Vm {
     memory: Arc<GuestMemory>,
 }
 
+/// Where a VM waits for its incoming migration and who may bring it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Waiting {
+    /// The endpoint it listens on.
+    pub endpoint: String,
+    /// Only this host may (`--from`).
+    pub from: Option<String>,
+    /// The one-time token a source must present (`--token`).
+    pub token: Option<String>,
+    /// True if the link is mutual TLS.
+    pub tls: bool,
+}
+
 impl Vm {
+    /// Says where and how this VM waits for its migration (None: it does
+    /// not wait any more).
+    pub fn set_waiting(&self, w: Option<Waiting>) {
+        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = w;
+    }
+
+    /// Where and how this VM waits for its migration, if it does.
+    pub fn waiting(&self) -> Option<Waiting> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Starts access tracking on this running VM (a failure is logged and
     /// shown in its status; the VM runs on without it).
     pub fn start_access(&self, config: AccessConfig) {

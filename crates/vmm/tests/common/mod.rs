@@ -1,4 +1,6 @@
 //! Shared by the integration tests that need KVM.
+// Each test file uses its own subset of these.
+#![allow(dead_code)]
 
 /// True if /dev/kvm can be opened; otherwise says loudly that the test skips.
 pub fn kvm_usable() -> bool {
@@ -13,4 +15,17 @@ pub fn kvm_usable() -> bool {
             false
         }
     }
+}
+
+/// Every test's TCP links speak mutual TLS, as ferry's do: a throwaway
+/// fleet (one CA, one host valid for 127.0.0.1) made once per test binary
+/// and installed as this process's security.
+pub fn secure() {
+    static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    FLEET.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()));
+        let host = ferry_tls::pki::local_fleet(&dir, "test-host").expect("a test fleet");
+        let creds = ferry_tls::Credentials::load(&host).expect("the test fleet's credentials");
+        ferry_migration::transport::install(ferry_migration::transport::Security::Tls(creds));
+    });
 }

@@ -142,7 +142,12 @@ impl PostcopyDestination<'_> {
                     self.cx.reconnect_timeout.as_secs_f64()
                 )));
             }
-            let (mut c, h) = match self.cx.listener.accept_hello(left) {
+            let session = self.cx.session;
+            let (mut c, h) = match self
+                .cx
+                .listener
+                .accept_matching(left, |h| h.role == Role::Resume && h.session == session)
+            {
                 Ok(got) => got,
                 Err(MigrationError::Listen { source, .. })
                     if source.kind() != std::io::ErrorKind::TimedOut =>
@@ -154,10 +159,6 @@ impl PostcopyDestination<'_> {
                 }
                 Err(_) => continue,
             };
-            if h.role != Role::Resume || h.session != self.cx.session {
-                c.abort("this destination runs a migrated VM and waits only for its own source to resume");
-                continue;
-            }
             match self.resume_with(&mut c, &h) {
                 Ok(()) => return Ok(c),
                 Err(e) => {

@@ -122,15 +122,11 @@ impl<'a> PostcopyDestination<'a> {
 
     /// Accepts this session's demand connection.
     fn accept_demand(&self) -> Result<Conn, MigrationError> {
-        let (mut c, h) = self.cx.listener.accept_hello(self.cx.timeout)?;
+        let session = self.cx.session;
+        let (mut c, h) = self.cx.listener.accept_matching(self.cx.timeout, |h| {
+            h.role == Role::Demand && h.session == session
+        })?;
         c.count_into(self.tel.link(&h.role.link_name()));
-        if h.role != Role::Demand || h.session != self.cx.session {
-            return Err(ProtocolError::Unexpected {
-                got: Kind::Hello,
-                want: "the demand connection of this session",
-            }
-            .into());
-        }
         Ok(c)
     }
 

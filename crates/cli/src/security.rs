@@ -1,0 +1,40 @@
+//! What this process's TCP links speak, chosen once at start from the
+//! global flags: mutual TLS with the host's credentials (`--tls-dir`, else
+//! `FERRY_TLS_DIR`, else `/etc/ferry/tls`), or plaintext with `--insecure`
+//! (or `FERRY_INSECURE=1`). The choice is written back into the
+//! environment so that a VMM this process starts (a handover's new
+//! process) makes the same one.
+
+use std::path::PathBuf;
+
+use ferry_migration::transport::{self, Security};
+use ferry_tls::{Credentials, TLS_DIR_ENV};
+
+/// The environment variable that means `--insecure`.
+pub const INSECURE_ENV: &str = "FERRY_INSECURE";
+
+/// Where this host's credentials are: the flag, the environment, the
+/// default.
+pub fn tls_dir(flag: Option<PathBuf>) -> PathBuf {
+    flag.or_else(|| std::env::var_os(TLS_DIR_ENV).map(PathBuf::from))
+        .unwrap_or_else(ferry_tls::default_dir)
+}
+
+/// Installs the process's security. Missing credentials are not an error
+/// here: a VM that never migrates needs none, and the first TCP link says
+/// what is missing and how to make it.
+pub fn install(flag: Option<PathBuf>, insecure: bool) {
+    let insecure = insecure || std::env::var(INSECURE_ENV).is_ok_and(|v| v == "1");
+    if insecure {
+        // Called before any thread starts (first thing in main).
+        std::env::set_var(INSECURE_ENV, "1");
+        transport::install(Security::Insecure);
+        return;
+    }
+    let dir = tls_dir(flag);
+    std::env::set_var(TLS_DIR_ENV, &dir);
+    match Credentials::load(&dir) {
+        Ok(c) => transport::install(Security::Tls(c)),
+        Err(e) => transport::install(Security::Missing(std::sync::Arc::new(e))),
+    }
+}

@@ -1,0 +1,73 @@
+//! How this process secures the TCP links it opens and accepts: mutual TLS
+//! with the host's credentials, or plaintext when an operator said
+//! `--insecure`. Chosen once, at start, for the whole process (a host has
+//! one identity); Unix-socket links stay on the host and are not wrapped.
+
+use std::sync::{Arc, RwLock};
+
+use ferry_tls::{Credentials, TlsError};
+
+/// What the TCP links of this process speak.
+#[derive(Clone)]
+pub enum Security {
+    /// Mutual TLS: this host's certificate, the fleet CA's for peers.
+    Tls(Arc<Credentials>),
+    /// Plaintext, unauthenticated: only with `--insecure`.
+    Insecure,
+    /// No credentials were found and plaintext was not asked for: every
+    /// TCP link fails with this (which says how to make them).
+    Missing(Arc<TlsError>),
+}
+
+impl std::fmt::Debug for Security {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Security::Tls(c) => write!(f, "Tls({})", c.dir().display()),
+            Security::Insecure => f.write_str("Insecure"),
+            Security::Missing(e) => write!(f, "Missing({e})"),
+        }
+    }
+}
+
+static INSTALLED: RwLock<Option<Security>> = RwLock::new(None);
+
+/// Chooses what every TCP link of this process speaks from now on.
+pub fn install(s: Security) {
+    if matches!(s, Security::Insecure) {
+        tracing::warn!(
+            "--insecure: migration and memory-server links of this process are PLAINTEXT and \
+             UNAUTHENTICATED: anyone on the network can read the guest's memory, and anyone who \
+             reaches a waiting port can push a VM into it"
+        );
+    }
+    *INSTALLED.write().unwrap_or_else(|p| p.into_inner()) = Some(s);
+}
+
+/// What was installed; nothing installed is an error (a library user must
+/// choose, as the CLI does).
+pub(crate) fn installed() -> Result<Security, TlsError> {
+    match INSTALLED.read().unwrap_or_else(|p| p.into_inner()).clone() {
+        Some(Security::Missing(e)) => Err(clone_err(&e)),
+        Some(s) => Ok(s),
+        None => Err(TlsError::Config(
+            "this process chose neither TLS credentials nor --insecure for its TCP links \
+             (ferry_migration::transport::install)"
+                .into(),
+        )),
+    }
+}
+
+/// The credentials in use, if any (for status and the registry client).
+pub fn credentials() -> Option<Arc<Credentials>> {
+    match INSTALLED.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        Some(Security::Tls(c)) => Some(c.clone()),
+        _ => None,
+    }
+}
+
+fn clone_err(e: &TlsError) -> TlsError {
+    match e {
+        TlsError::Missing { dir } => TlsError::Missing { dir: dir.clone() },
+        other => TlsError::Config(other.to_string()),
+    }
+}
