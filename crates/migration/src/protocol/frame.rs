@@ -154,15 +154,28 @@ pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, Pr
     Ok(h.kind)
 }
 
+/// The first piece of a body read before more of it has arrived.
+const BODY_STEP: usize = 64 << 10;
+
 /// Reads the body that `h` announced and checks its checksum (an Abort
-/// frame becomes the `Aborted` error).
+/// frame becomes the `Aborted` error). The buffer grows with what
+/// arrives, each piece at most as large as what came before it (64 KiB
+/// first): a peer that announces 32 MiB and sends nothing costs 64 KiB,
+/// not 32 MiB. A reused buffer that is large enough already is filled in
+/// one read, as before.
 pub fn read_body_into(
     r: &mut impl Read,
     h: &Header,
     body: &mut Vec<u8>,
 ) -> Result<(), ProtocolError> {
-    body.resize(h.len as usize, 0);
-    r.read_exact(body).map_err(eof_is_truncated)?;
+    let len = h.len as usize;
+    body.clear();
+    while body.len() < len {
+        let have = body.len();
+        let step = (len - have).min(have.max(BODY_STEP).max(body.capacity() - have));
+        body.resize(have + step, 0);
+        r.read_exact(&mut body[have..]).map_err(eof_is_truncated)?;
+    }
     if crate::checksum::crc32c(body) != h.crc {
         return Err(ProtocolError::Checksum {
             kind: h.kind,
@@ -405,6 +418,55 @@ mod tests {
             Kind::ZeroRanges
         );
         assert_eq!(body, [2; 3]);
+    }
+
+    /// A reader that announces a body and then sends `sent` bytes of it,
+    /// recording the largest buffer it was asked to fill.
+    struct Stingy {
+        header: Vec<u8>,
+        sent: usize,
+        largest: usize,
+    }
+
+    impl Read for Stingy {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if !self.header.is_empty() {
+                let n = buf.len().min(self.header.len());
+                buf[..n].copy_from_slice(&self.header[..n]);
+                self.header.drain(..n);
+                return Ok(n);
+            }
+            self.largest = self.largest.max(buf.len());
+            let n = buf.len().min(self.sent);
+            buf[..n].fill(7);
+            self.sent -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_body_announced_but_not_sent_costs_only_what_arrived() {
+        let mut header = frame(Kind::State, b"");
+        header[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());
+        let mut r = Stingy {
+            header,
+            sent: 100_000,
+            largest: 0,
+        };
+        let mut body = Vec::new();
+        let e = read_frame_into(&mut r, &mut body).unwrap_err();
+        assert!(matches!(e, ProtocolError::Truncated), "{e:?}");
+        // 100 000 bytes arrived: the buffer grew to 128 KiB, not 32 MiB.
+        assert!(body.capacity() <= 256 << 10, "{}", body.capacity());
+        assert!(r.largest <= 128 << 10, "{}", r.largest);
+        // A whole body still reads back, and a reused large buffer takes a
+        // smaller one in one read.
+        let big: Vec<u8> = (0..(3 << 20)).map(|i| (i % 253) as u8).collect();
+        let mut body = Vec::new();
+        read_frame_into(&mut &frame(Kind::State, &big)[..], &mut body).unwrap();
+        assert_eq!(body, big);
+        read_frame_into(&mut &frame(Kind::State, &big[..5000])[..], &mut body).unwrap();
+        assert_eq!(body, &big[..5000]);
     }
 
     #[test]

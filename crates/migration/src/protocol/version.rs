@@ -113,6 +113,7 @@ mod tests {
             VERSION_TIMELINE,
             VERSION_STORE,
             VERSION_SPLIT,
+            VERSION_TRUST,
         ];
         assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
         assert!(features

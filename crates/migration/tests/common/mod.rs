@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod fake_vm;
+pub mod store_peer;
 
 use std::sync::Arc;
 
