@@ -12,7 +12,7 @@
 //! ```
 //!
 //! All integers are little-endian. Reading checks, in order: magic, kind,
-//! length limit (the header alone, [`read_header`]), then the body's
+//! flags (0), length limit (the header alone, [`read_header`]), then the body's
 //! checksum ([`read_body_into`]); an Abort frame comes back as the
 //! `Aborted` error. Bulk streams read the header first so that Pages land
 //! straight in guest memory (pagein.rs) instead of a buffer.
@@ -37,7 +37,8 @@ pub struct Frame {
     pub body: Vec<u8>,
 }
 
-/// A frame header, checked (magic, kind, length limit) but not its body.
+/// A frame header, checked (magic, kind, flags, length limit) but not its
+/// body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     /// Kind.
@@ -108,7 +109,8 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
     Ok(Frame { kind, body })
 }
 
-/// Reads and checks one frame header. A clean end of stream before the
+/// Reads and checks one frame header (magic, kind, flags 0, length
+/// limit). A clean end of stream before the
 /// first byte is `Closed`; in the middle, `Truncated`.
 pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     let mut h = [0u8; HEADER];
@@ -128,8 +130,12 @@ pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     }
     let raw_kind = u16::from_le_bytes([h[4], h[5]]);
     let kind = Kind::from_u16(raw_kind).ok_or(ProtocolError::BadKind(raw_kind))?;
-    // h[6..8] is `flags`, written 0 and not read yet: a check that it is 0
-    // belongs here, next to the other header checks.
+    // No flag is defined: a frame with one set is from a peer this build
+    // does not understand, or corrupt.
+    let flags = u16::from_le_bytes([h[6], h[7]]);
+    if flags != 0 {
+        return Err(ProtocolError::BadFlags { kind, flags });
+    }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if len as usize > MAX_BODY {
         return Err(ProtocolError::TooLarge(len));
@@ -470,12 +476,25 @@ mod tests {
     }
 
     #[test]
-    fn the_flags_field_is_not_checked_yet() {
-        // Today's behaviour, pinned: a peer's flags are ignored. When the
-        // header check of `flags` lands (read_header), this test changes.
-        let mut wire = frame(Kind::Complete, b"");
-        wire[6..8].copy_from_slice(&0xffffu16.to_le_bytes());
-        assert_eq!(read_frame(&mut &wire[..]).unwrap().kind, Kind::Complete);
+    fn a_frame_with_any_flag_set_is_refused_from_its_header() {
+        for flags in [1u16, 0x8000, 0xffff] {
+            let mut wire = frame(Kind::Complete, b"");
+            wire[6..8].copy_from_slice(&flags.to_le_bytes());
+            let e = read_frame(&mut &wire[..]).unwrap_err();
+            assert!(
+                matches!(e, ProtocolError::BadFlags { kind: Kind::Complete, flags: f } if f == flags),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("must be 0"), "{e}");
+            // The header alone is refused: no body is read.
+            let mut wire = frame(Kind::Pages, b"");
+            wire[6..8].copy_from_slice(&flags.to_le_bytes());
+            wire[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());
+            assert!(matches!(
+                read_header(&mut &wire[..]),
+                Err(ProtocolError::BadFlags { .. })
+            ));
+        }
     }
 
     #[test]
