@@ -297,7 +297,7 @@ mod tests {
         // A directory so deep that the temporary path beside the socket is
         // too long to bind directly (it is reached through /proc).
         let base = std::env::temp_dir().join(format!("ferry-deep-{}-", std::process::id()));
-        let pad = 80usize.saturating_sub(base.as_os_str().len()).max(1);
+        let pad = 90usize.saturating_sub(base.as_os_str().len()).max(1);
         let deep = PathBuf::from(format!("{}{}", base.display(), "d".repeat(pad)));
         let _ = std::fs::remove_dir_all(&deep);
         std::fs::create_dir_all(&deep).unwrap();
