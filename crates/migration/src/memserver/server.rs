@@ -41,6 +41,7 @@ pub struct MemServer {
     stop: AtomicBool,
     pub(super) limits: Limits,
     slots: Arc<Slots>,
+    refusers: Arc<Slots>,
     pub(super) budget: Arc<Budget>,
 }
 
@@ -49,6 +50,8 @@ pub struct MemServer {
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How long a refused connection may take to read its Abort.
 const REFUSE_DRAIN: Duration = Duration::from_millis(200);
+/// Refusals being sent at once.
+const REFUSERS: usize = 16;
 
 impl MemServer {
     /// A server for at most `capacity_pages` pages, with the default limits.
@@ -64,6 +67,7 @@ impl MemServer {
             stats: ServerStats::default(),
             stop: AtomicBool::new(false),
             slots: Slots::new(limits.max_connections),
+            refusers: Slots::new(REFUSERS),
             budget: Budget::new(limits.buffer_bytes),
             limits,
         })
@@ -151,13 +155,25 @@ impl MemServer {
         Ok(())
     }
 
-    /// Tells a connection there is no slot for it, and closes it.
+    /// Tells a connection there is no slot for it, and closes it: on a
+    /// short-lived thread (at most [`REFUSERS`] at once), so that peers
+    /// that never read their refusal cannot slow the accept loop; past
+    /// that, the connection is just closed.
     fn refuse(&self, s: Stream, why: &StoreError) {
         self.stats.refused.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut c) = Conn::new(s, Some(REFUSE_DRAIN)) {
-            c.abort(&why.to_string());
-            c.drain(REFUSE_DRAIN);
-        }
+        let Some(slot) = self.refusers.take() else {
+            return;
+        };
+        let why = why.to_string();
+        let _ = std::thread::Builder::new()
+            .name("memserver-refuse".into())
+            .spawn(move || {
+                let _slot = slot;
+                if let Ok(mut c) = Conn::new(s, Some(REFUSE_DRAIN)) {
+                    c.abort(&why);
+                    c.drain(REFUSE_DRAIN);
+                }
+            });
     }
 
     /// The store for a StoreOpen, made on the first open and bound to its
