@@ -60,8 +60,29 @@ fn endpoint(addr: &str) -> Result<Endpoint> {
         .map_err(|e| anyhow::anyhow!("--listen {e}"))
 }
 
+/// Raises this process's descriptor limit to its hard limit: each
+/// connection takes two descriptors, and a server with a 1024-descriptor
+/// soft limit would run out long before its connection cap. Best effort
+/// (the server lives through running out anyway).
+fn raise_nofile() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write only the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                tracing::debug!("cannot raise the descriptor limit");
+            }
+        }
+    }
+}
+
 /// Runs a memory server until stopped.
 pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
+    raise_nofile();
     let listener = Listener::bind(&endpoint(&a.listen)?)?;
     let at = listener.endpoint().to_string();
     let at = at.strip_prefix("tcp:").unwrap_or(&at).to_string();
@@ -134,6 +155,8 @@ pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
         "connections": st.connections.load(Ordering::Relaxed),
         "pages_in": st.pages_in.load(Ordering::Relaxed),
         "pages_out": st.pages_out.load(Ordering::Relaxed),
+        "refused": st.refused.load(Ordering::Relaxed),
+        "accept_errors": st.accept_errors.load(Ordering::Relaxed),
         "held_pages": server.vms().iter().map(|(_, n)| n).sum::<u64>(),
         "vms": server.vms().into_iter().map(|(v, n)| json!({"vm": v, "pages": n})).collect::<Vec<_>>(),
     });

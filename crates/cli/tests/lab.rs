@@ -15,9 +15,13 @@ fn ferry() -> &'static str {
     env!("CARGO_BIN_EXE_ferry")
 }
 
+/// Runs ferry on lab host `host`, as that host: its own certificate is at
+/// /etc/ferry/tls there (`ferry lab up` put it), so the test binary's own
+/// FERRY_TLS_DIR (for loopback tests) must not reach it.
 fn in_host(host: &str, args: &[&str]) -> Command {
     let mut c = Command::new("ip");
     c.args(["netns", "exec", host, ferry()]).args(args);
+    c.env_remove("FERRY_TLS_DIR");
     c
 }
 

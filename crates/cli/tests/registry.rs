@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{ferry, free_port, wait_listening};
-use ferry_migration::memserver::{StoreClient, StoreOpen};
+use ferry_migration::memserver::{StoreClient, StoreOpen, StoreSecret};
 use ferry_migration::Endpoint;
 use serde_json::Value;
 
@@ -94,6 +94,7 @@ fn exercise(registry: &str) {
         vm: "t".into(),
         regions: vec![(0, 4 << 20)],
         reserve_pages: 256,
+        secret: StoreSecret::random().unwrap(),
     };
     let (mut c, _) = StoreClient::open(&at, Duration::from_secs(5), &open).unwrap();
     let gpas: Vec<u64> = (0..256u64).map(|i| i * 4096).collect();

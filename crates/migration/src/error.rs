@@ -31,6 +31,9 @@ pub enum MigrationError {
     /// Pages could not land in the destination's memory.
     #[error(transparent)]
     Sink(#[from] SinkError),
+    /// A memory server refused a peer or a request.
+    #[error(transparent)]
+    Store(#[from] crate::memserver::StoreError),
     /// The two sides describe different VMs.
     #[error("the destination VM does not match: {0}")]
     Mismatch(String),

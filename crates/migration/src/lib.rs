@@ -44,6 +44,7 @@ pub(crate) mod postcopy;
 pub(crate) mod precopy;
 pub(crate) mod priority;
 pub mod protocol;
+pub mod random;
 pub mod ranges;
 pub(crate) mod receiver;
 pub(crate) mod sender;

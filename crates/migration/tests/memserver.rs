@@ -7,7 +7,7 @@ mod common;
 use std::io::Write;
 use std::time::Duration;
 
-use ferry_migration::memserver::{StoreClient, StoreOpen};
+use ferry_migration::memserver::{StoreClient, StoreOpen, StoreSecret};
 use ferry_migration::protocol::{self, Hello, Kind, Role};
 use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
@@ -20,7 +20,18 @@ fn open(vm: &str, reserve: u64) -> StoreOpen {
         vm: vm.into(),
         regions: vec![(0, 1 << 20), (1 << 32, 1 << 20)],
         reserve_pages: reserve,
+        secret: secret(vm),
     }
+}
+
+/// The owner's secret of test VM `vm` (fixed, so every connection of the
+/// test opens as the owner).
+fn secret(vm: &str) -> StoreSecret {
+    let mut b = [0x5a; 32];
+    for (i, c) in vm.bytes().enumerate() {
+        b[i % 32] ^= c;
+    }
+    StoreSecret(b)
 }
 
 /// Page `gpa`'s test content.
@@ -35,7 +46,8 @@ fn pages_round_trip_and_the_capacity_holds() {
     common::secure();
     let (srv, at) = common::mem_server(64);
     let (mut a, ack) = StoreClient::open(&at, T, &open("vm1", 40)).unwrap();
-    assert_eq!((ack.held_pages, ack.free_pages), (0, 64));
+    // The reservation is kept for vm1: no one else may take it.
+    assert_eq!((ack.held_pages, ack.free_pages), (0, 24));
     let gpas: Vec<u64> = (0..40u64)
         .map(|i| {
             if i < 20 {
@@ -110,7 +122,7 @@ fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
     c.flush().unwrap();
     let e = protocol::read_frame(c.reader()).unwrap_err().to_string();
     assert!(e.contains("memory server"), "{e}");
-    // A client too old for memory servers.
+    // Clients too old for memory servers (v8 ones had no owner secrets).
     let old = Hello {
         version_min: 1,
         version_max: 6,
@@ -118,9 +130,20 @@ fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
         session: 0,
         streams: 0,
     };
-    let mut c = Conn::open(&at, T, &old).unwrap();
-    c.flush().unwrap();
-    assert!(protocol::read_frame(c.reader()).is_err());
+    for max in [6, protocol::VERSION_SPLIT] {
+        let mut c = Conn::open(
+            &at,
+            T,
+            &Hello {
+                version_max: max,
+                ..old.clone()
+            },
+        )
+        .unwrap();
+        c.flush().unwrap();
+        let e = protocol::read_frame(c.reader()).unwrap_err().to_string();
+        assert!(e.contains("memory servers need protocol v9"), "{e}");
+    }
     // Not a ferry peer at all.
     let mut s = std::net::TcpStream::connect(at.to_string().trim_start_matches("tcp:")).unwrap();
     s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();

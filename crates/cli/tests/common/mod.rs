@@ -5,8 +5,46 @@
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// Every ferry these tests start speaks mutual TLS on its TCP links, as a
+/// host of a fleet made here once per test binary with `ferry pki` (one
+/// host valid for 127.0.0.1): FERRY_TLS_DIR points at it, and children
+/// inherit it. Each helper below calls this first; a test that starts
+/// ferry itself calls it too.
+pub fn fleet() {
+    static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    FLEET.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ferry-cli-fleet-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (ca, host) = (dir.join("ca"), dir.join("host"));
+        let bin = env!("CARGO_BIN_EXE_ferry");
+        let ok = |args: &[&str]| {
+            let o = Command::new(bin).args(args).output().unwrap();
+            assert!(
+                o.status.success(),
+                "ferry {args:?}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        };
+        ok(&["pki", "init", "--dir", ca.to_str().unwrap()]);
+        ok(&[
+            "pki",
+            "issue",
+            "test-host",
+            "--dir",
+            ca.to_str().unwrap(),
+            "--out",
+            host.to_str().unwrap(),
+            "--san",
+            "127.0.0.1",
+        ]);
+        // Set before any test thread starts a child that reads it.
+        std::env::set_var("FERRY_TLS_DIR", &host);
+    });
+}
+
 /// Runs the ferry under test with `args` and waits for it.
 pub fn ferry(args: &[&str]) -> Output {
+    fleet();
     Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
         .output()
@@ -15,6 +53,7 @@ pub fn ferry(args: &[&str]) -> Output {
 
 /// A TCP port free on loopback right now.
 pub fn free_port() -> u16 {
+    fleet();
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -42,6 +81,7 @@ pub fn wait_listening(port: u16, within: Duration) {
 
 /// True if /dev/kvm can be opened; otherwise says loudly that the test skips.
 pub fn kvm_usable() -> bool {
+    fleet();
     match std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -67,6 +107,7 @@ impl Drop for Reaper {
 
 /// Starts the ferry under test with `args`, its output discarded.
 pub fn spawn_reaped(args: &[&str]) -> Reaper {
+    fleet();
     Reaper(
         Command::new(env!("CARGO_BIN_EXE_ferry"))
             .args(args)

@@ -1,7 +1,9 @@
 //! A connection to a memory server, as the engine uses it: put pages,
-//! make sure they landed, fetch them back, forget them.
+//! make sure they landed, fetch them back, forget them. It opens with the
+//! store's owner secret (v9), cuts long requests to the server's limits,
+//! and reopens by itself when the server closed it for being idle.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::batch::{self, PageBatch};
 use crate::error::MigrationError;
@@ -9,13 +11,21 @@ use crate::protocol::{self, Hello, Kind, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::transport::{Conn, Endpoint};
 
+use super::limits::MAX_RUNS;
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 
 /// One connection to one memory server, for one VM.
 pub struct StoreClient {
     conn: Conn,
+    to: Endpoint,
     addr: String,
+    timeout: Duration,
+    open: StoreOpen,
     token: u64,
+    /// How long the server keeps a silent connection (from its StoreAck).
+    idle: Option<Duration>,
+    /// When the last request went out.
+    last: Instant,
 }
 
 impl StoreClient {
@@ -25,8 +35,29 @@ impl StoreClient {
         timeout: Duration,
         open: &StoreOpen,
     ) -> Result<(Self, StoreAck), MigrationError> {
+        let (conn, ack) = Self::connect(to, timeout, open)?;
+        Ok((
+            StoreClient {
+                conn,
+                to: to.clone(),
+                addr: to.to_string(),
+                timeout,
+                open: open.clone(),
+                token: 0,
+                idle: (ack.idle_secs > 0).then(|| Duration::from_secs(ack.idle_secs.into())),
+                last: Instant::now(),
+            },
+            ack,
+        ))
+    }
+
+    fn connect(
+        to: &Endpoint,
+        timeout: Duration,
+        open: &StoreOpen,
+    ) -> Result<(Conn, StoreAck), MigrationError> {
         let hello = Hello {
-            version_min: protocol::VERSION_STORE,
+            version_min: protocol::VERSION_TRUST,
             version_max: protocol::VERSION_MAX,
             role: Role::Store,
             session: 0,
@@ -37,14 +68,26 @@ impl StoreClient {
         let _version: u16 = conn.recv(Kind::HelloAck)?;
         conn.send(Kind::StoreOpen, open)?;
         let ack: StoreAck = conn.recv(Kind::StoreAck)?;
-        Ok((
-            StoreClient {
-                conn,
-                addr: to.to_string(),
-                token: 0,
-            },
-            ack,
-        ))
+        Ok((conn, ack))
+    }
+
+    /// Before each request: a connection silent for half the server's idle
+    /// limit or more is asked for a StoreSync first, and opened again if
+    /// the server closed it (nothing is lost: the server closes only a
+    /// connection that sent nothing, and every request here flushes or
+    /// syncs before it goes quiet).
+    fn fresh(&mut self) -> Result<(), MigrationError> {
+        let stale = self
+            .idle
+            .is_some_and(|idle| self.last.elapsed() >= idle / 2);
+        self.last = Instant::now();
+        if !stale || self.sync_now().is_ok() {
+            return Ok(());
+        }
+        tracing::info!(server = %self.addr, "memory server connection went idle: reopening it");
+        let (conn, _) = Self::connect(&self.to, self.timeout, &self.open)?;
+        self.conn = conn;
+        Ok(())
     }
 
     /// The server's address.
@@ -54,6 +97,7 @@ impl StoreClient {
 
     /// Sends pages (`gpas[i]` is page `i` of `data`); not flushed.
     pub fn put(&mut self, gpas: &[u64], data: &[u8]) -> Result<(), MigrationError> {
+        self.fresh()?;
         let mut addrs = Vec::new();
         for (i, chunk) in gpas.chunks(MAX_BATCH).enumerate() {
             let at = i * MAX_BATCH * PAGE;
@@ -74,12 +118,18 @@ impl StoreClient {
     /// absent means zero here, see [`Self::drop_runs`]); not flushed.
     /// Returns the bytes written.
     pub(crate) fn put_batch(&mut self, b: &PageBatch) -> Result<u64, MigrationError> {
+        self.fresh()?;
         Ok(b.write_pages(self.conn.writer())
             .map_err(protocol::ProtocolError::Io)?)
     }
 
     /// Waits until everything sent so far has landed.
     pub fn sync(&mut self) -> Result<StoreAck, MigrationError> {
+        self.fresh()?;
+        self.sync_now()
+    }
+
+    fn sync_now(&mut self) -> Result<StoreAck, MigrationError> {
         self.token += 1;
         self.conn.send(Kind::StoreSync, &self.token)?;
         Ok(self.conn.recv(Kind::StoreAck)?)
@@ -87,7 +137,15 @@ impl StoreClient {
 
     /// Fetches pages, in the order asked, into `out` (4096 bytes each).
     pub fn fetch(&mut self, gpas: &[u64], out: &mut Vec<u8>) -> Result<(), MigrationError> {
+        self.fresh()?;
         out.clear();
+        for part in gpas.chunks(MAX_RUNS) {
+            self.fetch_part(part, out)?;
+        }
+        Ok(())
+    }
+
+    fn fetch_part(&mut self, gpas: &[u64], out: &mut Vec<u8>) -> Result<(), MigrationError> {
         self.conn.send(Kind::PageRequest, &gpas)?;
         let mut got = 0;
         while got < gpas.len() {
@@ -121,6 +179,22 @@ impl StoreClient {
         drop: bool,
         mut got: impl FnMut(usize, &[u64], &[u8]) -> Result<(), MigrationError>,
     ) -> Result<(), MigrationError> {
+        self.fresh()?;
+        for (k, part) in runs.chunks(MAX_RUNS).enumerate() {
+            self.fetch_runs_part(part, drop, k * MAX_RUNS, &mut got)?;
+        }
+        Ok(())
+    }
+
+    /// One StoreFetch of at most MAX_RUNS runs, the first being run
+    /// `base` of the caller's.
+    fn fetch_runs_part(
+        &mut self,
+        runs: &[GpaPages],
+        drop: bool,
+        base: usize,
+        got: &mut impl FnMut(usize, &[u64], &[u8]) -> Result<(), MigrationError>,
+    ) -> Result<(), MigrationError> {
         let ask = StoreFetch {
             runs: runs.to_vec(),
             drop,
@@ -149,7 +223,7 @@ impl StoreClient {
                         self.addr
                     )));
                 }
-                got(i, &addrs, data)?;
+                got(base + i, &addrs, data)?;
             }
         }
         Ok(())
@@ -157,7 +231,10 @@ impl StoreClient {
 
     /// Tells the server to forget pages (not flushed).
     pub fn drop_runs(&mut self, runs: &[GpaPages]) -> Result<(), MigrationError> {
-        protocol::send(self.conn.writer(), Kind::StoreDrop, &runs)?;
+        self.fresh()?;
+        for part in runs.chunks(MAX_RUNS) {
+            protocol::send(self.conn.writer(), Kind::StoreDrop, &part)?;
+        }
         Ok(())
     }
 
@@ -168,6 +245,7 @@ impl StoreClient {
 
     /// Everything the server holds for the VM.
     pub fn list(&mut self) -> Result<Vec<GpaPages>, MigrationError> {
+        self.fresh()?;
         self.conn.send(Kind::StoreList, &())?;
         let mut runs = Vec::new();
         loop {
@@ -181,6 +259,7 @@ impl StoreClient {
 
     /// Frees the VM's store on the server.
     pub fn close(mut self) -> Result<StoreAck, MigrationError> {
+        self.fresh()?;
         self.conn.send(Kind::StoreClose, &())?;
         Ok(self.conn.recv(Kind::StoreAck)?)
     }

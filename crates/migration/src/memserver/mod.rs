@@ -2,13 +2,16 @@
 //! migration's sub-hosts). A server holds pages of any number of VMs, each
 //! in a sparse store of that VM's layout, within one capacity for all.
 //!
-//! Every connection opens with a `Hello{Store}` and a `StoreOpen` naming
-//! the VM (the first open creates its store); then, in any order:
+//! Every connection opens with a `Hello{Store}` (v9 or newer) and a
+//! `StoreOpen` naming the VM and carrying its owner's secret (the first
+//! open creates the store and binds it to that secret; every later open
+//! must carry the same one); then, in any order:
 //!
 //! ```text
 //! client (source, main host, gatherer)          memory server
-//!  Hello{Store}, StoreOpen{vm, layout, reserve} ──▶  store found or made
-//!                                               ◀──  StoreAck{held, free}  (or Abort: full, layout)
+//!  Hello{Store}, StoreOpen{vm, layout, reserve, secret} ──▶  store found or made
+//!                                               ◀──  StoreAck{held, free, idle}
+//!                                                    (or Abort: not the owner, full, layout)
 //!  Pages{gpa, data}...                          ──▶  held (page-out, migration)
 //!  ZeroRanges{runs}                             ──▶  not held any more (zero)
 //!  StoreDrop{runs}                              ──▶  not held any more (paged in elsewhere)
@@ -24,14 +27,27 @@
 //!  StoreClose                                   ──▶  the VM's store is freed
 //!                                               ◀──  StoreAck{0, free}
 //! ```
-//! Files: [`store`] (one VM's pages), [`server`] (the accept loop),
-//! [`client`] (what the engine uses to talk to a server).
+//! Every peer may be hostile: [`limits`] says what one may cost, and every
+//! request is checked against those caps and the VM's layout before
+//! anything is allocated or changed.
+//!
+//! Files: [`store`] (one VM's pages), [`server`] (the accept loop, the
+//! stores), [`conn`] (one connection: handshake, requests, answers),
+//! [`limits`], [`secret`] (the owner's secret), [`error`], [`client`]
+//! (what the engine uses to talk to a server).
 
 pub mod client;
+pub mod conn;
+pub mod error;
+pub mod limits;
+pub mod secret;
 pub mod server;
 pub mod store;
 
 pub use client::StoreClient;
+pub use error::StoreError;
+pub use limits::Limits;
+pub use secret::StoreSecret;
 pub use server::{MemServer, ServerStats};
 pub use store::VmStore;
 
@@ -44,8 +60,11 @@ pub struct StoreOpen {
     pub vm: String,
     /// Its guest RAM regions (gpa, bytes): the store's shape.
     pub regions: Vec<(u64, u64)>,
-    /// Pages the client means to put here (checked against free room).
+    /// Pages the client means to put here (taken from the free room, and
+    /// kept for this VM until held).
     pub reserve_pages: u64,
+    /// The owner's secret (v9): binds a new store, must match an old one.
+    pub secret: StoreSecret,
 }
 
 /// A server's answer: what it holds for the VM, and its room left.
@@ -53,8 +72,11 @@ pub struct StoreOpen {
 pub struct StoreAck {
     /// Pages it holds for this VM.
     pub held_pages: u64,
-    /// Pages it could still take, for all VMs.
+    /// Pages it could still take, for all VMs (neither held nor reserved).
     pub free_pages: u64,
+    /// Seconds the server keeps a connection that sends nothing (v9): a
+    /// client idle longer reopens before its next request.
+    pub idle_secs: u32,
 }
 
 /// Asks for the held pages of `runs` (v8): the server answers run by run,

@@ -1,18 +1,21 @@
-//! The memory server's accept loop: one thread per connection, stores
-//! shared by VM id, one capacity for all of them.
+//! The memory server's accept loop and its stores: one thread per
+//! connection (at most [`Limits::max_connections`]; one more is told so
+//! and closed), stores shared by VM id and bound to their owner's secret,
+//! one capacity for all of them. Nothing a peer does ends the loop: an
+//! accept that fails (out of descriptors, say) is logged and retried.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::MigrationError;
-use crate::protocol::{self, Hello, Kind, ProtocolError, Role, MAX_BATCH, PAGE};
-use crate::ranges::GpaPages;
 use crate::transport::{Conn, Listener};
 
+use super::error::StoreError;
+use super::limits::{Budget, Limits, Slots, MAX_VM_ID};
 use super::store::{Capacity, VmStore};
-use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
+use super::StoreOpen;
 
 /// Figures a running server shows (its status line, the registry).
 #[derive(Debug, Default)]
@@ -23,6 +26,10 @@ pub struct ServerStats {
     pub pages_out: AtomicU64,
     /// Connections served.
     pub connections: AtomicU64,
+    /// Connections refused (no slot free) or ended by a refusal.
+    pub refused: AtomicU64,
+    /// Accepts that failed (out of descriptors, say).
+    pub accept_errors: AtomicU64,
 }
 
 /// A memory server.
@@ -32,19 +39,37 @@ pub struct MemServer {
     /// Its figures.
     pub stats: ServerStats,
     stop: AtomicBool,
+    pub(super) limits: Limits,
+    slots: Arc<Slots>,
+    refusers: Arc<Slots>,
+    pub(super) budget: Arc<Budget>,
 }
 
-/// How long a silent client is waited for before its connection is dropped.
-const IDLE: Duration = Duration::from_secs(3600);
+/// Pause after a failed accept, so a server out of descriptors does not
+/// spin while its connections end.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How long a refused connection may take to read its Abort.
+const REFUSE_DRAIN: Duration = Duration::from_millis(200);
+/// Refusals being sent at once.
+const REFUSERS: usize = 16;
 
 impl MemServer {
-    /// A server for at most `capacity_pages` pages.
+    /// A server for at most `capacity_pages` pages, with the default limits.
     pub fn new(capacity_pages: u64) -> Arc<Self> {
+        Self::with_limits(capacity_pages, Limits::default())
+    }
+
+    /// A server for at most `capacity_pages` pages, with `limits`.
+    pub fn with_limits(capacity_pages: u64, limits: Limits) -> Arc<Self> {
         Arc::new(MemServer {
             capacity: Capacity::new(capacity_pages),
             stores: Mutex::new(HashMap::new()),
             stats: ServerStats::default(),
             stop: AtomicBool::new(false),
+            slots: Slots::new(limits.max_connections),
+            refusers: Slots::new(REFUSERS),
+            budget: Budget::new(limits.buffer_bytes),
+            limits,
         })
     }
 
@@ -53,9 +78,19 @@ impl MemServer {
         self.capacity.total
     }
 
-    /// Pages free.
+    /// Pages free (neither held nor reserved).
     pub fn free_pages(&self) -> u64 {
         self.capacity.free()
+    }
+
+    /// Connections being served now.
+    pub fn connections_now(&self) -> usize {
+        self.slots.used()
+    }
+
+    /// Buffer bytes not taken by any connection now.
+    pub fn buffer_room(&self) -> u64 {
+        self.budget.left()
     }
 
     /// (VM id, pages held) per store.
@@ -66,38 +101,54 @@ impl MemServer {
         v
     }
 
-    /// Makes [`MemServer::serve`] return.
+    /// Makes [`MemServer::serve`] return (and idle connections end).
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
     }
 
+    pub(super) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
     /// Accepts connections until stopped; each runs on a thread of its own.
+    /// Returns only when stopped: a failed accept is logged and retried.
     pub fn serve(self: &Arc<Self>, listener: &Listener) -> Result<(), MigrationError> {
-        while !self.stop.load(Ordering::Relaxed) {
-            let (mut c, hello) = match listener.accept_hello(Duration::from_millis(200)) {
+        let mut last_warned: Option<Instant> = None;
+        while !self.stopping() {
+            // The listener's gate did the TLS handshake and read the Hello
+            // (within its own 5 s limit).
+            let (c, hello) = match listener.accept_hello(Duration::from_millis(200)) {
                 Ok(admitted) => admitted,
                 Err(MigrationError::Listen { source, .. })
                     if source.kind() == std::io::ErrorKind::TimedOut =>
                 {
                     continue
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    // Out of descriptors (EMFILE, ENFILE), out of memory, a
+                    // connection reset before it was accepted: none of them
+                    // is a reason to stop serving the VMs held here.
+                    self.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    if last_warned.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        tracing::warn!("memory server: {e}; retrying");
+                        last_warned = Some(Instant::now());
+                    }
+                    std::thread::sleep(ACCEPT_BACKOFF);
+                    continue;
+                }
+            };
+            let accepted = Instant::now();
+            let Some(slot) = self.slots.take() else {
+                self.refuse(c, &StoreError::Busy(self.limits.max_connections));
+                continue;
             };
             let me = self.clone();
             self.stats.connections.fetch_add(1, Ordering::Relaxed);
             let spawned = std::thread::Builder::new()
                 .name("memserver-conn".into())
                 .spawn(move || {
-                    if c.set_timeouts(Some(IDLE)).is_err() {
-                        return;
-                    }
-                    match me.serve_conn(&mut c, &hello) {
-                        Ok(()) | Err(MigrationError::Protocol(ProtocolError::Closed)) => {}
-                        Err(e) => {
-                            tracing::warn!("memory server connection: {e}");
-                            c.abort(&e.to_string());
-                        }
-                    }
+                    let _slot = slot;
+                    super::conn::run(&me, c, hello, accepted);
                 });
             if let Err(e) = spawned {
                 tracing::warn!("cannot start a connection thread: {e}");
@@ -106,204 +157,94 @@ impl MemServer {
         Ok(())
     }
 
-    /// The store for a StoreOpen, made on the first open. Later opens must
-    /// give the same layout; a reservation needs that much room free.
-    fn open(&self, o: &StoreOpen) -> Result<Arc<VmStore>, MigrationError> {
+    /// Tells a connection there is no slot for it, and closes it: on a
+    /// short-lived thread (at most [`REFUSERS`] at once), so that peers
+    /// that never read their refusal cannot slow the accept loop; past
+    /// that, the connection is just closed.
+    fn refuse(&self, mut c: Conn, why: &StoreError) {
+        self.stats.refused.fetch_add(1, Ordering::Relaxed);
+        let Some(slot) = self.refusers.take() else {
+            return;
+        };
+        let why = why.to_string();
+        let _ = std::thread::Builder::new()
+            .name("memserver-refuse".into())
+            .spawn(move || {
+                let _slot = slot;
+                if c.set_timeouts(Some(REFUSE_DRAIN)).is_ok() {
+                    c.abort(&why);
+                    c.drain(REFUSE_DRAIN);
+                }
+            });
+    }
+
+    /// The store for a StoreOpen, made on the first open and bound to its
+    /// secret. A later open must carry the same secret (checked first, so
+    /// a stranger learns nothing else) and layout; a reservation takes
+    /// that much of the free room.
+    pub(super) fn open(&self, o: &StoreOpen) -> Result<Arc<VmStore>, StoreError> {
+        let id_ok = !o.vm.is_empty()
+            && o.vm.len() <= MAX_VM_ID
+            && o.vm.bytes().all(|b| b.is_ascii_graphic());
+        if !id_ok {
+            let shown: String = o.vm.chars().take(MAX_VM_ID).collect();
+            return Err(StoreError::VmId(shown));
+        }
         let mut stores = self.stores.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = stores.get(&o.vm) {
-            if s.layout() != o.regions {
-                return Err(MigrationError::Mismatch(format!(
-                    "VM {} is held here with layout {:?}, not {:?}",
-                    o.vm,
-                    s.layout(),
-                    o.regions
-                )));
+            if !s.owned_by(&o.secret) {
+                return Err(StoreError::NotOwner { vm: o.vm.clone() });
             }
+            if s.layout() != o.regions {
+                return Err(StoreError::LayoutChanged {
+                    vm: o.vm.clone(),
+                    held: s.layout(),
+                    asked: o.regions.clone(),
+                });
+            }
+            s.reserve(o.reserve_pages)?;
             return Ok(s.clone());
         }
         if o.reserve_pages > self.capacity.free() {
-            return Err(MigrationError::Unsupported(format!(
-                "this memory server has {} pages free, {} asked for VM {}",
-                self.capacity.free(),
-                o.reserve_pages,
-                o.vm
-            )));
+            return Err(StoreError::NoRoom {
+                vm: o.vm.clone(),
+                asked: o.reserve_pages,
+                free: self.capacity.free(),
+            });
         }
-        let s = VmStore::new(&o.vm, &o.regions, self.capacity.clone())
-            .map_err(|e| MigrationError::Mismatch(e.to_string()))?;
+        let s = VmStore::new(&o.vm, &o.regions, self.capacity.clone(), o.secret.clone())?;
+        s.reserve(o.reserve_pages)?;
         let s = Arc::new(s);
         stores.insert(o.vm.clone(), s.clone());
         Ok(s)
     }
 
-    fn ack(&self, store: &VmStore) -> StoreAck {
-        StoreAck {
-            held_pages: store.held(),
-            free_pages: self.capacity.free(),
+    /// Frees a VM's store (StoreClose): its memory goes back once the last
+    /// connection using it ends.
+    pub(super) fn close(&self, store: &Arc<VmStore>, vm: &str) {
+        let mut stores = self.stores.lock().unwrap_or_else(|e| e.into_inner());
+        if stores.get(vm).is_some_and(|s| Arc::ptr_eq(s, store)) {
+            stores.remove(vm);
         }
     }
 
-    fn serve_conn(&self, c: &mut Conn, hello: &Hello) -> Result<(), MigrationError> {
-        if hello.role != Role::Store {
-            return Err(MigrationError::Unsupported(format!(
-                "this is a ferry memory server; a {:?} connection belongs to a VMM",
-                hello.role
-            )));
-        }
-        let version = protocol::negotiate(hello)?;
-        if version < protocol::VERSION_STORE {
-            return Err(ProtocolError::Version {
-                min: hello.version_min,
-                max: hello.version_max,
-            }
-            .into());
-        }
-        c.send(Kind::HelloAck, &version)?;
-        let open: StoreOpen = c.recv(Kind::StoreOpen)?;
-        let store = self.open(&open)?;
-        c.send(Kind::StoreAck, &self.ack(&store))?;
-        let (mut scratch, mut data, mut body) = (Vec::new(), Vec::new(), Vec::new());
-        loop {
-            let h = protocol::read_header(c.reader())?;
-            if h.kind == Kind::Pages {
-                let n = crate::pagein::read_pages(
-                    c.reader(),
-                    &h,
-                    store.regions(),
-                    store.as_ref(),
-                    &mut scratch,
-                    &mut data,
-                )?;
-                self.stats.pages_in.fetch_add(n, Ordering::Relaxed);
-                continue;
-            }
-            protocol::read_body_into(c.reader(), &h, &mut body)?;
-            let f = protocol::Frame {
-                kind: h.kind,
-                body: std::mem::take(&mut body),
-            };
-            match f.kind {
-                Kind::ZeroRanges | Kind::StoreDrop => {
-                    let runs: Vec<GpaPages> = protocol::decode(&f, f.kind)?;
-                    for r in runs {
-                        store.drop_run(r)?;
-                    }
-                }
-                Kind::StoreSync => {
-                    let _token: u64 = protocol::decode(&f, Kind::StoreSync)?;
-                    c.send(Kind::StoreAck, &self.ack(&store))?;
-                }
-                Kind::PageRequest => {
-                    let gpas: Vec<u64> = protocol::decode(&f, Kind::PageRequest)?;
-                    self.send_pages(c, &store, &gpas)?;
-                }
-                Kind::StoreFetch => {
-                    let ask: StoreFetch = protocol::decode(&f, Kind::StoreFetch)?;
-                    self.send_fetched(c, &store, &ask)?;
-                }
-                Kind::StoreList => {
-                    let runs = store.held_runs();
-                    for (share, last) in protocol::run_frames(&runs) {
-                        protocol::send(
-                            c.writer(),
-                            Kind::StoreHeld,
-                            &StoreHeld {
-                                runs: share.to_vec(),
-                                last,
-                            },
-                        )?;
-                    }
-                    c.flush()?;
-                }
-                Kind::StoreClose => {
-                    self.stores
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&open.vm);
-                    let ack = StoreAck {
-                        held_pages: 0,
-                        free_pages: self.capacity.free(),
-                    };
-                    // The store's memory goes back once the last
-                    // connection using it ends.
-                    c.send(Kind::StoreAck, &ack)?;
-                    return Ok(());
-                }
-                other => {
-                    return Err(ProtocolError::Unexpected {
-                        got: other,
-                        want: "a memory server request",
-                    }
-                    .into())
-                }
-            }
-            body = f.body;
+    /// A connection of `store` ends: a store that holds and reserves
+    /// nothing and that no other connection uses is forgotten (whoever
+    /// opens it again makes it anew), so empty stores cannot pile up.
+    pub(super) fn release(&self, store: Arc<VmStore>, vm: &str) {
+        let mut stores = self.stores.lock().unwrap_or_else(|e| e.into_inner());
+        let unused = stores.get(vm).is_some_and(|s| {
+            Arc::ptr_eq(s, &store)
+                && Arc::strong_count(s) == 2
+                && s.held() == 0
+                && s.reserved() == 0
+        });
+        if unused {
+            stores.remove(vm);
         }
     }
 
-    /// Answers a StoreFetch: per run, frames of its held pages (empty when
-    /// it holds none), so the asker can count frames and knows the rest
-    /// of each run is zero.
-    fn send_fetched(
-        &self,
-        c: &mut Conn,
-        store: &VmStore,
-        ask: &StoreFetch,
-    ) -> Result<(), MigrationError> {
-        let mut page = vec![0u8; PAGE];
-        let (mut gpas, mut data) = (Vec::new(), Vec::new());
-        for run in &ask.runs {
-            let pages: Vec<u64> = (0..run.pages).map(|i| run.gpa + i * PAGE as u64).collect();
-            for batch in pages.chunks(MAX_BATCH) {
-                gpas.clear();
-                data.clear();
-                for &g in batch {
-                    if store.read_page(g, &mut page) {
-                        gpas.push(g);
-                        data.extend_from_slice(&page);
-                    }
-                }
-                let body = protocol::encode_pages(&gpas, &data);
-                protocol::write_frame(c.writer(), Kind::Pages, &body).map_err(ProtocolError::Io)?;
-                self.stats
-                    .pages_out
-                    .fetch_add(gpas.len() as u64, Ordering::Relaxed);
-            }
-            // The first run is the page a vCPU waits for: out now, before
-            // the store lets go of what it sent.
-            c.flush()?;
-            if ask.drop {
-                store.drop_run(*run)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Answers a PageRequest: the pages in the order asked, in Pages frames.
-    fn send_pages(
-        &self,
-        c: &mut Conn,
-        store: &VmStore,
-        gpas: &[u64],
-    ) -> Result<(), MigrationError> {
-        let mut page = vec![0u8; PAGE];
-        for batch in gpas.chunks(MAX_BATCH) {
-            let mut data = Vec::with_capacity(batch.len() * PAGE);
-            for &g in batch {
-                if !store.read_page(g, &mut page) {
-                    return Err(MigrationError::Unsupported(format!(
-                        "page {g:#x} is not held by this memory server"
-                    )));
-                }
-                data.extend_from_slice(&page);
-            }
-            let body = protocol::encode_pages(batch, &data);
-            protocol::write_frame(c.writer(), Kind::Pages, &body).map_err(ProtocolError::Io)?;
-            self.stats
-                .pages_out
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        }
-        c.flush()?;
-        Ok(())
+    pub(super) fn free(&self) -> u64 {
+        self.capacity.free()
     }
 }

@@ -105,9 +105,11 @@ pub struct RemotePager {
     map: ChunkMap,
     budget: u64,
     sampling: bool,
-    /// The VM's id on the servers, and the servers.
+    /// The VM's id on the servers, the servers, and its store secret on
+    /// each (a gather hands them on).
     vm: String,
     servers: Vec<crate::transport::Endpoint>,
+    secrets: Vec<crate::memserver::StoreSecret>,
 }
 
 /// Where a split VM's memory is when a gather begins.
@@ -119,6 +121,8 @@ pub struct GatherSnapshot {
     pub chunk_pages: u32,
     /// The memory servers.
     pub servers: Vec<crate::transport::Endpoint>,
+    /// Per server, the VM's store secret there.
+    pub secrets: Vec<crate::memserver::StoreSecret>,
     /// Per chunk: [`ON_MAIN`] or 1 + the server holding it.
     pub places: Vec<u16>,
     /// The pager's counters once paging-out had stopped (a page-out
@@ -260,6 +264,7 @@ impl RemotePager {
             sampling,
             vm: plan.vm.clone(),
             servers: plan.servers.clone(),
+            secrets: plan.secrets.clone(),
         })
     }
 
@@ -335,6 +340,7 @@ impl RemotePager {
             vm: self.vm.clone(),
             chunk_pages: self.map.chunk_pages() as u32,
             servers: self.servers.clone(),
+            secrets: self.secrets.clone(),
             places: self.places(),
             at_start: self.stats(),
         }

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::chunks::{ChunkMap, ON_MAIN};
+use crate::memserver::StoreSecret;
 use crate::options::Rank;
 use crate::transport::Endpoint;
 
@@ -30,6 +31,9 @@ pub struct SplitPlan {
     pub budget_chunks: u64,
     /// The ranking page-out uses.
     pub rank: Rank,
+    /// Per server, the secret of the VM's store there (v9): the main host
+    /// opens the stores with them, and hands them on in a GatherPlan.
+    pub secrets: Vec<StoreSecret>,
 }
 
 impl SplitPlan {
@@ -44,6 +48,12 @@ impl SplitPlan {
             ));
         }
         let servers = self.servers.len();
+        if self.secrets.len() != servers {
+            return Err(format!(
+                "the plan gives {} store secrets for {servers} servers",
+                self.secrets.len()
+            ));
+        }
         if self.places.iter().any(|&p| usize::from(p) > servers)
             || self
                 .homes

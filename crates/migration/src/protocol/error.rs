@@ -24,6 +24,14 @@ pub enum ProtocolError {
     /// Unknown message kind.
     #[error("unknown message kind {0}")]
     BadKind(u16),
+    /// A flag set in a frame header (none is defined: they must be 0).
+    #[error("{kind:?} frame with flags {flags:#x}: this ferry defines no frame flags (they must be 0); the peer is not a ferry this build understands, or the stream is corrupt")]
+    BadFlags {
+        /// The frame's kind.
+        kind: Kind,
+        /// The flags it carried.
+        flags: u16,
+    },
     /// Body too large.
     #[error("frame body of {0} bytes exceeds the {MAX_BODY}-byte limit")]
     TooLarge(u32),

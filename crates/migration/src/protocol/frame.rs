@@ -12,7 +12,7 @@
 //! ```
 //!
 //! All integers are little-endian. Reading checks, in order: magic, kind,
-//! length limit (the header alone, [`read_header`]), then the body's
+//! flags (0), length limit (the header alone, [`read_header`]), then the body's
 //! checksum ([`read_body_into`]); an Abort frame comes back as the
 //! `Aborted` error. Bulk streams read the header first so that Pages land
 //! straight in guest memory (pagein.rs) instead of a buffer.
@@ -37,7 +37,8 @@ pub struct Frame {
     pub body: Vec<u8>,
 }
 
-/// A frame header, checked (magic, kind, length limit) but not its body.
+/// A frame header, checked (magic, kind, flags, length limit) but not its
+/// body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     /// Kind.
@@ -108,7 +109,8 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
     Ok(Frame { kind, body })
 }
 
-/// Reads and checks one frame header. A clean end of stream before the
+/// Reads and checks one frame header (magic, kind, flags 0, length
+/// limit). A clean end of stream before the
 /// first byte is `Closed`; in the middle, `Truncated`.
 pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     let mut h = [0u8; HEADER];
@@ -128,8 +130,12 @@ pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     }
     let raw_kind = u16::from_le_bytes([h[4], h[5]]);
     let kind = Kind::from_u16(raw_kind).ok_or(ProtocolError::BadKind(raw_kind))?;
-    // h[6..8] is `flags`, written 0 and not read yet: a check that it is 0
-    // belongs here, next to the other header checks.
+    // No flag is defined: a frame with one set is from a peer this build
+    // does not understand, or corrupt.
+    let flags = u16::from_le_bytes([h[6], h[7]]);
+    if flags != 0 {
+        return Err(ProtocolError::BadFlags { kind, flags });
+    }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if len as usize > MAX_BODY {
         return Err(ProtocolError::TooLarge(len));
@@ -154,15 +160,28 @@ pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, Pr
     Ok(h.kind)
 }
 
+/// The first piece of a body read before more of it has arrived.
+const BODY_STEP: usize = 64 << 10;
+
 /// Reads the body that `h` announced and checks its checksum (an Abort
-/// frame becomes the `Aborted` error).
+/// frame becomes the `Aborted` error). The buffer grows with what
+/// arrives, each piece at most as large as what came before it (64 KiB
+/// first): a peer that announces 32 MiB and sends nothing costs 64 KiB,
+/// not 32 MiB. A reused buffer that is large enough already is filled in
+/// one read, as before.
 pub fn read_body_into(
     r: &mut impl Read,
     h: &Header,
     body: &mut Vec<u8>,
 ) -> Result<(), ProtocolError> {
-    body.resize(h.len as usize, 0);
-    r.read_exact(body).map_err(eof_is_truncated)?;
+    let len = h.len as usize;
+    body.clear();
+    while body.len() < len {
+        let have = body.len();
+        let step = (len - have).min(have.max(BODY_STEP).max(body.capacity() - have));
+        body.resize(have + step, 0);
+        r.read_exact(&mut body[have..]).map_err(eof_is_truncated)?;
+    }
     if crate::checksum::crc32c(body) != h.crc {
         return Err(ProtocolError::Checksum {
             kind: h.kind,
@@ -407,13 +426,75 @@ mod tests {
         assert_eq!(body, [2; 3]);
     }
 
+    /// A reader that announces a body and then sends `sent` bytes of it,
+    /// recording the largest buffer it was asked to fill.
+    struct Stingy {
+        header: Vec<u8>,
+        sent: usize,
+        largest: usize,
+    }
+
+    impl Read for Stingy {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if !self.header.is_empty() {
+                let n = buf.len().min(self.header.len());
+                buf[..n].copy_from_slice(&self.header[..n]);
+                self.header.drain(..n);
+                return Ok(n);
+            }
+            self.largest = self.largest.max(buf.len());
+            let n = buf.len().min(self.sent);
+            buf[..n].fill(7);
+            self.sent -= n;
+            Ok(n)
+        }
+    }
+
     #[test]
-    fn the_flags_field_is_not_checked_yet() {
-        // Today's behaviour, pinned: a peer's flags are ignored. When the
-        // header check of `flags` lands (read_header), this test changes.
-        let mut wire = frame(Kind::Complete, b"");
-        wire[6..8].copy_from_slice(&0xffffu16.to_le_bytes());
-        assert_eq!(read_frame(&mut &wire[..]).unwrap().kind, Kind::Complete);
+    fn a_body_announced_but_not_sent_costs_only_what_arrived() {
+        let mut header = frame(Kind::State, b"");
+        header[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());
+        let mut r = Stingy {
+            header,
+            sent: 100_000,
+            largest: 0,
+        };
+        let mut body = Vec::new();
+        let e = read_frame_into(&mut r, &mut body).unwrap_err();
+        assert!(matches!(e, ProtocolError::Truncated), "{e:?}");
+        // 100 000 bytes arrived: the buffer grew to 128 KiB, not 32 MiB.
+        assert!(body.capacity() <= 256 << 10, "{}", body.capacity());
+        assert!(r.largest <= 128 << 10, "{}", r.largest);
+        // A whole body still reads back, and a reused large buffer takes a
+        // smaller one in one read.
+        let big: Vec<u8> = (0..(3 << 20)).map(|i| (i % 253) as u8).collect();
+        let mut body = Vec::new();
+        read_frame_into(&mut &frame(Kind::State, &big)[..], &mut body).unwrap();
+        assert_eq!(body, big);
+        read_frame_into(&mut &frame(Kind::State, &big[..5000])[..], &mut body).unwrap();
+        assert_eq!(body, &big[..5000]);
+    }
+
+    #[test]
+    fn a_frame_with_any_flag_set_is_refused_from_its_header() {
+        for flags in [1u16, 0x8000, 0xffff] {
+            let mut wire = frame(Kind::Complete, b"");
+            wire[6..8].copy_from_slice(&flags.to_le_bytes());
+            let e = read_frame(&mut &wire[..]).unwrap_err();
+            assert!(
+                matches!(e, ProtocolError::BadFlags { kind: Kind::Complete, flags: f } if f == flags),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("must be 0"), "{e}");
+            // The header alone is refused: no body is read.
+            let mut wire = frame(Kind::Pages, b"");
+            wire[6..8].copy_from_slice(&flags.to_le_bytes());
+            wire[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());
+            assert!(matches!(
+                read_header(&mut &wire[..]),
+                Err(ProtocolError::BadFlags { .. })
+            ));
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! ferry's migration wire protocol. This code speaks versions 1 to 8
+//! ferry's migration wire protocol. This code speaks versions 1 to 9
 //! ([`VERSION_MIN`]..=[`VERSION_MAX`]); docs/protocol.md is the full text,
 //! with every message's body and the rules for adding a version.
 //!

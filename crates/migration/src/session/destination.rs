@@ -111,8 +111,13 @@ impl<'a> DestSession<'a> {
                 c.abort("expected a ferry migration control Hello: no migration runs here yet");
                 continue;
             }
+            // A source has a few seconds for its opening messages: one
+            // that stalls here must not keep the real one waiting long.
+            c.set_timeouts(Some(crate::transport::ADMISSION_TIMEOUT))
+                .map_err(ProtocolError::Io)?;
             match admit(&mut c, &hello, &listener.admission(), &mine) {
                 Ok(version) => {
+                    c.set_timeouts(Some(timeout)).map_err(ProtocolError::Io)?;
                     tracing::info!(peer = %who, "incoming migration admitted");
                     return Ok(DestSession {
                         listener,

@@ -47,6 +47,18 @@ pub(crate) struct SourceSession<'a> {
     pub(crate) tel: std::sync::Arc<Telemetry>,
 }
 
+/// A fresh session id: random, so a stranger cannot guess it (it ties a
+/// session's connections together and names a split VM's stores); the
+/// clock and pid only if the kernel's random source fails.
+fn session_id() -> u64 {
+    crate::random::u64().unwrap_or_else(|_| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id())
+    })
+}
+
 impl<'a> SourceSession<'a> {
     /// A session for migrating `vm` to `to` (nothing is sent yet).
     pub(crate) fn new(
@@ -63,10 +75,7 @@ impl<'a> SourceSession<'a> {
             ctl: None,
             bulk: Vec::new(),
             version: 0,
-            id: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-                ^ u64::from(std::process::id()),
+            id: session_id(),
             state: SourceState::new(),
             clients_move: false,
             clients: None,

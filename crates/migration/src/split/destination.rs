@@ -57,12 +57,14 @@ impl<'a> SplitDestination<'a> {
         let regions = self.vm.regions();
         plan.check(&ChunkMap::new(&regions, plan.chunk_pages))
             .map_err(MigrationError::Mismatch)?;
-        let open = StoreOpen {
+        // The plan checked: one secret per server.
+        let open = |i: usize| StoreOpen {
             vm: plan.vm.clone(),
             regions: regions.iter().map(|r| (r.gpa(), r.size())).collect(),
             reserve_pages: 0,
+            secret: plan.secrets[i].clone(),
         };
-        for r in super::open_stores(&plan.servers, self.timeout, |_| open.clone()) {
+        for r in super::open_stores(&plan.servers, self.timeout, open) {
             let (client, _) = r.map_err(|e| {
                 MigrationError::Unsupported(format!("the main host cannot reach a {e}"))
             })?;
@@ -83,18 +85,19 @@ impl<'a> SplitDestination<'a> {
     /// main host sends anything, then says GatherReady (pages pulled).
     pub(crate) fn on_gather(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         let plan: super::GatherPlan = protocol::decode(f, Kind::GatherPlan)?;
-        if plan.pulls.len() != plan.servers.len() {
+        if plan.pulls.len() != plan.servers.len() || plan.secrets.len() != plan.servers.len() {
             return Err(protocol::ProtocolError::Malformed {
                 kind: Kind::GatherPlan,
-                reason: "one list of runs per server".into(),
+                reason: "one list of runs and one store secret per server".into(),
             }
             .into());
         }
         let regions = self.vm.regions();
-        let open = StoreOpen {
+        let open = |i: usize| StoreOpen {
             vm: plan.vm.clone(),
             regions: regions.iter().map(|r| (r.gpa(), r.size())).collect(),
             reserve_pages: 0,
+            secret: plan.secrets[i].clone(),
         };
         let (sink, timeout) = (self.sink, self.timeout);
         let pulled = std::thread::scope(|sc| {
@@ -102,12 +105,14 @@ impl<'a> SplitDestination<'a> {
                 .servers
                 .iter()
                 .zip(&plan.pulls)
-                .map(|(to, runs)| {
-                    let open = &open;
+                .enumerate()
+                .map(|(i, (to, runs))| {
+                    let open = open(i);
                     sc.spawn(move || -> Result<u64, MigrationError> {
-                        let (mut store, _) = StoreClient::open(to, timeout, open).map_err(|e| {
-                            MigrationError::Unsupported(format!("memory server {to}: {e}"))
-                        })?;
+                        let (mut store, _) =
+                            StoreClient::open(to, timeout, &open).map_err(|e| {
+                                MigrationError::Unsupported(format!("memory server {to}: {e}"))
+                            })?;
                         // What a server does not hold is zero.
                         for r in runs {
                             sink.zero(*r)?;

@@ -36,11 +36,12 @@ impl Gather {
     /// Freezes paging-out, starts the dirty log, and tells the destination
     /// to pull the servers' chunks.
     pub(crate) fn open(s: &mut SourceSession) -> Result<Self, MigrationError> {
-        if s.version < protocol::VERSION_SPLIT {
+        // v9: the plan carries the stores' secrets.
+        if s.version < protocol::VERSION_TRUST {
             return Err(MigrationError::Unsupported(format!(
                 "the destination speaks protocol v{}; gather needs v{}",
                 s.version,
-                protocol::VERSION_SPLIT
+                protocol::VERSION_TRUST
             )));
         }
         let pager = s.vm.pager().ok_or_else(|| {
@@ -74,6 +75,7 @@ impl Gather {
             vm: g.snap.vm.clone(),
             servers: g.snap.servers.clone(),
             pulls,
+            secrets: g.snap.secrets.clone(),
         };
         s.ctl()?.send(Kind::GatherPlan, &plan)?;
         g.t_plan = std::time::Instant::now();
@@ -114,12 +116,13 @@ impl Gather {
         let now = self.pager.places();
         let vm = s.vm;
         let mut out = crate::session::hashes(&s.regions, |i| vm.data_ranges(i));
-        let open = StoreOpen {
+        let open = |i: usize| StoreOpen {
             vm: self.snap.vm.clone(),
             regions: s.regions.iter().map(|r| (r.gpa(), r.size())).collect(),
             reserve_pages: 0,
+            secret: self.snap.secrets[i].clone(),
         };
-        let mut stores = super::open_stores(&self.snap.servers, s.opts.timeout(), |_| open.clone())
+        let mut stores = super::open_stores(&self.snap.servers, s.opts.timeout(), open)
             .into_iter()
             .map(|r| r.map(|(c, _)| c))
             .collect::<Result<Vec<_>, _>>()?;

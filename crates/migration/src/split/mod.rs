@@ -45,6 +45,8 @@ pub struct GatherPlan {
     pub servers: Vec<Endpoint>,
     /// Per server, the runs to pull from it.
     pub pulls: Vec<Vec<GpaPages>>,
+    /// Per server, the secret of the VM's store there (v9).
+    pub secrets: Vec<crate::memserver::StoreSecret>,
 }
 
 /// Opens a store on every server at once (a connection each, in
@@ -265,6 +267,7 @@ mod tests {
             mirrors: mirrors.clone(),
             budget_chunks: 2,
             rank: Rank::Clock,
+            secrets: vec![crate::memserver::StoreSecret([1; 32]); 2],
         };
         assert!(plan.check(&map).is_ok());
         let over = SplitPlan {
@@ -272,6 +275,11 @@ mod tests {
             ..plan.clone()
         };
         assert!(over.check(&map).unwrap_err().contains("budget"));
+        let secretless = SplitPlan {
+            secrets: Vec::new(),
+            ..plan.clone()
+        };
+        assert!(secretless.check(&map).unwrap_err().contains("secrets"));
         let short = SplitPlan {
             places: places[..3].to_vec(),
             ..plan

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::batch::{Fill, PageBatch};
 use crate::error::MigrationError;
 use crate::memory::RegionView;
-use crate::memserver::{StoreClient, StoreOpen};
+use crate::memserver::{StoreClient, StoreError, StoreOpen, StoreSecret};
 use crate::precopy::{Rounds, SendRound};
 use crate::protocol::{self, Kind};
 use crate::ranges::GpaPages;
@@ -34,11 +34,13 @@ pub(crate) struct Router {
 impl Router {
     /// Ranks and places the chunks, opens the stores and sends the plan.
     pub(crate) fn open(s: &mut SourceSession) -> Result<Self, MigrationError> {
-        if s.version < protocol::VERSION_SPLIT {
+        // v9: the plan carries the stores' secrets, and memory servers
+        // serve v9 clients only.
+        if s.version < protocol::VERSION_TRUST {
             return Err(MigrationError::Unsupported(format!(
                 "the main host speaks protocol v{}; split needs v{} (a newer ferry there)",
                 s.version,
-                protocol::VERSION_SPLIT
+                protocol::VERSION_TRUST
             )));
         }
         let sp = &s.opts.split;
@@ -61,7 +63,12 @@ impl Router {
                 }
             })
             .collect();
+        // The session id is random (session/source.rs): a stranger cannot
+        // guess the VM's id on the servers, and without its store's secret
+        // (one per server, made here, handed to the main host in the plan)
+        // could do nothing with it anyway.
         let vm_id = format!("{:016x}", s.id());
+        let secrets = StoreSecret::random_each(sp.subs.len()).map_err(StoreError::Random)?;
         let layout: Vec<(u64, u64)> = s.regions.iter().map(|r| (r.gpa(), r.size())).collect();
         let mine = |i: usize, c: usize| places[c] == i as u16 + 1 || mirrors[c] == i as u16 + 1;
         let opened = super::open_stores(&sp.subs, s.opts.timeout(), |i| StoreOpen {
@@ -71,6 +78,7 @@ impl Router {
                 .filter(|&c| mine(i, c))
                 .map(|c| data_pages[c])
                 .sum(),
+            secret: secrets[i].clone(),
         });
         let mut stores = Vec::new();
         let mut servers = Vec::new();
@@ -107,6 +115,7 @@ impl Router {
             mirrors: placed.mirrors,
             budget_chunks: budget,
             rank: sp.rank,
+            secrets,
         };
         s.ctl()?.send(Kind::SplitPlan, &plan)?;
         s.tel.event(

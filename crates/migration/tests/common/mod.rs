@@ -6,6 +6,7 @@
 
 pub mod fake_vm;
 pub mod postcopy_rig;
+pub mod store_peer;
 
 use std::sync::Arc;
 

@@ -24,16 +24,23 @@
 //!   copying its memory
 //! - `dump`: write the guest's non-zero pages to a file
 //!
+//! Only the VMM's own user and root may connect: the socket is created
+//! 0600 whatever the umask, and each peer's uid is checked (SO_PEERCRED);
+//! anyone else gets one `{"ok":false,"error":"refused: ..."}` line and is
+//! closed ([`access`]).
+//!
 //! A reply is one line, `{"ok":true,...}` with the command's fields or
 //! `{"ok":false,"error":"..."}`; `migrate`, `migrate-resume` and `handover`
 //! send `{"progress":...}` lines before it. A line longer than [`MAX_LINE`]
 //! bytes is refused and the connection closed.
 //!
 //! Parts: [`protocol`] (the commands, replies and errors: the contract),
-//! [`server`] (the socket, its accept loop and the line limit), [`client`]
+//! [`server`] (the socket, its accept loop and the line limit), [`access`]
+//! (who may connect), [`client`]
 //! (what `ferry` calls a VMM with) and [`vm_control`] (what each command
 //! does to the VM).
 
+pub mod access;
 pub mod client;
 pub mod protocol;
 pub mod server;

@@ -1,7 +1,9 @@
-//! The control socket's server: binding (or adopting) the socket, the
-//! accept loop, and one thread per connection that reads request lines
-//! (each at most [`MAX_LINE`] bytes), hands them to the [`ControlHandler`]
-//! and writes the replies. What a command does is the handler's business.
+//! The control socket's server: binding (owner-only, see [`super::access`])
+//! or adopting the socket, the accept loop, and one thread per connection
+//! that first checks who connected (this user or root), then reads request
+//! lines (each at most [`MAX_LINE`] bytes), hands them to the
+//! [`ControlHandler`] and writes the replies. What a command does is the
+//! handler's business.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -76,7 +78,8 @@ pub struct ControlServer {
 }
 
 impl ControlServer {
-    /// Listens on `path` and serves each connection on its own thread.
+    /// Listens on `path` (a socket only this user and root may use,
+    /// whatever the umask) and serves each connection on its own thread.
     pub fn start(path: &Path, handler: Arc<dyn ControlHandler>) -> Result<Self, ControlError> {
         if path.exists() {
             if UnixStream::connect(path).is_ok() {
@@ -84,10 +87,11 @@ impl ControlServer {
             }
             let _ = std::fs::remove_file(path); // stale socket of a VMM that died
         }
-        let listener = UnixListener::bind(path).map_err(|source| ControlError::Listen {
-            path: path.into(),
-            source,
-        })?;
+        let listener =
+            super::access::bind_owner_only(path).map_err(|source| ControlError::Listen {
+                path: path.into(),
+                source,
+            })?;
         Self::adopt(listener, path, handler)
     }
 
@@ -167,6 +171,11 @@ fn serve(stream: UnixStream, handler: Arc<dyn ControlHandler>) {
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
+    if let Some(why) = super::access::refusal(&stream) {
+        tracing::warn!("control socket: {why}");
+        let _ = writeln!(writer, "{}", reply_for(Err(why)));
+        return;
+    }
     let mut reader = BufReader::new(stream);
     loop {
         let mut line = Vec::new();
@@ -250,5 +259,122 @@ mod tests {
             Err(ControlError::Connect { .. })
         ));
         assert_eq!(handler.0.lock().unwrap().len(), 2);
+    }
+
+    /// A control socket in a fresh directory of the temp dir.
+    fn socket_path(what: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ferry-ctl-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        dir.join("vm.sock")
+    }
+
+    #[test]
+    fn the_socket_is_owner_only_whatever_the_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = socket_path("umask");
+        let handler = Arc::new(Echo(Mutex::new(Vec::new())));
+        // SAFETY: umask only swaps the process's mask; it is put back below
+        // (other tests' files made meanwhile just get wider modes).
+        let old = unsafe { libc::umask(0) };
+        let server = ControlServer::start(&path, handler);
+        // SAFETY: as above.
+        unsafe { libc::umask(old) };
+        let server = server.unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o600, "socket mode {mode:o} under umask 000");
+        // Nothing else is left beside it, and it works.
+        let beside: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(beside, [std::ffi::OsString::from("vm.sock")]);
+        let mut c = ControlClient::connect(&path).unwrap();
+        assert_eq!(c.call(&Request::Status).unwrap()["seen"], true);
+        drop(server);
+        // A directory so deep that the temporary path beside the socket is
+        // too long to bind directly (it is reached through /proc).
+        let base = std::env::temp_dir().join(format!("ferry-deep-{}-", std::process::id()));
+        let pad = 90usize.saturating_sub(base.as_os_str().len()).max(1);
+        let deep = PathBuf::from(format!("{}{}", base.display(), "d".repeat(pad)));
+        let _ = std::fs::remove_dir_all(&deep);
+        std::fs::create_dir_all(&deep).unwrap();
+        let long = deep.join("vm.sock");
+        assert!(long.as_os_str().len() < 100, "{}", long.display());
+        let server = ControlServer::start(&long, Arc::new(Echo(Mutex::new(Vec::new())))).unwrap();
+        let mode = std::fs::metadata(&long).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o600);
+        drop(server);
+        let _ = std::fs::remove_dir_all(&deep);
+    }
+
+    /// Run by `a_peer_of_another_uid_is_refused` as another user: connects
+    /// to FERRY_CTL_PEER, asks for status, prints what happened.
+    #[test]
+    #[ignore = "a helper run as another uid by a_peer_of_another_uid_is_refused"]
+    fn peer_as_another_uid() {
+        let path = std::env::var("FERRY_CTL_PEER").expect("FERRY_CTL_PEER");
+        match UnixStream::connect(&path) {
+            Err(e) => println!("CONNECT-FAILED {e}"),
+            Ok(s) => {
+                let _ = writeln!(&s, "{{\"cmd\":\"status\"}}");
+                let mut line = String::new();
+                let _ = BufReader::new(&s).read_line(&mut line);
+                println!("REPLY {}", line.trim_end());
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_of_another_uid_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP: running a peer as another uid needs root");
+            return;
+        }
+        let path = socket_path("peer");
+        let handler = Arc::new(Echo(Mutex::new(Vec::new())));
+        let server = ControlServer::start(&path, handler.clone()).unwrap();
+        let as_nobody = || {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "control::server::tests::peer_as_another_uid"])
+                .args(["--ignored", "--nocapture", "--test-threads=1"])
+                .env("FERRY_CTL_PEER", &path)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            ["CONNECT-FAILED", "REPLY "]
+                .iter()
+                .find_map(|m| text.find(m))
+                .map(|at| text[at..].lines().next().unwrap_or("").to_string())
+                .unwrap_or_else(|| panic!("the peer said nothing useful: {text}"))
+        };
+        // Owner-only: another uid cannot even connect.
+        let said = as_nobody();
+        assert!(said.contains("Permission denied"), "{said}");
+        // Loosened by hand (or inherited): it connects, and is refused by
+        // its credentials.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let said = as_nobody();
+        assert!(
+            said.contains("\"ok\":false")
+                && said.contains("refused")
+                && said.contains("not uid 65534"),
+            "{said}"
+        );
+        assert!(
+            handler.0.lock().unwrap().is_empty(),
+            "no request was handled"
+        );
+        // Its own user still is served.
+        let mut c = ControlClient::connect(&path).unwrap();
+        assert_eq!(c.call(&Request::Status).unwrap()["seen"], true);
+        drop(server);
     }
 }

@@ -150,6 +150,48 @@ impl<'a> PostcopyDestination<'a> {
     }
 }
 
+/// Checks one PostcopyPlan frame's runs against the VM's memory and the
+/// plan so far (whose last run is `prev`): each run inside one region and
+/// page aligned (checked arithmetic), and every run after the one before
+/// it, not overlapping it. A source sends its pending pages merged and in
+/// address order; a plan that repeats or goes back is refused, so plans
+/// cannot grow past the VM's memory.
+fn check_plan_part<'a>(
+    regions: &[RegionView],
+    mut prev: Option<&'a GpaPages>,
+    runs: &'a [GpaPages],
+) -> Result<(), ProtocolError> {
+    let bad = |reason: String| ProtocolError::Malformed {
+        kind: Kind::PostcopyPlan,
+        reason,
+    };
+    for run in runs {
+        let inside = run
+            .pages
+            .checked_mul(PAGE)
+            .is_some_and(|b| regions.iter().any(|r| r.contains_range(run.gpa, b)));
+        if !inside || !run.gpa.is_multiple_of(PAGE) {
+            return Err(bad(format!(
+                "{} pages at {:#x} are not in guest RAM",
+                run.pages, run.gpa
+            )));
+        }
+        if run.pages == 0 {
+            continue;
+        }
+        if let Some(p) = prev {
+            if run.gpa < p.end() {
+                return Err(bad(format!(
+                    "{} pages at {:#x} come after {} pages at {:#x}: a plan's runs must be in address order and must not repeat",
+                    run.pages, run.gpa, p.pages, p.gpa
+                )));
+            }
+        }
+        prev = Some(run);
+    }
+    Ok(())
+}
+
 impl DestinationMode for PostcopyDestination<'_> {
     fn on_message(&mut self, f: &Frame, _ctl: &mut Conn) -> Result<(), MigrationError> {
         if f.kind != Kind::PostcopyPlan || self.planned {
@@ -160,21 +202,12 @@ impl DestinationMode for PostcopyDestination<'_> {
             .into());
         }
         let part: PostcopyPlan = protocol::decode(f, Kind::PostcopyPlan)?;
-        let regions = self.cx.vm.regions();
-        for run in &part.pending {
-            let inside = run
-                .pages
-                .checked_mul(PAGE)
-                .is_some_and(|b| regions.iter().any(|r| r.contains_range(run.gpa, b)));
-            if !inside || !run.gpa.is_multiple_of(PAGE) {
-                return Err(ProtocolError::Malformed {
-                    kind: Kind::PostcopyPlan,
-                    reason: format!("{} pages at {:#x} are not in guest RAM", run.pages, run.gpa),
-                }
-                .into());
-            }
-        }
-        self.plan.extend(part.pending);
+        check_plan_part(&self.cx.vm.regions(), self.plan.last(), &part.pending)?;
+        // Checked: sorted, disjoint, inside guest RAM, so the whole plan
+        // never names more pages (nor runs) than the VM has, however many
+        // frames a source sends without `last`.
+        self.plan
+            .extend(part.pending.into_iter().filter(|r| r.pages > 0));
         self.verify = part.verify;
         self.guest_apf_base = part.guest_apf_base;
         if part.last {
@@ -298,4 +331,36 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
         .name(name.into())
         .spawn(f)
         .map_err(|e| MigrationError::Unsupported(format!("cannot start a thread: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_must_go_forward_inside_guest_ram() {
+        // SAFETY: only the views' addresses are used.
+        let regions = [
+            unsafe { RegionView::new(0, 16 * PAGE, std::ptr::null_mut()) },
+            unsafe { RegionView::new(1 << 32, 16 * PAGE, std::ptr::null_mut()) },
+        ];
+        let p = GpaPages::new;
+        let ok = [p(0, 2), p(2 * PAGE, 1), p(1 << 32, 16)];
+        assert!(check_plan_part(&regions, None, &ok).is_ok());
+        assert!(check_plan_part(&regions, Some(&p(0, 1)), &[p(PAGE, 1)]).is_ok());
+        for (prev, runs) in [
+            (None, vec![p(0, 2), p(PAGE, 1)]),     // overlaps
+            (None, vec![p(4 * PAGE, 1), p(0, 1)]), // goes back
+            (Some(p(0, 16)), vec![p(0, 16)]),      // repeats the last frame
+            (None, vec![p(0, (1 << 52) + 1)]),     // wraps
+            (None, vec![p(15 * PAGE, 2)]),         // crosses the region's end
+            (None, vec![p(1, 1)]),                 // not aligned
+        ] {
+            let e = check_plan_part(&regions, prev.as_ref(), &runs);
+            assert!(
+                matches!(e, Err(ProtocolError::Malformed { .. })),
+                "{prev:?} {runs:?}"
+            );
+        }
+    }
 }

@@ -1,14 +1,16 @@
 //! A Prometheus endpoint for one VMM (`ferry run --metrics ADDR`): the
 //! migration's figures, named after KubeVirt's `kubevirt_vmi_migration_*`
-//! metrics with ferry's prefix, and the guest's own counters. Plain HTTP
-//! on a thread of its own, text exposition format 0.0.4.
+//! metrics with ferry's prefix, and the guest's own counters, in text
+//! exposition format 0.0.4. It shows figures only, never guest memory.
+//! The HTTP side, bounded against slow and hostile clients, is [`http`].
+
+pub mod http;
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use ferry_migration::telemetry::LivePhase;
 
@@ -20,47 +22,16 @@ pub fn serve(vm: &Arc<Vm>, addr: SocketAddr) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
     let vm = Arc::downgrade(vm);
-    std::thread::Builder::new()
-        .name("metrics".into())
-        .spawn(move || {
-            let rate = Mutex::new(None);
-            for conn in listener.incoming().flatten() {
-                if vm.strong_count() == 0 {
-                    break;
-                }
-                let _ = answer(conn, &vm, &rate);
-            }
-        })?;
+    let rate: RateMark = Mutex::new(None);
+    http::serve(listener, http::Limits::default(), move || {
+        vm.upgrade().map(|vm| render(&vm, &rate))
+    })?;
     Ok(local)
 }
 
 /// The last scrape's (time, bytes sent): the transfer rate is measured
 /// between two scrapes.
 type RateMark = Mutex<Option<(Instant, u64)>>;
-
-fn answer(mut conn: TcpStream, vm: &Weak<Vm>, rate: &RateMark) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut reader = BufReader::new(conn.try_clone()?);
-    let mut request = String::new();
-    reader.read_line(&mut request)?;
-    // The rest of the request's head.
-    let mut line = String::new();
-    while reader.read_line(&mut line)? > 2 {
-        line.clear();
-    }
-    let path = request.split_whitespace().nth(1).unwrap_or("");
-    let (status, body) = match (request.starts_with("GET "), path, vm.upgrade()) {
-        (true, "/metrics", Some(vm)) => ("200 OK", render(&vm, rate)),
-        (true, "/metrics", None) => ("503 Service Unavailable", "the VM is gone\n".into()),
-        (true, _, _) => ("404 Not Found", "ferry serves /metrics only\n".into()),
-        _ => ("405 Method Not Allowed", "GET /metrics\n".into()),
-    };
-    write!(
-        conn,
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-}
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
