@@ -11,6 +11,7 @@ mod migrate;
 mod report;
 mod run;
 mod status;
+mod tls;
 mod uffd_cost;
 
 use std::path::PathBuf;

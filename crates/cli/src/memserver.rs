@@ -31,7 +31,7 @@ pub struct MemserverArgs {
     /// Guest memory this server may hold, for all VMs together (e.g. 2G).
     #[arg(long, value_parser = parse_capacity)]
     capacity: u64,
-    /// The host registry: etcd://HOST:PORT, or dir:PATH; default: the
+    /// The host registry: etcds://HOST:PORT (TLS), etcd://HOST:PORT, or dir:PATH; default: the
     /// embedded one on this machine.
     #[arg(long)]
     registry: Option<String>,
@@ -69,7 +69,10 @@ pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
     let advert = if a.no_registry {
         None
     } else {
-        let registry = ferry_registry::open(a.registry.as_deref())?;
+        let registry = ferry_registry::open(
+            a.registry.as_deref(),
+            crate::tls::credentials_for_registry(a.registry.as_deref())?,
+        )?;
         let entry = HostEntry {
             name: a.name.clone().unwrap_or_else(|| format!("memserver@{at}")),
             kind: HostKind::Memserver,
@@ -156,7 +159,7 @@ pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
 /// `ferry hosts`.
 #[derive(clap::Args)]
 pub struct HostsArgs {
-    /// The host registry: etcd://HOST:PORT, or dir:PATH; default: the
+    /// The host registry: etcds://HOST:PORT (TLS), etcd://HOST:PORT, or dir:PATH; default: the
     /// embedded one on this machine.
     #[arg(long)]
     registry: Option<String>,
@@ -167,7 +170,10 @@ pub struct HostsArgs {
 
 /// Lists the hosts the registry knows.
 pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
-    let registry = ferry_registry::open(a.registry.as_deref())?;
+    let registry = ferry_registry::open(
+        a.registry.as_deref(),
+        crate::tls::credentials_for_registry(a.registry.as_deref())?,
+    )?;
     let hosts = registry.hosts()?;
     if a.json {
         println!("{}", serde_json::to_string(&hosts)?);

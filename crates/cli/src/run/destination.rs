@@ -23,7 +23,10 @@ pub(super) fn receive(
         .context("cannot listen for the incoming migration")?;
     // Withdrawn (dropped) once a VM arrived.
     let _advert = if args.advertise {
-        let registry = ferry_registry::open(args.registry.as_deref())?;
+        let registry = ferry_registry::open(
+            args.registry.as_deref(),
+            crate::tls::credentials_for_registry(args.registry.as_deref())?,
+        )?;
         let addr = incoming.endpoint().to_string();
         let addr = addr.strip_prefix("tcp:").unwrap_or(&addr).to_string();
         let offer = args.offer.unwrap_or(vm.config().mem_bytes);
