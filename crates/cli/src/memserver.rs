@@ -31,7 +31,7 @@ pub struct MemserverArgs {
     /// Guest memory this server may hold, for all VMs together (e.g. 2G).
     #[arg(long, value_parser = parse_capacity)]
     capacity: u64,
-    /// The host registry: etcd://HOST:PORT, or dir:PATH; default: the
+    /// The host registry: etcds://HOST:PORT (TLS), etcd://HOST:PORT, or dir:PATH; default: the
     /// embedded one on this machine.
     #[arg(long)]
     registry: Option<String>,
@@ -90,7 +90,10 @@ pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
     let advert = if a.no_registry {
         None
     } else {
-        let registry = ferry_registry::open(a.registry.as_deref())?;
+        let registry = ferry_registry::open(
+            a.registry.as_deref(),
+            crate::security::credentials_for_registry(a.registry.as_deref())?,
+        )?;
         let entry = HostEntry {
             name: a.name.clone().unwrap_or_else(|| format!("memserver@{at}")),
             kind: HostKind::Memserver,
@@ -179,7 +182,7 @@ pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
 /// `ferry hosts`.
 #[derive(clap::Args)]
 pub struct HostsArgs {
-    /// The host registry: etcd://HOST:PORT, or dir:PATH; default: the
+    /// The host registry: etcds://HOST:PORT (TLS), etcd://HOST:PORT, or dir:PATH; default: the
     /// embedded one on this machine.
     #[arg(long)]
     registry: Option<String>,
@@ -190,7 +193,10 @@ pub struct HostsArgs {
 
 /// Lists the hosts the registry knows.
 pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
-    let registry = ferry_registry::open(a.registry.as_deref())?;
+    let registry = ferry_registry::open(
+        a.registry.as_deref(),
+        crate::security::credentials_for_registry(a.registry.as_deref())?,
+    )?;
     let hosts = registry.hosts()?;
     if a.json {
         println!("{}", serde_json::to_string(&hosts)?);

@@ -48,7 +48,7 @@ pub struct MigrateArgs {
     #[arg(long = "sub", value_delimiter = ',')]
     subs: Vec<Endpoint>,
     /// Split: the host registry to place the VM by when --sub is not
-    /// given (etcd://HOST:PORT or dir:PATH; default: this machine's):
+    /// given (etcds://HOST:PORT (TLS), etcd://HOST:PORT or dir:PATH; default: this machine's):
     /// the main host is --main, or the waiting VMM offering most memory;
     /// the rest goes to the memory servers with most room.
     #[arg(long)]
@@ -270,7 +270,10 @@ fn place_from_registry(
     options: &mut MigrateOptions,
     mem_bytes: u64,
 ) -> Result<Endpoint> {
-    let registry = ferry_registry::open(args.registry.as_deref())?;
+    let registry = ferry_registry::open(
+        args.registry.as_deref(),
+        crate::security::credentials_for_registry(args.registry.as_deref())?,
+    )?;
     let hosts = registry.hosts()?;
     let sp = &mut options.split;
     let chunk_bytes = u64::from(sp.chunk_pages) * 4096;

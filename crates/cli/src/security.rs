@@ -38,3 +38,27 @@ pub fn install(flag: Option<PathBuf>, insecure: bool) {
         Err(e) => transport::install(Security::Missing(std::sync::Arc::new(e))),
     }
 }
+
+/// The credentials an `etcds://` registry needs (this process's, the ones
+/// `--tls-dir` chose), or `None` for any other registry.
+pub fn credentials_for_registry(
+    addr: Option<&str>,
+) -> anyhow::Result<Option<std::sync::Arc<Credentials>>> {
+    use anyhow::Context;
+    let Some(addr) = addr.filter(|a| a.starts_with("etcds://")) else {
+        return Ok(None);
+    };
+    if let Some(c) = transport::credentials() {
+        return Ok(Some(c));
+    }
+    let dir = tls_dir(None);
+    let c = Credentials::load(&dir).with_context(|| {
+        format!(
+            "registry {addr} speaks TLS and needs this host's credentials; looked in {} \
+             (--tls-dir, else ${TLS_DIR_ENV}, else {})",
+            dir.display(),
+            ferry_tls::default_dir().display()
+        )
+    })?;
+    Ok(Some(c))
+}

@@ -2,10 +2,12 @@
 //! itself, `ferry hosts` lists it with the room it has left as pages land,
 //! a stopped server withdraws, a killed one disappears when its entry
 //! expires. Once with the embedded registry, once with a real etcd started
-//! here (Debian's etcd-server; scripts/setup.sh installs it).
+//! here (Debian's etcd-server; scripts/setup.sh installs it) that speaks
+//! mutual TLS: `etcds://`, this host's credentials from `FERRY_TLS_DIR`.
 
 mod common;
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -24,8 +26,18 @@ impl Drop for Reap {
     }
 }
 
-fn hosts(registry: &str) -> Vec<Value> {
-    let out = ferry(&["hosts", "--registry", registry, "--json"]);
+/// `ferry` with this host's credentials in `tls` (for an etcds:// registry).
+fn ferry_cmd(tls: Option<&Path>) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    c.envs(tls.map(|d| (ferry_tls::TLS_DIR_ENV, d)));
+    c
+}
+
+fn hosts(registry: &str, tls: Option<&Path>) -> Vec<Value> {
+    let out = ferry_cmd(tls)
+        .args(["hosts", "--registry", registry, "--json"])
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "ferry hosts: {}",
@@ -37,13 +49,14 @@ fn hosts(registry: &str) -> Vec<Value> {
 /// Waits until `ferry hosts` satisfies `ok`; returns what it listed.
 fn until(
     registry: &str,
+    tls: Option<&Path>,
     within: Duration,
     what: &str,
     ok: impl Fn(&[Value]) -> bool,
 ) -> Vec<Value> {
     let deadline = Instant::now() + within;
     loop {
-        let h = hosts(registry);
+        let h = hosts(registry, tls);
         if ok(&h) {
             return h;
         }
@@ -55,8 +68,8 @@ fn until(
     }
 }
 
-fn start_memserver(registry: &str, port: u16, name: &str) -> Reap {
-    let child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+fn start_memserver(registry: &str, tls: Option<&Path>, port: u16, name: &str) -> Reap {
+    let child = ferry_cmd(tls)
         .args([
             "memserver",
             "--listen",
@@ -74,12 +87,13 @@ fn start_memserver(registry: &str, port: u16, name: &str) -> Reap {
 }
 
 /// What every registry must do.
-fn exercise(registry: &str) {
+fn exercise(registry: &str, tls: Option<&Path>) {
     let (p1, p2) = (free_port(), free_port());
-    let mut a = start_memserver(registry, p1, "ms-a");
-    let _b = start_memserver(registry, p2, "ms-b");
+    let mut a = start_memserver(registry, tls, p1, "ms-a");
+    let _b = start_memserver(registry, tls, p2, "ms-b");
     let listed = until(
         registry,
+        tls,
         Duration::from_secs(10),
         "both servers listed",
         |h| h.len() >= 2,
@@ -102,6 +116,7 @@ fn exercise(registry: &str) {
     assert_eq!(c.sync().unwrap().held_pages, 256);
     until(
         registry,
+        tls,
         Duration::from_secs(10),
         "ms-a's free room updated",
         |h| {
@@ -114,15 +129,23 @@ fn exercise(registry: &str) {
     // SAFETY: sending a signal to our own child process.
     unsafe { libc::kill(a.0.id() as i32, libc::SIGTERM) };
     let _ = a.0.wait();
-    until(registry, Duration::from_secs(3), "ms-a withdrawn", |h| {
-        !h.iter().any(|e| e["name"] == "ms-a") && h.iter().any(|e| e["name"] == "ms-b")
-    });
+    until(
+        registry,
+        tls,
+        Duration::from_secs(3),
+        "ms-a withdrawn",
+        |h| !h.iter().any(|e| e["name"] == "ms-a") && h.iter().any(|e| e["name"] == "ms-b"),
+    );
     // SIGKILL: ms-b cannot withdraw; its entry expires (5 s TTL).
     drop(_b);
     let t = Instant::now();
-    until(registry, Duration::from_secs(15), "ms-b expired", |h| {
-        !h.iter().any(|e| e["name"] == "ms-b")
-    });
+    until(
+        registry,
+        tls,
+        Duration::from_secs(15),
+        "ms-b expired",
+        |h| !h.iter().any(|e| e["name"] == "ms-b"),
+    );
     eprintln!(
         "{registry}: a killed server disappeared after {:.1} s",
         t.elapsed().as_secs_f64()
@@ -133,12 +156,28 @@ fn exercise(registry: &str) {
 fn embedded_registry_lists_advertises_and_forgets() {
     let dir = std::env::temp_dir().join(format!("ferry-registry-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    exercise(&format!("dir:{}", dir.display()));
+    exercise(&format!("dir:{}", dir.display()), None);
     // A bad address is a clear error.
     let out = ferry(&["hosts", "--registry", "zookeeper://x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("etcd://HOST:PORT"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_etcds_registry_without_credentials_names_the_directory() {
+    let dir = std::env::temp_dir().join(format!("ferry-no-tls-{}", std::process::id()));
+    let out = ferry_cmd(Some(&dir))
+        .args(["hosts", "--registry", "etcds://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("speaks TLS")
+            && err.contains(&format!("no TLS credentials in {}", dir.display())),
+        "{err}"
+    );
 }
 
 #[test]
@@ -148,44 +187,64 @@ fn etcd_registry_lists_advertises_and_forgets() {
         return;
     };
     let (client, peer) = (free_port(), free_port());
-    let data = std::env::temp_dir().join(format!("ferry-etcd-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&data);
-    let url = |p: u16| format!("http://127.0.0.1:{p}");
+    let tmp = std::env::temp_dir().join(format!("ferry-etcd-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    // The fleet's CA, etcd's certificate (naming the address it is dialed
+    // at) and this host's, as `ferry pki` makes them.
+    let (ca, server, host) = (tmp.join("ca"), tmp.join("etcd"), tmp.join("host"));
+    let days = || ferry_tls::pki::Validity::days(1);
+    ferry_tls::pki::init_ca(&ca, "test fleet", days()).unwrap();
+    ferry_tls::pki::issue(&ca, "etcd", &server, &["127.0.0.1".into()], days()).unwrap();
+    ferry_tls::pki::issue(&ca, "host", &host, &[], days()).unwrap();
+    let file = |d: &Path, f: &str| d.join(f).display().to_string();
+    let url = |scheme: &str, p: u16| format!("{scheme}://127.0.0.1:{p}");
     let etcd = Command::new(path)
-        .args([
-            "--name",
-            "ferry-test",
-            "--data-dir",
-            &data.display().to_string(),
-        ])
+        .args(["--name", "ferry-test", "--data-dir", &file(&tmp, "data")])
         .args([
             "--listen-client-urls",
-            &url(client),
+            &url("https", client),
             "--advertise-client-urls",
-            &url(client),
+            &url("https", client),
         ])
+        .args(["--cert-file", &file(&server, "cert.pem")])
+        .args(["--key-file", &file(&server, "key.pem")])
+        .args(["--trusted-ca-file", &file(&server, "ca.pem")])
+        .arg("--client-cert-auth")
         .args([
             "--listen-peer-urls",
-            &url(peer),
+            &url("http", peer),
             "--initial-advertise-peer-urls",
-            &url(peer),
+            &url("http", peer),
         ])
-        .args(["--initial-cluster", &format!("ferry-test={}", url(peer))])
+        .args([
+            "--initial-cluster",
+            &format!("ferry-test={}", url("http", peer)),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let _etcd = Reap(etcd);
     wait_listening(client, Duration::from_secs(20));
-    let registry = format!("etcd://127.0.0.1:{client}");
+    let registry = format!("etcds://127.0.0.1:{client}");
     // etcd answers before it has a leader: wait until a read works.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !ferry(&["hosts", "--registry", &registry]).status.success() {
-        assert!(Instant::now() < deadline, "etcd never answered");
+    let list = || {
+        ferry_cmd(Some(&host))
+            .args(["hosts", "--registry", &registry])
+            .output()
+            .unwrap()
+    };
+    while !list().status.success() {
+        assert!(
+            Instant::now() < deadline,
+            "etcd never answered: {}",
+            String::from_utf8_lossy(&list().stderr)
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
-    exercise(&registry);
-    let _ = std::fs::remove_dir_all(&data);
+    exercise(&registry, Some(&host));
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 fn which(name: &str) -> Result<std::path::PathBuf, ()> {

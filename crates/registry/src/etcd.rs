@@ -3,67 +3,114 @@
 //! of its own: renewing is a lease keep-alive, and a host that dies stops
 //! renewing, so etcd deletes its key when the lease runs out.
 //!
+//! `etcds://HOST:PORT` speaks TLS with this host's fleet certificate as
+//! the client certificate (etcd started with `--client-cert-auth` and the
+//! fleet CA as `--trusted-ca-file`), and checks etcd's certificate against
+//! the fleet CA; `etcd://HOST:PORT` is plaintext, and warns.
+//!
+//! Why a hand-written gateway client and not the maintained `etcd-client`
+//! crate: etcd-client speaks gRPC through tonic, so it brings tokio, hyper,
+//! h2, tower and prost (about 100 crates where this client adds none but
+//! rustls, which ferry-tls already builds), compiles etcd's .proto files at
+//! build time (so every build machine needs `protoc`), and is async: each
+//! call from ferry's threads would go through a tokio runtime kept for it.
+//! The registry needs five calls (lease grant, keep-alive and revoke, put,
+//! range, delete), a few times a minute, which one HTTP/1.0 POST each does
+//! (`http.rs`, ~150 lines, every size capped). ureq, used before,
+//! could not take the fleet's rustls `ClientConfig` (its TLS settings take
+//! PEM roots and a client key, not a config, so the TLS 1.3-only policy
+//! and the reload on rotation of `ferry_tls::Credentials` would be lost),
+//! so it is gone too: the same code speaks plaintext TCP or rustls
+//! (`link.rs`), and the registry is sync, as ferry is.
+//!
 //! Keys: `/ferry/hosts/<name>`, value the [`HostEntry`] as JSON.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
+use ferry_tls::Credentials;
 use serde_json::{json, Value};
 
+use crate::http::shown;
+use crate::link::Link;
 use crate::{HostEntry, Registry, RegistryError};
 
 const PREFIX: &str = "/ferry/hosts/";
 
 /// A connection to etcd's gateway.
 pub struct Etcd {
-    endpoint: String,
-    agent: ureq::Agent,
+    /// The address as given (`etcd://…` or `etcds://…`), for messages.
+    addr: String,
+    link: Link,
     /// The lease under each name this process advertised.
     leases: Mutex<HashMap<String, String>>,
 }
 
 impl Etcd {
-    /// `etcd://HOST:PORT` (the client port, 2379 by default).
-    pub fn new(addr: &str) -> Result<Self, RegistryError> {
-        let hostport = addr
-            .strip_prefix("etcd://")
-            .filter(|h| !h.is_empty() && !h.contains('/'))
-            .ok_or_else(|| RegistryError::BadAddress(addr.into()))?;
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .timeout_global(Some(Duration::from_secs(3)))
-            .http_status_as_error(false)
-            .build()
-            .into();
+    /// `etcds://HOST:PORT` (TLS with `tls`'s client certificate) or
+    /// `etcd://HOST:PORT` (plaintext; `tls` is not used): etcd's client
+    /// port, 2379 by default.
+    pub fn new(addr: &str, tls: Option<Arc<Credentials>>) -> Result<Self, RegistryError> {
+        let bad = || RegistryError::BadAddress(addr.into());
+        let (secure, hostport) = if let Some(h) = addr.strip_prefix("etcds://") {
+            (true, h)
+        } else if let Some(h) = addr.strip_prefix("etcd://") {
+            (false, h)
+        } else {
+            return Err(bad());
+        };
+        match hostport.rsplit_once(':') {
+            Some((host, port))
+                if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok() => {}
+            _ => return Err(bad()),
+        }
+        let link = match (secure, tls) {
+            (true, Some(c)) => Link::tls(hostport, c).map_err(|reason| RegistryError::Etcd {
+                endpoint: addr.into(),
+                reason,
+            })?,
+            (true, None) => return Err(RegistryError::NoCredentials(addr.into())),
+            (false, _) => {
+                tracing::warn!(
+                    "the registry link to {addr} is not encrypted: anyone on the path can read \
+                     and forge host advertisements; use etcds://{hostport} with client \
+                     certificates"
+                );
+                Link::plain(hostport)
+            }
+        };
         Ok(Etcd {
-            endpoint: format!("http://{hostport}"),
-            agent,
+            addr: addr.into(),
+            link,
             leases: Mutex::new(HashMap::new()),
         })
     }
 
     fn err(&self, reason: impl std::fmt::Display) -> RegistryError {
         RegistryError::Etcd {
-            endpoint: self.endpoint.clone(),
+            endpoint: self.addr.clone(),
             reason: reason.to_string(),
         }
     }
 
     /// One gateway call: POST a JSON body, get a JSON answer.
     fn call(&self, path: &str, body: Value) -> Result<Value, RegistryError> {
-        let mut resp = self
-            .agent
-            .post(format!("{}{path}", self.endpoint))
-            .send_json(&body)
-            .map_err(|e| self.err(e))?;
-        let status = resp.status();
-        let v: Value = resp
-            .body_mut()
-            .read_json()
-            .map_err(|e| self.err(format!("{path}: answer is not JSON: {e}")))?;
-        if !status.is_success() || v.get("error").is_some() {
+        let body = serde_json::to_vec(&body).map_err(|e| self.err(e))?;
+        let answer = self
+            .link
+            .call(path, &body)
+            .map_err(|e| self.err(format!("{path}: {e}")))?;
+        let status = answer.status;
+        let v: Value = serde_json::from_slice(&answer.body).map_err(|e| {
+            self.err(format!(
+                "{path}: HTTP {status}, and the answer is not JSON ({e}): {}",
+                shown(&answer.body)
+            ))
+        })?;
+        if !(200..300).contains(&status) || v.get("error").is_some() {
             let msg = v["message"].as_str().or(v["error"].as_str()).unwrap_or("");
             return Err(self.err(format!("{path}: HTTP {status}: {msg}")));
         }
@@ -179,7 +226,7 @@ impl Registry for Etcd {
     }
 
     fn describe(&self) -> String {
-        self.endpoint.replace("http://", "etcd://")
+        self.addr.clone()
     }
 }
 
@@ -189,10 +236,30 @@ mod tests {
 
     #[test]
     fn addresses_are_checked() {
-        assert!(Etcd::new("etcd://127.0.0.1:2379").is_ok());
-        assert!(Etcd::new("etcd://").is_err());
-        assert!(Etcd::new("http://127.0.0.1:2379").is_err());
-        assert!(Etcd::new("etcd://h:1/x").is_err());
+        assert!(Etcd::new("etcd://127.0.0.1:2379", None).is_ok());
+        assert!(Etcd::new("etcd://etcd1:2379", None).is_ok());
+        assert!(Etcd::new("etcd://[::1]:2379", None).is_ok());
+        for bad in [
+            "etcd://",
+            "http://127.0.0.1:2379",
+            "etcd://h:1/x",
+            "etcd://h",
+            "etcd://:2379",
+            "etcd://h:port",
+            "etcds://h:99999",
+        ] {
+            assert!(
+                matches!(Etcd::new(bad, None), Err(RegistryError::BadAddress(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_tls_address_without_credentials_is_a_clear_error() {
+        let err = Etcd::new("etcds://127.0.0.1:2379", None).err().unwrap();
+        assert!(matches!(err, RegistryError::NoCredentials(_)), "{err}");
+        assert!(err.to_string().contains("etcds://127.0.0.1:2379"), "{err}");
     }
 
     #[test]
@@ -203,8 +270,9 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let e = Etcd::new(&format!("etcd://127.0.0.1:{port}")).unwrap();
+        let e = Etcd::new(&format!("etcd://127.0.0.1:{port}"), None).unwrap();
         let err = e.hosts().unwrap_err().to_string();
-        assert!(err.contains("etcd at http://127.0.0.1"), "{err}");
+        assert!(err.contains("etcd at etcd://127.0.0.1"), "{err}");
+        assert!(err.contains("cannot connect"), "{err}");
     }
 }

@@ -9,11 +9,14 @@
 //! - [`embedded`]: one machine (the default): a directory of JSON files,
 //!   each with an expiry the owner keeps pushing forward.
 //! - [`etcd`]: a real etcd cluster through its v3 JSON gateway, each entry
-//!   under a lease that a keep-alive thread renews.
+//!   under a lease that a keep-alive thread renews; over mutual TLS with
+//!   the host's fleet certificate (`etcds://`) or plaintext (`etcd://`).
 //! - [`placement`]: from the hosts to a main host and sub-hosts.
 
 pub mod embedded;
 pub mod etcd;
+mod http;
+mod link;
 pub mod placement;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -78,8 +81,17 @@ pub enum RegistryError {
         reason: String,
     },
     /// A registry address that is not one.
-    #[error("bad registry address {0:?}: give etcd://HOST:PORT, or dir:PATH for the embedded one")]
+    #[error(
+        "bad registry address {0:?}: give etcds://HOST:PORT (TLS with this host's certificate) \
+         or etcd://HOST:PORT (plaintext), or dir:PATH for the embedded one"
+    )]
     BadAddress(String),
+    /// An `etcds://` address, and no credentials to speak TLS with.
+    #[error(
+        "registry {0} speaks TLS and needs this host's credentials (ca.pem, cert.pem, key.pem), \
+         and none were given"
+    )]
+    NoCredentials(String),
     /// An entry that does not decode (another program's key, or damage).
     #[error("registry entry {key} is not a ferry host: {reason}")]
     BadEntry {
@@ -106,12 +118,18 @@ pub trait Registry: Send + Sync {
     fn describe(&self) -> String;
 }
 
-/// Opens a registry: `etcd://HOST:PORT`, `dir:PATH`, or `None` for the
-/// embedded one in its default directory.
-pub fn open(addr: Option<&str>) -> Result<Arc<dyn Registry>, RegistryError> {
+/// Opens a registry: `etcds://HOST:PORT` (mutual TLS with `tls`, which it
+/// needs), `etcd://HOST:PORT` (plaintext), `dir:PATH`, or `None` for the
+/// embedded one in its default directory. Only `etcds://` uses `tls`.
+pub fn open(
+    addr: Option<&str>,
+    tls: Option<Arc<ferry_tls::Credentials>>,
+) -> Result<Arc<dyn Registry>, RegistryError> {
     match addr {
         None => Ok(Arc::new(embedded::Embedded::open(embedded::default_dir())?)),
-        Some(a) if a.starts_with("etcd://") => Ok(Arc::new(etcd::Etcd::new(a)?)),
+        Some(a) if a.starts_with("etcd://") || a.starts_with("etcds://") => {
+            Ok(Arc::new(etcd::Etcd::new(a, tls)?))
+        }
         Some(a) if a.starts_with("dir:") => Ok(Arc::new(embedded::Embedded::open(
             std::path::PathBuf::from(&a[4..]),
         )?)),

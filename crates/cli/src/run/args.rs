@@ -82,7 +82,7 @@ pub struct RunArgs {
     /// arrives.
     #[arg(long, requires = "incoming")]
     pub(super) advertise: bool,
-    /// The host registry for --advertise: etcd://HOST:PORT or dir:PATH
+    /// The host registry for --advertise: etcds://HOST:PORT (TLS), etcd://HOST:PORT or dir:PATH
     /// (default: this machine's).
     #[arg(long, requires = "advertise")]
     pub(super) registry: Option<String>,

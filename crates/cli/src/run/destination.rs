@@ -46,7 +46,10 @@ pub(super) fn receive(
     }));
     // Withdrawn (dropped) once a VM arrived.
     let _advert = if args.advertise {
-        let registry = ferry_registry::open(args.registry.as_deref())?;
+        let registry = ferry_registry::open(
+            args.registry.as_deref(),
+            crate::security::credentials_for_registry(args.registry.as_deref())?,
+        )?;
         let addr = incoming.endpoint().to_string();
         let addr = addr.strip_prefix("tcp:").unwrap_or(&addr).to_string();
         let offer = args.offer.unwrap_or(vm.config().mem_bytes);
