@@ -448,6 +448,9 @@ fn explain(e: &rustls::Error) -> String {
              hosts' certificates from the same fleet CA?)"
                 .into()
         }
+        E::DecryptError => {
+            "cannot decrypt a record: it was corrupted or tampered with on the way".into()
+        }
         E::InvalidMessage(_) => {
             "the peer does not speak TLS (is it running with --insecure?)".into()
         }
