@@ -88,6 +88,19 @@ fn start_memserver(registry: &str, tls: Option<&Path>, port: u16, name: &str) ->
 
 /// What every registry must do.
 fn exercise(registry: &str, tls: Option<&Path>) {
+    // This process talks to the memory servers itself (StoreClient), over
+    // TLS as the host whose credentials they run with: one test at a time,
+    // since a process has one identity.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    common::fleet();
+    let dir: std::path::PathBuf = match tls {
+        Some(d) => d.into(),
+        None => std::env::var_os("FERRY_TLS_DIR").unwrap().into(),
+    };
+    ferry_migration::transport::install(ferry_migration::transport::Security::Tls(
+        ferry_tls::Credentials::load(&dir).unwrap(),
+    ));
     let (p1, p2) = (free_port(), free_port());
     let mut a = start_memserver(registry, tls, p1, "ms-a");
     let _b = start_memserver(registry, tls, p2, "ms-b");
@@ -195,7 +208,7 @@ fn etcd_registry_lists_advertises_and_forgets() {
     let days = || ferry_tls::pki::Validity::days(1);
     ferry_tls::pki::init_ca(&ca, "test fleet", days()).unwrap();
     ferry_tls::pki::issue(&ca, "etcd", &server, &["127.0.0.1".into()], days()).unwrap();
-    ferry_tls::pki::issue(&ca, "host", &host, &[], days()).unwrap();
+    ferry_tls::pki::issue(&ca, "host", &host, &["127.0.0.1".into()], days()).unwrap();
     let file = |d: &Path, f: &str| d.join(f).display().to_string();
     let url = |scheme: &str, p: u16| format!("{scheme}://127.0.0.1:{p}");
     let etcd = Command::new(path)

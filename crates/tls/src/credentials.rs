@@ -152,7 +152,7 @@ fn build(dir: &Path, provider: &Arc<CryptoProvider>) -> Result<Loaded, TlsError>
     let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
         .map_err(|e| TlsError::Config(e.to_string()))?;
-    let server = ServerConfig::builder_with_provider(provider.clone())
+    let mut server = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(config)?
         .with_client_cert_verifier(verifier)
@@ -161,6 +161,10 @@ fn build(dir: &Path, provider: &Arc<CryptoProvider>) -> Result<Loaded, TlsError>
             path: key_path.clone(),
             reason: format!("does not match {}: {e}", cert_path.display()),
         })?;
+    // No session tickets: ferry never resumes a session, and a ticket is
+    // bytes the client never reads on a send-only link (a bulk stream),
+    // which turns its close into a reset at the other end.
+    server.send_tls13_tickets = 0;
     let client = ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(config)?

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""What mutual TLS costs a migration: the same precopy with TLS (a fleet
+made here with `ferry pki`) and with --insecure, alternating run by run on
+loopback (the machines are shared and noisy: compare within a run).
+
+- random: --fill-mib MiB of incompressible pages (fill:content=worst) in a
+  --mem VM, the issue's "1 GiB random in a 2 GiB VM"; total migration time
+  and downtime.
+- idle: an idle --idle-mem VM; downtime.
+
+Both VMMs of a run use the same security. Results: bench/results/tls.{json,md}.
+
+Usage: python3 bench/tls.py [--runs 3] [--mem 2G] [--fill-mib 1024] [--idle-mem 1G]
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import benchlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def migrate_once(ferry, env, security, mem, workload, settle):
+    """One source and destination on loopback, migrated once: the
+    `ferry migrate --json` figures."""
+    d = tempfile.mkdtemp(prefix="ferry-tls-bench-")
+    src, dst = os.path.join(d, "src.sock"), os.path.join(d, "dst.sock")
+    port = free_port()
+    flags = ["--insecure"] if security == "plaintext" else []
+    common = [ferry, *flags, "run", "--mem", mem, "--vcpus", "2", "--workload", workload, "--quiet"]
+    s = subprocess.Popen(common + ["--control", src, "--duration", "300s"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t = subprocess.Popen(common + ["--control", dst, "--duration", "5s",
+                                   "--incoming", f"tcp:127.0.0.1:{port}"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        benchlib.wait_for(src, dst)
+        time.sleep(settle)
+        out = subprocess.run([ferry, *flags, "migrate", src, "--to", f"tcp:127.0.0.1:{port}",
+                              "--json", "--no-timeline"],
+                             env=env, capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr.strip()[-300:])
+        m = json.loads(out.stdout)
+        return {"total_s": m["total_secs"], "downtime_ms": m["downtime_ms"]}
+    finally:
+        benchlib.reap(s, t, grace=2.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--mem", default="2G")
+    ap.add_argument("--fill-mib", type=int, default=1024)
+    ap.add_argument("--idle-mem", default="1G")
+    ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
+    a = ap.parse_args()
+    fleet = tempfile.mkdtemp(prefix="ferry-tls-fleet-")
+    benchlib.sh(a.ferry, "pki", "init", "--dir", f"{fleet}/ca")
+    benchlib.sh(a.ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
+                "--out", f"{fleet}/host", "--san", "127.0.0.1")
+    env = dict(os.environ, FERRY_TLS_DIR=f"{fleet}/host")
+    env.pop("FERRY_INSECURE", None)
+    cases = {
+        "random": (a.mem, f"fill:content=worst,mib={a.fill_mib}", 4.0),
+        "idle": (a.idle_mem, "idle", 1.0),
+    }
+    runs = {c: {"tls": [], "plaintext": []} for c in cases}
+    errors = []
+    for i in range(a.runs):
+        for case, (mem, wl, settle) in cases.items():
+            # Alternate which goes first, run by run.
+            order = ["tls", "plaintext"] if i % 2 == 0 else ["plaintext", "tls"]
+            for sec in order:
+                try:
+                    r = migrate_once(a.ferry, env, sec, mem, wl, settle)
+                    runs[case][sec].append(r)
+                    print(f"run {i + 1} {case} {sec}: {r}", file=sys.stderr)
+                except Exception as e:  # noqa: BLE001 - a failed run is recorded, not fatal
+                    errors.append(f"run {i + 1} {case} {sec}: {e}")
+                    print(errors[-1], file=sys.stderr)
+    res = {}
+    for case in cases:
+        res[case] = {sec: benchlib.medians(rs) for sec, rs in runs[case].items() if rs}
+    out_dir = os.path.join(ROOT, "bench/results")
+    benchlib.write_json(os.path.join(out_dir, "tls.json"),
+                        {"command": benchlib.recorded_command("tls.py"), "runs": runs,
+                         "medians": res, "errors": errors}, indent=1)
+    lines = ["# Mutual TLS against plaintext, same run, alternating", "",
+             f"Command: `{benchlib.recorded_command('tls.py')}` (loopback, this machine: 2 cores, PVM).",
+             f"Medians of {a.runs}.", "",
+             "| case | security | total s | downtime ms |", "|---|---|---|---|"]
+    for case in cases:
+        for sec in ("plaintext", "tls"):
+            m = res[case].get(sec)
+            if m:
+                lines.append(f"| {case} | {sec} | {m['total_s']:.3f} | {m['downtime_ms']:.2f} |")
+        if "tls" in res[case] and "plaintext" in res[case]:
+            t, p = res[case]["tls"], res[case]["plaintext"]
+            lines.append(f"| {case} | TLS / plaintext | {t['total_s'] / p['total_s']:.3f}x | "
+                         f"{t['downtime_ms'] / max(p['downtime_ms'], 1e-9):.2f}x |")
+    if errors:
+        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    benchlib.write_md(os.path.join(out_dir, "tls.md"), lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
