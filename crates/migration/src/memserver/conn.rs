@@ -12,7 +12,7 @@
 //! [`Limits::idle`]: super::Limits::idle
 //! [`Budget`]: super::limits::Budget
 
-use std::io::{self, Read};
+use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::error::MigrationError;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
-use crate::transport::{Conn, ConnReader};
+use crate::transport::Conn;
 
 use super::error::StoreError;
 use super::limits::{Taken, MAX_LIST_BODY, MAX_RUNS, MAX_SMALL_BODY};
@@ -119,23 +119,6 @@ impl Buffers {
     }
 }
 
-/// Reads from `r` until `at`, then fails with TimedOut.
-struct Until<'a> {
-    r: &'a mut ConnReader,
-    at: Instant,
-}
-
-impl Read for Until<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.at.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        self.r.set_read_timeout(Some(left))?;
-        self.r.read(buf)
-    }
-}
-
 fn is_timeout(e: &ProtocolError) -> bool {
     matches!(e, ProtocolError::Io(e)
         if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut))
@@ -181,7 +164,7 @@ fn small_frame<T: serde::de::DeserializeOwned>(
     kind: Kind,
     at: Instant,
 ) -> Result<T, ProtocolError> {
-    let mut r = Until { r: c.reader(), at };
+    let mut r = c.reader().until(at);
     let h = protocol::read_header(&mut r)?;
     if h.len > MAX_SMALL_BODY && h.kind != Kind::Abort {
         return Err(ProtocolError::Malformed {

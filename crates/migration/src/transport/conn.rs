@@ -193,9 +193,34 @@ impl ConnReader {
         self.0.get_ref().set_read_timeout(t)
     }
 
+    /// Reads that give up at `at` whatever the peer's pace (each read
+    /// waits at most what is left): a trickling peer cannot stretch a
+    /// handshake.
+    pub fn until(&mut self, at: std::time::Instant) -> Until<'_> {
+        Until { r: self, at }
+    }
+
     /// A handle that cuts this connection from another thread.
     pub fn closer(&self) -> io::Result<Closer> {
         self.0.get_ref().try_clone().map(Closer)
+    }
+}
+
+/// A [`ConnReader`] that fails with TimedOut once its deadline passed
+/// ([`ConnReader::until`]).
+pub struct Until<'a> {
+    r: &'a mut ConnReader,
+    at: std::time::Instant,
+}
+
+impl Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.at.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.r.set_read_timeout(Some(left))?;
+        self.r.read(buf)
     }
 }
 

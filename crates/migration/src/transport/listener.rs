@@ -10,7 +10,7 @@
 //! foreign connection costs a thread for a few seconds and never holds up
 //! the real source: the first admitted peer is served first.
 
-use std::io::{self, Read};
+use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -412,7 +412,7 @@ impl Admit {
 /// Reads a Hello frame by `deadline` whatever the peer's pace, and no
 /// bigger than a Hello can be.
 fn read_hello(conn: &mut Conn, deadline: Instant) -> Result<Hello, ProtocolError> {
-    let mut r = ByDeadline { conn, deadline };
+    let mut r = conn.reader().until(deadline);
     let h = protocol::read_header(&mut r)?;
     if h.kind != Kind::Hello && h.kind != Kind::Abort {
         return Err(ProtocolError::Unexpected {
@@ -426,21 +426,4 @@ fn read_hello(conn: &mut Conn, deadline: Instant) -> Result<Hello, ProtocolError
     let mut body = Vec::new();
     protocol::read_body_into(&mut r, &h, &mut body)?;
     protocol::decode(&protocol::Frame { kind: h.kind, body }, Kind::Hello)
-}
-
-/// Reads that give up at a deadline: each read waits at most what is left.
-struct ByDeadline<'a> {
-    conn: &'a mut Conn,
-    deadline: Instant,
-}
-
-impl Read for ByDeadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        self.conn.set_read_timeout(Some(left))?;
-        self.conn.reader().read(buf)
-    }
 }

@@ -16,7 +16,7 @@ mod listener;
 mod security;
 mod stream;
 
-pub use conn::{Closer, Conn, ConnReader, ConnWriter};
+pub use conn::{Closer, Conn, ConnReader, ConnWriter, Until};
 pub use listener::{Admission, Listener, ADMISSION_TIMEOUT};
 pub use security::{credentials, install, Security};
 pub use stream::Stream;

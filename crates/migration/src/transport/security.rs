@@ -29,6 +29,15 @@ impl std::fmt::Debug for Security {
     }
 }
 
+impl Security {
+    /// TLS as the one host of a throwaway fleet made in `dir` (valid for
+    /// 127.0.0.1 and localhost): for tests and demos on one machine.
+    pub fn local_fleet(dir: &std::path::Path) -> Result<Security, TlsError> {
+        let host = ferry_tls::pki::local_fleet(dir, "local-host")?;
+        Ok(Security::Tls(Credentials::load(&host)?))
+    }
+}
+
 static INSTALLED: RwLock<Option<Security>> = RwLock::new(None);
 
 /// Chooses what every TCP link of this process speaks from now on.

@@ -24,8 +24,7 @@ pub fn secure() {
     static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     FLEET.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()));
-        let host = ferry_tls::pki::local_fleet(&dir, "test-host").expect("a test fleet");
-        let creds = ferry_tls::Credentials::load(&host).expect("the test fleet's credentials");
-        ferry_migration::transport::install(ferry_migration::transport::Security::Tls(creds));
+        let fleet = ferry_migration::transport::Security::local_fleet(&dir).expect("a test fleet");
+        ferry_migration::transport::install(fleet);
     });
 }
