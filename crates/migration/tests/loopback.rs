@@ -500,10 +500,12 @@ fn telemetry_follows_the_migration_on_both_sides() {
     }
     let d = dst.telemetry.as_ref().unwrap().snapshot();
     assert_eq!(d.phase, "succeeded");
+    // Which bulk stream carries a 1 MiB VM's few batches is up to timing:
+    // the destination must have metered the pages on one of them.
     assert!(
         d.links
             .iter()
-            .any(|(n, _, received)| n == "bulk0" && *received > 0),
+            .any(|(n, _, received)| n.starts_with("bulk") && *received > 0),
         "{d:?}"
     );
     assert!(stats.rounds.len() >= 2, "{}", stats.rounds.len());
