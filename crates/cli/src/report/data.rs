@@ -163,6 +163,12 @@ impl Run {
     pub fn add_load(&mut self, path: &Path) -> Result<()> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read load log {}", path.display()))?;
+        self.add_load_text(&text, &path.display().to_string())
+    }
+
+    /// Adds the requests of a `ferry load --out` CSV's text (`name` says
+    /// which file in errors).
+    pub fn add_load_text(&mut self, text: &str, name: &str) -> Result<()> {
         let mut lines = text.lines();
         let head: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
         let col = |name: &str| head.iter().position(|h| *h == name);
@@ -170,8 +176,7 @@ impl Run {
             (col("send_unix_us"), col("latency_us"), col("outcome"))
         else {
             bail!(
-                "{} has no send_unix_us, latency_us and outcome columns (a `ferry load --out` log of this version)",
-                path.display()
+                "{name} has no send_unix_us, latency_us and outcome columns (a `ferry load --out` log of this version)"
             );
         };
         for l in lines {
