@@ -4,10 +4,10 @@
 //! a decode thread) into the real precopy sink (`DirectSink`).
 //!
 //! Two kinds of input (the first byte's low bit):
-//! - honest: an honest sender's stream (pages, zero runs, batches coded
-//!   with one of the codecs by ferry-codec's encoder, over one or two
-//!   encoder shards); the stream must be taken whole, and memory must then
-//!   hold exactly what was sent, in order;
+//! - honest: one round of an honest sender's stream (pages, zero runs,
+//!   batches coded with one of the codecs by ferry-codec's encoder, over
+//!   one or two encoder shards, each page in one frame); the stream must be
+//!   taken whole, and memory must then hold exactly what was sent;
 //! - hostile: frames of any kind, shape and checksum, and raw bytes; the
 //!   receiver must end (never hang) with pages only inside guest memory.
 #![no_main]
@@ -50,11 +50,22 @@ fn honest(input: &mut Input, memory: &Memory) -> (Vec<u8>, Memory, u64) {
         protocol::send(&mut wire, Kind::Codec, &setup).expect("to a Vec");
     }
     let mut sent = 0;
+    // One round: a page goes in one frame at most (the receiver lands
+    // Encoded batches on another thread than Pages and zero runs, and only
+    // a round's end orders them; an honest source sends a page once a
+    // round). Within a frame a page may repeat: the last copy wins.
+    let mut used: Vec<u64> = Vec::new();
     for _ in 0..(input.u8() % 8) {
         let n = 1 + usize::from(input.u8() % 6);
         let gpas: Vec<u64> = (0..n)
             .map(|_| addrs[usize::from(input.u8()) % addrs.len()])
+            .filter(|g| !used.contains(g))
             .collect();
+        if gpas.is_empty() {
+            continue;
+        }
+        used.extend(&gpas);
+        let n = gpas.len();
         match input.u8() % 3 {
             0 => {
                 // Zero runs: one page each, from these addresses.

@@ -2,12 +2,13 @@
 //! values out of the fuzzer's bytes ([`Input`]), guest memory on the heap
 //! that the engine's real sinks land pages in ([`Memory`]), a socket pair
 //! whose far end a thread feeds and drains ([`Peer`]), and the codec
-//! lockstep check ([`codec`]).
+//! lockstep check ([`codec`]), and the seed corpora ([`seeds`]).
 
 pub mod codec;
 pub mod input;
 pub mod memory;
 pub mod peer;
+pub mod seeds;
 
 pub use input::Input;
 pub use memory::Memory;
