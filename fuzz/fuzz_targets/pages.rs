@@ -103,7 +103,9 @@ fn zero_ranges(memory: &Memory, body: &[u8]) {
                     u128::from(v.gpa()) + u128::from(v.size()),
                 );
                 let g = u128::from(r.gpa);
-                g >= start && g + u128::from(r.pages) * 4096 <= end
+                // The run's first address is a page of the region (even
+                // an empty run's), and its end is too.
+                g >= start && g < end && g + u128::from(r.pages) * 4096 <= end
             })
     };
     let after = memory.snapshot();
