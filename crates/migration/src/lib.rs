@@ -31,6 +31,8 @@ pub mod destination;
 pub(crate) mod dirty;
 pub mod encoded;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub(crate) mod hybrid;
 pub mod memory;
 pub mod memserver;

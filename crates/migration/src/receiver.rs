@@ -156,7 +156,7 @@ fn zero_range_inside(regions: &[RegionView], gpa: u64, n: u64) -> bool {
         })
 }
 
-fn zero_ranges(
+pub(crate) fn zero_ranges(
     regions: &[RegionView],
     sink: &dyn PageSink,
     body: &[u8],
@@ -186,7 +186,7 @@ fn zero_ranges(
 
 /// The decode stage of a compressed stream: decodes each Encoded body with
 /// its shard's decoder and lands the pages; buffers go back to the reader.
-fn decode_loop(
+pub(crate) fn decode_loop(
     regions: &[RegionView],
     sink: &dyn PageSink,
     bodies: Receiver<Vec<u8>>,

@@ -26,12 +26,15 @@ pub fn default_dir() -> PathBuf {
     }
 }
 
-/// A file's content.
+/// A file's content (public for the fuzz targets only: fuzz/,
+/// docs/fuzzing.md).
+#[doc(hidden)]
 #[derive(serde::Serialize, serde::Deserialize)]
-struct Record {
-    entry: HostEntry,
+pub struct Record {
+    /// The advertisement.
+    pub entry: HostEntry,
     /// Seconds since the epoch after which the entry is dead.
-    expires: f64,
+    pub expires: f64,
 }
 
 /// The directory registry.

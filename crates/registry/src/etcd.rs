@@ -206,28 +206,36 @@ impl Registry for Etcd {
             "/v3/kv/range",
             json!({"key": B64.encode(PREFIX), "range_end": B64.encode(end)}),
         )?;
-        let mut out = Vec::new();
-        for kv in v["kvs"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
-            let k = kv["key"].as_str().unwrap_or("");
-            let bad = |reason: String| RegistryError::BadEntry {
-                key: String::from_utf8_lossy(&B64.decode(k).unwrap_or_default()).into(),
-                reason,
-            };
-            let raw = B64
-                .decode(kv["value"].as_str().unwrap_or(""))
-                .map_err(|e| bad(e.to_string()))?;
-            match serde_json::from_slice::<HostEntry>(&raw) {
-                Ok(e) => out.push(e),
-                Err(e) => tracing::warn!("{}", bad(e.to_string())),
-            }
-        }
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(out)
+        entries_of_range(&v)
     }
 
     fn describe(&self) -> String {
         self.addr.clone()
     }
+}
+
+/// The hosts in a `/v3/kv/range` answer (base64 values of [`HostEntry`]
+/// JSON), sorted by name; an entry that does not parse is skipped with a
+/// warning. Public for the fuzz targets (fuzz/, docs/fuzzing.md).
+#[doc(hidden)]
+pub fn entries_of_range(v: &Value) -> Result<Vec<HostEntry>, RegistryError> {
+    let mut out = Vec::new();
+    for kv in v["kvs"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        let k = kv["key"].as_str().unwrap_or("");
+        let bad = |reason: String| RegistryError::BadEntry {
+            key: String::from_utf8_lossy(&B64.decode(k).unwrap_or_default()).into(),
+            reason,
+        };
+        let raw = B64
+            .decode(kv["value"].as_str().unwrap_or(""))
+            .map_err(|e| bad(e.to_string()))?;
+        match serde_json::from_slice::<HostEntry>(&raw) {
+            Ok(e) => out.push(e),
+            Err(e) => tracing::warn!("{}", bad(e.to_string())),
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
 }
 
 #[cfg(test)]

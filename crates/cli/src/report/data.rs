@@ -10,6 +10,12 @@ use serde_json::Value;
 /// Width of a bin of the per-100 ms series (s).
 pub const BIN: f64 = 0.1;
 
+/// Farthest a line may lie from the migration's start (s). A timeline is
+/// one migration and its tail; a time beyond this is corrupt (or hostile:
+/// the destination's lines come from the peer), and a series stretched to
+/// reach it would need more bins than memory holds.
+pub const MAX_SPAN_S: f64 = 86_400.0;
+
 /// Which VMM wrote a line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {
@@ -116,6 +122,13 @@ impl Run {
                 _ => Side::Source,
             };
             let t = v["t"].as_f64().unwrap_or(t0) - t0;
+            if !t.is_finite() || t.abs() > MAX_SPAN_S {
+                eprintln!(
+                    "ferry: warning: {name}: line {} is {t:.0} s from the start; skipped",
+                    i + 2
+                );
+                continue;
+            }
             match v["type"].as_str() {
                 Some("sample") => run.samples.push(Sample {
                     side,
@@ -163,6 +176,12 @@ impl Run {
     pub fn add_load(&mut self, path: &Path) -> Result<()> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read load log {}", path.display()))?;
+        self.add_load_text(&text, &path.display().to_string())
+    }
+
+    /// Adds the requests of a `ferry load --out` CSV's text (`name` says
+    /// which file in errors).
+    pub fn add_load_text(&mut self, text: &str, name: &str) -> Result<()> {
         let mut lines = text.lines();
         let head: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
         let col = |name: &str| head.iter().position(|h| *h == name);
@@ -170,8 +189,7 @@ impl Run {
             (col("send_unix_us"), col("latency_us"), col("outcome"))
         else {
             bail!(
-                "{} has no send_unix_us, latency_us and outcome columns (a `ferry load --out` log of this version)",
-                path.display()
+                "{name} has no send_unix_us, latency_us and outcome columns (a `ferry load --out` log of this version)"
             );
         };
         for l in lines {
@@ -588,6 +606,27 @@ mod tests {
         let r = Run::parse("t", text).unwrap();
         let total: f64 = r.progress_rate().iter().map(|(_, x)| x * BIN).sum();
         assert!((total - 50.0).abs() < 1e-6, "{total}");
+    }
+
+    #[test]
+    fn a_line_absurdly_far_from_the_start_is_skipped_not_binned() {
+        // Found by fuzz/timeline: one sample 6.7e58 s after the start made
+        // every series ask for that many 100 ms bins (capacity overflow).
+        let far = "6".repeat(60);
+        let text = format!(
+            r#"{{"type":"header","t":100.0,"mode":"postcopy"}}
+{{"type":"sample","side":"source","t":100.5,"running":true,"guest":{{"progress":[1]}},"links":{{}}}}
+{{"type":"sample","side":"source","t":{far},"running":true,"guest":{{"progress":[9]}},"links":{{}}}}
+{{"type":"event","side":"source","t":-1e300,"what":"phase","detail":"switching"}}
+"#
+        );
+        let r = Run::parse("t", &text).unwrap();
+        assert_eq!(r.samples.len(), 1, "the far sample is skipped");
+        assert!(r.events.is_empty(), "so is the far event");
+        let (lo, hi) = r.span();
+        assert!(hi - lo < 2.0, "{lo}..{hi}");
+        assert_eq!(r.progress_rate().len(), r.exec_ratio().len());
+        assert!(r.figures().is_object());
     }
 
     #[test]

@@ -133,6 +133,13 @@ pub(crate) fn parse_request(line: &[u8]) -> Result<Request, Refusal> {
     })
 }
 
+/// [`parse_request`] for the fuzz targets (fuzz/, docs/fuzzing.md): the
+/// request, or the refusal's reply and whether the connection closes.
+#[doc(hidden)]
+pub fn fuzz_parse_request(line: &[u8]) -> Result<Request, (Value, bool)> {
+    parse_request(line).map_err(|r| (r.reply, r.close))
+}
+
 /// The reply line for a handler's answer: its fields with `"ok":true` (a
 /// value that is not an object goes under `"value"`), or `"ok":false` and
 /// the error.

@@ -178,11 +178,26 @@ pub fn save_vcpu(vcpu: &VcpuFd, id: u32, msr_indices: &[u32]) -> Result<VcpuStat
 /// KVM's async page fault enable MSR (its paravirtual MSR range).
 pub const MSR_KVM_ASYNC_PF_EN: u32 = 0x4b56_4d02;
 
+/// The parts of a saved vCPU that KVM takes as built structures, checked
+/// before any KVM call: its MSR list and its XSAVE region.
+pub fn restore_parts(s: &VcpuState) -> Result<(Msrs, kvm_xsave), PersistError> {
+    let msrs =
+        Msrs::from_entries(&s.msrs).map_err(|_| PersistError::Decode("too many MSRs".into()))?;
+    let mut xsave = kvm_xsave::default();
+    if s.xsave.len() != xsave.region.len() {
+        return Err(PersistError::Decode(format!(
+            "XSAVE region of {} words",
+            s.xsave.len()
+        )));
+    }
+    xsave.region.copy_from_slice(&s.xsave);
+    Ok((msrs, xsave))
+}
+
 /// Restores a vCPU (created and given its CPUID, not running).
 pub fn restore_vcpu(vcpu: &VcpuFd, s: &VcpuState) -> Result<(), PersistError> {
     let who = format!("vCPU {}", s.id);
-    let msrs =
-        Msrs::from_entries(&s.msrs).map_err(|_| PersistError::Decode("too many MSRs".into()))?;
+    let (msrs, xsave) = restore_parts(s)?;
     let set = vcpu
         .set_msrs(&msrs)
         .map_err(kvm_err("KVM_SET_MSRS", who.clone()))?;
@@ -198,14 +213,6 @@ pub fn restore_vcpu(vcpu: &VcpuFd, s: &VcpuState) -> Result<(), PersistError> {
         .map_err(kvm_err("KVM_SET_SREGS", who.clone()))?;
     vcpu.set_regs(&s.regs)
         .map_err(kvm_err("KVM_SET_REGS", who.clone()))?;
-    let mut xsave = kvm_xsave::default();
-    if s.xsave.len() != xsave.region.len() {
-        return Err(PersistError::Decode(format!(
-            "XSAVE region of {} words",
-            s.xsave.len()
-        )));
-    }
-    xsave.region.copy_from_slice(&s.xsave);
     // SAFETY: a plain kvm_xsave (no extra area), as KVM_GET_XSAVE returns it.
     unsafe { vcpu.set_xsave(&xsave) }.map_err(kvm_err("KVM_SET_XSAVE", who.clone()))?;
     vcpu.set_xcrs(&s.xcrs)

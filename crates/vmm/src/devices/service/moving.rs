@@ -45,6 +45,26 @@ struct MovedConn {
     tcp: TcpCheckpoint,
 }
 
+/// The connections of a Clients body (from the source: untrusted).
+fn decode_moved(bytes: &[u8]) -> Result<Vec<MovedConn>, ServiceError> {
+    postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))
+}
+
+impl ServiceDevice {
+    /// A Clients body decoded as [`ServiceDevice::restore_clients`] decodes
+    /// it, for the fuzz targets (fuzz/, docs/fuzzing.md): per connection
+    /// its id, its unread bytes and its socket's checkpoint.
+    #[doc(hidden)]
+    pub fn fuzz_decode_clients(
+        bytes: &[u8],
+    ) -> Result<Vec<(u64, Vec<u8>, TcpCheckpoint)>, ServiceError> {
+        Ok(decode_moved(bytes)?
+            .into_iter()
+            .map(|c| (c.id, c.pending, c.tcp))
+            .collect())
+    }
+}
+
 /// Where a move of the clients is.
 #[derive(Default)]
 pub(super) enum Moving {
@@ -317,8 +337,7 @@ impl ServiceDevice {
             )
         })?;
         let t = std::time::Instant::now();
-        let conns: Vec<MovedConn> =
-            postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))?;
+        let conns = decode_moved(bytes)?;
         let mut restored = Vec::with_capacity(conns.len());
         let rebuilt = (|| {
             for c in conns {

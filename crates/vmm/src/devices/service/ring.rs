@@ -195,25 +195,7 @@ impl ServiceDevice {
     /// (on the same host the source still holds the old port until it
     /// redirects), and the source's device forwards its clients here.
     pub fn restore(&self, state: &ServiceState) -> Result<(), ServiceError> {
-        let mut owned = [false; SVC_SLOTS];
-        for &slot in &state.free_slots {
-            let i = slot as usize;
-            if i >= SVC_SLOTS {
-                return Err(ServiceError::BadState(format!(
-                    "free slot {i} is outside the ring of {SVC_SLOTS}"
-                )));
-            }
-            if std::mem::replace(&mut owned[i], true) {
-                return Err(ServiceError::BadState(format!(
-                    "free slot {i} is listed twice"
-                )));
-            }
-        }
-        if state.next_conn == 0 {
-            return Err(ServiceError::BadState(
-                "next connection id 0 (ids start at 1)".into(),
-            ));
-        }
+        state.check()?;
         // Under the ring lock: a reader takes a slot and counts the post
         // under it, so no post slips between this check and the update.
         let mut ring = lock(&self.ring);
@@ -238,6 +220,33 @@ impl ServiceDevice {
             next_conn: self.next_conn.load(Ordering::Relaxed),
             free_slots: lock(&self.ring).free.iter().map(|&i| i as u16).collect(),
         }
+    }
+}
+
+impl ServiceState {
+    /// Checks a saved state from a peer before anything takes it: every
+    /// free slot inside the ring and listed once, connection ids from 1.
+    pub fn check(&self) -> Result<(), ServiceError> {
+        let mut owned = [false; SVC_SLOTS];
+        for &slot in &self.free_slots {
+            let i = slot as usize;
+            if i >= SVC_SLOTS {
+                return Err(ServiceError::BadState(format!(
+                    "free slot {i} is outside the ring of {SVC_SLOTS}"
+                )));
+            }
+            if std::mem::replace(&mut owned[i], true) {
+                return Err(ServiceError::BadState(format!(
+                    "free slot {i} is listed twice"
+                )));
+            }
+        }
+        if self.next_conn == 0 {
+            return Err(ServiceError::BadState(
+                "next connection id 0 (ids start at 1)".into(),
+            ));
+        }
+        Ok(())
     }
 }
 

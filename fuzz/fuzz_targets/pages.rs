@@ -1,0 +1,148 @@
+//! Raw page bodies as a destination lands them: a Pages body read off a
+//! socket by `pagein::read_pages` (addresses checked, data read in place
+//! into guest memory, checksum checked after) into the real precopy sink
+//! (`DirectSink`), beside `protocol::decode_pages`; and a ZeroRanges body
+//! as a bulk stream lands it. The first byte picks which, and whether the
+//! Pages frame's checksum is honest.
+//!
+//! Checks (Pages): both decoders agree on the body's shape, and a decoded
+//! body re-encodes to itself; pages land only when every address is a
+//! page of guest memory and the checksum holds, and then memory holds
+//! exactly their data; a refused frame leaves memory outside its own
+//! pages untouched. (ZeroRanges): a body lands only when every run lies
+//! inside one region, and then those pages read as zero, and nothing else
+//! changed.
+#![no_main]
+
+use ferry_fuzz::{init, Memory, Peer};
+use ferry_migration::protocol::{self, Header, Kind};
+use ferry_migration::sink::DirectSink;
+use ferry_migration::GpaPages;
+use libfuzzer_sys::fuzz_target;
+
+/// Fills memory with a pattern that differs page by page.
+fn pattern(memory: &Memory) {
+    for g in memory.page_addrs() {
+        memory.write(g, &vec![(g >> 12) as u8 | 1; 4096]);
+    }
+}
+
+fn pages(memory: &Memory, honest_crc: bool, body: &[u8]) {
+    pattern(memory);
+    let before = memory.snapshot();
+    let regions = memory.views();
+    let sink = DirectSink::new(memory);
+    let crc = ferry_migration::checksum::crc32c(body) ^ u32::from(!honest_crc);
+    let h = Header {
+        kind: Kind::Pages,
+        len: body.len() as u32,
+        crc,
+    };
+    let (mut conn, peer) = Peer::connect(body.to_vec());
+    let (mut scratch, mut buf) = (Vec::new(), Vec::new());
+    let landed = ferry_migration::pagein::read_pages(
+        conn.reader(),
+        &h,
+        &regions,
+        &sink,
+        &mut scratch,
+        &mut buf,
+    );
+    drop(conn);
+    drop(peer);
+    let decoded = protocol::decode_pages(body);
+    if let Ok((gpas, data)) = &decoded {
+        assert_eq!(protocol::encode_pages(gpas, data), body);
+    }
+    match landed {
+        Ok(n) => {
+            let (gpas, data) = decoded.expect("read_pages took a body decode_pages refuses");
+            assert!(honest_crc, "pages landed under a wrong checksum");
+            assert_eq!(n as usize, gpas.len());
+            // The last copy of a page repeated in the frame wins.
+            for (i, &g) in gpas.iter().enumerate().rev() {
+                if gpas[i + 1..].contains(&g) {
+                    continue;
+                }
+                assert_eq!(
+                    memory.page(g).as_deref(),
+                    Some(&data[i * 4096..][..4096]),
+                    "page {g:#x} does not hold what came"
+                );
+            }
+        }
+        Err(_) => {
+            // Only the frame's own addresses may have been written (in place,
+            // before the checksum failed).
+            let mine: Vec<u64> = decoded.map(|(g, _)| g).unwrap_or_default();
+            let after = memory.snapshot();
+            for (k, g) in memory.page_addrs().iter().enumerate() {
+                if !mine.contains(g) {
+                    assert!(
+                        after[k * 4096..][..4096] == before[k * 4096..][..4096],
+                        "a refused frame changed page {g:#x}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn zero_ranges(memory: &Memory, body: &[u8]) {
+    pattern(memory);
+    let before = memory.snapshot();
+    let regions = memory.views();
+    let sink = DirectSink::new(memory);
+    let result = ferry_migration::fuzzing::zero_ranges(&regions, &sink, body);
+    let runs: Option<Vec<GpaPages>> = postcard::from_bytes(body).ok();
+    let inside = |r: &GpaPages| {
+        r.gpa % 4096 == 0
+            && regions.iter().any(|v| {
+                let (start, end) = (
+                    u128::from(v.gpa()),
+                    u128::from(v.gpa()) + u128::from(v.size()),
+                );
+                let g = u128::from(r.gpa);
+                // The run's first address is a page of the region (even
+                // an empty run's), and its end is too.
+                g >= start && g < end && g + u128::from(r.pages) * 4096 <= end
+            })
+    };
+    let after = memory.snapshot();
+    match result {
+        Ok(zeroed) => {
+            let runs = runs.expect("landed a body that does not decode");
+            assert!(runs.iter().all(inside), "a run outside guest memory landed");
+            assert_eq!(zeroed, runs.iter().map(|r| r.pages).sum::<u64>());
+            for (k, g) in memory.page_addrs().iter().enumerate() {
+                let hit = runs
+                    .iter()
+                    .any(|r| *g >= r.gpa && *g - r.gpa < r.pages * 4096);
+                let page = &after[k * 4096..][..4096];
+                if hit {
+                    assert!(page.iter().all(|&b| b == 0), "page {g:#x} not zeroed");
+                } else {
+                    assert!(page == &before[k * 4096..][..4096], "page {g:#x} changed");
+                }
+            }
+        }
+        Err(_) => {
+            if let Some(runs) = runs {
+                assert!(!runs.iter().all(inside), "good zero ranges refused");
+            }
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    init();
+    let Some((&mode, body)) = data.split_first() else {
+        return;
+    };
+    let memory = Memory::standard();
+    match mode % 3 {
+        0 => pages(&memory, true, body),
+        1 => pages(&memory, false, body),
+        _ => zero_ranges(&memory, body),
+    }
+});
