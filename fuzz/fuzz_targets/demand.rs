@@ -48,7 +48,7 @@ fuzz_target!(|data: &[u8]| {
             asked.push(None);
             continue;
         }
-        let body = if sel % 2 == 0 {
+        let body = if sel.is_multiple_of(2) {
             // Addresses drawn from memory (and near it).
             let n = usize::from(input.u8() % 5);
             let gpas: Vec<u64> = (0..n)

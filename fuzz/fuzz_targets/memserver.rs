@@ -118,7 +118,7 @@ fuzz_target!(|data: &[u8]| {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let vm = format!("fuzz-{}", NEXT.fetch_add(1, Ordering::Relaxed));
     let mut input = Input::new(data);
-    let regions: Vec<(u64, u64)> = if input.u8() % 4 == 0 {
+    let regions: Vec<(u64, u64)> = if input.u8().is_multiple_of(4) {
         (0..input.u8() % 4)
             .map(|_| (input.u64(), input.u64()))
             .collect()

@@ -96,7 +96,7 @@ fn zero_ranges(memory: &Memory, body: &[u8]) {
     let result = ferry_migration::fuzzing::zero_ranges(&regions, &sink, body);
     let runs: Option<Vec<GpaPages>> = postcard::from_bytes(body).ok();
     let inside = |r: &GpaPages| {
-        r.gpa % 4096 == 0
+        r.gpa.is_multiple_of(4096)
             && regions.iter().any(|v| {
                 let (start, end) = (
                     u128::from(v.gpa()),
