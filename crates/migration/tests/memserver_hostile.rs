@@ -151,13 +151,7 @@ fn silent_idle_and_excess_connections_are_closed_and_the_owner_goes_on() {
     // handshake): they take no slot here, and the gate drops them.
     let silent: Vec<_> = (0..50).map(|_| tcp()).collect();
     // Connections that said Hello and nothing more fill every slot.
-    let hello = Hello {
-        version_min: protocol::VERSION_TRUST,
-        version_max: protocol::VERSION_MAX,
-        role: Role::Store,
-        session: 0,
-        streams: 0,
-    };
+    let hello = store_hello();
     let said_hello = || {
         let mut c = Conn::open(&at, T, &hello).unwrap();
         c.flush().unwrap();

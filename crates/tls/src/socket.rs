@@ -119,7 +119,7 @@ impl TlsSocket {
                 return Err(late());
             }
             match conn.read_tls(&mut NoWait(fd)) {
-                Ok(0) => return Err(fail(closed_reason(&conn))),
+                Ok(0) => return Err(fail(CLOSED_IN_HANDSHAKE.into())),
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(fail(e.to_string())),
@@ -409,12 +409,9 @@ fn poll(fd: RawFd, events: i16, wait: Duration) -> io::Result<bool> {
     }
 }
 
-/// Why the peer hung up mid-handshake, as far as we can tell.
-fn closed_reason(_c: &Connection) -> String {
-    "the peer closed the connection during the handshake (it may have refused this host's \
-     certificate, or it does not speak TLS)"
-        .into()
-}
+/// Why a peer hangs up mid-handshake, as far as this end can tell.
+const CLOSED_IN_HANDSHAKE: &str = "the peer closed the connection during the handshake (it may \
+     have refused this host's certificate, or it does not speak TLS)";
 
 /// A rustls error in words an operator can act on.
 fn explain(e: &rustls::Error) -> String {

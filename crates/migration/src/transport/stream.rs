@@ -60,19 +60,9 @@ impl Stream {
             Endpoint::Tcp(a) => {
                 let security = installed().map_err(io::Error::other)?;
                 let tcp = TcpStream::connect_timeout(a, timeout)?;
-                let _ = tcp.set_nodelay(true);
-                match security {
-                    Security::Tls(creds) => {
-                        let side = Handshake::Client(
-                            creds.client_config(),
-                            ServerName::IpAddress(a.ip().into()),
-                        );
-                        let tls = TlsSocket::handshake(tcp, side, HANDSHAKE_TIMEOUT)
-                            .map_err(io::Error::other)?;
-                        Ok(Stream::of(Sock::Tls(tls)))
-                    }
-                    _ => Ok(Stream::tcp(tcp)),
-                }
+                Stream::secured(tcp, &security, |creds| {
+                    Handshake::Client(creds.client_config(), ServerName::IpAddress(a.ip().into()))
+                })
             }
             Endpoint::Unix(p) => Ok(Stream::unix(UnixStream::connect(p)?)),
         }
@@ -81,12 +71,23 @@ impl Stream {
     /// A TCP connection just accepted, after the handshake `security` asks
     /// for (within a few seconds: a silent peer fails here).
     pub(super) fn accepted_tcp(tcp: TcpStream, security: &Security) -> io::Result<Stream> {
-        let _ = tcp.set_nodelay(true);
+        Stream::secured(tcp, security, |creds| {
+            Handshake::Server(creds.server_config())
+        })
+    }
+
+    /// `tcp` as `security` wants it: plain, or after the TLS handshake of
+    /// the side `side` gives (Nagle off either way).
+    fn secured(
+        tcp: TcpStream,
+        security: &Security,
+        side: impl FnOnce(&ferry_tls::Credentials) -> Handshake,
+    ) -> io::Result<Stream> {
         match security {
             Security::Tls(creds) => {
-                let side = Handshake::Server(creds.server_config());
-                let tls =
-                    TlsSocket::handshake(tcp, side, HANDSHAKE_TIMEOUT).map_err(io::Error::other)?;
+                let _ = tcp.set_nodelay(true);
+                let tls = TlsSocket::handshake(tcp, side(creds), HANDSHAKE_TIMEOUT)
+                    .map_err(io::Error::other)?;
                 Ok(Stream::of(Sock::Tls(tls)))
             }
             _ => Ok(Stream::tcp(tcp)),

@@ -104,15 +104,20 @@ pub fn owner_intact(at: &Endpoint) {
     assert_eq!(seen, 60);
 }
 
-/// A hand-driven Store connection that said Hello (v9) and opened `o`.
-pub fn raw_open(at: &Endpoint, o: &StoreOpen) -> Result<(Conn, StoreAck), String> {
-    let hello = Hello {
+/// The Hello of a Store connection speaking v9 and up.
+pub fn store_hello() -> Hello {
+    Hello {
         version_min: protocol::VERSION_TRUST,
         version_max: protocol::VERSION_MAX,
         role: Role::Store,
         session: 0,
         streams: 0,
-    };
+    }
+}
+
+/// A hand-driven Store connection that said Hello (v9) and opened `o`.
+pub fn raw_open(at: &Endpoint, o: &StoreOpen) -> Result<(Conn, StoreAck), String> {
+    let hello = store_hello();
     let mut c = Conn::open(at, T, &hello).map_err(|e| e.to_string())?;
     c.flush().map_err(|e| e.to_string())?;
     let _: u16 = c.recv(Kind::HelloAck).map_err(|e| e.to_string())?;
