@@ -54,6 +54,13 @@ pub enum TlsError {
         /// Why, in words.
         reason: String,
     },
+    /// The peer closed the connection before sending a byte: a port probe
+    /// or a health check, not worth a warning.
+    #[error("{peer} closed the connection without a word")]
+    Silent {
+        /// The peer's address.
+        peer: String,
+    },
     /// The handshake did not finish in time.
     #[error("TLS handshake with {peer} did not finish within {secs} s")]
     HandshakeTimeout {
@@ -62,4 +69,13 @@ pub enum TlsError {
         /// The limit.
         secs: u64,
     },
+}
+
+impl TlsError {
+    /// True if `e` (as the transport passes it on) is [`TlsError::Silent`].
+    pub fn is_silent(e: &std::io::Error) -> bool {
+        e.get_ref()
+            .and_then(|i| i.downcast_ref::<TlsError>())
+            .is_some_and(|t| matches!(t, TlsError::Silent { .. }))
+    }
 }

@@ -1,38 +1,43 @@
 //! A TCP connection after a mutual TLS handshake, shared by the threads
 //! that use it: ferry reads a connection on one thread and writes it on
-//! another, and rustls keeps one state machine per connection, so that
-//! state sits behind a lock that is never held across a blocking call.
+//! another.
 //!
-//! - Reading: ciphertext is read ahead in large pieces (256 KiB: rustls
-//!   itself would read 4 KiB at a time) outside the lock, then fed to
-//!   rustls and decrypted under it.
-//! - Writing: plaintext is encrypted and sent under the lock with
-//!   non-blocking sends; when the socket is full the lock is let go while
-//!   the writer waits for room, so the reader is never held up by it.
-//!   Every send of ciphertext happens under the lock, which keeps records
-//!   in order whichever thread sends them (a reader answering a key
-//!   update, say).
-//! - Keys: rustls renews the traffic keys itself (TLS 1.3 KeyUpdate)
-//!   before a key's record limit, so a stream of any length stays safe.
+//! - The handshake is rustls's ([`handshake`](crate::handshake)); after
+//!   it, records are sealed and opened here ([`record`](crate::record)),
+//!   each direction on its own: the reader and the writer never wait for
+//!   each other, and each byte is copied once a side.
+//! - Reading: ciphertext is read ahead in large pieces (256 KiB), records
+//!   are opened in place in that buffer and their plaintext copied out.
+//! - Writing: up to 256 KiB of plaintext is sealed into records in one
+//!   buffer and sent whole before the write returns.
+//! - Keys: before a key has protected half of what its cipher allows, this
+//!   end sends a key update and takes the next key, which rustls derives;
+//!   a key update from the peer is followed the same way.
 //! - Timeouts: the socket's own read and write timeouts (`SO_RCVTIMEO`,
 //!   `SO_SNDTIMEO`) bound each wait, as they would on a plain socket.
 
-use std::io::{self, BufRead, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
+use std::ops::Range;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use rustls::client::UnbufferedClientConnection;
 use rustls::pki_types::ServerName;
-use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerConnection};
+use rustls::server::UnbufferedServerConnection;
+use rustls::{ClientConfig, ServerConfig};
 
-use crate::{PeerIdentity, TlsError};
+use crate::handshake::{self, Failed, Kernel};
+use crate::record::{self, Keys, Opened, Opener, RecordError, Sealer, MAX_PLAIN, MAX_RECORD};
+use crate::{sys, PeerIdentity, TlsError};
 
-/// Ciphertext read ahead of rustls, per connection.
+/// Ciphertext read ahead, per connection.
 const READ_AHEAD: usize = 256 * 1024;
 
-/// Plaintext rustls may hold encrypted and unsent before a write waits.
-const SEND_BUFFER: usize = 256 * 1024;
+/// Plaintext sealed and sent by one write.
+const WRITE_BATCH: usize = 256 * 1024;
 
 /// One TLS connection; [`try_clone`](Self::try_clone) gives another
 /// handle on it for a second thread.
@@ -42,17 +47,40 @@ pub struct TlsSocket {
 }
 
 struct Shared {
-    conn: Mutex<Connection>,
     /// Held by the reading thread for a whole read.
-    rx: Mutex<ReadAhead>,
+    rx: Mutex<Rx>,
+    /// Held by the writing thread for a whole write.
+    tx: Mutex<Tx>,
+    /// Taken only to renew keys (after a half's own lock).
+    kernel: Mutex<Kernel>,
+    /// The peer asked for this end's keys to be renewed.
+    renewal_asked: AtomicBool,
     peer: PeerIdentity,
 }
 
-struct ReadAhead {
+/// The receiving half: read-ahead ciphertext `[start, end)` and, before
+/// it, the plaintext of the last record opened, not yet read.
+struct Rx {
+    opener: Opener,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    plain: Range<usize>,
+    /// The peer closed the TCP stream.
     eof: bool,
+    /// The peer said close_notify.
+    closed: bool,
+    /// Why the stream cannot be read any further.
+    broken: Option<String>,
+}
+
+/// The sending half.
+struct Tx {
+    sealer: Sealer,
+    out: Vec<u8>,
+    /// Why the stream cannot be written any further (a send failed
+    /// mid-record, or close_notify was sent).
+    broken: Option<&'static str>,
 }
 
 /// Which side of the handshake this end plays.
@@ -83,71 +111,55 @@ impl TlsSocket {
             peer: peer.clone(),
             reason,
         };
-        let mut conn: Connection = match side {
-            Handshake::Client(config, name) => ClientConnection::new(config, name)
-                .map_err(|e| fail(e.to_string()))?
-                .into(),
-            Handshake::Server(config) => ServerConnection::new(config)
-                .map_err(|e| fail(e.to_string()))?
-                .into(),
-        };
-        conn.set_buffer_limit(Some(SEND_BUFFER));
         let deadline = Instant::now() + timeout;
-        let late = || TlsError::HandshakeTimeout {
-            peer: peer.clone(),
-            secs: timeout.as_secs(),
-        };
         let fd = tcp.as_raw_fd();
-        while conn.is_handshaking() || conn.wants_write() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(late());
+        let done = match side {
+            Handshake::Client(config, name) => {
+                let c = UnbufferedClientConnection::new(config, name)
+                    .map_err(|e| fail(e.to_string()))?;
+                handshake::run(c, fd, deadline)
             }
-            if conn.wants_write() {
-                match conn.write_tls(&mut NoWait(fd)) {
-                    Ok(_) => continue,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        if !poll(fd, libc::POLLOUT, left).map_err(|e| fail(e.to_string()))? {
-                            return Err(late());
-                        }
-                        continue;
-                    }
-                    Err(e) => return Err(fail(e.to_string())),
-                }
+            Handshake::Server(config) => {
+                let c = UnbufferedServerConnection::new(config).map_err(|e| fail(e.to_string()))?;
+                handshake::run(c, fd, deadline)
             }
-            if !poll(fd, libc::POLLIN, left).map_err(|e| fail(e.to_string()))? {
-                return Err(late());
-            }
-            match conn.read_tls(&mut NoWait(fd)) {
-                Ok(0) => return Err(fail(CLOSED_IN_HANDSHAKE.into())),
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(fail(e.to_string())),
-            }
-            if let Err(e) = conn.process_new_packets() {
-                // Tell the peer why (the alert rustls queued), best effort.
-                let _ = conn.write_tls(&mut NoWait(fd));
-                return Err(fail(explain(&e)));
-            }
-        }
-        let identity = conn
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(PeerIdentity::of)
-            .transpose()
-            .map_err(fail)?
-            .unwrap_or_default();
+        };
+        let done = done.map_err(|f| match f {
+            Failed::Late => TlsError::HandshakeTimeout {
+                peer: peer.clone(),
+                secs: timeout.as_secs(),
+            },
+            Failed::Silent => TlsError::Silent { peer: peer.clone() },
+            Failed::Because(reason) => fail(reason),
+        })?;
+        let keys = |(seq, s)| Keys::new(seq, s).map_err(|e: RecordError| fail(e.to_string()));
+        let sealer = Sealer::new(keys(done.secrets.tx)?, done.kernel.renew_after());
+        let opener = Opener::new(keys(done.secrets.rx)?);
+        let mut buf = vec![0; READ_AHEAD.max(done.leftover.len())].into_boxed_slice();
+        buf[..done.leftover.len()].copy_from_slice(&done.leftover);
         Ok(TlsSocket {
             tcp,
             shared: Arc::new(Shared {
-                conn: Mutex::new(conn),
-                rx: Mutex::new(ReadAhead {
-                    buf: vec![0; READ_AHEAD].into_boxed_slice(),
+                rx: Mutex::new(Rx {
+                    opener,
+                    buf,
                     start: 0,
-                    end: 0,
+                    end: done.leftover.len(),
+                    plain: 0..0,
                     eof: false,
+                    closed: false,
+                    broken: None,
                 }),
-                peer: identity,
+                tx: Mutex::new(Tx {
+                    sealer,
+                    out: Vec::with_capacity(
+                        WRITE_BATCH + WRITE_BATCH / MAX_PLAIN * 64 + MAX_RECORD,
+                    ),
+                    broken: None,
+                }),
+                kernel: Mutex::new(done.kernel),
+                renewal_asked: AtomicBool::new(false),
+                peer: done.peer,
             }),
         })
     }
@@ -171,62 +183,149 @@ impl TlsSocket {
         &self.shared.peer
     }
 
-    /// True if decrypted bytes, or ciphertext read ahead, wait to be read
-    /// (a poll on the socket would miss them).
+    /// True if a read would return at once from what was read ahead (a
+    /// poll on the socket would miss it).
     pub fn has_buffered(&self) -> bool {
-        let ahead = match self.shared.rx.try_lock() {
-            Ok(rx) => rx.start < rx.end,
+        match self.shared.rx.try_lock() {
+            Ok(rx) => {
+                !rx.plain.is_empty()
+                    || rx.broken.is_some()
+                    || rx.closed
+                    || !matches!(record::complete(&rx.buf[rx.start..rx.end]), Ok(None))
+            }
             // A reader is busy in it: it will return what it has.
             Err(_) => false,
-        };
-        ahead || self.conn().reader().fill_buf().is_ok_and(|b| !b.is_empty())
+        }
     }
 
-    /// Says goodbye (close_notify), best effort: the peer's next read ends
-    /// cleanly instead of seeing a cut.
+    /// Says goodbye (close_notify), best effort and without waiting: the
+    /// peer's next read ends cleanly instead of seeing a cut. Skipped if a
+    /// writer is busy (it is about to be cut anyway).
     pub fn close_notify(&self) {
-        let mut c = self.conn();
-        c.send_close_notify();
-        let _ = c.write_tls(&mut NoWait(self.tcp.as_raw_fd()));
-    }
-
-    fn conn(&self) -> MutexGuard<'_, Connection> {
-        self.shared.conn.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Sends what rustls has encrypted, without waiting; true once
-    /// nothing is left.
-    fn send_pending(&self, c: &mut Connection) -> io::Result<bool> {
-        while c.wants_write() {
-            match c.write_tls(&mut NoWait(self.tcp.as_raw_fd())) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) => return Err(e),
-            }
+        let Ok(mut tx) = self.shared.tx.try_lock() else {
+            return;
+        };
+        if tx.broken.is_some() {
+            return;
         }
-        Ok(true)
+        let tx = &mut *tx;
+        tx.out.clear();
+        if tx.sealer.seal_close_notify(&mut tx.out).is_ok() {
+            let soon = Instant::now() + Duration::from_millis(100);
+            let _ = sys::send_all(self.fd(), &tx.out, Some(soon));
+        }
+        tx.broken = Some("this end has closed the TLS stream");
     }
 
-    /// Encrypts and sends `bufs` (as much as rustls takes at once), waiting
-    /// for room outside the lock.
+    fn fd(&self) -> RawFd {
+        self.tcp.as_raw_fd()
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Seals up to [`WRITE_BATCH`] bytes of `bufs` and sends them.
     fn send(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let mut c = self.conn();
-        let mut n = None;
-        loop {
-            if n.is_none() && self.send_pending(&mut c)? {
-                n = Some(c.writer().write_vectored(bufs)?);
-            }
-            if n.is_some() && self.send_pending(&mut c)? {
-                return Ok(n.unwrap_or(0));
-            }
-            drop(c);
-            let t = self.tcp.write_timeout()?.unwrap_or(Duration::MAX);
-            if !poll(self.tcp.as_raw_fd(), libc::POLLOUT, t)? {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
-            c = self.conn();
+        let mut tx = Self::lock(&self.shared.tx);
+        let tx = &mut *tx;
+        if let Some(why) = tx.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, why));
         }
+        tx.out.clear();
+        let mut taken = 0;
+        let mut open: Option<usize> = None;
+        for b in bufs {
+            let mut s: &[u8] = b;
+            while !s.is_empty() && taken < WRITE_BATCH {
+                let at = match open {
+                    Some(at) => at,
+                    None => {
+                        self.renew_if_due(tx)?;
+                        *open.insert(Sealer::begin(&mut tx.out))
+                    }
+                };
+                let room = MAX_PLAIN - (tx.out.len() - at - record::HEADER);
+                let k = room.min(s.len()).min(WRITE_BATCH - taken);
+                tx.out.extend_from_slice(&s[..k]);
+                s = &s[k..];
+                taken += k;
+                if k == room {
+                    tx.sealer.seal(&mut tx.out, at).map_err(invalid)?;
+                    open = None;
+                }
+            }
+        }
+        if let Some(at) = open {
+            tx.sealer.seal(&mut tx.out, at).map_err(invalid)?;
+        }
+        if tx.out.is_empty() {
+            return Ok(0);
+        }
+        let deadline = sys::deadline(self.tcp.write_timeout()?);
+        if let Err(e) = sys::send_all(self.fd(), &tx.out, deadline) {
+            // Part of a record may have gone: nothing can follow it.
+            tx.broken = Some("an earlier send on this TLS stream failed");
+            return Err(e);
+        }
+        Ok(taken)
     }
+
+    /// Renews this end's keys when they are due or the peer asked: a key
+    /// update sealed with the old keys, then the new ones.
+    fn renew_if_due(&self, tx: &mut Tx) -> io::Result<()> {
+        let asked = self.shared.renewal_asked.swap(false, Ordering::Relaxed);
+        if !asked && !tx.sealer.wants_new_keys() {
+            return Ok(());
+        }
+        tx.sealer.seal_key_update(&mut tx.out).map_err(invalid)?;
+        let next = Self::lock(&self.shared.kernel)
+            .update_tx()
+            .map_err(io::Error::other)?;
+        tx.sealer.rekey(Keys::new(next.0, next.1).map_err(invalid)?);
+        Ok(())
+    }
+
+    /// Opens the record at the front of the read-ahead, if all of it is
+    /// there; false if it is not.
+    fn open_next(&self, rx: &mut Rx) -> bool {
+        let len = match record::complete(&rx.buf[rx.start..rx.end]) {
+            Ok(Some(len)) => len,
+            Ok(None) => return false,
+            Err(e) => {
+                rx.broken = Some(e.to_string());
+                return true;
+            }
+        };
+        let at = rx.start;
+        rx.start += len;
+        match rx.opener.open(&mut rx.buf[at..at + len]) {
+            Ok(Opened::Data(r)) => rx.plain = at + r.start..at + r.end,
+            Ok(Opened::Closed) => rx.closed = true,
+            Ok(Opened::KeyUpdate { asked }) => {
+                let next = Self::lock(&self.shared.kernel).update_rx();
+                match next
+                    .map_err(|e| e.to_string())
+                    .and_then(|(seq, s)| Keys::new(seq, s).map_err(|e| e.to_string()))
+                {
+                    Ok(keys) => rx.opener.rekey(keys),
+                    Err(e) => rx.broken = Some(format!("cannot follow the peer's key update: {e}")),
+                }
+                if asked {
+                    self.shared.renewal_asked.store(true, Ordering::Relaxed);
+                }
+            }
+            Err(RecordError::Alert(d)) => {
+                rx.broken = Some(explain(&rustls::Error::AlertReceived(d)));
+            }
+            Err(e) => rx.broken = Some(e.to_string()),
+        }
+        true
+    }
+}
+
+fn invalid(e: RecordError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
 impl Read for TlsSocket {
@@ -236,72 +335,67 @@ impl Read for TlsSocket {
 }
 
 impl Read for &TlsSocket {
-    /// Fills `buf` with what can be decrypted from what has arrived,
-    /// waiting for the socket only while there is nothing at all.
+    /// Fills `buf` with what can be opened from what has arrived, waiting
+    /// for the socket only while there is nothing at all.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
-        let mut rx = self.shared.rx.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rx = TlsSocket::lock(&self.shared.rx);
+        let rx = &mut *rx;
         let mut got = 0;
         loop {
-            let mut eof_fed = false;
-            {
-                let mut c = self.conn();
-                loop {
-                    match c.reader().read(&mut buf[got..]) {
-                        // close_notify: the end.
-                        Ok(0) => return Ok(got),
-                        Ok(n) => {
-                            got += n;
-                            if got == buf.len() {
-                                return Ok(got);
-                            }
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        // The peer closed without close_notify: an end all
-                        // the same (ferry's frames say where a stream ends).
-                        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(got),
-                        Err(e) if got > 0 => {
-                            tracing::debug!("TLS read ends early: {e}");
-                            return Ok(got);
-                        }
-                        Err(e) => return Err(e),
-                    }
-                    // rustls holds no plaintext now: feed it what was read ahead.
-                    if rx.start == rx.end && (!rx.eof || eof_fed) {
-                        break;
-                    }
-                    eof_fed |= rx.start == rx.end;
-                    let mut ahead = &rx.buf[rx.start..rx.end];
-                    let fed = c.read_tls(&mut ahead)?;
-                    if fed == 0 && !eof_fed {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "the TLS layer takes no more bytes",
-                        ));
-                    }
-                    rx.start += fed;
-                    if let Err(e) = c.process_new_packets() {
-                        let _ = self.send_pending(&mut c);
-                        return Err(io::Error::new(io::ErrorKind::InvalidData, explain(&e)));
-                    }
-                    // A key update or an alert may want an answer.
-                    let _ = self.send_pending(&mut c);
+            if !rx.plain.is_empty() {
+                let n = rx.plain.len().min(buf.len() - got);
+                buf[got..got + n].copy_from_slice(&rx.buf[rx.plain.start..rx.plain.start + n]);
+                rx.plain.start += n;
+                got += n;
+                if got == buf.len() {
+                    return Ok(got);
                 }
+                continue;
             }
-            if got > 0 || eof_fed {
+            if let Some(why) = &rx.broken {
+                return if got > 0 {
+                    Ok(got)
+                } else {
+                    Err(io::Error::new(io::ErrorKind::InvalidData, why.clone()))
+                };
+            }
+            // close_notify: the end.
+            if rx.closed {
                 return Ok(got);
             }
-            // Nothing decrypted and nothing read ahead: wait for the socket.
-            let t = self.tcp.read_timeout()?.unwrap_or(Duration::MAX);
-            if !poll(self.tcp.as_raw_fd(), libc::POLLIN, t)? {
+            if self.open_next(rx) {
+                continue;
+            }
+            if got > 0 {
+                return Ok(got);
+            }
+            if rx.eof {
+                if rx.start < rx.end {
+                    rx.broken =
+                        Some("the peer's TLS stream ended in the middle of a record".into());
+                    continue;
+                }
+                // The peer closed without close_notify: an end all the same
+                // (ferry's frames say where a stream ends).
+                return Ok(0);
+            }
+            // Nothing to open: make room for a whole record, then wait.
+            if rx.start == rx.end {
+                (rx.start, rx.end) = (0, 0);
+            } else if rx.buf.len() - rx.start < MAX_RECORD {
+                rx.buf.copy_within(rx.start..rx.end, 0);
+                (rx.start, rx.end) = (0, rx.end - rx.start);
+            }
+            let deadline = sys::deadline(self.tcp.read_timeout()?);
+            if !sys::poll_until(self.fd(), libc::POLLIN, deadline)? {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
-            let rx = &mut *rx;
-            match NoWait(self.tcp.as_raw_fd()).read(&mut rx.buf) {
+            match sys::recv(self.fd(), &mut rx.buf[rx.end..]) {
                 Ok(0) => rx.eof = true,
-                Ok(n) => (rx.start, rx.end) = (0, n),
+                Ok(n) => rx.end += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
@@ -321,100 +415,13 @@ impl Write for TlsSocket {
     }
 }
 
-/// Non-blocking reads and sends on a socket, for rustls to use under the
-/// lock.
-struct NoWait(RawFd);
-
-impl Read for NoWait {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            // SAFETY: recv writes at most buf.len() bytes into buf, which we
-            // borrow mutably.
-            let n = unsafe {
-                libc::recv(
-                    self.0,
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
-}
-
-impl Write for NoWait {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.write_vectored(&[IoSlice::new(buf)])
-    }
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let n = bufs.len().min(libc::UIO_MAXIOV as usize);
-        // SAFETY: msghdr is plain data; all zeros is valid (no name, no
-        // control data).
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        // IoSlice is ABI-compatible with iovec; sendmsg only reads them.
-        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = n as _;
-        loop {
-            // SAFETY: msg points at `n` valid iovecs borrowed for the call.
-            let r = unsafe { libc::sendmsg(self.0, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-            if r >= 0 {
-                return Ok(r as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Waits up to `wait` for `events` on `fd`; false at the timeout.
-fn poll(fd: RawFd, events: i16, wait: Duration) -> io::Result<bool> {
-    let deadline = Instant::now().checked_add(wait);
-    loop {
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let ms = match left {
-            None => -1,
-            Some(l) => {
-                i32::try_from(l.as_millis().max(u128::from(!l.is_zero()))).unwrap_or(i32::MAX)
-            }
-        };
-        let mut p = libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        };
-        // SAFETY: one valid, exclusively borrowed pollfd and a count of 1.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r > 0 {
-            return Ok(true);
-        }
-        if r == 0 {
-            return Ok(false);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
 /// Why a peer hangs up mid-handshake, as far as this end can tell.
-const CLOSED_IN_HANDSHAKE: &str = "the peer closed the connection during the handshake (it may \
+pub(crate) const CLOSED_IN_HANDSHAKE: &str =
+    "the peer closed the connection during the handshake (it may \
      have refused this host's certificate, or it does not speak TLS)";
 
 /// A rustls error in words an operator can act on.
-fn explain(e: &rustls::Error) -> String {
+pub(crate) fn explain(e: &rustls::Error) -> String {
     use rustls::{AlertDescription as A, CertificateError as C, Error as E};
     match e {
         E::InvalidCertificate(C::Expired) | E::InvalidCertificate(C::ExpiredContext { .. }) => {

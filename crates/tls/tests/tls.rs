@@ -296,3 +296,68 @@ fn missing_credentials_say_how_to_make_them_and_a_ca_is_never_overwritten() {
         .mode();
     assert_eq!(mode & 0o777, 0o600);
 }
+
+#[test]
+fn data_sent_right_behind_the_handshake_is_read_after_it() {
+    // A client writes as soon as its handshake is done (ferry's first
+    // frame), so its last handshake records and its first data often
+    // reach the server in one read: the handshake must leave that data to
+    // the record layer.
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let config = creds.server_config();
+    let server = std::thread::spawn(move || {
+        for _ in 0..20 {
+            let (s, _) = l.accept().unwrap();
+            let mut s =
+                TlsSocket::handshake(s, Handshake::Server(config.clone()), Duration::from_secs(5))
+                    .expect("the server's handshake");
+            let mut got = [0u8; 5];
+            s.read_exact(&mut got).unwrap();
+            assert_eq!(&got, b"hello");
+        }
+    });
+    for _ in 0..20 {
+        let tcp = TcpStream::connect(at).unwrap();
+        let name = ServerName::IpAddress(at.ip().into());
+        let mut c = TlsSocket::handshake(
+            tcp,
+            Handshake::Client(creds.client_config(), name),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        c.write_all(b"hello").unwrap();
+    }
+    server.join().unwrap();
+}
+
+#[test]
+fn a_peer_that_closes_without_a_word_is_told_apart() {
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    drop(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+    let (s, _) = l.accept().unwrap();
+    let e = TlsSocket::handshake(
+        s,
+        Handshake::Server(creds.server_config()),
+        Duration::from_secs(5),
+    )
+    .unwrap_err();
+    assert!(matches!(e, TlsError::Silent { .. }), "{e}");
+    assert!(TlsError::is_silent(&std::io::Error::other(e)));
+    // One byte and a close is not silent.
+    let mut c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    c.write_all(&[22]).unwrap();
+    drop(c);
+    let (s, _) = l.accept().unwrap();
+    let e = TlsSocket::handshake(
+        s,
+        Handshake::Server(creds.server_config()),
+        Duration::from_secs(5),
+    )
+    .unwrap_err();
+    assert!(matches!(e, TlsError::Handshake { .. }), "{e}");
+}

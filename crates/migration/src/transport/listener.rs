@@ -376,7 +376,12 @@ impl Admit {
         let stream = match self.incoming {
             Incoming::Tcp(s) => {
                 let security = self.security.unwrap_or(Security::Insecure);
-                Stream::accepted_tcp(s, &security).map_err(|e| e.to_string())?
+                match Stream::accepted_tcp(s, &security) {
+                    Ok(s) => s,
+                    // Closed without a word: a port probe or a health check.
+                    Err(e) if ferry_tls::TlsError::is_silent(&e) => return Ok(None),
+                    Err(e) => return Err(e.to_string()),
+                }
             }
             Incoming::Unix(s) => Stream::unix(s),
         };
