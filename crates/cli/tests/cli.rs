@@ -161,3 +161,112 @@ fn run_writes_a_timeline_and_status_answers() {
         "compute progress advances across the timeline"
     );
 }
+
+/// A command that runs `ferry args` as uid/gid 65534 (nobody), or None
+/// (saying why) where this test cannot switch users.
+fn as_nobody(args: &[&str]) -> Option<Command> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: running ferry as another uid needs root");
+        return None;
+    }
+    let found = |name: &str| {
+        ["/usr/bin", "/bin", "/usr/sbin", "/sbin"]
+            .iter()
+            .map(|d| std::path::Path::new(d).join(name))
+            .find(|p| p.exists())
+    };
+    let ferry = env!("CARGO_BIN_EXE_ferry");
+    if let Some(setpriv) = found("setpriv") {
+        let mut c = Command::new(setpriv);
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", ferry]);
+        c.args(args);
+        return Some(c);
+    }
+    if let Some(runuser) = found("runuser") {
+        let mut c = Command::new(runuser);
+        // nobody is uid 65534 on Debian and its kin.
+        c.args(["-u", "nobody", "--", ferry]).args(args);
+        return Some(c);
+    }
+    eprintln!(
+        "SKIP: neither setpriv nor runuser is installed (util-linux); cannot act as another uid"
+    );
+    None
+}
+
+/// Issue 32: a VMM's control socket serves its own user and root, never
+/// another uid. As it is made (0600) another uid cannot even connect, and
+/// `ferry` says whose socket it is; loosened by hand (0666), the VMM
+/// checks the caller's uid and refuses every request, a `quit` included.
+/// The owner (root here) is served throughout and the guest runs on.
+#[test]
+fn the_control_socket_refuses_another_uid_and_serves_its_owner() {
+    if !kvm_usable() {
+        return;
+    }
+    // A directory another uid may pass through (temp_dir is 1777).
+    let dir = std::env::temp_dir().join(format!("ferry-cli-uid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vm.sock");
+    let sock_s = sock.to_str().unwrap();
+    let Some(mut probe) = as_nobody(&["ctl", sock_s, "status"]) else {
+        return;
+    };
+    let _vm = common::spawn_reaped(&[
+        "run",
+        "--mem",
+        "64M",
+        "--workload",
+        "dirty:rate=16,wss=8",
+        "--control",
+        sock_s,
+        "--duration",
+        "60s",
+    ]);
+    let before = common::progress(&common::wait_status(sock_s));
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&sock).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the socket is owner-only");
+
+    let o = probe.output().unwrap();
+    let err = stderr(&o);
+    eprintln!("uid 65534, socket 0600: {}", err.trim());
+    assert!(
+        !o.status.success(),
+        "uid 65534 got an answer: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains(sock_s)
+            && err.contains("not open to uid 65534")
+            && err.contains("uid 0, the socket's owner")
+            && err.contains("permission denied"),
+        "{err}"
+    );
+
+    // The mode loosened after the fact: the VMM itself refuses.
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    for action in ["status", "quit"] {
+        let o = as_nobody(&["ctl", sock_s, action])
+            .unwrap()
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        eprintln!("uid 65534, socket 0666, {action}: {}", err.trim());
+        assert!(!o.status.success(), "{action} as uid 65534 was served");
+        assert!(
+            err.contains("serves its own user (uid 0) and root, not uid 65534"),
+            "{action}: {err}"
+        );
+    }
+
+    // The owner is still served, and the refused `quit` did nothing.
+    std::thread::sleep(Duration::from_millis(300));
+    let after = common::wait_status(sock_s);
+    assert_eq!(after["state"], "running", "{after}");
+    assert!(common::progress(&after) > before, "the guest ran on");
+    let o = ferry(&["ctl", sock_s, "status", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

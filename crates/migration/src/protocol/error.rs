@@ -18,6 +18,9 @@ pub enum ProtocolError {
     /// The stream ended inside a frame.
     #[error("migration stream truncated inside a frame")]
     Truncated,
+    /// The peer answered in TLS while this side speaks plaintext.
+    #[error("the peer speaks TLS and this host sent plaintext: this process runs with --insecure (or FERRY_INSECURE=1), which fleet hosts refuse; drop it and give this host a certificate (ferry pki issue, --tls-dir)")]
+    SpeaksTls,
     /// Not a ferry migration stream.
     #[error("not a ferry migration stream (magic {0:#x}): is the peer a ferry destination?")]
     BadMagic(u32),

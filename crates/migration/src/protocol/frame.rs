@@ -111,13 +111,16 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
 
 /// Reads and checks one frame header (magic, kind, flags 0, length
 /// limit). A clean end of stream before the
-/// first byte is `Closed`; in the middle, `Truncated`.
+/// first byte is `Closed`; in the middle, `Truncated`. A TLS record where
+/// a frame should start (a TLS peer's alert to this plaintext side) is
+/// `SpeaksTls`.
 pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     let mut h = [0u8; HEADER];
     let mut got = 0;
     while got < HEADER {
         match r.read(&mut h[got..]) {
             Ok(0) if got == 0 => return Err(ProtocolError::Closed),
+            Ok(0) if looks_like_tls(&h[..got]) => return Err(ProtocolError::SpeaksTls),
             Ok(0) => return Err(ProtocolError::Truncated),
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -126,6 +129,9 @@ pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     }
     let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
     if magic != MAGIC {
+        if looks_like_tls(&h) {
+            return Err(ProtocolError::SpeaksTls);
+        }
         return Err(ProtocolError::BadMagic(magic));
     }
     let raw_kind = u16::from_le_bytes([h[4], h[5]]);
@@ -142,6 +148,12 @@ pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     }
     let crc = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
     Ok(Header { kind, len, crc })
+}
+
+/// True if `b` begins a TLS record: a handshake (22) or an alert (21),
+/// record version 3.x. A frame starts with "FRYM", never with these.
+fn looks_like_tls(b: &[u8]) -> bool {
+    matches!(b, [0x15 | 0x16, 0x03, minor, ..] if *minor <= 0x04)
 }
 
 /// Maps a short read to `Truncated`.
@@ -259,6 +271,25 @@ mod tests {
         let e = read_frame(&mut &wire[..]).unwrap_err();
         assert!(matches!(e, ProtocolError::BadMagic(0x4e59_5246)), "{e:?}");
         assert!(e.to_string().contains("0x4e595246"), "{e}");
+    }
+
+    #[test]
+    fn a_tls_record_where_a_frame_starts_says_the_peer_speaks_tls() {
+        // What a TLS server answers a plaintext Hello with (an alert, then
+        // it closes), and a TLS client's first bytes.
+        let alert = [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x32];
+        let mut hello = vec![0x16, 0x03, 0x01, 0x00, 0xc0, 0x01];
+        hello.resize(HEADER + 8, 0);
+        for wire in [&alert[..], &hello[..]] {
+            let e = read_header(&mut &wire[..]).unwrap_err();
+            assert!(matches!(e, ProtocolError::SpeaksTls), "{e:?}");
+            assert!(e.to_string().contains("--insecure"), "{e}");
+        }
+        // Two bytes are not enough to tell: a plain truncation.
+        assert!(matches!(
+            read_header(&mut &alert[..2]),
+            Err(ProtocolError::Truncated)
+        ));
     }
 
     #[test]

@@ -20,9 +20,20 @@ pub struct ControlClient {
 impl ControlClient {
     /// Connects to `path`.
     pub fn connect(path: &Path) -> Result<Self, ControlError> {
-        let stream = UnixStream::connect(path).map_err(|source| ControlError::Connect {
-            path: path.into(),
-            source,
+        let stream = UnixStream::connect(path).map_err(|error| {
+            if error.kind() == std::io::ErrorKind::PermissionDenied {
+                use std::os::unix::fs::MetadataExt;
+                return ControlError::Denied {
+                    path: path.into(),
+                    owner: std::fs::metadata(path).ok().map(|m| m.uid()),
+                    // SAFETY: geteuid has no preconditions and cannot fail.
+                    me: unsafe { libc::geteuid() },
+                };
+            }
+            ControlError::Connect {
+                path: path.into(),
+                error,
+            }
         })?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         let writer = stream.try_clone()?;

@@ -88,13 +88,29 @@ pub enum ControlError {
     /// Another live VMM owns the socket.
     #[error("control socket {0} is in use by another running VM")]
     InUse(PathBuf),
-    /// Could not reach the VMM.
-    #[error("no VM answers on {path}: {source}")]
+    /// Could not reach the VMM. (The reason is in the message, not a
+    /// source: `{:#}` would print it twice.)
+    #[error("no VM answers on {path}: {error}")]
     Connect {
         /// Socket path.
         path: PathBuf,
         /// OS error.
-        source: std::io::Error,
+        error: std::io::Error,
+    },
+    /// The socket is not open to this user: a VMM's control socket is
+    /// owner-only (0600), for its own user and root.
+    #[error(
+        "control socket {path} is not open to uid {me}: only the VMM's own user{} and root may \
+         use it (permission denied); run this as that user",
+        owner.map(|o| format!(" (uid {o}, the socket's owner)")).unwrap_or_default()
+    )]
+    Denied {
+        /// Socket path.
+        path: PathBuf,
+        /// Who the socket file belongs to, if it could be seen.
+        owner: Option<u32>,
+        /// This process's effective uid.
+        me: u32,
     },
     /// The connection failed midway.
     #[error("control connection failed: {0}")]

@@ -316,6 +316,9 @@ mod tests {
     #[ignore = "a helper run as another uid by a_peer_of_another_uid_is_refused"]
     fn peer_as_another_uid() {
         let path = std::env::var("FERRY_CTL_PEER").expect("FERRY_CTL_PEER");
+        if let Err(e) = ControlClient::connect(Path::new(&path)) {
+            println!("CLIENT-SAYS {e}");
+        }
         match UnixStream::connect(&path) {
             Err(e) => println!("CONNECT-FAILED {e}"),
             Ok(s) => {
@@ -349,19 +352,32 @@ mod tests {
                 .output()
                 .unwrap();
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            ["CONNECT-FAILED", "REPLY "]
-                .iter()
-                .find_map(|m| text.find(m))
-                .map(|at| text[at..].lines().next().unwrap_or("").to_string())
-                .unwrap_or_else(|| panic!("the peer said nothing useful: {text}"))
+            let line = |marker: &str| {
+                text.find(marker)
+                    .map(|at| text[at..].lines().next().unwrap_or("").to_string())
+            };
+            (
+                ["CONNECT-FAILED", "REPLY "]
+                    .iter()
+                    .find_map(|m| line(m))
+                    .unwrap_or_else(|| panic!("the peer said nothing useful: {text}")),
+                line("CLIENT-SAYS"),
+            )
         };
-        // Owner-only: another uid cannot even connect.
-        let said = as_nobody();
+        // Owner-only: another uid cannot even connect, and the client says
+        // whose socket it is.
+        let (said, client) = as_nobody();
         assert!(said.contains("Permission denied"), "{said}");
+        let client = client.expect("the client failed to connect");
+        assert!(
+            client.contains("is not open to uid 65534")
+                && client.contains("(uid 0, the socket's owner) and root"),
+            "{client}"
+        );
         // Loosened by hand (or inherited): it connects, and is refused by
         // its credentials.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let said = as_nobody();
+        let (said, _) = as_nobody();
         assert!(
             said.contains("\"ok\":false")
                 && said.contains("refused")
