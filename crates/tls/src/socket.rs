@@ -389,14 +389,16 @@ impl Read for &TlsSocket {
                 rx.buf.copy_within(rx.start..rx.end, 0);
                 (rx.start, rx.end) = (0, rx.end - rx.start);
             }
-            let deadline = sys::deadline(self.tcp.read_timeout()?);
-            if !sys::poll_until(self.fd(), libc::POLLIN, deadline)? {
-                return Err(io::ErrorKind::WouldBlock.into());
-            }
+            // Try first: under load the bytes are usually there already.
             match sys::recv(self.fd(), &mut rx.buf[rx.end..]) {
                 Ok(0) => rx.eof = true,
                 Ok(n) => rx.end += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let deadline = sys::deadline(self.tcp.read_timeout()?);
+                    if !sys::poll_until(self.fd(), libc::POLLIN, deadline)? {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                }
                 Err(e) => return Err(e),
             }
         }
