@@ -74,14 +74,18 @@ impl Kernel {
         }
     }
 
+    /// The cipher suite the two ends agreed on.
+    pub fn suite(&self) -> SupportedCipherSuite {
+        match self {
+            Kernel::Client(k) => k.negotiated_cipher_suite(),
+            Kernel::Server(k) => k.negotiated_cipher_suite(),
+        }
+    }
+
     /// Records one key may protect before it must be renewed: half the
     /// cipher's confidentiality limit.
     pub fn renew_after(&self) -> u64 {
-        let suite = match self {
-            Kernel::Client(k) => k.negotiated_cipher_suite(),
-            Kernel::Server(k) => k.negotiated_cipher_suite(),
-        };
-        match suite {
+        match self.suite() {
             SupportedCipherSuite::Tls13(s) => (s.common.confidentiality_limit / 2).max(1),
             #[allow(unreachable_patterns)]
             _ => 1 << 20,

@@ -183,6 +183,11 @@ impl TlsSocket {
         &self.shared.peer
     }
 
+    /// The cipher suite the two ends agreed on.
+    pub fn suite(&self) -> rustls::SupportedCipherSuite {
+        Self::lock(&self.shared.kernel).suite()
+    }
+
     /// True if a read would return at once from what was read ahead (a
     /// poll on the socket would miss it).
     pub fn has_buffered(&self) -> bool {

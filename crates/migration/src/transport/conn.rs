@@ -182,6 +182,13 @@ impl ConnReader {
         Ok(())
     }
 
+    /// True if [`read_exact_raw`](Self::read_exact_raw) fills memory by a
+    /// copy in this process (TLS: records are opened in a buffer first),
+    /// false if read(2) writes it in the kernel.
+    pub fn lands_by_copy(&self) -> bool {
+        self.0.get_ref().is_tls()
+    }
+
     /// True when bytes (or an end) can be read within `wait`: at once if the
     /// reader holds some already.
     pub fn wait_readable(&self, wait: Duration) -> bool {
