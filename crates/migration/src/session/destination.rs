@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::DestPhase;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
-use crate::protocol::{self, Frame, Hello, Kind, Layout, ProtocolError, Role, RoundDone};
+use crate::protocol::{self, Frame, Hello, Kind, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
 use crate::sink::{PageSink, SwitchSink};
 use crate::stats::{thread_cpu_secs, DestinationStats, StartedReport, StartedReportV1};
@@ -92,52 +92,38 @@ pub(crate) struct DestSession<'a> {
 impl<'a> DestSession<'a> {
     /// Waits (as long as it takes) for a source, and admits the first
     /// whose control connection agrees on a version, presents the token
-    /// the listener demands (v9) and sends this VM's layout. Anyone else is
-    /// told why with an Abort and the wait goes on: a stranger or a
-    /// mistaken peer never ends it. The VM is untouched so far.
+    /// the listener demands (v9) and sends this VM's layout, each opening
+    /// on its own thread within the admission limit (`admission.rs`).
+    /// Anyone else is told why with an Abort and the wait goes on: a
+    /// stranger, a stalling or a mistaken peer never ends it nor holds up
+    /// the real source. The VM is untouched so far.
     pub(crate) fn accept(
         listener: &'a Listener,
         timeout: Duration,
         vm: &dyn DestinationVm,
     ) -> Result<Self, MigrationError> {
         let mine = super::layout_of(&vm.regions(), vm.vcpus());
-        loop {
-            let (mut c, hello) = listener.accept_hello(Duration::from_secs(24 * 3600))?;
-            let who = c
-                .peer()
-                .map(|p| p.name().to_string())
-                .unwrap_or_else(|| "a peer".into());
-            if hello.role != Role::Control {
-                c.abort("expected a ferry migration control Hello: no migration runs here yet");
-                continue;
-            }
-            // A source has a few seconds for its opening messages: one
-            // that stalls here must not keep the real one waiting long.
-            c.set_timeouts(Some(crate::transport::ADMISSION_TIMEOUT))
-                .map_err(ProtocolError::Io)?;
-            match admit(&mut c, &hello, &listener.admission(), &mine) {
-                Ok(version) => {
-                    c.set_timeouts(Some(timeout)).map_err(ProtocolError::Io)?;
-                    tracing::info!(peer = %who, "incoming migration admitted");
-                    return Ok(DestSession {
-                        listener,
-                        timeout,
-                        ctl: c,
-                        hello,
-                        version,
-                        phase: DestPhase::Waiting,
-                        clients_agreed: false,
-                        tel: Telemetry::new(),
-                        timeline_tail: None,
-                    });
-                }
-                Err(why) => {
-                    tracing::warn!(peer = %who, "refused a migration: {why}; still waiting");
-                    c.abort(&why);
-                    c.drain(Duration::from_millis(200));
-                }
-            }
-        }
+        let won = super::admission::first_source(listener, &mine)?;
+        won.conn
+            .set_timeouts(Some(timeout))
+            .map_err(ProtocolError::Io)?;
+        let who = won
+            .conn
+            .peer()
+            .map(|p| p.name().to_string())
+            .unwrap_or_else(|| "a peer".into());
+        tracing::info!(peer = %who, "incoming migration admitted");
+        Ok(DestSession {
+            listener,
+            timeout,
+            ctl: won.conn,
+            hello: won.hello,
+            version: won.version,
+            phase: DestPhase::Waiting,
+            clients_agreed: false,
+            tel: Telemetry::new(),
+            timeline_tail: None,
+        })
     }
 
     /// The one place this side changes phase: checked, shown to watchers.
@@ -392,50 +378,6 @@ impl<'a> DestSession<'a> {
         }
         result
     }
-}
-
-/// One source's admission on its control connection: a version both
-/// speak (HelloAck), the token `rules` demand (v9) and this VM's layout.
-/// Nothing of the VM moves before it passes; the error says why not.
-fn admit(
-    c: &mut Conn,
-    hello: &Hello,
-    rules: &crate::transport::Admission,
-    mine: &Layout,
-) -> Result<u16, String> {
-    let version = protocol::negotiate(hello).map_err(|e| e.to_string())?;
-    if rules.token.is_some() && version < protocol::VERSION_TRUST {
-        return Err(format!(
-            "this destination demands a migration token (protocol v{}); the source speaks v{version}",
-            protocol::VERSION_TRUST
-        ));
-    }
-    c.send(Kind::HelloAck, &version)
-        .map_err(|e| e.to_string())?;
-    if version >= protocol::VERSION_TRUST {
-        let token: Option<String> = c.recv(Kind::Token).map_err(|e| e.to_string())?;
-        if let Some(want) = &rules.token {
-            let want = crate::options::MigrationToken(want.clone());
-            match token {
-                Some(t) if want.matches(&t) => {}
-                Some(_) => return Err("wrong migration token".into()),
-                None => {
-                    return Err(
-                        "this destination demands a migration token (ferry migrate --token)".into(),
-                    )
-                }
-            }
-        }
-    }
-    let layout: Layout = c.recv(Kind::Layout).map_err(|e| e.to_string())?;
-    if &layout != mine {
-        return Err(MigrationError::Mismatch(format!(
-            "source has memory {:?} and {} vCPUs, this VM {:?} and {} vCPUs",
-            layout.regions, layout.vcpus, mine.regions, mine.vcpus
-        ))
-        .to_string());
-    }
-    Ok(version)
 }
 
 /// Accepts `streams` bulk connections of `session` (clamped to 1-64),

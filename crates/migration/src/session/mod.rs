@@ -4,6 +4,7 @@
 //! behind. A mode adds its own phases in between (precopy: rounds with
 //! barriers); see docs/architecture.md.
 
+mod admission;
 pub(crate) mod destination;
 pub(crate) mod source;
 pub(crate) mod state;

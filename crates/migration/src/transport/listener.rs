@@ -66,6 +66,19 @@ struct Inbox {
     held: std::collections::VecDeque<(Instant, Conn, Hello)>,
 }
 
+impl Inbox {
+    /// Holds `c` for a later ask (the oldest held goes if there are many).
+    fn keep(&mut self, c: Conn, h: Hello) {
+        if self.held.len() >= QUEUE {
+            if let Some((_, mut old, _)) = self.held.pop_front() {
+                old.abort("busy: too many connections wait to be served");
+            }
+        }
+        let _ = c.set_timeouts(Some(HOLD));
+        self.held.push_back((Instant::now(), c, h));
+    }
+}
+
 /// Listens for migration connections.
 pub struct Listener {
     endpoint: Endpoint,
@@ -93,7 +106,9 @@ impl Socket {
 
 impl Listener {
     /// Listens on `at` (port 0 picks a free port) and opens the gate. A
-    /// stale Unix socket file left by a dead process is replaced. Over
+    /// Unix socket is owner-only (0600, whatever the umask: it is not
+    /// wrapped in TLS, so its mode is what guards it); a stale one left by
+    /// a dead process is replaced, any other file at its path is not. Over
     /// TCP, the process's security must be chosen (TLS credentials, or
     /// `--insecure`).
     pub fn bind(at: &Endpoint) -> Result<Listener, MigrationError> {
@@ -115,7 +130,7 @@ impl Listener {
                 {
                     let _ = std::fs::remove_file(p);
                 }
-                Socket::Unix(UnixListener::bind(p).map_err(err)?, p.clone())
+                Socket::Unix(super::bind_owner_only(p).map_err(err)?, p.clone())
             }
         };
         let endpoint = match &socket {
@@ -207,15 +222,7 @@ impl Listener {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match inbox.rx.recv_timeout(left.min(Duration::from_millis(50))) {
                     Ok((c, h)) if wanted(&h) => return self.taken(c, h, timeout),
-                    Ok((c, h)) => {
-                        if inbox.held.len() >= QUEUE {
-                            if let Some((_, mut old, _)) = inbox.held.pop_front() {
-                                old.abort("busy: too many connections wait to be served");
-                            }
-                        }
-                        let _ = c.set_timeouts(Some(HOLD));
-                        inbox.held.push_back((Instant::now(), c, h));
-                    }
+                    Ok((c, h)) => inbox.keep(c, h),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => {
                         return Err(MigrationError::Listen {
@@ -232,6 +239,16 @@ impl Listener {
                 });
             }
         }
+    }
+
+    /// Keeps an admitted connection that its taker cannot use yet for a
+    /// later ask, as one passed over by
+    /// [`accept_matching`](Self::accept_matching) is.
+    pub(crate) fn hold(&self, c: Conn, h: Hello) {
+        self.admitted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keep(c, h);
     }
 
     fn taken(&self, c: Conn, h: Hello, timeout: Duration) -> Result<(Conn, Hello), MigrationError> {

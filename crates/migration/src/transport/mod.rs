@@ -13,11 +13,13 @@
 mod conn;
 pub mod fds;
 mod listener;
+mod owner_only;
 mod security;
 mod stream;
 
 pub use conn::{Closer, Conn, ConnReader, ConnWriter, Until};
 pub use listener::{Admission, Listener, ADMISSION_TIMEOUT};
+pub use owner_only::bind_owner_only;
 pub use security::{credentials, install, Security};
 pub use stream::Stream;
 

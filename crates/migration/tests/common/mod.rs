@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod fake_vm;
+pub mod logs;
 pub mod postcopy_rig;
 pub mod store_peer;
 
@@ -48,10 +49,17 @@ pub fn done(o: ferry_migration::Outcome) -> ferry_migration::MigrationStats {
 pub fn secure() {
     static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     FLEET.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()));
-        let fleet = ferry_migration::transport::Security::local_fleet(&dir).expect("a test fleet");
+        let fleet =
+            ferry_migration::transport::Security::local_fleet(&fleet_dir()).expect("a test fleet");
         ferry_migration::transport::install(fleet);
     });
+}
+
+/// Where [`secure`] makes its fleet: the CA in `ca/` (tests issue other
+/// hosts' certificates from it) and the one host, `local-host`, in
+/// `local-host/`.
+pub fn fleet_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()))
 }
 
 /// Plaintext links, for the tests that must read the frames on the wire
