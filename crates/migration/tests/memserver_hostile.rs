@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::store_peer::*;
-use ferry_migration::memserver::{Limits, StoreClient, StoreFetch};
+use ferry_migration::memserver::{Limits, StoreAck, StoreClient, StoreFetch, StoreHeld, StoreOpen};
 use ferry_migration::protocol::{self, Hello, Kind, Role};
 use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
@@ -194,4 +194,117 @@ fn silent_idle_and_excess_connections_are_closed_and_the_owner_goes_on() {
     c.fetch(&[0x3000], &mut out).unwrap();
     assert_eq!(out, content(0x3000));
     owner_intact(&at);
+}
+
+/// A memory server that opens stores as a real one does and answers each
+/// connection's StoreList with the next of `answers`.
+type Answer = Box<dyn FnOnce(&mut Conn) + Send>;
+
+fn lying_server(answers: Vec<Answer>) -> ferry_migration::Endpoint {
+    let l = ferry_migration::Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
+    let at = l.endpoint();
+    std::thread::spawn(move || {
+        for answer in answers {
+            let Ok((mut c, hello)) = l.accept_hello(T) else {
+                return;
+            };
+            std::thread::spawn(move || {
+                let v = protocol::negotiate(&hello).unwrap();
+                c.send(Kind::HelloAck, &v).unwrap();
+                let _: StoreOpen = c.recv(Kind::StoreOpen).unwrap();
+                let ack = StoreAck {
+                    held_pages: 1,
+                    free_pages: 0,
+                    idle_secs: 0,
+                };
+                c.send(Kind::StoreAck, &ack).unwrap();
+                assert_eq!(c.read_frame().unwrap().kind, Kind::StoreList);
+                answer(&mut c);
+                // Held open: the client must not need the close to stop.
+                std::thread::sleep(Duration::from_secs(3));
+            });
+        }
+    });
+    at
+}
+
+fn held(c: &mut Conn, runs: Vec<GpaPages>, last: bool) -> bool {
+    protocol::send(c.writer(), Kind::StoreHeld, &StoreHeld { runs, last }).is_ok()
+        && c.flush().is_ok()
+}
+
+#[test]
+fn a_lying_memory_server_cannot_make_its_client_list_without_end() {
+    common::secure();
+    let answers: Vec<Answer> = vec![
+        // The same run again and again, never the last frame.
+        Box::new(|c| {
+            for _ in 0..1000 {
+                if !held(c, vec![GpaPages::new(0, 1)], false) {
+                    return;
+                }
+            }
+        }),
+        // Empty frames that never end.
+        Box::new(|c| {
+            for _ in 0..1000 {
+                if !held(c, vec![], false) {
+                    return;
+                }
+            }
+        }),
+        // A 32 MiB frame announced, nothing sent.
+        Box::new(|c| announce(c, Kind::StoreHeld, protocol::MAX_BODY as u32)),
+        // A list that says it holds 2^40 runs.
+        Box::new(|c| {
+            let mut count = Vec::new();
+            let mut n: u64 = 1 << 40;
+            while n >= 0x80 {
+                count.push((n as u8) | 0x80);
+                n >>= 7;
+            }
+            count.push(n as u8);
+            let _ = c.send_frame(Kind::StoreHeld, &count);
+        }),
+        // A run outside the VM's memory.
+        Box::new(|c| {
+            held(c, vec![GpaPages::new(1 << 40, 1)], true);
+        }),
+    ];
+    let n = answers.len();
+    let at = lying_server(answers);
+    let mut said = Vec::new();
+    for _ in 0..n {
+        let (mut c, _) = StoreClient::open(&at, T, &open(OWNER_VM, 0, secret(1))).unwrap();
+        let t = Instant::now();
+        let e = c.list().expect_err("the answer is refused").to_string();
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{e} after {:?}",
+            t.elapsed()
+        );
+        said.push(e);
+    }
+    assert!(said[0].contains("not after the run before"), "{}", said[0]);
+    assert!(
+        said[1].contains("empty frame that is not the last"),
+        "{}",
+        said[1]
+    );
+    assert!(said[2].contains("limit of a list"), "{}", said[2]);
+    assert!(
+        said[3].contains("1099511627776 runs in one frame"),
+        "{}",
+        said[3]
+    );
+    assert!(
+        said[4].contains("not inside the VM's memory"),
+        "{}",
+        said[4]
+    );
+    // A truthful server's list still comes through whole.
+    let (_srv, at, _) = server(1024, Limits::default());
+    let mut owner = owner_puts(&at);
+    let runs = owner.list().unwrap();
+    assert_eq!(ferry_migration::ranges::total_pages(&runs), 60);
 }

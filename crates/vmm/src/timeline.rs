@@ -7,10 +7,13 @@
 //! Lines are JSON, one object each, tagged `"type"`: `"sample"` or
 //! `"event"`, and `"side"`: `"source"` or `"destination"`. docs/timeline.md
 //! lists every field. The source's file also holds the destination's lines
-//! (sent back over the migration's control connection) and the summary.
+//! (sent back over the migration's control connection, and checked line by
+//! line first: [`peer`]) and the summary.
 //!
 //! The timeline reads its VM through [`Sampled`], which the VM implements:
 //! the VM owns its [`Watch`], so the timeline must not import the VM.
+
+pub mod peer;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -133,9 +136,26 @@ impl Recorder {
         self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Keeps the other side's lines (the destination's, at the source).
+    /// Keeps the other side's lines (the destination's, at the source):
+    /// only those a destination writes, each written anew ([`peer`]); what
+    /// was dropped is an event in this side's lines.
     pub fn set_peer_lines(&self, lines: Vec<u8>) {
-        *self.peer.lock().unwrap_or_else(|e| e.into_inner()) = lines;
+        let checked = peer::check(&lines);
+        if checked.dropped > 0 {
+            let why = checked.first_why.unwrap_or_default();
+            tracing::warn!(
+                dropped = checked.dropped,
+                "the destination's timeline: {why}"
+            );
+            self.tel.event(
+                "timeline",
+                format!(
+                    "dropped {} lines of the destination's timeline (the first: {why})",
+                    checked.dropped
+                ),
+            );
+        }
+        *self.peer.lock().unwrap_or_else(|e| e.into_inner()) = checked.lines;
     }
 
     /// Writes the whole timeline to `path`: a header, both sides' lines
@@ -473,7 +493,7 @@ mod tests {
     fn the_written_timeline_is_header_lines_peer_lines_summary() {
         let rec = Recorder::new("source");
         rec.push(&json!({"type": "sample", "n": 1}));
-        rec.set_peer_lines(b"{\"type\":\"sample\",\"side\":\"destination\"}\n".to_vec());
+        rec.set_peer_lines(b"{\"type\":\"sample\",\"side\":\"destination\",\"t\":1.0}\n".to_vec());
         let dir = std::env::temp_dir().join(format!("ferry-timeline-{}", std::process::id()));
         let path = dir.join("sub").join("t.jsonl");
         rec.write(&path, json!({"type": "header"}), json!({"type": "summary"}))

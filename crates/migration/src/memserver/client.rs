@@ -11,7 +11,7 @@ use crate::protocol::{self, Hello, Kind, Role, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::transport::{Conn, Endpoint};
 
-use super::limits::MAX_RUNS;
+use super::limits::{list_len, MAX_LIST_BODY, MAX_RUNS};
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 
 /// One connection to one memory server, for one VM.
@@ -243,15 +243,64 @@ impl StoreClient {
         Ok(self.conn.flush()?)
     }
 
-    /// Everything the server holds for the VM.
+    /// Everything the server holds for the VM. The answer is checked as it
+    /// arrives, as any peer's: each frame at most a list of [`MAX_RUNS`]
+    /// runs (its size and count read before anything is allocated for it),
+    /// and each run inside the VM's layout and past the one before (in the
+    /// layout's order), so the whole answer is bounded by the layout and
+    /// ends.
     pub fn list(&mut self) -> Result<Vec<GpaPages>, MigrationError> {
         self.fresh()?;
         self.conn.send(Kind::StoreList, &())?;
-        let mut runs = Vec::new();
+        let bad = |reason: String| protocol::ProtocolError::Malformed {
+            kind: Kind::StoreHeld,
+            reason: format!("memory server {}: {reason}", self.addr),
+        };
+        let mut runs: Vec<GpaPages> = Vec::new();
+        // Where the next run may start: (region index, address).
+        let mut after = (0usize, 0u64);
+        let mut body = Vec::new();
         loop {
-            let h: StoreHeld = self.conn.recv(Kind::StoreHeld)?;
-            runs.extend(h.runs);
-            if h.last {
+            let h = protocol::read_header(self.conn.reader())?;
+            if h.len > MAX_LIST_BODY && h.kind != Kind::Abort {
+                return Err(bad(format!(
+                    "a frame of {} bytes, over the {MAX_LIST_BODY}-byte limit of a list",
+                    h.len
+                ))
+                .into());
+            }
+            protocol::read_body_into(self.conn.reader(), &h, &mut body)?;
+            match list_len(&body) {
+                Some(n) if n > MAX_RUNS as u64 => {
+                    return Err(bad(format!("{n} runs in one frame, over {MAX_RUNS}")).into())
+                }
+                _ => {}
+            }
+            let frame = protocol::Frame {
+                kind: h.kind,
+                body: std::mem::take(&mut body),
+            };
+            let held: StoreHeld = protocol::decode(&frame, Kind::StoreHeld)?;
+            if held.runs.is_empty() && !held.last {
+                return Err(bad("an empty frame that is not the last".into()).into());
+            }
+            for r in &held.runs {
+                // The server walks the layout region by region, each in
+                // address order.
+                match region_of(&self.open.regions, *r) {
+                    Some(i) if (i, r.gpa) >= after => after = (i, r.end()),
+                    _ => {
+                        return Err(bad(format!(
+                            "{} pages at {:#x}: not inside the VM's memory, or not after the \
+                             run before",
+                            r.pages, r.gpa
+                        ))
+                        .into())
+                    }
+                }
+                runs.push(*r);
+            }
+            if held.last {
                 return Ok(runs);
             }
         }
@@ -263,4 +312,19 @@ impl StoreClient {
         self.conn.send(Kind::StoreClose, &())?;
         Ok(self.conn.recv(Kind::StoreAck)?)
     }
+}
+
+/// The index of the region of `regions` ((gpa, bytes) each) that holds
+/// `run` whole, if `run` is a non-empty run of whole pages.
+fn region_of(regions: &[(u64, u64)], run: GpaPages) -> Option<usize> {
+    let end = run
+        .pages
+        .checked_mul(PAGE as u64)
+        .and_then(|b| run.gpa.checked_add(b))?;
+    if run.pages == 0 || !run.gpa.is_multiple_of(PAGE as u64) {
+        return None;
+    }
+    regions
+        .iter()
+        .position(|&(gpa, bytes)| gpa <= run.gpa && end <= gpa.saturating_add(bytes))
 }

@@ -23,7 +23,7 @@ use crate::ranges::GpaPages;
 use crate::transport::Conn;
 
 use super::error::StoreError;
-use super::limits::{Taken, MAX_LIST_BODY, MAX_RUNS, MAX_SMALL_BODY};
+use super::limits::{list_len, Taken, MAX_LIST_BODY, MAX_RUNS, MAX_SMALL_BODY};
 use super::server::MemServer;
 use super::store::VmStore;
 use super::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
@@ -135,27 +135,21 @@ fn decode<T: serde::de::DeserializeOwned>(kind: Kind, body: &[u8]) -> Result<T, 
 /// Refuses a list (the body's leading postcard length) longer than
 /// [`MAX_RUNS`] before it is decoded.
 fn check_list(kind: Kind, body: &[u8], what: &'static str) -> Result<(), MigrationError> {
-    let mut n: u64 = 0;
-    for (i, b) in body.iter().take(10).enumerate() {
-        n |= u64::from(b & 0x7f) << (7 * i);
-        if b & 0x80 == 0 {
-            if n > MAX_RUNS as u64 {
-                return Err(StoreError::TooMany {
-                    kind,
-                    what,
-                    count: n,
-                    most: MAX_RUNS as u64,
-                }
-                .into());
-            }
-            return Ok(());
+    match list_len(body) {
+        Some(n) if n > MAX_RUNS as u64 => Err(StoreError::TooMany {
+            kind,
+            what,
+            count: n,
+            most: MAX_RUNS as u64,
         }
+        .into()),
+        Some(_) => Ok(()),
+        None => Err(ProtocolError::Malformed {
+            kind,
+            reason: "no list length".into(),
+        }
+        .into()),
     }
-    Err(ProtocolError::Malformed {
-        kind,
-        reason: "no list length".into(),
-    }
-    .into())
 }
 
 /// One small frame of `kind`, read by `at`.

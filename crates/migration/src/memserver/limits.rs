@@ -57,6 +57,19 @@ pub const MAX_SMALL_BODY: u32 = 4 << 10;
 /// VM split over up to this many servers fits.
 pub const LAYOUT_PER_CAPACITY: u64 = 64;
 
+/// The count a postcard list starts with (a varint), read before the
+/// list is decoded; None if the body holds no whole count.
+pub fn list_len(body: &[u8]) -> Option<u64> {
+    let mut n: u64 = 0;
+    for (i, b) in body.iter().take(10).enumerate() {
+        n |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some(n);
+        }
+    }
+    None
+}
+
 /// Bytes of buffers all connections may hold together.
 pub struct Budget {
     left: Mutex<u64>,

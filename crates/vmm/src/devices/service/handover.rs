@@ -131,6 +131,11 @@ impl ServiceDevice {
     /// at once (answers to its requests still in the ring may come as soon
     /// as the VM resumes); [`AdoptedConns::serve`] starts reading them.
     pub fn adopt_connections(&self, conns: Vec<FrozenConn>) -> Result<AdoptedConns, ServiceError> {
+        // Every id is checked before any is registered.
+        let mut next = 0;
+        for c in &conns {
+            next = next.max(super::moving::next_id_after(c.id)?);
+        }
         let mut out = Vec::new();
         for c in conns {
             let shut = c
@@ -139,9 +144,9 @@ impl ServiceDevice {
                 .map_err(|e| ServiceError::Handover(e.to_string()))?;
             let (tx, rx) = Outbox::new();
             self.register(c.id, tx.clone(), shut);
-            self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
             out.push((c, tx, rx));
         }
+        self.next_conn.fetch_max(next, Ordering::Relaxed);
         Ok(AdoptedConns(out))
     }
 }

@@ -45,9 +45,33 @@ struct MovedConn {
     tcp: TcpCheckpoint,
 }
 
-/// The connections of a Clients body (from the source: untrusted).
+/// The connections of a Clients body (from the source: untrusted). Each
+/// id must be one a device can have given: unique, and with room after it
+/// for this device's next connection (ids are never reused).
 fn decode_moved(bytes: &[u8]) -> Result<Vec<MovedConn>, ServiceError> {
-    postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))
+    let conns: Vec<MovedConn> =
+        postcard::from_bytes(bytes).map_err(|e| ServiceError::BadState(e.to_string()))?;
+    let mut seen = HashSet::with_capacity(conns.len());
+    for c in &conns {
+        next_id_after(c.id)?;
+        if !seen.insert(c.id) {
+            return Err(ServiceError::BadState(format!(
+                "moved clients name connection {} twice",
+                c.id
+            )));
+        }
+    }
+    Ok(conns)
+}
+
+/// The id this device gives next once connection `id` is its own: `id + 1`,
+/// refused where that does not exist.
+pub(super) fn next_id_after(id: u64) -> Result<u64, ServiceError> {
+    id.checked_add(1).ok_or_else(|| {
+        ServiceError::BadState(format!(
+            "connection id {id} leaves no id for the next connection"
+        ))
+    })
 }
 
 impl ServiceDevice {
@@ -344,8 +368,9 @@ impl ServiceDevice {
                 let parked = tcp_repair::restore_parked(&c.tcp).map_err(ServiceError::Address)?;
                 let shut = parked.stream().try_clone().map_err(move_err)?;
                 let (tx, rx) = Outbox::new();
+                let next = next_id_after(c.id)?;
                 self.register(c.id, tx.clone(), shut);
-                self.next_conn.fetch_max(c.id + 1, Ordering::Relaxed);
+                self.next_conn.fetch_max(next, Ordering::Relaxed);
                 restored.push(Restored {
                     id: c.id,
                     parked,
@@ -430,5 +455,54 @@ impl ServiceDevice {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hostnet::tcp_repair::TcpCheckpoint;
+
+    fn moved(id: u64) -> MovedConn {
+        MovedConn {
+            id,
+            pending: b"GET".to_vec(),
+            tcp: TcpCheckpoint {
+                local: "10.0.0.2:80".parse().unwrap(),
+                peer: "10.0.0.9:40000".parse().unwrap(),
+                snd_seq: 1,
+                rcv_seq: 2,
+                send_queue: vec![],
+                unsent: 0,
+                recv_queue: vec![],
+                mss: 1460,
+                wscale: None,
+                sack: false,
+                timestamp: None,
+                window: None,
+            },
+        }
+    }
+
+    fn body(ids: &[u64]) -> Vec<u8> {
+        postcard::to_allocvec(&ids.iter().map(|&i| moved(i)).collect::<Vec<_>>()).unwrap()
+    }
+
+    #[test]
+    fn a_peer_chosen_connection_id_without_a_successor_or_twice_is_refused() {
+        let ok = decode_moved(&body(&[1, 7, u64::MAX - 1])).unwrap();
+        assert_eq!(
+            ok.iter().map(|c| c.id).collect::<Vec<_>>(),
+            [1, 7, u64::MAX - 1]
+        );
+        let e = decode_moved(&body(&[3, u64::MAX]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("leaves no id for the next connection"), "{e}");
+        let e = decode_moved(&body(&[5, 9, 5])).err().unwrap().to_string();
+        assert!(e.contains("connection 5 twice"), "{e}");
+        assert_eq!(next_id_after(41).unwrap(), 42);
+        assert!(next_id_after(u64::MAX).is_err());
     }
 }
