@@ -149,13 +149,16 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
     let mut incoming = vec![0u8; 16 << 10];
     let mut used = 0;
     let mut outgoing: Vec<u8> = Vec::with_capacity(16 << 10);
-    // Records rustls is shown: whole ones, one more each time it needs
-    // more, so it never reads past the handshake's last record.
-    let mut shown = 1;
+    // Bytes of `incoming` rustls is shown: whole records, one more each
+    // time it needs more, so it never reads past the handshake's last
+    // record. Headers are read only past this point: rustls rewrites what
+    // it was shown (it joins a fragmented handshake message in place, over
+    // the next record's header), and the slice it is shown never shrinks
+    // except by what it discards.
+    let mut shown = 0;
     let mut heard = false;
     loop {
-        let limit = records_end(&incoming[..used], shown);
-        let status = conn.process(&mut incoming[..limit]);
+        let status = conn.process(&mut incoming[..shown]);
         let discard = status.discard;
         let next = match status.state {
             Ok(ConnectionState::EncodeTlsData(mut e)) => {
@@ -200,7 +203,7 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
         if discard > 0 {
             incoming.copy_within(discard..used, 0);
             used -= discard;
-            shown = 1;
+            shown -= discard;
         }
         match next {
             None | Some(Next::Transmit) => {}
@@ -210,8 +213,8 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
             // has arrived (a server's half round trip): wait for it.
             Some(Next::Done) if !conn.is_handshaking() => break,
             Some(Next::Done | Next::Read) => {
-                if records_end(&incoming[..used], shown + 1) > limit {
-                    shown += 1;
+                if let Some(len) = next_record(&incoming[shown..used]) {
+                    shown += len;
                     continue;
                 }
                 if used == incoming.len() {
@@ -252,7 +255,9 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
     let (secrets, kernel) = conn
         .into_kernel()
         .map_err(|e| Failed::Because(e.to_string()))?;
+    // What rustls was shown is the handshake's; the rest is records.
     incoming.truncate(used);
+    incoming.drain(..shown);
     Ok(Established {
         kernel,
         secrets,
@@ -261,25 +266,17 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
     })
 }
 
-/// The end of the first `n` whole records in `buf` (all of `buf` when a
-/// header is not a record's: rustls will say what is wrong with it).
-fn records_end(buf: &[u8], n: usize) -> usize {
-    let mut at = 0;
-    for _ in 0..n {
-        let Some(h) = buf.get(at..at + HEADER) else {
-            break;
-        };
-        let len = usize::from(u16::from_be_bytes([h[3], h[4]]));
-        let plausible = (20..=23).contains(&h[0]) && h[1] == 3;
-        if !plausible || len > crate::record::MAX_BODY {
-            return buf.len();
-        }
-        if buf.len() < at + HEADER + len {
-            break;
-        }
-        at += HEADER + len;
+/// The length of the record at the front of `buf` if all of it is there
+/// (all of `buf` when its header is not a record's: rustls will say what
+/// is wrong with it).
+fn next_record(buf: &[u8]) -> Option<usize> {
+    let h = buf.get(..HEADER)?;
+    let len = usize::from(u16::from_be_bytes([h[3], h[4]]));
+    let plausible = (20..=23).contains(&h[0]) && h[1] == 3;
+    if !plausible || len > crate::record::MAX_BODY {
+        return Some(buf.len());
     }
-    at
+    (buf.len() >= HEADER + len).then_some(HEADER + len)
 }
 
 /// Encodes and sends the alert rustls queued after an error.

@@ -266,10 +266,11 @@ impl Opener {
             .iter()
             .rposition(|&b| b != 0)
             .ok_or(RecordError::NoContentType)?;
-        let content = &plain[..typed];
-        if content.len() > MAX_PLAIN {
-            return Err(RecordError::TooLong(content.len()));
+        // RFC 8446 5.4: content, type and padding at most 2^14 + 1 bytes.
+        if plain.len() > MAX_PLAIN + 1 {
+            return Err(RecordError::TooLong(plain.len()));
         }
+        let content = &plain[..typed];
         match plain[typed] {
             APPLICATION_DATA => Ok(Opened::Data(HEADER..HEADER + typed)),
             ALERT => match content {

@@ -237,6 +237,17 @@ impl TlsSocket {
         if let Some(why) = tx.broken {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, why));
         }
+        let sent = self.seal_and_send(tx, bufs);
+        if sent.is_err() {
+            // Records may have been sealed (their counters spent) or sent in
+            // part: nothing can follow them.
+            tx.broken = Some("an earlier send on this TLS stream failed");
+        }
+        sent
+    }
+
+    /// [`send`](Self::send)'s work, under the send lock.
+    fn seal_and_send(&self, tx: &mut Tx, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         tx.out.clear();
         let mut taken = 0;
         let mut open: Option<usize> = None;
@@ -268,11 +279,7 @@ impl TlsSocket {
             return Ok(0);
         }
         let deadline = sys::deadline(self.tcp.write_timeout()?);
-        if let Err(e) = sys::send_all(self.fd(), &tx.out, deadline) {
-            // Part of a record may have gone: nothing can follow it.
-            tx.broken = Some("an earlier send on this TLS stream failed");
-            return Err(e);
-        }
+        sys::send_all(self.fd(), &tx.out, deadline)?;
         Ok(taken)
     }
 
@@ -349,6 +356,7 @@ impl Read for &TlsSocket {
         let mut rx = TlsSocket::lock(&self.shared.rx);
         let rx = &mut *rx;
         let mut got = 0;
+        let mut deadline: Option<Option<Instant>> = None;
         loop {
             if !rx.plain.is_empty() {
                 let n = rx.plain.len().min(buf.len() - got);
@@ -399,7 +407,13 @@ impl Read for &TlsSocket {
                 Ok(0) => rx.eof = true,
                 Ok(n) => rx.end += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let deadline = sys::deadline(self.tcp.read_timeout()?);
+                    // One deadline for the whole read, set at its first
+                    // wait: a peer that trickles a record byte by byte
+                    // cannot stretch it past the socket's timeout.
+                    let deadline = match deadline {
+                        Some(d) => d,
+                        None => *deadline.insert(sys::deadline(self.tcp.read_timeout()?)),
+                    };
                     if !sys::poll_until(self.fd(), libc::POLLIN, deadline)? {
                         return Err(io::ErrorKind::WouldBlock.into());
                     }

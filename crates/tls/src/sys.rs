@@ -1,5 +1,6 @@
-//! Non-blocking socket calls and a poll with a deadline: the TLS socket
-//! never blocks in a syscall while it holds one of its locks.
+//! Non-blocking socket calls and a poll with a deadline: every wait of the
+//! TLS socket is bounded by the socket's own timeouts (a reader or writer
+//! waits holding its own half's lock, never the key schedule's).
 
 use std::io::{self, IoSlice};
 use std::os::fd::RawFd;

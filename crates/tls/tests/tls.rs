@@ -368,3 +368,99 @@ fn a_peer_that_closes_without_a_word_is_told_apart() {
     .unwrap_err();
     assert!(matches!(e, TlsError::Handshake { .. }), "{e}");
 }
+
+/// A client whose handshake messages are cut into records of `frag` bytes;
+/// `foreign` gives it a self-signed certificate whose name repeats a TLS
+/// record header (the bytes rustls moves over the next record's header
+/// when it joins the fragments). The server's result, as text.
+fn fragmented_client(frag: usize, foreign: bool) -> String {
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let config = creds.server_config();
+    let server = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        TlsSocket::handshake(s, Handshake::Server(config), Duration::from_secs(3))
+            .map(|mut s| {
+                let mut b = [0u8; 1];
+                s.read_exact(&mut b).map(|_| b[0])
+            })
+            .map_err(|e| e.to_string())
+    });
+    let mut roots = rustls::RootCertStore::empty();
+    for c in
+        rustls::pki_types::pem::PemObject::pem_slice_iter(&std::fs::read(a.join("ca.pem")).unwrap())
+    {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let (cert, key) = if foreign {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        let header = "\u{17}\u{3}\u{3}\u{40}\u{0}".repeat(80);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, header);
+        let cert = params.self_signed(&key).unwrap();
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der());
+        (cert.der().clone(), key.into())
+    } else {
+        let certs: Vec<rustls::pki_types::CertificateDer<'static>> =
+            rustls::pki_types::pem::PemObject::pem_slice_iter(
+                &std::fs::read(a.join("cert.pem")).unwrap(),
+            )
+            .map(|c| c.unwrap())
+            .collect();
+        let key = rustls::pki_types::pem::PemObject::from_pem_slice(
+            &std::fs::read(a.join("key.pem")).unwrap(),
+        )
+        .unwrap();
+        (certs[0].clone(), key)
+    };
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(vec![cert], key)
+    .unwrap();
+    cfg.max_fragment_size = Some(frag);
+    let mut conn =
+        rustls::ClientConnection::new(Arc::new(cfg), ServerName::IpAddress(at.ip().into()))
+            .unwrap();
+    let mut tcp = TcpStream::connect(at).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(4))).unwrap();
+    while conn.is_handshaking() {
+        if conn.complete_io(&mut tcp).is_err() {
+            break;
+        }
+    }
+    let _ = conn.writer().write_all(b"x");
+    let _ = conn.complete_io(&mut tcp);
+    match server.join() {
+        Ok(Ok(Ok(b))) => format!("ok {}", b as char),
+        Ok(Ok(Err(e))) => format!("read failed: {e}"),
+        Ok(Err(e)) => format!("refused: {e}"),
+        Err(_) => "PANIC".into(),
+    }
+}
+
+#[test]
+fn handshake_messages_cut_into_small_records_are_joined_and_never_crash_the_server() {
+    // A fleet host with small records gets in and its data is read.
+    for frag in [64, 100, 200] {
+        assert_eq!(
+            fragmented_client(frag, false),
+            "ok x",
+            "fragment size {frag}"
+        );
+    }
+    // A stranger whose certificate carries record headers is refused, not
+    // a panic (rustls rewrites what it was shown; headers are read only
+    // past it).
+    for frag in 100..110 {
+        let r = fragmented_client(frag, true);
+        assert!(r.starts_with("refused:"), "fragment size {frag}: {r}");
+    }
+}

@@ -337,7 +337,7 @@ impl Gate {
                     .unwrap_or_else(|p| p.into_inner())
                     .clone(),
                 tx: self.tx.clone(),
-                admitting: self.admitting.clone(),
+                _slot: Slot(self.admitting.clone()),
             };
             if let Err(e) = std::thread::Builder::new()
                 .name("ferry-admit".into())
@@ -354,6 +354,15 @@ enum Incoming {
     Unix(UnixStream),
 }
 
+/// One of the gate's admission slots, given back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// One connection's way through the gate.
 struct Admit {
     incoming: Incoming,
@@ -361,13 +370,16 @@ struct Admit {
     security: Option<Security>,
     rules: Admission,
     tx: SyncSender<Admitted>,
-    admitting: Arc<AtomicUsize>,
+    /// Given back when the admission ends however it ends (a panic, or a
+    /// thread that could not start, included): a slot lost each time would
+    /// close the gate after MAX_ADMITTING of them.
+    _slot: Slot,
 }
 
 impl Admit {
     fn run(self) {
         let from = self.from.clone();
-        let (admitting, tx) = (self.admitting.clone(), self.tx.clone());
+        let tx = self.tx.clone();
         match self.admit() {
             Ok(Some(admitted)) => match tx.try_send(admitted) {
                 Ok(()) => {}
@@ -384,7 +396,6 @@ impl Admit {
                 tracing::warn!(peer = %from, "migration listener: refused a connection: {why}")
             }
         }
-        admitting.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// The handshake, the host check and the Hello, within the deadline.
