@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::fake_vm::FakeVm;
-use ferry_migration::protocol::{self, Hello, Kind, Layout, PostcopyPlan, Role};
+use ferry_migration::protocol::{self, Hello, Kind, PostcopyPlan, Role};
 use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
 use ferry_migration::{destination, Endpoint, Listener, MigrateOptions};
@@ -31,15 +31,7 @@ fn hand_made_source(at: &Endpoint) -> (Conn, Conn) {
     c.flush().unwrap();
     let version: u16 = c.recv(Kind::HelloAck).unwrap();
     assert!(version >= protocol::VERSION_TRUST, "v{version}");
-    c.send(Kind::Token, &None::<String>).unwrap();
-    let layout = Layout {
-        regions: LAYOUT.to_vec(),
-        vcpus: 1,
-    };
-    c.send(Kind::Layout, &layout).unwrap();
-    c.send(Kind::ClientsPlan, &None::<ferry_migration::ClientsPlan>)
-        .unwrap();
-    c.send(Kind::TimelineAsk, &0u32).unwrap();
+    common::send_opening(&mut c, None, LAYOUT);
     let bulk = Hello {
         role: Role::Bulk(0),
         ..hello

@@ -543,15 +543,7 @@ fn bulk_streams_are_kept_for_a_source_being_admitted_and_strays_are_refused() {
     .unwrap();
     bulk.flush().unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    c.send(Kind::Token, &None::<String>).unwrap();
-    let layout = Layout {
-        regions: LAYOUT.to_vec(),
-        vcpus: 1,
-    };
-    c.send(Kind::Layout, &layout).unwrap();
-    c.send(Kind::ClientsPlan, &None::<ferry_migration::ClientsPlan>)
-        .unwrap();
-    c.send(Kind::TimelineAsk, &0u32).unwrap();
+    common::send_opening(&mut c, None, LAYOUT);
     // Its bulk stream was kept and taken: a page sent on it lands.
     let page = vec![0x5au8; PAGE as usize];
     protocol::write_frame(

@@ -67,3 +67,23 @@ pub fn fleet_dir() -> std::path::PathBuf {
 pub fn insecure() {
     ferry_migration::transport::install(ferry_migration::transport::Security::Insecure);
 }
+
+/// What a source sends after HelloAck, as the engine's source does: the
+/// token, the memory layout of `regions` (one vCPU), no clients plan, and
+/// a timeline ask of 0. For tests that play a source by hand.
+pub fn send_opening(
+    c: &mut ferry_migration::transport::Conn,
+    token: Option<&str>,
+    regions: &[(u64, u64)],
+) {
+    use ferry_migration::protocol::{Kind, Layout};
+    c.send(Kind::Token, &token.map(str::to_string)).unwrap();
+    let layout = Layout {
+        regions: regions.to_vec(),
+        vcpus: 1,
+    };
+    c.send(Kind::Layout, &layout).unwrap();
+    c.send(Kind::ClientsPlan, &None::<ferry_migration::ClientsPlan>)
+        .unwrap();
+    c.send(Kind::TimelineAsk, &0u32).unwrap();
+}
