@@ -275,25 +275,13 @@ impl MemfdRegion {
     /// incoming migration's first touch then costs nothing). Contents are
     /// unchanged: missing pages become zero pages, present ones stay.
     pub fn populate(&self, offset: u64, len: u64) -> Result<(), RegionError> {
-        // MADV_POPULATE_WRITE (Linux 5.14); not in every libc crate version.
-        const MADV_POPULATE_WRITE: libc::c_int = 23;
         self.check_range(offset, len)?;
-        // SAFETY: the range lies inside our own mapping (checked above); the
-        // advice only faults pages in.
-        let r = unsafe {
-            libc::madvise(
-                self.host.add(offset as usize).cast(),
-                len as usize,
-                MADV_POPULATE_WRITE,
-            )
-        };
-        if r < 0 {
-            return Err(RegionError::Advise {
+        // SAFETY: the range lies inside our own mapping (checked above).
+        unsafe { crate::mapping::populate_write(self.host.add(offset as usize) as u64, len) }
+            .map_err(|source| RegionError::Advise {
                 op: "madvise(POPULATE_WRITE)",
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        Ok(())
+                source,
+            })
     }
 
     /// Drops this mapping's page table entries for a range (the memfd keeps the

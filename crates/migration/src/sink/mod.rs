@@ -100,12 +100,10 @@ const POPULATE_MIN_BYTES: usize = 8 * crate::ranges::PAGE as usize;
 /// 1 GiB migration spent about 0.3 s of CPU on them), and populating the
 /// stretch first costs one call.
 fn populate(at: *mut u8, len: usize) {
-    // MADV_POPULATE_WRITE (Linux 5.14); not in every libc crate version.
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
-    // SAFETY: `at .. at + len` is a stretch of live guest memory that is
-    // ours to write (InPlace's promise); the advice only faults pages in
-    // and leaves their contents as they are.
-    let _ = unsafe { libc::madvise(at.cast(), len, MADV_POPULATE_WRITE) };
+    // SAFETY: `at .. at + len` is a page-aligned stretch of live guest
+    // memory that is ours to write (InPlace's promise), landed by copies,
+    // so not under a userfaultfd.
+    let _ = unsafe { ferry_memory::mapping::populate_write(at as u64, len as u64) };
 }
 
 /// A checked stretch of guest memory to read page data into, in place.
