@@ -59,7 +59,8 @@ def migrate_once(ferry, env, security, mem, workload, settle, extra=()):
         if out.returncode != 0:
             raise RuntimeError(out.stderr.strip()[-300:])
         m = json.loads(out.stdout)
-        r = {"total_s": m["total_secs"], "downtime_ms": m["downtime_ms"]}
+        r = {"total_s": m["total_secs"], "downtime_ms": m["downtime_ms"],
+             "cpu_s": m["source_cpu_s"] + m["destination_cpu_s"]}
         if m.get("postcopy"):
             lat = m["postcopy"]["faults"]["latency_us"]
             r.update(p50_us=lat["p50"], p99_us=lat["p99"], faults=m["postcopy"]["faults"]["faults"])

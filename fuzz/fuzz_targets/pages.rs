@@ -3,15 +3,16 @@
 //! into guest memory, checksum checked after) into the real precopy sink
 //! (`DirectSink`), beside `protocol::decode_pages`; and a ZeroRanges body
 //! as a bulk stream lands it. The first byte picks which, and whether the
-//! Pages frame's checksum is honest.
+//! Pages frame's checksum is honest, wrong, or absent (a sealed frame,
+//! which this plaintext link must refuse).
 //!
 //! Checks (Pages): both decoders agree on the body's shape, and a decoded
 //! body re-encodes to itself; pages land only when every address is a
 //! page of guest memory and the checksum holds, and then memory holds
 //! exactly their data; a refused frame leaves memory outside its own
-//! pages untouched. (ZeroRanges): a body lands only when every run lies
-//! inside one region, and then those pages read as zero, and nothing else
-//! changed.
+//! pages untouched; a sealed frame never lands and changes nothing.
+//! (ZeroRanges): a body lands only when every run lies inside one region,
+//! and then those pages read as zero, and nothing else changed.
 #![no_main]
 
 use ferry_fuzz::{init, Memory, Peer};
@@ -27,16 +28,30 @@ fn pattern(memory: &Memory) {
     }
 }
 
-fn pages(memory: &Memory, honest_crc: bool, body: &[u8]) {
+/// What a Pages frame's header says of its body.
+#[derive(Clone, Copy, PartialEq)]
+enum Check {
+    Honest,
+    Wrong,
+    /// No checksum: the SEALED flag, refused from a link that does not seal.
+    Sealed,
+}
+
+fn pages(memory: &Memory, check: Check, body: &[u8]) {
     pattern(memory);
     let before = memory.snapshot();
     let regions = memory.views();
     let sink = DirectSink::new(memory);
-    let crc = ferry_migration::checksum::crc32c(body) ^ u32::from(!honest_crc);
+    let crc = match check {
+        Check::Honest => ferry_migration::checksum::crc32c(body),
+        Check::Wrong => ferry_migration::checksum::crc32c(body) ^ 1,
+        Check::Sealed => 0,
+    };
     let h = Header {
         kind: Kind::Pages,
         len: body.len() as u32,
         crc,
+        sealed: check == Check::Sealed,
     };
     let (mut conn, peer) = Peer::connect(body.to_vec());
     let (mut scratch, mut buf) = (Vec::new(), Vec::new());
@@ -57,7 +72,7 @@ fn pages(memory: &Memory, honest_crc: bool, body: &[u8]) {
     match landed {
         Ok(n) => {
             let (gpas, data) = decoded.expect("read_pages took a body decode_pages refuses");
-            assert!(honest_crc, "pages landed under a wrong checksum");
+            assert!(check == Check::Honest, "pages landed under a wrong or no checksum");
             assert_eq!(n as usize, gpas.len());
             // The last copy of a page repeated in the frame wins.
             for (i, &g) in gpas.iter().enumerate().rev() {
@@ -73,8 +88,11 @@ fn pages(memory: &Memory, honest_crc: bool, body: &[u8]) {
         }
         Err(_) => {
             // Only the frame's own addresses may have been written (in place,
-            // before the checksum failed).
-            let mine: Vec<u64> = decoded.map(|(g, _)| g).unwrap_or_default();
+            // before the checksum failed); a sealed frame none at all.
+            let mine: Vec<u64> = match check {
+                Check::Sealed => Vec::new(),
+                _ => decoded.map(|(g, _)| g).unwrap_or_default(),
+            };
             let after = memory.snapshot();
             for (k, g) in memory.page_addrs().iter().enumerate() {
                 if !mine.contains(g) {
@@ -140,9 +158,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let memory = Memory::standard();
-    match mode % 3 {
-        0 => pages(&memory, true, body),
-        1 => pages(&memory, false, body),
-        _ => zero_ranges(&memory, body),
+    match mode % 4 {
+        0 => pages(&memory, Check::Honest, body),
+        1 => pages(&memory, Check::Wrong, body),
+        2 => zero_ranges(&memory, body),
+        _ => pages(&memory, Check::Sealed, body),
     }
 });

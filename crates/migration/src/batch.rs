@@ -38,6 +38,12 @@ impl Fill {
         zero_runs: true,
         crc: true,
     };
+    /// Pages for a sealed frame (the link checks every byte): zero pages as
+    /// runs, no checksum.
+    pub(crate) const SEALED: Fill = Fill {
+        zero_runs: true,
+        crc: false,
+    };
     /// Pages an encoder will likely rewrite: zero pages as runs, no
     /// checksum yet (a batch sent raw after all is checksummed at write).
     pub(crate) const ENCODE: Fill = Fill {
@@ -161,12 +167,18 @@ impl PageBatch {
     }
 
     /// Writes the pages with data as one Pages frame (nothing if there are
-    /// none); returns its wire bytes.
-    pub(crate) fn write_pages(&self, w: &mut impl Write) -> io::Result<u64> {
+    /// none), [`sealed`](protocol::SEALED) if `sealed` (the link seals every
+    /// byte) and else with its checksum; returns its wire bytes.
+    pub(crate) fn write_pages(&self, w: &mut impl Write, sealed: bool) -> io::Result<u64> {
         if self.gpas.is_empty() {
             return Ok(0);
         }
-        write_pages_frame(w, &self.addrs, &self.data, self.crc)
+        let check = match (sealed, self.crc) {
+            (true, _) => PageCheck::Sealed,
+            (false, Some(crc)) => PageCheck::Known(crc),
+            (false, None) => PageCheck::Compute,
+        };
+        write_pages_frame(w, &self.addrs, &self.data, check)
     }
 
     /// Writes the zero runs as one ZeroRanges frame (nothing if there are
@@ -179,20 +191,32 @@ impl PageBatch {
     }
 }
 
+/// How a Pages frame's body is checked.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PageCheck {
+    /// CRC-32C, of which the page data's part is known (computed at fill).
+    Known(u32),
+    /// CRC-32C, computed as the frame is written.
+    Compute,
+    /// None: the link seals every byte ([`protocol::SEALED`]).
+    Sealed,
+}
+
 /// Writes one Pages frame of the pages at `addrs` (little-endian u64s) with
-/// their `data`, without gathering them; `data_crc` is the data's CRC-32C
-/// if known. Returns the frame's wire bytes.
+/// their `data`, without gathering them, checked as `check` says. Returns
+/// the frame's wire bytes.
 pub(crate) fn write_pages_frame(
     w: &mut impl Write,
     addrs: &[u8],
     data: &[u8],
-    data_crc: Option<u32>,
+    check: PageCheck,
 ) -> io::Result<u64> {
     debug_assert_eq!(data.len() / PAGE, addrs.len() / 8);
     let count = ((addrs.len() / 8) as u32).to_le_bytes();
-    match data_crc {
-        Some(crc) => protocol::write_pages_frame(w, &count, addrs, data, crc)?,
-        None => protocol::write_frame_parts(w, Kind::Pages, &[&count, addrs, data])?,
+    match check {
+        PageCheck::Known(crc) => protocol::write_pages_frame(w, &count, addrs, data, crc)?,
+        PageCheck::Compute => protocol::write_frame_parts(w, Kind::Pages, &[&count, addrs, data])?,
+        PageCheck::Sealed => protocol::write_sealed_pages_frame(w, &count, addrs, data)?,
     }
     Ok((HEADER + count.len() + addrs.len() + data.len()) as u64)
 }
@@ -311,7 +335,7 @@ mod tests {
         b.fill_from(&regions, &[GpaPages::new(0x10_0000, 8)], Fill::RAW);
         let mut wire = Vec::new();
         let zb = b.write_zeros(&mut wire).unwrap();
-        let pb = b.write_pages(&mut wire).unwrap();
+        let pb = b.write_pages(&mut wire, false).unwrap();
         assert_eq!(zb + pb, wire.len() as u64);
         assert_eq!(pb, (HEADER + 4 + 7 * (8 + PAGE)) as u64);
         let mut r = &wire[..];
@@ -336,8 +360,8 @@ mod tests {
         at_fill.fill_from(&regions, &runs, Fill::RAW);
         at_write.fill_from(&regions, &runs, Fill::ENCODE);
         let (mut a, mut w) = (Vec::new(), Vec::new());
-        at_fill.write_pages(&mut a).unwrap();
-        at_write.write_pages(&mut w).unwrap();
+        at_fill.write_pages(&mut a, false).unwrap();
+        at_write.write_pages(&mut w, false).unwrap();
         assert_eq!(a, w);
         // And the same as the whole body encoded and framed at once.
         let mut whole = Vec::new();
@@ -371,7 +395,7 @@ mod tests {
         let mut b = PageBatch::default();
         b.fill_from(&regions, &[GpaPages::new(0, 2)], Fill::RAW);
         let mut wire = Vec::new();
-        assert_eq!(b.write_pages(&mut wire).unwrap(), 0);
+        assert_eq!(b.write_pages(&mut wire, false).unwrap(), 0);
         assert!(wire.is_empty());
         b.fill_from(&regions, &[], Fill::RAW);
         assert_eq!(b.write_zeros(&mut wire).unwrap(), 0);
@@ -384,7 +408,7 @@ mod tests {
         let data = want_data(&gpas);
         let addrs: Vec<u8> = gpas.iter().flat_map(|g| g.to_le_bytes()).collect();
         let mut wire = Vec::new();
-        let n = write_pages_frame(&mut wire, &addrs, &data, None).unwrap();
+        let n = write_pages_frame(&mut wire, &addrs, &data, PageCheck::Compute).unwrap();
         assert_eq!(n, wire.len() as u64);
         let mut want = Vec::new();
         protocol::write_frame(
@@ -395,7 +419,13 @@ mod tests {
         .unwrap();
         assert_eq!(wire, want);
         let mut with_crc = Vec::new();
-        write_pages_frame(&mut with_crc, &addrs, &data, Some(checksum::crc32c(&data))).unwrap();
+        write_pages_frame(
+            &mut with_crc,
+            &addrs,
+            &data,
+            PageCheck::Known(checksum::crc32c(&data)),
+        )
+        .unwrap();
         assert_eq!(with_crc, want);
     }
 }

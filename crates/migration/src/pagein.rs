@@ -6,7 +6,9 @@
 //! straight to its place in the guest, and the checksum is computed over the
 //! landed pages afterwards: a mismatch fails the migration before the VM
 //! could ever start. Other sinks (userfaultfd) get the frame only after its
-//! checksum held, so a running guest never sees a corrupt page.
+//! checksum held, so a running guest never sees a corrupt page. A sealed
+//! frame has no checksum: it is taken only from a link that seals every
+//! byte (TLS), whose records were each checked before a byte was read out.
 
 use std::io::Read;
 
@@ -34,6 +36,10 @@ pub fn read_pages(
     scratch: &mut Vec<u8>,
     data: &mut Vec<u8>,
 ) -> Result<u64, MigrationError> {
+    if h.sealed && !r.seals() {
+        return Err(ProtocolError::Unsealed { kind: h.kind }.into());
+    }
+    let checked = !h.sealed;
     let len = h.len as usize;
     let mut count = [0u8; 4];
     if len < 4 {
@@ -46,7 +52,11 @@ pub fn read_pages(
     }
     scratch.resize(8 * n, 0);
     r.read_exact(scratch).map_err(eof_is_truncated)?;
-    let mut crc = crate::checksum::append(crate::checksum::crc32c(&count), scratch);
+    let mut crc = if checked {
+        crate::checksum::append(crate::checksum::crc32c(&count), scratch)
+    } else {
+        0
+    };
     // Check every address before a byte lands, and group them into runs of
     // consecutive pages inside one region.
     let mut runs: Vec<(usize, GpaPages)> = Vec::new(); // (region, run)
@@ -75,18 +85,22 @@ pub fn read_pages(
             // destination CPU s per GiB.
             Some(mut place) => {
                 place.fill_from(r).map_err(eof_is_truncated)?;
-                crc = place.crc(crc);
+                if checked {
+                    crc = place.crc(crc);
+                }
             }
             None => {
                 let at = data.len();
                 data.resize(at + run.bytes() as usize, 0);
                 r.read_exact(&mut data[at..]).map_err(eof_is_truncated)?;
-                crc = crate::checksum::append(crc, &data[at..]);
+                if checked {
+                    crc = crate::checksum::append(crc, &data[at..]);
+                }
                 deferred.push(run);
             }
         }
     }
-    if crc != h.crc {
+    if checked && crc != h.crc {
         return Err(ProtocolError::Checksum {
             kind: h.kind,
             len: h.len,
@@ -100,4 +114,89 @@ pub fn read_pages(
         at = end;
     }
     Ok(n as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::memory::RegionView;
+    use crate::protocol::{read_header, write_sealed_pages_frame};
+    use crate::transport::{Conn, Stream};
+
+    /// Pages that land by copies into a buffer standing for guest RAM.
+    struct Landed(Mutex<Vec<u8>>);
+
+    impl PageSink for Landed {
+        fn write(&self, run: GpaPages, data: &[u8]) -> Result<(), crate::sink::SinkError> {
+            let at = run.gpa as usize;
+            self.0.lock().unwrap()[at..at + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+        fn zero(&self, _run: GpaPages) -> Result<(), crate::sink::SinkError> {
+            Ok(())
+        }
+    }
+
+    fn sealed_frame(page: u8) -> Vec<u8> {
+        let mut wire = Vec::new();
+        let data = vec![page; PAGE];
+        write_sealed_pages_frame(
+            &mut wire,
+            &1u32.to_le_bytes(),
+            &0x1000u64.to_le_bytes(),
+            &data,
+        )
+        .unwrap();
+        wire
+    }
+
+    /// Sends `wire` on `a` and lands the frame that arrives on `b`.
+    fn land(a: Stream, b: Stream, wire: &[u8], sink: &Landed) -> Result<u64, MigrationError> {
+        let mut a = Conn::new(a, Some(std::time::Duration::from_secs(5))).unwrap();
+        let mut b = Conn::new(b, Some(std::time::Duration::from_secs(5))).unwrap();
+        a.writer().write_all(wire).unwrap();
+        a.flush().unwrap();
+        // SAFETY: only the view's address range is used (the sink copies).
+        let regions = [unsafe { RegionView::new(0, 4 * PAGE as u64, std::ptr::null_mut()) }];
+        let h = read_header(b.reader()).unwrap();
+        read_pages(
+            b.reader(),
+            &h,
+            &regions,
+            sink,
+            &mut Vec::new(),
+            &mut Vec::new(),
+        )
+    }
+
+    #[test]
+    fn a_sealed_frame_is_refused_from_a_link_that_does_not_seal_and_lands_from_one_that_does() {
+        let sink = Landed(Mutex::new(vec![0; 4 * PAGE]));
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let e = land(Stream::unix(a), Stream::unix(b), &sealed_frame(7), &sink).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                MigrationError::Protocol(ProtocolError::Unsealed { kind: Kind::Pages })
+            ),
+            "{e:?}"
+        );
+        assert!(
+            sink.0.lock().unwrap().iter().all(|&b| b == 0),
+            "nothing landed"
+        );
+
+        let dir = std::env::temp_dir().join(format!("ferry-pagein-{}", std::process::id()));
+        let (a, b) = crate::transport::tls_pair(&dir);
+        assert_eq!(land(a, b, &sealed_frame(7), &sink).unwrap(), 1);
+        let mem = sink.0.lock().unwrap();
+        assert!(
+            mem[PAGE..2 * PAGE].iter().all(|&b| b == 7),
+            "the page landed"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -144,7 +144,8 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         opts.bandwidth,
         &sample,
     )
-    .watched_by(s.tel.clone());
+    .watched_by(s.tel.clone())
+    .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES);
 
     s.start_dirty_log()?;
     let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));

@@ -91,6 +91,9 @@ struct RoundCtx<'a> {
     pipeline: bool,
     /// Checksum page data at fetch (raw path).
     crc_at_fetch: bool,
+    /// Pages frames go sealed, without a checksum: every bulk link seals
+    /// its bytes (TLS) and the peer reads sealed frames (v10).
+    sealed: bool,
     pacer: Pacer,
     cpu: &'a CpuMeter,
     pages: AtomicU64,
@@ -111,6 +114,8 @@ pub(crate) struct PageSender {
     pipeline: bool,
     bandwidth: Option<f64>,
     tel: Option<std::sync::Arc<crate::telemetry::Telemetry>>,
+    /// The peer reads sealed Pages frames (protocol v10).
+    may_seal: bool,
 }
 
 impl PageSender {
@@ -142,7 +147,15 @@ impl PageSender {
             pipeline: compressed && copt.pipeline,
             bandwidth,
             tel: None,
+            may_seal: false,
         }
+    }
+
+    /// Sends Pages frames sealed (no checksum) on links that seal every
+    /// byte, if `peer_reads_them` (the negotiated version has them).
+    pub(crate) fn sealing(mut self, peer_reads_them: bool) -> Self {
+        self.may_seal = peer_reads_them;
+        self
     }
 
     /// Counts the pages it sends in `tel` as they go.
@@ -179,6 +192,7 @@ impl PageSender {
             policy: &self.policy,
             pipeline: self.pipeline,
             crc_at_fetch: !self.compressed,
+            sealed: self.may_seal && conns.iter().all(|c| c.writer_seals()),
             pacer: Pacer::new(self.bandwidth),
             cpu,
             pages: AtomicU64::new(0),
@@ -291,10 +305,10 @@ fn shard_of(item: &Item, streams: usize, shards: usize) -> usize {
 fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
     b.enc.clear();
     b.method = None;
-    let how = if ctx.crc_at_fetch {
-        Fill::RAW
-    } else {
-        Fill::ENCODE
+    let how = match (ctx.crc_at_fetch, ctx.sealed) {
+        (false, _) => Fill::ENCODE,
+        (true, true) => Fill::SEALED,
+        (true, false) => Fill::RAW,
     };
     b.pages.fill_from(ctx.regions, item, how);
     b.idx.clear();
@@ -347,7 +361,7 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &Batch) -> Result<u64, MigrationE
     if p.pages() > 0 {
         match b.method.unwrap_or(Method::None) {
             Method::None => {
-                let n = p.write_pages(w).map_err(ProtocolError::Io)?;
+                let n = p.write_pages(w, ctx.sealed).map_err(ProtocolError::Io)?;
                 bytes += n;
                 // Only `auto` probes the link (a getsockopt per batch).
                 if !ctx.crc_at_fetch {
@@ -489,6 +503,7 @@ fn run_pipelined(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::Stream;
 
     #[test]
     fn batches_stay_inside_blocks_and_blocks_keep_their_stream() {
@@ -516,5 +531,75 @@ mod tests {
             shard_of(&vec![r(0, 1)], 1, 2),
             shard_of(&vec![r(1024 * p, 1)], 1, 2)
         );
+    }
+
+    /// The Pages frames one raw round sends over `(a, b)`, as read at `b`:
+    /// (sealed, checksum holds) for each.
+    fn round_frames(a: Stream, b: Stream, may_seal: bool) -> Vec<(bool, bool)> {
+        let t = Some(std::time::Duration::from_secs(5));
+        let mut conns = [Conn::new(a, t).unwrap()];
+        let mut peer = Conn::new(b, t).unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while let Ok(h) = crate::protocol::read_header(peer.reader()) {
+                let mut body = vec![0u8; h.len as usize];
+                std::io::Read::read_exact(peer.reader(), &mut body).unwrap();
+                if h.kind == crate::protocol::Kind::Pages {
+                    seen.push((h.sealed, crate::checksum::crc32c(&body) == h.crc));
+                }
+            }
+            seen
+        });
+        let mut mem: Vec<u8> = (0..64 * PAGE).map(|i| (i % 251) as u8 | 1).collect();
+        // SAFETY: `mem` outlives the round and nothing else touches it.
+        let regions = [unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
+        let mut sender = PageSender::new(
+            &CompressOptions::default(),
+            &crate::compress::Backend::cpu(),
+            false,
+            1,
+            None,
+            &[],
+        )
+        .sealing(may_seal);
+        let runs = [GpaPages::new(0, 64)];
+        let (stats, _) = sender
+            .send_round(
+                &regions,
+                &mut conns,
+                &runs,
+                &[],
+                0,
+                None,
+                &CpuMeter::default(),
+            )
+            .unwrap();
+        assert_eq!(stats.pages, 64);
+        drop(conns);
+        reader.join().unwrap()
+    }
+
+    #[test]
+    fn pages_go_sealed_only_over_a_link_that_seals_to_a_peer_that_reads_them() {
+        let dir = std::env::temp_dir().join(format!("ferry-sender-{}", std::process::id()));
+        let (a, b) = crate::transport::tls_pair(&dir);
+        let tls = round_frames(a, b, true);
+        assert!(
+            !tls.is_empty() && tls.iter().all(|&(sealed, _)| sealed),
+            "{tls:?}"
+        );
+        let (a, b) = crate::transport::tls_pair(&dir);
+        let old_peer = round_frames(a, b, false);
+        assert!(
+            !old_peer.is_empty() && old_peer.iter().all(|&f| f == (false, true)),
+            "{old_peer:?}"
+        );
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let plain = round_frames(Stream::unix(a), Stream::unix(b), true);
+        assert!(
+            !plain.is_empty() && plain.iter().all(|&f| f == (false, true)),
+            "{plain:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

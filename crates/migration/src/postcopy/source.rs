@@ -158,7 +158,7 @@ impl SourcePages {
     /// Writes a batch's pages with data as one Pages frame (if any);
     /// returns the frames written.
     fn write_pages(&self, w: &mut impl Write, b: &PageBatch) -> Result<u64, ProtocolError> {
-        let bytes = b.write_pages(w)?;
+        let bytes = b.write_pages(w, false)?;
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
         Ok(u64::from(bytes > 0))
     }

@@ -27,13 +27,20 @@ pub enum ProtocolError {
     /// Unknown message kind.
     #[error("unknown message kind {0}")]
     BadKind(u16),
-    /// A flag set in a frame header (none is defined: they must be 0).
-    #[error("{kind:?} frame with flags {flags:#x}: this ferry defines no frame flags (they must be 0); the peer is not a ferry this build understands, or the stream is corrupt")]
+    /// A frame header's flags are not ones this build defines for its kind.
+    #[error("{kind:?} frame with flags {flags:#x}: not flags this ferry defines for it (only a Pages frame may be sealed, with a zero checksum field); the peer is not a ferry this build understands, or the stream is corrupt")]
     BadFlags {
         /// The frame's kind.
         kind: Kind,
         /// The flags it carried.
         flags: u16,
+    },
+    /// A sealed frame (no checksum) where the link does not seal its
+    /// bytes, or where only a checked frame may come.
+    #[error("a {kind:?} frame without a checksum (sealed) arrived where its bytes are not sealed by the link (a plaintext link, or a reader that checks every frame): refused, the stream is corrupt or forged")]
+    Unsealed {
+        /// The frame's kind.
+        kind: Kind,
     },
     /// Body too large.
     #[error("frame body of {0} bytes exceeds the {MAX_BODY}-byte limit")]

@@ -7,14 +7,17 @@
 //!         | magic  | kind | flags| len       | crc32c | body             |
 //!         | u32    | u16  | u16  | u32       | u32    | len bytes        |
 //!         +--------+------+------+-----------+--------+------------------+
-//!          "FRYM"   Kind   0      <= MAX_BODY CRC-32C   postcard, or raw
-//!                                 (32 MiB)    of body   (Pages)
+//!          "FRYM"   Kind   0 or   <= MAX_BODY CRC-32C   postcard, or raw
+//!                        SEALED (32 MiB)    of body   (Pages)
 //! ```
 //!
 //! All integers are little-endian. Reading checks, in order: magic, kind,
-//! flags (0), length limit (the header alone, [`read_header`]), then the body's
+//! flags, length limit (the header alone, [`read_header`]), then the body's
 //! checksum ([`read_body_into`]); an Abort frame comes back as the
-//! `Aborted` error. Bulk streams read the header first so that Pages land
+//! `Aborted` error. One flag is defined, [`SEALED`]: a Pages frame with no
+//! checksum (field 0), sent only over a link that seals every byte (TLS),
+//! where a CRC would check nothing the record's AEAD tag does not; only
+//! the bulk page path reads one, and only from such a link (pagein.rs). Bulk streams read the header first so that Pages land
 //! straight in guest memory (pagein.rs) instead of a buffer.
 
 use std::io::{self, Read, Write};
@@ -27,6 +30,10 @@ pub const MAGIC: u32 = 0x4d59_5246;
 pub const HEADER: usize = 16;
 /// Largest frame body accepted from a peer.
 pub const MAX_BODY: usize = 32 << 20;
+/// Frame flag: the body has no checksum (the field is 0) because the link
+/// seals every byte (TLS records, each with its AEAD tag). Pages frames
+/// only, from protocol v10 ([`VERSION_SEALED_PAGES`](super::VERSION_SEALED_PAGES)).
+pub const SEALED: u16 = 1;
 
 /// A decoded frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,16 +52,23 @@ pub struct Header {
     pub kind: Kind,
     /// Body length in bytes (at most [`MAX_BODY`]).
     pub len: u32,
-    /// crc32c of the body.
+    /// crc32c of the body (0 when `sealed`).
     pub crc: u32,
+    /// The body has no checksum: the link seals it ([`SEALED`]).
+    pub sealed: bool,
 }
 
 /// The header of a frame of `kind` whose body is `len` bytes with crc32c
 /// `crc` (flags 0).
 fn encode_header(kind: Kind, len: usize, crc: u32) -> [u8; HEADER] {
+    encode_header_flagged(kind, 0, len, crc)
+}
+
+fn encode_header_flagged(kind: Kind, flags: u16, len: usize, crc: u32) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
     h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     h[4..6].copy_from_slice(&(kind as u16).to_le_bytes());
+    h[6..8].copy_from_slice(&flags.to_le_bytes());
     h[8..12].copy_from_slice(&(len as u32).to_le_bytes());
     h[12..16].copy_from_slice(&crc.to_le_bytes());
     h
@@ -102,6 +116,21 @@ pub fn write_pages_frame(
     w.write_all(data)
 }
 
+/// Writes a [`SEALED`] Pages frame: no checksum, for a link that seals
+/// every byte (TLS); the reader refuses one from any other link.
+pub fn write_sealed_pages_frame(
+    w: &mut impl Write,
+    count: &[u8],
+    addrs: &[u8],
+    data: &[u8],
+) -> io::Result<()> {
+    let len = count.len() + addrs.len() + data.len();
+    w.write_all(&encode_header_flagged(Kind::Pages, SEALED, len, 0))?;
+    w.write_all(count)?;
+    w.write_all(addrs)?;
+    w.write_all(data)
+}
+
 /// Reads one frame, checking magic, kind, length limit and checksum.
 pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
     let mut body = Vec::new();
@@ -136,18 +165,25 @@ pub fn read_header(r: &mut impl Read) -> Result<Header, ProtocolError> {
     }
     let raw_kind = u16::from_le_bytes([h[4], h[5]]);
     let kind = Kind::from_u16(raw_kind).ok_or(ProtocolError::BadKind(raw_kind))?;
-    // No flag is defined: a frame with one set is from a peer this build
-    // does not understand, or corrupt.
+    // Any other flag, or SEALED on another kind or with a checksum, is from
+    // a peer this build does not understand, or corrupt.
     let flags = u16::from_le_bytes([h[6], h[7]]);
-    if flags != 0 {
-        return Err(ProtocolError::BadFlags { kind, flags });
-    }
+    let crc = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
+    let sealed = match flags {
+        0 => false,
+        SEALED if kind == Kind::Pages && crc == 0 => true,
+        _ => return Err(ProtocolError::BadFlags { kind, flags }),
+    };
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if len as usize > MAX_BODY {
         return Err(ProtocolError::TooLarge(len));
     }
-    let crc = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
-    Ok(Header { kind, len, crc })
+    Ok(Header {
+        kind,
+        len,
+        crc,
+        sealed,
+    })
 }
 
 /// True if `b` begins a TLS record: a handshake (22) or an alert (21),
@@ -176,7 +212,8 @@ pub fn read_frame_into(r: &mut impl Read, body: &mut Vec<u8>) -> Result<Kind, Pr
 const BODY_STEP: usize = 64 << 10;
 
 /// Reads the body that `h` announced and checks its checksum (an Abort
-/// frame becomes the `Aborted` error). The buffer grows with what
+/// frame becomes the `Aborted` error; a sealed frame, which has none, is
+/// refused: only the bulk page path takes one, knowing its link). The buffer grows with what
 /// arrives, each piece at most as large as what came before it (64 KiB
 /// first): a peer that announces 32 MiB and sends nothing costs 64 KiB,
 /// not 32 MiB. A reused buffer that is large enough already is filled in
@@ -186,6 +223,9 @@ pub fn read_body_into(
     h: &Header,
     body: &mut Vec<u8>,
 ) -> Result<(), ProtocolError> {
+    if h.sealed {
+        return Err(ProtocolError::Unsealed { kind: h.kind });
+    }
     let len = h.len as usize;
     body.clear();
     while body.len() < len {
@@ -234,6 +274,7 @@ mod tests {
                     kind: Kind::Layout,
                     len: body.len() as u32,
                     crc: crate::checksum::crc32c(body),
+                    sealed: false,
                 }
             );
             let mut r = &wire[..];
@@ -507,8 +548,8 @@ mod tests {
     }
 
     #[test]
-    fn a_frame_with_any_flag_set_is_refused_from_its_header() {
-        for flags in [1u16, 0x8000, 0xffff] {
+    fn a_frame_with_a_flag_it_may_not_carry_is_refused_from_its_header() {
+        for flags in [SEALED, 2, 0x8000, 0xffff] {
             let mut wire = frame(Kind::Complete, b"");
             wire[6..8].copy_from_slice(&flags.to_le_bytes());
             let e = read_frame(&mut &wire[..]).unwrap_err();
@@ -516,16 +557,51 @@ mod tests {
                 matches!(e, ProtocolError::BadFlags { kind: Kind::Complete, flags: f } if f == flags),
                 "{e:?}"
             );
-            assert!(e.to_string().contains("must be 0"), "{e}");
-            // The header alone is refused: no body is read.
+            assert!(
+                e.to_string().contains("not flags this ferry defines"),
+                "{e}"
+            );
+        }
+        // On a Pages frame only SEALED, and only with a zero checksum field;
+        // the header alone is refused: no body is read.
+        for (flags, crc) in [(2u16, 0u32), (0x8000, 0), (0xffff, 0), (SEALED, 7)] {
             let mut wire = frame(Kind::Pages, b"");
             wire[6..8].copy_from_slice(&flags.to_le_bytes());
             wire[8..12].copy_from_slice(&(MAX_BODY as u32).to_le_bytes());
-            assert!(matches!(
-                read_header(&mut &wire[..]),
-                Err(ProtocolError::BadFlags { .. })
-            ));
+            wire[12..16].copy_from_slice(&crc.to_le_bytes());
+            assert!(
+                matches!(
+                    read_header(&mut &wire[..]),
+                    Err(ProtocolError::BadFlags { .. })
+                ),
+                "flags {flags:#x} crc {crc}"
+            );
         }
+    }
+
+    #[test]
+    fn a_sealed_pages_frame_reads_as_sealed_and_no_generic_reader_takes_it() {
+        let data = vec![9u8; PAGE];
+        let mut wire = Vec::new();
+        write_sealed_pages_frame(
+            &mut wire,
+            &1u32.to_le_bytes(),
+            &0x1000u64.to_le_bytes(),
+            &data,
+        )
+        .unwrap();
+        let h = read_header(&mut &wire[..]).unwrap();
+        assert!(h.sealed);
+        assert_eq!(
+            (h.kind, h.crc, h.len as usize),
+            (Kind::Pages, 0, 4 + 8 + PAGE)
+        );
+        // The generic body reader checks every frame: it takes no sealed one.
+        let e = read_frame(&mut &wire[..]).unwrap_err();
+        assert!(
+            matches!(e, ProtocolError::Unsealed { kind: Kind::Pages }),
+            "{e:?}"
+        );
     }
 
     #[test]

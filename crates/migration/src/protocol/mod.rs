@@ -49,7 +49,8 @@ mod version;
 pub use error::ProtocolError;
 pub use frame::{
     eof_is_truncated, read_body_into, read_frame, read_frame_into, read_header, write_frame,
-    write_frame_parts, write_pages_frame, Frame, Header, HEADER, MAGIC, MAX_BODY,
+    write_frame_parts, write_pages_frame, write_sealed_pages_frame, Frame, Header, HEADER, MAGIC,
+    MAX_BODY, SEALED,
 };
 pub use kind::Kind;
 pub use messages::{
@@ -61,5 +62,5 @@ pub use pages::{
 };
 pub use version::{
     negotiate, VERSION_CLIENTS, VERSION_MAX, VERSION_MIN, VERSION_POSTCOPY, VERSION_RESUME,
-    VERSION_SPLIT, VERSION_STORE, VERSION_TIMELINE, VERSION_TRUST,
+    VERSION_SEALED_PAGES, VERSION_SPLIT, VERSION_STORE, VERSION_TIMELINE, VERSION_TRUST,
 };

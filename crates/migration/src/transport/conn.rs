@@ -127,6 +127,11 @@ impl Conn {
         self.writer.0.get_ref().set_timeouts(t)
     }
 
+    /// True if the link seals every byte ([`ConnWriter::seals`]).
+    pub fn writer_seals(&self) -> bool {
+        self.writer.seals()
+    }
+
     /// Who the peer's certificate says it is (TLS links only).
     pub fn peer(&self) -> Option<&ferry_tls::PeerIdentity> {
         self.writer.0.get_ref().peer()
@@ -180,6 +185,13 @@ impl ConnReader {
             }
         }
         Ok(())
+    }
+
+    /// True if the link seals every byte it carries (TLS: each record has
+    /// an AEAD tag), so a sealed frame, which has no checksum of its own,
+    /// may be taken from it.
+    pub fn seals(&self) -> bool {
+        self.0.get_ref().is_tls()
     }
 
     /// True if [`read_exact_raw`](Self::read_exact_raw) fills memory by a
@@ -251,6 +263,12 @@ impl ConnWriter {
     /// only): what the link really carries, measured from its ACKs.
     pub fn delivery_rate(&self) -> Option<f64> {
         self.0.get_ref().delivery_rate()
+    }
+
+    /// True if the link seals every byte it carries (TLS): frames may go
+    /// without a checksum of their own ([`protocol::SEALED`]).
+    pub fn seals(&self) -> bool {
+        self.0.get_ref().is_tls()
     }
 
     /// True over TCP (where [`ConnWriter::delivery_rate`] can answer).

@@ -297,3 +297,27 @@ pub(super) fn poll_in(fd: RawFd, wait: Duration) -> io::Result<bool> {
     }
     Ok(r > 0)
 }
+
+/// Two ends of one loopback TLS connection, each host of a throwaway fleet
+/// made in `dir` (the engine's unit tests of what changes over TLS).
+#[cfg(test)]
+pub(crate) fn tls_pair(dir: &std::path::Path) -> (Stream, Stream) {
+    let Security::Tls(creds) = Security::local_fleet(dir).expect("a local fleet") else {
+        unreachable!("local_fleet makes TLS credentials")
+    };
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("address");
+    let server = {
+        let creds = creds.clone();
+        std::thread::spawn(move || {
+            let (tcp, _) = l.accept().expect("accept");
+            Stream::accepted_tcp(tcp, &Security::Tls(creds)).expect("server handshake")
+        })
+    };
+    let tcp = TcpStream::connect(addr).expect("connect");
+    let client = Stream::secured(tcp, &Security::Tls(creds), |c| {
+        Handshake::Client(c.client_config(), ServerName::IpAddress(addr.ip().into()))
+    })
+    .expect("client handshake");
+    (client, server.join().expect("server thread"))
+}
