@@ -506,7 +506,9 @@ fn memserver_on_h3(port: u16) -> Reaper {
 /// `ferry migrate --mode split --registry R` with no --main, --sub or
 /// --main-budget finds them; the main host's entry goes once its VM came.
 /// Once with the embedded registry (a directory the namespaces share), once
-/// with a real etcd started here, in ferry-h3.
+/// with a real etcd started here, in ferry-h3, over mutual TLS with client
+/// certificates (each host speaks with its lab certificate; a plaintext
+/// client is refused).
 #[test]
 fn split_placed_by_the_registry_embedded_and_etcd() {
     let Some(_lab) = split_lab() else { return };
@@ -522,29 +524,49 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
             "SKIP (etcd half): no etcd binary (apt install etcd-server; scripts/setup.sh does)"
         ),
         Some(etcd) => {
-            let url = |p: u16| format!("http://10.77.0.3:{p}");
+            // etcd over mutual TLS (issue 32): its certificate from the lab
+            // CA, and only clients with a lab host's certificate served.
+            let tls = dir.join("etcd-tls");
+            pki(&[
+                "issue",
+                "etcd-lab",
+                "--dir",
+                "/run/ferry-lab/ca",
+                "--out",
+                tls.to_str().unwrap(),
+                "--san",
+                "10.77.0.3",
+            ]);
+            let file = |f: &str| tls.join(f).to_str().unwrap().to_string();
             let data = dir.join("etcd");
             let c = Command::new("ip")
                 .args(["netns", "exec", "ferry-h3", etcd, "--name", "lab"])
                 .args(["--data-dir", data.to_str().unwrap()])
                 .args([
                     "--listen-client-urls",
-                    &url(2379),
+                    "https://10.77.0.3:2379",
                     "--advertise-client-urls",
-                    &url(2379),
+                    "https://10.77.0.3:2379",
                 ])
                 .args([
                     "--listen-peer-urls",
-                    &url(2380),
+                    "http://10.77.0.3:2380",
                     "--initial-advertise-peer-urls",
-                    &url(2380),
+                    "http://10.77.0.3:2380",
                 ])
-                .args(["--initial-cluster", &format!("lab={}", url(2380))])
+                .args(["--initial-cluster", "lab=http://10.77.0.3:2380"])
+                .args([
+                    "--cert-file",
+                    &file("cert.pem"),
+                    "--key-file",
+                    &file("key.pem"),
+                ])
+                .args(["--trusted-ca-file", &file("ca.pem"), "--client-cert-auth"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap();
-            registries.push(("etcd://10.77.0.3:2379".into(), Some(Reaper(Some(c)))));
+            registries.push(("etcds://10.77.0.3:2379".into(), Some(Reaper(Some(c)))));
         }
     }
     let hosts = |r: &str| -> Vec<serde_json::Value> {
@@ -694,6 +716,20 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
             left.iter().all(|h| h["kind"] != "vmm"),
             "{registry}: {left:?}"
         );
+        if registry.starts_with("etcds://") {
+            // What the fleet wrote is not for plaintext clients.
+            let o = in_host(
+                "ferry-h1",
+                &["hosts", "--registry", "etcd://10.77.0.3:2379", "--json"],
+            )
+            .output()
+            .unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                !o.status.success() && err.contains("etcds://"),
+                "a plaintext client of the TLS etcd: {err}"
+            );
+        }
         drop(servers);
     }
 }
@@ -778,6 +814,23 @@ fn a_split_vm_is_gathered_back_to_one_host() {
         "{}",
         String::from_utf8_lossy(&split.stderr)
     );
+    // Issue 32: a stranger - a fleet host with a valid certificate, but not
+    // the VM's owner - that learnt the VM's id cannot open its stores on
+    // either server, so it can neither read nor write its pages; the
+    // servers go on serving the owner (the gather below takes every page
+    // back through them and verifies).
+    let vm_id = json(&split.stdout)["split"]["vm"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for port in [7650u16, 7651] {
+        let id = vm_id.clone();
+        let refused = in_netns("ferry-h1", move || stranger_opens(port, &id));
+        assert!(
+            refused.contains(&format!("not the owner of VM {vm_id}")),
+            "{refused}"
+        );
+    }
     std::thread::sleep(Duration::from_secs(1));
     let paged = status_in("ferry-h2", &main_sock)["split"]["page_ins"]
         .as_u64()
@@ -818,6 +871,28 @@ fn a_split_vm_is_gathered_back_to_one_host() {
         assert!(a > b, "workload {i} ran on after the gather: {b} -> {a}");
     }
     drop(src);
+}
+
+/// What the memory server on ferry-h3 at `port` answers a fleet host
+/// (this thread's namespace, with ferry-h1's certificate) that opens VM
+/// `vm`'s store without its owner's secret, to read or write it: the
+/// error, as its client reports it.
+fn stranger_opens(port: u16, vm: &str) -> String {
+    use ferry_migration::memserver::{StoreClient, StoreOpen, StoreSecret};
+    use ferry_migration::transport::{install, Security};
+    let h1 = std::path::Path::new("/etc/netns/ferry-h1/ferry/tls");
+    install(Security::Tls(ferry_tls::Credentials::load(h1).unwrap()));
+    let at: ferry_migration::Endpoint = format!("tcp:10.77.0.3:{port}").parse().unwrap();
+    let open = StoreOpen {
+        vm: vm.into(),
+        regions: vec![(0, 128 << 20)],
+        reserve_pages: 0,
+        secret: StoreSecret::random().unwrap(),
+    };
+    match StoreClient::open(&at, Duration::from_secs(5), &open) {
+        Ok(_) => "the stranger's open was taken".into(),
+        Err(e) => e.to_string(),
+    }
 }
 
 /// A memory server is killed under a split VM that pages all the time

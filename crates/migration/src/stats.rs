@@ -102,6 +102,10 @@ pub struct GatherStats {
 /// How a split migration shared the VM's memory out.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SplitStats {
+    /// The VM's id on the memory servers (what `ferry memserver` lists; not
+    /// a secret: each server's store is bound to a secret only the main
+    /// host holds).
+    pub vm: String,
     /// Pages per chunk.
     pub chunk_pages: u32,
     /// Chunks in all.

@@ -107,7 +107,7 @@ impl Router {
         }
         let main_chunks = places.iter().filter(|&&p| p == ON_MAIN).count() as u64;
         let plan = SplitPlan {
-            vm: vm_id,
+            vm: vm_id.clone(),
             chunk_pages: sp.chunk_pages,
             servers: sp.subs.clone(),
             places: places.clone(),
@@ -128,6 +128,7 @@ impl Router {
             ),
         );
         let stats = SplitStats {
+            vm: vm_id,
             chunk_pages: sp.chunk_pages,
             chunks: map.chunks() as u64,
             main_chunks,
