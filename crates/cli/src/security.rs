@@ -62,3 +62,67 @@ pub fn credentials_for_registry(
     })?;
     Ok(Some(c))
 }
+
+/// True if this process was started with `--insecure` (or its variable).
+fn insecure_chosen() -> bool {
+    std::env::var(INSECURE_ENV).is_ok_and(|v| v == "1")
+}
+
+/// The credentials a metrics endpoint at `at` serves with: none on a
+/// loopback address (only this host reaches it); on any other, this host's,
+/// so that only fleet scrapers read the VM's figures; plaintext there only
+/// with `--insecure`, which warns.
+pub fn credentials_for_metrics(
+    at: std::net::SocketAddr,
+) -> anyhow::Result<Option<std::sync::Arc<Credentials>>> {
+    metrics_tls(at, transport::credentials(), insecure_chosen())
+}
+
+fn metrics_tls(
+    at: std::net::SocketAddr,
+    creds: Option<std::sync::Arc<Credentials>>,
+    insecure: bool,
+) -> anyhow::Result<Option<std::sync::Arc<Credentials>>> {
+    if at.ip().is_loopback() {
+        return Ok(None);
+    }
+    if let Some(c) = creds {
+        return Ok(Some(c));
+    }
+    if insecure {
+        tracing::warn!(
+            "--insecure: the metrics endpoint on {at} is PLAINTEXT HTTP: anyone who reaches it \
+             reads the VM's figures"
+        );
+        return Ok(None);
+    }
+    anyhow::bail!(
+        "metrics on {at}, not a loopback address, are served over mutual TLS with this host's \
+         fleet certificate, and none was found in {} (ferry pki issue; --tls-dir); bind them to \
+         127.0.0.1, or run with --insecure for plaintext",
+        tls_dir(None).display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_speak_tls_off_loopback_and_plaintext_there_only_with_insecure() {
+        let local = "127.0.0.1:9100".parse().unwrap();
+        let wide = "10.77.0.1:9100".parse().unwrap();
+        let dir = std::env::temp_dir().join(format!("ferry-metrics-tls-{}", std::process::id()));
+        let host = ferry_tls::pki::local_fleet(&dir, "h").unwrap();
+        let creds = Credentials::load(&host).unwrap();
+        assert!(metrics_tls(local, Some(creds.clone()), false)
+            .unwrap()
+            .is_none());
+        assert!(metrics_tls(local, None, false).unwrap().is_none());
+        assert!(metrics_tls(wide, Some(creds), false).unwrap().is_some());
+        assert!(metrics_tls(wide, None, true).unwrap().is_none());
+        let e = metrics_tls(wide, None, false).unwrap_err().to_string();
+        assert!(e.contains("127.0.0.1") && e.contains("--insecure"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

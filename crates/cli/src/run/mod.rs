@@ -127,10 +127,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     }
 
     if let Some(at) = args.metrics {
-        let got = ferry_vmm::exporter::serve(&vm, at)
+        let tls = crate::security::credentials_for_metrics(at)?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let got = ferry_vmm::exporter::serve(&vm, at, tls)
             .with_context(|| format!("cannot serve metrics on {at}"))?;
         if !quiet {
-            eprintln!("ferry: metrics at http://{got}/metrics");
+            eprintln!("ferry: metrics at {scheme}://{got}/metrics");
         }
     }
     if args.prealloc {

@@ -5,13 +5,18 @@
 //! client never holds up a scrape; a request head is read up to
 //! [`Limits::head_bytes`] (431 past it) and within [`Limits::deadline`]
 //! (408 past it), so no client can make the endpoint buffer or wait
-//! without bound.
+//! without bound. Given a host's fleet credentials it speaks HTTPS with
+//! mutual TLS: only a client with a certificate from the fleet's CA (a
+//! scraper's, from `ferry pki issue`) gets an answer; its handshake runs
+//! on its own thread within the same deadline.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use ferry_tls::{Credentials, Handshake, TlsSocket};
 
 /// What the endpoint grants one client.
 #[derive(Clone, Debug)]
@@ -50,10 +55,11 @@ pub enum HeadError {
 
 /// Serves `page` (None once there is nothing to serve any more: the VM is
 /// gone, and the endpoint stops after answering so) on `listener`, from a
-/// thread of its own.
+/// thread of its own; over mutual TLS with `tls`'s certificate when given.
 pub fn serve(
     listener: TcpListener,
     limits: Limits,
+    tls: Option<Arc<Credentials>>,
     page: impl Fn() -> Option<String> + Send + Sync + 'static,
 ) -> io::Result<()> {
     let page = Arc::new(page);
@@ -74,15 +80,29 @@ pub fn serve(
                 let taken = busy.fetch_add(1, Ordering::AcqRel);
                 if taken >= limits.max_clients {
                     busy.fetch_sub(1, Ordering::AcqRel);
-                    turn_away(conn);
+                    // A TLS client could not read a plain answer: it is
+                    // only closed.
+                    if tls.is_none() {
+                        turn_away(conn);
+                    }
                     continue;
                 }
-                let (page, gone, mine, limits) =
-                    (page.clone(), gone.clone(), busy.clone(), limits.clone());
+                let (page, gone, mine, limits, tls) = (
+                    page.clone(),
+                    gone.clone(),
+                    busy.clone(),
+                    limits.clone(),
+                    tls.clone(),
+                );
                 let spawned = std::thread::Builder::new()
                     .name("metrics-client".into())
                     .spawn(move || {
-                        let _ = answer(conn, &limits, &*page, &gone);
+                        match Client::accept(conn, tls.as_deref(), limits.deadline) {
+                            Ok(client) => {
+                                let _ = answer(client, &limits, &*page, &gone);
+                            }
+                            Err(e) => tracing::debug!("metrics: a client's handshake failed: {e}"),
+                        }
                         mine.fetch_sub(1, Ordering::AcqRel);
                     });
                 if spawned.is_err() {
@@ -107,9 +127,57 @@ fn turn_away(mut conn: TcpStream) {
     let _ = conn.shutdown(Shutdown::Write);
 }
 
-/// Reads from a socket until `at`, then fails with TimedOut.
+/// One scraper's connection: plain HTTP, or HTTPS after a mutual TLS
+/// handshake.
+enum Client {
+    Plain(TcpStream),
+    Tls(TlsSocket),
+}
+
+impl Client {
+    /// `conn` as the endpoint speaks: with `tls`, after a handshake that
+    /// must end within `deadline` and present a fleet certificate.
+    fn accept(conn: TcpStream, tls: Option<&Credentials>, deadline: Duration) -> io::Result<Self> {
+        match tls {
+            None => Ok(Client::Plain(conn)),
+            Some(c) => TlsSocket::handshake(conn, Handshake::Server(c.server_config()), deadline)
+                .map(Client::Tls)
+                .map_err(io::Error::other),
+        }
+    }
+
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Client::Plain(s) => s,
+            Client::Tls(t) => t.tcp(),
+        }
+    }
+}
+
+impl Read for Client {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Client::Plain(s) => s.read(buf),
+            Client::Tls(t) => t.read(buf),
+        }
+    }
+}
+
+impl Write for Client {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Client::Plain(s) => s.write(buf),
+            Client::Tls(t) => t.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Reads from a client until `at`, then fails with TimedOut.
 struct Until<'a> {
-    s: &'a TcpStream,
+    c: &'a mut Client,
     at: Instant,
 }
 
@@ -119,8 +187,8 @@ impl Read for Until<'_> {
         if left.is_zero() {
             return Err(io::ErrorKind::TimedOut.into());
         }
-        self.s.set_read_timeout(Some(left))?;
-        (&*self.s).read(buf)
+        self.c.tcp().set_read_timeout(Some(left))?;
+        self.c.read(buf)
     }
 }
 
@@ -155,14 +223,14 @@ pub fn read_head(r: &mut impl Read, max: usize) -> Result<String, HeadError> {
 }
 
 fn answer(
-    mut conn: TcpStream,
+    mut conn: Client,
     limits: &Limits,
     page: &dyn Fn() -> Option<String>,
     gone: &AtomicBool,
 ) -> io::Result<()> {
     let at = Instant::now() + limits.deadline;
-    conn.set_write_timeout(Some(limits.deadline))?;
-    let head = read_head(&mut Until { s: &conn, at }, limits.head_bytes);
+    conn.tcp().set_write_timeout(Some(limits.deadline))?;
+    let head = read_head(&mut Until { c: &mut conn, at }, limits.head_bytes);
     let request = match head {
         Ok(line) => line,
         Err(HeadError::TooLarge(n)) => {
@@ -198,7 +266,7 @@ fn answer(
     close(conn)
 }
 
-fn respond(conn: &mut TcpStream, status: &str, body: &str) -> io::Result<()> {
+fn respond(conn: &mut impl Write, status: &str, body: &str) -> io::Result<()> {
     write!(
         conn,
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -206,14 +274,19 @@ fn respond(conn: &mut TcpStream, status: &str, body: &str) -> io::Result<()> {
     )
 }
 
-/// Ends the answer; what the client still sends is read (briefly) and
-/// dropped, so closing does not reset the connection under the answer.
-fn close(conn: TcpStream) -> io::Result<()> {
-    conn.shutdown(Shutdown::Write)?;
-    conn.set_read_timeout(Some(Duration::from_millis(200)))?;
+/// Ends the answer (a TLS client is told close_notify first); what the
+/// client still sends is read (briefly) and dropped, so closing does not
+/// reset the connection under the answer.
+fn close(mut conn: Client) -> io::Result<()> {
+    if let Client::Tls(t) = &conn {
+        t.close_notify();
+    }
+    conn.tcp().shutdown(Shutdown::Write)?;
+    conn.tcp()
+        .set_read_timeout(Some(Duration::from_millis(200)))?;
     let mut sink = [0u8; 4096];
     let mut left = 64usize;
-    while left > 0 && matches!((&conn).read(&mut sink), Ok(n) if n > 0) {
+    while left > 0 && matches!(conn.read(&mut sink), Ok(n) if n > 0) {
         left -= 1;
     }
     Ok(())
@@ -228,7 +301,7 @@ mod tests {
     fn endpoint(limits: Limits) -> std::net::SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap();
-        serve(l, limits, || Some("ferry_up 1\n".to_string())).unwrap();
+        serve(l, limits, None, || Some("ferry_up 1\n".to_string())).unwrap();
         at
     }
 
@@ -344,5 +417,57 @@ mod tests {
             let _ = s.read_to_string(&mut text);
             assert!(text.starts_with(want), "{text:?}");
         }
+    }
+
+    /// A scrape over mutual TLS with the certificate in `client` (a host
+    /// directory of `ferry pki`): the status line, or why it failed.
+    fn scrape_tls(at: std::net::SocketAddr, client: &std::path::Path) -> Result<String, String> {
+        use ferry_tls::rustls::pki_types::ServerName;
+        let creds = Credentials::load(client).map_err(|e| e.to_string())?;
+        let tcp = TcpStream::connect(at).map_err(|e| e.to_string())?;
+        let side = Handshake::Client(creds.client_config(), ServerName::IpAddress(at.ip().into()));
+        let mut t =
+            TlsSocket::handshake(tcp, side, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        t.tcp()
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        t.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .map_err(|e| e.to_string())?;
+        let mut text = String::new();
+        t.read_to_string(&mut text).map_err(|e| e.to_string())?;
+        Ok(text.lines().next().unwrap_or("").to_string())
+    }
+
+    #[test]
+    fn over_tls_only_a_fleet_scraper_reads_the_figures() {
+        let dir = std::env::temp_dir().join(format!("ferry-metrics-{}", std::process::id()));
+        let host = ferry_tls::pki::local_fleet(&dir, "vmm-host").unwrap();
+        let scraper = dir.join("scraper");
+        ferry_tls::pki::issue(
+            &dir.join("ca"),
+            "scraper",
+            &scraper,
+            &[],
+            ferry_tls::pki::Validity::days(1),
+        )
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let tls = Some(Credentials::load(&host).unwrap());
+        serve(l, Limits::default(), tls, || {
+            Some("ferry_up 1\n".to_string())
+        })
+        .unwrap();
+        assert_eq!(scrape_tls(at, &scraper).unwrap(), "HTTP/1.1 200 OK");
+        // Plain HTTP gets no answer at all.
+        let (status, _) = scrape(at);
+        assert!(!status.starts_with("HTTP/"), "{status}");
+        // A scraper of another fleet is refused in the handshake.
+        let other = ferry_tls::pki::local_fleet(&dir.join("other"), "scraper").unwrap();
+        let e = scrape_tls(at, &other).unwrap_err();
+        assert!(e.contains("not from") || e.contains("refused"), "{e}");
+        // And the endpoint still serves its own.
+        assert_eq!(scrape_tls(at, &scraper).unwrap(), "HTTP/1.1 200 OK");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

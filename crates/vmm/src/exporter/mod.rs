@@ -16,14 +16,19 @@ use ferry_migration::telemetry::LivePhase;
 
 use crate::vm::Vm;
 
-/// Serves `GET /metrics` for `vm` on `addr` until the VM is gone; returns
-/// the address it listens on (port 0 picks one).
-pub fn serve(vm: &Arc<Vm>, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+/// Serves `GET /metrics` for `vm` on `addr` until the VM is gone, over
+/// mutual TLS with `tls`'s certificate if given; returns the address it
+/// listens on (port 0 picks one).
+pub fn serve(
+    vm: &Arc<Vm>,
+    addr: SocketAddr,
+    tls: Option<Arc<ferry_tls::Credentials>>,
+) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
     let vm = Arc::downgrade(vm);
     let rate: RateMark = Mutex::new(None);
-    http::serve(listener, http::Limits::default(), move || {
+    http::serve(listener, http::Limits::default(), tls, move || {
         vm.upgrade().map(|vm| render(&vm, &rate))
     })?;
     Ok(local)
