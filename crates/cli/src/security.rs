@@ -121,7 +121,10 @@ mod tests {
         assert!(metrics_tls(local, None, false).unwrap().is_none());
         assert!(metrics_tls(wide, Some(creds), false).unwrap().is_some());
         assert!(metrics_tls(wide, None, true).unwrap().is_none());
-        let e = metrics_tls(wide, None, false).unwrap_err().to_string();
+        let Err(e) = metrics_tls(wide, None, false) else {
+            panic!("plaintext metrics off loopback without --insecure")
+        };
+        let e = e.to_string();
         assert!(e.contains("127.0.0.1") && e.contains("--insecure"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
