@@ -100,6 +100,7 @@ pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
             addr: at.clone(),
             capacity: a.capacity,
             free: a.capacity,
+            agent: None,
         };
         let where_ = registry.describe();
         Some((Advertisement::start(registry, entry, DEFAULT_TTL)?, where_))

@@ -154,6 +154,7 @@ mod tests {
             addr: "10.0.0.1:7000".into(),
             capacity: 1 << 30,
             free,
+            agent: None,
         }
     }
 

@@ -3,7 +3,8 @@
 //! Every host that can take part in a split migration advertises itself
 //! here: a waiting destination VMM (a candidate main host, with the memory
 //! it may give the VM) or a memory server (a sub-host, with its free
-//! capacity). An advertisement lives only as long as its owner keeps it
+//! capacity); and every host of a fleet through its agent (`ferry agent`:
+//! the memory and vCPUs it offers VMs, and its link). An advertisement lives only as long as its owner keeps it
 //! alive, so a dead host disappears by itself.
 //!
 //! - [`embedded`]: one machine (the default): a directory of JSON files,
@@ -34,6 +35,9 @@ pub enum HostKind {
     Vmm,
     /// A memory server: a candidate sub-host.
     Memserver,
+    /// A host's agent (`ferry agent`): where fleet operations start, stop
+    /// and move its VMs.
+    Agent,
 }
 
 impl std::fmt::Display for HostKind {
@@ -41,6 +45,7 @@ impl std::fmt::Display for HostKind {
         f.write_str(match self {
             HostKind::Vmm => "vmm",
             HostKind::Memserver => "memserver",
+            HostKind::Agent => "agent",
         })
     }
 }
@@ -59,6 +64,22 @@ pub struct HostEntry {
     pub capacity: u64,
     /// Bytes of that still free.
     pub free: u64,
+    /// What an agent offers besides memory (agents only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentOffer>,
+}
+
+/// What a host's agent offers VMs, besides memory.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgentOffer {
+    /// vCPUs it may run in all.
+    pub vcpus: u32,
+    /// vCPUs still free.
+    pub free_vcpus: u32,
+    /// Its link's speed (bits/s; 0: unknown).
+    pub link_bps: u64,
+    /// VMs it runs.
+    pub vms: u32,
 }
 
 /// Why the registry could not be used.
@@ -182,8 +203,13 @@ impl Advertisement {
 
     /// Changes what is advertised (free memory went down or up).
     pub fn update(&self, free: u64) -> Result<(), RegistryError> {
+        self.update_with(|e| e.free = free)
+    }
+
+    /// Changes what is advertised as `change` says, and publishes it.
+    pub fn update_with(&self, change: impl FnOnce(&mut HostEntry)) -> Result<(), RegistryError> {
         let mut e = self.entry.lock().unwrap_or_else(|p| p.into_inner());
-        e.free = free;
+        change(&mut e);
         self.registry.advertise(&e, self.ttl)
     }
 }

@@ -146,6 +146,7 @@ mod tests {
             addr: format!("{name}:1"),
             capacity: free_mib * MIB,
             free: free_mib * MIB,
+            agent: None,
         }
     }
 

@@ -53,6 +53,7 @@ fn entry(name: &str) -> HostEntry {
         addr: "10.0.0.9:7000".into(),
         capacity: 1 << 30,
         free: 1 << 29,
+        agent: None,
     }
 }
 

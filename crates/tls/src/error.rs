@@ -54,6 +54,14 @@ pub enum TlsError {
         /// Why, in words.
         reason: String,
     },
+    /// The peer could not be reached at all.
+    #[error("cannot connect to {peer}: {source}")]
+    Connect {
+        /// The peer's address.
+        peer: String,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The peer closed the connection before sending a byte: a port probe
     /// or a health check, not worth a warning.
     #[error("{peer} closed the connection without a word")]

@@ -9,11 +9,14 @@
 //! - [`TlsSocket`] is a TCP connection after a mutual handshake, shared by
 //!   a reading and a writing thread (ferry's connections have one of each).
 //! - [`PeerIdentity`] is what the other end's certificate says it is.
+//! - [`Connection`] is a TCP connection that is plain or mutual TLS, for
+//!   the small request/answer services between hosts.
 //! - [`record`] seals and opens the records after the handshake (public
 //!   for the fuzzer: it reads a peer's bytes).
 //!
 //! Only TLS 1.3 with the ring provider: ferry's two ends are ferry.
 
+mod connection;
 mod credentials;
 mod error;
 mod handshake;
@@ -23,6 +26,7 @@ pub mod record;
 mod socket;
 mod sys;
 
+pub use connection::Connection;
 pub use credentials::{default_dir, Credentials, CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_ENV};
 pub use error::TlsError;
 pub use peer::PeerIdentity;

@@ -59,6 +59,7 @@ pub(super) fn receive(
             addr,
             capacity: offer,
             free: offer,
+            agent: None,
         };
         Some(ferry_registry::Advertisement::start(
             registry,

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_tls::{Credentials, Handshake, TlsSocket};
+use ferry_tls::{Connection as Client, Credentials};
 
 /// What the endpoint grants one client.
 #[derive(Clone, Debug)]
@@ -97,6 +97,7 @@ pub fn serve(
                 let spawned = std::thread::Builder::new()
                     .name("metrics-client".into())
                     .spawn(move || {
+                        // A scraper's handshake, on its own thread.
                         match Client::accept(conn, tls.as_deref(), limits.deadline) {
                             Ok(client) => {
                                 let _ = answer(client, &limits, &*page, &gone);
@@ -125,54 +126,6 @@ fn turn_away(mut conn: TcpStream) {
         "too many scrapes at once\n",
     );
     let _ = conn.shutdown(Shutdown::Write);
-}
-
-/// One scraper's connection: plain HTTP, or HTTPS after a mutual TLS
-/// handshake.
-enum Client {
-    Plain(TcpStream),
-    Tls(TlsSocket),
-}
-
-impl Client {
-    /// `conn` as the endpoint speaks: with `tls`, after a handshake that
-    /// must end within `deadline` and present a fleet certificate.
-    fn accept(conn: TcpStream, tls: Option<&Credentials>, deadline: Duration) -> io::Result<Self> {
-        match tls {
-            None => Ok(Client::Plain(conn)),
-            Some(c) => TlsSocket::handshake(conn, Handshake::Server(c.server_config()), deadline)
-                .map(Client::Tls)
-                .map_err(io::Error::other),
-        }
-    }
-
-    fn tcp(&self) -> &TcpStream {
-        match self {
-            Client::Plain(s) => s,
-            Client::Tls(t) => t.tcp(),
-        }
-    }
-}
-
-impl Read for Client {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Client::Plain(s) => s.read(buf),
-            Client::Tls(t) => t.read(buf),
-        }
-    }
-}
-
-impl Write for Client {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Client::Plain(s) => s.write(buf),
-            Client::Tls(t) => t.write(buf),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
 }
 
 /// Reads from a client until `at`, then fails with TimedOut.
@@ -278,10 +231,7 @@ fn respond(conn: &mut impl Write, status: &str, body: &str) -> io::Result<()> {
 /// client still sends is read (briefly) and dropped, so closing does not
 /// reset the connection under the answer.
 fn close(mut conn: Client) -> io::Result<()> {
-    if let Client::Tls(t) = &conn {
-        t.close_notify();
-    }
-    conn.tcp().shutdown(Shutdown::Write)?;
+    conn.finish()?;
     conn.tcp()
         .set_read_timeout(Some(Duration::from_millis(200)))?;
     let mut sink = [0u8; 4096];
@@ -422,12 +372,9 @@ mod tests {
     /// A scrape over mutual TLS with the certificate in `client` (a host
     /// directory of `ferry pki`): the status line, or why it failed.
     fn scrape_tls(at: std::net::SocketAddr, client: &std::path::Path) -> Result<String, String> {
-        use ferry_tls::rustls::pki_types::ServerName;
         let creds = Credentials::load(client).map_err(|e| e.to_string())?;
-        let tcp = TcpStream::connect(at).map_err(|e| e.to_string())?;
-        let side = Handshake::Client(creds.client_config(), ServerName::IpAddress(at.ip().into()));
         let mut t =
-            TlsSocket::handshake(tcp, side, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+            Client::connect(at, Some(&creds), Duration::from_secs(5)).map_err(|e| e.to_string())?;
         t.tcp()
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
