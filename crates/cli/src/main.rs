@@ -2,6 +2,7 @@
 
 mod bench;
 mod delay;
+mod fleet;
 mod format;
 mod handover;
 mod lab;
@@ -69,6 +70,18 @@ enum Command {
     /// Test hosts as network namespaces (for migrations across a real network).
     #[command(subcommand)]
     Lab(lab::LabCommand),
+    /// Run this host's agent: registers the host, starts, adopts and moves
+    /// its VMs for the fleet (docs/agent.md).
+    Agent(fleet::AgentArgs),
+    /// The fleet's VMs: start one on a host, list them, stop one.
+    #[command(subcommand)]
+    Vm(fleet::VmCommand),
+    /// Move every VM off a host (to the others, by the registry), within
+    /// limits, and never lose one.
+    Drain(fleet::DrainArgs),
+    /// Hand every VM of a host to a fresh VMM process (a new ferry binary),
+    /// copying no guest memory.
+    Upgrade(fleet::UpgradeArgs),
     /// Show a running VM's state through its control socket.
     Status {
         /// The VM's control socket (printed by `ferry run`).
@@ -122,6 +135,10 @@ fn main() -> ExitCode {
         Command::Handover(args) => handover::handover(args),
         Command::Memserver(args) => memserver::memserver(args),
         Command::Hosts(args) => memserver::hosts(args),
+        Command::Agent(args) => fleet::agent(args),
+        Command::Vm(cmd) => fleet::vm(cmd),
+        Command::Drain(args) => fleet::drain(args),
+        Command::Upgrade(args) => fleet::upgrade(args),
         Command::Status {
             socket,
             json,

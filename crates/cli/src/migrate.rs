@@ -218,7 +218,7 @@ fn parse_mem_size(s: &str) -> Result<u64, String> {
 }
 
 /// Parses `100M` (bytes/s) or `1gbit` (bits/s) into bytes per second.
-fn parse_rate(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
     let lower = s.trim().to_ascii_lowercase();
     let bytes = match lower.strip_suffix("bit") {
         Some(bits) => ferry_vmm::boot::layout::parse_size(bits).map(|b| {

@@ -63,6 +63,25 @@ pub fn credentials_for_registry(
     Ok(Some(c))
 }
 
+/// The credentials this host speaks to the fleet's agents with (and serves
+/// as an agent with): its own, or None with `--insecure`; an error that
+/// says where they were looked for if it has none.
+pub fn fleet_credentials() -> anyhow::Result<Option<std::sync::Arc<Credentials>>> {
+    if let Some(c) = transport::credentials() {
+        return Ok(Some(c));
+    }
+    if insecure_chosen() {
+        return Ok(None);
+    }
+    let dir = tls_dir(None);
+    match Credentials::load(&dir) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) => Err(anyhow::anyhow!(
+            "the fleet's agents speak mutual TLS and this host has no credentials: {e}"
+        )),
+    }
+}
+
 /// True if this process was started with `--insecure` (or its variable).
 fn insecure_chosen() -> bool {
     std::env::var(INSECURE_ENV).is_ok_and(|v| v == "1")

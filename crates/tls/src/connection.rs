@@ -45,9 +45,9 @@ impl Connection {
         tls: Option<&Credentials>,
         timeout: Duration,
     ) -> Result<Self, TlsError> {
-        let tcp = TcpStream::connect_timeout(&at, timeout).map_err(|source| TlsError::Connect {
+        let tcp = TcpStream::connect_timeout(&at, timeout).map_err(|error| TlsError::Connect {
             peer: at.to_string(),
-            source,
+            error,
         })?;
         let _ = tcp.set_nodelay(true);
         match tls {

@@ -55,12 +55,12 @@ pub enum TlsError {
         reason: String,
     },
     /// The peer could not be reached at all.
-    #[error("cannot connect to {peer}: {source}")]
+    #[error("cannot connect to {peer}: {error}")]
     Connect {
         /// The peer's address.
         peer: String,
         /// Why.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The peer closed the connection before sending a byte: a port probe
     /// or a health check, not worth a warning.

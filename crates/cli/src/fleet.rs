@@ -1,0 +1,566 @@
+//! The fleet commands: `ferry agent` (one per host), `ferry vm
+//! start|list|stop`, `ferry drain HOST` and `ferry upgrade HOST`. Each finds
+//! the fleet through the registry (embedded by default) and speaks to the
+//! agents over mutual TLS with this host's credentials (docs/agent.md).
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use ferry_fleet::agent::{Agent, AgentOptions};
+use ferry_fleet::drain::{self, DrainOptions, MoveReport, MoveState};
+use ferry_fleet::fleet::Fleet;
+use ferry_fleet::{Request, VmSpec};
+use ferry_migration::Mode;
+use ferry_vmm::boot::layout::parse_size;
+use serde_json::json;
+
+use crate::format;
+
+fn parse_mem(s: &str) -> Result<u64, String> {
+    parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 4G)"))
+}
+
+/// `ferry agent`.
+#[derive(clap::Args)]
+pub struct AgentArgs {
+    /// This host's name: its certificate's (peers name it as a VM's source).
+    #[arg(long)]
+    name: String,
+    /// Where to listen (HOST:PORT, an address other hosts reach: VMs
+    /// arriving here listen on the same address).
+    #[arg(long)]
+    listen: std::net::SocketAddr,
+    /// The host registry: etcds://HOST:PORT (TLS), etcd://HOST:PORT, or
+    /// dir:PATH; default: the embedded one on this machine.
+    #[arg(long)]
+    registry: Option<String>,
+    /// Guest RAM offered to VMs in all (default: three quarters of this
+    /// machine's memory).
+    #[arg(long, value_parser = parse_mem)]
+    mem: Option<u64>,
+    /// vCPUs offered to VMs in all (default: 4 per CPU; the test guest's
+    /// vCPUs idle in `hlt`).
+    #[arg(long)]
+    vcpus: Option<u32>,
+    /// This host's link speed, for planning (e.g. 1gbit, 100M bytes/s).
+    #[arg(long, value_parser = crate::migrate::parse_rate)]
+    link: Option<u64>,
+    /// Where its VMs' records, control sockets and logs go (default:
+    /// /run/ferry/agent/NAME).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Print JSON for machines (one line when ready).
+    #[arg(long)]
+    json: bool,
+}
+
+/// `ferry vm`.
+#[derive(clap::Subcommand)]
+pub enum VmCommand {
+    /// Start a VM on a host of the fleet.
+    Start(VmStartArgs),
+    /// List the fleet's VMs, host by host.
+    List(RegistryArgs),
+    /// Stop a VM wherever it runs.
+    Stop(VmStopArgs),
+}
+
+/// Where the fleet is.
+#[derive(clap::Args)]
+pub struct RegistryArgs {
+    /// The host registry (default: the embedded one on this machine).
+    #[arg(long)]
+    registry: Option<String>,
+    /// Print JSON for machines.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `ferry vm start`.
+#[derive(clap::Args)]
+pub struct VmStartArgs {
+    /// The VM's name, unique in the fleet.
+    name: String,
+    /// The host to run it on.
+    #[arg(long)]
+    host: String,
+    /// Guest RAM.
+    #[arg(long, default_value = "512M", value_parser = parse_mem)]
+    mem: u64,
+    /// vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u32,
+    /// What the guest runs (`ferry run --help` lists the workloads).
+    #[arg(long, default_value = "idle")]
+    workload: String,
+    /// The VM's own address: its clients follow it when it moves.
+    #[arg(long)]
+    vm_address: Option<std::net::Ipv4Addr>,
+    /// Where its service listens (HOST:PORT).
+    #[arg(long)]
+    serve: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    fleet: RegistryArgs,
+}
+
+/// `ferry vm stop`.
+#[derive(clap::Args)]
+pub struct VmStopArgs {
+    /// The VM.
+    name: String,
+    #[command(flatten)]
+    fleet: RegistryArgs,
+}
+
+/// `ferry drain`.
+#[derive(clap::Args)]
+pub struct DrainArgs {
+    /// The host to empty.
+    host: String,
+    /// Print the plan and move nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Moves out of the host, and into any one host, at once.
+    #[arg(long, default_value_t = 2)]
+    per_host: usize,
+    /// Moves in the whole fleet at once.
+    #[arg(long, default_value_t = 5)]
+    in_fleet: usize,
+    /// One mode for every VM (default: hybrid for each: precopy, then
+    /// postcopy if its rounds do not converge).
+    #[arg(long, value_parser = ["precopy", "postcopy", "hybrid"])]
+    mode: Option<String>,
+    /// Compare every page's hash at the end of each move.
+    #[arg(long)]
+    verify: bool,
+    /// Other hosts a VM is tried on after a failed move.
+    #[arg(long, default_value_t = 2)]
+    retries: usize,
+    #[command(flatten)]
+    fleet: RegistryArgs,
+}
+
+/// `ferry upgrade`.
+#[derive(clap::Args)]
+pub struct UpgradeArgs {
+    /// The host whose VMs get new VMM processes.
+    host: String,
+    /// The ferry binary the new processes run (default: the agent's own).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+    #[command(flatten)]
+    fleet: RegistryArgs,
+}
+
+fn open_fleet(registry: Option<&str>) -> Result<Fleet> {
+    let reg = ferry_registry::open(
+        registry,
+        crate::security::credentials_for_registry(registry)?,
+    )?;
+    Ok(Fleet::new(reg, crate::security::fleet_credentials()?))
+}
+
+fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    Ok(stop)
+}
+
+/// Runs this host's agent until Ctrl-C or SIGTERM (its VMs run on).
+pub fn agent(a: AgentArgs) -> Result<ExitCode> {
+    ferry_fleet::api::check_name(&a.name)?;
+    let registry = ferry_registry::open(
+        a.registry.as_deref(),
+        crate::security::credentials_for_registry(a.registry.as_deref())?,
+    )?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let opts = AgentOptions {
+        name: a.name.clone(),
+        listen: a.listen,
+        mem_bytes: a.mem.unwrap_or_else(|| machine_memory() / 4 * 3),
+        vcpus: a.vcpus.unwrap_or(4 * cpus),
+        link_bps: a.link.map_or(0, |b| b * 8),
+        state_dir: a
+            .state_dir
+            .unwrap_or_else(|| PathBuf::from(format!("/run/ferry/agent/{}", a.name))),
+        ferry: std::env::current_exe().context("cannot find this ferry binary")?,
+        tls: crate::security::fleet_credentials()?,
+    };
+    let secure = opts.tls.is_some();
+    let stop = stop_flag()?;
+    let agent = Agent::start(opts, registry.clone())?;
+    let info = agent.info();
+    if a.json {
+        println!(
+            "{}",
+            json!({"name": info.name, "listen": info.addr, "registry": registry.describe(),
+                   "tls": secure, "adopted": info.vms.len()})
+        );
+    } else {
+        eprintln!(
+            "ferry agent {}: listening on {} ({}), registered in {}, {} of guest RAM and {} vCPUs \
+             offered, {} VMs adopted",
+            info.name,
+            info.addr,
+            if secure { "mutual TLS" } else { "PLAINTEXT" },
+            registry.describe(),
+            format::bytes(info.mem_bytes as f64),
+            info.vcpus,
+            info.vms.len()
+        );
+    }
+    let _ = std::io::stdout().flush();
+    ferry_fleet::agent::run_until(&agent, &stop);
+    eprintln!("ferry agent {}: stopping; its VMs run on", info.name);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// This machine's memory (bytes), from /proc/meminfo.
+fn machine_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(1 << 30, |kib| kib * 1024)
+}
+
+/// `ferry vm start|list|stop`.
+pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
+    match cmd {
+        VmCommand::Start(a) => {
+            let fleet = open_fleet(a.fleet.registry.as_deref())?;
+            if let Ok((host, _)) = fleet.find_vm(&a.name) {
+                bail!("a VM named {} runs on {} already", a.name, host.name);
+            }
+            let spec = VmSpec {
+                name: a.name.clone(),
+                mem_bytes: a.mem,
+                vcpus: a.vcpus,
+                workload: a.workload.clone(),
+                vm_address: a.vm_address.map(|v| v.to_string()),
+                serve: a.serve.map(|s| s.to_string()),
+            };
+            let v = fleet.agent(&a.host)?.call(&Request::Start { vm: spec })?;
+            if a.fleet.json {
+                println!("{}", json!({"host": a.host, "vm": v["vm"]}));
+            } else {
+                println!("VM {} runs on {} (pid {})", a.name, a.host, v["vm"]["pid"]);
+            }
+        }
+        VmCommand::List(a) => {
+            let fleet = open_fleet(a.registry.as_deref())?;
+            let hosts = fleet.hosts()?;
+            if a.json {
+                let out: Vec<_> = hosts
+                    .iter()
+                    .map(|(e, h)| match h {
+                        Ok(h) => json!({"host": h}),
+                        Err(err) => json!({"host": {"name": e.name, "addr": e.addr}, "error": err.to_string()}),
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string(&out)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("fleet in {}: {} hosts", fleet.describe(), hosts.len());
+            println!(
+                "{:<16} {:<20} {:>9} {:>5} {:<10} {:<9} {:>8} {:<10}",
+                "host", "vm", "mem", "vcpus", "state", "pid", "up s", "came by"
+            );
+            for (e, h) in &hosts {
+                match h {
+                    Err(err) => println!("{:<16} (agent not answering: {err})", e.name),
+                    Ok(h) if h.vms.is_empty() => println!(
+                        "{:<16} (no VMs; {} and {} vCPUs free)",
+                        h.name,
+                        format::bytes(h.free_mem as f64),
+                        h.free_vcpus
+                    ),
+                    Ok(h) => {
+                        for v in &h.vms {
+                            println!(
+                                "{:<16} {:<20} {:>9} {:>5} {:<10} {:<9} {:>8.1} {:<10}",
+                                h.name,
+                                v.spec.name,
+                                format::bytes(v.spec.mem_bytes as f64),
+                                v.spec.vcpus,
+                                v.state,
+                                v.pid,
+                                v.uptime_s,
+                                v.came_by
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        VmCommand::Stop(a) => {
+            let fleet = open_fleet(a.fleet.registry.as_deref())?;
+            let (host, _) = fleet.find_vm(&a.name)?;
+            fleet.agent(&host.name)?.call(&Request::Stop {
+                name: a.name.clone(),
+            })?;
+            if a.fleet.json {
+                println!("{}", json!({"stopped": a.name, "host": host.name}));
+            } else {
+                println!("VM {} on {} stopped", a.name, host.name);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `ferry drain HOST`.
+pub fn drain(a: DrainArgs) -> Result<ExitCode> {
+    let fleet = open_fleet(a.fleet.registry.as_deref())?;
+    let opts = DrainOptions {
+        per_host: a.per_host.max(1),
+        in_fleet: a.in_fleet.max(1),
+        mode: a.mode.as_deref().map(|m| match m {
+            "precopy" => Mode::Precopy,
+            "postcopy" => Mode::Postcopy,
+            _ => Mode::Hybrid,
+        }),
+        verify: a.verify,
+        retries: a.retries,
+    };
+    let source = fleet.host(&a.host)?;
+    let others: Vec<_> = fleet
+        .hosts()?
+        .into_iter()
+        .filter_map(|(_, h)| h.ok())
+        .filter(|h| h.name != a.host)
+        .collect();
+    let plan = drain::plan(&source, &others, &opts);
+    if a.dry_run {
+        if a.fleet.json {
+            println!("{}", serde_json::to_string(&plan)?);
+        } else {
+            print_plan(&plan);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !a.fleet.json {
+        print_plan(&plan);
+    }
+    let cancel = stop_flag()?;
+    // At a terminal the lines are redrawn in place four times a second;
+    // elsewhere (a log) a line is printed when a move changes state.
+    let live = !a.fleet.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut shown = 0usize;
+    let mut states: Vec<MoveState> = Vec::new();
+    let t0 = std::time::Instant::now();
+    let mut last = std::time::Instant::now() - std::time::Duration::from_secs(1);
+    let report = drain::run(
+        &fleet,
+        plan,
+        &opts,
+        &cancel,
+        &mut |moves: &[MoveReport]| {
+            if a.fleet.json {
+                return;
+            }
+            let mut err = std::io::stderr();
+            let lines = progress_lines(moves, t0.elapsed().as_secs_f64());
+            if !live {
+                for (i, m) in moves.iter().enumerate() {
+                    if states.get(i) != Some(&m.state) {
+                        let _ = writeln!(err, "{}", lines[i]);
+                    }
+                }
+                states = moves.iter().map(|m| m.state.clone()).collect();
+                return;
+            }
+            if last.elapsed() < std::time::Duration::from_millis(250) {
+                return;
+            }
+            last = std::time::Instant::now();
+            if shown > 0 {
+                // Back over the lines drawn last time.
+                let _ = write!(err, "\x1b[{shown}A");
+            }
+            for l in &lines {
+                let _ = writeln!(err, "\x1b[2K{l}");
+            }
+            shown = lines.len();
+        },
+    )?;
+    if a.fleet.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_summary(&report);
+    }
+    Ok(if report.emptied() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_plan(plan: &drain::Plan) {
+    println!("drain {}: {} VMs to move", plan.from, plan.moves.len());
+    for m in &plan.moves {
+        println!(
+            "  {:<20} {:>9} -> {:<16} {:<8} ({})",
+            m.vm,
+            format::bytes(m.mem_bytes as f64),
+            m.to,
+            m.mode.name(),
+            m.why
+        );
+    }
+    for (vm, why) in &plan.unplaced {
+        println!("  {vm:<20} stays: no host has room ({why})");
+    }
+}
+
+/// A line per VM and a total with rate and ETA.
+fn progress_lines(moves: &[MoveReport], secs: f64) -> Vec<String> {
+    let mut out: Vec<String> = moves
+        .iter()
+        .map(|m| {
+            let state = match m.state {
+                MoveState::Waiting => "waiting".to_string(),
+                MoveState::Preparing => "preparing".to_string(),
+                MoveState::Moving => format!(
+                    "moving  {} sent, {} pages left",
+                    format::bytes(m.bytes as f64),
+                    m.remaining_pages
+                ),
+                MoveState::Done => format!(
+                    "done    {:.1} s, downtime {:.1} ms",
+                    m.secs,
+                    m.downtime_ms.unwrap_or(0.0)
+                ),
+                MoveState::Failed => format!("failed  {}", m.errors.last().map_or("", |e| e)),
+            };
+            format!("  {:<20} -> {:<16} {}", m.vm, m.to, state)
+        })
+        .collect();
+    let total: u64 = moves.iter().map(|m| m.mem_bytes).sum();
+    let done: u64 = moves
+        .iter()
+        .filter(|m| m.state == MoveState::Done)
+        .map(|m| m.mem_bytes)
+        .sum();
+    let sent: u64 = moves.iter().map(|m| m.bytes).sum();
+    let rate = sent as f64 / secs.max(1e-3);
+    let eta = if rate > 0.0 {
+        format!("{:.0} s", total.saturating_sub(done) as f64 / rate)
+    } else {
+        "?".into()
+    };
+    out.push(format!(
+        "  total: {}/{} VMs, {} of {} RAM moved, {} sent at {}/s, ETA {eta}",
+        moves.iter().filter(|m| m.state == MoveState::Done).count(),
+        moves.len(),
+        format::bytes(done as f64),
+        format::bytes(total as f64),
+        format::bytes(sent as f64),
+        format::bytes(rate)
+    ));
+    out
+}
+
+fn print_summary(r: &drain::DrainReport) {
+    println!(
+        "── drain {} ─────────────────────────────────────────────",
+        r.host
+    );
+    println!(
+        "{:<20} {:<16} {:<8} {:>9} {:>8} {:>11} {:>10}  result",
+        "vm", "to", "mode", "mem", "secs", "downtime ms", "sent"
+    );
+    for m in &r.moves {
+        let result = match m.state {
+            MoveState::Done if m.errors.is_empty() => "moved".to_string(),
+            MoveState::Done => format!("moved after {} failed tries", m.errors.len()),
+            _ => format!(
+                "stays on {}: {}",
+                r.host,
+                m.errors.last().map_or("not started", |e| e)
+            ),
+        };
+        println!(
+            "{:<20} {:<16} {:<8} {:>9} {:>8.2} {:>11} {:>10}  {result}",
+            m.vm,
+            m.to,
+            if m.postcopy {
+                "postcopy"
+            } else {
+                m.mode.name()
+            },
+            format::bytes(m.mem_bytes as f64),
+            m.secs,
+            m.downtime_ms.map_or("-".into(), |d| format!("{d:.2}")),
+            format::bytes(m.bytes as f64),
+        );
+    }
+    for (vm, why) in &r.unplaced {
+        println!("{vm:<20} stays on {}: no host has room ({why})", r.host);
+    }
+    println!(
+        "{} in {:.1} s{}",
+        if r.emptied() {
+            format!("{} emptied", r.host)
+        } else {
+            format!("{} NOT emptied", r.host)
+        },
+        r.secs,
+        if r.cancelled { " (cancelled)" } else { "" }
+    );
+}
+
+/// `ferry upgrade HOST`.
+pub fn upgrade(a: UpgradeArgs) -> Result<ExitCode> {
+    let fleet = open_fleet(a.fleet.registry.as_deref())?;
+    let binary = a
+        .binary
+        .map(|b| std::fs::canonicalize(&b).with_context(|| format!("{}", b.display())))
+        .transpose()?;
+    let json = a.fleet.json;
+    let reports = ferry_fleet::upgrade::run(&fleet, &a.host, binary, &mut |r| {
+        if !json {
+            match &r.error {
+                None => eprintln!(
+                    "  {:<20} pid {} -> {}, downtime {:.2} ms, {} copied",
+                    r.vm,
+                    r.old_pid,
+                    r.new_pid,
+                    r.downtime_ms.unwrap_or(0.0),
+                    format::bytes(r.copied_bytes as f64)
+                ),
+                Some(e) => eprintln!("  {:<20} FAILED: {e}", r.vm),
+            }
+        }
+    })?;
+    let failed = reports.iter().filter(|r| r.error.is_some()).count();
+    if json {
+        println!("{}", json!({"host": a.host, "vms": reports}));
+    } else {
+        let worst = reports
+            .iter()
+            .filter_map(|r| r.downtime_ms)
+            .fold(0.0f64, f64::max);
+        println!(
+            "upgrade {}: {} VMs handed over, {failed} failed, largest downtime {worst:.2} ms, \
+             {} of guest memory copied",
+            a.host,
+            reports.len() - failed,
+            format::bytes(reports.iter().map(|r| r.copied_bytes).sum::<u64>() as f64)
+        );
+    }
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,346 @@
+//! `ferry agent`: one per host. It registers the host under a lease (what
+//! it offers VMs and how many it runs, renewed while it lives), answers the
+//! fleet's requests ([`Request`]) over mutual TLS, and keeps the host's VMs
+//! ([`vms`]): their VMMs run in sessions of their own and outlive the agent,
+//! which adopts them again when it restarts.
+//!
+//! Who may ask: any peer whose certificate chains to the fleet CA (an
+//! operator's, or another host's agent during a drain). A VM is moved only
+//! with a one-time token the destination's agent made for that move, and
+//! a waiting destination admits only the source host it was told of.
+
+pub mod vms;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_migration::{Endpoint, MigrateOptions, MigrationToken};
+use ferry_registry::{Advertisement, AgentOffer, HostEntry, HostKind, Registry};
+use ferry_tls::{Connection, Credentials};
+use ferry_vmm::control::{ControlClient, MigrateRequest, Request as Control};
+use serde_json::{json, Value};
+
+use crate::api::{HostInfo, Request, VmSpec, MAX_LINE};
+use crate::wire::{self, HANDSHAKE_WITHIN, REQUEST_WITHIN};
+use crate::FleetError;
+use vms::Vms;
+
+/// Requests served at once; one more is closed unanswered.
+const MAX_CLIENTS: usize = 64;
+
+/// What an agent is and offers.
+pub struct AgentOptions {
+    /// The host's name (its certificate's, so peers can name it as a source).
+    pub name: String,
+    /// Where it listens (an address other hosts reach: VMs arrive there too).
+    pub listen: SocketAddr,
+    /// Guest RAM it offers VMs in all.
+    pub mem_bytes: u64,
+    /// vCPUs it offers in all.
+    pub vcpus: u32,
+    /// Its link's speed (bits/s; 0: unknown).
+    pub link_bps: u64,
+    /// Where it keeps its VMs' records, control sockets and logs.
+    pub state_dir: PathBuf,
+    /// The ferry binary its VMMs run.
+    pub ferry: PathBuf,
+    /// Its credentials (None: plaintext, `--insecure`).
+    pub tls: Option<Arc<Credentials>>,
+}
+
+/// A running agent.
+pub struct Agent {
+    opts: AgentOptions,
+    vms: Vms,
+    advert: Advertisement,
+    local: SocketAddr,
+}
+
+impl Agent {
+    /// Adopts the VMs recorded in its state directory, binds its address
+    /// and registers the host in `registry`.
+    pub fn start(opts: AgentOptions, registry: Arc<dyn Registry>) -> Result<Arc<Self>, FleetError> {
+        if opts.listen.ip().is_unspecified() {
+            return Err(FleetError::Refused(format!(
+                "the agent listens on {}: give it an address other hosts reach (VMs arrive there)",
+                opts.listen
+            )));
+        }
+        let vms = Vms::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?;
+        let listener = TcpListener::bind(opts.listen)
+            .map_err(FleetError::io(format!("cannot listen on {}", opts.listen)))?;
+        let local = listener
+            .local_addr()
+            .map_err(FleetError::io("the agent's address"))?;
+        let entry = HostEntry {
+            name: opts.name.clone(),
+            kind: HostKind::Agent,
+            addr: local.to_string(),
+            capacity: opts.mem_bytes,
+            free: 0,
+            agent: Some(AgentOffer::default()),
+        };
+        let advert = Advertisement::start(registry, entry, ferry_registry::DEFAULT_TTL)?;
+        let agent = Arc::new(Agent {
+            opts,
+            vms,
+            advert,
+            local,
+        });
+        agent.advertise();
+        let serving = agent.clone();
+        std::thread::Builder::new()
+            .name("agent".into())
+            .spawn(move || serving.serve(listener))
+            .map_err(FleetError::io("cannot start the agent's thread"))?;
+        Ok(agent)
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// The host and its VMs now.
+    pub fn info(&self) -> HostInfo {
+        let vms = self.vms.list();
+        let (mem, vcpus, _) = self.vms.taken();
+        HostInfo {
+            name: self.opts.name.clone(),
+            addr: self.local.to_string(),
+            mem_bytes: self.opts.mem_bytes,
+            free_mem: self.opts.mem_bytes.saturating_sub(mem),
+            vcpus: self.opts.vcpus,
+            free_vcpus: self.opts.vcpus.saturating_sub(vcpus),
+            link_bps: self.opts.link_bps,
+            vms,
+        }
+    }
+
+    /// Publishes what is free now.
+    fn advertise(&self) {
+        let (mem, vcpus, n) = self.vms.taken();
+        let free = self.opts.mem_bytes.saturating_sub(mem);
+        let offer = AgentOffer {
+            vcpus: self.opts.vcpus,
+            free_vcpus: self.opts.vcpus.saturating_sub(vcpus),
+            link_bps: self.opts.link_bps,
+            vms: n,
+        };
+        if let Err(e) = self.advert.update_with(|e| {
+            e.free = free;
+            e.agent = Some(offer);
+        }) {
+            tracing::warn!("agent: cannot update the registry: {e}");
+        }
+    }
+
+    /// Keeps the books between requests: reaps VMMs that ended, notices
+    /// VMs that are gone, and republishes what is free.
+    pub fn tick(&self) {
+        self.vms.reap();
+        let _ = self.vms.list();
+        self.advertise();
+    }
+
+    fn serve(self: Arc<Self>, listener: TcpListener) {
+        let busy = Arc::new(AtomicUsize::new(0));
+        for conn in listener.incoming() {
+            let Ok(tcp) = conn else {
+                // Out of descriptors, say: wait for some to come back.
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            };
+            if busy.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+                busy.fetch_sub(1, Ordering::AcqRel);
+                continue;
+            }
+            let (me, mine) = (self.clone(), busy.clone());
+            let spawned = std::thread::Builder::new()
+                .name("agent-client".into())
+                .spawn(move || {
+                    me.answer(tcp);
+                    mine.fetch_sub(1, Ordering::AcqRel);
+                });
+            if spawned.is_err() {
+                busy.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// One client: its handshake, its request line, the answer.
+    fn answer(&self, tcp: std::net::TcpStream) {
+        let peer = tcp
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "?".into());
+        let mut c = match Connection::accept(tcp, self.opts.tls.as_deref(), HANDSHAKE_WITHIN) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::info!("agent: {peer} refused: {e}");
+                return;
+            }
+        };
+        let who = c
+            .peer()
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| format!("{peer} (plaintext)"));
+        let deadline = Some(Instant::now() + REQUEST_WITHIN);
+        let req = match wire::read_line(&mut c, MAX_LINE, deadline) {
+            Ok(Some(line)) => serde_json::from_str::<Request>(&line)
+                .map_err(|e| FleetError::Refused(format!("not a request this agent knows: {e}"))),
+            Ok(None) => return,
+            Err(e) => Err(FleetError::Refused(format!("no request: {e}"))),
+        };
+        let reply = match req {
+            Ok(req) => {
+                if !matches!(req, Request::Info) {
+                    tracing::info!("agent: {} from {who}", req.op());
+                }
+                let mut progress = |p: Value| {
+                    let _ = wire::write_line(&mut c, &json!({ "progress": p }));
+                };
+                let r = self.handle(req, &mut progress);
+                self.advertise();
+                r
+            }
+            Err(e) => Err(e),
+        };
+        let line = match reply {
+            Ok(mut v) => {
+                if let Some(m) = v.as_object_mut() {
+                    m.insert("ok".into(), json!(true));
+                }
+                v
+            }
+            Err(e) => json!({"ok": false, "error": e.to_string()}),
+        };
+        let _ = wire::write_line(&mut c, &line);
+        let _ = c.finish();
+    }
+
+    fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, FleetError> {
+        match req {
+            Request::Info => Ok(json!({ "host": self.info() })),
+            Request::Start { vm } => {
+                let info = self
+                    .vms
+                    .start(&vm, &[], "started", |s, m, c| self.fits(s, m, c))?;
+                Ok(json!({ "vm": info }))
+            }
+            Request::Stop { name } => {
+                self.vms.stop(&name)?;
+                Ok(json!({}))
+            }
+            Request::Receive { vm, from, token } => {
+                let to = self.vms.incoming_addr()?;
+                let extra = [
+                    "--incoming".to_string(),
+                    to.clone(),
+                    "--from".into(),
+                    from,
+                    "--token".into(),
+                    token,
+                ];
+                let info = self
+                    .vms
+                    .start(&vm, &extra, "arriving", |s, m, c| self.fits(s, m, c))?;
+                Ok(json!({ "to": to, "vm": info }))
+            }
+            Request::Send {
+                name,
+                to,
+                token,
+                mode,
+                verify,
+            } => self.send(&name, &to, token, mode, verify, progress),
+            Request::Upgrade { name, binary } => {
+                let socket = self.vms.socket(&name)?;
+                let binary = binary.unwrap_or_else(|| self.opts.ferry.clone());
+                let reply = ControlClient::connect(&socket)
+                    .and_then(|mut c| {
+                        c.call(&Control::Handover {
+                            binary: Some(binary.display().to_string()),
+                            verify: false,
+                        })
+                    })
+                    .map_err(|e| FleetError::Vm {
+                        vm: name.clone(),
+                        reason: format!("handover failed: {e}"),
+                    })?;
+                self.vms.repid(&name)?;
+                Ok(reply)
+            }
+        }
+    }
+
+    /// Room for `spec` beside the memory and vCPUs taken already.
+    fn fits(&self, spec: &VmSpec, mem: u64, vcpus: u32) -> Result<(), FleetError> {
+        let free_mem = self.opts.mem_bytes.saturating_sub(mem);
+        let free_vcpus = self.opts.vcpus.saturating_sub(vcpus);
+        if spec.mem_bytes > free_mem || spec.vcpus > free_vcpus {
+            return Err(FleetError::Refused(format!(
+                "no room for VM {} on {}: it needs {} MiB and {} vCPUs, {} MiB and {} vCPUs are free",
+                spec.name,
+                self.opts.name,
+                spec.mem_bytes >> 20,
+                spec.vcpus,
+                free_mem >> 20,
+                free_vcpus
+            )));
+        }
+        Ok(())
+    }
+
+    fn send(
+        &self,
+        name: &str,
+        to: &str,
+        token: String,
+        mode: ferry_migration::options::Mode,
+        verify: bool,
+        progress: &mut dyn FnMut(Value),
+    ) -> Result<Value, FleetError> {
+        let socket = self.vms.socket(name)?;
+        let pid = self.vms.pid(name);
+        let to: Endpoint = to
+            .parse()
+            .map_err(|e| FleetError::Refused(format!("destination {to}: {e}")))?;
+        let req = Control::Migrate(MigrateRequest {
+            to,
+            options: MigrateOptions {
+                mode,
+                verify,
+                token: Some(MigrationToken(token)),
+                ..Default::default()
+            },
+            timeline: None,
+        });
+        let reply = ControlClient::connect(&socket)
+            .and_then(|mut c| c.call_with_progress(&req, &mut |p| progress(p.clone())))
+            .map_err(|e| FleetError::Vm {
+                vm: name.into(),
+                reason: e.to_string(),
+            })?;
+        // It runs at the destination now; its VMM here ends.
+        self.vms.wait_gone(pid, Duration::from_secs(5));
+        self.vms.forget(name);
+        Ok(reply)
+    }
+}
+
+/// Runs `agent` until `stop`, keeping its books every second.
+pub fn run_until(agent: &Agent, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        for _ in 0..10 {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        agent.tick();
+    }
+}

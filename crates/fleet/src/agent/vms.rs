@@ -1,0 +1,395 @@
+//! The VMs an agent keeps: a record per VM in its state directory (what
+//! was asked, its control socket, its VMM's pid), the VMM processes it
+//! starts, and what their control sockets say. A VMM is started in a
+//! session of its own, writing to a log file: it outlives the agent, and a
+//! restarted agent adopts it from its record.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ferry_vmm::control::{ControlClient, Request as Control};
+use serde_json::Value;
+
+use crate::api::{VmInfo, VmSpec};
+use crate::FleetError;
+
+/// How long a new VMM may take to answer on its control socket.
+const READY_WITHIN: Duration = Duration::from_secs(30);
+
+/// One VM this agent keeps.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Record {
+    spec: VmSpec,
+    socket: PathBuf,
+    pid: u32,
+    /// `started`, `arriving` (a destination waiting for it), `migrated`.
+    came_by: String,
+}
+
+/// The VMs of one host.
+pub struct Vms {
+    dir: PathBuf,
+    ferry: PathBuf,
+    host_ip: IpAddr,
+    records: Mutex<BTreeMap<String, Record>>,
+    /// VMMs this agent started (reaped here); adopted ones are not its
+    /// children.
+    children: Mutex<Vec<Child>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Vms {
+    /// The VMs recorded in `dir` whose VMMs still answer (adopted); records
+    /// of VMMs that are gone are removed. New VMMs run `ferry` and listen
+    /// for incoming VMs on `host_ip`.
+    pub fn adopt(dir: &Path, ferry: PathBuf, host_ip: IpAddr) -> Result<Self, FleetError> {
+        create_private_dir(dir)?;
+        let mut records = BTreeMap::new();
+        let entries =
+            std::fs::read_dir(dir).map_err(FleetError::io(format!("{}", dir.display())))?;
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let Ok(rec) = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()))
+            else {
+                tracing::warn!("agent: {} is not a VM record; left alone", path.display());
+                continue;
+            };
+            match status(&rec.socket) {
+                Ok(s) => {
+                    let mut rec = rec;
+                    rec.pid = s["pid"].as_u64().unwrap_or(0) as u32;
+                    tracing::info!("agent: adopted VM {} (pid {})", rec.spec.name, rec.pid);
+                    records.insert(rec.spec.name.clone(), rec);
+                }
+                Err(e) => {
+                    tracing::info!("agent: VM {} is gone ({e}); its record goes", rec.spec.name);
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        Ok(Vms {
+            dir: dir.into(),
+            ferry,
+            host_ip,
+            records: Mutex::new(records),
+            children: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Memory and vCPUs the VMs take (waiting destinations included).
+    pub fn taken(&self) -> (u64, u32, u32) {
+        let r = lock(&self.records);
+        let mem = r.values().map(|v| v.spec.mem_bytes).sum();
+        let vcpus = r.values().map(|v| v.spec.vcpus).sum();
+        (mem, vcpus, r.len() as u32)
+    }
+
+    /// True if a VM of this name is kept here.
+    pub fn has(&self, name: &str) -> bool {
+        lock(&self.records).contains_key(name)
+    }
+
+    /// Starts `spec` with `extra` flags for `ferry run` (the VMM runs until
+    /// stopped); fails if the name is taken. `fits` says whether there is
+    /// room beside the memory and vCPUs taken already, under the same lock.
+    pub fn start(
+        &self,
+        spec: &VmSpec,
+        extra: &[String],
+        came_by: &str,
+        fits: impl FnOnce(&VmSpec, u64, u32) -> Result<(), FleetError>,
+    ) -> Result<VmInfo, FleetError> {
+        spec.check()?;
+        let socket = self.dir.join(format!("{}.sock", spec.name));
+        {
+            // The name is taken from here on: a second start of it fails.
+            let mut r = lock(&self.records);
+            if r.contains_key(&spec.name) {
+                return Err(FleetError::Refused(format!(
+                    "a VM named {} runs here already",
+                    spec.name
+                )));
+            }
+            let mem = r.values().map(|v| v.spec.mem_bytes).sum();
+            let vcpus = r.values().map(|v| v.spec.vcpus).sum();
+            fits(spec, mem, vcpus)?;
+            r.insert(
+                spec.name.clone(),
+                Record {
+                    spec: spec.clone(),
+                    socket: socket.clone(),
+                    pid: 0,
+                    came_by: came_by.into(),
+                },
+            );
+        }
+        match self.spawn(spec, &socket, extra) {
+            Ok(pid) => {
+                let mut r = lock(&self.records);
+                let rec = r.get_mut(&spec.name).expect("the name was taken above");
+                rec.pid = pid;
+                let rec = rec.clone();
+                drop(r);
+                self.persist(&rec)?;
+                self.info_of(&rec)
+            }
+            Err(e) => {
+                lock(&self.records).remove(&spec.name);
+                Err(e)
+            }
+        }
+    }
+
+    /// The incoming address for a new waiting destination on this host.
+    pub fn incoming_addr(&self) -> Result<String, FleetError> {
+        // A port the kernel says is free now; the VMM binds it at once.
+        let l = std::net::TcpListener::bind((self.host_ip, 0))
+            .map_err(FleetError::io("cannot find a free port"))?;
+        let port = l
+            .local_addr()
+            .map_err(FleetError::io("a free port"))?
+            .port();
+        Ok(format!("tcp:{}:{port}", self.host_ip))
+    }
+
+    fn spawn(&self, spec: &VmSpec, socket: &Path, extra: &[String]) -> Result<u32, FleetError> {
+        let log = self.dir.join(format!("{}.log", spec.name));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(FleetError::io(format!("{}", log.display())))?;
+        let err = out
+            .try_clone()
+            .map_err(FleetError::io(format!("{}", log.display())))?;
+        let _ = std::fs::remove_file(socket);
+        let mut cmd = Command::new(&self.ferry);
+        cmd.arg("run")
+            .args(["--mem", &spec.mem_bytes.to_string(), "--vcpus"])
+            .arg(spec.vcpus.to_string())
+            .args(["--workload", &spec.workload, "--control"])
+            .arg(socket)
+            .arg("--quiet");
+        if let Some(a) = &spec.vm_address {
+            cmd.args(["--vm-address", a]);
+        }
+        if let Some(s) = &spec.serve {
+            cmd.args(["--serve", s]);
+        }
+        cmd.args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err));
+        // SAFETY: setsid is async-signal-safe and touches only the child:
+        // it leaves the agent's session, so the VMM outlives the agent and
+        // its signals.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(FleetError::io(format!(
+            "cannot start {}",
+            self.ferry.display()
+        )))?;
+        let pid = child.id();
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            if let Ok(Some(code)) = child.try_wait() {
+                let tail = std::fs::read_to_string(&log).unwrap_or_default();
+                let why = tail
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("");
+                return Err(FleetError::Vm {
+                    vm: spec.name.clone(),
+                    reason: format!("its VMM ended at start ({code}): {why}"),
+                });
+            }
+            if status(socket).is_ok() {
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(FleetError::Vm {
+                    vm: spec.name.clone(),
+                    reason: format!("its VMM did not answer within {READY_WITHIN:?}"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        lock(&self.children).push(child);
+        Ok(pid)
+    }
+
+    /// Reaps the VMMs this agent started that have ended.
+    pub fn reap(&self) {
+        lock(&self.children).retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
+    }
+
+    /// Every VM as its VMM says now; VMs whose VMM is gone are forgotten.
+    pub fn list(&self) -> Vec<VmInfo> {
+        let recs: Vec<Record> = lock(&self.records).values().cloned().collect();
+        let mut out = Vec::new();
+        for rec in recs {
+            match self.info_of(&rec) {
+                Ok(i) => out.push(i),
+                Err(e) => {
+                    tracing::info!("agent: VM {} is gone ({e})", rec.spec.name);
+                    self.forget(&rec.spec.name);
+                }
+            }
+        }
+        out
+    }
+
+    fn info_of(&self, rec: &Record) -> Result<VmInfo, FleetError> {
+        let s = status(&rec.socket)?;
+        let waiting = !s["incoming"].is_null();
+        let came_by = if rec.came_by == "arriving" && !waiting {
+            // It came: say so from now on.
+            let mut r = lock(&self.records);
+            if let Some(x) = r.get_mut(&rec.spec.name) {
+                x.came_by = "migrated".into();
+                let x = x.clone();
+                drop(r);
+                let _ = self.persist(&x);
+            }
+            "migrated".to_string()
+        } else {
+            rec.came_by.clone()
+        };
+        Ok(VmInfo {
+            spec: rec.spec.clone(),
+            state: if waiting {
+                "waiting".into()
+            } else {
+                s["state"].as_str().unwrap_or("unknown").to_string()
+            },
+            pid: s["pid"].as_u64().unwrap_or(0) as u32,
+            socket: rec.socket.clone(),
+            uptime_s: s["uptime_s"].as_f64().unwrap_or(0.0),
+            came_by,
+        })
+    }
+
+    /// The control socket of VM `name`.
+    pub fn socket(&self, name: &str) -> Result<PathBuf, FleetError> {
+        lock(&self.records)
+            .get(name)
+            .map(|r| r.socket.clone())
+            .ok_or_else(|| FleetError::Refused(format!("no VM named {name} runs here")))
+    }
+
+    /// VM `name`'s VMM process (0 if unknown).
+    pub fn pid(&self, name: &str) -> u32 {
+        lock(&self.records).get(name).map_or(0, |r| r.pid)
+    }
+
+    /// Stops VM `name` (its VMM quits) and forgets it.
+    pub fn stop(&self, name: &str) -> Result<(), FleetError> {
+        let socket = self.socket(name)?;
+        let pid = self.pid(name);
+        match ControlClient::connect(&socket).and_then(|mut c| c.call(&Control::Quit)) {
+            Ok(_) => self.wait_gone(pid, Duration::from_secs(10)),
+            Err(e) => {
+                // Not answering: end the process itself.
+                tracing::warn!("agent: VM {name} does not answer ({e}); ending its VMM");
+                if pid > 0 {
+                    // SAFETY: kill has no memory effects; pid is this VM's VMM.
+                    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+                    self.wait_gone(pid, Duration::from_secs(5));
+                }
+            }
+        }
+        self.forget(name);
+        Ok(())
+    }
+
+    /// Forgets VM `name` (it moved away or is gone).
+    pub fn forget(&self, name: &str) {
+        lock(&self.records).remove(name);
+        let _ = std::fs::remove_file(self.dir.join(format!("{name}.json")));
+        self.reap();
+    }
+
+    /// Waits until process `pid` is gone (reaped, if it is a child of this
+    /// agent's), at most `max`.
+    pub fn wait_gone(&self, pid: u32, max: Duration) {
+        let deadline = Instant::now() + max;
+        loop {
+            self.reap();
+            // SAFETY: kill with signal 0 only checks that the process exists.
+            let alive = pid > 0 && unsafe { libc::kill(pid as i32, 0) } == 0;
+            if !alive || Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Notes VM `name`'s VMM process after a handover.
+    pub fn repid(&self, name: &str) -> Result<(), FleetError> {
+        let socket = self.socket(name)?;
+        let pid = status(&socket)?["pid"].as_u64().unwrap_or(0) as u32;
+        let rec = {
+            let mut r = lock(&self.records);
+            let Some(rec) = r.get_mut(name) else {
+                return Ok(());
+            };
+            rec.pid = pid;
+            rec.clone()
+        };
+        self.persist(&rec)
+    }
+
+    fn persist(&self, rec: &Record) -> Result<(), FleetError> {
+        let path = self.dir.join(format!("{}.json", rec.spec.name));
+        let tmp = path.with_extension("json.new");
+        let bytes = serde_json::to_vec_pretty(rec).map_err(|e| FleetError::Io {
+            what: format!("{}", path.display()),
+            error: e.into(),
+        })?;
+        std::fs::write(&tmp, bytes)
+            .and_then(|_| std::fs::rename(&tmp, &path))
+            .map_err(FleetError::io(format!("{}", path.display())))
+    }
+}
+
+/// What VM's control socket says of it.
+pub fn status(socket: &Path) -> Result<Value, FleetError> {
+    ControlClient::connect(socket)
+        .and_then(|mut c| c.call(&Control::Status))
+        .map_err(|e| FleetError::Vm {
+            vm: socket.display().to_string(),
+            reason: e.to_string(),
+        })
+}
+
+/// Makes `dir` (0700: it holds control sockets) if missing.
+fn create_private_dir(dir: &Path) -> Result<(), FleetError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(FleetError::io(format!("cannot make {}", dir.display())))
+}

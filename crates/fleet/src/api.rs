@@ -1,0 +1,221 @@
+//! What an agent is asked and what it answers: one JSON request line, then
+//! zero or more progress lines (`{"progress": …}`, for a move under way),
+//! then one reply line: `{"ok": true, …}` or `{"ok": false, "error": …}`.
+//! Every line from a peer is at most [`MAX_LINE`] bytes (docs/agent.md).
+
+use std::path::PathBuf;
+
+use ferry_migration::options::Mode;
+
+use crate::FleetError;
+
+/// The longest line either side reads.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// The longest VM name: letters, digits, `-`, `_` and `.`.
+pub const MAX_NAME: usize = 64;
+
+/// A VM as an operator asks for it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VmSpec {
+    /// Its name, unique in the fleet.
+    pub name: String,
+    /// Guest RAM in bytes.
+    pub mem_bytes: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// What the guest runs (`ferry run --workload`).
+    pub workload: String,
+    /// The VM's own address (`ferry run --vm-address`): its clients follow it.
+    #[serde(default)]
+    pub vm_address: Option<String>,
+    /// Where its service listens (`ferry run --serve`).
+    #[serde(default)]
+    pub serve: Option<String>,
+}
+
+impl VmSpec {
+    /// Checks what a peer may not choose freely: the name (it becomes a
+    /// file name) and sizes ferry can run.
+    pub fn check(&self) -> Result<(), FleetError> {
+        check_name(&self.name)?;
+        if self.mem_bytes == 0 || !self.mem_bytes.is_multiple_of(4096) || self.mem_bytes > 1 << 40 {
+            return Err(FleetError::Refused(format!(
+                "VM {}: {} bytes of RAM is not a size ferry runs (whole pages, up to 1 TiB)",
+                self.name, self.mem_bytes
+            )));
+        }
+        if !(1..=8).contains(&self.vcpus) {
+            return Err(FleetError::Refused(format!(
+                "VM {}: {} vCPUs (1 to 8)",
+                self.name, self.vcpus
+            )));
+        }
+        if self.workload.len() > 4096 {
+            return Err(FleetError::Refused("a workload spec over 4 KiB".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a VM name that could not be a file name of its own.
+pub fn check_name(name: &str) -> Result<(), FleetError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(FleetError::Refused(format!(
+            "{name:?} is not a VM name (1 to {MAX_NAME} letters, digits, '-', '_' or '.', not \
+             starting with '.')"
+        )))
+    }
+}
+
+/// What an agent is asked.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Request {
+    /// The host and its VMs.
+    Info,
+    /// Start a VM here.
+    Start {
+        /// The VM.
+        vm: VmSpec,
+    },
+    /// Stop a VM here (its VMM ends), or give up waiting for one.
+    Stop {
+        /// Its name.
+        name: String,
+    },
+    /// Wait for VM `vm` to arrive from the host named `from` (its
+    /// certificate's name), which must bring `token`; answers the address
+    /// to move it to.
+    Receive {
+        /// The VM, as it runs at the source.
+        vm: VmSpec,
+        /// The source host's name.
+        from: String,
+        /// The one-time migration token the source must present.
+        token: String,
+    },
+    /// Move VM `name` to `to` (a destination another agent made ready)
+    /// with `token`; progress lines, then the migration's figures.
+    Send {
+        /// The VM.
+        name: String,
+        /// Where to (`tcp:HOST:PORT`).
+        to: String,
+        /// The destination's token.
+        token: String,
+        /// How.
+        mode: Mode,
+        /// Compare every page's hash at the end.
+        #[serde(default)]
+        verify: bool,
+    },
+    /// Hand VM `name` over to a fresh VMM process on this host (zero-copy):
+    /// `binary`, or the agent's own ferry.
+    Upgrade {
+        /// The VM.
+        name: String,
+        /// The ferry binary the new process runs.
+        #[serde(default)]
+        binary: Option<PathBuf>,
+    },
+}
+
+impl Request {
+    /// A short name for logs and errors.
+    pub fn op(&self) -> &'static str {
+        match self {
+            Request::Info => "info",
+            Request::Start { .. } => "start",
+            Request::Stop { .. } => "stop",
+            Request::Receive { .. } => "receive",
+            Request::Send { .. } => "send",
+            Request::Upgrade { .. } => "upgrade",
+        }
+    }
+}
+
+/// A VM as its agent sees it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct VmInfo {
+    /// What was asked for.
+    pub spec: VmSpec,
+    /// `running`, `paused`, `waiting` (a destination not yet filled), …:
+    /// what its VMM says.
+    pub state: String,
+    /// Its VMM's process.
+    pub pid: u32,
+    /// Its control socket on the host.
+    pub socket: PathBuf,
+    /// Seconds its VMM has run.
+    pub uptime_s: f64,
+    /// How it came here: `started`, or the mode it was moved by.
+    pub came_by: String,
+}
+
+/// A host as its agent sees it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HostInfo {
+    /// The host's name (its certificate's).
+    pub name: String,
+    /// Where its agent listens.
+    pub addr: String,
+    /// Guest RAM it offers VMs in all.
+    pub mem_bytes: u64,
+    /// Of that, not taken by a VM.
+    pub free_mem: u64,
+    /// vCPUs it offers in all.
+    pub vcpus: u32,
+    /// Of those, not taken.
+    pub free_vcpus: u32,
+    /// Its link's speed (bits/s; 0: unknown).
+    pub link_bps: u64,
+    /// Its VMs.
+    pub vms: Vec<VmInfo>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_read_back_and_names_that_could_escape_are_refused() {
+        let r = Request::Send {
+            name: "web-1".into(),
+            to: "tcp:10.77.0.2:7100".into(),
+            token: "t".into(),
+            mode: Mode::Hybrid,
+            verify: true,
+        };
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(line.contains(r#""op":"send""#), "{line}");
+        assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), r);
+        for bad in ["", "../etc", ".hidden", "a/b", "a b", &"x".repeat(65)] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        for good in ["web-1", "db_2.prod", &"x".repeat(64)] {
+            check_name(good).unwrap();
+        }
+        let spec = |mem, vcpus| VmSpec {
+            name: "v".into(),
+            mem_bytes: mem,
+            vcpus,
+            workload: "idle".into(),
+            vm_address: None,
+            serve: None,
+        };
+        spec(128 << 20, 2).check().unwrap();
+        assert!(spec(0, 1).check().is_err());
+        assert!(spec(4097, 1).check().is_err());
+        assert!(spec(128 << 20, 0).check().is_err());
+        assert!(spec(128 << 20, 9).check().is_err());
+    }
+}

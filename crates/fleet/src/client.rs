@@ -1,0 +1,99 @@
+//! Calling an agent: connect (mutual TLS with this host's credentials,
+//! unless the process runs `--insecure`), send one request, read progress
+//! lines and the reply.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_tls::{Connection, Credentials};
+use serde_json::Value;
+
+use crate::api::{Request, MAX_LINE};
+use crate::wire::{self, HANDSHAKE_WITHIN};
+use crate::FleetError;
+
+/// An agent's address and how to reach it.
+#[derive(Clone)]
+pub struct AgentClient {
+    addr: SocketAddr,
+    tls: Option<Arc<Credentials>>,
+}
+
+impl std::fmt::Debug for AgentClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentClient")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+/// How long a quick request (info, start, stop) may take in all.
+const QUICK: Duration = Duration::from_secs(60);
+
+impl AgentClient {
+    /// The agent at `addr`, reached with `tls` (None: plaintext, for
+    /// `--insecure` fleets only).
+    pub fn new(addr: SocketAddr, tls: Option<Arc<Credentials>>) -> Self {
+        AgentClient { addr, tls }
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Sends `req`; its reply's fields (without `ok`).
+    pub fn call(&self, req: &Request) -> Result<Value, FleetError> {
+        self.call_with_progress(req, &mut |_| {})
+    }
+
+    /// Sends `req`, handing progress lines to `progress`; a move may take
+    /// long (its VMM bounds each step), any other request a minute.
+    pub fn call_with_progress(
+        &self,
+        req: &Request,
+        progress: &mut dyn FnMut(&Value),
+    ) -> Result<Value, FleetError> {
+        let link = |reason: String| FleetError::Link {
+            agent: self.addr.to_string(),
+            reason,
+        };
+        let mut c = Connection::connect(self.addr, self.tls.as_deref(), HANDSHAKE_WITHIN)
+            .map_err(|e| link(e.to_string()))?;
+        let line = serde_json::to_value(req).map_err(|e| link(e.to_string()))?;
+        wire::write_line(&mut c, &line).map_err(|e| link(e.to_string()))?;
+        let long = matches!(req, Request::Send { .. } | Request::Upgrade { .. });
+        let deadline = (!long).then(|| Instant::now() + QUICK);
+        loop {
+            let line = wire::read_line(&mut c, MAX_LINE, deadline)
+                .map_err(|e| link(format!("reading its answer to {}: {e}", req.op())))?
+                .ok_or_else(|| link(format!("closed without answering {}", req.op())))?;
+            let mut v: Value = serde_json::from_str(&line)
+                .map_err(|e| link(format!("an answer that is not JSON: {e}")))?;
+            if let Some(p) = v.get("progress") {
+                progress(p);
+                continue;
+            }
+            let ok = v.get("ok").and_then(Value::as_bool);
+            return match ok {
+                Some(true) => {
+                    if let Some(m) = v.as_object_mut() {
+                        m.remove("ok");
+                    }
+                    Ok(v)
+                }
+                Some(false) => Err(FleetError::Agent {
+                    agent: self.addr.to_string(),
+                    op: req.op(),
+                    error: v
+                        .get("error")
+                        .and_then(Value::as_str)
+                        .unwrap_or("(no reason given)")
+                        .to_string(),
+                }),
+                None => Err(link(format!("an answer without \"ok\": {line}"))),
+            };
+        }
+    }
+}

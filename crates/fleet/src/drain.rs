@@ -1,0 +1,512 @@
+//! `ferry drain HOST`: moves every VM off a host and never loses one.
+//!
+//! - [`plan`]: where each VM goes (the host with the most memory left
+//!   after taking it, among those with room for its memory and vCPUs, so
+//!   VMs spread) and how (hybrid unless asked otherwise: precopy rounds,
+//!   then postcopy if they do not converge, so a VM that dirties memory
+//!   faster than the link carries still finishes).
+//! - [`run`]: runs the moves, at most `per_host` at once out of the host
+//!   and into any one host, and `in_fleet` in all. Each move: the
+//!   destination's agent starts a waiting VMM that admits only this host
+//!   with a one-time token; the source's agent migrates the VM there. A
+//!   failed move leaves the VM running where it was (the engine's promise),
+//!   the waiting VMM is stopped, and the VM is tried on another host.
+//!   Cancelling starts no new move and lets each running one end.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use ferry_migration::{MigrationToken, Mode};
+use serde_json::Value;
+
+use crate::api::{HostInfo, Request, VmInfo};
+use crate::fleet::Fleet;
+use crate::FleetError;
+
+/// How a drain runs.
+#[derive(Clone, Debug)]
+pub struct DrainOptions {
+    /// Moves out of the host, and into any one host, at once.
+    pub per_host: usize,
+    /// Moves in the whole fleet at once.
+    pub in_fleet: usize,
+    /// The mode for every VM (None: chosen per VM).
+    pub mode: Option<Mode>,
+    /// Compare every page's hash at the end of each move.
+    pub verify: bool,
+    /// Other hosts a VM is tried on after a failed move.
+    pub retries: usize,
+}
+
+impl Default for DrainOptions {
+    fn default() -> Self {
+        DrainOptions {
+            per_host: 2,
+            in_fleet: 5,
+            mode: None,
+            verify: false,
+            retries: 2,
+        }
+    }
+}
+
+/// One VM's planned move.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PlannedMove {
+    /// The VM.
+    pub vm: String,
+    /// Its guest RAM.
+    pub mem_bytes: u64,
+    /// Where to.
+    pub to: String,
+    /// How.
+    pub mode: Mode,
+    /// Why that mode.
+    pub why: String,
+}
+
+/// Where every VM of a host goes.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Plan {
+    /// The host drained.
+    pub from: String,
+    /// The moves, largest VM first.
+    pub moves: Vec<PlannedMove>,
+    /// VMs no host has room for, and why.
+    pub unplaced: Vec<(String, String)>,
+}
+
+/// The mode for `vm` and why.
+fn choose_mode(asked: Option<Mode>) -> (Mode, String) {
+    match asked {
+        Some(m) => (m, "asked for".into()),
+        None => (
+            Mode::Hybrid,
+            "hybrid: precopy rounds, then postcopy if they do not converge".into(),
+        ),
+    }
+}
+
+/// Places `source`'s VMs on `others` (hosts that are not the source;
+/// what they have free is what their agents said), largest VM first.
+pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan {
+    // (name, free memory, free vCPUs, moves planned into it)
+    let mut room: Vec<(String, u64, u32, usize)> = others
+        .iter()
+        .filter(|h| h.name != source.name)
+        .map(|h| (h.name.clone(), h.free_mem, h.free_vcpus, 0))
+        .collect();
+    let mut vms: Vec<&VmInfo> = source.vms.iter().filter(|v| v.state != "waiting").collect();
+    vms.sort_by(|a, b| {
+        b.spec
+            .mem_bytes
+            .cmp(&a.spec.mem_bytes)
+            .then(a.spec.name.cmp(&b.spec.name))
+    });
+    let mut moves = Vec::new();
+    let mut unplaced = Vec::new();
+    for vm in vms {
+        let (mem, vcpus) = (vm.spec.mem_bytes, vm.spec.vcpus);
+        let best = room
+            .iter_mut()
+            .filter(|r| r.1 >= mem && r.2 >= vcpus)
+            // Most memory left after it, then fewest moves in: VMs spread.
+            .max_by(|a, b| (a.1 - mem).cmp(&(b.1 - mem)).then(b.3.cmp(&a.3)));
+        match best {
+            Some(r) => {
+                r.1 -= mem;
+                r.2 -= vcpus;
+                r.3 += 1;
+                let (mode, why) = choose_mode(opts.mode);
+                moves.push(PlannedMove {
+                    vm: vm.spec.name.clone(),
+                    mem_bytes: mem,
+                    to: r.0.clone(),
+                    mode,
+                    why,
+                });
+            }
+            None => {
+                let most = room.iter().map(|r| r.1).max().unwrap_or(0);
+                unplaced.push((
+                    vm.spec.name.clone(),
+                    format!(
+                        "needs {} MiB and {vcpus} vCPUs; the most memory free on another host is {} MiB",
+                        mem >> 20,
+                        most >> 20
+                    ),
+                ));
+            }
+        }
+    }
+    Plan {
+        from: source.name.clone(),
+        moves,
+        unplaced,
+    }
+}
+
+/// Where a move stands.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MoveState {
+    /// Not started.
+    Waiting,
+    /// The destination is being made ready.
+    Preparing,
+    /// Pages are moving.
+    Moving,
+    /// The VM runs at the destination.
+    Done,
+    /// It stays where it was.
+    Failed,
+}
+
+/// One VM's move as it went.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MoveReport {
+    /// The VM.
+    pub vm: String,
+    /// Its guest RAM.
+    pub mem_bytes: u64,
+    /// Where it is going (or went, or last tried).
+    pub to: String,
+    /// How.
+    pub mode: Mode,
+    /// Where it stands.
+    pub state: MoveState,
+    /// Seconds the move took (so far).
+    pub secs: f64,
+    /// Bytes sent so far.
+    pub bytes: u64,
+    /// Pages left in the current round (while moving).
+    pub remaining_pages: u64,
+    /// The VM's downtime (ms), once done.
+    pub downtime_ms: Option<f64>,
+    /// True if it finished by postcopy.
+    pub postcopy: bool,
+    /// Why each try failed.
+    pub errors: Vec<String>,
+}
+
+/// What a drain did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DrainReport {
+    /// The host drained.
+    pub host: String,
+    /// Every VM's move.
+    pub moves: Vec<MoveReport>,
+    /// VMs no host had room for.
+    pub unplaced: Vec<(String, String)>,
+    /// Seconds in all.
+    pub secs: f64,
+    /// True if it was cancelled before every move started.
+    pub cancelled: bool,
+}
+
+impl DrainReport {
+    /// True if every VM left the host.
+    pub fn emptied(&self) -> bool {
+        self.unplaced.is_empty() && self.moves.iter().all(|m| m.state == MoveState::Done)
+    }
+}
+
+/// What a move's thread tells the scheduler.
+enum Event {
+    Update(usize, MoveReport),
+    Ended(usize, MoveReport, Option<String>),
+}
+
+/// Runs `plan` on `fleet`; `update` sees every move after each change.
+pub fn run(
+    fleet: &Fleet,
+    plan: Plan,
+    opts: &DrainOptions,
+    cancel: &AtomicBool,
+    update: &mut dyn FnMut(&[MoveReport]),
+) -> Result<DrainReport, FleetError> {
+    let t0 = Instant::now();
+    let source = fleet.agent(&plan.from)?;
+    let source_info = crate::fleet::info(&source)?;
+    let mut reports: Vec<MoveReport> = plan
+        .moves
+        .iter()
+        .map(|m| MoveReport {
+            vm: m.vm.clone(),
+            mem_bytes: m.mem_bytes,
+            to: m.to.clone(),
+            mode: m.mode,
+            state: MoveState::Waiting,
+            secs: 0.0,
+            bytes: 0,
+            remaining_pages: 0,
+            downtime_ms: None,
+            postcopy: false,
+            errors: Vec::new(),
+        })
+        .collect();
+    // Hosts each move may still be tried on (its planned one first).
+    let mut tried: Vec<Vec<String>> = plan.moves.iter().map(|_| Vec::new()).collect();
+    let mut pending: Vec<usize> = (0..reports.len()).collect();
+    let mut running: BTreeMap<usize, String> = BTreeMap::new();
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut cancelled = false;
+    update(&reports);
+    std::thread::scope(|sc| -> Result<(), FleetError> {
+        loop {
+            if cancel.load(Ordering::Relaxed) && !pending.is_empty() {
+                cancelled = true;
+                pending.clear();
+            }
+            // Start what the limits allow, in plan order.
+            let mut i = 0;
+            while i < pending.len() && running.len() < opts.in_fleet.min(opts.per_host).max(1) {
+                let k = pending[i];
+                let to = reports[k].to.clone();
+                let into = running.values().filter(|h| **h == to).count();
+                if into >= opts.per_host.max(1) {
+                    i += 1;
+                    continue;
+                }
+                pending.remove(i);
+                running.insert(k, to.clone());
+                tried[k].push(to.clone());
+                let vm = source_info
+                    .vms
+                    .iter()
+                    .find(|v| v.spec.name == reports[k].vm)
+                    .cloned();
+                let (tx, mut report) = (tx.clone(), reports[k].clone());
+                let (fleet, source, from) = (fleet.clone(), source.clone(), plan.from.clone());
+                let verify = opts.verify;
+                sc.spawn(move || {
+                    let t = Instant::now();
+                    report.state = MoveState::Preparing;
+                    let _ = tx.send(Event::Update(k, report.clone()));
+                    let r = match vm {
+                        Some(vm) => {
+                            one_move(&fleet, &source, &from, &vm, &mut report, verify, &tx, k, t)
+                        }
+                        None => Err(format!("VM {} is no longer on {from}", report.vm)),
+                    };
+                    report.secs = t.elapsed().as_secs_f64();
+                    let err = r.err();
+                    report.state = if err.is_none() {
+                        MoveState::Done
+                    } else {
+                        MoveState::Failed
+                    };
+                    let _ = tx.send(Event::Ended(k, report, err));
+                });
+            }
+            if running.is_empty() && pending.is_empty() {
+                return Ok(());
+            }
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(Event::Update(k, r)) => reports[k] = r,
+                Ok(Event::Ended(k, mut r, err)) => {
+                    running.remove(&k);
+                    if let Some(e) = err {
+                        r.errors.push(format!("to {}: {e}", r.to));
+                        // Another host, if one has room and tries are left.
+                        let next = (!cancel.load(Ordering::Relaxed)
+                            && tried[k].len() <= opts.retries)
+                            .then(|| another_host(fleet, &plan.from, &r, &tried[k]))
+                            .flatten();
+                        if let Some(h) = next {
+                            r.to = h;
+                            r.state = MoveState::Waiting;
+                            pending.insert(0, k);
+                        }
+                    }
+                    reports[k] = r;
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+            }
+            update(&reports);
+        }
+    })?;
+    update(&reports);
+    Ok(DrainReport {
+        host: plan.from,
+        moves: reports,
+        unplaced: plan.unplaced,
+        secs: t0.elapsed().as_secs_f64(),
+        cancelled,
+    })
+}
+
+/// A host other than the source and those tried, with room for the VM now.
+fn another_host(fleet: &Fleet, from: &str, r: &MoveReport, tried: &[String]) -> Option<String> {
+    let hosts = fleet.hosts().ok()?;
+    hosts
+        .into_iter()
+        .filter_map(|(_, h)| h.ok())
+        .filter(|h| h.name != from && !tried.contains(&h.name) && h.free_mem >= r.mem_bytes)
+        .max_by_key(|h| h.free_mem)
+        .map(|h| h.name)
+}
+
+/// One try at moving `vm` from `source` to `report.to`.
+#[allow(clippy::too_many_arguments)]
+fn one_move(
+    fleet: &Fleet,
+    source: &crate::AgentClient,
+    from: &str,
+    vm: &VmInfo,
+    report: &mut MoveReport,
+    verify: bool,
+    tx: &mpsc::Sender<Event>,
+    k: usize,
+    t0: Instant,
+) -> Result<(), String> {
+    let dest = fleet.agent(&report.to).map_err(|e| e.to_string())?;
+    let token = MigrationToken::generate().map_err(|e| format!("no token: {e}"))?;
+    let ready = dest
+        .call(&Request::Receive {
+            vm: vm.spec.clone(),
+            from: from.into(),
+            token: token.0.clone(),
+        })
+        .map_err(|e| e.to_string())?;
+    let to = ready["to"].as_str().unwrap_or_default().to_string();
+    report.state = MoveState::Moving;
+    let _ = tx.send(Event::Update(k, report.clone()));
+    let sent = source.call_with_progress(
+        &Request::Send {
+            name: vm.spec.name.clone(),
+            to,
+            token: token.0,
+            mode: report.mode,
+            verify,
+        },
+        &mut |p: &Value| {
+            report.bytes = p["bytes"].as_u64().unwrap_or(report.bytes);
+            report.remaining_pages = p["remaining_pages"].as_u64().unwrap_or(0);
+            report.secs = t0.elapsed().as_secs_f64();
+            let _ = tx.send(Event::Update(k, report.clone()));
+        },
+    );
+    match sent {
+        Ok(v) => {
+            let stats = &v["stats"];
+            report.bytes = stats["bytes"].as_u64().unwrap_or(report.bytes);
+            report.downtime_ms = stats["downtime_ms"].as_f64();
+            report.postcopy = !stats["postcopy"].is_null();
+            report.remaining_pages = 0;
+            Ok(())
+        }
+        Err(e) => {
+            // The VM runs on at the source; the waiting VMM goes.
+            if let Err(stop) = dest.call(&Request::Stop {
+                name: vm.spec.name.clone(),
+            }) {
+                tracing::warn!(
+                    "drain: cannot stop the waiting VMM for {}: {stop}",
+                    vm.spec.name
+                );
+            }
+            Err(e.to_string())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::VmSpec;
+
+    fn vm(name: &str, mib: u64, vcpus: u32) -> VmInfo {
+        VmInfo {
+            spec: VmSpec {
+                name: name.into(),
+                mem_bytes: mib << 20,
+                vcpus,
+                workload: "idle".into(),
+                vm_address: None,
+                serve: None,
+            },
+            state: "running".into(),
+            pid: 1,
+            socket: "/x".into(),
+            uptime_s: 1.0,
+            came_by: "started".into(),
+        }
+    }
+
+    fn host(name: &str, free_mib: u64, free_vcpus: u32, vms: Vec<VmInfo>) -> HostInfo {
+        HostInfo {
+            name: name.into(),
+            addr: "10.0.0.1:7000".into(),
+            mem_bytes: 4096 << 20,
+            free_mem: free_mib << 20,
+            vcpus: 8,
+            free_vcpus,
+            link_bps: 0,
+            vms,
+        }
+    }
+
+    #[test]
+    fn vms_go_largest_first_where_most_room_is_left_and_what_fits_nowhere_is_named() {
+        let source = host(
+            "h1",
+            0,
+            0,
+            vec![
+                vm("a", 512, 1),
+                vm("b", 1024, 2),
+                vm("c", 256, 1),
+                vm("huge", 8192, 1),
+            ],
+        );
+        let mut waiting = vm("w", 128, 1);
+        waiting.state = "waiting".into();
+        let others = [
+            host("h1", 4096, 8, vec![]),
+            host("h2", 1536, 4, vec![]),
+            host("h3", 1024, 4, vec![waiting]),
+        ];
+        let p = plan(&source, &others, &DrainOptions::default());
+        let got: Vec<(&str, &str)> = p
+            .moves
+            .iter()
+            .map(|m| (m.vm.as_str(), m.to.as_str()))
+            .collect();
+        // b (1 GiB) to h2 (0.5 GiB left beats h3's 0), a to h3 (0.5 GiB
+        // left beats h2's 0), c to either: h2 and h3 both have 512 MiB; h2
+        // has had one move in, h3 one: the first found wins.
+        assert_eq!(got[0], ("b", "h2"));
+        assert_eq!(got[1], ("a", "h3"));
+        assert_eq!(got[2].0, "c");
+        assert!(
+            p.moves.iter().all(|m| m.to != "h1"),
+            "never back to the source"
+        );
+        assert!(p.moves.iter().all(|m| m.mode == Mode::Hybrid));
+        assert_eq!(p.unplaced.len(), 1);
+        assert_eq!(p.unplaced[0].0, "huge");
+        assert!(p.unplaced[0].1.contains("8192 MiB"), "{:?}", p.unplaced);
+    }
+
+    #[test]
+    fn vcpus_count_as_room_too_and_an_asked_mode_is_kept() {
+        let source = host("h1", 0, 0, vec![vm("a", 128, 4), vm("b", 128, 4)]);
+        let others = [host("h2", 4096, 4, vec![]), host("h3", 256, 4, vec![])];
+        let opts = DrainOptions {
+            mode: Some(Mode::Precopy),
+            ..Default::default()
+        };
+        let p = plan(&source, &others, &opts);
+        let mut to: Vec<&str> = p.moves.iter().map(|m| m.to.as_str()).collect();
+        to.sort_unstable();
+        assert_eq!(to, ["h2", "h3"], "four vCPUs each: one VM per host");
+        assert!(p
+            .moves
+            .iter()
+            .all(|m| m.mode == Mode::Precopy && m.why == "asked for"));
+    }
+}

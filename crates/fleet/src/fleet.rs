@@ -1,0 +1,117 @@
+//! The fleet as the registry shows it: its hosts' agents, and what each
+//! says of itself.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use ferry_registry::{HostEntry, HostKind, Registry};
+use ferry_tls::Credentials;
+
+use crate::api::{HostInfo, Request, VmInfo};
+use crate::{AgentClient, FleetError};
+
+/// A registry entry of an agent and what the agent said of its host.
+pub type HostAnswer = (HostEntry, Result<HostInfo, FleetError>);
+
+/// The registry and how to reach the agents it lists.
+#[derive(Clone)]
+pub struct Fleet {
+    registry: Arc<dyn Registry>,
+    tls: Option<Arc<Credentials>>,
+}
+
+impl Fleet {
+    /// The fleet in `registry`, whose agents are reached with `tls` (None:
+    /// plaintext, an `--insecure` fleet).
+    pub fn new(registry: Arc<dyn Registry>, tls: Option<Arc<Credentials>>) -> Self {
+        Fleet { registry, tls }
+    }
+
+    /// Where the fleet is recorded, for messages.
+    pub fn describe(&self) -> String {
+        self.registry.describe()
+    }
+
+    /// Every live agent's registry entry, by name.
+    pub fn agents(&self) -> Result<Vec<HostEntry>, FleetError> {
+        let mut a: Vec<HostEntry> = self
+            .registry
+            .hosts()?
+            .into_iter()
+            .filter(|h| h.kind == HostKind::Agent)
+            .collect();
+        a.sort_by(|x, y| x.name.cmp(&y.name));
+        a.dedup_by(|x, y| x.name == y.name);
+        Ok(a)
+    }
+
+    /// The agent of host `name`.
+    pub fn agent(&self, name: &str) -> Result<AgentClient, FleetError> {
+        let agents = self.agents()?;
+        let e = agents.iter().find(|h| h.name == name).ok_or_else(|| {
+            let known: Vec<&str> = agents.iter().map(|h| h.name.as_str()).collect();
+            FleetError::Plan(format!(
+                "no live agent for host {name} in {} (agents: {})",
+                self.describe(),
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ))
+        })?;
+        self.client(e)
+    }
+
+    /// A client for the agent of `entry`.
+    pub fn client(&self, entry: &HostEntry) -> Result<AgentClient, FleetError> {
+        let addr: SocketAddr = entry.addr.parse().map_err(|_| {
+            FleetError::Refused(format!(
+                "the registry gives agent {} the address {:?}, which is not HOST:PORT",
+                entry.name, entry.addr
+            ))
+        })?;
+        Ok(AgentClient::new(addr, self.tls.clone()))
+    }
+
+    /// What host `name`'s agent says of itself.
+    pub fn host(&self, name: &str) -> Result<HostInfo, FleetError> {
+        info(&self.agent(name)?)
+    }
+
+    /// What every agent says of itself; an agent that does not answer is
+    /// reported with its error.
+    pub fn hosts(&self) -> Result<Vec<HostAnswer>, FleetError> {
+        Ok(self
+            .agents()?
+            .into_iter()
+            .map(|e| {
+                let i = self.client(&e).and_then(|c| info(&c));
+                (e, i)
+            })
+            .collect())
+    }
+
+    /// The host that runs VM `name`, and the VM.
+    pub fn find_vm(&self, name: &str) -> Result<(HostInfo, VmInfo), FleetError> {
+        for (_, host) in self.hosts()? {
+            let Ok(host) = host else { continue };
+            if let Some(vm) = host.vms.iter().find(|v| v.spec.name == name).cloned() {
+                return Ok((host, vm));
+            }
+        }
+        Err(FleetError::Plan(format!(
+            "no agent in {} runs a VM named {name}",
+            self.describe()
+        )))
+    }
+}
+
+/// An agent's own account of its host.
+pub fn info(agent: &AgentClient) -> Result<HostInfo, FleetError> {
+    let v = agent.call(&Request::Info)?;
+    serde_json::from_value(v["host"].clone()).map_err(|e| FleetError::Link {
+        agent: agent.addr().to_string(),
+        reason: format!("an answer to info that is not a host: {e}"),
+    })
+}

@@ -1,0 +1,82 @@
+//! Fleet operations: what turns single migrations into running a fleet of
+//! hosts that do not trust the network between them.
+//!
+//! - [`agent`]: `ferry agent`, the one long-lived process per host beside
+//!   its VMMs. It registers the host under a lease (what it offers VMs),
+//!   starts VMs and waiting destinations when asked, moves and hands over
+//!   its VMs, and adopts the VMs already running after its own restart;
+//!   VMMs outlive it.
+//! - [`api`]: what an agent is asked and answers; [`wire`] carries it (a
+//!   JSON line each way over mutual TLS); [`client`] calls an agent.
+//! - [`fleet`]: the hosts the registry knows, and their agents.
+//! - [`drain`]: empties a host: plans where each VM goes and how, and runs
+//!   the moves within limits; [`upgrade`]: hands every VM of a host to a
+//!   fresh VMM process.
+//!
+//! docs/agent.md describes the API and the operations.
+
+pub mod agent;
+pub mod api;
+pub mod client;
+pub mod drain;
+pub mod fleet;
+pub mod upgrade;
+pub mod wire;
+
+pub use api::{HostInfo, Request, VmInfo, VmSpec};
+pub use client::AgentClient;
+
+/// Why a fleet operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// The agent link failed (connect, handshake, a read or write).
+    #[error("agent {agent}: {reason}")]
+    Link {
+        /// The agent's address.
+        agent: String,
+        /// What failed.
+        reason: String,
+    },
+    /// A peer sent something this side will not take.
+    #[error("{0}")]
+    Refused(String),
+    /// The agent answered with an error.
+    #[error("agent {agent} ({op}): {error}")]
+    Agent {
+        /// The agent's address.
+        agent: String,
+        /// What it was asked.
+        op: &'static str,
+        /// Its answer.
+        error: String,
+    },
+    /// The registry could not be read or written.
+    #[error(transparent)]
+    Registry(#[from] ferry_registry::RegistryError),
+    /// A VM's VMM did not do what was asked of it.
+    #[error("VM {vm}: {reason}")]
+    Vm {
+        /// The VM.
+        vm: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A local file or process.
+    #[error("{what}: {error}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        error: std::io::Error,
+    },
+    /// No host of that name, or no room anywhere.
+    #[error("{0}")]
+    Plan(String),
+}
+
+impl FleetError {
+    fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> FleetError {
+        let what = what.into();
+        move |error| FleetError::Io { what, error }
+    }
+}

@@ -1,0 +1,101 @@
+//! `ferry upgrade HOST`: hands every VM on a host over to a fresh VMM
+//! process (a new ferry binary, or the same one to rejuvenate an aged
+//! VMM) with the zero-copy handover: no guest memory is copied and the VM
+//! stays on its host. One VM at a time; after each, the VM must be running
+//! under its new process (the health check) before the next starts.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::api::Request;
+use crate::fleet::Fleet;
+use crate::FleetError;
+
+/// One VM's handover.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct UpgradeReport {
+    /// The VM.
+    pub vm: String,
+    /// Its VMM's process before and after.
+    pub old_pid: u32,
+    /// After (0 if it failed).
+    pub new_pid: u32,
+    /// How long the guest was paused (ms).
+    pub downtime_ms: Option<f64>,
+    /// Guest memory copied (bytes): 0 for a handover.
+    pub copied_bytes: u64,
+    /// Seconds the handover took.
+    pub secs: f64,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+}
+
+/// Hands each VM on `host` to a new VMM running `binary` (the agent's own
+/// ferry if None); `update` sees each VM's report as it ends.
+pub fn run(
+    fleet: &Fleet,
+    host: &str,
+    binary: Option<PathBuf>,
+    update: &mut dyn FnMut(&UpgradeReport),
+) -> Result<Vec<UpgradeReport>, FleetError> {
+    let agent = fleet.agent(host)?;
+    let before = crate::fleet::info(&agent)?;
+    let mut out = Vec::new();
+    for vm in before.vms.iter().filter(|v| v.state != "waiting") {
+        let t = Instant::now();
+        let mut r = UpgradeReport {
+            vm: vm.spec.name.clone(),
+            old_pid: vm.pid,
+            new_pid: 0,
+            downtime_ms: None,
+            copied_bytes: 0,
+            secs: 0.0,
+            error: None,
+        };
+        let done = agent.call(&Request::Upgrade {
+            name: vm.spec.name.clone(),
+            binary: binary.clone(),
+        });
+        match done {
+            Ok(v) => {
+                let stats = &v["stats"];
+                r.downtime_ms = stats["downtime_ms"].as_f64();
+                match stats["memory_bytes_copied"].as_u64() {
+                    Some(b) => r.copied_bytes = b,
+                    None => r.error = Some("the handover did not say what it copied".into()),
+                }
+                match healthy(fleet, host, &vm.spec.name, vm.pid) {
+                    Ok(pid) => r.new_pid = pid,
+                    Err(e) => r.error = Some(e),
+                }
+            }
+            Err(e) => r.error = Some(e.to_string()),
+        }
+        r.secs = t.elapsed().as_secs_f64();
+        update(&r);
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// The health check: within a few seconds the VM runs under a process
+/// that is not `old_pid`. Its new pid.
+fn healthy(fleet: &Fleet, host: &str, vm: &str, old_pid: u32) -> Result<u32, String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let last = match fleet.host(host) {
+            Ok(h) => match h.vms.iter().find(|v| v.spec.name == vm) {
+                Some(v) if v.state == "running" && v.pid != old_pid && v.pid != 0 => {
+                    return Ok(v.pid)
+                }
+                Some(v) => format!("{} under pid {}", v.state, v.pid),
+                None => "gone from its host".to_string(),
+            },
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() > deadline {
+            return Err(format!("after the handover the VM is {last}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
