@@ -53,6 +53,9 @@ pub struct AgentArgs {
     /// /run/ferry/agent/NAME).
     #[arg(long)]
     state_dir: Option<PathBuf>,
+    /// The ferry binary new VMs (and arriving ones) run (default: this one).
+    #[arg(long)]
+    binary: Option<PathBuf>,
     /// Print JSON for machines (one line when ready).
     #[arg(long)]
     json: bool,
@@ -189,7 +192,10 @@ pub fn agent(a: AgentArgs) -> Result<ExitCode> {
         state_dir: a
             .state_dir
             .unwrap_or_else(|| PathBuf::from(format!("/run/ferry/agent/{}", a.name))),
-        ferry: std::env::current_exe().context("cannot find this ferry binary")?,
+        ferry: match a.binary {
+            Some(b) => std::fs::canonicalize(&b).with_context(|| format!("{}", b.display()))?,
+            None => std::env::current_exe().context("cannot find this ferry binary")?,
+        },
         tls: crate::security::fleet_credentials()?,
     };
     let secure = opts.tls.is_some();

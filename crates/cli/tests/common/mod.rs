@@ -2,6 +2,8 @@
 // Each test file uses its own subset of these.
 #![allow(dead_code)]
 
+pub mod lab;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 

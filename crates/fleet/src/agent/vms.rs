@@ -138,11 +138,18 @@ impl Vms {
         }
         match self.spawn(spec, &socket, extra) {
             Ok(pid) => {
-                let mut r = lock(&self.records);
-                let rec = r.get_mut(&spec.name).expect("the name was taken above");
-                rec.pid = pid;
-                let rec = rec.clone();
-                drop(r);
+                let rec = {
+                    let mut r = lock(&self.records);
+                    // Only this call removes a record still starting.
+                    let Some(rec) = r.get_mut(&spec.name) else {
+                        return Err(FleetError::Vm {
+                            vm: spec.name.clone(),
+                            reason: "its record went while its VMM started".into(),
+                        });
+                    };
+                    rec.pid = pid;
+                    rec.clone()
+                };
                 self.persist(&rec)?;
                 self.info_of(&rec)
             }
@@ -245,11 +252,23 @@ impl Vms {
         lock(&self.children).retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
     }
 
-    /// Every VM as its VMM says now; VMs whose VMM is gone are forgotten.
+    /// Every VM as its VMM says now; VMs whose VMM is gone are forgotten
+    /// (not those still starting: their start call owns them).
     pub fn list(&self) -> Vec<VmInfo> {
         let recs: Vec<Record> = lock(&self.records).values().cloned().collect();
         let mut out = Vec::new();
         for rec in recs {
+            if rec.pid == 0 {
+                out.push(VmInfo {
+                    spec: rec.spec.clone(),
+                    state: "starting".into(),
+                    pid: 0,
+                    socket: rec.socket.clone(),
+                    uptime_s: 0.0,
+                    came_by: rec.came_by.clone(),
+                });
+                continue;
+            }
             match self.info_of(&rec) {
                 Ok(i) => out.push(i),
                 Err(e) => {
@@ -308,6 +327,11 @@ impl Vms {
     pub fn stop(&self, name: &str) -> Result<(), FleetError> {
         let socket = self.socket(name)?;
         let pid = self.pid(name);
+        if pid == 0 {
+            return Err(FleetError::Refused(format!(
+                "VM {name} is still starting here; stop it once it runs"
+            )));
+        }
         match ControlClient::connect(&socket).and_then(|mut c| c.call(&Control::Quit)) {
             Ok(_) => self.wait_gone(pid, Duration::from_secs(10)),
             Err(e) => {

@@ -1,0 +1,275 @@
+//! Fleet operations across lab hosts (issue 33): an agent on each host,
+//! VMs started through them, a host drained while a destination's agent is
+//! dead (its moves go elsewhere), an agent restarted under running VMs
+//! (adopted), and a host upgraded in place (zero-copy handovers). No VM is
+//! lost, every move passes --verify, and every guest keeps counting.
+
+mod common;
+use common::lab::{in_host, lab_up};
+use common::{kvm_usable, progress, wait_status};
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// An agent on a lab host, killed when dropped (its VMs run on).
+struct AgentProc(Child);
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Ends every VMM the test's agents started (they outlive the agents).
+struct VmReaper(String);
+
+impl Drop for VmReaper {
+    fn drop(&mut self) {
+        let _ = Command::new("pkill").args(["-f", &self.0]).status();
+    }
+}
+
+/// Starts the agent of lab host `n` offering `mem`, and waits until it is
+/// registered (its `--json` line).
+fn agent(n: u32, registry: &str, state: &std::path::Path, mem: &str, extra: &[&str]) -> AgentProc {
+    let host = format!("ferry-h{n}");
+    let listen = format!("10.77.0.{n}:7700");
+    let mut c = in_host(
+        &host,
+        &[
+            "agent",
+            "--name",
+            &host,
+            "--listen",
+            &listen,
+            "--registry",
+            registry,
+            "--mem",
+            mem,
+            "--state-dir",
+            state.join(&host).to_str().unwrap(),
+            "--json",
+        ],
+    )
+    .args(extra)
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut line = String::new();
+    BufReader::new(c.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: serde_json::Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("agent {host} did not start ({e}): {line:?}"));
+    assert_eq!(ready["tls"], true, "{ready}");
+    AgentProc(c)
+}
+
+/// `ferry ARGS --registry R --json` as the operator (on ferry-h3, with its
+/// fleet certificate); the parsed output, or the error.
+fn op(registry: &str, args: &[&str]) -> Result<serde_json::Value, String> {
+    let o = in_host("ferry-h3", args)
+        .args(["--registry", registry, "--json"])
+        .output()
+        .unwrap();
+    let out = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+    if o.status.success() {
+        Ok(out)
+    } else {
+        Err(format!(
+            "ferry {args:?}: {}{out}",
+            String::from_utf8_lossy(&o.stderr)
+        ))
+    }
+}
+
+/// A VM as `ferry vm list` shows it: name, VMM pid, state, control socket.
+type Vm = (String, u64, String, String);
+
+/// Each host's VMs, from `ferry vm list`.
+fn vms_by_host(registry: &str) -> Vec<(String, Vec<Vm>)> {
+    let list = op(registry, &["vm", "list"]).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            let host = &h["host"];
+            let vms = host["vms"]
+                .as_array()
+                .map(|v| {
+                    v.iter()
+                        .map(|vm| {
+                            (
+                                vm["spec"]["name"].as_str().unwrap().to_string(),
+                                vm["pid"].as_u64().unwrap(),
+                                vm["state"].as_str().unwrap().to_string(),
+                                vm["socket"].as_str().unwrap().to_string(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            (host["name"].as_str().unwrap().to_string(), vms)
+        })
+        .collect()
+}
+
+fn vms_on(registry: &str, host: &str) -> Vec<Vm> {
+    vms_by_host(registry)
+        .into_iter()
+        .find(|(h, _)| h == host)
+        .map(|(_, v)| v)
+        .unwrap_or_default()
+}
+
+/// Waits until every VM of `vms` counts on past `before` (name → count).
+fn still_counting(vms: &[Vm], before: &[(String, u64)]) {
+    for (name, _, _, socket) in vms {
+        let Some((_, b)) = before.iter().find(|(n, _)| n == name) else {
+            continue;
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = progress(&wait_status(socket));
+            if now > *b {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "VM {name} stopped counting at {now}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-fleet-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _vms = VmReaper(dir.to_str().unwrap().to_string());
+    let registry = format!("dir:{}", dir.join("registry").display());
+    let reg = registry.as_str();
+    let _a1 = agent(1, reg, &dir, "1G", &[]);
+    let mut a2 = agent(2, reg, &dir, "1G", &[]);
+    // ferry-h3 offers the most room, but its VMMs cannot start (a broken
+    // install: its ferry is /bin/false).
+    let _a3 = agent(3, reg, &dir, "2G", &["--binary", "/bin/false"]);
+
+    // Three VMs on ferry-h1, through its agent.
+    for (name, workload, vcpus) in [
+        ("web", "compute+dirty:rate=32,wss=32", "1"),
+        ("batch", "compute", "2"),
+        ("quiet", "compute:tasks=1", "1"),
+    ] {
+        op(
+            reg,
+            &[
+                "vm",
+                "start",
+                name,
+                "--host",
+                "ferry-h1",
+                "--mem",
+                "128M",
+                "--vcpus",
+                vcpus,
+                "--workload",
+                workload,
+            ],
+        )
+        .unwrap();
+    }
+    let on_h1 = vms_on(reg, "ferry-h1");
+    assert_eq!(on_h1.len(), 3, "{on_h1:?}");
+    assert!(on_h1.iter().all(|v| v.2 == "running"), "{on_h1:?}");
+    let e = op(reg, &["vm", "start", "web", "--host", "ferry-h2"]).unwrap_err();
+    assert!(e.contains("runs on ferry-h1 already"), "{e}");
+    let before: Vec<(String, u64)> = on_h1
+        .iter()
+        .map(|(n, _, _, s)| (n.clone(), progress(&wait_status(s))))
+        .collect();
+
+    // The plan sends VMs to ferry-h3 (the most room); those moves fail
+    // before anything moves (no VMM there to receive them), and the VMs go
+    // to ferry-h2 instead.
+    let plan = op(reg, &["drain", "ferry-h1", "--dry-run"]).unwrap();
+    assert_eq!(plan["moves"].as_array().unwrap().len(), 3, "{plan}");
+    assert_eq!(plan["moves"][0]["to"], "ferry-h3", "{plan}");
+    let report = op(reg, &["drain", "ferry-h1", "--verify"]).unwrap();
+    let moves = report["moves"].as_array().unwrap();
+    assert_eq!(moves.len(), 3, "{report}");
+    for m in moves {
+        assert_eq!(m["state"], "done", "{m}");
+        assert_eq!(m["to"], "ferry-h2", "{m}");
+        assert!(m["downtime_ms"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    assert!(
+        moves.iter().any(|m| m["errors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e.as_str().unwrap().contains("to ferry-h3"))),
+        "the broken host was tried and given up: {report}"
+    );
+    assert!(vms_on(reg, "ferry-h1").is_empty(), "ferry-h1 emptied");
+    let on_h2 = vms_on(reg, "ferry-h2");
+    assert_eq!(on_h2.len(), 3, "no VM lost or doubled: {on_h2:?}");
+    still_counting(&on_h2, &before);
+
+    // ferry-h2's agent dies under its VMs: they run on, and its next start
+    // adopts them.
+    let _ = a2.0.kill();
+    let _ = a2.0.wait();
+    for (name, pid, _, socket) in &on_h2 {
+        assert_eq!(
+            wait_status(socket)["pid"].as_u64(),
+            Some(*pid),
+            "VM {name} runs on without its agent"
+        );
+    }
+    std::thread::sleep(Duration::from_secs(6)); // its lease runs out
+    a2 = agent(2, reg, &dir, "1G", &[]);
+    let adopted = vms_on(reg, "ferry-h2");
+    let mut names: Vec<&str> = adopted.iter().map(|v| v.0.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["batch", "quiet", "web"], "adopted: {adopted:?}");
+
+    // ferry-h2 upgraded in place: each VM under a new VMM process, no guest
+    // memory copied, still counting.
+    let mid: Vec<(String, u64)> = adopted
+        .iter()
+        .map(|(n, _, _, s)| (n.clone(), progress(&wait_status(s))))
+        .collect();
+    let up = op(reg, &["upgrade", "ferry-h2"]).unwrap();
+    let handed = up["vms"].as_array().unwrap();
+    assert_eq!(handed.len(), 3, "{up}");
+    for r in handed {
+        assert!(r["error"].is_null(), "{r}");
+        assert_eq!(r["copied_bytes"], 0, "{r}");
+        assert_ne!(r["new_pid"], r["old_pid"], "{r}");
+    }
+    let after = vms_on(reg, "ferry-h2");
+    for (name, pid, state, _) in &after {
+        assert_eq!(state, "running", "{name}");
+        let r = handed.iter().find(|r| r["vm"] == name.as_str()).unwrap();
+        assert_eq!(Some(*pid), r["new_pid"].as_u64(), "{name}: {r}");
+    }
+    still_counting(&after, &mid);
+
+    // Stopped through the fleet, each VM's VMM ends.
+    for (name, pid, _, _) in &after {
+        op(reg, &["vm", "stop", name]).unwrap();
+        // SAFETY: kill with signal 0 only asks whether the process exists.
+        assert_ne!(unsafe { libc::kill(*pid as i32, 0) }, 0, "VM {name} ended");
+    }
+    assert!(vms_on(reg, "ferry-h2").is_empty());
+    drop(a2);
+}
