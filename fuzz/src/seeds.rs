@@ -697,6 +697,34 @@ mod base64_lite {
 }
 
 /// Every target's seeds, named `TARGET/NAME`.
+fn agent_api() -> Vec<Seed> {
+    let t = "agent_api";
+    let host = r#"{"name":"h2","addr":"10.77.0.2:7700","mem_bytes":1073741824,"free_mem":939524096,"vcpus":8,"free_vcpus":7,"link_bps":1000000000,"vms":[{"spec":{"name":"web","mem_bytes":134217728,"vcpus":1,"workload":"kv","vm_address":"10.77.0.100","serve":"10.77.0.100:7000"},"state":"running","pid":4242,"socket":"/run/ferry/agent/h2/web.sock","uptime_s":12.5,"came_by":"migrated"}]}"#;
+    [
+        ("q-info", r#"Q{"op":"info"}"#.to_string()),
+        (
+            "q-start",
+            r#"Q{"op":"start","vm":{"name":"web","mem_bytes":134217728,"vcpus":2,"workload":"compute+dirty:rate=32,wss=32"}}"#.into(),
+        ),
+        ("q-stop", r#"Q{"op":"stop","name":"web"}"#.into()),
+        (
+            "q-receive",
+            r#"Q{"op":"receive","vm":{"name":"web","mem_bytes":134217728,"vcpus":1,"workload":"idle"},"from":"ferry-h1","token":"00112233445566778899aabbccddeeff"}"#.into(),
+        ),
+        (
+            "q-send",
+            r#"Q{"op":"send","name":"web","to":"tcp:10.77.0.2:41234","token":"00112233445566778899aabbccddeeff","mode":"hybrid","verify":true}"#.into(),
+        ),
+        ("q-upgrade", r#"Q{"op":"upgrade","name":"web","binary":"/usr/local/bin/ferry"}"#.into()),
+        ("a-info", format!(r#"A{{"ok":true,"host":{host}}}"#)),
+        ("a-error", r#"A{"ok":false,"error":"no room for VM web"}"#.into()),
+        ("a-progress", r#"A{"progress":{"round":2,"remaining_pages":1234,"bytes":5678}}"#.into()),
+    ]
+    .into_iter()
+    .map(|(n, l)| named(t, n, l.into_bytes()))
+    .collect()
+}
+
 pub fn all() -> Vec<Seed> {
     let mut out = Vec::new();
     out.extend(wire_frame());
@@ -714,5 +742,6 @@ pub fn all() -> Vec<Seed> {
     out.extend(service_wire());
     out.extend(timeline());
     out.extend(registry());
+    out.extend(agent_api());
     out
 }

@@ -76,6 +76,50 @@ pub fn check_name(name: &str) -> Result<(), FleetError> {
     }
 }
 
+/// The longest token or host name a request may carry.
+pub const MAX_FIELD: usize = 256;
+
+/// Reads one request line as an agent does: JSON into a [`Request`], then
+/// the fields a peer may not choose freely (names, sizes, lengths)
+/// checked, so a handler never sees one that fails them.
+pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
+    if line.len() > MAX_LINE {
+        return Err(FleetError::Refused(format!(
+            "a request line over {MAX_LINE} bytes"
+        )));
+    }
+    let req: Request = serde_json::from_slice(line)
+        .map_err(|e| FleetError::Refused(format!("not a request this agent knows: {e}")))?;
+    let short = |what: &str, v: &str| {
+        if v.is_empty() || v.len() > MAX_FIELD {
+            Err(FleetError::Refused(format!(
+                "{what} of {} bytes (1 to {MAX_FIELD})",
+                v.len()
+            )))
+        } else {
+            Ok(())
+        }
+    };
+    match &req {
+        Request::Info => {}
+        Request::Start { vm } => vm.check()?,
+        Request::Stop { name } | Request::Upgrade { name, .. } => check_name(name)?,
+        Request::Receive { vm, from, token } => {
+            vm.check()?;
+            short("a source host name", from)?;
+            short("a token", token)?;
+        }
+        Request::Send {
+            name, to, token, ..
+        } => {
+            check_name(name)?;
+            short("a destination", to)?;
+            short("a token", token)?;
+        }
+    }
+    Ok(req)
+}
+
 /// What an agent is asked.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
@@ -203,6 +247,16 @@ mod tests {
         }
         for good in ["web-1", "db_2.prod", &"x".repeat(64)] {
             check_name(good).unwrap();
+        }
+        // The agent's reading refuses the same in every request.
+        assert_eq!(parse_request(line.as_bytes()).unwrap(), r);
+        for bad in [
+            r#"{"op":"stop","name":"../x"}"#,
+            r#"{"op":"send","name":"a","to":"tcp:1.2.3.4:5","token":"","mode":"precopy"}"#,
+            r#"{"op":"launch"}"#,
+            "not json",
+        ] {
+            assert!(parse_request(bad.as_bytes()).is_err(), "{bad}");
         }
         let spec = |mem, vcpus| VmSpec {
             name: "v".into(),

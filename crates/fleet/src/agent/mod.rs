@@ -190,8 +190,7 @@ impl Agent {
             .unwrap_or_else(|| format!("{peer} (plaintext)"));
         let deadline = Some(Instant::now() + REQUEST_WITHIN);
         let req = match wire::read_line(&mut c, MAX_LINE, deadline) {
-            Ok(Some(line)) => serde_json::from_str::<Request>(&line)
-                .map_err(|e| FleetError::Refused(format!("not a request this agent knows: {e}"))),
+            Ok(Some(line)) => crate::api::parse_request(line.as_bytes()),
             Ok(None) => return,
             Err(e) => Err(FleetError::Refused(format!("no request: {e}"))),
         };
