@@ -68,23 +68,27 @@ impl Embedded {
     /// A host's file: its name with anything but [A-Za-z0-9._-] spelled
     /// as %XX, so no name can reach outside the directory.
     fn file(&self, name: &str) -> PathBuf {
-        let mut s = String::new();
-        for b in name.bytes() {
-            if b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-' {
-                s.push(b as char);
-            } else {
-                s.push_str(&format!("%{b:02X}"));
-            }
-        }
-        self.dir.join(format!("{s}.json"))
+        self.dir.join(format!("{}.json", escape(name)))
+    }
+
+    /// The records' directory (the hosts' listing skips it: no `.json`).
+    fn records_dir(&self) -> PathBuf {
+        self.dir.join("records")
+    }
+
+    /// Writes `body` to `path` whole, then renames it into place (the
+    /// temporary file's name starts with '.', which no entry's or record's
+    /// does, and does not end in `.json`: listings never see it).
+    fn write_file(&self, path: &std::path::Path, body: &[u8]) -> Result<(), RegistryError> {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("x");
+        let tmp = path.with_file_name(format!(".{name}.tmp{}", std::process::id()));
+        std::fs::write(&tmp, body).map_err(|e| self.err(e))?;
+        std::fs::rename(&tmp, path).map_err(|e| self.err(e))
     }
 
     fn write(&self, rec: &Record) -> Result<(), RegistryError> {
-        let path = self.file(&rec.entry.name);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let body = serde_json::to_vec(rec).map_err(|e| self.err(e.into()))?;
-        std::fs::write(&tmp, body).map_err(|e| self.err(e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| self.err(e))
+        self.write_file(&self.file(&rec.entry.name), &body)
     }
 }
 
@@ -140,6 +144,93 @@ impl Registry for Embedded {
     fn describe(&self) -> String {
         format!("dir:{}", self.dir.display())
     }
+
+    fn put_record(&self, key: &str, value: &[u8]) -> Result<(), RegistryError> {
+        crate::check_key(key)?;
+        if value.len() > crate::MAX_RECORD {
+            return Err(RegistryError::BadKey(key.into()));
+        }
+        std::fs::create_dir_all(self.records_dir()).map_err(|e| self.err(e))?;
+        self.write_file(&self.records_dir().join(escape(key)), value)
+    }
+
+    fn get_record(&self, key: &str) -> Result<Option<Vec<u8>>, RegistryError> {
+        crate::check_key(key)?;
+        match std::fs::read(self.records_dir().join(escape(key))) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(self.err(e)),
+        }
+    }
+
+    fn delete_record(&self, key: &str) -> Result<(), RegistryError> {
+        crate::check_key(key)?;
+        match std::fs::remove_file(self.records_dir().join(escape(key))) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(self.err(e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn records(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, RegistryError> {
+        let dir = match std::fs::read_dir(self.records_dir()) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(self.err(e)),
+        };
+        let mut out = Vec::new();
+        for e in dir {
+            let path = e.map_err(|e| self.err(e))?.path();
+            let Some(key) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|n| !n.starts_with('.'))
+                .and_then(unescape)
+            else {
+                continue;
+            };
+            if !key.starts_with(prefix) {
+                continue;
+            }
+            // A record removed meanwhile is simply not there.
+            if let Ok(v) = std::fs::read(&path) {
+                out.push((key, v));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+/// `name` with anything but [A-Za-z0-9._-] (and a leading '.') spelled as
+/// %XX: a file name of its own that cannot reach outside its directory.
+fn escape(name: &str) -> String {
+    let mut s = String::new();
+    for (i, b) in name.bytes().enumerate() {
+        if b.is_ascii_alphanumeric() || (b == b'.' && i > 0) || b == b'_' || b == b'-' {
+            s.push(b as char);
+        } else {
+            s.push_str(&format!("%{b:02X}"));
+        }
+    }
+    s
+}
+
+/// The name [`escape`] made `file` from (None for a file it did not make).
+fn unescape(file: &str) -> Option<String> {
+    let b = file.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 #[cfg(test)]
@@ -182,6 +273,47 @@ mod tests {
         r.withdraw("a/../b").unwrap();
         r.withdraw("never-there").unwrap();
         assert!(r.hosts().unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn records_stay_until_deleted_and_keys_cannot_leave_the_directory() {
+        let dir = std::env::temp_dir().join(format!("ferry-reg-records-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let r = Embedded::open(dir.clone()).unwrap();
+        r.put_record("drains/h1", b"one").unwrap();
+        r.put_record("drains/h2", b"two").unwrap();
+        r.put_record("other", b"x").unwrap();
+        assert_eq!(
+            r.get_record("drains/h1").unwrap().as_deref(),
+            Some(&b"one"[..])
+        );
+        assert_eq!(r.get_record("drains/h9").unwrap(), None);
+        let drains = r.records("drains/").unwrap();
+        assert_eq!(
+            drains,
+            vec![
+                ("drains/h1".to_string(), b"one".to_vec()),
+                ("drains/h2".into(), b"two".to_vec())
+            ]
+        );
+        r.put_record("drains/h1", b"again").unwrap();
+        assert_eq!(
+            r.get_record("drains/h1").unwrap().as_deref(),
+            Some(&b"again"[..])
+        );
+        r.delete_record("drains/h1").unwrap();
+        r.delete_record("drains/h1").unwrap();
+        assert_eq!(r.records("drains/").unwrap().len(), 1);
+        // Records are not hosts, and hosts are not records.
+        assert!(r.hosts().unwrap().is_empty());
+        for bad in ["", "../x", "a b", "x\0", "a//b", "a/./b", "/a"] {
+            assert!(r.put_record(bad, b"v").is_err(), "{bad:?}");
+        }
+        r.put_record(".hidden/../../x", b"v").unwrap_err();
+        assert!(r
+            .put_record("big", &vec![0u8; crate::MAX_RECORD + 1])
+            .is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -39,6 +39,8 @@ use crate::link::Link;
 use crate::{HostEntry, Registry, RegistryError};
 
 const PREFIX: &str = "/ferry/hosts/";
+/// Where the fleet's records (no lease) are kept.
+const RECORDS: &str = "/ferry/records/";
 
 /// A connection to etcd's gateway.
 pub struct Etcd {
@@ -212,6 +214,79 @@ impl Registry for Etcd {
     fn describe(&self) -> String {
         self.addr.clone()
     }
+
+    fn put_record(&self, key: &str, value: &[u8]) -> Result<(), RegistryError> {
+        crate::check_key(key)?;
+        if value.len() > crate::MAX_RECORD {
+            return Err(RegistryError::BadKey(key.into()));
+        }
+        self.call(
+            "/v3/kv/put",
+            json!({"key": B64.encode(format!("{RECORDS}{key}")), "value": B64.encode(value)}),
+        )
+        .map(|_| ())
+    }
+
+    fn get_record(&self, key: &str) -> Result<Option<Vec<u8>>, RegistryError> {
+        crate::check_key(key)?;
+        let v = self.call(
+            "/v3/kv/range",
+            json!({"key": B64.encode(format!("{RECORDS}{key}"))}),
+        )?;
+        Ok(records_of_range(&v)?.into_iter().next().map(|(_, v)| v))
+    }
+
+    fn delete_record(&self, key: &str) -> Result<(), RegistryError> {
+        crate::check_key(key)?;
+        self.call(
+            "/v3/kv/deleterange",
+            json!({"key": B64.encode(format!("{RECORDS}{key}"))}),
+        )
+        .map(|_| ())
+    }
+
+    fn records(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, RegistryError> {
+        let from = format!("{RECORDS}{prefix}");
+        // Every key from `from` up to the next key after all its
+        // extensions: `from` with its last byte incremented.
+        let mut end = from.clone().into_bytes();
+        if let Some(last) = end.last_mut() {
+            *last += 1;
+        }
+        let v = self.call(
+            "/v3/kv/range",
+            json!({"key": B64.encode(&from), "range_end": B64.encode(end)}),
+        )?;
+        records_of_range(&v)
+    }
+}
+
+/// The records in a `/v3/kv/range` answer: (key without the records'
+/// prefix, value), each value at most [`MAX_RECORD`](crate::MAX_RECORD).
+fn records_of_range(v: &Value) -> Result<Vec<(String, Vec<u8>)>, RegistryError> {
+    let mut out = Vec::new();
+    for kv in v["kvs"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        let key = B64
+            .decode(kv["key"].as_str().unwrap_or(""))
+            .ok()
+            .and_then(|k| String::from_utf8(k).ok())
+            .unwrap_or_default();
+        let Some(key) = key.strip_prefix(RECORDS) else {
+            continue;
+        };
+        let value = B64
+            .decode(kv["value"].as_str().unwrap_or(""))
+            .map_err(|e| RegistryError::BadEntry {
+                key: key.into(),
+                reason: e.to_string(),
+            })?;
+        if value.len() > crate::MAX_RECORD {
+            return Err(RegistryError::BadKey(key.into()));
+        }
+        out.push((key.to_string(), value));
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// The hosts in a `/v3/kv/range` answer (base64 values of [`HostEntry`]

@@ -113,6 +113,9 @@ pub enum RegistryError {
          and none were given"
     )]
     NoCredentials(String),
+    /// A record key that is not one ([`check_key`]), or a value too large.
+    #[error("bad registry record key {0:?} (1 to 200 of A-Z a-z 0-9 . _ / -, no empty, . or .. segment), or its value is over 1 MiB")]
+    BadKey(String),
     /// An entry that does not decode (another program's key, or damage).
     #[error("registry entry {key} is not a ferry host: {reason}")]
     BadEntry {
@@ -137,6 +140,37 @@ pub trait Registry: Send + Sync {
     fn hosts(&self) -> Result<Vec<HostEntry>, RegistryError>;
     /// Where this registry is, for messages.
     fn describe(&self) -> String;
+    /// Stores `value` under `key` among the fleet's records: state that must
+    /// outlive the process that wrote it (a drain's), so it has no lease
+    /// and stays until deleted. Keys are [`check_key`]'s.
+    fn put_record(&self, key: &str, value: &[u8]) -> Result<(), RegistryError>;
+    /// The record under `key`, if any.
+    fn get_record(&self, key: &str) -> Result<Option<Vec<u8>>, RegistryError>;
+    /// Removes the record under `key` (none there is not an error).
+    fn delete_record(&self, key: &str) -> Result<(), RegistryError>;
+    /// Every record whose key starts with `prefix`, by key.
+    fn records(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, RegistryError>;
+}
+
+/// The largest record a registry stores or reads back.
+pub const MAX_RECORD: usize = 1 << 20;
+
+/// Refuses a record key that is not 1 to 200 of `[A-Za-z0-9._/-]` in
+/// `/`-separated segments, none empty, `.` or `..`.
+pub fn check_key(key: &str) -> Result<(), RegistryError> {
+    let ok = !key.is_empty()
+        && key.len() <= 200
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._/-".contains(&b))
+        && key
+            .split('/')
+            .all(|s| !s.is_empty() && s != "." && s != "..");
+    if ok {
+        Ok(())
+    } else {
+        Err(RegistryError::BadKey(key.into()))
+    }
 }
 
 /// Opens a registry: `etcds://HOST:PORT` (mutual TLS with `tls`, which it

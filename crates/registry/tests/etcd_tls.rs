@@ -165,6 +165,28 @@ fn etcd_over_mutual_tls_serves_fleet_hosts_and_refuses_strangers() {
     assert_eq!(names(&*fleet), ["memserver@a"]);
     assert_eq!(fleet.describe(), tls_addr);
 
+    // The fleet's records (a drain's state): no lease, listed by prefix,
+    // never mistaken for hosts.
+    fleet
+        .put_record("drains/h1", b"{\"cancel\":false}")
+        .unwrap();
+    fleet.put_record("drains/h2", b"two").unwrap();
+    fleet.put_record("drainsx", b"not under drains/").unwrap();
+    assert_eq!(
+        fleet.get_record("drains/h1").unwrap().as_deref(),
+        Some(&b"{\"cancel\":false}"[..])
+    );
+    let keys: Vec<String> = fleet
+        .records("drains/")
+        .unwrap()
+        .into_iter()
+        .map(|r| r.0)
+        .collect();
+    assert_eq!(keys, ["drains/h1", "drains/h2"]);
+    fleet.delete_record("drains/h1").unwrap();
+    assert_eq!(fleet.get_record("drains/h1").unwrap(), None);
+    assert_eq!(names(&*fleet), ["memserver@a"]);
+
     // A certificate from another CA: etcd refuses it, and nothing it tried
     // to write is there.
     let stranger = open(&tls_addr, &tmp.join("x"));
