@@ -127,6 +127,10 @@ pub struct DrainArgs {
     /// Print the plan and move nothing.
     #[arg(long)]
     dry_run: bool,
+    /// Ask the drain of HOST running anywhere to start no new move (the
+    /// running ones finish or roll back).
+    #[arg(long, conflicts_with = "dry_run")]
+    cancel: bool,
     /// Moves out of the host, and into any one host, at once.
     #[arg(long, default_value_t = 2)]
     per_host: usize,
@@ -327,6 +331,19 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
 /// `ferry drain HOST`.
 pub fn drain(a: DrainArgs) -> Result<ExitCode> {
     let fleet = open_fleet(a.fleet.registry.as_deref())?;
+    if a.cancel {
+        let r = ferry_fleet::journal::cancel(&**fleet.registry(), &a.host)?;
+        if a.fleet.json {
+            println!("{}", json!({"cancelled": a.host, "owner": r.owner}));
+        } else {
+            println!(
+                "drain of {} ({}) asked to start no new move; the moves under way finish or \
+                 roll back",
+                a.host, r.owner
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let opts = DrainOptions {
         per_host: a.per_host.max(1),
         in_fleet: a.in_fleet.max(1),
@@ -338,15 +355,18 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         verify: a.verify,
         retries: a.retries,
     };
-    let source = fleet.host(&a.host)?;
-    let others: Vec<_> = fleet
-        .hosts()?
-        .into_iter()
-        .filter_map(|(_, h)| h.ok())
-        .filter(|h| h.name != a.host)
-        .collect();
-    let plan = drain::plan(&source, &others, &opts);
+    let plan_now = || -> Result<drain::Plan> {
+        let source = fleet.host(&a.host)?;
+        let others: Vec<_> = fleet
+            .hosts()?
+            .into_iter()
+            .filter_map(|(_, h)| h.ok())
+            .filter(|h| h.name != a.host)
+            .collect();
+        Ok(drain::plan(&source, &others, &opts))
+    };
     if a.dry_run {
+        let plan = plan_now()?;
         if a.fleet.json {
             println!("{}", serde_json::to_string(&plan)?);
         } else {
@@ -354,10 +374,43 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    // The drain's state lives in the registry: a drain of this host that
+    // died is settled first (its moves in flight end one way or the other),
+    // then the plan is made from where the VMs are now.
+    let (journal, before) =
+        ferry_fleet::journal::Journal::begin(fleet.registry().clone(), &a.host)?;
+    let journal = Arc::new(journal);
+    if let Some(prev) = before {
+        if !a.fleet.json {
+            eprintln!(
+                "resuming the drain of {} that {} started (it stopped renewing its record)",
+                a.host, prev.owner
+            );
+        }
+        for note in drain::settle(&fleet, &prev, std::time::Duration::from_secs(600))? {
+            if !a.fleet.json {
+                eprintln!("  {note}");
+            }
+        }
+    }
+    let plan = plan_now()?;
     if !a.fleet.json {
         print_plan(&plan);
     }
     let cancel = stop_flag()?;
+    let ended = Arc::new(AtomicBool::new(false));
+    // Renews the record every second and listens for `--cancel`.
+    let beat = {
+        let (journal, cancel, ended) = (journal.clone(), cancel.clone(), ended.clone());
+        std::thread::spawn(move || {
+            while !ended.load(std::sync::atomic::Ordering::Relaxed) {
+                if journal.beat() {
+                    cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                std::thread::sleep(ferry_fleet::journal::HEARTBEAT);
+            }
+        })
+    };
     // At a terminal the lines are redrawn in place four times a second;
     // elsewhere (a log) a line is printed when a move changes state.
     let live = !a.fleet.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -371,6 +424,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         &opts,
         &cancel,
         &mut |moves: &[MoveReport]| {
+            journal.record(moves);
             if a.fleet.json {
                 return;
             }
@@ -398,7 +452,13 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
             }
             shown = lines.len();
         },
-    )?;
+    );
+    ended.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = beat.join();
+    if let Ok(j) = Arc::try_unwrap(journal) {
+        j.end();
+    }
+    let report = report?;
     if a.fleet.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

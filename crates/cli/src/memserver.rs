@@ -190,17 +190,26 @@ pub struct HostsArgs {
     /// Print JSON for machines.
     #[arg(long)]
     json: bool,
+    /// With --json: an object of the hosts and the drains in progress
+    /// (without: the list of hosts alone, as before).
+    #[arg(long, requires = "json")]
+    drains: bool,
 }
 
-/// Lists the hosts the registry knows.
+/// Lists the hosts the registry knows, and the drains in progress.
 pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
     let registry = ferry_registry::open(
         a.registry.as_deref(),
         crate::security::credentials_for_registry(a.registry.as_deref())?,
     )?;
     let hosts = registry.hosts()?;
+    let drains = ferry_fleet::journal::all(&*registry)?;
     if a.json {
-        println!("{}", serde_json::to_string(&hosts)?);
+        if a.drains {
+            println!("{}", json!({"hosts": hosts, "drains": drains}));
+        } else {
+            println!("{}", serde_json::to_string(&hosts)?);
+        }
         return Ok(ExitCode::SUCCESS);
     }
     println!("registry {}: {} hosts", registry.describe(), hosts.len());
@@ -212,12 +221,39 @@ pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
     }
     for h in &hosts {
         println!(
-            "{:<32} {:<10} {:<24} {:>10} {:>10}",
+            "{:<32} {:<10} {:<24} {:>10} {:>10}{}",
             h.name,
             h.kind.to_string(),
             h.addr,
             format::bytes(h.capacity as f64),
-            format::bytes(h.free as f64)
+            format::bytes(h.free as f64),
+            h.agent.as_ref().map_or(String::new(), |o| format!(
+                "  {} VMs, {}/{} vCPUs free",
+                o.vms, o.free_vcpus, o.vcpus
+            ))
+        );
+    }
+    for d in &drains {
+        let moving = d
+            .moves
+            .iter()
+            .filter(|m| {
+                !matches!(
+                    m.state,
+                    ferry_fleet::drain::MoveState::Done | ferry_fleet::drain::MoveState::Failed
+                )
+            })
+            .count();
+        println!(
+            "drain of {}: {} ({}), {} moves recorded, {moving} not ended",
+            d.host,
+            if d.stale() {
+                "its process died; run it again to resume"
+            } else {
+                "running"
+            },
+            d.owner,
+            d.moves.len()
         );
     }
     Ok(ExitCode::SUCCESS)

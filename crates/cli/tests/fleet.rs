@@ -264,12 +264,91 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
     }
     still_counting(&after, &mid);
 
+    // A drain of ferry-h2 is killed while its first move is under way; a
+    // second drain finds its record, settles the move in flight and moves
+    // the rest: every VM ends on ferry-h1 (ferry-h3 still cannot take
+    // any), each exactly once, none left waiting anywhere.
+    let counts: Vec<(String, u64)> = after
+        .iter()
+        .map(|(n, _, _, s)| (n.clone(), progress(&wait_status(s))))
+        .collect();
+    let mut first = in_host(
+        "ferry-h3",
+        &[
+            "drain",
+            "ferry-h2",
+            "--per-host",
+            "1",
+            "--registry",
+            reg,
+            "--json",
+        ],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = op(reg, &["hosts", "--drains"]).unwrap();
+        let moving = d["drains"].as_array().is_some_and(|ds| {
+            ds.iter().any(|d| {
+                d["moves"]
+                    .as_array()
+                    .is_some_and(|ms| ms.iter().any(|m| m["state"] == "moving"))
+            })
+        });
+        if moving {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the first drain never moved: {d}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = first.kill();
+    let _ = first.wait();
+    let e = op(reg, &["drain", "ferry-h2"]).unwrap_err();
+    assert!(
+        e.contains("a drain of ferry-h2 is running"),
+        "refused while its record is fresh: {e}"
+    );
+    std::thread::sleep(Duration::from_secs(11)); // its record goes stale
+    let resumed = op(reg, &["drain", "ferry-h2"]).unwrap();
+    assert!(
+        resumed["moves"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["state"] == "done"),
+        "{resumed}"
+    );
+    let by_host = vms_by_host(reg);
+    let mut seen: Vec<&str> = by_host
+        .iter()
+        .flat_map(|(_, vms)| vms.iter().map(|v| v.0.as_str()))
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, ["batch", "quiet", "web"], "each VM once: {by_host:?}");
+    let after = vms_on(reg, "ferry-h1");
+    assert_eq!(after.len(), 3, "{by_host:?}");
+    assert!(after.iter().all(|v| v.2 == "running"), "{after:?}");
+    still_counting(&after, &counts);
+    assert!(
+        op(reg, &["hosts", "--drains"]).unwrap()["drains"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "the drain's record went with it"
+    );
+
     // Stopped through the fleet, each VM's VMM ends.
     for (name, pid, _, _) in &after {
         op(reg, &["vm", "stop", name]).unwrap();
         // SAFETY: kill with signal 0 only asks whether the process exists.
         assert_ne!(unsafe { libc::kill(*pid as i32, 0) }, 0, "VM {name} ended");
     }
-    assert!(vms_on(reg, "ferry-h2").is_empty());
+    assert!(vms_on(reg, "ferry-h1").is_empty());
     drop(a2);
 }

@@ -27,6 +27,11 @@ impl Fleet {
         Fleet { registry, tls }
     }
 
+    /// The registry itself (a drain keeps its state there).
+    pub fn registry(&self) -> &Arc<dyn Registry> {
+        &self.registry
+    }
+
     /// Where the fleet is recorded, for messages.
     pub fn describe(&self) -> String {
         self.registry.describe()

@@ -10,8 +10,9 @@
 //!   JSON line each way over mutual TLS); [`client`] calls an agent.
 //! - [`fleet`]: the hosts the registry knows, and their agents.
 //! - [`drain`]: empties a host: plans where each VM goes and how, and runs
-//!   the moves within limits; [`upgrade`]: hands every VM of a host to a
-//!   fresh VMM process.
+//!   the moves within limits, its state in the registry ([`journal`]) so a
+//!   drain restarted after a crash resumes; [`upgrade`]: hands every VM of
+//!   a host to a fresh VMM process.
 //!
 //! docs/agent.md describes the API and the operations.
 
@@ -20,6 +21,7 @@ pub mod api;
 pub mod client;
 pub mod drain;
 pub mod fleet;
+pub mod journal;
 pub mod upgrade;
 pub mod wire;
 

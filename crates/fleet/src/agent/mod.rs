@@ -305,6 +305,7 @@ impl Agent {
     ) -> Result<Value, FleetError> {
         let socket = self.vms.socket(name)?;
         let pid = self.vms.pid(name);
+        let _sending = self.vms.sending(name)?;
         let to: Endpoint = to
             .parse()
             .map_err(|e| FleetError::Refused(format!("destination {to}: {e}")))?;

@@ -40,6 +40,8 @@ pub struct Vms {
     /// VMMs this agent started (reaped here); adopted ones are not its
     /// children.
     children: Mutex<Vec<Child>>,
+    /// VMs being sent away now (listed as `sending`).
+    sending: Mutex<std::collections::BTreeSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -86,6 +88,7 @@ impl Vms {
             host_ip,
             records: Mutex::new(records),
             children: Mutex::new(Vec::new()),
+            sending: Mutex::new(Default::default()),
         })
     }
 
@@ -296,10 +299,13 @@ impl Vms {
         } else {
             rec.came_by.clone()
         };
+        let sending = lock(&self.sending).contains(&rec.spec.name);
         Ok(VmInfo {
             spec: rec.spec.clone(),
             state: if waiting {
                 "waiting".into()
+            } else if sending {
+                "sending".into()
             } else {
                 s["state"].as_str().unwrap_or("unknown").to_string()
             },
@@ -316,6 +322,20 @@ impl Vms {
             .get(name)
             .map(|r| r.socket.clone())
             .ok_or_else(|| FleetError::Refused(format!("no VM named {name} runs here")))
+    }
+
+    /// Marks VM `name` as being sent away until the guard drops; fails if
+    /// it is being sent already.
+    pub fn sending(&self, name: &str) -> Result<Sending<'_>, FleetError> {
+        if !lock(&self.sending).insert(name.to_string()) {
+            return Err(FleetError::Refused(format!(
+                "VM {name} is being moved already"
+            )));
+        }
+        Ok(Sending {
+            vms: self,
+            name: name.into(),
+        })
     }
 
     /// VM `name`'s VMM process (0 if unknown).
@@ -395,6 +415,18 @@ impl Vms {
         std::fs::write(&tmp, bytes)
             .and_then(|_| std::fs::rename(&tmp, &path))
             .map_err(FleetError::io(format!("{}", path.display())))
+    }
+}
+
+/// A VM being sent away ([`Vms::sending`]).
+pub struct Sending<'a> {
+    vms: &'a Vms,
+    name: String,
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        lock(&self.vms.sending).remove(&self.name);
     }
 }
 
