@@ -45,6 +45,10 @@ pub enum Suite {
     /// What mutual TLS costs: precopy of 1 GiB random in a 2 GiB VM and an
     /// idle VM's downtime, TLS against --insecure, alternating run by run.
     Tls,
+    /// Draining a host through its agent (8 VMs x 1 GiB over a 1 Gbit link
+    /// at concurrency 1, 2, 4) against the link's limit, and upgrading a
+    /// host in place.
+    Drain,
 }
 
 #[derive(clap::Args)]
@@ -76,6 +80,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Degradation => "degradation.py",
         Suite::Split => "split.py",
         Suite::Tls => "tls.py",
+        Suite::Drain => "drain.py",
     });
     if !script.exists() {
         bail!(

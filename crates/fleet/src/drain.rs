@@ -181,6 +181,9 @@ pub struct MoveReport {
     pub secs: f64,
     /// Bytes sent so far.
     pub bytes: u64,
+    /// Bytes its first round sent (its memory as the move began: what had
+    /// to cross the link at least), once done.
+    pub first_round_bytes: Option<u64>,
     /// Pages left in the current round (while moving).
     pub remaining_pages: u64,
     /// The VM's downtime (ms), once done.
@@ -241,6 +244,7 @@ pub fn run(
             state: MoveState::Waiting,
             secs: 0.0,
             bytes: 0,
+            first_round_bytes: None,
             remaining_pages: 0,
             downtime_ms: None,
             postcopy: false,
@@ -468,6 +472,7 @@ fn one_move(
             let stats = &v["stats"];
             report.bytes = stats["bytes"].as_u64().unwrap_or(report.bytes);
             report.downtime_ms = stats["downtime_ms"].as_f64();
+            report.first_round_bytes = stats["rounds"][0]["bytes"].as_u64();
             report.postcopy = !stats["postcopy"].is_null();
             report.remaining_pages = 0;
             Ok(())

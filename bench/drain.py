@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""`ferry drain` and `ferry upgrade` across lab hosts (issue 33).
+
+Four lab hosts on a 1 Gbit tbf link, an agent on each (mutual TLS, the
+embedded registry). For each concurrency C (--concurrency, default 1,2,4),
+run by run: 8 VMs x 1 GiB of mixed dirtiness start on ferry-h1 through its
+agent (two each of: idle; 256 MiB of random data, then idle; computing and
+dirtying 32 MiB/s over 128 MiB; dirtying 128 MiB/s over 256 MiB), settle,
+and `ferry drain ferry-h1 --per-host C --in-fleet C` moves them to the other
+three hosts; then they are stopped.
+
+Figures per run: the drain's total time; the link's limit, i.e. the bytes
+that had to cross (each VM's first round: its memory as its move began) at
+the link's rate; their ratio; the VMs' downtimes (p50 and p99 over every VM
+of every run of C); bytes sent in all (re-sends of dirtied pages included).
+
+Then once: 8 VMs on ferry-h2 and `ferry upgrade ferry-h2` (each VM handed to
+a new VMM process): total time, the largest downtime, bytes copied.
+
+Results: bench/results/drain.{json,md}.
+
+Usage: python3 bench/drain.py [--runs 3] [--concurrency 1,2,4] [--vms 8] [--mem 1G]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import benchlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINK_BPS = 1e9
+WORKLOADS = [
+    ("idle", "idle", 1),
+    ("random", "fill:content=worst,mib=256", 1),
+    ("dirty32", "compute+dirty:rate=32,wss=128", 1),
+    ("dirty128", "dirty:rate=128,wss=256,pattern=random", 1),
+]
+
+
+def op(ferry, registry, *args, timeout=600):
+    """`ferry ARGS --registry R --json` as the operator on ferry-h4."""
+    out = subprocess.run(benchlib.in_host("ferry-h4", ferry, *args, "--registry", registry, "--json"),
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"ferry {' '.join(args)}: {out.stderr.strip()[-400:]} {out.stdout[-400:]}")
+    return json.loads(out.stdout) if out.stdout.strip() else None
+
+
+def start_agents(ferry, registry, state, hosts, mem):
+    procs = []
+    for n in range(1, hosts + 1):
+        host = f"ferry-h{n}"
+        p = subprocess.Popen(benchlib.in_host(host, ferry, "agent", "--name", host, "--listen", f"10.77.0.{n}:7700",
+                                              "--registry", registry, "--mem", mem, "--vcpus", "32",
+                                              "--link", "1gbit", "--state-dir", f"{state}/{host}", "--json"),
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the agent of {host} did not start")
+        procs.append(p)
+    return procs
+
+
+def start_vms(ferry, registry, host, count, mem, tag):
+    names = []
+    for i in range(count):
+        kind, workload, vcpus = WORKLOADS[i % len(WORKLOADS)]
+        name = f"{tag}-{kind}-{i}"
+        op(ferry, registry, "vm", "start", name, "--host", host, "--mem", mem, "--vcpus", str(vcpus),
+           "--workload", workload)
+        names.append(name)
+    return names
+
+
+def stop_all(ferry, registry):
+    listing = op(ferry, registry, "vm", "list") or []
+    for h in listing:
+        for vm in h.get("host", {}).get("vms", []):
+            try:
+                op(ferry, registry, "vm", "stop", vm["spec"]["name"])
+            except RuntimeError as e:
+                print(f"stop {vm['spec']['name']}: {e}", file=sys.stderr)
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,2,4")
+    ap.add_argument("--vms", type=int, default=8)
+    ap.add_argument("--mem", default="1G")
+    ap.add_argument("--settle", type=float, default=6.0)
+    a = ap.parse_args()
+    ferry = os.path.abspath(a.ferry)
+    benchlib.lab_up(ferry, 4, "1gbit")
+    state = tempfile.mkdtemp(prefix="ferry-drain-bench-")
+    registry = f"dir:{state}/registry"
+    agents = []
+    cells, upgrade, errors = [], None, []
+    try:
+        agents = start_agents(ferry, registry, state, 4, "12G")
+        for c in [int(x) for x in a.concurrency.split(",")]:
+            runs = []
+            for r in range(a.runs):
+                try:
+                    start_vms(ferry, registry, "ferry-h1", a.vms, a.mem, f"c{c}r{r}")
+                    time.sleep(a.settle)
+                    t = time.time()
+                    rep = op(ferry, registry, "drain", "ferry-h1", "--per-host", str(c), "--in-fleet", str(c))
+                    wall = time.time() - t
+                    moves = rep["moves"]
+                    if not all(m["state"] == "done" for m in moves):
+                        raise RuntimeError(f"not emptied: {rep}")
+                    must = sum(m["first_round_bytes"] or 0 for m in moves)
+                    limit = must * 8 / LINK_BPS
+                    run = {"secs": rep["secs"], "wall_s": wall, "must_move_bytes": must,
+                           "sent_bytes": sum(m["bytes"] for m in moves), "limit_s": limit,
+                           "ratio": rep["secs"] / limit if limit else None,
+                           "downtimes_ms": [m["downtime_ms"] for m in moves],
+                           "postcopy": sum(1 for m in moves if m["postcopy"])}
+                    runs.append(run)
+                    print(f"concurrency {c} run {r + 1}: {rep['secs']:.1f} s, limit {limit:.1f} s, "
+                          f"ratio {run['ratio']:.2f}", file=sys.stderr, flush=True)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    errors.append(f"concurrency {c} run {r + 1}: {e}")
+                    print(errors[-1], file=sys.stderr, flush=True)
+                finally:
+                    stop_all(ferry, registry)
+            if runs:
+                downs = [d for run in runs for d in run["downtimes_ms"]]
+                cells.append({
+                    "concurrency": c, "runs": runs,
+                    "secs": statistics.median(r["secs"] for r in runs),
+                    "limit_s": statistics.median(r["limit_s"] for r in runs),
+                    "ratio": statistics.median(r["ratio"] for r in runs),
+                    "downtime_p50_ms": pct(downs, 50), "downtime_p99_ms": pct(downs, 99),
+                    "sent_gib": statistics.median(r["sent_bytes"] for r in runs) / 2**30,
+                    "postcopy": sum(r["postcopy"] for r in runs),
+                })
+        # Upgrade: every VM of a host handed to a new VMM process.
+        try:
+            start_vms(ferry, registry, "ferry-h2", a.vms, a.mem, "up")
+            time.sleep(a.settle)
+            t = time.time()
+            rep = op(ferry, registry, "upgrade", "ferry-h2")
+            wall = time.time() - t
+            vms = rep["vms"]
+            upgrade = {"vms": len(vms), "secs": wall,
+                       "max_downtime_ms": max(v["downtime_ms"] or 0 for v in vms),
+                       "copied_bytes": sum(v["copied_bytes"] for v in vms),
+                       "failed": [v for v in vms if v["error"]]}
+            print(f"upgrade: {upgrade}", file=sys.stderr, flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            errors.append(f"upgrade: {e}")
+        finally:
+            stop_all(ferry, registry)
+    finally:
+        for p in agents:
+            p.kill()
+            p.wait()
+        subprocess.run(["pkill", "-f", state])
+        benchlib.sh(ferry, "lab", "down", check=False)
+        shutil.rmtree(state, ignore_errors=True)
+    out = os.path.join(ROOT, "bench/results")
+    command = benchlib.recorded_command("drain.py")
+    benchlib.write_json(os.path.join(out, "drain.json"),
+                        {"command": command, "cells": cells, "upgrade": upgrade, "errors": errors}, indent=1)
+    lines = ["# Draining a host, and upgrading one in place", "",
+             f"Command: `{command}` (4 lab hosts on a 1 Gbit tbf link, an agent on each; {a.vms} VMs x {a.mem} "
+             "on ferry-h1, two each of: idle, 256 MiB random then idle, compute + dirty 32 MiB/s over 128 MiB, "
+             f"dirty 128 MiB/s over 256 MiB; medians of {a.runs}).", "",
+             "The limit: the bytes that had to cross (each VM's first round) at 1 Gbit/s. Downtime percentiles "
+             "over every VM of every run.", "",
+             "| concurrency | drain s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | finished by postcopy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        lines.append(f"| {c['concurrency']} | {c['secs']:.1f} | {c['limit_s']:.1f} | {c['ratio']:.2f}x | "
+                     f"{c['downtime_p50_ms']:.1f} | {c['downtime_p99_ms']:.1f} | {c['sent_gib']:.2f} | "
+                     f"{c['postcopy']} |")
+    if upgrade:
+        lines += ["", f"`ferry upgrade` of {upgrade['vms']} VMs: {upgrade['secs']:.2f} s in all, largest downtime "
+                  f"{upgrade['max_downtime_ms']:.2f} ms, {upgrade['copied_bytes']} bytes of guest memory copied, "
+                  f"{len(upgrade['failed'])} failed."]
+    if errors:
+        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    benchlib.write_md(os.path.join(out, "drain.md"), lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
