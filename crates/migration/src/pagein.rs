@@ -123,7 +123,8 @@ mod tests {
 
     use super::*;
     use crate::memory::RegionView;
-    use crate::protocol::{read_header, write_sealed_pages_frame};
+    use crate::protocol::frame::one_sealed_page;
+    use crate::protocol::read_header;
     use crate::transport::{Conn, Stream};
 
     /// Pages that land by copies into a buffer standing for guest RAM.
@@ -138,19 +139,6 @@ mod tests {
         fn zero(&self, _run: GpaPages) -> Result<(), crate::sink::SinkError> {
             Ok(())
         }
-    }
-
-    fn sealed_frame(page: u8) -> Vec<u8> {
-        let mut wire = Vec::new();
-        let data = vec![page; PAGE];
-        write_sealed_pages_frame(
-            &mut wire,
-            &1u32.to_le_bytes(),
-            &0x1000u64.to_le_bytes(),
-            &data,
-        )
-        .unwrap();
-        wire
     }
 
     /// Sends `wire` on `a` and lands the frame that arrives on `b`.
@@ -176,7 +164,7 @@ mod tests {
     fn a_sealed_frame_is_refused_from_a_link_that_does_not_seal_and_lands_from_one_that_does() {
         let sink = Landed(Mutex::new(vec![0; 4 * PAGE]));
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let e = land(Stream::unix(a), Stream::unix(b), &sealed_frame(7), &sink).unwrap_err();
+        let e = land(Stream::unix(a), Stream::unix(b), &one_sealed_page(7), &sink).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -191,7 +179,7 @@ mod tests {
 
         let dir = std::env::temp_dir().join(format!("ferry-pagein-{}", std::process::id()));
         let (a, b) = crate::transport::tls_pair(&dir);
-        assert_eq!(land(a, b, &sealed_frame(7), &sink).unwrap(), 1);
+        assert_eq!(land(a, b, &one_sealed_page(7), &sink).unwrap(), 1);
         let mem = sink.0.lock().unwrap();
         assert!(
             mem[PAGE..2 * PAGE].iter().all(|&b| b == 7),

@@ -248,6 +248,21 @@ pub fn read_body_into(
     Ok(())
 }
 
+/// A sealed Pages frame of one page at 0x1000 filled with `byte` (tests).
+#[cfg(test)]
+pub(crate) fn one_sealed_page(byte: u8) -> Vec<u8> {
+    let mut wire = Vec::new();
+    let data = vec![byte; crate::protocol::PAGE];
+    write_sealed_pages_frame(
+        &mut wire,
+        &1u32.to_le_bytes(),
+        &0x1000u64.to_le_bytes(),
+        &data,
+    )
+    .expect("a Vec takes any frame");
+    wire
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -581,15 +596,7 @@ mod tests {
 
     #[test]
     fn a_sealed_pages_frame_reads_as_sealed_and_no_generic_reader_takes_it() {
-        let data = vec![9u8; PAGE];
-        let mut wire = Vec::new();
-        write_sealed_pages_frame(
-            &mut wire,
-            &1u32.to_le_bytes(),
-            &0x1000u64.to_le_bytes(),
-            &data,
-        )
-        .unwrap();
+        let wire = one_sealed_page(9);
         let h = read_header(&mut &wire[..]).unwrap();
         assert!(h.sealed);
         assert_eq!(

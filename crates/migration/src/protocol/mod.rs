@@ -40,7 +40,7 @@
 //! batches), `checksum.rs` (the frames' CRC-32C).
 
 mod error;
-mod frame;
+pub(crate) mod frame;
 mod kind;
 mod messages;
 mod pages;
