@@ -61,7 +61,8 @@ enum Command {
     /// Run a memory server: holds pages of split VMs for their main hosts,
     /// advertised in the host registry.
     Memserver(memserver::MemserverArgs),
-    /// List the hosts the registry knows (waiting VMMs, memory servers).
+    /// List the hosts the registry knows (agents, waiting VMMs, memory
+    /// servers), dead hosts, and drains in progress.
     Hosts(memserver::HostsArgs),
     /// A fleet's certificate authority and its hosts' certificates (the
     /// mutual TLS every link between hosts speaks).

@@ -204,9 +204,17 @@ pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
     )?;
     let hosts = registry.hosts()?;
     let drains = ferry_fleet::journal::all(&*registry)?;
+    let dead = ferry_fleet::fleet::Fleet::new(registry.clone(), None).dead_hosts()?;
     if a.json {
         if a.drains {
-            println!("{}", json!({"hosts": hosts, "drains": drains}));
+            let dead: Vec<_> = dead
+                .iter()
+                .map(|(n, a)| json!({"name": n, "addr": a}))
+                .collect();
+            println!(
+                "{}",
+                json!({"hosts": hosts, "drains": drains, "dead": dead})
+            );
         } else {
             println!("{}", serde_json::to_string(&hosts)?);
         }
@@ -231,6 +239,13 @@ pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
                 "  {} VMs, {}/{} vCPUs free",
                 o.vms, o.free_vcpus, o.vcpus
             ))
+        );
+    }
+    for (name, addr) in &dead {
+        println!(
+            "{name:<32} {:<10} {addr:<24} DEAD: its agent holds no lease (the host is down, or its \
+             agent stopped; VMs there may run on)",
+            "agent"
         );
     }
     for d in &drains {

@@ -236,11 +236,35 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
         );
     }
     std::thread::sleep(Duration::from_secs(6)); // its lease runs out
+    let h = op(reg, &["hosts", "--drains"]).unwrap();
+    assert!(
+        h["dead"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["name"] == "ferry-h2"),
+        "a host whose lease lapsed is reported dead: {h}"
+    );
     a2 = agent(2, reg, &dir, "1G", &[]);
     let adopted = vms_on(reg, "ferry-h2");
     let mut names: Vec<&str> = adopted.iter().map(|v| v.0.as_str()).collect();
     names.sort_unstable();
     assert_eq!(names, ["batch", "quiet", "web"], "adopted: {adopted:?}");
+
+    // An upgrade to a binary that cannot run: the first handover fails
+    // before its commit point, the VM stays with its old process, and the
+    // upgrade stops there.
+    let e = op(reg, &["upgrade", "ferry-h2", "--binary", "/bin/false"]).unwrap_err();
+    assert!(e.contains("\"error\""), "{e}");
+    let kept = vms_on(reg, "ferry-h2");
+    for (name, pid, state, _) in &kept {
+        let was = adopted.iter().find(|v| &v.0 == name).unwrap();
+        assert_eq!(
+            (pid, state.as_str()),
+            (&was.1, "running"),
+            "VM {name} kept its process"
+        );
+    }
 
     // ferry-h2 upgraded in place: each VM under a new VMM process, no guest
     // memory copied, still counting.

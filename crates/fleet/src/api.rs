@@ -201,8 +201,12 @@ pub struct VmInfo {
     pub socket: PathBuf,
     /// Seconds its VMM has run.
     pub uptime_s: f64,
-    /// How it came here: `started`, or the mode it was moved by.
+    /// How it came here: `started`, `migrated` (moved here), `arriving`.
     pub came_by: String,
+    /// Its workloads' progress counters added up (what the guest has done:
+    /// it grows while the guest runs work), when its VMM said.
+    #[serde(default)]
+    pub progress: Option<u64>,
 }
 
 /// A host as its agent sees it.

@@ -512,6 +512,7 @@ mod tests {
             socket: "/x".into(),
             uptime_s: 1.0,
             came_by: "started".into(),
+            progress: None,
         }
     }
 

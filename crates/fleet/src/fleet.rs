@@ -112,6 +112,32 @@ impl Fleet {
     }
 }
 
+/// The record that keeps a host known to the fleet beyond its lease.
+pub fn known_key(host: &str) -> String {
+    format!("agents/{host}")
+}
+
+impl Fleet {
+    /// Hosts whose agent once registered but holds no lease now: dead, or
+    /// their agent stopped (their VMs may run on). (name, last address).
+    pub fn dead_hosts(&self) -> Result<Vec<(String, String)>, FleetError> {
+        let live: Vec<String> = self.agents()?.into_iter().map(|h| h.name).collect();
+        let mut out = Vec::new();
+        for (k, v) in self.registry.records("agents/")? {
+            let name = k.trim_start_matches("agents/").to_string();
+            if live.contains(&name) {
+                continue;
+            }
+            let addr = serde_json::from_slice::<serde_json::Value>(&v)
+                .ok()
+                .and_then(|v| v["addr"].as_str().map(String::from))
+                .unwrap_or_default();
+            out.push((name, addr));
+        }
+        Ok(out)
+    }
+}
+
 /// An agent's own account of its host.
 pub fn info(agent: &AgentClient) -> Result<HostInfo, FleetError> {
     let v = agent.call(&Request::Info)?;

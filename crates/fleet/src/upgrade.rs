@@ -2,7 +2,10 @@
 //! process (a new ferry binary, or the same one to rejuvenate an aged
 //! VMM) with the zero-copy handover: no guest memory is copied and the VM
 //! stays on its host. One VM at a time; after each, the VM must be running
-//! under its new process (the health check) before the next starts.
+//! under its new process and its guest doing work (its progress counters
+//! growing, if they grew before) before the next starts: the health check.
+//! A handover that fails leaves the VM with its old process (the
+//! handover's commit point), and the upgrade stops there.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -41,7 +44,12 @@ pub fn run(
     let agent = fleet.agent(host)?;
     let before = crate::fleet::info(&agent)?;
     let mut out = Vec::new();
-    for vm in before.vms.iter().filter(|v| v.state != "waiting") {
+    for listed in before.vms.iter().filter(|v| v.state != "waiting") {
+        // As it is now: its counters just before its handover.
+        let now = crate::fleet::info(&agent)?;
+        let Some(vm) = now.vms.iter().find(|v| v.spec.name == listed.spec.name) else {
+            continue; // stopped or moved meanwhile
+        };
         let t = Instant::now();
         let mut r = UpgradeReport {
             vm: vm.spec.name.clone(),
@@ -64,7 +72,7 @@ pub fn run(
                     Some(b) => r.copied_bytes = b,
                     None => r.error = Some("the handover did not say what it copied".into()),
                 }
-                match healthy(fleet, host, &vm.spec.name, vm.pid) {
+                match healthy(fleet, host, vm) {
                     Ok(pid) => r.new_pid = pid,
                     Err(e) => r.error = Some(e),
                 }
@@ -72,20 +80,32 @@ pub fn run(
             Err(e) => r.error = Some(e.to_string()),
         }
         r.secs = t.elapsed().as_secs_f64();
+        let failed = r.error.is_some();
         update(&r);
         out.push(r);
+        if failed {
+            // A new binary that fails one VM would fail the next: stop.
+            break;
+        }
     }
     Ok(out)
 }
 
-/// The health check: within a few seconds the VM runs under a process
-/// that is not `old_pid`. Its new pid.
-fn healthy(fleet: &Fleet, host: &str, vm: &str, old_pid: u32) -> Result<u32, String> {
+/// The health check: within 10 s the VM runs under a process that is not
+/// its old one and, if its guest's counters grew before (`before`'s), they
+/// grow past where they were. Its new pid.
+fn healthy(fleet: &Fleet, host: &str, before: &crate::api::VmInfo) -> Result<u32, String> {
     let deadline = Instant::now() + Duration::from_secs(10);
+    let counted = before.progress.unwrap_or(0);
     loop {
         let last = match fleet.host(host) {
-            Ok(h) => match h.vms.iter().find(|v| v.spec.name == vm) {
-                Some(v) if v.state == "running" && v.pid != old_pid && v.pid != 0 => {
+            Ok(h) => match h.vms.iter().find(|v| v.spec.name == before.spec.name) {
+                Some(v)
+                    if v.state == "running"
+                        && v.pid != before.pid
+                        && v.pid != 0
+                        && (counted == 0 || v.progress.unwrap_or(0) > counted) =>
+                {
                     return Ok(v.pid)
                 }
                 Some(v) => format!("{} under pid {}", v.state, v.pid),

@@ -83,6 +83,16 @@ impl Agent {
             free: 0,
             agent: Some(AgentOffer::default()),
         };
+        // Known beyond its lease: a host whose lease lapses is then
+        // reported dead, not forgotten.
+        let known = serde_json::to_vec(&json!({
+            "name": opts.name, "addr": local.to_string(),
+            "started_unix": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        }))
+        .unwrap_or_default();
+        registry.put_record(&crate::fleet::known_key(&opts.name), &known)?;
         let advert = Advertisement::start(registry, entry, ferry_registry::DEFAULT_TTL)?;
         let agent = Arc::new(Agent {
             opts,

@@ -269,6 +269,7 @@ impl Vms {
                     socket: rec.socket.clone(),
                     uptime_s: 0.0,
                     came_by: rec.came_by.clone(),
+                    progress: None,
                 });
                 continue;
             }
@@ -313,6 +314,7 @@ impl Vms {
             socket: rec.socket.clone(),
             uptime_s: s["uptime_s"].as_f64().unwrap_or(0.0),
             came_by,
+            progress: if waiting { None } else { progress(&rec.socket) },
         })
     }
 
@@ -438,6 +440,16 @@ pub fn status(socket: &Path) -> Result<Value, FleetError> {
             vm: socket.display().to_string(),
             reason: e.to_string(),
         })
+}
+
+/// The VM's workloads' progress counters added up, if its VMM answers.
+fn progress(socket: &Path) -> Option<u64> {
+    let m = ControlClient::connect(socket)
+        .and_then(|mut c| c.call(&Control::Metrics))
+        .ok()?;
+    m["metrics"]["workloads"]
+        .as_array()
+        .map(|ws| ws.iter().filter_map(|w| w["progress"].as_u64()).sum())
 }
 
 /// Makes `dir` (0700: it holds control sockets) if missing.
