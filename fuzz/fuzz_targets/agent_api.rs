@@ -10,7 +10,7 @@
 //! they came (a client never trusts them as paths: it only prints them).
 #![no_main]
 
-use ferry_fleet::api::{check_name, parse_request, HostInfo, Request, MAX_FIELD};
+use ferry_fleet::api::{check_name, parse_request, HostInfo, Request, MAX_FIELD, MAX_STORES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -24,17 +24,32 @@ fuzz_target!(|data: &[u8]| {
         };
         match &req {
             Request::Start { vm } => vm.check().expect("an accepted spec passes its check"),
-            Request::Receive { vm, from, token } => {
+            Request::Receive {
+                vm,
+                from,
+                token,
+                budget,
+            } => {
                 vm.check().expect("an accepted spec passes its check");
                 assert!(!from.is_empty() && from.len() <= MAX_FIELD);
                 assert!(!token.is_empty() && token.len() <= MAX_FIELD);
+                assert!(budget.is_none_or(|b| b > 0 && b <= vm.mem_bytes));
+            }
+            Request::Store { vm, bytes } => {
+                check_name(vm).expect("an accepted name passes its check");
+                assert!(*bytes > 0 && *bytes <= 1 << 40);
             }
             Request::Stop { name } | Request::Upgrade { name, .. } => {
                 check_name(name).expect("an accepted name passes its check")
             }
-            Request::Send { name, token, .. } => {
+            Request::Send {
+                name, token, split, ..
+            } => {
                 check_name(name).expect("an accepted name passes its check");
                 assert!(token.len() <= MAX_FIELD);
+                if let Some(sp) = split {
+                    assert!(!sp.subs.is_empty() && sp.subs.len() <= MAX_STORES);
+                }
             }
             Request::Info => {}
         }

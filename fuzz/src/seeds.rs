@@ -716,6 +716,11 @@ fn agent_api() -> Vec<Seed> {
             r#"Q{"op":"send","name":"web","to":"tcp:10.77.0.2:41234","token":"00112233445566778899aabbccddeeff","mode":"hybrid","verify":true}"#.into(),
         ),
         ("q-upgrade", r#"Q{"op":"upgrade","name":"web","binary":"/usr/local/bin/ferry"}"#.into()),
+        ("q-store", r#"Q{"op":"store","vm":"big","bytes":671088640}"#.into()),
+        (
+            "q-send-split",
+            r#"Q{"op":"send","name":"big","to":"tcp:10.77.0.2:41234","token":"00112233445566778899aabbccddeeff","mode":"split","split":{"subs":["tcp:10.77.0.3:40001"],"main_budget":1073741824}}"#.into(),
+        ),
         ("a-info", format!(r#"A{{"ok":true,"host":{host}}}"#)),
         ("a-error", r#"A{"ok":false,"error":"no room for VM web"}"#.into()),
         ("a-progress", r#"A{"progress":{"round":2,"remaining_pages":1234,"bytes":5678}}"#.into()),

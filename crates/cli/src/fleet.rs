@@ -288,13 +288,27 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
             for (e, h) in &hosts {
                 match h {
                     Err(err) => println!("{:<16} (agent not answering: {err})", e.name),
-                    Ok(h) if h.vms.is_empty() => println!(
+                    Ok(h) if h.vms.is_empty() && h.stores.is_empty() => println!(
                         "{:<16} (no VMs; {} and {} vCPUs free)",
                         h.name,
                         format::bytes(h.free_mem as f64),
                         h.free_vcpus
                     ),
                     Ok(h) => {
+                        for st in &h.stores {
+                            println!(
+                                "{:<16} {:<20} {:>9} {:>5} {:<10} {:<9} {:>8} memory server for split VM {} at {}",
+                                h.name,
+                                format!("(store {})", st.vm),
+                                format::bytes(st.bytes as f64),
+                                "-",
+                                "serving",
+                                st.pid,
+                                "-",
+                                st.vm,
+                                st.addr
+                            );
+                        }
                         for v in &h.vms {
                             println!(
                                 "{:<16} {:<20} {:>9} {:>5} {:<10} {:<9} {:>8.1} {:<10}",
@@ -318,10 +332,27 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
             fleet.agent(&host.name)?.call(&Request::Stop {
                 name: a.name.clone(),
             })?;
+            // A split VM's memory servers on other hosts end with it.
+            let mut stores = Vec::new();
+            for (_, h) in fleet.hosts()? {
+                let Ok(h) = h else { continue };
+                if h.name != host.name && h.stores.iter().any(|s| s.vm == a.name) {
+                    fleet.agent(&h.name)?.call(&Request::Stop {
+                        name: a.name.clone(),
+                    })?;
+                    stores.push(h.name);
+                }
+            }
             if a.fleet.json {
-                println!("{}", json!({"stopped": a.name, "host": host.name}));
+                println!(
+                    "{}",
+                    json!({"stopped": a.name, "host": host.name, "stores_stopped_on": stores})
+                );
             } else {
                 println!("VM {} on {} stopped", a.name, host.name);
+                for s in stores {
+                    println!("  its memory server on {s} stopped");
+                }
             }
         }
     }

@@ -376,3 +376,78 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
     assert!(vms_on(reg, "ferry-h1").is_empty());
     drop(a2);
 }
+
+/// A VM that no host can take whole (issue 33's "fits nowhere"): the drain
+/// splits it, its main host holding what it has room for and a memory
+/// server started on another host holding the rest; it passes --verify,
+/// counts on, and stopping it ends its memory server too.
+#[test]
+fn a_vm_that_fits_nowhere_whole_is_drained_split_and_stopped_with_its_memory_server() {
+    if !kvm_usable() {
+        return;
+    }
+    if let Err(e) = ferry_memory::Userfaultfd::new(ferry_memory::Features {
+        missing_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    }) {
+        eprintln!("SKIP: split needs userfaultfd MISSING+WP on memfd: {e}");
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-fleet-split-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _vms = VmReaper(dir.to_str().unwrap().to_string());
+    let registry = format!("dir:{}", dir.join("registry").display());
+    let reg = registry.as_str();
+    let _a1 = agent(1, reg, &dir, "2G", &[]);
+    let _a2 = agent(2, reg, &dir, "512M", &[]);
+    let _a3 = agent(3, reg, &dir, "512M", &[]);
+    op(
+        reg,
+        &[
+            "vm",
+            "start",
+            "big",
+            "--host",
+            "ferry-h1",
+            "--mem",
+            "768M",
+            "--workload",
+            "compute+dirty:rate=16,wss=64",
+        ],
+    )
+    .unwrap();
+    let before = vms_on(reg, "ferry-h1");
+    let counted = vec![("big".to_string(), progress(&wait_status(&before[0].3)))];
+    let plan = op(reg, &["drain", "ferry-h1", "--dry-run"]).unwrap();
+    assert_eq!(plan["moves"][0]["mode"], "split", "{plan}");
+    let report = op(reg, &["drain", "ferry-h1", "--verify"]).unwrap();
+    let m = &report["moves"][0];
+    assert_eq!(m["state"], "done", "{report}");
+    assert_eq!(m["mode"], "split", "{report}");
+    let main = m["to"].as_str().unwrap().to_string();
+    let on_main = vms_on(reg, &main);
+    assert_eq!(on_main.len(), 1, "{on_main:?}");
+    still_counting(&on_main, &counted);
+    let list = op(reg, &["vm", "list"]).unwrap();
+    let stores: Vec<serde_json::Value> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|h| h["host"]["stores"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(stores.len(), 1, "{list}");
+    assert_eq!(stores[0]["vm"], "big");
+    let store_pid = stores[0]["pid"].as_u64().unwrap();
+    let stopped = op(reg, &["vm", "stop", "big"]).unwrap();
+    assert_eq!(
+        stopped["stores_stopped_on"].as_array().unwrap().len(),
+        1,
+        "{stopped}"
+    );
+    // SAFETY: kill with signal 0 only asks whether the process exists.
+    let alive = unsafe { libc::kill(store_pid as i32, 0) } == 0;
+    assert!(!alive, "the memory server ended");
+}

@@ -104,20 +104,80 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
         Request::Info => {}
         Request::Start { vm } => vm.check()?,
         Request::Stop { name } | Request::Upgrade { name, .. } => check_name(name)?,
-        Request::Receive { vm, from, token } => {
+        Request::Receive {
+            vm,
+            from,
+            token,
+            budget,
+        } => {
             vm.check()?;
             short("a source host name", from)?;
             short("a token", token)?;
+            if budget.is_some_and(|b| b == 0 || b > vm.mem_bytes) {
+                return Err(FleetError::Refused(format!(
+                    "VM {}: a main-host budget of {budget:?} bytes (1 to its {} bytes)",
+                    vm.name, vm.mem_bytes
+                )));
+            }
         }
         Request::Send {
-            name, to, token, ..
+            name,
+            to,
+            token,
+            split,
+            ..
         } => {
             check_name(name)?;
             short("a destination", to)?;
             short("a token", token)?;
+            if let Some(sp) = split {
+                if sp.subs.is_empty() || sp.subs.len() > MAX_STORES {
+                    return Err(FleetError::Refused(format!(
+                        "a split onto {} memory servers (1 to {MAX_STORES})",
+                        sp.subs.len()
+                    )));
+                }
+                for sub in &sp.subs {
+                    short("a memory server address", sub)?;
+                }
+            }
+        }
+        Request::Store { vm, bytes } => {
+            check_name(vm)?;
+            if *bytes == 0 || *bytes > 1 << 40 {
+                return Err(FleetError::Refused(format!(
+                    "a memory server of {bytes} bytes (1 to 1 TiB)"
+                )));
+            }
         }
     }
     Ok(req)
+}
+
+/// The most memory servers one split VM's pages are spread over.
+pub const MAX_STORES: usize = 16;
+
+/// How a VM moves split: the main host holds `main_budget` bytes of it, the
+/// rest goes to the memory servers `subs` (`tcp:HOST:PORT`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SplitSpec {
+    /// The memory servers.
+    pub subs: Vec<String>,
+    /// What the main host holds (bytes).
+    pub main_budget: u64,
+}
+
+/// A memory server an agent runs for a split VM.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreInfo {
+    /// The VM whose pages it holds.
+    pub vm: String,
+    /// Where it listens (`tcp:HOST:PORT`).
+    pub addr: String,
+    /// Its capacity (bytes).
+    pub bytes: u64,
+    /// Its process.
+    pub pid: u32,
 }
 
 /// What an agent is asked.
@@ -131,7 +191,8 @@ pub enum Request {
         /// The VM.
         vm: VmSpec,
     },
-    /// Stop a VM here (its VMM ends), or give up waiting for one.
+    /// Stop a VM here (its VMM ends), or give up waiting for one; the
+    /// memory servers this host runs for it end too.
     Stop {
         /// Its name.
         name: String,
@@ -146,6 +207,9 @@ pub enum Request {
         from: String,
         /// The one-time migration token the source must present.
         token: String,
+        /// For a split VM: what of its memory this host holds (bytes).
+        #[serde(default)]
+        budget: Option<u64>,
     },
     /// Move VM `name` to `to` (a destination another agent made ready)
     /// with `token`; progress lines, then the migration's figures.
@@ -161,6 +225,17 @@ pub enum Request {
         /// Compare every page's hash at the end.
         #[serde(default)]
         verify: bool,
+        /// For mode split: the main host's share and the memory servers.
+        #[serde(default)]
+        split: Option<SplitSpec>,
+    },
+    /// Run a memory server of `bytes` here for split VM `vm`'s pages;
+    /// answers its address.
+    Store {
+        /// The VM.
+        vm: String,
+        /// Its capacity.
+        bytes: u64,
     },
     /// Hand VM `name` over to a fresh VMM process on this host (zero-copy):
     /// `binary`, or the agent's own ferry.
@@ -183,6 +258,7 @@ impl Request {
             Request::Receive { .. } => "receive",
             Request::Send { .. } => "send",
             Request::Upgrade { .. } => "upgrade",
+            Request::Store { .. } => "store",
         }
     }
 }
@@ -228,6 +304,9 @@ pub struct HostInfo {
     pub link_bps: u64,
     /// Its VMs.
     pub vms: Vec<VmInfo>,
+    /// The memory servers it runs for split VMs.
+    #[serde(default)]
+    pub stores: Vec<StoreInfo>,
 }
 
 #[cfg(test)]
@@ -242,6 +321,7 @@ mod tests {
             token: "t".into(),
             mode: Mode::Hybrid,
             verify: true,
+            split: None,
         };
         let line = serde_json::to_string(&r).unwrap();
         assert!(line.contains(r#""op":"send""#), "{line}");

@@ -65,6 +65,88 @@ pub struct PlannedMove {
     pub mode: Mode,
     /// Why that mode.
     pub why: String,
+    /// For a VM no host can take whole: the main host's share and where
+    /// the rest goes.
+    pub split: Option<PlannedSplit>,
+}
+
+/// A split move: `to` (the main host) holds `main_budget` bytes of the VM,
+/// memory servers started on `stores` (host, capacity) hold the rest.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PlannedSplit {
+    /// What the main host holds (bytes).
+    pub main_budget: u64,
+    /// The memory servers: host and capacity (bytes).
+    pub stores: Vec<(String, u64)>,
+}
+
+/// The least a main host must hold of a split VM.
+const MIN_MAIN: u64 = 64 << 20;
+
+/// The unit a split's shares are counted in (its chunks are 1 MiB).
+const SPLIT_UNIT: u64 = 1 << 20;
+
+/// Room a memory server needs beyond the pages it holds (its bitmaps and
+/// buffers), and a margin for uneven dealing.
+fn store_capacity(share: u64) -> u64 {
+    share + share / 8 + (16 << 20)
+}
+
+/// A destination host as the plan sees it while it deals VMs out.
+#[derive(Clone, Debug)]
+struct Room {
+    /// Its name.
+    name: String,
+    /// Memory still free after what the plan gave it.
+    mem: u64,
+    /// vCPUs still free.
+    vcpus: u32,
+    /// Moves planned into it.
+    moves: usize,
+}
+
+/// A split of a `mem`-byte VM needing `vcpus` vCPUs over `room`, or None
+/// if the hosts together
+/// lack the room: the main host is the one with the most memory free, the
+/// rest goes to the others' memory servers, most room first.
+fn plan_split(mem: u64, vcpus: u32, room: &[Room]) -> Option<(usize, PlannedSplit)> {
+    let (main, m) = room
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.vcpus >= vcpus && r.mem >= MIN_MAIN)
+        .max_by_key(|(_, r)| r.mem)?;
+    let main_budget = (m.mem.min(mem - SPLIT_UNIT) / SPLIT_UNIT) * SPLIT_UNIT;
+    let mut rest = mem - main_budget;
+    let mut others: Vec<&Room> = room
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != main)
+        .map(|(_, r)| r)
+        .collect();
+    others.sort_by_key(|r| std::cmp::Reverse(r.mem));
+    let mut stores = Vec::new();
+    for r in others {
+        if rest == 0 {
+            break;
+        }
+        // The largest share whose server fits the host's free memory.
+        let mut share = rest;
+        while share > 0 && store_capacity(share) > r.mem {
+            share = share.saturating_sub(SPLIT_UNIT.max(share / 4));
+        }
+        if share == 0 {
+            continue;
+        }
+        stores.push((r.name.clone(), store_capacity(share)));
+        rest -= share;
+    }
+    (rest == 0 && !stores.is_empty()).then_some((
+        main,
+        PlannedSplit {
+            main_budget,
+            stores,
+        },
+    ))
 }
 
 /// Where every VM of a host goes.
@@ -92,11 +174,15 @@ fn choose_mode(asked: Option<Mode>) -> (Mode, String) {
 /// Places `source`'s VMs on `others` (hosts that are not the source;
 /// what they have free is what their agents said), largest VM first.
 pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan {
-    // (name, free memory, free vCPUs, moves planned into it)
-    let mut room: Vec<(String, u64, u32, usize)> = others
+    let mut room: Vec<Room> = others
         .iter()
         .filter(|h| h.name != source.name)
-        .map(|h| (h.name.clone(), h.free_mem, h.free_vcpus, 0))
+        .map(|h| Room {
+            name: h.name.clone(),
+            mem: h.free_mem,
+            vcpus: h.free_vcpus,
+            moves: 0,
+        })
         .collect();
     let mut vms: Vec<&VmInfo> = source.vms.iter().filter(|v| v.state != "waiting").collect();
     vms.sort_by(|a, b| {
@@ -111,34 +197,73 @@ pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan
         let (mem, vcpus) = (vm.spec.mem_bytes, vm.spec.vcpus);
         let best = room
             .iter_mut()
-            .filter(|r| r.1 >= mem && r.2 >= vcpus)
+            .filter(|r| r.mem >= mem && r.vcpus >= vcpus)
             // Most memory left after it, then fewest moves in: VMs spread.
-            .max_by(|a, b| (a.1 - mem).cmp(&(b.1 - mem)).then(b.3.cmp(&a.3)));
+            .max_by(|a, b| {
+                (a.mem - mem)
+                    .cmp(&(b.mem - mem))
+                    .then(b.moves.cmp(&a.moves))
+            });
         match best {
             Some(r) => {
-                r.1 -= mem;
-                r.2 -= vcpus;
-                r.3 += 1;
+                r.mem -= mem;
+                r.vcpus -= vcpus;
+                r.moves += 1;
                 let (mode, why) = choose_mode(opts.mode);
                 moves.push(PlannedMove {
                     vm: vm.spec.name.clone(),
                     mem_bytes: mem,
-                    to: r.0.clone(),
+                    to: r.name.clone(),
                     mode,
                     why,
+                    split: None,
                 });
             }
-            None => {
-                let most = room.iter().map(|r| r.1).max().unwrap_or(0);
-                unplaced.push((
-                    vm.spec.name.clone(),
-                    format!(
-                        "needs {} MiB and {vcpus} vCPUs; the most memory free on another host is {} MiB",
-                        mem >> 20,
-                        most >> 20
-                    ),
-                ));
-            }
+            None => match plan_split(mem, vcpus, &room) {
+                Some((main, sp)) => {
+                    for (host, bytes) in &sp.stores {
+                        if let Some(r) = room.iter_mut().find(|r| &r.name == host) {
+                            r.mem = r.mem.saturating_sub(*bytes);
+                        }
+                    }
+                    let r = &mut room[main];
+                    r.mem -= sp.main_budget;
+                    r.vcpus -= vcpus;
+                    r.moves += 1;
+                    moves.push(PlannedMove {
+                        vm: vm.spec.name.clone(),
+                        mem_bytes: mem,
+                        to: r.name.clone(),
+                        mode: Mode::Split,
+                        why: format!(
+                            "split: no host has room for all of it; {} MiB on {}, the rest on \
+                             memory servers on {}",
+                            sp.main_budget >> 20,
+                            r.name,
+                            sp.stores
+                                .iter()
+                                .map(|s| s.0.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                        split: Some(sp),
+                    });
+                }
+                None => {
+                    let most = room.iter().map(|r| r.mem).max().unwrap_or(0);
+                    let all: u64 = room.iter().map(|r| r.mem).sum();
+                    unplaced.push((
+                        vm.spec.name.clone(),
+                        format!(
+                            "needs {} MiB and {vcpus} vCPUs; the most memory free on another host \
+                             is {} MiB, {} MiB on all of them together",
+                            mem >> 20,
+                            most >> 20,
+                            all >> 20
+                        ),
+                    ));
+                }
+            },
         }
     }
     Plan {
@@ -192,6 +317,8 @@ pub struct MoveReport {
     pub postcopy: bool,
     /// Why each try failed.
     pub errors: Vec<String>,
+    /// A split move's shares.
+    pub split: Option<PlannedSplit>,
 }
 
 /// What a drain did.
@@ -249,6 +376,7 @@ pub fn run(
             downtime_ms: None,
             postcopy: false,
             errors: Vec::new(),
+            split: m.split.clone(),
         })
         .collect();
     // Hosts each move may still be tried on (its planned one first).
@@ -442,13 +570,46 @@ fn one_move(
 ) -> Result<(), String> {
     let dest = fleet.agent(&report.to).map_err(|e| e.to_string())?;
     let token = MigrationToken::generate().map_err(|e| format!("no token: {e}"))?;
-    let ready = dest
-        .call(&Request::Receive {
-            vm: vm.spec.clone(),
-            from: from.into(),
-            token: token.0.clone(),
-        })
-        .map_err(|e| e.to_string())?;
+    // A split move's memory servers first, then its main host.
+    let mut stores: Vec<(crate::AgentClient, String)> = Vec::new();
+    let undo = |stores: &[(crate::AgentClient, String)]| {
+        for (agent, _) in stores {
+            let _ = agent.call(&Request::Stop {
+                name: vm.spec.name.clone(),
+            });
+        }
+    };
+    if let Some(sp) = &report.split {
+        for (host, bytes) in &sp.stores {
+            let started = fleet.agent(host).and_then(|a| {
+                let v = a.call(&Request::Store {
+                    vm: vm.spec.name.clone(),
+                    bytes: *bytes,
+                })?;
+                Ok((a, v["addr"].as_str().unwrap_or_default().to_string()))
+            });
+            match started {
+                Ok(s) => stores.push(s),
+                Err(e) => {
+                    undo(&stores);
+                    return Err(format!("a memory server on {host}: {e}"));
+                }
+            }
+        }
+    }
+    let ready = dest.call(&Request::Receive {
+        vm: vm.spec.clone(),
+        from: from.into(),
+        token: token.0.clone(),
+        budget: report.split.as_ref().map(|s| s.main_budget),
+    });
+    let ready = match ready {
+        Ok(r) => r,
+        Err(e) => {
+            undo(&stores);
+            return Err(e.to_string());
+        }
+    };
     let to = ready["to"].as_str().unwrap_or_default().to_string();
     report.state = MoveState::Moving;
     let _ = tx.send(Event::Update(k, report.clone()));
@@ -459,6 +620,10 @@ fn one_move(
             token: token.0,
             mode: report.mode,
             verify,
+            split: report.split.as_ref().map(|sp| crate::api::SplitSpec {
+                subs: stores.iter().map(|s| s.1.clone()).collect(),
+                main_budget: sp.main_budget,
+            }),
         },
         &mut |p: &Value| {
             report.bytes = p["bytes"].as_u64().unwrap_or(report.bytes);
@@ -526,6 +691,7 @@ mod tests {
             free_vcpus,
             link_bps: 0,
             vms,
+            stores: Vec::new(),
         }
     }
 
@@ -587,5 +753,36 @@ mod tests {
             .moves
             .iter()
             .all(|m| m.mode == Mode::Precopy && m.why == "asked for"));
+    }
+
+    #[test]
+    fn a_vm_no_host_can_take_whole_is_split_over_a_main_host_and_memory_servers() {
+        let source = host("h1", 0, 0, vec![vm("big", 1536, 2), vm("small", 128, 1)]);
+        let others = [host("h2", 1024, 4, vec![]), host("h3", 768, 4, vec![])];
+        let p = plan(&source, &others, &DrainOptions::default());
+        assert!(p.unplaced.is_empty(), "{:?}", p.unplaced);
+        let big = p.moves.iter().find(|m| m.vm == "big").unwrap();
+        assert_eq!((big.to.as_str(), big.mode), ("h2", Mode::Split));
+        let sp = big.split.as_ref().unwrap();
+        assert_eq!(sp.main_budget, 1024 << 20);
+        assert_eq!(sp.stores.len(), 1);
+        assert_eq!(sp.stores[0].0, "h3");
+        assert!(
+            sp.stores[0].1 >= 512 << 20 && sp.stores[0].1 <= 768 << 20,
+            "{sp:?}"
+        );
+        // What the split took is gone from the plan's room: the small VM
+        // fits what h3 has left.
+        let small = p.moves.iter().find(|m| m.vm == "small").unwrap();
+        assert_eq!((small.to.as_str(), small.split.is_none()), ("h3", true));
+        // Too little anywhere together: unplaced, and why.
+        let source = host("h1", 0, 0, vec![vm("huge", 4096, 1)]);
+        let p = plan(&source, &others, &DrainOptions::default());
+        assert_eq!(p.unplaced[0].0, "huge");
+        assert!(
+            p.unplaced[0].1.contains("1792 MiB on all"),
+            "{:?}",
+            p.unplaced
+        );
     }
 }

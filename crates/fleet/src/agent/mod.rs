@@ -9,6 +9,8 @@
 //! with a one-time token the destination's agent made for that move, and
 //! a waiting destination admits only the source host it was told of.
 
+mod process;
+pub mod stores;
 pub mod vms;
 
 use std::net::{SocketAddr, TcpListener};
@@ -23,9 +25,10 @@ use ferry_tls::{Connection, Credentials};
 use ferry_vmm::control::{ControlClient, MigrateRequest, Request as Control};
 use serde_json::{json, Value};
 
-use crate::api::{HostInfo, Request, VmSpec, MAX_LINE};
+use crate::api::{HostInfo, Request, SplitSpec, MAX_LINE};
 use crate::wire::{self, HANDSHAKE_WITHIN, REQUEST_WITHIN};
 use crate::FleetError;
+use stores::Stores;
 use vms::Vms;
 
 /// Requests served at once; one more is closed unanswered.
@@ -55,6 +58,11 @@ pub struct AgentOptions {
 pub struct Agent {
     opts: AgentOptions,
     vms: Vms,
+    stores: Stores,
+    /// Held while a request takes room (a VM, a waiting VMM, a memory
+    /// server): one admission at a time, so two cannot both take the last
+    /// of it, and the VMs' and stores' books are read in one order.
+    admit: std::sync::Mutex<()>,
     advert: Advertisement,
     local: SocketAddr,
 }
@@ -70,6 +78,7 @@ impl Agent {
             )));
         }
         let vms = Vms::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?;
+        let stores = Stores::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?;
         let listener = TcpListener::bind(opts.listen)
             .map_err(FleetError::io(format!("cannot listen on {}", opts.listen)))?;
         let local = listener
@@ -97,6 +106,8 @@ impl Agent {
         let agent = Arc::new(Agent {
             opts,
             vms,
+            stores,
+            admit: std::sync::Mutex::new(()),
             advert,
             local,
         });
@@ -117,23 +128,31 @@ impl Agent {
     /// The host and its VMs now.
     pub fn info(&self) -> HostInfo {
         let vms = self.vms.list();
+        let stores = self.stores.list();
         let (mem, vcpus, _) = self.vms.taken();
         HostInfo {
             name: self.opts.name.clone(),
             addr: self.local.to_string(),
             mem_bytes: self.opts.mem_bytes,
-            free_mem: self.opts.mem_bytes.saturating_sub(mem),
+            free_mem: self
+                .opts
+                .mem_bytes
+                .saturating_sub(mem + self.stores.taken()),
             vcpus: self.opts.vcpus,
             free_vcpus: self.opts.vcpus.saturating_sub(vcpus),
             link_bps: self.opts.link_bps,
             vms,
+            stores,
         }
     }
 
     /// Publishes what is free now.
     fn advertise(&self) {
         let (mem, vcpus, n) = self.vms.taken();
-        let free = self.opts.mem_bytes.saturating_sub(mem);
+        let free = self
+            .opts
+            .mem_bytes
+            .saturating_sub(mem + self.stores.taken());
         let offer = AgentOffer {
             vcpus: self.opts.vcpus,
             free_vcpus: self.opts.vcpus.saturating_sub(vcpus),
@@ -153,6 +172,7 @@ impl Agent {
     pub fn tick(&self) {
         self.vms.reap();
         let _ = self.vms.list();
+        let _ = self.stores.list();
         self.advertise();
     }
 
@@ -235,16 +255,40 @@ impl Agent {
         match req {
             Request::Info => Ok(json!({ "host": self.info() })),
             Request::Start { vm } => {
-                let info = self
-                    .vms
-                    .start(&vm, &[], "started", |s, m, c| self.fits(s, m, c))?;
+                let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
+                let stores = self.stores.taken();
+                let info = self.vms.start(&vm, None, &[], "started", |m, c, tm, tc| {
+                    self.fits(&vm.name, m, c, tm + stores, tc)
+                })?;
                 Ok(json!({ "vm": info }))
             }
             Request::Stop { name } => {
-                self.vms.stop(&name)?;
-                Ok(json!({}))
+                let vm = self.vms.has(&name);
+                if vm {
+                    self.vms.stop(&name)?;
+                }
+                let store = self.stores.stop(&name);
+                if !vm && !store {
+                    return Err(FleetError::Refused(format!(
+                        "no VM named {name} runs here, and no memory server for one"
+                    )));
+                }
+                Ok(json!({ "vm": vm, "store": store }))
             }
-            Request::Receive { vm, from, token } => {
+            Request::Store { vm, bytes } => {
+                let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
+                let (mem, vcpus, _) = self.vms.taken();
+                let info = self.stores.start(&vm, bytes, |stores| {
+                    self.fits(&vm, bytes, 0, mem + stores, vcpus)
+                })?;
+                Ok(json!({ "addr": info.addr, "store": info }))
+            }
+            Request::Receive {
+                vm,
+                from,
+                token,
+                budget,
+            } => {
                 let to = self.vms.incoming_addr()?;
                 let extra = [
                     "--incoming".to_string(),
@@ -254,9 +298,13 @@ impl Agent {
                     "--token".into(),
                     token,
                 ];
+                let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
+                let stores = self.stores.taken();
                 let info = self
                     .vms
-                    .start(&vm, &extra, "arriving", |s, m, c| self.fits(s, m, c))?;
+                    .start(&vm, budget, &extra, "arriving", |m, c, tm, tc| {
+                        self.fits(&vm.name, m, c, tm + stores, tc)
+                    })?;
                 Ok(json!({ "to": to, "vm": info }))
             }
             Request::Send {
@@ -265,7 +313,8 @@ impl Agent {
                 token,
                 mode,
                 verify,
-            } => self.send(&name, &to, token, mode, verify, progress),
+                split,
+            } => self.send(&name, &to, token, mode, verify, split, progress),
             Request::Upgrade { name, binary } => {
                 let socket = self.vms.socket(&name)?;
                 let binary = binary.unwrap_or_else(|| self.opts.ferry.clone());
@@ -286,24 +335,31 @@ impl Agent {
         }
     }
 
-    /// Room for `spec` beside the memory and vCPUs taken already.
-    fn fits(&self, spec: &VmSpec, mem: u64, vcpus: u32) -> Result<(), FleetError> {
-        let free_mem = self.opts.mem_bytes.saturating_sub(mem);
-        let free_vcpus = self.opts.vcpus.saturating_sub(vcpus);
-        if spec.mem_bytes > free_mem || spec.vcpus > free_vcpus {
+    /// Room for `mem` bytes and `vcpus` vCPUs of VM `vm` beside the
+    /// `taken_mem` (VMs and memory servers) and `taken_vcpus` taken already.
+    fn fits(
+        &self,
+        vm: &str,
+        mem: u64,
+        vcpus: u32,
+        taken_mem: u64,
+        taken_vcpus: u32,
+    ) -> Result<(), FleetError> {
+        let free_mem = self.opts.mem_bytes.saturating_sub(taken_mem);
+        let free_vcpus = self.opts.vcpus.saturating_sub(taken_vcpus);
+        if mem > free_mem || vcpus > free_vcpus {
             return Err(FleetError::Refused(format!(
-                "no room for VM {} on {}: it needs {} MiB and {} vCPUs, {} MiB and {} vCPUs are free",
-                spec.name,
+                "no room for VM {vm} on {}: it needs {} MiB and {vcpus} vCPUs here, {} MiB and \
+                 {free_vcpus} vCPUs are free",
                 self.opts.name,
-                spec.mem_bytes >> 20,
-                spec.vcpus,
+                mem >> 20,
                 free_mem >> 20,
-                free_vcpus
             )));
         }
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
         name: &str,
@@ -311,6 +367,7 @@ impl Agent {
         token: String,
         mode: ferry_migration::options::Mode,
         verify: bool,
+        split: Option<SplitSpec>,
         progress: &mut dyn FnMut(Value),
     ) -> Result<Value, FleetError> {
         let socket = self.vms.socket(name)?;
@@ -319,14 +376,24 @@ impl Agent {
         let to: Endpoint = to
             .parse()
             .map_err(|e| FleetError::Refused(format!("destination {to}: {e}")))?;
+        let mut options = MigrateOptions {
+            mode,
+            verify,
+            token: Some(MigrationToken(token)),
+            ..Default::default()
+        };
+        if let Some(sp) = split {
+            options.split.main_budget = sp.main_budget;
+            options.split.subs = sp
+                .subs
+                .iter()
+                .map(|s| s.parse::<Endpoint>())
+                .collect::<Result<_, _>>()
+                .map_err(|e| FleetError::Refused(format!("a memory server address: {e}")))?;
+        }
         let req = Control::Migrate(MigrateRequest {
             to,
-            options: MigrateOptions {
-                mode,
-                verify,
-                token: Some(MigrationToken(token)),
-                ..Default::default()
-            },
+            options,
             timeline: None,
         });
         let reply = ControlClient::connect(&socket)

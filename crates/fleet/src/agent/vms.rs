@@ -6,9 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -29,6 +28,17 @@ struct Record {
     pid: u32,
     /// `started`, `arriving` (a destination waiting for it), `migrated`.
     came_by: String,
+    /// What of its memory this host holds, if less than all (a split VM's
+    /// main host).
+    #[serde(default)]
+    budget: Option<u64>,
+}
+
+impl Record {
+    /// The memory it takes here.
+    fn held(&self) -> u64 {
+        self.budget.unwrap_or(self.spec.mem_bytes)
+    }
 }
 
 /// The VMs of one host.
@@ -95,7 +105,7 @@ impl Vms {
     /// Memory and vCPUs the VMs take (waiting destinations included).
     pub fn taken(&self) -> (u64, u32, u32) {
         let r = lock(&self.records);
-        let mem = r.values().map(|v| v.spec.mem_bytes).sum();
+        let mem = r.values().map(Record::held).sum();
         let vcpus = r.values().map(|v| v.spec.vcpus).sum();
         (mem, vcpus, r.len() as u32)
     }
@@ -106,14 +116,16 @@ impl Vms {
     }
 
     /// Starts `spec` with `extra` flags for `ferry run` (the VMM runs until
-    /// stopped); fails if the name is taken. `fits` says whether there is
+    /// stopped), holding `budget` of its memory here if given (a split VM's
+    /// main host); fails if the name is taken. `fits` says whether there is
     /// room beside the memory and vCPUs taken already, under the same lock.
     pub fn start(
         &self,
         spec: &VmSpec,
+        budget: Option<u64>,
         extra: &[String],
         came_by: &str,
-        fits: impl FnOnce(&VmSpec, u64, u32) -> Result<(), FleetError>,
+        fits: impl FnOnce(u64, u32, u64, u32) -> Result<(), FleetError>,
     ) -> Result<VmInfo, FleetError> {
         spec.check()?;
         let socket = self.dir.join(format!("{}.sock", spec.name));
@@ -126,9 +138,9 @@ impl Vms {
                     spec.name
                 )));
             }
-            let mem = r.values().map(|v| v.spec.mem_bytes).sum();
+            let mem = r.values().map(Record::held).sum();
             let vcpus = r.values().map(|v| v.spec.vcpus).sum();
-            fits(spec, mem, vcpus)?;
+            fits(budget.unwrap_or(spec.mem_bytes), spec.vcpus, mem, vcpus)?;
             r.insert(
                 spec.name.clone(),
                 Record {
@@ -136,6 +148,7 @@ impl Vms {
                     socket: socket.clone(),
                     pid: 0,
                     came_by: came_by.into(),
+                    budget,
                 },
             );
         }
@@ -177,47 +190,27 @@ impl Vms {
 
     fn spawn(&self, spec: &VmSpec, socket: &Path, extra: &[String]) -> Result<u32, FleetError> {
         let log = self.dir.join(format!("{}.log", spec.name));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .map_err(FleetError::io(format!("{}", log.display())))?;
-        let err = out
-            .try_clone()
-            .map_err(FleetError::io(format!("{}", log.display())))?;
         let _ = std::fs::remove_file(socket);
-        let mut cmd = Command::new(&self.ferry);
-        cmd.arg("run")
-            .args(["--mem", &spec.mem_bytes.to_string(), "--vcpus"])
-            .arg(spec.vcpus.to_string())
-            .args(["--workload", &spec.workload, "--control"])
-            .arg(socket)
-            .arg("--quiet");
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--mem".into(),
+            spec.mem_bytes.to_string(),
+            "--vcpus".into(),
+            spec.vcpus.to_string(),
+            "--workload".into(),
+            spec.workload.clone(),
+            "--control".into(),
+            socket.display().to_string(),
+            "--quiet".into(),
+        ];
         if let Some(a) = &spec.vm_address {
-            cmd.args(["--vm-address", a]);
+            args.extend(["--vm-address".into(), a.clone()]);
         }
         if let Some(s) = &spec.serve {
-            cmd.args(["--serve", s]);
+            args.extend(["--serve".into(), s.clone()]);
         }
-        cmd.args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err));
-        // SAFETY: setsid is async-signal-safe and touches only the child:
-        // it leaves the agent's session, so the VMM outlives the agent and
-        // its signals.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().map_err(FleetError::io(format!(
-            "cannot start {}",
-            self.ferry.display()
-        )))?;
+        args.extend(extra.iter().cloned());
+        let mut child = super::process::spawn_detached(&self.ferry, &args, &log)?;
         let pid = child.id();
         let deadline = Instant::now() + READY_WITHIN;
         loop {
