@@ -147,6 +147,14 @@ pub struct DrainArgs {
     /// Other hosts a VM is tried on after a failed move.
     #[arg(long, default_value_t = 2)]
     retries: usize,
+    /// Each move's completion deadline per GiB of its VM: past it, a
+    /// hybrid move switches to postcopy.
+    #[arg(long, default_value = "20s", value_parser = format::parse_duration)]
+    deadline_per_gib: std::time::Duration,
+    /// The bandwidth the drain may use out of the host, shared by its
+    /// moves (e.g. 1gbit, 100M bytes/s; default: the link's).
+    #[arg(long, value_parser = crate::migrate::parse_rate)]
+    bandwidth: Option<u64>,
     #[command(flatten)]
     fleet: RegistryArgs,
 }
@@ -385,6 +393,8 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         }),
         verify: a.verify,
         retries: a.retries,
+        deadline_per_gib: a.deadline_per_gib,
+        bandwidth: a.bandwidth.map(|b| b as f64),
     };
     let plan_now = || -> Result<drain::Plan> {
         let source = fleet.host(&a.host)?;

@@ -125,11 +125,21 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
             to,
             token,
             split,
+            postcopy_after_secs,
+            bandwidth,
             ..
         } => {
             check_name(name)?;
             short("a destination", to)?;
             short("a token", token)?;
+            for (what, v) in [
+                ("postcopy_after_secs", postcopy_after_secs),
+                ("bandwidth", bandwidth),
+            ] {
+                if v.is_some_and(|x| !(x > 0.0 && x.is_finite())) {
+                    return Err(FleetError::Refused(format!("{what} must be positive")));
+                }
+            }
             if let Some(sp) = split {
                 if sp.subs.is_empty() || sp.subs.len() > MAX_STORES {
                     return Err(FleetError::Refused(format!(
@@ -225,6 +235,13 @@ pub enum Request {
         /// Compare every page's hash at the end.
         #[serde(default)]
         verify: bool,
+        /// Hybrid: switch to postcopy this long after the start (the
+        /// move's deadline), instead of after a number of rounds.
+        #[serde(default)]
+        postcopy_after_secs: Option<f64>,
+        /// Limit the move's bandwidth (bytes/s).
+        #[serde(default)]
+        bandwidth: Option<f64>,
         /// For mode split: the main host's share and the memory servers.
         #[serde(default)]
         split: Option<SplitSpec>,
@@ -321,6 +338,8 @@ mod tests {
             token: "t".into(),
             mode: Mode::Hybrid,
             verify: true,
+            postcopy_after_secs: Some(20.0),
+            bandwidth: None,
             split: None,
         };
         let line = serde_json::to_string(&r).unwrap();

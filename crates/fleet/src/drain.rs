@@ -38,6 +38,14 @@ pub struct DrainOptions {
     pub verify: bool,
     /// Other hosts a VM is tried on after a failed move.
     pub retries: usize,
+    /// Each move's completion deadline, per GiB of its VM: past it, a
+    /// hybrid move switches to postcopy (which ends in about one pass over
+    /// the memory left), so no VM keeps a drain waiting on rounds that do
+    /// not converge.
+    pub deadline_per_gib: Duration,
+    /// The bandwidth the drain may use out of the host (bytes/s), shared
+    /// by its moves; None: unlimited.
+    pub bandwidth: Option<f64>,
 }
 
 impl Default for DrainOptions {
@@ -48,8 +56,36 @@ impl Default for DrainOptions {
             mode: None,
             verify: false,
             retries: 2,
+            deadline_per_gib: Duration::from_secs(20),
+            bandwidth: None,
         }
     }
+}
+
+impl DrainOptions {
+    /// The deadline of a move of a `mem`-byte VM (at least 2 s).
+    pub fn deadline(&self, mem: u64) -> Duration {
+        self.deadline_per_gib
+            .mul_f64(mem as f64 / (1u64 << 30) as f64)
+            .max(Duration::from_secs(2))
+    }
+}
+
+/// May a move of `new_mem` bytes start beside `running` (each: bytes left
+/// to send, time left to its deadline) on a link of `link` bytes/s? Only if
+/// all of them, sharing the link, still end within the earliest deadline:
+/// a second move must not push the first past its own. With no link speed
+/// known the fixed limits alone decide.
+pub fn room_on_link(running: &[(u64, Duration)], new_mem: u64, link: Option<f64>) -> bool {
+    let Some(rate) = link.filter(|r| *r > 0.0) else {
+        return true;
+    };
+    if running.is_empty() {
+        return true;
+    }
+    let left: u64 = running.iter().map(|r| r.0).sum::<u64>() + new_mem;
+    let soonest = running.iter().map(|r| r.1).min().unwrap_or_default();
+    left as f64 / rate <= soonest.as_secs_f64()
 }
 
 /// One VM's planned move.
@@ -360,6 +396,14 @@ pub fn run(
     let t0 = Instant::now();
     let source = fleet.agent(&plan.from)?;
     let source_info = crate::fleet::info(&source)?;
+    // What the moves out of the host may use together (bytes/s).
+    let link = [
+        (source_info.link_bps > 0).then(|| source_info.link_bps as f64 / 8.0),
+        opts.bandwidth,
+    ]
+    .into_iter()
+    .flatten()
+    .reduce(f64::min);
     let mut reports: Vec<MoveReport> = plan
         .moves
         .iter()
@@ -398,7 +442,19 @@ pub fn run(
                 let k = pending[i];
                 let to = reports[k].to.clone();
                 let into = running.values().filter(|h| **h == to).count();
-                if into >= opts.per_host.max(1) {
+                let under_way: Vec<(u64, Duration)> = running
+                    .keys()
+                    .map(|&r| {
+                        let m = &reports[r];
+                        let left = opts
+                            .deadline(m.mem_bytes)
+                            .saturating_sub(Duration::from_secs_f64(m.secs));
+                        (m.mem_bytes.saturating_sub(m.bytes), left)
+                    })
+                    .collect();
+                if into >= opts.per_host.max(1)
+                    || !room_on_link(&under_way, reports[k].mem_bytes, link)
+                {
                     i += 1;
                     continue;
                 }
@@ -411,17 +467,19 @@ pub fn run(
                     .find(|v| v.spec.name == reports[k].vm)
                     .cloned();
                 let (tx, mut report) = (tx.clone(), reports[k].clone());
-                let (fleet, source, from) = (fleet.clone(), source.clone(), plan.from.clone());
-                let verify = opts.verify;
+                let shared = Shared {
+                    fleet: fleet.clone(),
+                    source: source.clone(),
+                    from: plan.from.clone(),
+                    opts: opts.clone(),
+                };
                 sc.spawn(move || {
                     let t = Instant::now();
                     report.state = MoveState::Preparing;
                     let _ = tx.send(Event::Update(k, report.clone()));
                     let r = match vm {
-                        Some(vm) => {
-                            one_move(&fleet, &source, &from, &vm, &mut report, verify, &tx, k, t)
-                        }
-                        None => Err(format!("VM {} is no longer on {from}", report.vm)),
+                        Some(vm) => one_move(&shared, &vm, &mut report, &tx, k, t),
+                        None => Err(format!("VM {} is no longer on {}", report.vm, shared.from)),
                     };
                     report.secs = t.elapsed().as_secs_f64();
                     let err = r.err();
@@ -555,19 +613,32 @@ fn another_host(fleet: &Fleet, from: &str, r: &MoveReport, tried: &[String]) -> 
         .map(|h| h.name)
 }
 
-/// One try at moving `vm` from `source` to `report.to`.
-#[allow(clippy::too_many_arguments)]
+/// What every move of a drain shares.
+struct Shared {
+    fleet: Fleet,
+    /// The drained host's agent, and its name.
+    source: crate::AgentClient,
+    from: String,
+    opts: DrainOptions,
+}
+
+/// One try at moving `vm` from the source to `report.to`.
 fn one_move(
-    fleet: &Fleet,
-    source: &crate::AgentClient,
-    from: &str,
+    sh: &Shared,
     vm: &VmInfo,
     report: &mut MoveReport,
-    verify: bool,
     tx: &mpsc::Sender<Event>,
     k: usize,
     t0: Instant,
 ) -> Result<(), String> {
+    let (fleet, source, from) = (&sh.fleet, &sh.source, sh.from.as_str());
+    let verify = sh.opts.verify;
+    let deadline = sh.opts.deadline(vm.spec.mem_bytes);
+    // The host's budget, shared by the moves out of it at once.
+    let bandwidth = sh
+        .opts
+        .bandwidth
+        .map(|b| b / sh.opts.per_host.max(1) as f64);
     let dest = fleet.agent(&report.to).map_err(|e| e.to_string())?;
     let token = MigrationToken::generate().map_err(|e| format!("no token: {e}"))?;
     // A split move's memory servers first, then its main host.
@@ -620,6 +691,9 @@ fn one_move(
             token: token.0,
             mode: report.mode,
             verify,
+            postcopy_after_secs: matches!(report.mode, Mode::Hybrid)
+                .then_some(deadline.as_secs_f64()),
+            bandwidth,
             split: report.split.as_ref().map(|sp| crate::api::SplitSpec {
                 subs: stores.iter().map(|s| s.1.clone()).collect(),
                 main_budget: sp.main_budget,
@@ -783,6 +857,26 @@ mod tests {
             p.unplaced[0].1.contains("1792 MiB on all"),
             "{:?}",
             p.unplaced
+        );
+    }
+
+    #[test]
+    fn a_second_move_starts_only_if_both_still_end_within_the_first_ones_deadline() {
+        let gib = 1u64 << 30;
+        let link = Some(125e6); // 1 Gbit/s
+                                // Nothing under way, or no link speed known: the fixed limits decide.
+        assert!(room_on_link(&[], gib, link));
+        assert!(room_on_link(&[(gib, Duration::from_secs(1))], gib, None));
+        // 1 GiB left with 20 s to go: another 1 GiB fits (2 GiB in 17 s).
+        assert!(room_on_link(&[(gib, Duration::from_secs(20))], gib, link));
+        // With 10 s to go it would push the first past its deadline.
+        assert!(!room_on_link(&[(gib, Duration::from_secs(10))], gib, link));
+        let opts = DrainOptions::default();
+        assert_eq!(opts.deadline(gib), Duration::from_secs(20));
+        assert_eq!(
+            opts.deadline(gib / 64),
+            Duration::from_secs(2),
+            "at least 2 s"
         );
     }
 }

@@ -25,7 +25,7 @@ use ferry_tls::{Connection, Credentials};
 use ferry_vmm::control::{ControlClient, MigrateRequest, Request as Control};
 use serde_json::{json, Value};
 
-use crate::api::{HostInfo, Request, SplitSpec, MAX_LINE};
+use crate::api::{HostInfo, Request, MAX_LINE};
 use crate::wire::{self, HANDSHAKE_WITHIN, REQUEST_WITHIN};
 use crate::FleetError;
 use stores::Stores;
@@ -313,8 +313,33 @@ impl Agent {
                 token,
                 mode,
                 verify,
+                postcopy_after_secs,
+                bandwidth,
                 split,
-            } => self.send(&name, &to, token, mode, verify, split, progress),
+            } => {
+                let mut options = MigrateOptions {
+                    mode,
+                    verify,
+                    token: Some(MigrationToken(token)),
+                    bandwidth,
+                    ..Default::default()
+                };
+                if let Some(secs) = postcopy_after_secs {
+                    options.postcopy_after = ferry_migration::PostcopyAfter::Secs(secs);
+                }
+                if let Some(sp) = split {
+                    options.split.main_budget = sp.main_budget;
+                    options.split.subs = sp
+                        .subs
+                        .iter()
+                        .map(|s| s.parse::<Endpoint>())
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| {
+                            FleetError::Refused(format!("a memory server address: {e}"))
+                        })?;
+                }
+                self.send(&name, &to, options, progress)
+            }
             Request::Upgrade { name, binary } => {
                 let socket = self.vms.socket(&name)?;
                 let binary = binary.unwrap_or_else(|| self.opts.ferry.clone());
@@ -359,15 +384,11 @@ impl Agent {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
         name: &str,
         to: &str,
-        token: String,
-        mode: ferry_migration::options::Mode,
-        verify: bool,
-        split: Option<SplitSpec>,
+        options: MigrateOptions,
         progress: &mut dyn FnMut(Value),
     ) -> Result<Value, FleetError> {
         let socket = self.vms.socket(name)?;
@@ -376,21 +397,6 @@ impl Agent {
         let to: Endpoint = to
             .parse()
             .map_err(|e| FleetError::Refused(format!("destination {to}: {e}")))?;
-        let mut options = MigrateOptions {
-            mode,
-            verify,
-            token: Some(MigrationToken(token)),
-            ..Default::default()
-        };
-        if let Some(sp) = split {
-            options.split.main_budget = sp.main_budget;
-            options.split.subs = sp
-                .subs
-                .iter()
-                .map(|s| s.parse::<Endpoint>())
-                .collect::<Result<_, _>>()
-                .map_err(|e| FleetError::Refused(format!("a memory server address: {e}")))?;
-        }
         let req = Control::Migrate(MigrateRequest {
             to,
             options,
