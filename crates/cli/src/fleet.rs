@@ -428,7 +428,9 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
                 a.host, prev.owner
             );
         }
-        for note in drain::settle(&fleet, &prev, std::time::Duration::from_secs(600))? {
+        for note in
+            ferry_fleet::journal::settle(&fleet, &prev, std::time::Duration::from_secs(600))?
+        {
             if !a.fleet.json {
                 eprintln!("  {note}");
             }

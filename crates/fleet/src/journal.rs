@@ -8,11 +8,13 @@
 //! writes); and `ferry hosts` shows drains in progress.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_registry::Registry;
 
+use crate::api::Request;
 use crate::drain::{MoveReport, MoveState};
+use crate::fleet::Fleet;
 use crate::FleetError;
 
 /// How often a running drain renews its record.
@@ -117,7 +119,7 @@ pub struct Journal {
 impl Journal {
     /// Takes `host`'s drain record for this process. Refused while another
     /// drain of it runs; the record of one that died is handed back, for
-    /// [`settle`](crate::drain::settle).
+    /// [`settle`].
     pub fn begin(
         registry: Arc<dyn Registry>,
         host: &str,
@@ -208,6 +210,79 @@ impl Journal {
             }
         }
     }
+}
+
+/// Settles the moves a drain that died left in flight (`prev`, its record):
+/// waits (at most `wait`) while such a VM is still being sent or its
+/// destination still starting, then stops any VMM still waiting for it
+/// where a running copy exists elsewhere (the move failed or never began).
+/// Afterwards every VM is where the fleet says, so planning again moves
+/// none twice. Says what it did, a line per VM.
+pub fn settle(
+    fleet: &Fleet,
+    prev: &DrainRecord,
+    wait: Duration,
+) -> Result<Vec<String>, FleetError> {
+    let deadline = Instant::now() + wait;
+    let mut notes = Vec::new();
+    for m in prev
+        .moves
+        .iter()
+        .filter(|m| matches!(m.state, MoveState::Preparing | MoveState::Moving))
+    {
+        loop {
+            // Every copy of the VM in the fleet: (host, state).
+            let copies: Vec<(String, String)> = fleet
+                .hosts()?
+                .into_iter()
+                .filter_map(|(_, h)| h.ok())
+                .flat_map(|h| {
+                    h.vms
+                        .iter()
+                        .filter(|v| v.spec.name == m.vm)
+                        .map(|v| (h.name.clone(), v.state.clone()))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            if copies
+                .iter()
+                .any(|(_, st)| st == "sending" || st == "starting")
+            {
+                if Instant::now() > deadline {
+                    return Err(FleetError::Plan(format!(
+                        "VM {} is still moving after {wait:?}; run the drain again later",
+                        m.vm
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(500));
+                continue;
+            }
+            let runs = copies.iter().find(|(_, st)| st != "waiting");
+            match runs {
+                Some((h, _)) => {
+                    for (w, _) in copies.iter().filter(|(_, st)| st == "waiting") {
+                        fleet
+                            .agent(w)?
+                            .call(&Request::Stop { name: m.vm.clone() })?;
+                        notes.push(format!(
+                            "{}: runs on {h}; the VMM left waiting for it on {w} stopped",
+                            m.vm
+                        ));
+                    }
+                    if !copies.iter().any(|(_, st)| st == "waiting") {
+                        notes.push(format!("{}: runs on {h}", m.vm));
+                    }
+                }
+                // Only a waiting copy, or none: nothing here may touch it.
+                None => notes.push(format!(
+                    "{}: no running copy found ({copies:?}); left as it is",
+                    m.vm
+                )),
+            }
+            break;
+        }
+    }
+    Ok(notes)
 }
 
 #[cfg(test)]

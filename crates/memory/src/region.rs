@@ -2,8 +2,7 @@
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-/// The unit of guest memory accounting.
-pub const PAGE_SIZE: u64 = 4096;
+pub use crate::mapping::PAGE_SIZE;
 
 /// Why a region could not be created or changed.
 #[derive(Debug, thiserror::Error)]
@@ -334,6 +333,27 @@ fn check_size(size: u64) -> Result<(), RegionError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn residency_follows_writes_and_removal() {
+        let r = MemfdRegion::new("mapping-test", 0, 8 * PAGE_SIZE).unwrap();
+        let base = r.host_addr() as u64;
+        // SAFETY: page 2 and 5 lie inside the region's mapping.
+        unsafe {
+            r.host_addr().add(2 * PAGE_SIZE as usize).write(1);
+            r.host_addr().add(5 * PAGE_SIZE as usize).write(1);
+        }
+        // SAFETY: the whole region is ours.
+        let res = unsafe { crate::mapping::resident_pages(base, 8 * PAGE_SIZE) }.unwrap();
+        assert_eq!(res, [false, false, true, false, false, true, false, false]);
+        // SAFETY: page 2 is ours to discard.
+        unsafe { crate::mapping::remove_range(base + 2 * PAGE_SIZE, PAGE_SIZE) }.unwrap();
+        // SAFETY: as above.
+        let res = unsafe { crate::mapping::resident_pages(base, 8 * PAGE_SIZE) }.unwrap();
+        assert_eq!(res.iter().filter(|&&b| b).count(), 1);
+        assert!(!r.holds_data(2 * PAGE_SIZE, PAGE_SIZE));
+        assert!(r.holds_data(5 * PAGE_SIZE, PAGE_SIZE));
+    }
 
     #[test]
     fn write_read_and_punch() {

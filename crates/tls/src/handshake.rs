@@ -186,7 +186,7 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
             Ok(ConnectionState::BlockedHandshake) => Some(Next::Read),
             Ok(ConnectionState::WriteTraffic(_)) => Some(Next::Done),
             Ok(ConnectionState::PeerClosed | ConnectionState::Closed) => {
-                return Err(Failed::Because(crate::socket::CLOSED_IN_HANDSHAKE.into()))
+                return Err(Failed::Because(crate::error::CLOSED_IN_HANDSHAKE.into()))
             }
             Ok(other) => {
                 return Err(Failed::Because(format!(
@@ -195,7 +195,7 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
             }
             Err(e) => {
                 // Tell the peer why (the alert rustls queued), best effort.
-                let why = crate::socket::explain(&e);
+                let why = crate::error::explain(&e);
                 let _ = send_alert(&mut conn, fd, deadline);
                 return Err(Failed::Because(why));
             }
@@ -232,9 +232,7 @@ pub fn run<S: Side>(mut conn: S, fd: RawFd, deadline: Instant) -> Result<Establi
                 }
                 match sys::recv(fd, &mut incoming[used..]) {
                     Ok(0) if !heard => return Err(Failed::Silent),
-                    Ok(0) => {
-                        return Err(Failed::Because(crate::socket::CLOSED_IN_HANDSHAKE.into()))
-                    }
+                    Ok(0) => return Err(Failed::Because(crate::error::CLOSED_IN_HANDSHAKE.into())),
                     Ok(n) => {
                         used += n;
                         heard = true;

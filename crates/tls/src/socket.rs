@@ -328,7 +328,7 @@ impl TlsSocket {
                 }
             }
             Err(RecordError::Alert(d)) => {
-                rx.broken = Some(explain(&rustls::Error::AlertReceived(d)));
+                rx.broken = Some(crate::error::explain(&rustls::Error::AlertReceived(d)));
             }
             Err(e) => rx.broken = Some(e.to_string()),
         }
@@ -433,52 +433,5 @@ impl Write for TlsSocket {
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
-    }
-}
-
-/// Why a peer hangs up mid-handshake, as far as this end can tell.
-pub(crate) const CLOSED_IN_HANDSHAKE: &str =
-    "the peer closed the connection during the handshake (it may \
-     have refused this host's certificate, or it does not speak TLS)";
-
-/// A rustls error in words an operator can act on.
-pub(crate) fn explain(e: &rustls::Error) -> String {
-    use rustls::{AlertDescription as A, CertificateError as C, Error as E};
-    match e {
-        E::InvalidCertificate(C::Expired) | E::InvalidCertificate(C::ExpiredContext { .. }) => {
-            "the peer's certificate has expired".into()
-        }
-        E::InvalidCertificate(C::UnknownIssuer | C::BadSignature) => {
-            "the peer's certificate is not from this fleet's CA".into()
-        }
-        E::InvalidCertificate(C::NotValidForName)
-        | E::InvalidCertificate(C::NotValidForNameContext { .. }) => {
-            "the peer's certificate does not name the address connected to".into()
-        }
-        E::InvalidCertificate(c) => format!("the peer's certificate was refused: {c:?}"),
-        E::NoCertificatesPresented => "the peer presented no certificate".into(),
-        E::AlertReceived(A::CertificateExpired) => {
-            "the peer refused this host's certificate: it has expired".into()
-        }
-        E::AlertReceived(A::UnknownCA) => {
-            "the peer refused this host's certificate: not from its fleet's CA".into()
-        }
-        E::AlertReceived(A::BadCertificate | A::CertificateRequired | A::CertificateUnknown) => {
-            "the peer refused this host's certificate".into()
-        }
-        // What rustls answers a signature that does not verify: the two
-        // ends' CAs differ.
-        E::AlertReceived(A::DecryptError) => {
-            "the peer refused this host's certificate (a signature did not verify: are both \
-             hosts' certificates from the same fleet CA?)"
-                .into()
-        }
-        E::DecryptError => {
-            "cannot decrypt a record: it was corrupted or tampered with on the way".into()
-        }
-        E::InvalidMessage(_) => {
-            "the peer does not speak TLS (is it running with --insecure?)".into()
-        }
-        other => other.to_string(),
     }
 }
