@@ -5,7 +5,7 @@
 //! lost, every move passes --verify, and every guest keeps counting.
 
 mod common;
-use common::lab::{in_host, lab_up};
+use common::lab::{in_host, lab_up, tls_etcd_on_h3};
 use common::{kvm_usable, progress, wait_status};
 
 use std::io::{BufRead, BufReader};
@@ -450,4 +450,72 @@ fn a_vm_that_fits_nowhere_whole_is_drained_split_and_stopped_with_its_memory_ser
     // SAFETY: kill with signal 0 only asks whether the process exists.
     let alive = unsafe { libc::kill(store_pid as i32, 0) } == 0;
     assert!(!alive, "the memory server ended");
+}
+
+/// A kv VM with its own address under 128 clients is drained off its host
+/// while the clients keep sending: its address and their connections move
+/// with it, no request fails or gets a wrong value, and it passes --verify.
+/// The fleet is in a real etcd over mutual TLS (the lab CA's certificates).
+#[test]
+fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-fleet-kv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _vms = VmReaper(dir.to_str().unwrap().to_string());
+    let Some((etcd, registry)) = tls_etcd_on_h3(&dir) else {
+        eprintln!("SKIP: no etcd binary (apt install etcd-server; scripts/setup.sh does)");
+        return;
+    };
+    let mut etcd = AgentProc(etcd);
+    let reg = registry.as_str();
+    // etcd may still be electing itself: agents start once it answers.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while op(reg, &["hosts"]).is_err() {
+        assert!(Instant::now() < deadline, "etcd never answered");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _a1 = agent(1, reg, &dir, "2G", &[]);
+    let _a2 = agent(2, reg, &dir, "2G", &[]);
+    let svc = "10.77.0.100:7100";
+    op(
+        reg,
+        &[
+            "vm", "start", "kv", "--host", "ferry-h1", "--mem", "512M", "--vcpus", "2",
+            "--workload", "kv:workers=4,keys=65536,value=1024", "--vm-address", "10.77.0.100",
+            "--serve", svc,
+        ],
+    )
+    .unwrap();
+    let socket = vms_on(reg, "ferry-h1")[0].3.clone();
+    let load = in_host(
+        "ferry-h3",
+        &["load", "--target", svc, "--clients", "128", "--duration", "15s", "--json", "--quiet"],
+    )
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while progress(&wait_status(&socket)) < 1000 {
+        assert!(Instant::now() < deadline, "the VM never served the load");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let report = op(reg, &["drain", "ferry-h1", "--verify"]).unwrap();
+    let m = &report["moves"][0];
+    assert_eq!((m["state"].as_str(), m["to"].as_str()), (Some("done"), Some("ferry-h2")), "{report}");
+    // The load ends by itself after its 15 s.
+    let out = load.wait_with_output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["wrong_values"], 0, "{v}");
+    assert!(v["requests"].as_u64().unwrap_or(0) > 1000, "{v}");
+    let on_h2 = vms_on(reg, "ferry-h2");
+    assert_eq!(on_h2.len(), 1);
+    let served = progress(&wait_status(&on_h2[0].3));
+    assert!(served > 1000, "the VM served on at ferry-h2: {served}");
+    let _ = etcd.0.kill();
 }

@@ -7,7 +7,7 @@
 
 mod common;
 use common::kvm_usable;
-use common::lab::{ferry, in_host, lab_up, Lab};
+use common::lab::{ferry, in_host, lab_up, pki, tls_etcd_on_h3, Lab};
 
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -474,58 +474,11 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let mut registries = vec![(format!("dir:{}", dir.join("registry").display()), None)];
-    match ["/usr/bin/etcd", "/usr/local/bin/etcd"]
-        .iter()
-        .find(|p| std::path::Path::new(p).exists())
-    {
+    match tls_etcd_on_h3(&dir) {
         None => eprintln!(
             "SKIP (etcd half): no etcd binary (apt install etcd-server; scripts/setup.sh does)"
         ),
-        Some(etcd) => {
-            // etcd over mutual TLS (issue 32): its certificate from the lab
-            // CA, and only clients with a lab host's certificate served.
-            let tls = dir.join("etcd-tls");
-            pki(&[
-                "issue",
-                "etcd-lab",
-                "--dir",
-                "/run/ferry-lab/ca",
-                "--out",
-                tls.to_str().unwrap(),
-                "--san",
-                "10.77.0.3",
-            ]);
-            let file = |f: &str| tls.join(f).to_str().unwrap().to_string();
-            let data = dir.join("etcd");
-            let c = Command::new("ip")
-                .args(["netns", "exec", "ferry-h3", etcd, "--name", "lab"])
-                .args(["--data-dir", data.to_str().unwrap()])
-                .args([
-                    "--listen-client-urls",
-                    "https://10.77.0.3:2379",
-                    "--advertise-client-urls",
-                    "https://10.77.0.3:2379",
-                ])
-                .args([
-                    "--listen-peer-urls",
-                    "http://10.77.0.3:2380",
-                    "--initial-advertise-peer-urls",
-                    "http://10.77.0.3:2380",
-                ])
-                .args(["--initial-cluster", "lab=http://10.77.0.3:2380"])
-                .args([
-                    "--cert-file",
-                    &file("cert.pem"),
-                    "--key-file",
-                    &file("key.pem"),
-                ])
-                .args(["--trusted-ca-file", &file("ca.pem"), "--client-cert-auth"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap();
-            registries.push(("etcds://10.77.0.3:2379".into(), Some(Reaper(Some(c)))));
-        }
+        Some((c, registry)) => registries.push((registry, Some(Reaper(Some(c))))),
     }
     let hosts = |r: &str| -> Vec<serde_json::Value> {
         let o = in_host("ferry-h1", &["hosts", "--registry", r, "--json"])
@@ -1502,18 +1455,6 @@ fn progress_in(host: &str, sock: &str) -> (serde_json::Value, u64) {
 }
 
 /// `ferry pki …` on this machine, which must succeed.
-fn pki(args: &[&str]) {
-    let o = Command::new(ferry())
-        .arg("pki")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "ferry pki {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
 
 /// Issue 32, across lab hosts: a destination on ferry-h2 waits with
 /// `--from ferry-h1 --token auto`. Sources that are not the one it waits

@@ -1,7 +1,7 @@
 //! Lab hosts (network namespaces made by `ferry lab up`) for the tests
 //! that cross a real network stack.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// The ferry under test.
 pub fn ferry() -> &'static str {
@@ -46,4 +46,72 @@ pub fn lab_up() -> Option<Lab> {
         return None;
     }
     Some(Lab { _serial: guard })
+}
+
+/// A real etcd on lab host ferry-h3 (10.77.0.3:2379) over mutual TLS: its
+/// certificate from the lab CA, and only clients with a lab host's
+/// certificate served (`--client-cert-auth`); its data in `dir`. The
+/// process and the registry address (`etcds://…`), or None without an
+/// etcd binary.
+pub fn tls_etcd_on_h3(dir: &std::path::Path) -> Option<(std::process::Child, String)> {
+    let etcd = ["/usr/bin/etcd", "/usr/local/bin/etcd"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())?;
+    // etcd over mutual TLS (issue 32): its certificate from the lab
+    // CA, and only clients with a lab host's certificate served.
+    let tls = dir.join("etcd-tls");
+    pki(&[
+        "issue",
+        "etcd-lab",
+        "--dir",
+        "/run/ferry-lab/ca",
+        "--out",
+        tls.to_str().unwrap(),
+        "--san",
+        "10.77.0.3",
+    ]);
+    let file = |f: &str| tls.join(f).to_str().unwrap().to_string();
+    let data = dir.join("etcd");
+    let c = Command::new("ip")
+        .args(["netns", "exec", "ferry-h3", etcd, "--name", "lab"])
+        .args(["--data-dir", data.to_str().unwrap()])
+        .args([
+            "--listen-client-urls",
+            "https://10.77.0.3:2379",
+            "--advertise-client-urls",
+            "https://10.77.0.3:2379",
+        ])
+        .args([
+            "--listen-peer-urls",
+            "http://10.77.0.3:2380",
+            "--initial-advertise-peer-urls",
+            "http://10.77.0.3:2380",
+        ])
+        .args(["--initial-cluster", "lab=http://10.77.0.3:2380"])
+        .args([
+            "--cert-file",
+            &file("cert.pem"),
+            "--key-file",
+            &file("key.pem"),
+        ])
+        .args(["--trusted-ca-file", &file("ca.pem"), "--client-cert-auth"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    Some((c, "etcds://10.77.0.3:2379".to_string()))
+}
+
+/// `ferry pki ARGS`, which must succeed.
+pub fn pki(args: &[&str]) {
+    let o = Command::new(ferry())
+        .arg("pki")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "ferry pki {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
