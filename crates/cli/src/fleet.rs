@@ -340,11 +340,16 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
             fleet.agent(&host.name)?.call(&Request::Stop {
                 name: a.name.clone(),
             })?;
-            // A split VM's memory servers on other hosts end with it.
+            // A split VM's memory servers on other hosts end with it, and
+            // so does a VMM left forwarding its clients to it.
             let mut stores = Vec::new();
             for (_, h) in fleet.hosts()? {
                 let Ok(h) = h else { continue };
-                if h.name != host.name && h.stores.iter().any(|s| s.vm == a.name) {
+                let forwarder = h
+                    .vms
+                    .iter()
+                    .any(|v| v.spec.name == a.name && v.state == "forwarding");
+                if h.name != host.name && (forwarder || h.stores.iter().any(|s| s.vm == a.name)) {
                     fleet.agent(&h.name)?.call(&Request::Stop {
                         name: a.name.clone(),
                     })?;
@@ -359,7 +364,7 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
             } else {
                 println!("VM {} on {} stopped", a.name, host.name);
                 for s in stores {
-                    println!("  its memory server on {s} stopped");
+                    println!("  its memory server or forwarder on {s} stopped");
                 }
             }
         }

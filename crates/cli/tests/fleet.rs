@@ -484,16 +484,38 @@ fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error()
     op(
         reg,
         &[
-            "vm", "start", "kv", "--host", "ferry-h1", "--mem", "512M", "--vcpus", "2",
-            "--workload", "kv:workers=4,keys=65536,value=1024", "--vm-address", "10.77.0.100",
-            "--serve", svc,
+            "vm",
+            "start",
+            "kv",
+            "--host",
+            "ferry-h1",
+            "--mem",
+            "512M",
+            "--vcpus",
+            "2",
+            "--workload",
+            "kv:workers=4,keys=65536,value=1024",
+            "--vm-address",
+            "10.77.0.100",
+            "--serve",
+            svc,
         ],
     )
     .unwrap();
     let socket = vms_on(reg, "ferry-h1")[0].3.clone();
     let load = in_host(
         "ferry-h3",
-        &["load", "--target", svc, "--clients", "128", "--duration", "15s", "--json", "--quiet"],
+        &[
+            "load",
+            "--target",
+            svc,
+            "--clients",
+            "128",
+            "--duration",
+            "15s",
+            "--json",
+            "--quiet",
+        ],
     )
     .stdout(Stdio::piped())
     .spawn()
@@ -506,13 +528,21 @@ fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error()
     std::thread::sleep(Duration::from_secs(2));
     let report = op(reg, &["drain", "ferry-h1", "--verify"]).unwrap();
     let m = &report["moves"][0];
-    assert_eq!((m["state"].as_str(), m["to"].as_str()), (Some("done"), Some("ferry-h2")), "{report}");
+    assert_eq!(
+        (m["state"].as_str(), m["to"].as_str()),
+        (Some("done"), Some("ferry-h2")),
+        "{report}"
+    );
     // The load ends by itself after its 15 s.
     let out = load.wait_with_output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["wrong_values"], 0, "{v}");
     assert!(v["requests"].as_u64().unwrap_or(0) > 1000, "{v}");
+    assert!(
+        vms_on(reg, "ferry-h1").is_empty(),
+        "its clients moved with it: no VMM stays behind forwarding them"
+    );
     let on_h2 = vms_on(reg, "ferry-h2");
     assert_eq!(on_h2.len(), 1);
     let served = progress(&wait_status(&on_h2[0].3));

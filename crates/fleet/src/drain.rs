@@ -220,7 +220,12 @@ pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan
             moves: 0,
         })
         .collect();
-    let mut vms: Vec<&VmInfo> = source.vms.iter().filter(|v| v.state != "waiting").collect();
+    // A waiting VMM has no VM yet, and a forwarder's VM runs elsewhere.
+    let mut vms: Vec<&VmInfo> = source
+        .vms
+        .iter()
+        .filter(|v| v.state != "waiting" && v.state != "forwarding")
+        .collect();
     vms.sort_by(|a, b| {
         b.spec
             .mem_bytes

@@ -101,7 +101,13 @@ impl Fleet {
     pub fn find_vm(&self, name: &str) -> Result<(HostInfo, VmInfo), FleetError> {
         for (_, host) in self.hosts()? {
             let Ok(host) = host else { continue };
-            if let Some(vm) = host.vms.iter().find(|v| v.spec.name == name).cloned() {
+            // A forwarder's VM runs elsewhere.
+            if let Some(vm) = host
+                .vms
+                .iter()
+                .find(|v| v.spec.name == name && v.state != "forwarding")
+                .cloned()
+            {
                 return Ok((host, vm));
             }
         }

@@ -44,7 +44,11 @@ pub fn run(
     let agent = fleet.agent(host)?;
     let before = crate::fleet::info(&agent)?;
     let mut out = Vec::new();
-    for listed in before.vms.iter().filter(|v| v.state != "waiting") {
+    for listed in before
+        .vms
+        .iter()
+        .filter(|v| v.state != "waiting" && v.state != "forwarding")
+    {
         // As it is now: its counters just before its handover.
         let now = crate::fleet::info(&agent)?;
         let Some(vm) = now.vms.iter().find(|v| v.spec.name == listed.spec.name) else {

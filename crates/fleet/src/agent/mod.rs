@@ -408,9 +408,15 @@ impl Agent {
                 vm: name.into(),
                 reason: e.to_string(),
             })?;
-        // It runs at the destination now; its VMM here ends.
-        self.vms.wait_gone(pid, Duration::from_secs(5));
-        self.vms.forget(name);
+        // It runs at the destination now: its VMM here ends, unless its
+        // clients could not move with it (it forwards them, and stays).
+        let forwarded = reply["stats"]["clients"]["moved"] == false;
+        if forwarded {
+            self.vms.forwarding(name);
+        } else {
+            self.vms.wait_gone(pid, Duration::from_secs(5));
+            self.vms.forget(name);
+        }
         Ok(reply)
     }
 }

@@ -203,10 +203,14 @@ impl Vms {
             socket.display().to_string(),
             "--quiet".into(),
         ];
-        if let Some(a) = &spec.vm_address {
+        // A VM arriving brings its address and service port with its state
+        // (and its clients with them): a waiting VMM must not take them
+        // beforehand, or the address would stand on two hosts at once.
+        let arriving = extra.iter().any(|a| a == "--incoming");
+        if let (Some(a), false) = (&spec.vm_address, arriving) {
             args.extend(["--vm-address".into(), a.clone()]);
         }
-        if let Some(s) = &spec.serve {
+        if let (Some(s), false) = (&spec.serve, arriving) {
             args.extend(["--serve".into(), s.clone()]);
         }
         args.extend(extra.iter().cloned());
@@ -298,6 +302,8 @@ impl Vms {
             spec: rec.spec.clone(),
             state: if waiting {
                 "waiting".into()
+            } else if rec.came_by == "forwarding" {
+                "forwarding".into()
             } else if sending {
                 "sending".into()
             } else {
@@ -361,6 +367,19 @@ impl Vms {
         }
         self.forget(name);
         Ok(())
+    }
+
+    /// Keeps VM `name`'s VMM as a forwarder: the VM runs elsewhere, but
+    /// its clients could not move with it, and this VMM forwards them there
+    /// for as long as it runs (stopping it with the VM's name ends that).
+    pub fn forwarding(&self, name: &str) {
+        let rec = {
+            let mut r = lock(&self.records);
+            let Some(rec) = r.get_mut(name) else { return };
+            rec.came_by = "forwarding".into();
+            rec.clone()
+        };
+        let _ = self.persist(&rec);
     }
 
     /// Forgets VM `name` (it moved away or is gone).
