@@ -1454,8 +1454,6 @@ fn progress_in(host: &str, sock: &str) -> (serde_json::Value, u64) {
     (v, p)
 }
 
-/// `ferry pki …` on this machine, which must succeed.
-
 /// Issue 32, across lab hosts: a destination on ferry-h2 waits with
 /// `--from ferry-h1 --token auto`. Sources that are not the one it waits
 /// for try to push their VMs into it, each with the right token (as if it
