@@ -78,7 +78,8 @@ pub struct MigrateArgs {
           default_value = format::ms_arg(defaults::PUSH_DELAY_MS))]
     push_delay: Duration,
     /// Hybrid: switch to postcopy after this many dirty rounds (e.g. 3) or
-    /// seconds (e.g. 2.5s) without converging.
+    /// seconds (e.g. 2.5s) without converging, or whichever of both comes
+    /// first (e.g. 3|20s).
     #[arg(long, default_value_t = PostcopyAfter::default())]
     postcopy_after: PostcopyAfter,
     /// Parallel bulk connections (default: 2, or 1 on a single core).

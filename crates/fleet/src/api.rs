@@ -235,8 +235,9 @@ pub enum Request {
         /// Compare every page's hash at the end.
         #[serde(default)]
         verify: bool,
-        /// Hybrid: switch to postcopy this long after the start (the
-        /// move's deadline), instead of after a number of rounds.
+        /// Hybrid: switch to postcopy this long after the start at the
+        /// latest (the move's deadline), besides after rounds that do not
+        /// converge.
         #[serde(default)]
         postcopy_after_secs: Option<f64>,
         /// Limit the move's bandwidth (bytes/s).

@@ -23,6 +23,8 @@ impl Rounds for Hybrid {
         postcopy_due(after, rounds_done, s.t_start).then(|| match after {
             PostcopyAfter::Rounds(n) => format!("{n} dirty rounds"),
             PostcopyAfter::Secs(x) => format!("{x} s"),
+            PostcopyAfter::Either(n, _) if rounds_done > n => format!("{n} dirty rounds"),
+            PostcopyAfter::Either(_, x) => format!("its {x} s deadline"),
         })
     }
 }
@@ -33,6 +35,10 @@ fn postcopy_due(after: PostcopyAfter, rounds_done: u32, t_start: Instant) -> boo
         // Round 0 is the full copy; `n` dirty rounds follow it.
         PostcopyAfter::Rounds(n) => rounds_done > n,
         PostcopyAfter::Secs(x) => t_start.elapsed().as_secs_f64() >= x,
+        PostcopyAfter::Either(n, x) => {
+            postcopy_due(PostcopyAfter::Rounds(n), rounds_done, t_start)
+                || postcopy_due(PostcopyAfter::Secs(x), rounds_done, t_start)
+        }
     }
 }
 
@@ -50,5 +56,13 @@ mod tests {
         assert!(!postcopy_due(PostcopyAfter::Secs(60.0), 100, now));
         let long_ago = now - Duration::from_secs(3);
         assert!(postcopy_due(PostcopyAfter::Secs(2.5), 1, long_ago));
+        // Whichever comes first.
+        let either = PostcopyAfter::Either(3, 2.5);
+        assert!(!postcopy_due(either, 1, now));
+        assert!(postcopy_due(either, 4, now));
+        assert!(postcopy_due(either, 1, long_ago));
+        assert_eq!("3|2.5s".parse::<PostcopyAfter>(), Ok(either));
+        assert_eq!(either.to_string(), "3|2.5s");
+        assert!("3|4".parse::<PostcopyAfter>().is_err());
     }
 }

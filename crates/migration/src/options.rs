@@ -123,13 +123,17 @@ impl Mode {
 }
 
 /// When hybrid gives up on precopy: after this many dirty rounds, or this
-/// long after the start. Written `3` (rounds) or `2.5s`.
+/// long after the start, or whichever comes first. Written `3` (rounds),
+/// `2.5s`, or `3|20s`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PostcopyAfter {
     /// Dirty rounds after the full copy.
     Rounds(u32),
     /// Seconds since the migration started.
     Secs(f64),
+    /// Whichever comes first: rounds that did not converge, or a deadline
+    /// (a fleet drain's: a slow link cannot stretch the rounds past it).
+    Either(u32, f64),
 }
 
 impl Default for PostcopyAfter {
@@ -141,7 +145,16 @@ impl Default for PostcopyAfter {
 impl std::str::FromStr for PostcopyAfter {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("'{s}' is neither a round count (3) nor seconds (2.5s)");
+        let bad =
+            || format!("'{s}' is neither a round count (3), seconds (2.5s), nor both (3|20s)");
+        if let Some((rounds, secs)) = s.split_once('|') {
+            return match (rounds.parse::<Self>(), secs.parse::<Self>()) {
+                (Ok(PostcopyAfter::Rounds(n)), Ok(PostcopyAfter::Secs(x))) => {
+                    Ok(PostcopyAfter::Either(n, x))
+                }
+                _ => Err(bad()),
+            };
+        }
         if let Some(secs) = s.strip_suffix('s') {
             let v: f64 = secs.parse().map_err(|_| bad())?;
             if !(v >= 0.0 && v.is_finite()) {
@@ -158,6 +171,7 @@ impl std::fmt::Display for PostcopyAfter {
         match self {
             PostcopyAfter::Rounds(n) => write!(f, "{n}"),
             PostcopyAfter::Secs(s) => write!(f, "{s}s"),
+            PostcopyAfter::Either(n, s) => write!(f, "{n}|{s}s"),
         }
     }
 }

@@ -325,7 +325,10 @@ impl Agent {
                     ..Default::default()
                 };
                 if let Some(secs) = postcopy_after_secs {
-                    options.postcopy_after = ferry_migration::PostcopyAfter::Secs(secs);
+                    // The engine's own rule (rounds that do not converge),
+                    // with the deadline as a backstop.
+                    let rounds = ferry_migration::options::defaults::POSTCOPY_AFTER_ROUNDS;
+                    options.postcopy_after = ferry_migration::PostcopyAfter::Either(rounds, secs);
                 }
                 if let Some(sp) = split {
                     options.split.main_budget = sp.main_budget;
@@ -392,7 +395,6 @@ impl Agent {
         progress: &mut dyn FnMut(Value),
     ) -> Result<Value, FleetError> {
         let socket = self.vms.socket(name)?;
-        let pid = self.vms.pid(name);
         let _sending = self.vms.sending(name)?;
         let to: Endpoint = to
             .parse()
@@ -414,7 +416,9 @@ impl Agent {
         if forwarded {
             self.vms.forwarding(name);
         } else {
-            self.vms.wait_gone(pid, Duration::from_secs(5));
+            // The reply need not wait for the old process to wind down:
+            // the VM is forgotten here now, and the agent's tick reaps its
+            // VMM once it ends (a move that waited for it took longer).
             self.vms.forget(name);
         }
         Ok(reply)
