@@ -713,7 +713,7 @@ fn agent_api() -> Vec<Seed> {
         ),
         (
             "q-send",
-            r#"Q{"op":"send","name":"web","to":"tcp:10.77.0.2:41234","token":"00112233445566778899aabbccddeeff","mode":"hybrid","verify":true}"#.into(),
+            r#"Q{"op":"send","name":"web","to":"tcp:10.77.0.2:41234","token":"00112233445566778899aabbccddeeff","mode":"hybrid","verify":true,"postcopy_after":"1|20s","bandwidth":125000000.0}"#.into(),
         ),
         ("q-upgrade", r#"Q{"op":"upgrade","name":"web","binary":"/usr/local/bin/ferry"}"#.into()),
         ("q-store", r#"Q{"op":"store","vm":"big","bytes":671088640}"#.into()),

@@ -155,6 +155,10 @@ pub struct DrainArgs {
     /// moves (e.g. 1gbit, 100M bytes/s; default: the link's).
     #[arg(long, value_parser = crate::migrate::parse_rate)]
     bandwidth: Option<u64>,
+    /// Hybrid moves switch to postcopy after this many dirty rounds that
+    /// did not converge (or at their deadline).
+    #[arg(long, default_value_t = 1)]
+    postcopy_after_rounds: u32,
     #[command(flatten)]
     fleet: RegistryArgs,
 }
@@ -400,6 +404,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         retries: a.retries,
         deadline_per_gib: a.deadline_per_gib,
         bandwidth: a.bandwidth.map(|b| b as f64),
+        postcopy_after_rounds: a.postcopy_after_rounds,
     };
     let plan_now = || -> Result<drain::Plan> {
         let source = fleet.host(&a.host)?;

@@ -125,20 +125,14 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
             to,
             token,
             split,
-            postcopy_after_secs,
             bandwidth,
             ..
         } => {
             check_name(name)?;
             short("a destination", to)?;
             short("a token", token)?;
-            for (what, v) in [
-                ("postcopy_after_secs", postcopy_after_secs),
-                ("bandwidth", bandwidth),
-            ] {
-                if v.is_some_and(|x| !(x > 0.0 && x.is_finite())) {
-                    return Err(FleetError::Refused(format!("{what} must be positive")));
-                }
+            if bandwidth.is_some_and(|x| !(x > 0.0 && x.is_finite())) {
+                return Err(FleetError::Refused("bandwidth must be positive".into()));
             }
             if let Some(sp) = split {
                 if sp.subs.is_empty() || sp.subs.len() > MAX_STORES {
@@ -235,11 +229,10 @@ pub enum Request {
         /// Compare every page's hash at the end.
         #[serde(default)]
         verify: bool,
-        /// Hybrid: switch to postcopy this long after the start at the
-        /// latest (the move's deadline), besides after rounds that do not
-        /// converge.
+        /// Hybrid: when to switch to postcopy (`1|20s`: after a dirty
+        /// round that did not converge, or at the move's deadline).
         #[serde(default)]
-        postcopy_after_secs: Option<f64>,
+        postcopy_after: Option<ferry_migration::PostcopyAfter>,
         /// Limit the move's bandwidth (bytes/s).
         #[serde(default)]
         bandwidth: Option<f64>,
@@ -339,7 +332,7 @@ mod tests {
             token: "t".into(),
             mode: Mode::Hybrid,
             verify: true,
-            postcopy_after_secs: Some(20.0),
+            postcopy_after: Some(ferry_migration::PostcopyAfter::Either(1, 20.0)),
             bandwidth: None,
             split: None,
         };

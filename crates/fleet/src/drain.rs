@@ -46,6 +46,10 @@ pub struct DrainOptions {
     /// The bandwidth the drain may use out of the host (bytes/s), shared
     /// by its moves; None: unlimited.
     pub bandwidth: Option<f64>,
+    /// Hybrid moves switch to postcopy after this many dirty rounds that
+    /// did not converge (or at their deadline): in a drain every page sent
+    /// twice delays every other VM, so fewer than a lone migration's 3.
+    pub postcopy_after_rounds: u32,
 }
 
 impl Default for DrainOptions {
@@ -58,6 +62,7 @@ impl Default for DrainOptions {
             retries: 2,
             deadline_per_gib: Duration::from_secs(20),
             bandwidth: None,
+            postcopy_after_rounds: 1,
         }
     }
 }
@@ -623,8 +628,12 @@ fn one_move(
             token: token.0,
             mode: report.mode,
             verify,
-            postcopy_after_secs: matches!(report.mode, Mode::Hybrid)
-                .then_some(deadline.as_secs_f64()),
+            postcopy_after: matches!(report.mode, Mode::Hybrid).then_some(
+                ferry_migration::PostcopyAfter::Either(
+                    sh.opts.postcopy_after_rounds,
+                    deadline.as_secs_f64(),
+                ),
+            ),
             bandwidth,
             split: report.split.as_ref().map(|sp| crate::api::SplitSpec {
                 subs: stores.iter().map(|s| s.1.clone()).collect(),

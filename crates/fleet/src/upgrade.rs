@@ -49,11 +49,22 @@ pub fn run(
         .iter()
         .filter(|v| v.state != "waiting" && v.state != "forwarding")
     {
-        // As it is now: its counters just before its handover.
-        let now = crate::fleet::info(&agent)?;
-        let Some(vm) = now.vms.iter().find(|v| v.spec.name == listed.spec.name) else {
+        // As it is now: its counters just before its handover, read twice
+        // to see whether its guest is counting at all (a workload that
+        // finished stands still, healthy).
+        let find =
+            |h: crate::api::HostInfo| h.vms.into_iter().find(|v| v.spec.name == listed.spec.name);
+        let Some(first) = find(crate::fleet::info(&agent)?) else {
             continue; // stopped or moved meanwhile
         };
+        std::thread::sleep(Duration::from_millis(300));
+        let Some(mut vm) = find(crate::fleet::info(&agent)?) else {
+            continue;
+        };
+        if vm.progress <= first.progress {
+            vm.progress = None; // not counting: only its process is checked
+        }
+        let vm = &vm;
         let t = Instant::now();
         let mut r = UpgradeReport {
             vm: vm.spec.name.clone(),

@@ -313,7 +313,7 @@ impl Agent {
                 token,
                 mode,
                 verify,
-                postcopy_after_secs,
+                postcopy_after,
                 bandwidth,
                 split,
             } => {
@@ -324,11 +324,8 @@ impl Agent {
                     bandwidth,
                     ..Default::default()
                 };
-                if let Some(secs) = postcopy_after_secs {
-                    // The engine's own rule (rounds that do not converge),
-                    // with the deadline as a backstop.
-                    let rounds = ferry_migration::options::defaults::POSTCOPY_AFTER_ROUNDS;
-                    options.postcopy_after = ferry_migration::PostcopyAfter::Either(rounds, secs);
+                if let Some(after) = postcopy_after {
+                    options.postcopy_after = after;
                 }
                 if let Some(sp) = split {
                     options.split.main_budget = sp.main_budget;
