@@ -131,7 +131,9 @@ def main():
                            "sent_bytes": sum(m["bytes"] for m in moves), "limit_s": limit,
                            "ratio": rep["secs"] / limit if limit else None,
                            "downtimes_ms": [m["downtime_ms"] for m in moves],
-                           "postcopy": sum(1 for m in moves if m["postcopy"])}
+                           "postcopy": sum(1 for m in moves if m["postcopy"]),
+                           "moves": [{k: m[k] for k in ("vm", "to", "secs", "bytes", "first_round_bytes",
+                                                        "downtime_ms", "postcopy")} for m in moves]}
                     runs.append(run)
                     print(f"concurrency {c} run {r + 1}: {rep['secs']:.1f} s, limit {limit:.1f} s, "
                           f"ratio {run['ratio']:.2f}", file=sys.stderr, flush=True)
