@@ -51,7 +51,7 @@ fuzz_target!(|data: &[u8]| {
                     assert!(!sp.subs.is_empty() && sp.subs.len() <= MAX_STORES);
                 }
             }
-            Request::Info => {}
+            Request::Info | Request::DirtyRates => {}
         }
         let again = serde_json::to_vec(&req).expect("a request writes as JSON");
         assert_eq!(parse_request(&again).expect("its JSON reads back"), req);

@@ -702,6 +702,7 @@ fn agent_api() -> Vec<Seed> {
     let host = r#"{"name":"h2","addr":"10.77.0.2:7700","mem_bytes":1073741824,"free_mem":939524096,"vcpus":8,"free_vcpus":7,"link_bps":1000000000,"vms":[{"spec":{"name":"web","mem_bytes":134217728,"vcpus":1,"workload":"kv","vm_address":"10.77.0.100","serve":"10.77.0.100:7000"},"state":"running","pid":4242,"socket":"/run/ferry/agent/h2/web.sock","uptime_s":12.5,"came_by":"migrated"}]}"#;
     [
         ("q-info", r#"Q{"op":"info"}"#.to_string()),
+        ("q-dirty-rates", r#"Q{"op":"dirty-rates"}"#.into()),
         (
             "q-start",
             r#"Q{"op":"start","vm":{"name":"web","mem_bytes":134217728,"vcpus":2,"workload":"compute+dirty:rate=32,wss=32"}}"#.into(),

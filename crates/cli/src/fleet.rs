@@ -407,7 +407,15 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         postcopy_after_rounds: a.postcopy_after_rounds,
     };
     let plan_now = || -> Result<drain::Plan> {
-        let source = fleet.host(&a.host)?;
+        let mut source = fleet.host(&a.host)?;
+        // How fast each VM dirties memory now (half a second, all at once):
+        // the mode follows from it.
+        if opts.mode.is_none() {
+            let rates = fleet.agent(&a.host)?.call(&Request::DirtyRates)?;
+            for vm in &mut source.vms {
+                vm.dirty_bytes_per_s = rates["rates"][&vm.spec.name].as_f64();
+            }
+        }
         let others: Vec<_> = fleet
             .hosts()?
             .into_iter()

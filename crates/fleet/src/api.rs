@@ -101,7 +101,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
         }
     };
     match &req {
-        Request::Info => {}
+        Request::Info | Request::DirtyRates => {}
         Request::Start { vm } => vm.check()?,
         Request::Stop { name } | Request::Upgrade { name, .. } => check_name(name)?,
         Request::Receive {
@@ -240,6 +240,9 @@ pub enum Request {
         #[serde(default)]
         split: Option<SplitSpec>,
     },
+    /// Measure how fast each VM here dirties memory (half a second each,
+    /// all at once); answers `rates`: VM name → bytes/s.
+    DirtyRates,
     /// Run a memory server of `bytes` here for split VM `vm`'s pages;
     /// answers its address.
     Store {
@@ -270,6 +273,7 @@ impl Request {
             Request::Send { .. } => "send",
             Request::Upgrade { .. } => "upgrade",
             Request::Store { .. } => "store",
+            Request::DirtyRates => "dirty-rates",
         }
     }
 }
@@ -294,6 +298,11 @@ pub struct VmInfo {
     /// it grows while the guest runs work), when its VMM said.
     #[serde(default)]
     pub progress: Option<u64>,
+    /// How fast it dirties memory (bytes/s), when measured (`dirty-rates`:
+    /// half a second of KVM's dirty log, what precopy would have to send
+    /// again).
+    #[serde(default)]
+    pub dirty_bytes_per_s: Option<f64>,
 }
 
 /// A host as its agent sees it.

@@ -201,11 +201,24 @@ pub struct Plan {
     pub unplaced: Vec<(String, String)>,
 }
 
-/// The mode for `vm` and why.
-fn choose_mode(asked: Option<Mode>) -> (Mode, String) {
-    match asked {
-        Some(m) => (m, "asked for".into()),
-        None => (
+/// The mode for a VM that dirties `dirty` bytes/s (if measured) when its
+/// move gets `share` bytes/s of the link (if known), and why: postcopy for
+/// one that dirties more than half its share (precopy would send its pages
+/// again and again; postcopy sends each once), hybrid for the rest.
+fn choose_mode(asked: Option<Mode>, dirty: Option<f64>, share: Option<f64>) -> (Mode, String) {
+    if let Some(m) = asked {
+        return (m, "asked for".into());
+    }
+    match (dirty, share) {
+        (Some(d), Some(s)) if d > s / 2.0 => (
+            Mode::Postcopy,
+            format!(
+                "postcopy: it dirties {:.0} MiB/s, over half the {:.0} MiB/s its move gets of the link",
+                d / (1u64 << 20) as f64,
+                s / (1u64 << 20) as f64
+            ),
+        ),
+        _ => (
             Mode::Hybrid,
             "hybrid: precopy rounds, then postcopy if they do not converge".into(),
         ),
@@ -215,6 +228,16 @@ fn choose_mode(asked: Option<Mode>) -> (Mode, String) {
 /// Places `source`'s VMs on `others` (hosts that are not the source;
 /// what they have free is what their agents said), largest VM first.
 pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan {
+    // What one move gets of the host's link (or budget) when the most run
+    // at once.
+    let link = [
+        (source.link_bps > 0).then(|| source.link_bps as f64 / 8.0),
+        opts.bandwidth,
+    ]
+    .into_iter()
+    .flatten()
+    .reduce(f64::min);
+    let share = link.map(|l| l / opts.per_host.min(opts.in_fleet).max(1) as f64);
     let mut room: Vec<Room> = others
         .iter()
         .filter(|h| h.name != source.name)
@@ -255,7 +278,7 @@ pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan
                 r.mem -= mem;
                 r.vcpus -= vcpus;
                 r.moves += 1;
-                let (mode, why) = choose_mode(opts.mode);
+                let (mode, why) = choose_mode(opts.mode, vm.dirty_bytes_per_s, share);
                 moves.push(PlannedMove {
                     vm: vm.spec.name.clone(),
                     mem_bytes: mem,
@@ -693,6 +716,7 @@ mod tests {
             uptime_s: 1.0,
             came_by: "started".into(),
             progress: None,
+            dirty_bytes_per_s: None,
         }
     }
 
@@ -818,6 +842,40 @@ mod tests {
             opts.deadline(gib / 64),
             Duration::from_secs(2),
             "at least 2 s"
+        );
+    }
+
+    #[test]
+    fn a_vm_that_dirties_more_than_half_its_share_of_the_link_goes_by_postcopy() {
+        let mut fast = vm("fast", 256, 1);
+        fast.dirty_bytes_per_s = Some(100e6);
+        let mut slow = vm("slow", 256, 1);
+        slow.dirty_bytes_per_s = Some(10e6);
+        let unmeasured = vm("quiet", 256, 1);
+        let mut source = host("h1", 0, 0, vec![fast, slow, unmeasured]);
+        source.link_bps = 1_000_000_000; // 125 MB/s, 62.5 MB/s a move at 2
+        let others = [host("h2", 4096, 8, vec![])];
+        let p = plan(&source, &others, &DrainOptions::default());
+        let mode = |n: &str| p.moves.iter().find(|m| m.vm == n).unwrap().mode;
+        assert_eq!(mode("fast"), Mode::Postcopy);
+        assert_eq!(mode("slow"), Mode::Hybrid);
+        assert_eq!(mode("quiet"), Mode::Hybrid);
+        // One move at a time gets the whole link: 100 MB/s is still over
+        // half of 125; on a 2 Gbit link it is not.
+        let one = DrainOptions {
+            per_host: 1,
+            ..Default::default()
+        };
+        let p = plan(&source, &others, &one);
+        assert_eq!(
+            p.moves.iter().find(|m| m.vm == "fast").unwrap().mode,
+            Mode::Postcopy
+        );
+        source.link_bps = 2_000_000_000;
+        let p = plan(&source, &others, &one);
+        assert_eq!(
+            p.moves.iter().find(|m| m.vm == "fast").unwrap().mode,
+            Mode::Hybrid
         );
     }
 }

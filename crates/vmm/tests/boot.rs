@@ -199,6 +199,49 @@ fn dirty_rate_follows_the_request() {
     }
 }
 
+/// The dirty-rate probe (what a drain asks before it picks a mode) sees
+/// what a migration's dirty rounds would: at least what the guest writes
+/// (KVM may log more than was written, never less), no more distinct pages
+/// than the working set, more for a faster writer, next to nothing for an
+/// idle guest; and a probe leaves the log as it found it.
+#[test]
+fn the_dirty_rate_probe_measures_what_the_guest_writes() {
+    if !kvm_usable() {
+        return;
+    }
+    let probe = |vm: &Vm| {
+        let (pages, secs) = vm.dirty_rate(Duration::from_millis(500)).unwrap();
+        pages as f64 * 4096.0 / secs / MIB as f64
+    };
+    let mut rates = Vec::new();
+    for rate in [16u64, 128] {
+        let vm = boot(
+            512 * MIB,
+            1,
+            &format!("dirty:rate={rate},wss=64,pattern=seq"),
+        );
+        settle(&vm, Duration::from_millis(300));
+        let (a, b) = (probe(&vm), probe(&vm));
+        for got in [a, b] {
+            // At least 80% of the writes; at most the 64 MiB working set
+            // in the half second.
+            assert!(
+                got >= rate as f64 * 0.8 && got <= 64.0 / 0.45,
+                "{got:.1} MiB/s for a {rate} MiB/s writer over 64 MiB"
+            );
+        }
+        rates.push(a);
+    }
+    assert!(
+        rates[1] > rates[0],
+        "a faster writer dirties more: {rates:?}"
+    );
+    let idle = boot(256 * MIB, 1, "idle");
+    settle(&idle, Duration::from_millis(300));
+    let rate = probe(&idle);
+    assert!(rate < 1.0, "an idle guest dirties {rate:.2} MiB/s");
+}
+
 #[test]
 fn memtouch_tasks_finish_with_plausible_times() {
     if !kvm_usable() {

@@ -254,6 +254,26 @@ impl Agent {
     fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, FleetError> {
         match req {
             Request::Info => Ok(json!({ "host": self.info() })),
+            Request::DirtyRates => {
+                // Every running VM at once, each for half a second.
+                let vms: Vec<_> = self
+                    .vms
+                    .list()
+                    .into_iter()
+                    .filter(|v| v.state == "running")
+                    .collect();
+                let rates: serde_json::Map<String, Value> = std::thread::scope(|sc| {
+                    let asked: Vec<_> = vms
+                        .iter()
+                        .map(|v| (v.spec.name.clone(), sc.spawn(|| vms::dirty_rate(&v.socket))))
+                        .collect();
+                    asked
+                        .into_iter()
+                        .filter_map(|(n, h)| h.join().ok().flatten().map(|r| (n, json!(r))))
+                        .collect()
+                });
+                Ok(json!({ "rates": rates }))
+            }
             Request::Start { vm } => {
                 let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
                 let stores = self.stores.taken();

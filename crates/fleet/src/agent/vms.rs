@@ -267,6 +267,7 @@ impl Vms {
                     uptime_s: 0.0,
                     came_by: rec.came_by.clone(),
                     progress: None,
+                    dirty_bytes_per_s: None,
                 });
                 continue;
             }
@@ -314,6 +315,7 @@ impl Vms {
             uptime_s: s["uptime_s"].as_f64().unwrap_or(0.0),
             came_by,
             progress: if waiting { None } else { progress(&rec.socket) },
+            dirty_bytes_per_s: None,
         })
     }
 
@@ -452,6 +454,15 @@ pub fn status(socket: &Path) -> Result<Value, FleetError> {
             vm: socket.display().to_string(),
             reason: e.to_string(),
         })
+}
+
+/// How fast the VM at `socket` dirties memory (bytes/s), over half a
+/// second of its dirty log, if its VMM answers.
+pub fn dirty_rate(socket: &Path) -> Option<f64> {
+    let r = ControlClient::connect(socket)
+        .and_then(|mut c| c.call(&Control::DirtyRate { ms: Some(500) }))
+        .ok()?;
+    r["dirty_bytes_per_s"].as_f64()
 }
 
 /// The VM's workloads' progress counters added up, if its VMM answers.

@@ -56,6 +56,14 @@ pub enum Request {
         /// Where (a path on the VMM's host).
         path: String,
     },
+    /// Measure how fast the guest writes memory: pages logged dirty over a
+    /// short window (ms, default 500, at most 5000), counted once each.
+    #[serde(rename = "dirty-rate")]
+    DirtyRate {
+        /// The window (ms).
+        #[serde(default)]
+        ms: Option<u64>,
+    },
 }
 
 /// Parameters of a migration request: where to, and how (the engine's
@@ -227,6 +235,7 @@ mod tests {
                 verify: false,
             },
             Request::Dump { path: "x".into() },
+            Request::DirtyRate { ms: Some(200) },
         ];
         for r in &all {
             match r {
@@ -238,7 +247,8 @@ mod tests {
                 | Request::Migrate(_)
                 | Request::MigrateResume { .. }
                 | Request::Handover { .. }
-                | Request::Dump { .. } => {}
+                | Request::Dump { .. }
+                | Request::DirtyRate { .. } => {}
             }
         }
         all

@@ -158,6 +158,18 @@ impl ControlHandler for VmControl {
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),
+            Request::DirtyRate { ms } => {
+                let window = std::time::Duration::from_millis(ms.unwrap_or(500).clamp(10, 5000));
+                vm.dirty_rate(window)
+                    .map(|(pages, secs)| {
+                        json!({
+                            "dirty_pages": pages,
+                            "window_s": secs,
+                            "dirty_bytes_per_s": pages as f64 * 4096.0 / secs.max(1e-9),
+                        })
+                    })
+                    .map_err(|e| e.to_string())
+            }
             Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
             Request::Resume if self.postcopy_paused() => Err(
                 "a postcopy migration of this VM is paused: the VM runs at the destination and must not run here too; continue the migration with `ferry migrate --resume`".into(),

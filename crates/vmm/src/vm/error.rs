@@ -29,6 +29,9 @@ pub enum VmError {
     /// KVM refused.
     #[error(transparent)]
     Kvm(#[from] KvmError),
+    /// The dirty log could not be read.
+    #[error("dirty log: {0}")]
+    DirtyLog(#[from] crate::vstate::dirty::DirtyLogError),
     /// Guest memory could not be set up.
     #[error("guest memory: {0}")]
     Memory(#[from] MemoryError),

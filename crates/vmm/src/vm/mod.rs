@@ -132,6 +132,33 @@ impl Vm {
         &self.dirty
     }
 
+    /// How fast the guest writes memory now: the distinct pages it wrote
+    /// during `window` (the dirty log on for that long, as a consumer of
+    /// its own beside any migration or access tracking), and the seconds
+    /// the window really lasted.
+    pub fn dirty_rate(&self, window: std::time::Duration) -> Result<(u64, f64), VmError> {
+        use crate::vstate::dirty::Consumer;
+        self.dirty.start(Consumer::Probe)?;
+        // Logging may start with every page set (KVM's "initially set"):
+        // a first read clears the slate and protects the pages.
+        if let Err(e) = self.dirty.take(Consumer::Probe) {
+            let _ = self.dirty.stop(Consumer::Probe);
+            return Err(e.into());
+        }
+        let t = std::time::Instant::now();
+        std::thread::sleep(window);
+        let taken = self.dirty.take(Consumer::Probe);
+        let secs = t.elapsed().as_secs_f64();
+        let stopped = self.dirty.stop(Consumer::Probe);
+        let pages = taken?
+            .iter()
+            .flatten()
+            .map(|w| u64::from(w.count_ones()))
+            .sum();
+        stopped?;
+        Ok((pages, secs))
+    }
+
     /// Keeps a split VM's pager for as long as the VM lives.
     /// If paging fails for good (a memory server died with the only copy
     /// of some pages), the vCPUs stop: the VM cannot run on without them,

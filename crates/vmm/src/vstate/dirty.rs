@@ -1,5 +1,6 @@
 //! KVM's dirty page log, shared by its consumers: an outgoing migration
-//! (its dirty rounds) and the access tracker (writes count as accesses).
+//! (its dirty rounds), the access tracker (writes count as accesses) and a
+//! dirty-rate probe (how fast the guest writes, asked before a move).
 //!
 //! KVM keeps one log per memslot and clears it when read, so two readers
 //! would steal each other's pages. Here the memslots log while any
@@ -22,15 +23,18 @@ pub enum Consumer {
     Migration,
     /// The access tracker.
     Access,
+    /// A short measurement of the guest's dirty rate.
+    Probe,
 }
 
 impl Consumer {
-    const ALL: usize = 2;
+    const ALL: usize = 3;
 
     fn index(self) -> usize {
         match self {
             Consumer::Migration => 0,
             Consumer::Access => 1,
+            Consumer::Probe => 2,
         }
     }
 }
@@ -131,7 +135,7 @@ impl DirtyLog {
     pub fn new(source: Box<dyn LogSource>) -> Self {
         DirtyLog {
             source,
-            pending: Mutex::new([None, None]),
+            pending: Mutex::new([None, None, None]),
         }
     }
 
