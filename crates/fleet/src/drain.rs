@@ -376,7 +376,7 @@ pub struct MoveReport {
     /// Bytes sent so far.
     pub bytes: u64,
     /// Bytes its first round sent (its memory as the move began: what had
-    /// to cross the link at least), once done.
+    /// to cross the link at least; a postcopy move's all), once done.
     pub first_round_bytes: Option<u64>,
     /// Pages left in the current round (while moving).
     pub remaining_pages: u64,
@@ -675,7 +675,11 @@ fn one_move(
             let stats = &v["stats"];
             report.bytes = stats["bytes"].as_u64().unwrap_or(report.bytes);
             report.downtime_ms = stats["downtime_ms"].as_f64();
-            report.first_round_bytes = stats["rounds"][0]["bytes"].as_u64();
+            // A postcopy move has no rounds: it sends each page once, so
+            // all it sent is what had to cross.
+            report.first_round_bytes = stats["rounds"][0]["bytes"]
+                .as_u64()
+                .or_else(|| stats["bytes"].as_u64());
             report.postcopy = !stats["postcopy"].is_null();
             report.remaining_pages = 0;
             Ok(())
