@@ -171,6 +171,9 @@ pub struct UpgradeArgs {
     /// The ferry binary the new processes run (default: the agent's own).
     #[arg(long)]
     binary: Option<PathBuf>,
+    /// VMs handed over at once.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
     #[command(flatten)]
     fleet: RegistryArgs,
 }
@@ -654,7 +657,7 @@ pub fn upgrade(a: UpgradeArgs) -> Result<ExitCode> {
         .map(|b| std::fs::canonicalize(&b).with_context(|| format!("{}", b.display())))
         .transpose()?;
     let json = a.fleet.json;
-    let reports = ferry_fleet::upgrade::run(&fleet, &a.host, binary, &mut |r| {
+    let reports = ferry_fleet::upgrade::run(&fleet, &a.host, binary, a.parallel, &mut |r| {
         if !json {
             match &r.error {
                 None => eprintln!(

@@ -272,7 +272,7 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
         .iter()
         .map(|(n, _, _, s)| (n.clone(), progress(&wait_status(s))))
         .collect();
-    let up = op(reg, &["upgrade", "ferry-h2"]).unwrap();
+    let up = op(reg, &["upgrade", "ferry-h2", "--parallel", "3"]).unwrap();
     let handed = up["vms"].as_array().unwrap();
     assert_eq!(handed.len(), 3, "{up}");
     for r in handed {

@@ -1,7 +1,7 @@
 //! `ferry upgrade HOST`: hands every VM on a host over to a fresh VMM
 //! process (a new ferry binary, or the same one to rejuvenate an aged
 //! VMM) with the zero-copy handover: no guest memory is copied and the VM
-//! stays on its host. One VM at a time; after each, the VM must be running
+//! stays on its host. One VM at a time (or N); after each, the VM must be running
 //! under its new process and its guest doing work (its progress counters
 //! growing, if they grew before) before the next starts: the health check.
 //! A handover that fails leaves the VM with its old process (the
@@ -34,76 +34,102 @@ pub struct UpgradeReport {
 }
 
 /// Hands each VM on `host` to a new VMM running `binary` (the agent's own
-/// ferry if None); `update` sees each VM's report as it ends.
+/// ferry if None), `parallel` at a time; `update` sees each VM's report as
+/// it ends. A batch with a failure is the last.
 pub fn run(
     fleet: &Fleet,
     host: &str,
     binary: Option<PathBuf>,
+    parallel: usize,
     update: &mut dyn FnMut(&UpgradeReport),
 ) -> Result<Vec<UpgradeReport>, FleetError> {
     let agent = fleet.agent(host)?;
     let before = crate::fleet::info(&agent)?;
-    let mut out = Vec::new();
-    for listed in before
+    let names: Vec<String> = before
         .vms
         .iter()
         .filter(|v| v.state != "waiting" && v.state != "forwarding")
-    {
-        // As it is now: its counters just before its handover, read twice
-        // to see whether its guest is counting at all (a workload that
-        // finished stands still, healthy).
-        let find =
-            |h: crate::api::HostInfo| h.vms.into_iter().find(|v| v.spec.name == listed.spec.name);
-        let Some(first) = find(crate::fleet::info(&agent)?) else {
-            continue; // stopped or moved meanwhile
-        };
-        std::thread::sleep(Duration::from_millis(300));
-        let Some(mut vm) = find(crate::fleet::info(&agent)?) else {
-            continue;
-        };
-        if vm.progress <= first.progress {
-            vm.progress = None; // not counting: only its process is checked
-        }
-        let vm = &vm;
-        let t = Instant::now();
-        let mut r = UpgradeReport {
-            vm: vm.spec.name.clone(),
-            old_pid: vm.pid,
-            new_pid: 0,
-            downtime_ms: None,
-            copied_bytes: 0,
-            secs: 0.0,
-            error: None,
-        };
-        let done = agent.call(&Request::Upgrade {
-            name: vm.spec.name.clone(),
-            binary: binary.clone(),
+        .map(|v| v.spec.name.clone())
+        .collect();
+    let mut out = Vec::new();
+    for batch in names.chunks(parallel.max(1)) {
+        let reports: Vec<UpgradeReport> = std::thread::scope(|sc| {
+            let running: Vec<_> = batch
+                .iter()
+                .map(|name| sc.spawn(|| one(fleet, &agent, host, name, binary.clone())))
+                .collect();
+            running
+                .into_iter()
+                .filter_map(|h| h.join().ok().flatten())
+                .collect()
         });
-        match done {
-            Ok(v) => {
-                let stats = &v["stats"];
-                r.downtime_ms = stats["downtime_ms"].as_f64();
-                match stats["memory_bytes_copied"].as_u64() {
-                    Some(b) => r.copied_bytes = b,
-                    None => r.error = Some("the handover did not say what it copied".into()),
-                }
-                match healthy(fleet, host, vm) {
-                    Ok(pid) => r.new_pid = pid,
-                    Err(e) => r.error = Some(e),
-                }
-            }
-            Err(e) => r.error = Some(e.to_string()),
+        let failed = reports.iter().any(|r| r.error.is_some());
+        for r in reports {
+            update(&r);
+            out.push(r);
         }
-        r.secs = t.elapsed().as_secs_f64();
-        let failed = r.error.is_some();
-        update(&r);
-        out.push(r);
         if failed {
             // A new binary that fails one VM would fail the next: stop.
             break;
         }
     }
     Ok(out)
+}
+
+/// Hands VM `name` over and checks it; None if it is gone meanwhile.
+fn one(
+    fleet: &Fleet,
+    agent: &crate::AgentClient,
+    host: &str,
+    name: &str,
+    binary: Option<PathBuf>,
+) -> Option<UpgradeReport> {
+    // As it is now: its counters just before its handover, read twice to
+    // see whether its guest is counting at all (a workload that finished
+    // stands still, healthy).
+    let find = || -> Option<crate::api::VmInfo> {
+        crate::fleet::info(agent)
+            .ok()?
+            .vms
+            .into_iter()
+            .find(|v| v.spec.name == name)
+    };
+    let first = find()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut vm = find()?;
+    if vm.progress <= first.progress {
+        vm.progress = None; // not counting: only its process is checked
+    }
+    let t = Instant::now();
+    let mut r = UpgradeReport {
+        vm: name.into(),
+        old_pid: vm.pid,
+        new_pid: 0,
+        downtime_ms: None,
+        copied_bytes: 0,
+        secs: 0.0,
+        error: None,
+    };
+    match agent.call(&Request::Upgrade {
+        name: name.into(),
+        binary,
+    }) {
+        Ok(v) => {
+            let stats = &v["stats"];
+            r.downtime_ms = stats["downtime_ms"].as_f64();
+            match stats["memory_bytes_copied"].as_u64() {
+                Some(b) => r.copied_bytes = b,
+                None => r.error = Some("the handover did not say what it copied".into()),
+            }
+            match healthy(fleet, host, &vm) {
+                Ok(pid) => r.new_pid = pid,
+                Err(e) => r.error = Some(e),
+            }
+        }
+        Err(e) => r.error = Some(e.to_string()),
+    }
+    r.secs = t.elapsed().as_secs_f64();
+    Some(r)
 }
 
 /// The health check: within 10 s the VM runs under a process that is not
