@@ -549,3 +549,105 @@ fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error()
     assert!(served > 1000, "the VM served on at ferry-h2: {served}");
     let _ = etcd.0.kill();
 }
+
+/// A destination's agent killed in the middle of a drain: the move under
+/// way ends (its VMM needs no agent) and the next one, which that agent
+/// can no longer prepare, fails and leaves its VM running on the source;
+/// the agent's next start adopts the VM that arrived. No VM is lost.
+#[test]
+fn a_destination_agent_killed_mid_drain_loses_no_vm() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-fleet-dest-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _vms = VmReaper(dir.to_str().unwrap().to_string());
+    let registry = format!("dir:{}", dir.join("registry").display());
+    let reg = registry.as_str();
+    let _a1 = agent(1, reg, &dir, "2G", &[]);
+    let mut a2 = agent(2, reg, &dir, "2G", &[]);
+    for name in ["first", "second"] {
+        op(
+            reg,
+            &[
+                "vm",
+                "start",
+                name,
+                "--host",
+                "ferry-h1",
+                "--mem",
+                "256M",
+                "--workload",
+                "compute+dirty:rate=32,wss=96",
+            ],
+        )
+        .unwrap();
+    }
+    let before: Vec<(String, u64)> = vms_on(reg, "ferry-h1")
+        .iter()
+        .map(|(n, _, _, s)| (n.clone(), progress(&wait_status(s))))
+        .collect();
+    let drain = in_host(
+        "ferry-h3",
+        &[
+            "drain",
+            "ferry-h1",
+            "--per-host",
+            "1",
+            "--retries",
+            "0",
+            "--registry",
+            reg,
+            "--json",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    // Once the first move is under way, ferry-h2's agent dies.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = op(reg, &["hosts", "--drains"]).unwrap();
+        let moving = d["drains"].as_array().is_some_and(|ds| {
+            ds.iter().any(|d| {
+                d["moves"]
+                    .as_array()
+                    .is_some_and(|ms| ms.iter().any(|m| m["state"] == "moving"))
+            })
+        });
+        if moving {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the drain never moved: {d}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = a2.0.kill();
+    let _ = a2.0.wait();
+    let out = drain.wait_with_output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let states: Vec<&str> = report["moves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["done", "failed"], "{report}");
+    assert!(!out.status.success(), "the host was not emptied");
+    // The VM that stayed runs on at the source.
+    let stayed = vms_on(reg, "ferry-h1");
+    assert_eq!(stayed.len(), 1, "{stayed:?}");
+    // The one that moved runs at the destination; the agent's next start
+    // adopts it.
+    std::thread::sleep(Duration::from_secs(6)); // its lease runs out
+    a2 = agent(2, reg, &dir, "2G", &[]);
+    let arrived = vms_on(reg, "ferry-h2");
+    assert_eq!(arrived.len(), 1, "{arrived:?}");
+    assert_ne!(arrived[0].0, stayed[0].0);
+    let both: Vec<Vm> = stayed.into_iter().chain(arrived).collect();
+    assert!(both.iter().all(|v| v.2 == "running"), "{both:?}");
+    still_counting(&both, &before);
+    drop(a2);
+}
