@@ -29,6 +29,7 @@ fuzz_target!(|data: &[u8]| {
                 from,
                 token,
                 budget,
+                ..
             } => {
                 vm.check().expect("an accepted spec passes its check");
                 assert!(!from.is_empty() && from.len() <= MAX_FIELD);

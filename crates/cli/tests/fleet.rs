@@ -545,6 +545,17 @@ fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error()
     );
     let on_h2 = vms_on(reg, "ferry-h2");
     assert_eq!(on_h2.len(), 1);
+    // Its agent says how it came (the mode the drain chose).
+    let list = op(reg, &["vm", "list"]).unwrap();
+    let came_by: Vec<String> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|h| h["host"]["vms"].as_array().cloned().unwrap_or_default())
+        .map(|v| v["came_by"].as_str().unwrap_or("").to_string())
+        .collect();
+    let mode = m["mode"].as_str().unwrap();
+    assert_eq!(came_by, [format!("migrated by {mode}")], "{list}");
     let served = progress(&wait_status(&on_h2[0].3));
     assert!(served > 1000, "the VM served on at ferry-h2: {served}");
     let _ = etcd.0.kill();

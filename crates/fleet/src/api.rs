@@ -109,6 +109,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
             from,
             token,
             budget,
+            ..
         } => {
             vm.check()?;
             short("a source host name", from)?;
@@ -214,6 +215,9 @@ pub enum Request {
         /// For a split VM: what of its memory this host holds (bytes).
         #[serde(default)]
         budget: Option<u64>,
+        /// How it comes (for the record: `migrated by MODE`).
+        #[serde(default)]
+        mode: Option<Mode>,
     },
     /// Move VM `name` to `to` (a destination another agent made ready)
     /// with `token`; progress lines, then the migration's figures.
@@ -292,7 +296,9 @@ pub struct VmInfo {
     pub socket: PathBuf,
     /// Seconds its VMM has run.
     pub uptime_s: f64,
-    /// How it came here: `started`, `migrated` (moved here), `arriving`.
+    /// How it came here: `started`, `arriving [by MODE]`, `migrated [by
+    /// MODE]` (moved here), `forwarding` (its VM runs elsewhere, its
+    /// clients are forwarded there).
     pub came_by: String,
     /// Its workloads' progress counters added up (what the guest has done:
     /// it grows while the guest runs work), when its VMM said.

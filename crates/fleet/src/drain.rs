@@ -633,6 +633,7 @@ fn one_move(
         from: from.into(),
         token: token.0.clone(),
         budget: report.split.as_ref().map(|s| s.main_budget),
+        mode: Some(report.mode),
     });
     let ready = match ready {
         Ok(r) => r,

@@ -308,7 +308,12 @@ impl Agent {
                 from,
                 token,
                 budget,
+                mode,
             } => {
+                let came_by = match mode {
+                    Some(m) => format!("arriving by {}", m.name()),
+                    None => "arriving".into(),
+                };
                 let to = self.vms.incoming_addr()?;
                 let extra = [
                     "--incoming".to_string(),
@@ -322,7 +327,7 @@ impl Agent {
                 let stores = self.stores.taken();
                 let info = self
                     .vms
-                    .start(&vm, budget, &extra, "arriving", |m, c, tm, tc| {
+                    .start(&vm, budget, &extra, &came_by, |m, c, tm, tc| {
                         self.fits(&vm.name, m, c, tm + stores, tc)
                     })?;
                 Ok(json!({ "to": to, "vm": info }))

@@ -26,7 +26,8 @@ struct Record {
     spec: VmSpec,
     socket: PathBuf,
     pid: u32,
-    /// `started`, `arriving` (a destination waiting for it), `migrated`.
+    /// `started`, `arriving [by MODE]` (a destination waiting for it),
+    /// `migrated [by MODE]`, `forwarding`.
     came_by: String,
     /// What of its memory this host holds, if less than all (a split VM's
     /// main host).
@@ -285,16 +286,18 @@ impl Vms {
     fn info_of(&self, rec: &Record) -> Result<VmInfo, FleetError> {
         let s = status(&rec.socket)?;
         let waiting = !s["incoming"].is_null();
-        let came_by = if rec.came_by == "arriving" && !waiting {
-            // It came: say so from now on.
+        let came_by = if let (Some(how), false) = (rec.came_by.strip_prefix("arriving"), waiting) {
+            // It came ("arriving by postcopy" becomes "migrated by
+            // postcopy"): say so from now on.
+            let arrived = format!("migrated{how}");
             let mut r = lock(&self.records);
             if let Some(x) = r.get_mut(&rec.spec.name) {
-                x.came_by = "migrated".into();
+                x.came_by = arrived.clone();
                 let x = x.clone();
                 drop(r);
                 let _ = self.persist(&x);
             }
-            "migrated".to_string()
+            arrived
         } else {
             rec.came_by.clone()
         };
