@@ -32,10 +32,15 @@ impl Drop for Lab {
 
 /// Brings up three lab hosts, or says why it cannot and returns None.
 pub fn lab_up() -> Option<Lab> {
+    lab_up_n(3)
+}
+
+/// Brings up `n` lab hosts, or says why it cannot and returns None.
+pub fn lab_up_n(n: u32) -> Option<Lab> {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let up = Command::new(ferry())
-        .args(["lab", "up", "3"])
+        .args(["lab", "up", &n.to_string()])
         .output()
         .unwrap();
     if !up.status.success() {
