@@ -138,7 +138,7 @@ pub struct MigrateArgs {
     /// ~/.local/state/ferry/migrations.
     #[arg(long)]
     timeline: Option<PathBuf>,
-    /// Write no timeline.
+    /// Write no timeline (and so wait for no tail of one).
     #[arg(long, conflicts_with = "timeline")]
     no_timeline: bool,
     /// How long the destination's part of the timeline goes on after the
@@ -169,7 +169,10 @@ impl MigrateArgs {
             push_delay_ms: self.push_delay.as_millis().min(u64::MAX as u128) as u64,
             postcopy_after: self.postcopy_after,
             reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
-            timeline_tail_ms: self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,
+            timeline_tail_ms: match self.no_timeline {
+                true => 0,
+                false => self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,
+            },
             token: self.token.clone().map(ferry_migration::MigrationToken),
             streams: self.streams.unwrap_or(base.streams),
             downtime_ms: self.downtime_ms,

@@ -347,6 +347,9 @@ impl Agent {
                     verify,
                     token: Some(MigrationToken(token)),
                     bandwidth,
+                    // The fleet keeps no timeline: no waiting for the
+                    // destination's tail of one (a second a move).
+                    timeline_tail_ms: 0,
                     ..Default::default()
                 };
                 if let Some(after) = postcopy_after {

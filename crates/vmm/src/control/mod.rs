@@ -23,6 +23,8 @@
 //! - `handover`: move the VM to a new VMM process on this host without
 //!   copying its memory
 //! - `dump`: write the guest's non-zero pages to a file
+//! - `dirty-rate`: how fast the guest writes memory (pages logged dirty
+//!   over a short window)
 //!
 //! Only the VMM's own user and root may connect: the socket is created
 //! 0600 whatever the umask, and each peer's uid is checked (SO_PEERCRED);
