@@ -175,6 +175,26 @@ fn spawn_load(addr: &str, args: &[&str]) -> Child {
         .unwrap()
 }
 
+/// Established TCP connections whose local port is `port` (IPv4): the
+/// service's side of its clients' connections.
+fn established_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3
+                && f[3] == "01"
+                && f[1]
+                    .rsplit(':')
+                    .next()
+                    .and_then(|p| u16::from_str_radix(p, 16).ok())
+                    == Some(port)
+        })
+        .count()
+}
+
 /// A background load's figures once it ends.
 fn load_figures(load: Child) -> Value {
     let o = load.wait_with_output().unwrap();
@@ -307,7 +327,19 @@ fn kv_clients_under_load_see_no_error_and_no_reconnect_across_handovers() {
         .unwrap();
     let frame = Request::new(Op::Get, 77, 5, 0).encode();
     half.write_all(&frame[..10]).unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Every load client connected (on a busy machine the load process
+    // may take a while to start them), then a moment of traffic.
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while established_to(port) < 17 {
+        assert!(
+            Instant::now() < deadline,
+            "the 16 load clients never connected ({} of 17)",
+            established_to(port)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1000));
     let a = vmm
         .handover(&["--verify"])
         .unwrap_or_else(|e| panic!("{e}\n{}", vmm.log()));

@@ -218,6 +218,15 @@ fn choose_mode(asked: Option<Mode>, dirty: Option<f64>, share: Option<f64>) -> (
                 s / (1u64 << 20) as f64
             ),
         ),
+        (Some(d), Some(s)) => (
+            Mode::Hybrid,
+            format!(
+                "hybrid: it dirties {:.0} MiB/s, at most half the {:.0} MiB/s its move gets of \
+                 the link; precopy rounds, then postcopy if they do not converge",
+                d / (1u64 << 20) as f64,
+                s / (1u64 << 20) as f64
+            ),
+        ),
         _ => (
             Mode::Hybrid,
             "hybrid: precopy rounds, then postcopy if they do not converge".into(),

@@ -422,7 +422,15 @@ fn throttle_takes_vcpu_time_away_and_gives_it_back() {
     let throttled = rate(&vm);
     vm.set_throttle(0);
     settle(&vm, Duration::from_millis(50));
-    let after = rate(&vm);
+    // Another test or process on the cores can only lower a window's rate:
+    // the best of three windows says whether the time came back.
+    let mut after = rate(&vm);
+    for _ in 0..2 {
+        if after > free * 0.7 {
+            break;
+        }
+        after = after.max(rate(&vm));
+    }
     assert!(
         throttled < free * 0.5,
         "75% throttle: {throttled:.3e} vs {free:.3e} ops/s"

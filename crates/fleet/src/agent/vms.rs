@@ -87,6 +87,16 @@ impl Vms {
                     tracing::info!("agent: adopted VM {} (pid {})", rec.spec.name, rec.pid);
                     records.insert(rec.spec.name.clone(), rec);
                 }
+                // Its VMM lives but does not answer: kept (listed
+                // unresponsive) rather than lost to the fleet.
+                Err(e) if process_alive(rec.pid) => {
+                    tracing::warn!(
+                        "agent: VM {} (pid {}) does not answer ({e}); kept",
+                        rec.spec.name,
+                        rec.pid
+                    );
+                    records.insert(rec.spec.name.clone(), rec);
+                }
                 Err(e) => {
                     tracing::info!("agent: VM {} is gone ({e}); its record goes", rec.spec.name);
                     let _ = std::fs::remove_file(&path);
@@ -254,8 +264,12 @@ impl Vms {
     }
 
     /// Every VM as its VMM says now; VMs whose VMM is gone are forgotten
-    /// (not those still starting: their start call owns them).
+    /// (not those still starting: their start call owns them), and one
+    /// whose VMM lives but does not answer is listed "unresponsive".
     pub fn list(&self) -> Vec<VmInfo> {
+        // A VMM of ours that ended is a zombie until reaped: reap first,
+        // so that it does not look alive.
+        self.reap();
         let recs: Vec<Record> = lock(&self.records).values().cloned().collect();
         let mut out = Vec::new();
         for rec in recs {
@@ -274,6 +288,22 @@ impl Vms {
             }
             match self.info_of(&rec) {
                 Ok(i) => out.push(i),
+                // A VMM that is alive but does not answer (busy, stuck) is
+                // still there: forgetting it would leave its VM out of
+                // every drain and listing.
+                Err(e) if process_alive(rec.pid) => {
+                    tracing::warn!("agent: VM {} does not answer ({e})", rec.spec.name);
+                    out.push(VmInfo {
+                        spec: rec.spec.clone(),
+                        state: "unresponsive".into(),
+                        pid: rec.pid,
+                        socket: rec.socket.clone(),
+                        uptime_s: 0.0,
+                        came_by: rec.came_by.clone(),
+                        progress: None,
+                        dirty_bytes_per_s: None,
+                    });
+                }
                 Err(e) => {
                     tracing::info!("agent: VM {} is gone ({e})", rec.spec.name);
                     self.forget(&rec.spec.name);
@@ -486,4 +516,70 @@ fn create_private_dir(dir: &Path) -> Result<(), FleetError> {
         .mode(0o700)
         .create(dir)
         .map_err(FleetError::io(format!("cannot make {}", dir.display())))
+}
+
+/// True if process `pid` exists (a zombie counts until it is reaped).
+fn process_alive(pid: u32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the
+    // process exists.
+    pid > 0 && unsafe { libc::kill(pid as i32, 0) } == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(dir: &Path, name: &str, pid: u32) {
+        let rec = Record {
+            spec: VmSpec {
+                name: name.into(),
+                mem_bytes: 64 << 20,
+                vcpus: 1,
+                workload: "idle".into(),
+                vm_address: None,
+                serve: None,
+            },
+            // No VMM answers here.
+            socket: dir.join(format!("{name}.sock")),
+            pid,
+            came_by: "started".into(),
+            budget: None,
+        };
+        std::fs::write(
+            dir.join(format!("{name}.json")),
+            serde_json::to_vec(&rec).unwrap(),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn a_vmm_that_lives_but_does_not_answer_is_kept_and_a_dead_one_forgotten() {
+        let dir = std::env::temp_dir().join(format!("ferry-vms-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A live process that is no VMM: this test's own.
+        record(&dir, "mute", std::process::id());
+        // A process that has ended.
+        let mut gone = std::process::Command::new("true").spawn().unwrap();
+        let gone_pid = gone.id();
+        gone.wait().unwrap();
+        record(&dir, "gone", gone_pid);
+        let vms = Vms::adopt(&dir, "ferry".into(), "127.0.0.1".parse().unwrap()).unwrap();
+        let listed: Vec<(String, String)> = vms
+            .list()
+            .into_iter()
+            .map(|v| (v.spec.name, v.state))
+            .collect();
+        assert_eq!(
+            listed,
+            vec![("mute".to_string(), "unresponsive".to_string())]
+        );
+        assert!(
+            dir.join("mute.json").exists(),
+            "the live VM's record is kept"
+        );
+        assert!(!dir.join("gone.json").exists(), "the dead VM's record goes");
+        assert_eq!(vms.taken().0, 64 << 20, "its memory still counts as taken");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
