@@ -14,12 +14,18 @@ that had to cross (each VM's first round: its memory as its move began) at
 the link's rate; their ratio; the VMs' downtimes (p50 and p99 over every VM
 of every run of C); bytes sent in all (re-sends of dirtied pages included).
 
-Then once: 8 VMs on ferry-h2 and `ferry upgrade ferry-h2` (each VM handed to
-a new VMM process): total time, the largest downtime, bytes copied.
+Then, --upgrade-runs times (default: --runs): 8 VMs on ferry-h2 and
+`ferry upgrade ferry-h2` (each VM handed to a new VMM process): total time,
+the largest downtime of the run (the median over runs is reported), every
+VM's downtime, bytes copied.
 
-Results: bench/results/drain.{json,md}.
+Results: bench/results/NAME.{json,md} (--results, default drain).
+`--concurrency none` runs only the upgrade; `--agent-env K=V` starts the
+agents (and so every VMM) with K=V in their environment, to compare a
+setting such as FERRY_HANDOVER_PRIORITY=normal.
 
 Usage: python3 bench/drain.py [--runs 3] [--concurrency 1,2,4] [--vms 8] [--mem 1G]
+       [--upgrade-runs N] [--results NAME] [--agent-env K=V]
 """
 import argparse
 import json
@@ -52,14 +58,15 @@ def op(ferry, registry, *args, timeout=600):
     return json.loads(out.stdout) if out.stdout.strip() else None
 
 
-def start_agents(ferry, registry, state, hosts, mem):
+def start_agents(ferry, registry, state, hosts, mem, env=None):
     procs = []
     for n in range(1, hosts + 1):
         host = f"ferry-h{n}"
         p = subprocess.Popen(benchlib.in_host(host, ferry, "agent", "--name", host, "--listen", f"10.77.0.{n}:7700",
                                               "--registry", registry, "--mem", mem, "--vcpus", "32",
                                               "--link", "1gbit", "--state-dir", f"{state}/{host}", "--json"),
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env={**os.environ, **(env or {})})
         line = p.stdout.readline()
         if not line:
             raise RuntimeError(f"the agent of {host} did not start")
@@ -104,7 +111,13 @@ def main():
     ap.add_argument("--vms", type=int, default=8)
     ap.add_argument("--mem", default="1G")
     ap.add_argument("--settle", type=float, default=6.0)
+    ap.add_argument("--upgrade-runs", type=int, default=None)
+    ap.add_argument("--results", default="drain")
+    ap.add_argument("--agent-env", action="append", default=[])
     a = ap.parse_args()
+    env = dict(kv.split("=", 1) for kv in a.agent_env)
+    concurrency = [] if a.concurrency == "none" else [int(x) for x in a.concurrency.split(",")]
+    upgrade_runs = a.runs if a.upgrade_runs is None else a.upgrade_runs
     ferry = os.path.abspath(a.ferry)
     benchlib.lab_up(ferry, 4, "1gbit")
     state = tempfile.mkdtemp(prefix="ferry-drain-bench-")
@@ -112,8 +125,8 @@ def main():
     agents = []
     cells, upgrade, errors = [], None, []
     try:
-        agents = start_agents(ferry, registry, state, 4, "12G")
-        for c in [int(x) for x in a.concurrency.split(",")]:
+        agents = start_agents(ferry, registry, state, 4, "12G", env)
+        for c in concurrency:
             runs = []
             for r in range(a.runs):
                 try:
@@ -154,22 +167,36 @@ def main():
                     "postcopy": sum(r["postcopy"] for r in runs),
                 })
         # Upgrade: every VM of a host handed to a new VMM process.
-        try:
-            start_vms(ferry, registry, "ferry-h2", a.vms, a.mem, "up")
-            time.sleep(a.settle)
-            t = time.time()
-            rep = op(ferry, registry, "upgrade", "ferry-h2")
-            wall = time.time() - t
-            vms = rep["vms"]
-            upgrade = {"vms": len(vms), "secs": wall,
-                       "max_downtime_ms": max(v["downtime_ms"] or 0 for v in vms),
-                       "copied_bytes": sum(v["copied_bytes"] for v in vms),
-                       "failed": [v for v in vms if v["error"]]}
-            print(f"upgrade: {upgrade}", file=sys.stderr, flush=True)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            errors.append(f"upgrade: {e}")
-        finally:
-            stop_all(ferry, registry)
+        ups = []
+        for r in range(upgrade_runs):
+            try:
+                start_vms(ferry, registry, "ferry-h2", a.vms, a.mem, f"up{r}")
+                time.sleep(a.settle)
+                t = time.time()
+                rep = op(ferry, registry, "upgrade", "ferry-h2")
+                wall = time.time() - t
+                vms = rep["vms"]
+                up = {"vms": len(vms), "secs": wall,
+                      "max_downtime_ms": max(v["downtime_ms"] or 0 for v in vms),
+                      "downtimes_ms": [v["downtime_ms"] for v in vms],
+                      "copied_bytes": sum(v["copied_bytes"] for v in vms),
+                      "failed": [v for v in vms if v["error"]]}
+                ups.append(up)
+                print(f"upgrade run {r + 1}: largest downtime {up['max_downtime_ms']:.2f} ms",
+                      file=sys.stderr, flush=True)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                errors.append(f"upgrade run {r + 1}: {e}")
+            finally:
+                stop_all(ferry, registry)
+        if ups:
+            downs = [d for u in ups for d in u["downtimes_ms"] if d is not None]
+            upgrade = {"runs": ups, "vms": ups[0]["vms"],
+                       "secs": statistics.median(u["secs"] for u in ups),
+                       "max_downtime_ms": statistics.median(u["max_downtime_ms"] for u in ups),
+                       "max_downtimes_ms": [u["max_downtime_ms"] for u in ups],
+                       "downtime_p50_ms": pct(downs, 50),
+                       "copied_bytes": sum(u["copied_bytes"] for u in ups),
+                       "failed": [f for u in ups for f in u["failed"]]}
     finally:
         for p in agents:
             p.kill()
@@ -179,12 +206,14 @@ def main():
         shutil.rmtree(state, ignore_errors=True)
     out = os.path.join(ROOT, "bench/results")
     command = benchlib.recorded_command("drain.py")
-    benchlib.write_json(os.path.join(out, "drain.json"),
-                        {"command": command, "cells": cells, "upgrade": upgrade, "errors": errors}, indent=1)
+    benchlib.write_json(os.path.join(out, f"{a.results}.json"),
+                        {"command": command, "agent_env": env, "cells": cells, "upgrade": upgrade,
+                         "errors": errors}, indent=1)
     lines = ["# Draining a host, and upgrading one in place", "",
              f"Command: `{command}` (4 lab hosts on a 1 Gbit tbf link, an agent on each; {a.vms} VMs x {a.mem} "
              "on ferry-h1, two each of: idle, 256 MiB random then idle, compute + dirty 32 MiB/s over 128 MiB, "
-             f"dirty 128 MiB/s over 256 MiB; medians of {a.runs}).", "",
+             f"dirty 128 MiB/s over 256 MiB; medians of {a.runs})"
+             + (f"; agents and VMMs started with {' '.join(a.agent_env)}" if env else "") + ".", "",
              "The limit: the bytes that had to cross (each VM's first round) at 1 Gbit/s. Downtime percentiles "
              "over every VM of every run.", "",
              "| concurrency | drain s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | finished by postcopy |",
@@ -194,12 +223,15 @@ def main():
                      f"{c['downtime_p50_ms']:.1f} | {c['downtime_p99_ms']:.1f} | {c['sent_gib']:.2f} | "
                      f"{c['postcopy']} |")
     if upgrade:
-        lines += ["", f"`ferry upgrade` of {upgrade['vms']} VMs: {upgrade['secs']:.2f} s in all, largest downtime "
-                  f"{upgrade['max_downtime_ms']:.2f} ms, {upgrade['copied_bytes']} bytes of guest memory copied, "
+        runs = len(upgrade["runs"])
+        lines += ["", f"`ferry upgrade` of {upgrade['vms']} VMs, {runs} runs: {upgrade['secs']:.2f} s in all "
+                  f"(median), largest downtime of a run {upgrade['max_downtime_ms']:.2f} ms (median; each run: "
+                  f"{', '.join(f'{x:.2f}' for x in upgrade['max_downtimes_ms'])}), downtime p50 over every VM "
+                  f"{upgrade['downtime_p50_ms']:.2f} ms, {upgrade['copied_bytes']} bytes of guest memory copied, "
                   f"{len(upgrade['failed'])} failed."]
     if errors:
         lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
-    benchlib.write_md(os.path.join(out, "drain.md"), lines)
+    benchlib.write_md(os.path.join(out, f"{a.results}.md"), lines)
     print("\n".join(lines))
 
 

@@ -43,7 +43,7 @@ pub enum LabCommand {
         #[arg(long)]
         delay: Option<String>,
     },
-    /// Remove every lab host.
+    /// Remove every lab host, stopping whatever still runs on them.
     Down,
     /// Forward TCP from LISTEN to TO adding a round-trip delay (this kernel
     /// has no netem): run it on the destination's host and point the
@@ -203,12 +203,58 @@ fn shape(ns: &str, bandwidth: Option<&str>, delay: Option<&str>) -> Result<()> {
 }
 
 pub fn down() -> Result<()> {
+    let stopped = stop_processes_in(&namespaces());
+    if stopped > 0 {
+        eprintln!("ferry lab down: stopped {stopped} process(es) still running on lab hosts");
+    }
     for ns in namespaces() {
         ip(&["netns", "del", &ns])?;
         let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}/ferry"));
         let _ = std::fs::remove_dir(format!("/etc/netns/{ns}"));
     }
     Ok(())
+}
+
+/// Ends every process whose network namespace is one of `names` (a lab
+/// host going down is powered off: its agents, VMMs, memory servers and
+/// the VMMs they handed over to would otherwise run on, unreachable).
+/// SIGTERM, then SIGKILL for those still there after 2 s. Returns how many
+/// there were.
+fn stop_processes_in(names: &[String]) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let ids: Vec<(u64, u64)> = names
+        .iter()
+        .filter_map(|n| std::fs::metadata(format!("/run/netns/{n}")).ok())
+        .map(|m| (m.dev(), m.ino()))
+        .collect();
+    let in_lab = || -> Vec<i32> {
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        procs
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::metadata(format!("/proc/{pid}/ns/net"))
+                    .is_ok_and(|m| ids.contains(&(m.dev(), m.ino())))
+            })
+            .collect()
+    };
+    let first = in_lab();
+    for &pid in &first {
+        // SAFETY: kill has no memory effects; a pid that ended meanwhile
+        // only makes it fail.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while !in_lab().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for pid in in_lab() {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    first.len()
 }
 
 pub fn lab(cmd: LabCommand) -> Result<ExitCode> {

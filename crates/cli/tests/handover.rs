@@ -319,7 +319,9 @@ fn kv_clients_under_load_see_no_error_and_no_reconnect_across_handovers() {
         "{}",
         String::from_utf8_lossy(&ready.stderr)
     );
-    let load = spawn_load(&addr, &["--clients", "16", "--duration", "6s"]);
+    // Long enough to outlast two handovers on a slow machine (each builds
+    // its new VMM for up to seconds first).
+    let load = spawn_load(&addr, &["--clients", "16", "--duration", "20s"]);
     // A client caught mid-request: half a frame before the handover, the
     // rest after; the unread half travels with its socket.
     let mut half = std::net::TcpStream::connect(&addr).unwrap();

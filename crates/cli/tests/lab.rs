@@ -1922,3 +1922,38 @@ fn a_trickling_connection_and_200_idle_ones_do_not_hold_up_a_real_migration() {
     );
     assert!(after > before, "the guest ran on: {before} -> {after}");
 }
+
+#[test]
+fn lab_down_stops_what_still_runs_on_lab_hosts() {
+    let Some(lab) = lab_up() else { return };
+    // Started inside a host, as a VMM handed over or a memory server would
+    // be, with nothing in its command line naming the test.
+    let mut stray = Command::new("ip")
+        .args(["netns", "exec", "ferry-h2", "sleep", "600"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        stray.try_wait().unwrap().is_none(),
+        "the stray process runs"
+    );
+    let down = Command::new(ferry())
+        .args(["lab", "down"])
+        .output()
+        .unwrap();
+    assert!(down.status.success(), "{down:?}");
+    assert!(
+        String::from_utf8_lossy(&down.stderr).contains("stopped 1 process"),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stray.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "lab down left the process running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(lab);
+}

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use ferry_memory::{GuestMemory, MemfdRegion};
 
+use super::urgent::Urgent;
 use super::wire::{self, Hello, Message};
 use super::{cpu_secs, monotonic_ns, stall_before, HandoverError};
 use crate::devices::serial::ConsoleSink;
@@ -75,7 +76,10 @@ pub fn take_over(
     wire::send(&mut sock, &Message::Ready { build_ms }, &[])?;
 
     let vm = offered.vm;
-    let ready = restore(&mut sock, &vm);
+    // From here to the resume the VM is paused or about to be: each
+    // wakeup on this thread is downtime.
+    let mut urgent = Urgent::enter();
+    let ready = restore(&mut sock, &vm, &mut urgent);
     let (adopted, paused_at) = match ready {
         Ok(r) => r,
         Err(e) => {
@@ -107,6 +111,7 @@ pub fn take_over(
     // Committed: the VM is ours.
     vm.resume()?;
     let resumed_at = monotonic_ns();
+    drop(urgent);
     let mut connections = 0;
     let mut serving_at = 0;
     if let Some(s) = vm.service() {
@@ -222,6 +227,7 @@ fn receive_offer(
 fn restore(
     sock: &mut UnixStream,
     vm: &Vm,
+    urgent: &mut Urgent,
 ) -> Result<(Option<crate::devices::service::AdoptedConns>, u64), HandoverError> {
     let mut conns = Vec::new();
     let (state, paused_at, hashes) = loop {
@@ -258,6 +264,8 @@ fn restore(
         }
     };
     if let Some(theirs) = hashes {
+        // Hashing all of memory must not hold a core at real time.
+        urgent.relax();
         compare(vm, &theirs)?;
     }
     let state: VmState = persist::decode(&state)?;

@@ -27,6 +27,7 @@
 
 mod destination;
 mod source;
+mod urgent;
 pub mod wire;
 
 pub use destination::{take_over, TakenOver};

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::urgent::Urgent;
 use super::wire::{self, Hello, Message, VmShape, CONNS_PER_MESSAGE};
 use super::MovingListener;
 use super::{cpu_secs, memory_hashes, monotonic_ns, HandoverError, HandoverStats};
@@ -216,6 +217,9 @@ pub fn hand_over(
     ));
 
     // From here the VM pauses; any failure before Go resumes it here.
+    // Each wakeup of this thread until Running is downtime (a --verify
+    // handover hashes all of memory meanwhile: not at real time).
+    let urgent = (!plan.verify).then(Urgent::enter);
     let service = vm.service();
     let frozen_at = monotonic_ns();
     if let Some(s) = service {
@@ -276,6 +280,7 @@ pub fn hand_over(
     else {
         unreachable!("expect() returns the message asked for");
     };
+    drop(urgent);
     stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
     stats.downtime_ms = resumed_at_ns.saturating_sub(paused_at) as f64 / 1e6;
     if service.is_some() {
