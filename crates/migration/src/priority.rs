@@ -32,9 +32,12 @@ pub(crate) fn fault_path() -> Class {
         return Class::Unchanged;
     }
     let param = libc::sched_param { sched_priority: 1 };
-    // SAFETY: pthread_self is always valid for the calling thread, and
-    // `param` is a live sched_param for the duration of the call.
-    let rc = unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_FIFO, &param) };
+    // Reset on fork: a thread this one starts never inherits real time.
+    // SAFETY: pid 0 is the calling thread, and `param` is a live
+    // sched_param for the duration of the call.
+    let rc = unsafe {
+        libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param)
+    };
     if rc == 0 {
         return Class::RealTime;
     }
@@ -71,12 +74,7 @@ mod tests {
         let class = std::thread::spawn(|| {
             let c = fault_path();
             // SAFETY: querying the calling thread's own policy.
-            let policy = unsafe {
-                let mut p = 0;
-                let mut param = libc::sched_param { sched_priority: 0 };
-                libc::pthread_getschedparam(libc::pthread_self(), &mut p, &mut param);
-                p
-            };
+            let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
             (c, policy)
         })
         .join()
