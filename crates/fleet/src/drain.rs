@@ -694,6 +694,30 @@ fn one_move(
             report.remaining_pages = 0;
             Ok(())
         }
+        Err(e) if arrived(state_at(&dest, &vm.spec.name).as_deref()) => {
+            // The source's answer was lost (its VMM may end as the
+            // migration does), but the destination runs the VM: the move
+            // is done, and stopping that VMM would lose the VM.
+            tracing::warn!(
+                "drain: {} runs at {} although its source said: {e}",
+                vm.spec.name,
+                report.to
+            );
+            report.errors.push(format!(
+                "the source's answer was lost ({e}); the VM runs at {}",
+                report.to
+            ));
+            report.remaining_pages = 0;
+            Ok(())
+        }
+        Err(e) if state_at(&dest, &vm.spec.name).as_deref() == Some("unresponsive") => {
+            // Where the VM runs is not known: its VMM there is left alone
+            // (it may hold the only copy), and the move counts as failed.
+            Err(format!(
+                "{e}; the VMM at {} does not answer, so it is left running",
+                report.to
+            ))
+        }
         Err(e) => {
             // The VM runs on at the source; the waiting VMM goes.
             if let Err(stop) = dest.call(&Request::Stop {
@@ -709,10 +733,41 @@ fn one_move(
     }
 }
 
+/// The state `agent` lists VM `name` in, if it lists it.
+fn state_at(agent: &crate::AgentClient, name: &str) -> Option<String> {
+    let v = agent.call(&Request::Info).ok()?;
+    v["host"]["vms"]
+        .as_array()?
+        .iter()
+        .find(|x| x["spec"]["name"] == name)
+        .and_then(|x| x["state"].as_str().map(String::from))
+}
+
+/// True if a destination's VMM in `state` runs the VM (it no longer waits
+/// for it; by postcopy it may still be fetching pages).
+fn arrived(state: Option<&str>) -> bool {
+    !matches!(state, None | Some("waiting" | "starting" | "unresponsive"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::VmSpec;
+
+    #[test]
+    fn only_a_destination_that_runs_the_vm_counts_as_arrived() {
+        for s in ["running", "paused", "forwarding"] {
+            assert!(arrived(Some(s)), "{s}");
+        }
+        for s in [
+            None,
+            Some("waiting"),
+            Some("starting"),
+            Some("unresponsive"),
+        ] {
+            assert!(!arrived(s), "{s:?}");
+        }
+    }
 
     fn vm(name: &str, mib: u64, vcpus: u32) -> VmInfo {
         VmInfo {

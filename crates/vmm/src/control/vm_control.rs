@@ -36,8 +36,10 @@ pub struct HandoverSetup {
 /// Serves the control requests of one [`Vm`].
 pub struct VmControl {
     vm: Arc<Vm>,
-    /// What to do once the reply is out.
-    after: std::sync::Mutex<Option<After>>,
+    /// What to do once the reply is out, and the connection thread whose
+    /// reply it waits for (another connection's reply must not trigger it:
+    /// the process could end while this reply is still being written).
+    after: std::sync::Mutex<Option<(std::thread::ThreadId, After)>>,
     /// How to hand the VM over (None: handover refused).
     handover: std::sync::Mutex<Option<HandoverSetup>>,
     /// Held while a migration or handover moves the VM: one at a time.
@@ -109,9 +111,24 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
     }))
 }
 
+impl VmControl {
+    /// Does `what` once this connection's reply is written.
+    fn after_this_reply(&self, what: After) {
+        *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::thread::current().id(), what));
+    }
+}
+
 impl ControlHandler for VmControl {
     fn after_reply(&self) {
-        match self.after.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        let mine = {
+            let mut a = self.after.lock().unwrap_or_else(|e| e.into_inner());
+            match a.as_ref() {
+                Some((t, _)) if *t == std::thread::current().id() => a.take().map(|(_, x)| x),
+                _ => None,
+            }
+        };
+        match mine {
             Some(After::Migrated(to)) => self.vm.finish_migrated(to),
             Some(After::HandedOver(pid)) => self.vm.finish_handed_over(pid),
             Some(After::Stop) => self.vm.request_stop(),
@@ -216,7 +233,7 @@ impl ControlHandler for VmControl {
                 with_timeline(reply, &rec, timeline.as_deref(), head, summary)
             }
             Request::Quit => {
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(After::Stop);
+                self.after_this_reply(After::Stop);
                 Ok(json!({}))
             }
             Request::Handover { .. } if self.postcopy_paused() => Err(
@@ -270,14 +287,12 @@ impl VmControl {
             progress(json!({ "step": step }))
         }) {
             Ok(stats) => {
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(After::HandedOver(stats.new_pid));
+                self.after_this_reply(After::HandedOver(stats.new_pid));
                 Ok(json!({ "stats": stats }))
             }
             Err(HandoverError::InDoubt { pid, reason }) => {
                 // Never run here again: the new process may run it.
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(After::HandedOver(pid));
+                self.after_this_reply(After::HandedOver(pid));
                 Err(format!("handover outcome unknown: the new VMM (pid {pid}) took the VM and then did not confirm it runs it ({reason}); this VMM lets the VM go"))
             }
             Err(e) => {
@@ -307,7 +322,7 @@ impl VmControl {
         use ferry_migration::{MigrationError as E, Outcome};
         match result {
             Ok(Outcome::Done(stats)) => {
-                *self.after.lock().unwrap_or_else(|e| e.into_inner()) = Some(After::Migrated(to));
+                self.after_this_reply(After::Migrated(to));
                 Ok(json!({ "stats": stats }))
             }
             Ok(Outcome::Paused(p)) => {
