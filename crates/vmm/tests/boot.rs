@@ -435,8 +435,11 @@ fn throttle_takes_vcpu_time_away_and_gives_it_back() {
         throttled < free * 0.5,
         "75% throttle: {throttled:.3e} vs {free:.3e} ops/s"
     );
+    // Another test's guest on the two cores can take a third of this
+    // one's time in any window; a throttle left on would hold it near the
+    // throttled rate.
     assert!(
-        after > free * 0.7,
-        "unthrottled again: {after:.3e} vs {free:.3e} ops/s"
+        after > free * 0.5 && after > throttled * 1.5,
+        "unthrottled again: {after:.3e} vs {free:.3e} free, {throttled:.3e} throttled ops/s"
     );
 }
