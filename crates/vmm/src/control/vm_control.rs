@@ -39,7 +39,7 @@ pub struct VmControl {
     /// What to do once the reply is out, and the connection thread whose
     /// reply it waits for (another connection's reply must not trigger it:
     /// the process could end while this reply is still being written).
-    after: std::sync::Mutex<Option<(std::thread::ThreadId, After)>>,
+    after: AfterReply<After>,
     /// How to hand the VM over (None: handover refused).
     handover: std::sync::Mutex<Option<HandoverSetup>>,
     /// Held while a migration or handover moves the VM: one at a time.
@@ -54,7 +54,7 @@ impl VmControl {
     pub fn new(vm: Arc<Vm>) -> Self {
         VmControl {
             vm,
-            after: std::sync::Mutex::new(None),
+            after: AfterReply::default(),
             handover: std::sync::Mutex::new(None),
             moving: std::sync::Mutex::new(()),
             paused: std::sync::Mutex::new(None),
@@ -111,23 +111,45 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
     }))
 }
 
+/// An effect that waits for one connection's reply: set by the thread
+/// that handles the request, taken only by that thread once its reply is
+/// written. (Each connection is served on a thread of its own.)
+struct AfterReply<T>(std::sync::Mutex<Option<(std::thread::ThreadId, T)>>);
+
+impl<T> Default for AfterReply<T> {
+    fn default() -> Self {
+        AfterReply(std::sync::Mutex::new(None))
+    }
+}
+
+impl<T> AfterReply<T> {
+    /// Keeps `what` for the calling thread's reply.
+    fn set(&self, what: T) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::thread::current().id(), what));
+    }
+
+    /// What the calling thread set, if anything (another thread's effect
+    /// stays for that thread).
+    fn take_mine(&self) -> Option<T> {
+        let mut a = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match a.as_ref() {
+            Some((t, _)) if *t == std::thread::current().id() => a.take().map(|(_, x)| x),
+            _ => None,
+        }
+    }
+}
+
 impl VmControl {
     /// Does `what` once this connection's reply is written.
     fn after_this_reply(&self, what: After) {
-        *self.after.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((std::thread::current().id(), what));
+        self.after.set(what);
     }
 }
 
 impl ControlHandler for VmControl {
     fn after_reply(&self) {
-        let mine = {
-            let mut a = self.after.lock().unwrap_or_else(|e| e.into_inner());
-            match a.as_ref() {
-                Some((t, _)) if *t == std::thread::current().id() => a.take().map(|(_, x)| x),
-                _ => None,
-            }
-        };
+        let mine = self.after.take_mine();
         match mine {
             Some(After::Migrated(to)) => self.vm.finish_migrated(to),
             Some(After::HandedOver(pid)) => self.vm.finish_handed_over(pid),
@@ -419,4 +441,25 @@ fn dump_pages(vm: &Vm, path: &str) -> Result<Value, String> {
     }
     w.flush().map_err(|e| format!("cannot write {path}: {e}"))?;
     Ok(json!({ "path": path, "pages": pages, "zero_pages_skipped": zero }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AfterReply;
+
+    #[test]
+    fn an_effect_waits_for_the_reply_of_the_connection_that_asked() {
+        let after = std::sync::Arc::new(AfterReply::default());
+        // A migrate's connection keeps "end the VMM" for its own reply.
+        after.set("migrated");
+        // Another connection's reply (a status) goes out first: it must
+        // not end the process under the migrate's reply.
+        let other = after.clone();
+        let taken = std::thread::spawn(move || other.take_mine())
+            .join()
+            .unwrap();
+        assert_eq!(taken, None);
+        assert_eq!(after.take_mine(), Some("migrated"));
+        assert_eq!(after.take_mine(), None, "taken once");
+    }
 }
