@@ -36,6 +36,7 @@
 //! [`limits`], [`secret`] (the owner's secret), [`error`], [`client`]
 //! (what the engine uses to talk to a server).
 
+mod accept;
 pub mod client;
 pub mod conn;
 pub mod error;

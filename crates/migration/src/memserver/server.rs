@@ -1,16 +1,10 @@
-//! The memory server's accept loop and its stores: one thread per
-//! connection (at most [`Limits::max_connections`]; one more is told so
-//! and closed), stores shared by VM id and bound to their owner's secret,
-//! one capacity for all of them. Nothing a peer does ends the loop: an
-//! accept that fails (out of descriptors, say) is logged and retried.
+//! The memory server and its stores: stores shared by VM id and bound to
+//! their owner's secret, one capacity for all of them. Its accept loop is
+//! in `accept.rs`, what one connection does in `conn.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use crate::error::MigrationError;
-use crate::transport::{Conn, Listener};
 
 use super::error::StoreError;
 use super::limits::{Budget, Limits, Slots, MAX_VM_ID};
@@ -40,18 +34,13 @@ pub struct MemServer {
     pub stats: ServerStats,
     stop: AtomicBool,
     pub(super) limits: Limits,
-    slots: Arc<Slots>,
-    refusers: Arc<Slots>,
+    pub(super) slots: Arc<Slots>,
+    pub(super) refusers: Arc<Slots>,
     pub(super) budget: Arc<Budget>,
 }
 
-/// Pause after a failed accept, so a server out of descriptors does not
-/// spin while its connections end.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-/// How long a refused connection may take to read its Abort.
-const REFUSE_DRAIN: Duration = Duration::from_millis(200);
 /// Refusals being sent at once.
-const REFUSERS: usize = 16;
+pub(super) const REFUSERS: usize = 16;
 
 impl MemServer {
     /// A server for at most `capacity_pages` pages, with the default limits.
@@ -108,74 +97,6 @@ impl MemServer {
 
     pub(super) fn stopping(&self) -> bool {
         self.stop.load(Ordering::Relaxed)
-    }
-
-    /// Accepts connections until stopped; each runs on a thread of its own.
-    /// Returns only when stopped: a failed accept is logged and retried.
-    pub fn serve(self: &Arc<Self>, listener: &Listener) -> Result<(), MigrationError> {
-        let mut last_warned: Option<Instant> = None;
-        while !self.stopping() {
-            // The listener's gate did the TLS handshake and read the Hello
-            // (within its own 5 s limit).
-            let (c, hello) = match listener.accept_hello(Duration::from_millis(200)) {
-                Ok(admitted) => admitted,
-                Err(MigrationError::Listen { source, .. })
-                    if source.kind() == std::io::ErrorKind::TimedOut =>
-                {
-                    continue
-                }
-                Err(e) => {
-                    // Out of descriptors (EMFILE, ENFILE), out of memory, a
-                    // connection reset before it was accepted: none of them
-                    // is a reason to stop serving the VMs held here.
-                    self.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
-                    if last_warned.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                        tracing::warn!("memory server: {e}; retrying");
-                        last_warned = Some(Instant::now());
-                    }
-                    std::thread::sleep(ACCEPT_BACKOFF);
-                    continue;
-                }
-            };
-            let accepted = Instant::now();
-            let Some(slot) = self.slots.take() else {
-                self.refuse(c, &StoreError::Busy(self.limits.max_connections));
-                continue;
-            };
-            let me = self.clone();
-            self.stats.connections.fetch_add(1, Ordering::Relaxed);
-            let spawned = std::thread::Builder::new()
-                .name("memserver-conn".into())
-                .spawn(move || {
-                    let _slot = slot;
-                    super::conn::run(&me, c, hello, accepted);
-                });
-            if let Err(e) = spawned {
-                tracing::warn!("cannot start a connection thread: {e}");
-            }
-        }
-        Ok(())
-    }
-
-    /// Tells a connection there is no slot for it, and closes it: on a
-    /// short-lived thread (at most [`REFUSERS`] at once), so that peers
-    /// that never read their refusal cannot slow the accept loop; past
-    /// that, the connection is just closed.
-    fn refuse(&self, mut c: Conn, why: &StoreError) {
-        self.stats.refused.fetch_add(1, Ordering::Relaxed);
-        let Some(slot) = self.refusers.take() else {
-            return;
-        };
-        let why = why.to_string();
-        let _ = std::thread::Builder::new()
-            .name("memserver-refuse".into())
-            .spawn(move || {
-                let _slot = slot;
-                if c.set_timeouts(Some(REFUSE_DRAIN)).is_ok() {
-                    c.abort(&why);
-                    c.drain(REFUSE_DRAIN);
-                }
-            });
     }
 
     /// The store for a StoreOpen, made on the first open and bound to its
