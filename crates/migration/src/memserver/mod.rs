@@ -31,8 +31,9 @@
 //! request is checked against those caps and the VM's layout before
 //! anything is allocated or changed.
 //!
-//! Files: [`store`] (one VM's pages), [`server`] (the accept loop, the
-//! stores), [`conn`] (one connection: handshake, requests, answers),
+//! Files: [`store`] (one VM's pages), [`server`] (the server: its stores
+//! and capacity), `accept.rs` (the accept loop), [`conn`] (one
+//! connection: handshake, requests, answers),
 //! [`limits`], [`secret`] (the owner's secret), [`error`], [`client`]
 //! (what the engine uses to talk to a server).
 
