@@ -125,6 +125,27 @@ fn vms_on(registry: &str, host: &str) -> Vec<Vm> {
 }
 
 /// Waits until every VM of `vms` counts on past `before` (name → count).
+/// Waits (at most 30 s) until a drain in the registry has a move under
+/// way; `what` names the drain in the failure.
+fn wait_for_a_move(registry: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = op(registry, &["hosts", "--drains"]).unwrap();
+        let moving = d["drains"].as_array().is_some_and(|ds| {
+            ds.iter().any(|d| {
+                d["moves"]
+                    .as_array()
+                    .is_some_and(|ms| ms.iter().any(|m| m["state"] == "moving"))
+            })
+        });
+        if moving {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} never moved: {d}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn still_counting(vms: &[Vm], before: &[(String, u64)]) {
     for (name, _, _, socket) in vms {
         let Some((_, b)) = before.iter().find(|(n, _)| n == name) else {
@@ -312,25 +333,7 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
     .stderr(Stdio::null())
     .spawn()
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let d = op(reg, &["hosts", "--drains"]).unwrap();
-        let moving = d["drains"].as_array().is_some_and(|ds| {
-            ds.iter().any(|d| {
-                d["moves"]
-                    .as_array()
-                    .is_some_and(|ms| ms.iter().any(|m| m["state"] == "moving"))
-            })
-        });
-        if moving {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the first drain never moved: {d}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_a_move(reg, "the first drain");
     let _ = first.kill();
     let _ = first.wait();
     let e = op(reg, &["drain", "ferry-h2"]).unwrap_err();
@@ -619,22 +622,7 @@ fn a_destination_agent_killed_mid_drain_loses_no_vm() {
     .spawn()
     .unwrap();
     // Once the first move is under way, ferry-h2's agent dies.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let d = op(reg, &["hosts", "--drains"]).unwrap();
-        let moving = d["drains"].as_array().is_some_and(|ds| {
-            ds.iter().any(|d| {
-                d["moves"]
-                    .as_array()
-                    .is_some_and(|ms| ms.iter().any(|m| m["state"] == "moving"))
-            })
-        });
-        if moving {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the drain never moved: {d}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_a_move(reg, "the drain");
     let _ = a2.0.kill();
     let _ = a2.0.wait();
     let out = drain.wait_with_output().unwrap();

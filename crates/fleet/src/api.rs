@@ -311,6 +311,15 @@ pub struct VmInfo {
     pub dirty_bytes_per_s: Option<f64>,
 }
 
+impl VmInfo {
+    /// True if its VM runs under this listing's host: not a VMM still
+    /// waiting for its VM, nor one forwarding clients to a VM that runs
+    /// elsewhere.
+    pub fn runs_here(&self) -> bool {
+        self.state != "waiting" && self.state != "forwarding"
+    }
+}
+
 /// A host as its agent sees it.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HostInfo {

@@ -68,6 +68,19 @@ impl Default for DrainOptions {
 }
 
 impl DrainOptions {
+    /// What the moves out of `source` may use together (bytes/s): its
+    /// link, or the drain's bandwidth budget if lower; None if neither is
+    /// known.
+    fn out_of(&self, source: &HostInfo) -> Option<f64> {
+        [
+            (source.link_bps > 0).then(|| source.link_bps as f64 / 8.0),
+            self.bandwidth,
+        ]
+        .into_iter()
+        .flatten()
+        .reduce(f64::min)
+    }
+
     /// The deadline of a move of a `mem`-byte VM (at least 2 s).
     pub fn deadline(&self, mem: u64) -> Duration {
         self.deadline_per_gib
@@ -239,13 +252,7 @@ fn choose_mode(asked: Option<Mode>, dirty: Option<f64>, share: Option<f64>) -> (
 pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan {
     // What one move gets of the host's link (or budget) when the most run
     // at once.
-    let link = [
-        (source.link_bps > 0).then(|| source.link_bps as f64 / 8.0),
-        opts.bandwidth,
-    ]
-    .into_iter()
-    .flatten()
-    .reduce(f64::min);
+    let link = opts.out_of(source);
     let share = link.map(|l| l / opts.per_host.min(opts.in_fleet).max(1) as f64);
     let mut room: Vec<Room> = others
         .iter()
@@ -258,11 +265,7 @@ pub fn plan(source: &HostInfo, others: &[HostInfo], opts: &DrainOptions) -> Plan
         })
         .collect();
     // A waiting VMM has no VM yet, and a forwarder's VM runs elsewhere.
-    let mut vms: Vec<&VmInfo> = source
-        .vms
-        .iter()
-        .filter(|v| v.state != "waiting" && v.state != "forwarding")
-        .collect();
+    let mut vms: Vec<&VmInfo> = source.vms.iter().filter(|v| v.runs_here()).collect();
     vms.sort_by(|a, b| {
         b.spec
             .mem_bytes
@@ -439,13 +442,7 @@ pub fn run(
     let source = fleet.agent(&plan.from)?;
     let source_info = crate::fleet::info(&source)?;
     // What the moves out of the host may use together (bytes/s).
-    let link = [
-        (source_info.link_bps > 0).then(|| source_info.link_bps as f64 / 8.0),
-        opts.bandwidth,
-    ]
-    .into_iter()
-    .flatten()
-    .reduce(f64::min);
+    let link = opts.out_of(&source_info);
     let mut reports: Vec<MoveReport> = plan
         .moves
         .iter()
@@ -694,42 +691,43 @@ fn one_move(
             report.remaining_pages = 0;
             Ok(())
         }
-        Err(e) if arrived(state_at(&dest, &vm.spec.name).as_deref()) => {
-            // The source's answer was lost (its VMM may end as the
-            // migration does), but the destination runs the VM: the move
-            // is done, and stopping that VMM would lose the VM.
-            tracing::warn!(
-                "drain: {} runs at {} although its source said: {e}",
-                vm.spec.name,
-                report.to
-            );
-            report.errors.push(format!(
-                "the source's answer was lost ({e}); the VM runs at {}",
-                report.to
-            ));
-            report.remaining_pages = 0;
-            Ok(())
-        }
-        Err(e) if state_at(&dest, &vm.spec.name).as_deref() == Some("unresponsive") => {
+        // The source says the move failed, or its answer was lost (its VMM
+        // may end as the migration does): the destination says which.
+        Err(e) => match state_at(&dest, &vm.spec.name).as_deref() {
+            there if arrived(there) => {
+                // The destination runs the VM: the move is done, and
+                // stopping that VMM would lose the VM.
+                tracing::warn!(
+                    "drain: {} runs at {} although its source said: {e}",
+                    vm.spec.name,
+                    report.to
+                );
+                report.errors.push(format!(
+                    "the source's answer was lost ({e}); the VM runs at {}",
+                    report.to
+                ));
+                report.remaining_pages = 0;
+                Ok(())
+            }
             // Where the VM runs is not known: its VMM there is left alone
             // (it may hold the only copy), and the move counts as failed.
-            Err(format!(
+            Some("unresponsive") => Err(format!(
                 "{e}; the VMM at {} does not answer, so it is left running",
                 report.to
-            ))
-        }
-        Err(e) => {
-            // The VM runs on at the source; the waiting VMM goes.
-            if let Err(stop) = dest.call(&Request::Stop {
-                name: vm.spec.name.clone(),
-            }) {
-                tracing::warn!(
-                    "drain: cannot stop the waiting VMM for {}: {stop}",
-                    vm.spec.name
-                );
+            )),
+            _ => {
+                // The VM runs on at the source; the waiting VMM goes.
+                if let Err(stop) = dest.call(&Request::Stop {
+                    name: vm.spec.name.clone(),
+                }) {
+                    tracing::warn!(
+                        "drain: cannot stop the waiting VMM for {}: {stop}",
+                        vm.spec.name
+                    );
+                }
+                Err(e.to_string())
             }
-            Err(e.to_string())
-        }
+        },
     }
 }
 

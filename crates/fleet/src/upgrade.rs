@@ -48,7 +48,7 @@ pub fn run(
     let names: Vec<String> = before
         .vms
         .iter()
-        .filter(|v| v.state != "waiting" && v.state != "forwarding")
+        .filter(|v| v.runs_here())
         .map(|v| v.spec.name.clone())
         .collect();
     let mut out = Vec::new();

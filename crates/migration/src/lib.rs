@@ -44,7 +44,7 @@ pub mod pager;
 pub mod paused;
 pub(crate) mod postcopy;
 pub(crate) mod precopy;
-pub(crate) mod priority;
+pub mod priority;
 pub mod protocol;
 pub mod random;
 pub mod ranges;

@@ -10,6 +10,8 @@
 //! short bursts, it cannot starve them (the kernel's real-time throttling
 //! bounds it regardless). The push runs at nice 10.
 //!
+//! [`real_time`] is also what a handover's pause threads take (ferry-vmm).
+//!
 //! `FERRY_FAULT_PRIORITY=normal` in a VMM's environment keeps its fault
 //! path at normal priority (for a host that allows no real-time threads
 //! to a VMM, and to measure what the priority buys).
@@ -31,14 +33,7 @@ pub(crate) fn fault_path() -> Class {
     if std::env::var("FERRY_FAULT_PRIORITY").is_ok_and(|v| v == "normal") {
         return Class::Unchanged;
     }
-    let param = libc::sched_param { sched_priority: 1 };
-    // Reset on fork: a thread this one starts never inherits real time.
-    // SAFETY: pid 0 is the calling thread, and `param` is a live
-    // sched_param for the duration of the call.
-    let rc = unsafe {
-        libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param)
-    };
-    if rc == 0 {
+    if real_time() {
         return Class::RealTime;
     }
     if set_nice(-10) {
@@ -46,6 +41,19 @@ pub(crate) fn fault_path() -> Class {
     } else {
         tracing::debug!("postcopy fault path keeps normal priority (no CAP_SYS_NICE)");
         Class::Unchanged
+    }
+}
+
+/// Puts the calling thread at real-time priority (SCHED_FIFO 1); false
+/// when not allowed. Reset on fork: a thread it starts never inherits real
+/// time (a vCPU running guest code at real time would keep its core from
+/// everything else).
+pub fn real_time() -> bool {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: pid 0 is the calling thread, and `param` is a live
+    // sched_param for the duration of the call.
+    unsafe {
+        libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param) == 0
     }
 }
 

@@ -274,16 +274,7 @@ impl Vms {
         let mut out = Vec::new();
         for rec in recs {
             if rec.pid == 0 {
-                out.push(VmInfo {
-                    spec: rec.spec.clone(),
-                    state: "starting".into(),
-                    pid: 0,
-                    socket: rec.socket.clone(),
-                    uptime_s: 0.0,
-                    came_by: rec.came_by.clone(),
-                    progress: None,
-                    dirty_bytes_per_s: None,
-                });
+                out.push(unanswered(&rec, "starting"));
                 continue;
             }
             match self.info_of(&rec) {
@@ -293,16 +284,7 @@ impl Vms {
                 // every drain and listing.
                 Err(e) if process_alive(rec.pid) => {
                     tracing::warn!("agent: VM {} does not answer ({e})", rec.spec.name);
-                    out.push(VmInfo {
-                        spec: rec.spec.clone(),
-                        state: "unresponsive".into(),
-                        pid: rec.pid,
-                        socket: rec.socket.clone(),
-                        uptime_s: 0.0,
-                        came_by: rec.came_by.clone(),
-                        progress: None,
-                        dirty_bytes_per_s: None,
-                    });
+                    out.push(unanswered(&rec, "unresponsive"));
                 }
                 Err(e) => {
                     tracing::info!("agent: VM {} is gone ({e})", rec.spec.name);
@@ -430,9 +412,7 @@ impl Vms {
         let deadline = Instant::now() + max;
         loop {
             self.reap();
-            // SAFETY: kill with signal 0 only checks that the process exists.
-            let alive = pid > 0 && unsafe { libc::kill(pid as i32, 0) } == 0;
-            if !alive || Instant::now() >= deadline {
+            if !process_alive(pid) || Instant::now() >= deadline {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -516,6 +496,21 @@ fn create_private_dir(dir: &Path) -> Result<(), FleetError> {
         .mode(0o700)
         .create(dir)
         .map_err(FleetError::io(format!("cannot make {}", dir.display())))
+}
+
+/// What the record alone says of a VM whose VMM gave no status (still
+/// starting, or not answering), in `state`.
+fn unanswered(rec: &Record, state: &str) -> VmInfo {
+    VmInfo {
+        spec: rec.spec.clone(),
+        state: state.into(),
+        pid: rec.pid,
+        socket: rec.socket.clone(),
+        uptime_s: 0.0,
+        came_by: rec.came_by.clone(),
+        progress: None,
+        dirty_bytes_per_s: None,
+    }
 }
 
 /// True if process `pid` exists (a zombie counts until it is reaped).

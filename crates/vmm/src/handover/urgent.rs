@@ -40,16 +40,8 @@ impl Urgent {
                 _here: std::marker::PhantomData,
             };
         }
-        let fifo = libc::sched_param { sched_priority: 1 };
-        // Threads this one starts meanwhile (the new process's vCPUs, in
-        // restore) must not inherit real time: a vCPU running guest code
-        // at real time keeps its core from everything else.
-        // SAFETY: pid 0 is the calling thread; `fifo` is a live sched_param.
-        let rc = unsafe {
-            libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &fifo)
-        };
         Urgent {
-            before: (rc == 0).then_some((policy, param)),
+            before: ferry_migration::priority::real_time().then_some((policy, param)),
             _here: std::marker::PhantomData,
         }
     }
