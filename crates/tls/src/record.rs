@@ -1,7 +1,8 @@
 //! The TLS 1.3 record layer once the handshake is done (RFC 8446 §5):
-//! records are sealed in the sender's batch buffer and opened in place in
-//! the receiver's read-ahead buffer, so each byte is copied once on each
-//! side (rustls's buffered API copies it four times, and that, not the
+//! records are sealed in the sender's batch buffer and opened where they
+//! were received (the caller's buffer, or the read-ahead for small reads),
+//! so each byte is copied once by the sender and not at all by the
+//! receiver (rustls's buffered API copies it four times, and that, not the
 //! cipher, was most of what TLS cost a migration).
 //!
 //! rustls still runs the handshake and derives every key, the new ones
@@ -13,7 +14,7 @@
 use std::ops::Range;
 
 use ring::aead::{
-    Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305,
+    Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305,
 };
 use rustls::{AlertDescription, ConnectionTrafficSecrets};
 
@@ -255,12 +256,54 @@ impl Opener {
         }
         let (h, body) = record.split_at_mut(HEADER);
         let header: [u8; HEADER] = [h[0], h[1], h[2], h[3], h[4]];
+        let (inner, tag) = body.split_at_mut(body.len() - TAG);
+        let tag: [u8; TAG] = (&*tag).try_into().map_err(|_| RecordError::Decrypt)?;
+        Ok(match self.open_parts(header, inner, tag)? {
+            Opened::Data(r) => Opened::Data(HEADER + r.start..HEADER + r.end),
+            other => other,
+        })
+    }
+
+    /// Opens the record whose header is `header` and whose body (sealed
+    /// content and tag) is `in_out[from..]`, writing its content to the
+    /// front of `in_out`: a reader opens a run of records received into
+    /// its caller's buffer this way, each one's data moved up against the
+    /// last one's as it is opened. A range of `in_out` is the data.
+    pub fn open_within(
+        &mut self,
+        header: [u8; HEADER],
+        in_out: &mut [u8],
+        from: usize,
+    ) -> Result<Opened, RecordError> {
         let nonce = self.keys.next_nonce()?;
         let plain = self
             .keys
             .key
-            .open_in_place(nonce, Aad::from(header), body)
+            .open_within(nonce, Aad::from(header), in_out, from..)
             .map_err(|_| RecordError::Decrypt)?;
+        Self::content(plain)
+    }
+
+    /// Opens a record whose parts lie apart: its `header` (checked by
+    /// [`complete`]), its sealed content in `inner` (opened in place there:
+    /// a range of `inner` is the data) and its `tag`.
+    fn open_parts(
+        &mut self,
+        header: [u8; HEADER],
+        inner: &mut [u8],
+        tag: [u8; TAG],
+    ) -> Result<Opened, RecordError> {
+        let nonce = self.keys.next_nonce()?;
+        let plain = self
+            .keys
+            .key
+            .open_in_place_separate_tag(nonce, Aad::from(header), Tag::from(tag), inner, 0..)
+            .map_err(|_| RecordError::Decrypt)?;
+        Self::content(plain)
+    }
+
+    /// What an opened record's plaintext (content, type, padding) holds.
+    fn content(plain: &[u8]) -> Result<Opened, RecordError> {
         // The content type is the last byte that is not padding.
         let typed = plain
             .iter()
@@ -272,7 +315,7 @@ impl Opener {
         }
         let content = &plain[..typed];
         match plain[typed] {
-            APPLICATION_DATA => Ok(Opened::Data(HEADER..HEADER + typed)),
+            APPLICATION_DATA => Ok(Opened::Data(0..typed)),
             ALERT => match content {
                 [_, 0] => Ok(Opened::Closed),
                 [_, d] => Err(RecordError::Alert(AlertDescription::from(*d))),

@@ -5,9 +5,14 @@
 //! - The handshake is rustls's ([`handshake`](crate::handshake)); after
 //!   it, records are sealed and opened here ([`record`](crate::record)),
 //!   each direction on its own: the reader and the writer never wait for
-//!   each other, and each byte is copied once a side.
-//! - Reading: ciphertext is read ahead in large pieces (256 KiB), records
-//!   are opened in place in that buffer and their plaintext copied out.
+//!   each other.
+//! - Reading: a read of at least a whole record's size receives the
+//!   ciphertext straight into the caller's buffer and opens the records
+//!   there, each one's data moved up against the last's as ring opens it,
+//!   so a migration's pages are written once, by the kernel, into guest
+//!   memory. A smaller read is served from a read-ahead (256 KiB) where
+//!   records are opened in place and their plaintext copied out; an
+//!   incomplete record moves between the two.
 //! - Writing: up to 256 KiB of plaintext is sealed into records in one
 //!   buffer and sent whole before the write returns.
 //! - Keys: before a key has protected half of what its cipher allows, this
@@ -311,8 +316,18 @@ impl TlsSocket {
         };
         let at = rx.start;
         rx.start += len;
-        match rx.opener.open(&mut rx.buf[at..at + len]) {
-            Ok(Opened::Data(r)) => rx.plain = at + r.start..at + r.end,
+        let opened = rx.opener.open(&mut rx.buf[at..at + len]);
+        if let Some(r) = self.follow(rx, opened) {
+            rx.plain = at + r.start..at + r.end;
+        }
+        true
+    }
+
+    /// Acts on an opened record: its data's range, if it held data; a key
+    /// update, close_notify or error is taken into `rx`.
+    fn follow(&self, rx: &mut Rx, opened: Result<Opened, RecordError>) -> Option<Range<usize>> {
+        match opened {
+            Ok(Opened::Data(r)) => return Some(r),
             Ok(Opened::Closed) => rx.closed = true,
             Ok(Opened::KeyUpdate { asked }) => {
                 let next = Self::lock(&self.shared.kernel).update_rx();
@@ -332,7 +347,91 @@ impl TlsSocket {
             }
             Err(e) => rx.broken = Some(e.to_string()),
         }
-        true
+        None
+    }
+
+    /// Receives ciphertext straight into `buf` and opens the records there,
+    /// each one's data moved up against the last one's as it is opened
+    /// (ring does both in one pass, while the record is in cache): the
+    /// kernel writes each byte where it belongs (guest memory, for a
+    /// migration's pages), one receive takes many records, and what is
+    /// copied is at most one record each way, what was read ahead before
+    /// and an incomplete record left after, which go back to the
+    /// read-ahead. None if `buf` cannot hold a whole record; else the data
+    /// bytes now at the front of `buf` (0 if the records held none: their
+    /// effect, such as a key update, an end or an error, is in `rx`).
+    fn read_direct(
+        &self,
+        rx: &mut Rx,
+        buf: &mut [u8],
+        deadline: &mut Option<Option<Instant>>,
+    ) -> io::Result<Option<usize>> {
+        if buf.len() < MAX_RECORD {
+            return Ok(None);
+        }
+        // An incomplete record, at most, was read ahead (open_next would
+        // have opened a whole one).
+        let mut end = rx.end - rx.start;
+        buf[..end].copy_from_slice(&rx.buf[rx.start..rx.end]);
+        (rx.start, rx.end) = (0, 0);
+        // buf: [data opened: ..w][not yet opened: r..end][free: end..]
+        let (mut w, mut r) = (0, 0);
+        let outcome = loop {
+            while rx.broken.is_none() && !rx.closed {
+                let len = match record::complete(&buf[r..end]) {
+                    Ok(Some(len)) => len,
+                    Ok(None) => break,
+                    Err(e) => {
+                        rx.broken = Some(e.to_string());
+                        break;
+                    }
+                };
+                let mut header = [0; record::HEADER];
+                header.copy_from_slice(&buf[r..r + record::HEADER]);
+                let opened =
+                    rx.opener
+                        .open_within(header, &mut buf[w..r + len], r + record::HEADER - w);
+                r += len;
+                if let Some(data) = self.follow(rx, opened) {
+                    w += data.end;
+                }
+            }
+            if w > 0 || rx.broken.is_some() || rx.closed {
+                break Ok(Some(w));
+            }
+            // Nothing opened yet: keep room for a whole record and receive.
+            if buf.len() - r < MAX_RECORD {
+                buf.copy_within(r..end, 0);
+                (r, end) = (0, end - r);
+            }
+            match sys::recv(self.fd(), &mut buf[end..]) {
+                Ok(0) => {
+                    rx.eof = true;
+                    break Ok(Some(0));
+                }
+                Ok(n) => end += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let deadline = match deadline {
+                        Some(d) => *d,
+                        None => *deadline.insert(sys::deadline(self.tcp.read_timeout()?)),
+                    };
+                    match sys::poll_until(self.fd(), libc::POLLIN, deadline) {
+                        Ok(true) => {}
+                        Ok(false) => break Err(io::ErrorKind::WouldBlock.into()),
+                        Err(e) => break Err(e),
+                    }
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        // What was received but not opened (an incomplete record) goes back
+        // to the read-ahead, for the next read; after an end or an error
+        // nothing more is read.
+        if rx.broken.is_none() && !rx.closed {
+            rx.buf[..end - r].copy_from_slice(&buf[r..end]);
+            rx.end = end - r;
+        }
+        outcome
     }
 }
 
@@ -384,6 +483,13 @@ impl Read for &TlsSocket {
             }
             if got > 0 {
                 return Ok(got);
+            }
+            if !rx.eof {
+                match self.read_direct(rx, buf, &mut deadline)? {
+                    Some(0) => continue,
+                    Some(n) => return Ok(n),
+                    None => {}
+                }
             }
             if rx.eof {
                 if rx.start < rx.end {

@@ -464,3 +464,90 @@ fn handshake_messages_cut_into_small_records_are_joined_and_never_crash_the_serv
         assert!(r.starts_with("refused:"), "fragment size {frag}: {r}");
     }
 }
+
+#[test]
+fn reads_of_every_size_through_a_link_that_cuts_records_apart_give_the_bytes_sent() {
+    // A relay passes the client's bytes on in 7000-byte pieces with pauses,
+    // so records arrive in parts; the server reads with a 1 ms timeout and
+    // sizes from one byte (opened in its read-ahead) to megabytes (records
+    // received straight into the caller's buffer), and a read that times
+    // out mid-record must leave the record whole for the next.
+    let (_, a) = fleet("host-a", Validity::days(1));
+    let creds = Credentials::load(&a).unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_at = relay.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut from_client, _) = relay.accept().unwrap();
+        let mut to_server = TcpStream::connect(at).unwrap();
+        let (mut back_from, mut back_to) = (
+            to_server.try_clone().unwrap(),
+            from_client.try_clone().unwrap(),
+        );
+        std::thread::spawn(move || std::io::copy(&mut back_from, &mut back_to));
+        let mut piece = vec![0u8; 7000];
+        loop {
+            match from_client.read(&mut piece) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to_server.write_all(&piece[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_micros(1500));
+        }
+        let _ = to_server.shutdown(std::net::Shutdown::Write);
+    });
+    let data = pattern(6 << 20, 9);
+    let sent = data.clone();
+    let config = creds.client_config();
+    let client = std::thread::spawn(move || {
+        let tcp = TcpStream::connect(relay_at).unwrap();
+        let name = ServerName::IpAddress(at.ip().into());
+        let mut c =
+            TlsSocket::handshake(tcp, Handshake::Client(config, name), Duration::from_secs(5))
+                .unwrap();
+        let mut sizes = [1usize, 5000, 300_000, 3, 17_000].into_iter().cycle();
+        let mut rest = &sent[..];
+        while !rest.is_empty() {
+            let k = sizes.next().unwrap().min(rest.len());
+            c.write_all(&rest[..k]).unwrap();
+            rest = &rest[k..];
+        }
+        c.close_notify();
+    });
+    let (s, _) = l.accept().unwrap();
+    let mut s = TlsSocket::handshake(
+        s,
+        Handshake::Server(creds.server_config()),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    s.tcp()
+        .set_read_timeout(Some(Duration::from_millis(1)))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut sizes = [1usize, 16_500, 2 << 20, 700, 17_000, 1 << 20]
+        .into_iter()
+        .cycle();
+    let mut timeouts = 0;
+    let mut want = sizes.next().unwrap();
+    loop {
+        let mut buf = vec![0u8; want];
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                got.extend_from_slice(&buf[..n]);
+                want = sizes.next().unwrap();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => timeouts += 1,
+            Err(e) => panic!("read failed after {} bytes: {e}", got.len()),
+        }
+    }
+    client.join().unwrap();
+    assert!(timeouts > 0, "no read waited past its timeout");
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "bytes differ after the trip");
+}

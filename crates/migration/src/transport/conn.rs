@@ -194,9 +194,11 @@ impl ConnReader {
         self.0.get_ref().is_tls()
     }
 
-    /// True if [`read_exact_raw`](Self::read_exact_raw) fills memory by a
-    /// copy in this process (TLS: records are opened in a buffer first),
-    /// false if read(2) writes it in the kernel.
+    /// True if [`read_exact_raw`](Self::read_exact_raw) fills memory
+    /// partly by a copy in this process and opens it there (TLS: records
+    /// are received into the memory and opened in place, but the edges of
+    /// a stretch come from the read-ahead), false if read(2) alone writes
+    /// it, in the kernel.
     pub fn lands_by_copy(&self) -> bool {
         self.0.get_ref().is_tls()
     }
