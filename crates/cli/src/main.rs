@@ -13,6 +13,7 @@ mod pki;
 mod report;
 mod run;
 mod security;
+mod standby;
 mod status;
 mod uffd_cost;
 
@@ -61,6 +62,10 @@ enum Command {
     /// Run a memory server: holds pages of split VMs for their main hosts,
     /// advertised in the host registry.
     Memserver(memserver::MemserverArgs),
+    /// Run a postcopy safety net: holds the pages a destination still lacks
+    /// after a postcopy switch (`ferry migrate --safety-net`) and finishes
+    /// the move if the source dies.
+    Standby(standby::StandbyArgs),
     /// List the hosts the registry knows (agents, waiting VMMs, memory
     /// servers), dead hosts, and drains in progress.
     Hosts(memserver::HostsArgs),
@@ -135,6 +140,7 @@ fn main() -> ExitCode {
         Command::Migrate(args) => migrate::migrate(args),
         Command::Handover(args) => handover::handover(args),
         Command::Memserver(args) => memserver::memserver(args),
+        Command::Standby(args) => standby::standby(args),
         Command::Hosts(args) => memserver::hosts(args),
         Command::Agent(args) => fleet::agent(args),
         Command::Vm(cmd) => fleet::vm(cmd),

@@ -82,6 +82,11 @@ pub struct MigrateArgs {
     /// first (e.g. 3|20s).
     #[arg(long, default_value_t = PostcopyAfter::default())]
     postcopy_after: PostcopyAfter,
+    /// Postcopy and hybrid: a third host's `ferry standby` (HOST:PORT) that
+    /// is sent the pages the destination still lacks right after the switch
+    /// and finishes the move from them if this source dies.
+    #[arg(long, value_parser = crate::standby::tcp_endpoint)]
+    safety_net: Option<ferry_migration::Endpoint>,
     /// Parallel bulk connections (default: 2, or 1 on a single core).
     #[arg(long)]
     streams: Option<u16>,
@@ -169,6 +174,7 @@ impl MigrateArgs {
             push_delay_ms: self.push_delay.as_millis().min(u64::MAX as u128) as u64,
             postcopy_after: self.postcopy_after,
             reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
+            safety_net: self.safety_net.clone(),
             timeline_tail_ms: match self.no_timeline {
                 true => 0,
                 false => self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,
@@ -204,6 +210,9 @@ impl MigrateArgs {
         };
         if self.mode != Mode::Split && (!self.subs.is_empty() || self.main_budget.is_some()) {
             anyhow::bail!("--sub and --main-budget are for --mode split");
+        }
+        if self.safety_net.is_some() && !matches!(self.mode, Mode::Postcopy | Mode::Hybrid) {
+            anyhow::bail!("--safety-net is for --mode postcopy or hybrid (the pages a destination lacks after the switch)");
         }
         if self.mode == Mode::Split && self.main_budget.is_none() && !self.subs.is_empty() {
             anyhow::bail!("--mode split needs --main-budget (the memory the main host holds)");

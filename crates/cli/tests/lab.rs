@@ -1101,6 +1101,143 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
     assert!(after > before, "dirty continued: {before} -> {after}");
 }
 
+/// Issue 33: the postcopy safety net. A VM moves from ferry-h1 to ferry-h2
+/// by postcopy with a standby on ferry-h3 (`--safety-net`); the push is
+/// held (`--push-delay`), so most pages are still only on the source when
+/// its VMM is killed (SIGKILL) once the standby holds them. The standby
+/// resumes the move as the source's session: the destination gets every
+/// page, all of RAM matches the source's hashes taken at the switch, and
+/// the workload goes on.
+#[test]
+fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-net-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
+    let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
+    let common = [
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
+        "--json",
+    ];
+    let standby = in_host(
+        "ferry-h3",
+        &[
+            "standby",
+            "--listen",
+            "10.77.0.3:7480",
+            "--duration",
+            "8s",
+            "--json",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let standby = Reaper(Some(standby));
+    let mut dst = in_host("ferry-h2", &common);
+    // Without the standby the destination would wait this long for its
+    // source and then lose the VM.
+    dst.args(["--incoming", "tcp:10.77.0.2:7470", "--control", dst_sock])
+        .args(["--duration", "3s", "--reconnect-timeout", "20s"]);
+    let dst = Reaper(Some(
+        dst.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--control", src_sock, "--duration", "120s"]);
+    let mut src = Reaper(Some(
+        src.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_for_sockets("safety net", &[src_sock, dst_sock]);
+    wait_port_in("ferry-h1", "10.77.0.3", 7480);
+    std::thread::sleep(Duration::from_millis(1500));
+    let m = in_host(
+        "ferry-h1",
+        &[
+            "migrate",
+            src_sock,
+            "--to",
+            "tcp:10.77.0.2:7470",
+            "--mode",
+            "postcopy",
+            "--prefetch",
+            "0",
+            "--push-delay",
+            "20s",
+            "--verify",
+            "--safety-net",
+            "10.77.0.3:7480",
+            "--json",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let m = Reaper(Some(m));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while status_in("ferry-h1", src_sock)["state"] != "paused" {
+        assert!(Instant::now() < deadline, "postcopy never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // 160 MiB to the standby takes well under this on the lab's links;
+    // the push to the destination is held for 20 s.
+    std::thread::sleep(Duration::from_secs(3));
+    let o = in_host("ferry-h2", &["status", dst_sock, "--json", "--metrics"])
+        .output()
+        .unwrap();
+    let before = json(&o.stdout);
+    src.0.as_mut().unwrap().kill().unwrap();
+    let _ = src.0.as_mut().unwrap().wait();
+    let out = m.output();
+    assert!(
+        !out.status.success(),
+        "the killed source cannot report success"
+    );
+    let d = dst.output();
+    let dlog = String::from_utf8_lossy(&d.stderr);
+    assert!(d.status.success(), "the destination lost its VM: {dlog}");
+    assert!(dlog.contains("postcopy paused"), "{dlog}");
+    let d = json(&d.stdout);
+    assert_eq!(d["received"]["verified_pages"], 256 * 256, "{d}");
+    assert!(
+        d["received"]["postcopy_pauses"].as_u64().unwrap() >= 1,
+        "{d}"
+    );
+    // The dirty workload ran on at the destination after the takeover.
+    let (was, now) = (
+        before["metrics"]["workloads"][1]["progress"]
+            .as_u64()
+            .unwrap(),
+        d["workloads"][1]["progress"].as_u64().unwrap(),
+    );
+    assert!(now > was, "dirty went on: {was} -> {now}");
+    let s = standby.output();
+    let slog = String::from_utf8_lossy(&s.stderr);
+    let last = String::from_utf8_lossy(&s.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_string();
+    let summary: serde_json::Value = serde_json::from_str(&last).unwrap_or_default();
+    assert_eq!(summary["finished"], 1, "{last} {slog}");
+    assert_eq!(summary["failed"], 0, "{last} {slog}");
+    assert!(slog.contains("resuming the move from here"), "{slog}");
+}
+
 /// Issue 16: a VM's clients follow it. The kv VM has its own address
 /// (10.77.0.100, up on ferry-h1's interface) and 128 clients on ferry-h3.
 /// A precopy to ferry-h2 moves the address and every connection

@@ -54,6 +54,7 @@ pub(crate) mod session;
 pub mod sink;
 pub mod source;
 pub mod split;
+pub mod standby;
 pub mod stats;
 pub mod telemetry;
 pub mod transport;

@@ -414,6 +414,10 @@ pub struct MigrateOptions {
     pub postcopy_after: PostcopyAfter,
     /// Postcopy: how long to keep reconnecting after a broken link (ms).
     pub reconnect_timeout_ms: u64,
+    /// Postcopy: a third host's `ferry standby` that holds the pages the
+    /// destination lacks at the switch and resumes the postcopy in the
+    /// source's place if the source dies (`--safety-net`).
+    pub safety_net: Option<crate::transport::Endpoint>,
 
     // ── Split ────────────────────────────────────────────────────────────
     /// Split: the memory servers, the main host's budget, the chunks.
@@ -439,6 +443,7 @@ impl Default for MigrateOptions {
             push_delay_ms: defaults::PUSH_DELAY_MS,
             postcopy_after: PostcopyAfter::default(),
             reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
+            safety_net: None,
             split: SplitOptions::default(),
         }
     }

@@ -80,6 +80,12 @@ pub trait MigratableVm: Send + Sync {
     /// Guest ranges the VMM itself writes (not seen by the dirty log): sent
     /// again in the final round.
     fn host_written_ranges(&self) -> Vec<GpaBytes>;
+    /// Per-page hashes of all memory known without reading it (a postcopy
+    /// standby holds only the pages the destination lacked, and the hashes
+    /// its source sent); None: hash the memory.
+    fn page_hashes(&self) -> Option<Vec<u64>> {
+        None
+    }
     /// The guest's own count of async page faults it absorbed ('page not
     /// present' events), if it keeps one.
     fn guest_apf_count(&self) -> Option<u64> {

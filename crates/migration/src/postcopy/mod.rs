@@ -25,6 +25,7 @@
 
 pub(crate) mod destination;
 pub(crate) mod fault_account;
+pub(crate) mod net;
 pub(crate) mod pages;
 pub(crate) mod source;
 
@@ -171,7 +172,11 @@ pub(crate) fn switch(
         pending_pages,
         ..Default::default()
     });
-    follow(
+    let safety_net = opts
+        .safety_net
+        .clone()
+        .map(|at| net::Net::start(net_feed(s, at, &pending, round)));
+    let result = follow(
         s,
         stats,
         Epoch {
@@ -182,7 +187,46 @@ pub(crate) fn switch(
         },
         Ok((pending, demand)),
         progress,
-    )
+    );
+    match (safety_net, &result) {
+        (Some(n), Ok(None)) => n.release(),
+        (Some(n), _) => n.abandon(),
+        (None, _) => {}
+    }
+    result
+}
+
+/// What the safety net's thread copies from this paused VM.
+fn net_feed(
+    s: &SourceSession,
+    at: crate::transport::Endpoint,
+    pending: &[GpaPages],
+    round: u32,
+) -> net::NetFeed {
+    let vm = s.vm;
+    net::NetFeed {
+        net: at,
+        plan: protocol::StandbyPlan {
+            session: s.id(),
+            version: s.version,
+            started_unix_s: s.start_unix_s(),
+            destination: s.to().to_string(),
+            layout: s.regions.iter().map(|r| (r.gpa(), r.size())).collect(),
+            round,
+            prefetch: s.opts.prefetch,
+            streams: s.opts.streams.max(1),
+            pending_pages: total_pages(pending),
+            verify: s.opts.verify,
+        },
+        regions: s.regions.clone(),
+        pending: pending.to_vec(),
+        verify: s
+            .opts
+            .verify
+            .then(|| (0..s.regions.len()).map(|i| vm.data_ranges(i)).collect()),
+        timeout: s.opts.timeout(),
+        tel: s.tel.clone(),
+    }
 }
 
 /// Continues a paused postcopy: reconnects (within the reconnect timeout)
@@ -380,9 +424,12 @@ fn serve(
     let mut bulk = std::mem::take(&mut s.bulk);
     std::thread::scope(|sc| -> Result<_, MigrationError> {
         let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));
-        let hasher = opts
-            .verify
-            .then(|| sc.spawn(|| crate::session::hashes(&regions, |i| vm.data_ranges(i))));
+        let hasher = opts.verify.then(|| {
+            sc.spawn(|| {
+                vm.page_hashes()
+                    .unwrap_or_else(|| crate::session::hashes(&regions, |i| vm.data_ranges(i)))
+            })
+        });
         let pushers: Vec<_> = bulk
             .iter_mut()
             .map(|c| sc.spawn(move || out.push(c)))

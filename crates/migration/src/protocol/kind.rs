@@ -94,6 +94,13 @@ pub enum Kind {
     /// v9, source to destination right after HelloAck: the one-time
     /// migration token it was given (`Option<String>`).
     Token = 35,
+    /// v11: a source to its postcopy safety net: what to hold and whom to
+    /// serve (a [`StandbyPlan`](super::StandbyPlan)).
+    StandbyPlan = 36,
+    /// v11: the safety net holds every page it was sent.
+    StandbyHeld = 37,
+    /// v11: the source lives (every second while the net stands by).
+    StandbyBeat = 38,
 }
 
 impl Kind {
@@ -136,6 +143,9 @@ impl Kind {
             33 => GatherPlan,
             34 => GatherReady,
             35 => Token,
+            36 => StandbyPlan,
+            37 => StandbyHeld,
+            38 => StandbyBeat,
             _ => return None,
         })
     }
@@ -179,6 +189,9 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::GatherPlan => "GatherPlan",
         Kind::GatherReady => "GatherReady",
         Kind::Token => "Token",
+        Kind::StandbyPlan => "StandbyPlan",
+        Kind::StandbyHeld => "StandbyHeld",
+        Kind::StandbyBeat => "StandbyBeat",
     }
 }
 
@@ -191,19 +204,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=35, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 35);
+        // 1..=38, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 38);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(36), None);
+        assert_eq!(Kind::from_u16(39), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=34).filter_map(Kind::from_u16) {
+        for k in (1..=38).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }
@@ -220,5 +233,6 @@ mod tests {
         assert_eq!(Kind::StoreOpen as u16, 24);
         assert_eq!(Kind::SplitPlan as u16, 32);
         assert_eq!(Kind::GatherReady as u16, 34);
+        assert_eq!(Kind::StandbyPlan as u16, 36);
     }
 }

@@ -27,6 +27,8 @@ pub enum Role {
     Resume,
     /// v7: a connection to a memory server.
     Store,
+    /// v11: a source to its postcopy safety net.
+    Standby,
 }
 
 impl Role {
@@ -39,6 +41,7 @@ impl Role {
             Role::Demand => "demand".into(),
             Role::Fds => "fds".into(),
             Role::Store => "store".into(),
+            Role::Standby => "standby".into(),
         }
     }
 }
@@ -102,6 +105,35 @@ pub struct PostcopyResume {
     pub missing: Vec<GpaPages>,
     /// True on the last frame.
     pub last: bool,
+}
+
+/// What a source tells its postcopy safety net (v11), after the switch:
+/// the session to resume as, where the destination listens, and the
+/// guest's memory layout; the pending pages follow as Pages frames.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StandbyPlan {
+    /// The migration's session id (the destination takes a resume only
+    /// from a peer that knows it).
+    pub session: u64,
+    /// The protocol version the source and destination agreed on.
+    pub version: u16,
+    /// When the migration started (Unix seconds).
+    pub started_unix_s: f64,
+    /// The destination, as `tcp:IP:PORT`.
+    pub destination: String,
+    /// Guest RAM regions: (guest physical address, bytes).
+    pub layout: Vec<(u64, u64)>,
+    /// The push's round number (its barrier).
+    pub round: u32,
+    /// Neighbours sent with each requested page.
+    pub prefetch: u32,
+    /// Bulk streams to push on.
+    pub streams: u16,
+    /// Pages the destination lacked at the switch.
+    pub pending_pages: u64,
+    /// The page hashes follow the pages (a Verify frame), for the
+    /// destination to check what the standby sends.
+    pub verify: bool,
 }
 
 /// Most runs in one PostcopyPlan or PostcopyResume frame (well under MAX_BODY).
@@ -234,6 +266,7 @@ mod tests {
             (Role::Fds, vec![3]),
             (Role::Resume, vec![4]),
             (Role::Store, vec![5]),
+            (Role::Standby, vec![6]),
         ];
         for (role, bytes) in roles {
             assert_eq!(postcard::to_stdvec(&role).unwrap(), bytes, "{role:?}");

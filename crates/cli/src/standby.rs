@@ -1,0 +1,98 @@
+//! `ferry standby`: the postcopy safety net's third host (the engine's
+//! `standby` module does the work; this is its command line).
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use ferry_migration::standby::Standby;
+use ferry_migration::{Endpoint, Listener};
+use serde_json::json;
+
+use crate::format;
+
+/// `ferry standby`.
+#[derive(clap::Args)]
+pub struct StandbyArgs {
+    /// Where sources connect (HOST:PORT or tcp:HOST:PORT).
+    #[arg(long, value_parser = tcp_endpoint)]
+    listen: Endpoint,
+    /// Stop after this long (default: until Ctrl-C or SIGTERM); VMs held
+    /// then are still served to their end.
+    #[arg(long, value_parser = format::parse_duration)]
+    duration: Option<Duration>,
+    /// Print JSON for machines.
+    #[arg(long)]
+    json: bool,
+}
+
+/// HOST:PORT or tcp:HOST:PORT: a standby and its sources speak TCP.
+pub fn tcp_endpoint(addr: &str) -> Result<Endpoint, String> {
+    let spec = if addr.starts_with("tcp:") {
+        addr.to_string()
+    } else {
+        format!("tcp:{addr}")
+    };
+    spec.parse::<Endpoint>()
+}
+
+/// Runs a standby until stopped, then waits for the VMs it holds.
+pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
+    let listener = Listener::bind(&a.listen)?;
+    let at = listener.endpoint().to_string();
+    if a.json {
+        println!("{}", json!({"listen": at}));
+    } else {
+        eprintln!("ferry standby: listening on {at}");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let standby = Standby::new();
+    let serving = {
+        let s = standby.clone();
+        std::thread::Builder::new()
+            .name("standby".into())
+            .spawn(move || s.serve(&listener))?
+    };
+    let t0 = Instant::now();
+    while !stop.load(Ordering::Relaxed) && a.duration.is_none_or(|d| t0.elapsed() < d) {
+        std::thread::sleep(Duration::from_millis(100));
+        if serving.is_finished() {
+            break;
+        }
+    }
+    standby.stop();
+    let served = serving
+        .join()
+        .map_err(|_| anyhow::anyhow!("the standby thread panicked"))?;
+    // A move being finished from here must not be cut off.
+    while standby.stats.held.load(Ordering::Acquire) > 0 {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    served?;
+    let s = &standby.stats;
+    let (released, finished, failed) = (
+        s.released.load(Ordering::Relaxed),
+        s.finished.load(Ordering::Relaxed),
+        s.failed.load(Ordering::Relaxed),
+    );
+    if a.json {
+        println!(
+            "{}",
+            json!({"released": released, "finished": finished, "failed": failed})
+        );
+    } else {
+        eprintln!(
+            "ferry standby: {released} move(s) released by their source, {finished} finished from here, {failed} failed"
+        );
+    }
+    Ok(if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,169 @@
+//! The source's side of the postcopy safety net (`--safety-net`): once the
+//! VM runs at the destination, a thread copies every page the destination
+//! still lacks to a third host's `ferry standby` (the VM is paused here for
+//! good, so the copy is final), with the page hashes when verifying, and
+//! then tells the standby every second that this source lives. When the
+//! move ends it releases the standby; if this process dies the beats stop,
+//! and the standby resumes the postcopy as this session (standby/).
+//!
+//! The copy crosses a link while the destination already runs: until the
+//! standby says it holds every page, a source that dies still takes the
+//! pages only it has (docs/agent.md explains why no design closes that
+//! window for free).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::batch::{Fill, PageBatch};
+use crate::error::MigrationError;
+use crate::memory::RegionView;
+use crate::protocol::{self, Hello, Kind, ProtocolError, Role, StandbyPlan, MAX_BATCH};
+use crate::ranges::{GpaPages, OffsetBytes};
+use crate::telemetry::Telemetry;
+use crate::transport::{Conn, Endpoint};
+
+/// How often the source tells its standby it lives.
+pub(crate) const BEAT: Duration = Duration::from_secs(1);
+
+/// What the feeding thread needs, taken from the session at the switch.
+pub(crate) struct NetFeed {
+    pub(crate) net: Endpoint,
+    pub(crate) plan: StandbyPlan,
+    pub(crate) regions: Vec<RegionView>,
+    pub(crate) pending: Vec<GpaPages>,
+    /// Per region, what may hold data (the hashes cover it), when verifying.
+    pub(crate) verify: Option<Vec<Vec<OffsetBytes>>>,
+    pub(crate) timeout: Duration,
+    pub(crate) tel: Arc<Telemetry>,
+}
+
+/// The running net: ends with [`release`](Self::release) (the move is
+/// done: the standby drops its copy) or [`abandon`](Self::abandon) (this
+/// side stops; the standby takes over).
+pub(crate) struct Net {
+    stop: Arc<AtomicBool>,
+    release: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Net {
+    /// Starts feeding the standby on a thread of its own.
+    pub(crate) fn start(feed: NetFeed) -> Net {
+        let stop = Arc::new(AtomicBool::new(false));
+        let release = Arc::new(AtomicBool::new(false));
+        let (st, rel) = (stop.clone(), release.clone());
+        let thread = std::thread::Builder::new()
+            .name("safety-net".into())
+            .spawn(move || {
+                let tel = feed.tel.clone();
+                let net = feed.net.to_string();
+                if let Err(e) = run(feed, &st, &rel) {
+                    tracing::warn!(%net, error = %e, "the postcopy safety net failed: the move goes on without it");
+                    tel.event("safety_net_lost", format!("{net}: {e}"));
+                }
+            })
+            .ok();
+        Net {
+            stop,
+            release,
+            thread,
+        }
+    }
+
+    /// The move is done: the standby may drop its copy.
+    pub(crate) fn release(mut self) {
+        self.release.store(true, Ordering::Release);
+        self.end();
+    }
+
+    /// This side stops serving with pages still missing there: the
+    /// standby is left to resume the move.
+    pub(crate) fn abandon(mut self) {
+        self.end();
+    }
+
+    fn end(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+fn run(feed: NetFeed, stop: &AtomicBool, release: &AtomicBool) -> Result<(), MigrationError> {
+    let t0 = Instant::now();
+    let hello = Hello {
+        version_min: protocol::VERSION_STANDBY,
+        version_max: protocol::VERSION_MAX,
+        role: Role::Standby,
+        session: feed.plan.session,
+        streams: 1,
+    };
+    let mut c = Conn::open(&feed.net, feed.timeout, &hello)?;
+    c.flush()?;
+    let version: u16 = c.recv(Kind::HelloAck)?;
+    if version < protocol::VERSION_STANDBY {
+        return Err(ProtocolError::Version {
+            min: protocol::VERSION_STANDBY,
+            max: version,
+        }
+        .into());
+    }
+    c.send(Kind::StandbyPlan, &feed.plan)?;
+    let sealed = c.writer_seals();
+    let fill = if sealed { Fill::SEALED } else { Fill::RAW };
+    let mut b = PageBatch::default();
+    let mut bytes = 0u64;
+    let pages = feed.pending.iter().flat_map(|r| r.page_addrs());
+    let mut pages = pages.peekable();
+    while pages.peek().is_some() {
+        if stop.load(Ordering::Acquire) {
+            // The move ended before the copy did: nothing to stand by for.
+            return Ok(());
+        }
+        b.fill_upto(&feed.regions, &mut pages, fill, MAX_BATCH);
+        bytes += b
+            .write_pages(c.writer(), sealed)
+            .map_err(ProtocolError::Io)?;
+        bytes += b.write_zeros(c.writer())?;
+    }
+    if let Some(ranges) = &feed.verify {
+        let hashes = crate::session::hashes(&feed.regions, |i| ranges[i].clone());
+        let body: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        protocol::write_frame(c.writer(), Kind::Verify, &body).map_err(ProtocolError::Io)?;
+    }
+    c.send_frame(Kind::Complete, &[])?;
+    // The standby answers once it holds every page.
+    let _ = c.set_read_timeout(Some(feed.timeout.max(Duration::from_secs(60))));
+    c.recv::<u64>(Kind::StandbyHeld)?;
+    let secs = t0.elapsed().as_secs_f64();
+    tracing::info!(net = %feed.net, pages = feed.plan.pending_pages, bytes, secs, "postcopy safety net armed: a third host holds every page the destination lacks");
+    feed.tel.event(
+        "safety_net_armed",
+        format!(
+            "{} holds {} pages ({bytes} bytes) after {secs:.2} s",
+            feed.net, feed.plan.pending_pages
+        ),
+    );
+    let mut beat = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(50));
+        if beat.elapsed() >= BEAT {
+            c.send_frame(Kind::StandbyBeat, &[])?;
+            beat = Instant::now();
+        }
+    }
+    if release.load(Ordering::Acquire) {
+        c.send_frame(Kind::Complete, &[])?;
+    }
+    c.shutdown();
+    Ok(())
+}
