@@ -151,7 +151,7 @@ mod tests {
 
     #[test]
     fn layouts_that_cannot_be_guest_ram_are_refused_before_any_memory() {
-        let top = u64::MAX & !4095;
+        let top = !4095u64;
         for bad in [
             vec![],
             vec![(0, 0)],
