@@ -40,9 +40,9 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The message kinds in wire order (1..=34), for a byte that picks one.
+/// The message kinds in wire order (1..=38), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 34] = [
+    const KINDS: [Kind; 38] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
@@ -77,6 +77,10 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::SplitPlan,
         Kind::GatherPlan,
         Kind::GatherReady,
+        Kind::Token,
+        Kind::StandbyPlan,
+        Kind::StandbyHeld,
+        Kind::StandbyBeat,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }

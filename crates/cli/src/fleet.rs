@@ -611,6 +611,12 @@ fn print_summary(r: &drain::DrainReport) {
     );
     for m in &r.moves {
         let result = match m.state {
+            MoveState::Done if m.errors.is_empty() && m.postcopy && m.standby.is_some() => {
+                format!(
+                    "moved (postcopy with a standby on {})",
+                    m.standby.as_deref().unwrap_or_default()
+                )
+            }
             MoveState::Done if m.errors.is_empty() => "moved".to_string(),
             MoveState::Done => format!("moved after {} failed tries", m.errors.len()),
             _ => format!(

@@ -19,6 +19,10 @@ pub struct StandbyArgs {
     /// Where sources connect (HOST:PORT or tcp:HOST:PORT).
     #[arg(long, value_parser = tcp_endpoint)]
     listen: Endpoint,
+    /// Guest memory it may hold for all its sources together (e.g. 4G); a
+    /// source whose VM does not fit is refused before anything is held.
+    #[arg(long, value_parser = parse_capacity)]
+    capacity: Option<u64>,
     /// Stop after this long (default: until Ctrl-C or SIGTERM); VMs held
     /// then are still served to their end.
     #[arg(long, value_parser = format::parse_duration)]
@@ -26,6 +30,13 @@ pub struct StandbyArgs {
     /// Print JSON for machines.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_capacity(s: &str) -> Result<u64, String> {
+    match ferry_vmm::boot::layout::parse_size(s) {
+        Some(v) if v >= 4096 => Ok(v),
+        _ => Err(format!("'{s}' is not a capacity (e.g. 512M, 4G)")),
+    }
 }
 
 /// HOST:PORT or tcp:HOST:PORT: a standby and its sources speak TCP.
@@ -51,7 +62,7 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
-    let standby = Standby::new();
+    let standby = Standby::new(a.capacity.unwrap_or(u64::MAX));
     let serving = {
         let s = standby.clone();
         std::thread::Builder::new()
@@ -75,19 +86,21 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
     }
     served?;
     let s = &standby.stats;
-    let (released, finished, failed) = (
+    let (released, finished, failed, verified) = (
         s.released.load(Ordering::Relaxed),
         s.finished.load(Ordering::Relaxed),
         s.failed.load(Ordering::Relaxed),
+        s.verified_pages.load(Ordering::Relaxed),
     );
     if a.json {
         println!(
             "{}",
-            json!({"released": released, "finished": finished, "failed": failed})
+            json!({"released": released, "finished": finished, "failed": failed,
+                   "verified_pages": verified})
         );
     } else {
         eprintln!(
-            "ferry standby: {released} move(s) released by their source, {finished} finished from here, {failed} failed"
+            "ferry standby: {released} move(s) released by their source, {finished} finished from here ({verified} pages verified by the destination), {failed} failed"
         );
     }
     Ok(if failed > 0 {

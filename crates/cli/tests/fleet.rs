@@ -651,6 +651,122 @@ fn a_destination_agent_killed_mid_drain_loses_no_vm() {
     drop(a2);
 }
 
+/// Issue 33: a drain's postcopy move gets a standby on a third host.
+/// ferry-h1's VM moves to another host by postcopy at 16 MB/s (its 384 MiB
+/// of data take 24 s to push); once the standby on the third host holds
+/// what the destination lacks, the source VMM is killed (SIGKILL). The drain
+/// counts the move done, the VM runs at its destination and counts on, and
+/// its VMM there finished the move with every page verified against the
+/// source's hashes.
+#[test]
+fn a_source_vmm_killed_mid_postcopy_drain_is_survived_from_the_standby() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-fleet-net-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _vms = VmReaper(dir.to_str().unwrap().to_string());
+    let registry = format!("dir:{}", dir.join("registry").display());
+    let reg = registry.as_str();
+    let _agents: Vec<AgentProc> = (1..=3).map(|n| agent(n, reg, &dir, "2G", &[])).collect();
+    op(
+        reg,
+        &[
+            "vm",
+            "start",
+            "fast",
+            "--host",
+            "ferry-h1",
+            "--mem",
+            "512M",
+            "--workload",
+            "dirty:rate=32,wss=16,pattern=random+fill:content=worst,mib=384",
+        ],
+    )
+    .unwrap();
+    let (_, pid, _, socket) = vms_on(reg, "ferry-h1").remove(0);
+    // The fill is done before the move (its pages are the push).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while wait_status(&socket)["metrics"]["workloads"][1]["tasks_done"].as_u64() != Some(1) {
+        assert!(Instant::now() < deadline, "the fill never finished");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let before = vec![("fast".to_string(), progress(&wait_status(&socket)))];
+    let drain = in_host(
+        "ferry-h3",
+        &[
+            "drain",
+            "ferry-h1",
+            "--mode",
+            "postcopy",
+            "--verify",
+            "--bandwidth",
+            "16M",
+            "--retries",
+            "0",
+            "--registry",
+            reg,
+            "--json",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // The switch: the source pauses for good; the standby's copy (not
+    // paced) takes a second or two of the lab's links.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while wait_status(&socket)["state"] != "paused" {
+        assert!(Instant::now() < deadline, "the move never switched");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_secs(4));
+    let killed = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = drain.wait_with_output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let m = &report["moves"][0];
+    assert_eq!(
+        m["state"],
+        "done",
+        "{report} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The destination and the standby are the other two hosts.
+    let to = m["to"].as_str().unwrap().to_string();
+    let standby = m["standby"].as_str().unwrap_or_default();
+    assert!(
+        to != "ferry-h1" && !standby.is_empty() && standby != to && standby != "ferry-h1",
+        "{m}"
+    );
+    assert!(vms_on(reg, "ferry-h1").is_empty());
+    let arrived = vms_on(reg, &to);
+    assert_eq!(arrived.len(), 1, "{arrived:?}");
+    still_counting(&arrived, &before);
+    // The standby finished the move: the destination took every page and
+    // matched it against the source's hash. (Stopped by the drain once the
+    // move's source was gone, it ends when that move does.)
+    let log = dir.join(standby).join("stores").join("fast.log");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("finished from here") {
+            assert!(
+                text.contains("1 finished from here (131072 pages verified"),
+                "{text}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "the move never finished: {text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Issue 33's system test: four lab hosts with an agent each and the fleet
 /// in etcd over mutual TLS; six VMs of mixed kinds on ferry-h1 (kv under
 /// 128 clients through its own address, one dirtying faster than the link

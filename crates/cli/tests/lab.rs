@@ -1234,6 +1234,7 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
         .to_string();
     let summary: serde_json::Value = serde_json::from_str(&last).unwrap_or_default();
     assert_eq!(summary["finished"], 1, "{last} {slog}");
+    assert_eq!(summary["verified_pages"], 256 * 256, "{last} {slog}");
     assert_eq!(summary["failed"], 0, "{last} {slog}");
     assert!(slog.contains("resuming the move from here"), "{slog}");
 }

@@ -127,11 +127,15 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
             token,
             split,
             bandwidth,
+            safety_net,
             ..
         } => {
             check_name(name)?;
             short("a destination", to)?;
             short("a token", token)?;
+            if let Some(net) = safety_net {
+                short("a standby address", net)?;
+            }
             if bandwidth.is_some_and(|x| !(x > 0.0 && x.is_finite())) {
                 return Err(FleetError::Refused("bandwidth must be positive".into()));
             }
@@ -147,11 +151,11 @@ pub fn parse_request(line: &[u8]) -> Result<Request, FleetError> {
                 }
             }
         }
-        Request::Store { vm, bytes } => {
+        Request::Store { vm, bytes } | Request::Standby { vm, bytes } => {
             check_name(vm)?;
             if *bytes == 0 || *bytes > 1 << 40 {
                 return Err(FleetError::Refused(format!(
-                    "a memory server of {bytes} bytes (1 to 1 TiB)"
+                    "a memory server or standby of {bytes} bytes (1 to 1 TiB)"
                 )));
             }
         }
@@ -183,6 +187,9 @@ pub struct StoreInfo {
     pub bytes: u64,
     /// Its process.
     pub pid: u32,
+    /// A postcopy standby (`ferry standby`), not a memory server.
+    #[serde(default)]
+    pub standby: bool,
 }
 
 /// What an agent is asked.
@@ -243,6 +250,11 @@ pub enum Request {
         /// For mode split: the main host's share and the memory servers.
         #[serde(default)]
         split: Option<SplitSpec>,
+        /// Postcopy and hybrid: a standby (`tcp:HOST:PORT`) that holds the
+        /// pages the destination lacks after the switch and finishes the
+        /// move if the source dies.
+        #[serde(default)]
+        safety_net: Option<String>,
     },
     /// Measure how fast each VM here dirties memory (half a second each,
     /// all at once); answers `rates`: VM name → bytes/s.
@@ -253,6 +265,15 @@ pub enum Request {
         /// The VM.
         vm: String,
         /// Its capacity.
+        bytes: u64,
+    },
+    /// Run a postcopy standby here for VM `vm`'s move (`ferry standby`,
+    /// holding at most `bytes`); answers its address. Stopped with the
+    /// VM's name like a memory server.
+    Standby {
+        /// The VM.
+        vm: String,
+        /// The most it may hold (the VM's memory).
         bytes: u64,
     },
     /// Hand VM `name` over to a fresh VMM process on this host (zero-copy):
@@ -277,6 +298,7 @@ impl Request {
             Request::Send { .. } => "send",
             Request::Upgrade { .. } => "upgrade",
             Request::Store { .. } => "store",
+            Request::Standby { .. } => "standby",
             Request::DirtyRates => "dirty-rates",
         }
     }
@@ -359,6 +381,7 @@ mod tests {
             postcopy_after: Some(ferry_migration::PostcopyAfter::Either(1, 20.0)),
             bandwidth: None,
             split: None,
+            safety_net: Some("tcp:10.77.0.3:7101".into()),
         };
         let line = serde_json::to_string(&r).unwrap();
         assert!(line.contains(r#""op":"send""#), "{line}");

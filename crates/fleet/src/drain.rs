@@ -400,6 +400,9 @@ pub struct MoveReport {
     pub errors: Vec<String>,
     /// A split move's shares.
     pub split: Option<PlannedSplit>,
+    /// The host of its postcopy standby, if it had one.
+    #[serde(default)]
+    pub standby: Option<String>,
 }
 
 /// What a drain did.
@@ -460,6 +463,7 @@ pub fn run(
             postcopy: false,
             errors: Vec::new(),
             split: m.split.clone(),
+            standby: None,
         })
         .collect();
     // Hosts each move may still be tried on (its planned one first).
@@ -579,6 +583,46 @@ fn another_host(fleet: &Fleet, from: &str, r: &MoveReport, tried: &[String]) -> 
         .map(|h| h.name)
 }
 
+/// Starts a postcopy standby for `vm` on a host other than the source and
+/// the destination with room for all its memory (the most free first);
+/// its agent, host name and address. None when no host can: the move then
+/// goes without one, as the report says.
+fn start_standby(
+    fleet: &Fleet,
+    from: &str,
+    vm: &VmInfo,
+    report: &mut MoveReport,
+) -> Option<(crate::AgentClient, String, String)> {
+    let hosts = fleet.hosts().ok()?;
+    let mut third: Vec<HostInfo> = hosts
+        .into_iter()
+        .filter_map(|(_, h)| h.ok())
+        .filter(|h| h.name != from && h.name != report.to && h.free_mem >= vm.spec.mem_bytes)
+        .collect();
+    third.sort_by_key(|h| std::cmp::Reverse(h.free_mem));
+    for h in third {
+        let started = fleet.agent(&h.name).and_then(|a| {
+            let v = a.call(&Request::Standby {
+                vm: vm.spec.name.clone(),
+                bytes: vm.spec.mem_bytes,
+            })?;
+            Ok((a, v["addr"].as_str().unwrap_or_default().to_string()))
+        });
+        match started {
+            Ok((agent, addr)) => {
+                report.standby = Some(h.name.clone());
+                return Some((agent, h.name, addr));
+            }
+            Err(e) => tracing::warn!("drain: no standby on {} for {}: {e}", h.name, vm.spec.name),
+        }
+    }
+    tracing::warn!(
+        "drain: no third host can hold {}'s memory; its postcopy runs without a safety net",
+        vm.spec.name
+    );
+    None
+}
+
 /// What every move of a drain shares.
 struct Shared {
     fleet: Fleet,
@@ -634,9 +678,26 @@ fn one_move(
             }
         }
     }
+    // A postcopy or hybrid move gets a standby on a third host, which
+    // keeps what the destination lacks after the switch until the move
+    // ends: a source that dies mid-postcopy then loses no VM.
+    let standby = matches!(report.mode, Mode::Postcopy | Mode::Hybrid)
+        .then(|| start_standby(fleet, from, vm, report))
+        .flatten();
+    let stop_standby = |s: &Option<(crate::AgentClient, String, String)>| {
+        if let Some((agent, _, _)) = s {
+            let _ = agent.call(&Request::Stop {
+                name: vm.spec.name.clone(),
+            });
+        }
+    };
+    let admitted = match &standby {
+        Some((_, host, _)) => format!("{from},{host}"),
+        None => from.to_string(),
+    };
     let ready = dest.call(&Request::Receive {
         vm: vm.spec.clone(),
-        from: from.into(),
+        from: admitted,
         token: token.0.clone(),
         budget: report.split.as_ref().map(|s| s.main_budget),
         mode: Some(report.mode),
@@ -645,6 +706,7 @@ fn one_move(
         Ok(r) => r,
         Err(e) => {
             undo(&stores);
+            stop_standby(&standby);
             return Err(e.to_string());
         }
     };
@@ -669,6 +731,7 @@ fn one_move(
                 subs: stores.iter().map(|s| s.1.clone()).collect(),
                 main_budget: sp.main_budget,
             }),
+            safety_net: standby.as_ref().map(|s| s.2.clone()),
         },
         &mut |p: &Value| {
             report.bytes = p["bytes"].as_u64().unwrap_or(report.bytes);
@@ -677,6 +740,9 @@ fn one_move(
             let _ = tx.send(Event::Update(k, report.clone()));
         },
     );
+    // Released by its source at the move's end; one still finishing a move
+    // whose source died ends when that move does (it holds on SIGTERM).
+    stop_standby(&standby);
     match sent {
         Ok(v) => {
             let stats = &v["stats"];

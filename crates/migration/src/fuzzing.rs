@@ -108,3 +108,12 @@ pub fn serve_demand(
         pages: src.demand_pages.load(Ordering::Relaxed),
     })
 }
+
+/// A postcopy standby's intake (`standby::intake`): a source's Hello, plan,
+/// pages and hashes read from `c` and checked, answered with StandbyHeld;
+/// the pages held, or why they were refused. Never stands by nor resumes
+/// anything.
+pub fn standby_intake(c: &mut Conn, hello: &crate::protocol::Hello) -> Result<u64, MigrationError> {
+    let room = crate::standby::Room::new(u64::MAX);
+    crate::standby::intake(c, hello, &room).map(|i| i.pages)
+}

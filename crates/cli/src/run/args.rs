@@ -68,8 +68,9 @@ pub struct RunArgs {
     /// source's.
     #[arg(long)]
     pub(super) incoming: Option<ferry_migration::Endpoint>,
-    /// With --incoming: take the migration only from this host (its
-    /// certificate must name it; TLS only).
+    /// With --incoming: take the migration only from this host, or these
+    /// comma-separated hosts (a source and its postcopy standby): the peer's
+    /// certificate must name one; TLS only.
     #[arg(long, requires = "incoming", value_name = "NAME")]
     pub(super) from: Option<String>,
     /// With --incoming: demand this one-time migration token from the

@@ -298,7 +298,14 @@ impl Agent {
             Request::Store { vm, bytes } => {
                 let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
                 let (mem, vcpus, _) = self.vms.taken();
-                let info = self.stores.start(&vm, bytes, |stores| {
+                let info = self.stores.start(&vm, bytes, false, |stores| {
+                    self.fits(&vm, bytes, 0, mem + stores, vcpus)
+                })?;
+                Ok(json!({ "addr": info.addr, "store": info }))
+            }
+            Request::Standby { vm, bytes } => {
+                let (mem, vcpus, _) = self.vms.taken();
+                let info = self.stores.start(&vm, bytes, true, |stores| {
                     self.fits(&vm, bytes, 0, mem + stores, vcpus)
                 })?;
                 Ok(json!({ "addr": info.addr, "store": info }))
@@ -341,6 +348,7 @@ impl Agent {
                 postcopy_after,
                 bandwidth,
                 split,
+                safety_net,
             } => {
                 let mut options = MigrateOptions {
                     mode,
@@ -354,6 +362,12 @@ impl Agent {
                 };
                 if let Some(after) = postcopy_after {
                     options.postcopy_after = after;
+                }
+                if let Some(net) = safety_net {
+                    options.safety_net =
+                        Some(net.parse::<Endpoint>().map_err(|e| {
+                            FleetError::Refused(format!("a standby's address: {e}"))
+                        })?);
                 }
                 if let Some(sp) = split {
                     options.split.main_budget = sp.main_budget;

@@ -89,13 +89,15 @@ impl Stores {
         s.values().cloned().collect()
     }
 
-    /// Starts a memory server of `bytes` for VM `vm` (fails if one runs
-    /// for it here); `fits` says whether there is room beside what the
-    /// stores take already (given), under the lock.
+    /// Starts a memory server of `bytes` for VM `vm`, or with `standby` a
+    /// postcopy standby for its move (fails if one runs for it here);
+    /// `fits` says whether there is room beside what the stores take
+    /// already (given), under the lock.
     pub fn start(
         &self,
         vm: &str,
         bytes: u64,
+        standby: bool,
         fits: impl FnOnce(u64) -> Result<(), FleetError>,
     ) -> Result<StoreInfo, FleetError> {
         crate::api::check_name(vm)?;
@@ -113,22 +115,33 @@ impl Stores {
             .port();
         let at = SocketAddr::new(self.host_ip, port);
         let log = self.dir.join(format!("{vm}.log"));
-        let args = [
-            "memserver".to_string(),
-            "--listen".into(),
-            format!("tcp:{at}"),
-            "--capacity".into(),
-            bytes.to_string(),
-            "--no-registry".into(),
-            "--name".into(),
-            format!("store-{vm}"),
-        ];
+        let args: Vec<String> = if standby {
+            vec![
+                "standby".into(),
+                "--listen".into(),
+                format!("tcp:{at}"),
+                "--capacity".into(),
+                bytes.to_string(),
+            ]
+        } else {
+            vec![
+                "memserver".into(),
+                "--listen".into(),
+                format!("tcp:{at}"),
+                "--capacity".into(),
+                bytes.to_string(),
+                "--no-registry".into(),
+                "--name".into(),
+                format!("store-{vm}"),
+            ]
+        };
+        let what = if standby { "standby" } else { "memory server" };
         let mut child = super::process::spawn_detached(&self.ferry, &args, &log)?;
         let deadline = Instant::now() + READY_WITHIN;
         while TcpStream::connect_timeout(&at, Duration::from_millis(200)).is_err() {
             if let Ok(Some(code)) = child.try_wait() {
                 return Err(FleetError::Refused(format!(
-                    "the memory server for VM {vm} ended at start ({code}): {}",
+                    "the {what} for VM {vm} ended at start ({code}): {}",
                     super::process::last_words(&log)
                 )));
             }
@@ -136,7 +149,7 @@ impl Stores {
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(FleetError::Refused(format!(
-                    "the memory server for VM {vm} did not listen within {READY_WITHIN:?}"
+                    "the {what} for VM {vm} did not listen within {READY_WITHIN:?}"
                 )));
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -146,6 +159,7 @@ impl Stores {
             addr: format!("tcp:{at}"),
             bytes,
             pid: child.id(),
+            standby,
         };
         lock(&self.children).push(child);
         let path = self.dir.join(format!("{vm}.json"));

@@ -58,22 +58,75 @@ pub struct StandbyStats {
     pub released: AtomicU64,
     /// Moves this host finished after its source went silent.
     pub finished: AtomicU64,
+    /// Pages of those moves the destination checked against the source's
+    /// hashes (with verification).
+    pub verified_pages: AtomicU64,
     /// Takeovers that failed.
     pub failed: AtomicU64,
 }
 
 /// A standby: accepts sources until stopped.
-#[derive(Default)]
 pub struct Standby {
     /// What it has done.
     pub stats: StandbyStats,
     stopping: AtomicBool,
+    room: Arc<Room>,
+}
+
+/// Guest memory a standby may hold for all its sources together: a plan
+/// takes its whole layout's size before any memory is made for it.
+pub(crate) struct Room {
+    capacity: u64,
+    used: std::sync::Mutex<u64>,
+}
+
+/// A plan's share of the room, given back when its copy is dropped.
+pub(crate) struct Taken {
+    room: Arc<Room>,
+    bytes: u64,
+}
+
+impl Room {
+    pub(crate) fn new(capacity: u64) -> Arc<Room> {
+        Arc::new(Room {
+            capacity,
+            used: std::sync::Mutex::new(0),
+        })
+    }
+
+    fn take(self: &Arc<Self>, bytes: u64) -> Result<Taken, MigrationError> {
+        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        if used.saturating_add(bytes) > self.capacity {
+            return Err(MigrationError::Unsupported(format!(
+                "this standby has room for {} MiB more; the VM has {} MiB",
+                (self.capacity - *used) >> 20,
+                bytes >> 20
+            )));
+        }
+        *used += bytes;
+        Ok(Taken {
+            room: self.clone(),
+            bytes,
+        })
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        let mut used = self.room.used.lock().unwrap_or_else(|e| e.into_inner());
+        *used = used.saturating_sub(self.bytes);
+    }
 }
 
 impl Standby {
-    /// A standby holding nothing yet.
-    pub fn new() -> Arc<Standby> {
-        Arc::new(Standby::default())
+    /// A standby holding nothing yet, with room for `capacity` bytes of
+    /// guest memory in all.
+    pub fn new(capacity: u64) -> Arc<Standby> {
+        Arc::new(Standby {
+            stats: StandbyStats::default(),
+            stopping: AtomicBool::new(false),
+            room: Room::new(capacity),
+        })
     }
 
     /// Stops the accept loop (held VMs' threads run on to their end).
@@ -129,14 +182,13 @@ impl Standby {
     /// One source: take its plan and pages, stand by, and take over if it
     /// falls silent before saying the move is done.
     fn hold(&self, c: &mut Conn, hello: &Hello) -> Result<(), MigrationError> {
-        let plan = admit(c, hello)?;
-        let to: Endpoint = plan
-            .destination
-            .parse()
-            .map_err(|e: String| bad(format!("destination: {e}")))?;
-        let mut image = Image::new(&plan.layout).map_err(bad)?;
-        let pages = receive(c, &mut image)?;
-        c.send(Kind::StandbyHeld, &pages)?;
+        let Intake {
+            plan,
+            to,
+            image,
+            pages,
+            _room,
+        } = intake(c, hello, &self.room)?;
         tracing::info!(session = plan.session, %to, pages, "standby: holding what the destination lacks");
         let _ = c.set_read_timeout(Some(SILENCE));
         let lost = loop {
@@ -156,8 +208,11 @@ impl Standby {
         };
         tracing::warn!(session = plan.session, %to, reason = %lost, "standby: the source is gone; resuming the move from here");
         match take_over(&image, &plan, to, &lost) {
-            Ok(()) => {
+            Ok(verified) => {
                 self.stats.finished.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .verified_pages
+                    .fetch_add(verified, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {
@@ -166,6 +221,47 @@ impl Standby {
             }
         }
     }
+}
+
+/// What a source handed over: its plan, the destination, the memory.
+pub(crate) struct Intake {
+    pub(crate) plan: StandbyPlan,
+    pub(crate) to: Endpoint,
+    image: Image,
+    /// Pages with data held.
+    pub(crate) pages: u64,
+    _room: Taken,
+}
+
+/// Everything a source sends before the standby stands by, checked: its
+/// Hello, the plan (destination, layout), the pages and hashes; answered
+/// with StandbyHeld.
+pub(crate) fn intake(
+    c: &mut Conn,
+    hello: &Hello,
+    room: &Arc<Room>,
+) -> Result<Intake, MigrationError> {
+    let plan = admit(c, hello)?;
+    let to: Endpoint = plan
+        .destination
+        .parse()
+        .map_err(|e: String| bad(format!("destination: {e}")))?;
+    let bytes = plan
+        .layout
+        .iter()
+        .try_fold(0u64, |t, r| t.checked_add(r.1))
+        .ok_or_else(|| bad("the layout's size wraps".into()))?;
+    let taken = room.take(bytes)?;
+    let mut image = Image::new(&plan.layout).map_err(bad)?;
+    let pages = receive(c, &mut image)?;
+    c.send(Kind::StandbyHeld, &pages)?;
+    Ok(Intake {
+        plan,
+        to,
+        image,
+        pages,
+        _room: taken,
+    })
 }
 
 fn bad(reason: String) -> MigrationError {
@@ -254,13 +350,14 @@ fn receive(c: &mut Conn, image: &mut Image) -> Result<u64, MigrationError> {
     }
 }
 
-/// Resumes the move as the source's session, serving from `image`.
+/// Resumes the move as the source's session, serving from `image`;
+/// returns the pages the destination verified.
 fn take_over(
     image: &Image,
     plan: &StandbyPlan,
     to: Endpoint,
     why: &str,
-) -> Result<(), MigrationError> {
+) -> Result<u64, MigrationError> {
     let ago = (crate::telemetry::unix_now() - plan.started_unix_s).max(0.0);
     let now = Instant::now();
     let t_start = now
@@ -308,7 +405,7 @@ fn take_over(
                 verified = stats.verified_pages,
                 "standby: the move is finished from here; the VM runs at the destination with all its memory"
             );
-            Ok(())
+            Ok(stats.verified_pages)
         }
         Outcome::Paused(p) => Err(MigrationError::Unsupported(format!(
             "the standby could not finish the move: {}",

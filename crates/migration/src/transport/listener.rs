@@ -44,7 +44,8 @@ const MAX_HELLO: u32 = 1024;
 /// Who may come in: the rules a waiting destination was started with.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Admission {
-    /// Only a peer whose certificate names this host (`--from NAME`).
+    /// Only a peer whose certificate names this host, or one of these
+    /// comma-separated hosts (`--from NAME[,NAME…]`).
     pub from: Option<String>,
     /// The one-time migration token a source must present (`--token`);
     /// checked by the session on the control connection.
@@ -416,7 +417,9 @@ impl Admit {
         let peer: Option<PeerIdentity> = stream.peer().cloned();
         let mut conn = Conn::new(stream, Some(ADMISSION_TIMEOUT)).map_err(|e| e.to_string())?;
         if let (Some(want), Some(p)) = (&self.rules.from, &peer) {
-            if !p.is(want) {
+            // One host, or several comma-separated (a source and its
+            // postcopy standby).
+            if !want.split(',').any(|w| p.is(w.trim())) {
                 let why = format!(
                     "this destination accepts migrations only from {want}; this host's \
                      certificate names {}",
