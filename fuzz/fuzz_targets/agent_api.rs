@@ -36,7 +36,7 @@ fuzz_target!(|data: &[u8]| {
                 assert!(!token.is_empty() && token.len() <= MAX_FIELD);
                 assert!(budget.is_none_or(|b| b > 0 && b <= vm.mem_bytes));
             }
-            Request::Store { vm, bytes } => {
+            Request::Store { vm, bytes } | Request::Standby { vm, bytes } => {
                 check_name(vm).expect("an accepted name passes its check");
                 assert!(*bytes > 0 && *bytes <= 1 << 40);
             }
@@ -44,10 +44,15 @@ fuzz_target!(|data: &[u8]| {
                 check_name(name).expect("an accepted name passes its check")
             }
             Request::Send {
-                name, token, split, ..
+                name,
+                token,
+                split,
+                safety_net,
+                ..
             } => {
                 check_name(name).expect("an accepted name passes its check");
                 assert!(token.len() <= MAX_FIELD);
+                assert!(safety_net.as_ref().is_none_or(|n| n.len() <= MAX_FIELD));
                 if let Some(sp) = split {
                     assert!(!sp.subs.is_empty() && sp.subs.len() <= MAX_STORES);
                 }

@@ -67,7 +67,9 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         Kind::RoundAck | Kind::TimelineAsk => drop(decode::<u32>(&f)),
-        Kind::StoreSync | Kind::GatherReady => drop(decode::<u64>(&f)),
+        Kind::StoreSync | Kind::GatherReady | Kind::StandbyHeld => drop(decode::<u64>(&f)),
+        Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
+        Kind::StandbyBeat => {}
         Kind::Verify => {
             // This side's hashes of its (zero) memory.
             let mine: Vec<u64> = memory
