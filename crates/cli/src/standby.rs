@@ -27,10 +27,17 @@ pub struct StandbyArgs {
     /// then are still served to their end.
     #[arg(long, value_parser = format::parse_duration)]
     duration: Option<Duration>,
+    /// Serve one source, then exit once its move ends (an agent starts a
+    /// standby per move this way); exit after 10 minutes if none comes.
+    #[arg(long)]
+    once: bool,
     /// Print JSON for machines.
     #[arg(long)]
     json: bool,
 }
+
+/// How long a `--once` standby waits for its source.
+const ONCE_WAIT: Duration = Duration::from_secs(600);
 
 fn parse_capacity(s: &str) -> Result<u64, String> {
     match ferry_vmm::boot::layout::parse_size(s) {
@@ -74,6 +81,13 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(100));
         if serving.is_finished() {
             break;
+        }
+        if a.once {
+            let accepted = standby.stats.accepted.load(Ordering::Acquire);
+            if accepted > 0 || t0.elapsed() > ONCE_WAIT {
+                // Take no one else; the source taken in is served to its end.
+                break;
+            }
         }
     }
     standby.stop();

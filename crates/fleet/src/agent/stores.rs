@@ -122,6 +122,7 @@ impl Stores {
                 format!("tcp:{at}"),
                 "--capacity".into(),
                 bytes.to_string(),
+                "--once".into(),
             ]
         } else {
             vec![

@@ -52,6 +52,8 @@ const TAKEOVER_RECONNECT: Duration = Duration::from_secs(60);
 /// What the standby has done, for its status line and tests.
 #[derive(Default)]
 pub struct StandbyStats {
+    /// Sources taken in so far.
+    pub accepted: AtomicU64,
     /// VMs held now.
     pub held: AtomicUsize,
     /// Moves released by their source (done without help).
@@ -155,6 +157,7 @@ impl Standby {
                 c.abort(&format!("busy: this standby holds {MAX_HELD} VMs already"));
                 continue;
             }
+            self.stats.accepted.fetch_add(1, Ordering::Relaxed);
             let me = self.clone();
             let spawned = std::thread::Builder::new()
                 .name("standby".into())
