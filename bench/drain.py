@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--upgrade-runs", type=int, default=None)
     ap.add_argument("--results", default="drain")
     ap.add_argument("--agent-env", action="append", default=[])
+    ap.add_argument("--drain-arg", action="append", default=[],
+                    help="an extra flag for ferry drain (e.g. --no-safety-net)")
     a = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in a.agent_env)
     concurrency = [] if a.concurrency == "none" else [int(x) for x in a.concurrency.split(",")]
@@ -133,7 +135,8 @@ def main():
                     start_vms(ferry, registry, "ferry-h1", a.vms, a.mem, f"c{c}r{r}")
                     time.sleep(a.settle)
                     t = time.time()
-                    rep = op(ferry, registry, "drain", "ferry-h1", "--per-host", str(c), "--in-fleet", str(c))
+                    rep = op(ferry, registry, "drain", "ferry-h1", "--per-host", str(c), "--in-fleet", str(c),
+                             *a.drain_arg)
                     wall = time.time() - t
                     moves = rep["moves"]
                     if not all(m["state"] == "done" for m in moves):
@@ -142,6 +145,7 @@ def main():
                     limit = must * 8 / LINK_BPS
                     run = {"secs": rep["secs"], "wall_s": wall, "must_move_bytes": must,
                            "sent_bytes": sum(m["bytes"] for m in moves), "limit_s": limit,
+                           "standby_bytes": sum(m.get("standby_bytes", 0) for m in moves),
                            "ratio": rep["secs"] / limit if limit else None,
                            "downtimes_ms": [m["downtime_ms"] for m in moves],
                            "postcopy": sum(1 for m in moves if m["postcopy"]),
@@ -164,6 +168,7 @@ def main():
                     "ratio": statistics.median(r["ratio"] for r in runs),
                     "downtime_p50_ms": pct(downs, 50), "downtime_p99_ms": pct(downs, 99),
                     "sent_gib": statistics.median(r["sent_bytes"] for r in runs) / 2**30,
+                    "standby_gib": statistics.median(r.get("standby_bytes", 0) for r in runs) / 2**30,
                     "postcopy": sum(r["postcopy"] for r in runs),
                 })
         # Upgrade: every VM of a host handed to a new VMM process.
@@ -213,15 +218,16 @@ def main():
              f"Command: `{command}` (4 lab hosts on a 1 Gbit tbf link, an agent on each; {a.vms} VMs x {a.mem} "
              "on ferry-h1, two each of: idle, 256 MiB random then idle, compute + dirty 32 MiB/s over 128 MiB, "
              f"dirty 128 MiB/s over 256 MiB; medians of {a.runs})"
-             + (f"; agents and VMMs started with {' '.join(a.agent_env)}" if env else "") + ".", "",
+             + (f"; agents and VMMs started with {' '.join(a.agent_env)}" if env else "")
+             + (f"; drains run with {' '.join(a.drain_arg)}" if a.drain_arg else "") + ".", "",
              "The limit: the bytes that had to cross (each VM's first round) at 1 Gbit/s. Downtime percentiles "
              "over every VM of every run.", "",
-             "| concurrency | drain s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | finished by postcopy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| concurrency | drain s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | to standbys GiB | finished by postcopy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         lines.append(f"| {c['concurrency']} | {c['secs']:.1f} | {c['limit_s']:.1f} | {c['ratio']:.2f}x | "
                      f"{c['downtime_p50_ms']:.1f} | {c['downtime_p99_ms']:.1f} | {c['sent_gib']:.2f} | "
-                     f"{c['postcopy']} |")
+                     f"{c.get('standby_gib', 0):.2f} | {c['postcopy']} |")
     if upgrade:
         runs = len(upgrade["runs"])
         lines += ["", f"`ferry upgrade` of {upgrade['vms']} VMs, {runs} runs: {upgrade['secs']:.2f} s in all "

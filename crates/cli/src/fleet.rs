@@ -159,6 +159,11 @@ pub struct DrainArgs {
     /// did not converge (or at their deadline).
     #[arg(long, default_value_t = 1)]
     postcopy_after_rounds: u32,
+    /// Move by postcopy without a standby on a third host (by default each
+    /// postcopy or hybrid move gets one, so a source that dies mid-postcopy
+    /// loses no VM; it costs the pages sent to it out of the host).
+    #[arg(long)]
+    no_safety_net: bool,
     #[command(flatten)]
     fleet: RegistryArgs,
 }
@@ -408,6 +413,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         deadline_per_gib: a.deadline_per_gib,
         bandwidth: a.bandwidth.map(|b| b as f64),
         postcopy_after_rounds: a.postcopy_after_rounds,
+        safety_net: !a.no_safety_net,
     };
     let plan_now = || -> Result<drain::Plan> {
         let mut source = fleet.host(&a.host)?;

@@ -50,6 +50,9 @@ pub struct DrainOptions {
     /// did not converge (or at their deadline): in a drain every page sent
     /// twice delays every other VM, so fewer than a lone migration's 3.
     pub postcopy_after_rounds: u32,
+    /// Give each postcopy or hybrid move a standby on a third host (the
+    /// postcopy safety net).
+    pub safety_net: bool,
 }
 
 impl Default for DrainOptions {
@@ -63,6 +66,7 @@ impl Default for DrainOptions {
             deadline_per_gib: Duration::from_secs(20),
             bandwidth: None,
             postcopy_after_rounds: 1,
+            safety_net: true,
         }
     }
 }
@@ -403,6 +407,9 @@ pub struct MoveReport {
     /// The host of its postcopy standby, if it had one.
     #[serde(default)]
     pub standby: Option<String>,
+    /// Bytes its source sent that standby (beside `bytes`).
+    #[serde(default)]
+    pub standby_bytes: u64,
 }
 
 /// What a drain did.
@@ -464,6 +471,7 @@ pub fn run(
             errors: Vec::new(),
             split: m.split.clone(),
             standby: None,
+            standby_bytes: 0,
         })
         .collect();
     // Hosts each move may still be tried on (its planned one first).
@@ -681,7 +689,7 @@ fn one_move(
     // A postcopy or hybrid move gets a standby on a third host, which
     // keeps what the destination lacks after the switch until the move
     // ends: a source that dies mid-postcopy then loses no VM.
-    let standby = matches!(report.mode, Mode::Postcopy | Mode::Hybrid)
+    let standby = (sh.opts.safety_net && matches!(report.mode, Mode::Postcopy | Mode::Hybrid))
         .then(|| start_standby(fleet, from, vm, report))
         .flatten();
     let stop_standby = |s: &Option<(crate::AgentClient, String, String)>| {
@@ -754,6 +762,7 @@ fn one_move(
                 .as_u64()
                 .or_else(|| stats["bytes"].as_u64());
             report.postcopy = !stats["postcopy"].is_null();
+            report.standby_bytes = stats["postcopy"]["safety_net_bytes"].as_u64().unwrap_or(0);
             report.remaining_pages = 0;
             Ok(())
         }

@@ -176,6 +176,13 @@ pub struct PostcopyStats {
     pub pauses: u32,
     /// Seconds spent paused (link broken, reconnecting).
     pub paused_s: f64,
+    /// Bytes sent to the safety net's standby (`--safety-net`), and
+    /// whether it held every page before the move ended.
+    #[serde(default)]
+    pub safety_net_bytes: u64,
+    /// The standby held every pending page before the move ended.
+    #[serde(default)]
+    pub safety_net_armed: bool,
 }
 
 /// Faults the destination took on missing memory, and what they cost.

@@ -188,10 +188,14 @@ pub(crate) fn switch(
         Ok((pending, demand)),
         progress,
     );
-    match (safety_net, &result) {
-        (Some(n), Ok(None)) => n.release(),
-        (Some(n), _) => n.abandon(),
-        (None, _) => {}
+    let sent = match (safety_net, &result) {
+        (Some(n), Ok(None)) => Some(n.release()),
+        (Some(n), _) => Some(n.abandon()),
+        (None, _) => None,
+    };
+    if let (Some(sent), Some(post)) = (sent, stats.postcopy.as_mut()) {
+        post.safety_net_bytes = sent.bytes.load(Ordering::Relaxed);
+        post.safety_net_armed = sent.armed.load(Ordering::Acquire);
     }
     result
 }

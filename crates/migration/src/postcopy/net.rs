@@ -11,7 +11,7 @@
 //! pages only it has (docs/agent.md explains why no design closes that
 //! window for free).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -46,6 +46,16 @@ pub(crate) struct Net {
     stop: Arc<AtomicBool>,
     release: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    sent: Arc<Sent>,
+}
+
+/// What the feed did, for the move's figures.
+#[derive(Default)]
+pub(crate) struct Sent {
+    /// Bytes written to the standby.
+    pub(crate) bytes: AtomicU64,
+    /// The standby said it holds every page.
+    pub(crate) armed: AtomicBool,
 }
 
 impl Net {
@@ -54,12 +64,14 @@ impl Net {
         let stop = Arc::new(AtomicBool::new(false));
         let release = Arc::new(AtomicBool::new(false));
         let (st, rel) = (stop.clone(), release.clone());
+        let sent = Arc::new(Sent::default());
+        let sent2 = sent.clone();
         let thread = std::thread::Builder::new()
             .name("safety-net".into())
             .spawn(move || {
                 let tel = feed.tel.clone();
                 let net = feed.net.to_string();
-                if let Err(e) = run(feed, &st, &rel) {
+                if let Err(e) = run(feed, &st, &rel, &sent2) {
                     tracing::warn!(%net, error = %e, "the postcopy safety net failed: the move goes on without it");
                     tel.event("safety_net_lost", format!("{net}: {e}"));
                 }
@@ -69,19 +81,22 @@ impl Net {
             stop,
             release,
             thread,
+            sent,
         }
     }
 
-    /// The move is done: the standby may drop its copy.
-    pub(crate) fn release(mut self) {
+    /// The move is done: the standby may drop its copy. What the feed did.
+    pub(crate) fn release(mut self) -> Arc<Sent> {
         self.release.store(true, Ordering::Release);
         self.end();
+        self.sent.clone()
     }
 
     /// This side stops serving with pages still missing there: the
-    /// standby is left to resume the move.
-    pub(crate) fn abandon(mut self) {
+    /// standby is left to resume the move. What the feed did.
+    pub(crate) fn abandon(mut self) -> Arc<Sent> {
         self.end();
+        self.sent.clone()
     }
 
     fn end(&mut self) {
@@ -98,7 +113,12 @@ impl Drop for Net {
     }
 }
 
-fn run(feed: NetFeed, stop: &AtomicBool, release: &AtomicBool) -> Result<(), MigrationError> {
+fn run(
+    feed: NetFeed,
+    stop: &AtomicBool,
+    release: &AtomicBool,
+    sent: &Sent,
+) -> Result<(), MigrationError> {
     let t0 = Instant::now();
     let hello = Hello {
         version_min: protocol::VERSION_STANDBY,
@@ -130,10 +150,12 @@ fn run(feed: NetFeed, stop: &AtomicBool, release: &AtomicBool) -> Result<(), Mig
             return Ok(());
         }
         b.fill_upto(&feed.regions, &mut pages, fill, MAX_BATCH);
-        bytes += b
+        let n = b
             .write_pages(c.writer(), sealed)
-            .map_err(ProtocolError::Io)?;
-        bytes += b.write_zeros(c.writer())?;
+            .map_err(ProtocolError::Io)?
+            + b.write_zeros(c.writer())?;
+        bytes += n;
+        sent.bytes.fetch_add(n, Ordering::Relaxed);
     }
     if let Some(ranges) = &feed.verify {
         let hashes = crate::session::hashes(&feed.regions, |i| ranges[i].clone());
@@ -144,6 +166,7 @@ fn run(feed: NetFeed, stop: &AtomicBool, release: &AtomicBool) -> Result<(), Mig
     // The standby answers once it holds every page.
     let _ = c.set_read_timeout(Some(feed.timeout.max(Duration::from_secs(60))));
     c.recv::<u64>(Kind::StandbyHeld)?;
+    sent.armed.store(true, Ordering::Release);
     let secs = t0.elapsed().as_secs_f64();
     tracing::info!(net = %feed.net, pages = feed.plan.pending_pages, bytes, secs, "postcopy safety net armed: a third host holds every page the destination lacks");
     feed.tel.event(
