@@ -63,6 +63,12 @@ pub(crate) fn background() {
     let _ = set_nice(10);
 }
 
+/// Lowers the calling thread below the push too (the postcopy safety
+/// net's copy: on a host short of CPU the move itself goes first).
+pub(crate) fn lowest() {
+    let _ = set_nice(19);
+}
+
 /// Sets the calling thread's nice value; false when not allowed.
 fn set_nice(nice: i32) -> bool {
     // SAFETY: gettid has no preconditions; setpriority on our own thread id

@@ -119,6 +119,7 @@ fn run(
     release: &AtomicBool,
     sent: &Sent,
 ) -> Result<(), MigrationError> {
+    crate::priority::lowest();
     let t0 = Instant::now();
     let hello = Hello {
         version_min: protocol::VERSION_STANDBY,
