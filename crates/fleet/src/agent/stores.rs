@@ -22,6 +22,9 @@ pub struct Stores {
     host_ip: IpAddr,
     stores: Mutex<BTreeMap<String, StoreInfo>>,
     children: Mutex<Vec<std::process::Child>>,
+    /// Pids of every store this agent started (its children's, reaped or
+    /// not).
+    spawned: Mutex<Vec<u32>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -65,6 +68,7 @@ impl Stores {
             host_ip,
             stores: Mutex::new(stores),
             children: Mutex::new(Vec::new()),
+            spawned: Mutex::new(Vec::new()),
         })
     }
 
@@ -162,6 +166,7 @@ impl Stores {
             pid: child.id(),
             standby,
         };
+        lock(&self.spawned).push(child.id());
         lock(&self.children).push(child);
         let path = self.dir.join(format!("{vm}.json"));
         std::fs::write(&path, serde_json::to_vec_pretty(&info).unwrap_or_default())
@@ -175,8 +180,22 @@ impl Stores {
         let Some(info) = lock(&self.stores).remove(vm) else {
             return false;
         };
-        // SAFETY: kill sends a signal to the store's own process.
-        unsafe { libc::kill(info.pid as i32, libc::SIGTERM) };
+        // A standby (`--once`) often ends with its move before it is
+        // stopped: a child of this agent is signalled only while it runs
+        // (once reaped, its pid may be another process's). A store adopted
+        // after a restart is no child of ours: alive() is all there is.
+        let running = {
+            let mut children = lock(&self.children);
+            match children.iter_mut().find(|c| c.id() == info.pid) {
+                Some(c) => matches!(c.try_wait(), Ok(None)),
+                None => !lock(&self.spawned).contains(&info.pid) && alive(info.pid),
+            }
+        };
+        if running {
+            // SAFETY: kill sends a signal to the store's own process, which
+            // has not been reaped (our child) or still exists (adopted).
+            unsafe { libc::kill(info.pid as i32, libc::SIGTERM) };
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
         while alive(info.pid) && Instant::now() < deadline {
             lock(&self.children).retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
