@@ -163,3 +163,23 @@ mod stamp_tests {
         assert_eq!(utc_stamp(t), "20261124-000000");
     }
 }
+
+/// A capacity of guest memory (e.g. 512M, 4G; at least a page): a memory
+/// server's or a standby's `--capacity`.
+pub fn parse_capacity(s: &str) -> Result<u64, String> {
+    match ferry_vmm::boot::layout::parse_size(s) {
+        Some(v) if v >= 4096 => Ok(v),
+        _ => Err(format!("'{s}' is not a capacity (e.g. 512M, 4G)")),
+    }
+}
+
+/// HOST:PORT or tcp:HOST:PORT: memory servers, standbys and the sources
+/// that reach them speak TCP only.
+pub fn tcp_endpoint(addr: &str) -> Result<ferry_migration::Endpoint, String> {
+    let spec = if addr.starts_with("tcp:") {
+        addr.to_string()
+    } else {
+        format!("tcp:{addr}")
+    };
+    spec.parse()
+}

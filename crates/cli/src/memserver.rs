@@ -8,19 +8,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use ferry_migration::memserver::MemServer;
-use ferry_migration::{Endpoint, Listener};
+use ferry_migration::Listener;
 use ferry_registry::{Advertisement, HostEntry, HostKind, DEFAULT_TTL};
-use ferry_vmm::boot::layout::parse_size;
 use serde_json::json;
 
 use crate::format;
-
-fn parse_capacity(s: &str) -> Result<u64, String> {
-    match parse_size(s) {
-        Some(v) if v >= 4096 => Ok(v),
-        _ => Err(format!("'{s}' is not a capacity (e.g. 512M, 4G)")),
-    }
-}
 
 /// `ferry memserver`.
 #[derive(clap::Args)]
@@ -29,7 +21,7 @@ pub struct MemserverArgs {
     #[arg(long)]
     listen: String,
     /// Guest memory this server may hold, for all VMs together (e.g. 2G).
-    #[arg(long, value_parser = parse_capacity)]
+    #[arg(long, value_parser = format::parse_capacity)]
     capacity: u64,
     /// The host registry: etcds://HOST:PORT (TLS), etcd://HOST:PORT, or dir:PATH; default: the
     /// embedded one on this machine.
@@ -47,17 +39,6 @@ pub struct MemserverArgs {
     /// Print JSON for machines.
     #[arg(long)]
     json: bool,
-}
-
-/// HOST:PORT or tcp:HOST:PORT (a memory server speaks TCP only).
-fn endpoint(addr: &str) -> Result<Endpoint> {
-    let spec = if addr.starts_with("tcp:") {
-        addr.to_string()
-    } else {
-        format!("tcp:{addr}")
-    };
-    spec.parse::<Endpoint>()
-        .map_err(|e| anyhow::anyhow!("--listen {e}"))
 }
 
 /// Raises this process's descriptor limit to its hard limit: each
@@ -83,7 +64,8 @@ fn raise_nofile() {
 /// Runs a memory server until stopped.
 pub fn memserver(a: MemserverArgs) -> Result<ExitCode> {
     raise_nofile();
-    let listener = Listener::bind(&endpoint(&a.listen)?)?;
+    let at = format::tcp_endpoint(&a.listen).map_err(|e| anyhow::anyhow!("--listen {e}"))?;
+    let listener = Listener::bind(&at)?;
     let at = listener.endpoint().to_string();
     let at = at.strip_prefix("tcp:").unwrap_or(&at).to_string();
     let server = MemServer::new(a.capacity / 4096);

@@ -85,7 +85,7 @@ pub struct MigrateArgs {
     /// Postcopy and hybrid: a third host's `ferry standby` (HOST:PORT) that
     /// is sent the pages the destination still lacks right after the switch
     /// and finishes the move from them if this source dies.
-    #[arg(long, value_parser = crate::standby::tcp_endpoint)]
+    #[arg(long, value_parser = crate::format::tcp_endpoint)]
     safety_net: Option<ferry_migration::Endpoint>,
     /// Parallel bulk connections (default: 2, or 1 on a single core).
     #[arg(long)]

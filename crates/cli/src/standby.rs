@@ -17,11 +17,11 @@ use crate::format;
 #[derive(clap::Args)]
 pub struct StandbyArgs {
     /// Where sources connect (HOST:PORT or tcp:HOST:PORT).
-    #[arg(long, value_parser = tcp_endpoint)]
+    #[arg(long, value_parser = format::tcp_endpoint)]
     listen: Endpoint,
     /// Guest memory it may hold for all its sources together (e.g. 4G); a
     /// source whose VM does not fit is refused before anything is held.
-    #[arg(long, value_parser = parse_capacity)]
+    #[arg(long, value_parser = format::parse_capacity)]
     capacity: Option<u64>,
     /// Stop after this long (default: until Ctrl-C or SIGTERM); VMs held
     /// then are still served to their end.
@@ -38,23 +38,6 @@ pub struct StandbyArgs {
 
 /// How long a `--once` standby waits for its source.
 const ONCE_WAIT: Duration = Duration::from_secs(600);
-
-fn parse_capacity(s: &str) -> Result<u64, String> {
-    match ferry_vmm::boot::layout::parse_size(s) {
-        Some(v) if v >= 4096 => Ok(v),
-        _ => Err(format!("'{s}' is not a capacity (e.g. 512M, 4G)")),
-    }
-}
-
-/// HOST:PORT or tcp:HOST:PORT: a standby and its sources speak TCP.
-pub fn tcp_endpoint(addr: &str) -> Result<Endpoint, String> {
-    let spec = if addr.starts_with("tcp:") {
-        addr.to_string()
-    } else {
-        format!("tcp:{addr}")
-    };
-    spec.parse::<Endpoint>()
-}
 
 /// Runs a standby until stopped, then waits for the VMs it holds.
 pub fn standby(a: StandbyArgs) -> Result<ExitCode> {

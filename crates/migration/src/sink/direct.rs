@@ -30,14 +30,7 @@ impl<'a> DirectSink<'a> {
     }
 
     fn host(&self, run: GpaPages) -> Result<*mut u8, SinkError> {
-        self.regions
-            .iter()
-            .find_map(|r| r.host_range(run.gpa, run.bytes()))
-            .filter(|_| run.gpa.is_multiple_of(crate::ranges::PAGE))
-            .ok_or(SinkError::OutOfRange {
-                gpa: run.gpa,
-                pages: run.pages,
-            })
+        super::host_of(&self.regions, run)
     }
 }
 

@@ -75,6 +75,22 @@ pub enum SinkError {
     Uffd(#[from] ferry_memory::UffdError),
 }
 
+/// Where `run` lies in one of `regions`, if it lies wholly inside one and
+/// starts on a page.
+pub(crate) fn host_of(
+    regions: &[crate::memory::RegionView],
+    run: GpaPages,
+) -> Result<*mut u8, SinkError> {
+    regions
+        .iter()
+        .find_map(|r| r.host_range(run.gpa, run.bytes()))
+        .filter(|_| run.gpa.is_multiple_of(crate::ranges::PAGE))
+        .ok_or(SinkError::OutOfRange {
+            gpa: run.gpa,
+            pages: run.pages,
+        })
+}
+
 /// Where received pages land.
 pub trait PageSink: Send + Sync {
     /// Lands whole pages: `data` holds `run.pages` pages for `run`.

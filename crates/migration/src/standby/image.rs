@@ -89,15 +89,7 @@ impl PageSink for ImageSink {
                 bytes: data.len(),
             });
         }
-        let dst = self
-            .regions
-            .iter()
-            .find_map(|r| r.host_range(run.gpa, run.bytes()))
-            .filter(|_| run.gpa.is_multiple_of(crate::ranges::PAGE))
-            .ok_or(SinkError::OutOfRange {
-                gpa: run.gpa,
-                pages: run.pages,
-            })?;
+        let dst = crate::sink::host_of(&self.regions, run)?;
         // SAFETY: `dst .. dst + len` lies inside one live region (checked
         // above); `data` is the receiver's buffer, not the image.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
