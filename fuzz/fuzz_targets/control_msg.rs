@@ -70,6 +70,15 @@ fuzz_target!(|data: &[u8]| {
         Kind::StoreSync | Kind::GatherReady | Kind::StandbyHeld => drop(decode::<u64>(&f)),
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
         Kind::StandbyBeat => {}
+        Kind::HashAsk => drop(decode::<bool>(&f)),
+        Kind::VerifyDigests => {
+            // This side's memory is zero: only digests of zero pages (0
+            // each, one per 16 MiB) may pass.
+            let verdict = ferry_migration::fuzzing::verify_digests(&regions, &f);
+            if let (Ok(_), Some(d)) = (&verdict, decode::<Vec<u64>>(&f)) {
+                assert!(d.iter().all(|&x| x == 0), "digests of data passed");
+            }
+        }
         Kind::Verify => {
             // This side's hashes of its (zero) memory.
             let mine: Vec<u64> = memory

@@ -40,9 +40,9 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The message kinds in wire order (1..=38), for a byte that picks one.
+/// The message kinds in wire order (1..=40), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 38] = [
+    const KINDS: [Kind; 40] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
@@ -81,6 +81,8 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::StandbyPlan,
         Kind::StandbyHeld,
         Kind::StandbyBeat,
+        Kind::HashAsk,
+        Kind::VerifyDigests,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }

@@ -146,6 +146,8 @@ fn messages() -> Vec<(Kind, Vec<u8>)> {
             enc(&ClientsAnswer::Stay("no service device".into())),
         ),
         (Kind::TimelineAsk, enc(&500u32)),
+        (Kind::HashAsk, enc(&true)),
+        (Kind::VerifyDigests, enc(&vec![0u64; 2])),
         (
             Kind::Timeline,
             ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),

@@ -45,6 +45,10 @@ pub enum Suite {
     /// What mutual TLS costs: precopy of 1 GiB random in a 2 GiB VM and an
     /// idle VM's downtime, TLS against --insecure, alternating run by run.
     Tls,
+    /// What --verify adds to a precopy's downtime (idle and filled VMs),
+    /// with and without it alternating run by run; --old BINARY runs an
+    /// earlier build beside.
+    Verify,
     /// Draining a host through its agent (8 VMs x 1 GiB over a 1 Gbit link
     /// at concurrency 1, 2, 4) against the link's limit, and upgrading a
     /// host in place.
@@ -80,6 +84,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Degradation => "degradation.py",
         Suite::Split => "split.py",
         Suite::Tls => "tls.py",
+        Suite::Verify => "verify.py",
         Suite::Drain => "drain.py",
     });
     if !script.exists() {

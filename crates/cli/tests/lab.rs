@@ -766,6 +766,27 @@ fn a_split_vm_is_gathered_back_to_one_host() {
     assert_eq!(stats["verified_pages"], 128 * 256, "{stats}");
     let gs = &stats["gather"];
     assert!(gs["pulled_pages"].as_u64().unwrap() > 0, "{gs}");
+    // The downtime's parts add up to it, and each side's hashing is
+    // inside its part.
+    let parts = &stats["downtime_parts"];
+    let part = |k: &str| parts[k].as_f64().unwrap();
+    let sum: f64 = [
+        "pause",
+        "last_round",
+        "save_state",
+        "verify",
+        "clients",
+        "destination",
+    ]
+    .iter()
+    .map(|k| part(k))
+    .sum();
+    let downtime = stats["downtime_ms"].as_f64().unwrap();
+    assert!(
+        (sum - downtime).abs() < 0.5,
+        "parts {parts} against {downtime} ms"
+    );
+    assert!(part("destination_verify") <= part("destination"), "{parts}");
     eprintln!(
         "gather: {gs}; the main host had paged in {paged} chunks; downtime {} ms",
         stats["downtime_ms"]

@@ -304,3 +304,127 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     assert!(o.status.success() && shot.exists(), "no screenshot");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A case whose answers are known: a guest throttled to a fixed 60% by
+/// auto-converge must show an execution ratio near 0.4 while it is, and a
+/// destination waiting for its VM must say "waiting", run no vCPU in its
+/// metrics and count none in the timeline (it once said "running"
+/// throughout, and the chart showed a flat 1.0).
+#[test]
+fn a_throttled_guests_execution_ratio_and_a_waiting_destination_are_reported_as_they_are() {
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-report-exec-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let (mig, metrics) = (free_port(), free_port());
+    let to = format!("tcp:127.0.0.1:{mig}");
+    let metrics_at = format!("127.0.0.1:{metrics}");
+    let wl = "dirty:rate=64,wss=8";
+    let vm = |sock: &str, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["run", "--mem", "256M", "--workload", wl, "--quiet"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend([
+            "--control".into(),
+            p(sock),
+            "--duration".into(),
+            "60s".into(),
+        ]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let _src = spawn(&strs(&vm("src.sock", &[])));
+    let _dst = spawn(&strs(&vm(
+        "dst.sock",
+        &["--incoming", &to, "--metrics", &metrics_at],
+    )));
+    wait_listening(metrics, Duration::from_secs(15));
+
+    // Waiting: the status, the metrics.
+    let status = |sock: &str| -> serde_json::Value {
+        let o = ferry(&["status", &p(sock), "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let st = status("dst.sock");
+    assert_eq!(st["state"], "waiting", "{st}");
+    let m = scrape(metrics).expect("the metrics endpoint answers");
+    assert_eq!(value(&m, "ferry_vmi_running"), Some(0.0), "{m}");
+    std::thread::sleep(Duration::from_millis(1500));
+
+    // 64 MiB/s dirtied in 8 MiB against a 20 MB/s link: every round
+    // triggers auto-converge, held at 60% from the first.
+    let t = p("throttled.jsonl");
+    let o = ferry(&[
+        "migrate",
+        &p("src.sock"),
+        "--to",
+        &to,
+        "--bandwidth",
+        "20M",
+        "--auto-converge-initial",
+        "60",
+        "--auto-converge-step",
+        "1",
+        "--auto-converge-max",
+        "60",
+        "--max-rounds",
+        "6",
+        "--timeline",
+        &t,
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rounds = stats["rounds"].as_array().unwrap();
+    assert!(
+        rounds.iter().any(|r| r["throttle_pct"] == 60),
+        "the guest was never throttled: {stats}"
+    );
+    assert_eq!(status("dst.sock")["state"], "running");
+    let m = scrape(metrics).expect("the metrics endpoint answers");
+    assert_eq!(value(&m, "ferry_vmi_running"), Some(1.0), "{m}");
+
+    // The timeline: the destination's samples before its VM started say
+    // so, and none of them counts as running.
+    let text = std::fs::read_to_string(&t).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let started = lines
+        .iter()
+        .find(|l| l["what"] == "started")
+        .and_then(|l| l["t"].as_f64())
+        .expect("a started event");
+    let waiting: Vec<_> = lines
+        .iter()
+        .filter(|l| l["type"] == "sample" && l["side"] == "destination")
+        .filter(|l| l["t"].as_f64().unwrap() < started - 0.05)
+        .collect();
+    assert!(waiting.len() > 20, "{} waiting samples", waiting.len());
+    assert!(
+        waiting
+            .iter()
+            .all(|l| l["running"] == false && l["state"] == "waiting"),
+        "a waiting destination counted as running"
+    );
+
+    // The report's execution ratio: about 0.4 for most of the migration
+    // (the guest ran throttled from the first round; the stop-and-copy
+    // pauses it for a few bins, where it is 0).
+    let o = ferry(&["report", &t, "--out", &p("report"), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let median = r["runs"][0]["exec_ratio_median"].as_f64().unwrap();
+    assert!(
+        (0.3..=0.5).contains(&median),
+        "exec ratio median {median}: {r}"
+    );
+    assert_eq!(r["runs"][0]["exec_ratio_min"], 0.0, "{r}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -72,6 +72,13 @@ pub(crate) struct PageBatch {
     zeros: Vec<GpaPages>,
     /// CRC-32C of `data`, when computed at fill.
     crc: Option<u32>,
+    /// `data` was sealed in place by the link it went on (it holds
+    /// ciphertext until the next fill).
+    spent: bool,
+    /// Hash each page with data as it is copied (a verified migration).
+    hashing: bool,
+    /// Those hashes, in the order of `gpas`.
+    hashes: Vec<u64>,
 }
 
 impl PageBatch {
@@ -82,6 +89,20 @@ impl PageBatch {
         self.data.clear();
         self.zeros.clear();
         self.crc = None;
+        self.spent = false;
+        self.hashes.clear();
+    }
+
+    /// From the next fill on, hashes each page with data as it is copied
+    /// ([`Self::hashes`]).
+    pub(crate) fn hash_pages(&mut self, on: bool) {
+        self.hashing = on;
+    }
+
+    /// The pages' hashes (with [`Self::hash_pages`]), in the order of
+    /// [`Self::gpas`].
+    pub(crate) fn hashes(&self) -> &[u64] {
+        &self.hashes
     }
 
     /// Refills the batch with the pages at `gpas`, in that order; a page
@@ -132,6 +153,9 @@ impl PageBatch {
                 // While the page is hot in cache.
                 crc = checksum::append(crc, &self.data[at..]);
             }
+            if self.hashing {
+                self.hashes.push(protocol::page_hash(&self.data[at..]));
+            }
             if self.gpas.len() >= max {
                 full = true;
                 break;
@@ -148,6 +172,7 @@ impl PageBatch {
 
     /// The pages' data, 4096 bytes each, in the order of [`Self::gpas`].
     pub(crate) fn data(&self) -> &[u8] {
+        debug_assert!(!self.spent, "the batch's pages were sealed in place");
         &self.data
     }
 
@@ -179,6 +204,23 @@ impl PageBatch {
             (false, None) => PageCheck::Compute,
         };
         write_pages_frame(w, &self.addrs, &self.data, check)
+    }
+
+    /// [`Self::write_pages`] by a sender done with the batch's page data:
+    /// over a link that seals, the pages are sealed where they lie (one
+    /// copy less per byte), and the data is spent until the next fill.
+    pub(crate) fn write_pages_spending(
+        &mut self,
+        w: &mut impl protocol::SpendingWrite,
+        sealed: bool,
+    ) -> io::Result<u64> {
+        if !sealed || self.gpas.is_empty() {
+            return self.write_pages(w, sealed);
+        }
+        let count = (self.gpas.len() as u32).to_le_bytes();
+        protocol::write_sealed_pages_frame_spending(w, &count, &self.addrs, &mut self.data)?;
+        self.spent = true;
+        Ok((HEADER + count.len() + self.addrs.len() + self.data.len()) as u64)
     }
 
     /// Writes the zero runs as one ZeroRanges frame (nothing if there are

@@ -47,6 +47,28 @@ pub enum MigrationError {
         /// First differing guest address.
         first: u64,
     },
+    /// Verification of a v12 precopy in the pause: pages that landed are
+    /// not the pages that were sent.
+    #[error("verification failed: the pages that landed differ from those sent in {digests} of {total} stretches of 16 MiB (the first at {first:#x})")]
+    VerifyLanded {
+        /// Stretches that differ.
+        digests: u64,
+        /// Stretches compared.
+        total: u64,
+        /// First guest address of the first that differs.
+        first: u64,
+    },
+    /// Verification after the VM started at the destination: the source's
+    /// memory, frozen since the pause, differs from what it sent.
+    #[error("verification failed after the VM started at the destination: {bad} of {total} pages here changed after they were last sent (first at {first:#x}), so the destination runs them stale; the VM stays paused here with all its memory")]
+    VerifyAfterSwitch {
+        /// Pages that differ.
+        bad: u64,
+        /// Pages compared.
+        total: u64,
+        /// First differing guest address.
+        first: u64,
+    },
     /// Complete was sent but no Started came back: the destination may or
     /// may not run the VM. The source keeps it paused.
     #[error("the destination got everything but did not confirm the start ({0}); the VM stays paused here: resume it only if the destination did not start it")]

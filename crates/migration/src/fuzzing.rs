@@ -83,6 +83,27 @@ pub fn verify(regions: &[RegionView], mine: &[u64], body: &[u8]) -> Result<u64, 
     crate::session::compare_hashes(regions, mine, body)
 }
 
+/// A VerifyDigests frame held against the hashes of `regions`' pages as
+/// they landed (here: as they are), as a v12 destination's control loop
+/// does; the pages covered, or why not.
+pub fn verify_digests(regions: &[RegionView], f: &Frame) -> Result<u64, MigrationError> {
+    let landed = crate::verify::PageHashes::new(regions);
+    for r in regions {
+        let pages = crate::ranges::GpaPages::new(r.gpa(), r.pages());
+        let mut data = vec![0u8; r.size() as usize];
+        r.read(r.gpa(), &mut data);
+        landed.set_pages(pages, &data);
+    }
+    let theirs: Vec<u64> = crate::protocol::decode(f, crate::protocol::Kind::VerifyDigests)?;
+    landed
+        .compare(&theirs)
+        .map_err(|m| MigrationError::VerifyLanded {
+            digests: m.digests,
+            total: m.total,
+            first: m.first,
+        })
+}
+
 /// What a postcopy source's demand thread did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Demand {

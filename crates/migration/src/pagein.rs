@@ -88,6 +88,7 @@ pub fn read_pages(
                 if checked {
                     crc = place.crc(crc);
                 }
+                sink.landed(run, place.landed());
             }
             None => {
                 let at = data.len();

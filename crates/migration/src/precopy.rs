@@ -16,6 +16,7 @@ use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::mode::SourceMode;
 use crate::paused::Outcome;
+use crate::protocol::Kind;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
 use crate::sender::PageSender;
 use crate::session::{SourcePhase, SourceSession};
@@ -145,7 +146,8 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         &sample,
     )
     .watched_by(s.tel.clone())
-    .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES);
+    .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES)
+    .hashing(s.sent_hashes.clone());
 
     s.start_dirty_log()?;
     let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
@@ -268,12 +270,20 @@ pub(crate) fn run<M: Rounds + ?Sized>(
             phase: Phase::Verify,
             ..Default::default()
         });
-        let (pages, bytes) = match mode.hashes(s) {
-            Some(hashes) => {
+        let (pages, bytes) = match (&s.sent_hashes, mode.hashes(s)) {
+            // What was sent against what landed, by digest; memory itself
+            // is checked once the VM runs there (below).
+            (Some(sent), _) => {
+                let body = postcard::to_stdvec(&sent.digests())
+                    .map_err(|e| MigrationError::Internal(e.to_string()))?;
+                s.ctl()?.send_frame(Kind::VerifyDigests, &body)?;
+                (0, (crate::protocol::HEADER + body.len()) as u64)
+            }
+            (None, Some(hashes)) => {
                 let hashes = hashes?;
                 (hashes.len() as u64, s.send_hashes(&hashes)?)
             }
-            None => s.send_verify()?,
+            (None, None) => s.send_verify()?,
         };
         stats.verified_pages = pages;
         stats.bytes += bytes;
@@ -287,6 +297,19 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     add_encoding(&mut stats, &sender, compressed);
     stats.source_cpu_s = s.cpu_secs();
     stats.downtime_ms = s.downtime_ms();
+    if let Some(sent) = s.sent_hashes.clone() {
+        // This side's memory has not changed since the pause: each page
+        // must still be what it last sent. The VM already runs there, so
+        // this costs no downtime.
+        let t = std::time::Instant::now();
+        let checked = sent.check_memory(&s.regions, |i| vm.data_ranges(i));
+        stats.verify_after_ms = t.elapsed().as_secs_f64() * 1e3;
+        stats.verified_pages = checked.map_err(|m| MigrationError::VerifyAfterSwitch {
+            bad: m.bad,
+            total: m.total,
+            first: m.first,
+        })?;
+    }
     stats.total_secs = secs(s.t_start.elapsed());
     // With the destination's service: clients that stay are forwarded
     // from now on, not after the destination's timeline came back.

@@ -104,6 +104,8 @@ struct RoundCtx<'a> {
     encoded_out: AtomicU64,
     /// Where pages sent are counted live.
     tel: Option<&'a crate::telemetry::Telemetry>,
+    /// Where each page's hash goes as it is sent (a verified migration).
+    hashes: Option<&'a crate::verify::PageHashes>,
 }
 
 /// The sending side of the bulk streams, kept for a whole migration.
@@ -116,6 +118,8 @@ pub(crate) struct PageSender {
     tel: Option<std::sync::Arc<crate::telemetry::Telemetry>>,
     /// The peer reads sealed Pages frames (protocol v10).
     may_seal: bool,
+    /// Each page's hash as it was sent (a verified precopy, v12).
+    hashes: Option<std::sync::Arc<crate::verify::PageHashes>>,
 }
 
 impl PageSender {
@@ -148,7 +152,18 @@ impl PageSender {
             bandwidth,
             tel: None,
             may_seal: false,
+            hashes: None,
         }
+    }
+
+    /// Records each page's hash in `hashes` as it is sent (and zero runs
+    /// and holes as zero pages).
+    pub(crate) fn hashing(
+        mut self,
+        hashes: Option<std::sync::Arc<crate::verify::PageHashes>>,
+    ) -> Self {
+        self.hashes = hashes;
+        self
     }
 
     /// Sends Pages frames sealed (no checksum) on links that seal every
@@ -185,6 +200,9 @@ impl PageSender {
     ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
         let t0 = Instant::now();
         let (hole_frames, hole_bytes) = protocol::write_holes(conns[0].writer(), holes)?;
+        if let Some(h) = &self.hashes {
+            holes.iter().for_each(|&run| h.set_zero(run));
+        }
         let ctx = RoundCtx {
             regions,
             round,
@@ -201,6 +219,7 @@ impl PageSender {
             encoded_in: AtomicU64::new(0),
             encoded_out: AtomicU64::new(0),
             tel: self.tel.as_deref(),
+            hashes: self.hashes.as_deref(),
         };
         let n = conns.len();
         let work = if self.compressed {
@@ -310,7 +329,14 @@ fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
         (true, true) => Fill::SEALED,
         (true, false) => Fill::RAW,
     };
+    b.pages.hash_pages(ctx.hashes.is_some());
     b.pages.fill_from(ctx.regions, item, how);
+    if let Some(h) = ctx.hashes {
+        for (&gpa, &hash) in b.pages.gpas().iter().zip(b.pages.hashes()) {
+            h.set(gpa, hash);
+        }
+        b.pages.zeros().iter().for_each(|&run| h.set_zero(run));
+    }
     b.idx.clear();
     if !ctx.crc_at_fetch {
         // Only encoders read the page numbers (raw has none).
@@ -349,10 +375,10 @@ fn encode(
 
 /// Writes a batch's frames; returns how many. The writer also tells the
 /// kernel's delivery rate while the policy probes (TCP only).
-fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &Batch) -> Result<u64, MigrationError> {
+fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, MigrationError> {
     let mut frames = 0;
     let mut bytes = 0u64;
-    let p = &b.pages;
+    let p = &mut b.pages;
     if p.zero_pages() > 0 {
         bytes += p.write_zeros(w)?;
         ctx.zero.fetch_add(p.zero_pages(), Ordering::Relaxed);
@@ -361,7 +387,11 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &Batch) -> Result<u64, MigrationE
     if p.pages() > 0 {
         match b.method.unwrap_or(Method::None) {
             Method::None => {
-                let n = p.write_pages(w, ctx.sealed).map_err(ProtocolError::Io)?;
+                // The pages are not read again: a link that seals may
+                // seal them where they lie.
+                let n = p
+                    .write_pages_spending(w, ctx.sealed)
+                    .map_err(ProtocolError::Io)?;
                 bytes += n;
                 // Only `auto` probes the link (a getsockopt per batch).
                 if !ctx.crc_at_fetch {
@@ -413,7 +443,7 @@ fn run_stream(
             fetch(ctx, &item, &mut b);
             b.shard = shard as u8;
             out = encode(ctx, s.shards.get_mut(shard), &mut b)
-                .and_then(|_| send(ctx, w, &b).map(|f| frames += f));
+                .and_then(|_| send(ctx, w, &mut b).map(|f| frames += f));
             if out.is_err() {
                 break;
             }
@@ -480,8 +510,8 @@ fn run_pipelined(
         let mut sent = || -> Result<u64, MigrationError> {
             let mut frames = 0;
             for r in out_rx.iter() {
-                let b = r?;
-                frames += send(ctx, writer, &b)?;
+                let mut b = r?;
+                frames += send(ctx, writer, &mut b)?;
                 let _ = free_tx.send(b);
             }
             Ok(frames)
@@ -533,8 +563,14 @@ mod tests {
         );
     }
 
+    /// The content of guest page `n` in [`round_frames`]' guest.
+    fn byte_of(i: usize) -> u8 {
+        (i % 251) as u8 | 1
+    }
+
     /// The Pages frames one raw round sends over `(a, b)`, as read at `b`:
-    /// (sealed, checksum holds) for each.
+    /// (sealed, checksum holds) for each; every page read must hold what
+    /// the guest had.
     fn round_frames(a: Stream, b: Stream, may_seal: bool) -> Vec<(bool, bool)> {
         let t = Some(std::time::Duration::from_secs(5));
         let mut conns = [Conn::new(a, t).unwrap()];
@@ -546,11 +582,20 @@ mod tests {
                 std::io::Read::read_exact(peer.reader(), &mut body).unwrap();
                 if h.kind == crate::protocol::Kind::Pages {
                     seen.push((h.sealed, crate::checksum::crc32c(&body) == h.crc));
+                    let (gpas, data) = crate::protocol::decode_pages(&body).unwrap();
+                    for (gpa, page) in gpas.iter().zip(data.chunks_exact(PAGE)) {
+                        let at = *gpa as usize;
+                        let want: Vec<u8> = (at..at + PAGE).map(byte_of).collect();
+                        assert!(page == &want[..], "page {gpa:#x} arrived changed");
+                    }
                 }
             }
             seen
         });
-        let mut mem: Vec<u8> = (0..64 * PAGE).map(|i| (i % 251) as u8 | 1).collect();
+        // 1023 pages: records and sealing bursts of every fill, and a
+        // last record short of four pages.
+        const N: u64 = 1023;
+        let mut mem: Vec<u8> = (0..N as usize * PAGE).map(byte_of).collect();
         // SAFETY: `mem` outlives the round and nothing else touches it.
         let regions = [unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
         let mut sender = PageSender::new(
@@ -562,7 +607,7 @@ mod tests {
             &[],
         )
         .sealing(may_seal);
-        let runs = [GpaPages::new(0, 64)];
+        let runs = [GpaPages::new(0, N)];
         let (stats, _) = sender
             .send_round(
                 &regions,
@@ -574,7 +619,7 @@ mod tests {
                 &CpuMeter::default(),
             )
             .unwrap();
-        assert_eq!(stats.pages, 64);
+        assert_eq!(stats.pages, N);
         drop(conns);
         reader.join().unwrap()
     }

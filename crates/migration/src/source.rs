@@ -16,8 +16,8 @@ use crate::vm::MigratableVm;
 /// caller must release it here (it stays paused); [`Outcome::Paused`]: a
 /// postcopy lost its link for good, the VM runs at the destination and stays
 /// paused here until [`resume`]. On failure it runs here as before, except
-/// after [`MigrationError::InDoubt`] and [`MigrationError::PostcopyBroken`],
-/// where it stays paused.
+/// after [`MigrationError::InDoubt`], [`MigrationError::PostcopyBroken`]
+/// and [`MigrationError::VerifyAfterSwitch`], where it stays paused.
 pub fn migrate(
     vm: &dyn MigratableVm,
     to: &Endpoint,

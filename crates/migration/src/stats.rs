@@ -51,6 +51,11 @@ pub struct MigrationStats {
     pub state_bytes: u64,
     /// Pages compared end to end (0 without --verify).
     pub verified_pages: u64,
+    /// A verified precopy (v12): hashing this side's memory against what
+    /// it sent, after the VM started at the destination (ms; outside the
+    /// downtime).
+    #[serde(default)]
+    pub verify_after_ms: f64,
     /// The mode that ran.
     pub mode: crate::options::Mode,
     /// Why precopy stopped iterating.
@@ -328,8 +333,9 @@ pub struct DowntimeParts {
     pub clients: f64,
     /// From Complete sent to Started received.
     pub destination: f64,
-    /// Of the time before Started, what the destination spent hashing its
-    /// memory for verification (its report; 0 without --verify).
+    /// Of `destination`, what the destination spent hashing its memory
+    /// for verification (its report, at most `destination`; 0 without
+    /// --verify or when pages were hashed as they landed).
     #[serde(default)]
     pub destination_verify: f64,
 }

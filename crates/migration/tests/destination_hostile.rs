@@ -20,6 +20,11 @@ const T: Duration = Duration::from_secs(5);
 /// A control connection that got through the opening messages, and its
 /// one bulk stream.
 fn hand_made_source(at: &Endpoint) -> (Conn, Conn) {
+    hand_made_source_hashing(at, false)
+}
+
+/// [`hand_made_source`], asking (`hash`) for pages hashed as they land.
+fn hand_made_source_hashing(at: &Endpoint, hash: bool) -> (Conn, Conn) {
     let hello = Hello {
         version_min: 1,
         version_max: protocol::VERSION_MAX,
@@ -31,7 +36,7 @@ fn hand_made_source(at: &Endpoint) -> (Conn, Conn) {
     c.flush().unwrap();
     let version: u16 = c.recv(Kind::HelloAck).unwrap();
     assert!(version >= protocol::VERSION_TRUST, "v{version}");
-    common::send_opening(&mut c, None, LAYOUT);
+    common::send_opening_hashing(&mut c, None, LAYOUT, hash);
     let bulk = Hello {
         role: Role::Bulk(0),
         ..hello
@@ -133,4 +138,53 @@ fn after_a_lying_source_the_destination_takes_a_real_one() {
     assert_eq!(dst.started.load(Ordering::SeqCst), 1);
     assert!(src.bytes(0) == dst.bytes(0) && src.bytes(1) == dst.bytes(1));
     eprintln!("real migration after the lie: {:?}", t0.elapsed());
+}
+
+/// A source that asked for pages hashed as they land, landed a page of
+/// data, and then claims by its digests that it sent only zero pages: the
+/// destination refuses before the VM starts.
+#[test]
+fn digests_that_deny_what_landed_are_refused_before_the_vm_starts() {
+    common::secure();
+    let dst = FakeVm::new(LAYOUT);
+    let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
+    let at = listener.endpoint();
+    let (said, derr) = std::thread::scope(|s| {
+        let d = s.spawn(|| destination::receive(&dst, &listener, T));
+        let (mut c, mut b) = hand_made_source_hashing(&at, true);
+        let data = vec![0x42u8; PAGE as usize];
+        protocol::write_frame_parts(
+            b.writer(),
+            Kind::Pages,
+            &[&1u32.to_le_bytes(), &(3 * PAGE).to_le_bytes(), &data],
+        )
+        .unwrap();
+        b.flush().unwrap();
+        let done = protocol::RoundDone {
+            round: 0,
+            frames: vec![1],
+        };
+        c.send(Kind::RoundDone, &done).unwrap();
+        assert_eq!(c.recv::<u32>(Kind::RoundAck).unwrap(), 0);
+        protocol::write_frame(c.writer(), Kind::State, b"vcpu state").unwrap();
+        // 384 pages: one digest, which would be 0 had only zeros landed.
+        c.send(Kind::VerifyDigests, &vec![0u64]).unwrap();
+        c.send_frame(Kind::Complete, &[]).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let said = match protocol::read_frame(c.reader()) {
+            Ok(f) => format!("{:?}", f.kind),
+            Err(e) => e.to_string(),
+        };
+        (said, d.join().unwrap().unwrap_err().to_string())
+    });
+    assert!(
+        said.contains("pages that landed differ"),
+        "source saw: {said}"
+    );
+    assert!(derr.contains("pages that landed differ"), "{derr}");
+    assert_eq!(
+        dst.started.load(Ordering::SeqCst),
+        0,
+        "the VM never started"
+    );
 }

@@ -117,6 +117,52 @@ fn precopy_moves_every_page_and_the_state_via(via: Via) {
     );
 }
 
+/// A page the guest wrote that no dirty log reported: the destination got
+/// the old copy. The pause compares only what was sent with what landed
+/// (they agree), so the VM starts there; then the source, hashing its
+/// frozen memory against what it sent, fails the migration naming the page
+/// and keeps the VM paused with all its memory.
+#[test]
+fn a_page_the_dirty_log_missed_fails_verification_after_the_switch() {
+    common::secure();
+    let src = source(LAYOUT)
+        .with_dirty_script(vec![vec![], vec![1, 2, 3]])
+        .with_unlogged_write(7);
+    let dst = FakeVm::new(LAYOUT);
+    let (listener, addr) = listen(Via::Tcp);
+    let opts = MigrateOptions {
+        streams: 2,
+        downtime_ms: 0.0,
+        max_rounds: 1,
+        verify: true,
+        ..Default::default()
+    };
+    let (r, d) = std::thread::scope(|s| {
+        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        (migrate(&src, &addr, &opts, &|_| {}), d.join().unwrap())
+    });
+    let e = r.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            MigrationError::VerifyAfterSwitch { bad: 1, total: 264, first } if first == 7 * PAGE as u64
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("stays paused here"), "{e}");
+    // What landed is what was sent: the destination verified and started.
+    assert_eq!(d.unwrap().verified_pages, 264);
+    assert_eq!(dst.started.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        (
+            src.pauses.load(Ordering::SeqCst),
+            src.resumes.load(Ordering::SeqCst)
+        ),
+        (1, 0),
+        "the source never resumes a VM that runs at the destination"
+    );
+}
+
 #[test]
 fn zero_ranges_clear_only_pages_that_may_hold_data() {
     common::secure();

@@ -175,22 +175,40 @@ impl Sealer {
         at: usize,
         content: u8,
     ) -> Result<(), RecordError> {
-        let plain = out.len() - at - HEADER;
+        out.push(content);
+        let (header, tag) = self.seal_inner(&mut out[at + HEADER..])?;
+        out[at..at + HEADER].copy_from_slice(&header);
+        out.extend_from_slice(tag.as_ref());
+        Ok(())
+    }
+
+    /// Seals one application data record where its data lies: `inner` is
+    /// the data followed by one byte the caller lends for the content type
+    /// (this writes it). Returns the header and tag that go around
+    /// `inner` on the wire; `inner` is left as ciphertext.
+    pub fn seal_in_place(&mut self, inner: &mut [u8]) -> Result<([u8; HEADER], Tag), RecordError> {
+        let Some(last) = inner.last_mut() else {
+            return Err(RecordError::TooShort(0));
+        };
+        *last = APPLICATION_DATA;
+        self.seal_inner(inner)
+    }
+
+    /// Seals `inner` (data, then its content type) in place.
+    fn seal_inner(&mut self, inner: &mut [u8]) -> Result<([u8; HEADER], Tag), RecordError> {
+        let plain = inner.len().saturating_sub(1);
         if plain > MAX_PLAIN {
             return Err(RecordError::TooLong(plain));
         }
-        out.push(content);
-        let body = plain + 1 + TAG;
+        let body = inner.len() + TAG;
         let header = [APPLICATION_DATA, 3, 3, (body >> 8) as u8, body as u8];
-        out[at..at + HEADER].copy_from_slice(&header);
         let nonce = self.keys.next_nonce()?;
         let tag = self
             .keys
             .key
-            .seal_in_place_separate_tag(nonce, Aad::from(header), &mut out[at + HEADER..])
+            .seal_in_place_separate_tag(nonce, Aad::from(header), inner)
             .map_err(|_| RecordError::Exhausted)?;
-        out.extend_from_slice(tag.as_ref());
-        Ok(())
+        Ok((header, tag))
     }
 }
 
@@ -367,6 +385,27 @@ mod tests {
             panic!("{got:?}")
         };
         assert_eq!(&rec[r], b"pages");
+    }
+
+    #[test]
+    fn a_record_sealed_where_its_data_lies_is_the_record_sealed_by_copy() {
+        let data = b"four pages, or a few bytes of them";
+        // The data, then the byte lent for the content type (its value is
+        // overwritten).
+        let mut inner = data.to_vec();
+        inner.push(0xee);
+        let (header, tag) = Sealer::new(keys(1), 1 << 20)
+            .seal_in_place(&mut inner)
+            .unwrap();
+        let mut wire = header.to_vec();
+        wire.extend_from_slice(&inner);
+        wire.extend_from_slice(tag.as_ref());
+        assert_eq!(wire, sealed(data));
+        let too_long = &mut vec![0; MAX_PLAIN + 2];
+        assert!(matches!(
+            Sealer::new(keys(1), 1 << 20).seal_in_place(too_long),
+            Err(RecordError::TooLong(_))
+        ));
     }
 
     #[test]

@@ -83,6 +83,9 @@ struct Rx {
 struct Tx {
     sealer: Sealer,
     out: Vec<u8>,
+    /// Records sealed in the caller's buffer: header, where the data
+    /// lies, the sealed content type and the tag.
+    sealed: Vec<([u8; record::HEADER], Range<usize>, [u8; 1 + record::TAG])>,
     /// Why the stream cannot be written any further (a send failed
     /// mid-record, or close_notify was sent).
     broken: Option<&'static str>,
@@ -160,6 +163,7 @@ impl TlsSocket {
                     out: Vec::with_capacity(
                         WRITE_BATCH + WRITE_BATCH / MAX_PLAIN * 64 + MAX_RECORD,
                     ),
+                    sealed: Vec::with_capacity(WRITE_BATCH / MAX_PLAIN),
                     broken: None,
                 }),
                 kernel: Mutex::new(done.kernel),
@@ -249,6 +253,78 @@ impl TlsSocket {
             tx.broken = Some("an earlier send on this TLS stream failed");
         }
         sent
+    }
+
+    /// Sends all of `data` in records sealed where it lies, sparing the
+    /// copy into the record buffer that [`Write`] makes: afterwards `data`
+    /// holds ciphertext, not what the caller put there. A migration's page
+    /// batches go this way (the pages are in the batch already, and a
+    /// record holds exactly four of them).
+    pub fn send_in_place(&self, data: &mut [u8]) -> io::Result<()> {
+        let mut tx = Self::lock(&self.shared.tx);
+        let tx = &mut *tx;
+        if let Some(why) = tx.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, why));
+        }
+        let mut at = 0;
+        while at < data.len() {
+            let burst = (at + WRITE_BATCH).min(data.len());
+            if let Err(e) = self.seal_in_place_and_send(tx, data, at..burst) {
+                tx.broken = Some("an earlier send on this TLS stream failed");
+                return Err(e);
+            }
+            at = burst;
+        }
+        Ok(())
+    }
+
+    /// Seals `data[burst]` into records in place and sends them (with a
+    /// key update first, if one is due).
+    ///
+    /// A record's content type must follow its data, so each record
+    /// borrows the first byte of what comes after it in `data`, and gives
+    /// it back once sealed, keeping the sealed byte with the tag. The last
+    /// record of `data` has nothing after it to borrow: it is sealed by
+    /// copy, like a [`Write`].
+    fn seal_in_place_and_send(
+        &self,
+        tx: &mut Tx,
+        data: &mut [u8],
+        burst: Range<usize>,
+    ) -> io::Result<()> {
+        tx.out.clear();
+        self.renew_if_due(tx)?;
+        let lead = tx.out.len();
+        tx.sealed.clear();
+        let mut start = burst.start;
+        while start < burst.end {
+            let stop = (start + MAX_PLAIN).min(burst.end);
+            if stop == data.len() {
+                let at = Sealer::begin(&mut tx.out);
+                tx.out.extend_from_slice(&data[start..stop]);
+                tx.sealer.seal(&mut tx.out, at).map_err(invalid)?;
+                break;
+            }
+            let lent = data[stop];
+            let sealed = tx.sealer.seal_in_place(&mut data[start..=stop]);
+            let content = std::mem::replace(&mut data[stop], lent);
+            let (header, tag) = sealed.map_err(invalid)?;
+            let mut tail = [0u8; 1 + record::TAG];
+            tail[0] = content;
+            tail[1..].copy_from_slice(tag.as_ref());
+            tx.sealed.push((header, start..stop, tail));
+            start = stop;
+        }
+        let mut iov = Vec::with_capacity(2 + 3 * tx.sealed.len());
+        iov.push(IoSlice::new(&tx.out[..lead]));
+        for (header, body, tail) in &tx.sealed {
+            iov.push(IoSlice::new(header));
+            iov.push(IoSlice::new(&data[body.clone()]));
+            iov.push(IoSlice::new(tail));
+        }
+        iov.push(IoSlice::new(&tx.out[lead..]));
+        let deadline = sys::deadline(self.tcp.write_timeout()?);
+        sys::send_all_vectored(self.fd(), &mut iov, deadline)
     }
 
     /// [`send`](Self::send)'s work, under the send lock.

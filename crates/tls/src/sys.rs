@@ -6,6 +6,9 @@ use std::io::{self, IoSlice};
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
+/// Most slices one sendmsg(2) takes on Linux (UIO_MAXIOV).
+const IOV_MAX: usize = 1024;
+
 /// recv(2) without waiting; `WouldBlock` when nothing has arrived.
 pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     loop {
@@ -22,18 +25,18 @@ pub fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
-/// send(2) without waiting (and without SIGPIPE); `WouldBlock` when the
-/// socket is full.
-pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
-    let iov = [IoSlice::new(buf)];
+/// sendmsg(2) of `iov`, without waiting and without SIGPIPE; `WouldBlock`
+/// when the socket is full.
+pub fn send_vectored(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
     // SAFETY: msghdr is plain data; all zeros is valid (no name, no
     // control data).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    // IoSlice is ABI-compatible with iovec; sendmsg only reads it.
+    // IoSlice is ABI-compatible with iovec; sendmsg only reads them.
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = 1;
+    msg.msg_iovlen = iov.len().min(IOV_MAX) as _;
     loop {
-        // SAFETY: msg points at one valid iovec borrowed for the call.
+        // SAFETY: msg points at msg_iovlen valid iovecs borrowed for the
+        // call.
         let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
         if r >= 0 {
             return Ok(r as usize);
@@ -47,10 +50,20 @@ pub fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
 
 /// Sends all of `buf`, waiting for room until `deadline` (None: forever);
 /// `WouldBlock` at the deadline, as a socket's own send timeout gives.
-pub fn send_all(fd: RawFd, mut buf: &[u8], deadline: Option<Instant>) -> io::Result<()> {
-    while !buf.is_empty() {
-        match send(fd, buf) {
-            Ok(n) => buf = &buf[n..],
+pub fn send_all(fd: RawFd, buf: &[u8], deadline: Option<Instant>) -> io::Result<()> {
+    send_all_vectored(fd, &mut [IoSlice::new(buf)], deadline)
+}
+
+/// [`send_all`] of the slices of `iov`, in order (it is consumed).
+pub fn send_all_vectored(
+    fd: RawFd,
+    mut iov: &mut [IoSlice<'_>],
+    deadline: Option<Instant>,
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut iov, 0);
+    while !iov.is_empty() {
+        match send_vectored(fd, iov) {
+            Ok(n) => IoSlice::advance_slices(&mut iov, n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if !poll_until(fd, libc::POLLOUT, deadline)? {
                     return Err(io::ErrorKind::WouldBlock.into());

@@ -83,8 +83,20 @@ fn both_ways(a: TlsSocket, b: TlsSocket, len: usize) {
         std::thread::spawn(move || {
             let mut w = s.try_clone().unwrap();
             let writer = std::thread::spawn(move || {
-                for chunk in out.chunks(100_003) {
-                    w.write_all(chunk).unwrap();
+                // Writes of every awkward size, each by copy and sealed in
+                // place by turns (a record's edge, a burst's, and past).
+                let sizes = [100_003, 1, 16_384, 16_385, 262_144, 262_145, (4 << 20) + 7];
+                let (mut at, mut i) = (0, 0);
+                while at < out.len() {
+                    let end = (at + sizes[i % sizes.len()]).min(out.len());
+                    if (i / sizes.len()) % 2 == 0 {
+                        w.write_all(&out[at..end]).unwrap();
+                    } else {
+                        let mut scratch = out[at..end].to_vec();
+                        w.send_in_place(&mut scratch).unwrap();
+                    }
+                    at = end;
+                    i += 1;
                 }
             });
             let mut r = s;

@@ -25,7 +25,7 @@ pub mod workload;
 
 /// The VM module's old path (`ferry_vmm::vmm::Vm` and so on).
 pub use vm as vmm;
-pub use vm::{RunState, Vm, VmConfig, VmError, VmExit, VmState, Waiting};
+pub use vm::{ReportedState, RunState, Vm, VmConfig, VmError, VmExit, VmState, Waiting};
 pub use workload::{Workload, WorkloadSet};
 
 pub use boot::GUEST_KERNEL;

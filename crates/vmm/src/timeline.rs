@@ -26,13 +26,13 @@ use serde_json::{json, Value};
 
 use crate::devices::service::ServiceDevice;
 use crate::metrics::MetricsSnapshot;
-use crate::vstate::run_control::RunState;
+use crate::vstate::run_control::ReportedState;
 
 /// What a timeline sample reads from the VM it records (the VM implements
 /// it; see the module header).
 pub trait Sampled: Sync {
-    /// What the vCPUs are asked to do now.
-    fn run_state(&self) -> RunState;
+    /// What the VM is doing now ("waiting" before its vCPUs start).
+    fn reported_state(&self) -> ReportedState;
     /// Guest TSC frequency (kHz).
     fn tsc_khz(&self) -> u64;
     /// The guest's metrics page, read now.
@@ -201,7 +201,10 @@ fn sample(side: &str, vm: &dyn Sampled, tel: &Telemetry, prev: &mut Prev, cpu: b
         "phase": t.phase, "round": t.round, "remaining_pages": t.remaining_pages,
         "processed_bytes": t.processed_bytes, "dirty_rate": t.dirty_rate,
         "throttle_pct": t.throttle_pct, "links": links,
-        "running": vm.run_state() == RunState::Running,
+        "state": vm.reported_state(),
+        // True only while vCPUs run: a destination waiting for its VM
+        // runs none (the execution ratio counts on it).
+        "running": vm.reported_state() == ReportedState::Running,
     });
     let tsc_khz = vm.tsc_khz().max(1) as f64;
     // Reads only pages in memory: safe at a postcopy destination too.
@@ -380,12 +383,12 @@ mod tests {
 
     /// A VM as the timeline sees it, without KVM.
     struct Fake {
-        state: RunState,
+        state: ReportedState,
         watch: Watch,
     }
 
     impl Sampled for Fake {
-        fn run_state(&self) -> RunState {
+        fn reported_state(&self) -> ReportedState {
             self.state
         }
         fn tsc_khz(&self) -> u64 {
@@ -405,7 +408,7 @@ mod tests {
         }
     }
 
-    fn fake(state: RunState) -> Fake {
+    fn fake(state: ReportedState) -> Fake {
         Fake {
             state,
             watch: Watch::default(),
@@ -424,7 +427,13 @@ mod tests {
     fn a_sample_says_what_it_could_read() {
         let tel = Telemetry::new();
         let mut prev = Prev::default();
-        let v = sample("source", &fake(RunState::Paused), &tel, &mut prev, false);
+        let v = sample(
+            "source",
+            &fake(ReportedState::Paused),
+            &tel,
+            &mut prev,
+            false,
+        );
         assert_eq!(v["type"], "sample");
         assert_eq!(v["side"], "source");
         assert_eq!(v["running"], false);
@@ -434,19 +443,39 @@ mod tests {
         assert!(v.get("cpu_ms").is_none());
         let v = sample(
             "destination",
-            &fake(RunState::Running),
+            &fake(ReportedState::Running),
             &tel,
             &mut prev,
             true,
         );
         assert_eq!(v["running"], true);
+        assert_eq!(v["state"], "running");
+        // A destination waiting for its VM runs no guest.
+        let v = sample(
+            "destination",
+            &fake(ReportedState::Waiting),
+            &tel,
+            &mut prev,
+            false,
+        );
+        assert_eq!(
+            (v["running"].clone(), v["state"].clone()),
+            (json!(false), json!("waiting"))
+        );
+        let v = sample(
+            "destination",
+            &fake(ReportedState::Running),
+            &tel,
+            &mut prev,
+            true,
+        );
         let cpu = v["cpu_ms"].as_object().unwrap();
         assert!(cpu.keys().all(|k| k.contains('/')), "{cpu:?}");
     }
 
     #[test]
     fn recording_sets_the_current_migration_and_keeps_its_figures() {
-        let vm = fake(RunState::Running);
+        let vm = fake(ReportedState::Running);
         vm.watch
             .history
             .lock()
@@ -475,7 +504,7 @@ mod tests {
 
     #[test]
     fn a_destination_samples_nothing_until_its_source_connects() {
-        let vm = fake(RunState::Paused);
+        let vm = fake(ReportedState::Paused);
         vm.watch
             .history
             .lock()

@@ -1,7 +1,6 @@
 //! Writes the seed corpora: `cargo run --manifest-path fuzz/Cargo.toml
-//! --features seeds --bin make_seeds -- fuzz/corpus` (scripts/fuzz-seeds.sh
-//! does it). Each target's directory is emptied first, so a seed that is
-//! no longer made goes away.
+//! --features seeds --bin make_seeds -- fuzz/corpus`. Each target's
+//! directory is emptied first, so a seed that is no longer made goes away.
 
 use std::path::PathBuf;
 

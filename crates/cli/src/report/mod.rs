@@ -370,6 +370,7 @@ fn table_rows(figures: &[serde_json::Value]) -> Vec<(&'static str, Vec<String>)>
         ("progress/s during", col("progress_during_per_s", 1.0, 0)),
         ("during vs before (%)", col("during_vs_before", 100.0, 1)),
         ("lowest exec ratio", col("exec_ratio_min", 1.0, 2)),
+        ("median exec ratio", col("exec_ratio_median", 1.0, 2)),
         ("requests (load)", col("requests", 1.0, 0)),
         ("request errors", col("request_errors", 1.0, 0)),
         ("latency p50 (ms)", col("latency_p50_ms", 1.0, 2)),

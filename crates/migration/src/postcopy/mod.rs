@@ -338,7 +338,8 @@ fn follow(
             opts.prefetch,
             opts.bandwidth,
             push_from,
-        );
+        )
+        .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
         let result = serve(s, &out, demand, &mut epoch, stats.bytes, progress);
         let post = stats.postcopy.get_or_insert_with(Default::default);
         post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);

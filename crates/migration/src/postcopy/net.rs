@@ -152,7 +152,7 @@ fn run(
         }
         b.fill_upto(&feed.regions, &mut pages, fill, MAX_BATCH);
         let n = b
-            .write_pages(c.writer(), sealed)
+            .write_pages_spending(c.writer(), sealed)
             .map_err(ProtocolError::Io)?
             + b.write_zeros(c.writer())?;
         bytes += n;

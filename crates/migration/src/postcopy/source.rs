@@ -13,7 +13,6 @@
 //! prefetch, never both; a requested page is always sent (it may be in a
 //! bulk stream's queue, and the vCPU must not wait for that).
 
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -63,6 +62,9 @@ pub(crate) struct SourcePages {
     /// `--bandwidth` for the push (demand answers are never held back, but
     /// count against it).
     pacer: Pacer,
+    /// The destination reads sealed Pages frames: over a link that seals,
+    /// pushed pages go without a checksum, sealed where they lie.
+    may_seal: bool,
 }
 
 impl SourcePages {
@@ -93,7 +95,15 @@ impl SourcePages {
             halt: AtomicBool::new(false),
             cpu: CpuMeter::default(),
             pacer: Pacer::new(bandwidth),
+            may_seal: false,
         }
+    }
+
+    /// Lets the pushers send sealed Pages frames over a link that seals
+    /// (`peer_reads_them`: the destination speaks protocol v10 or later).
+    pub(crate) fn sealing(mut self, peer_reads_them: bool) -> Self {
+        self.may_seal = peer_reads_them;
+        self
     }
 
     /// Pending pages not sent yet.
@@ -157,8 +167,13 @@ impl SourcePages {
 
     /// Writes a batch's pages with data as one Pages frame (if any);
     /// returns the frames written.
-    fn write_pages(&self, w: &mut impl Write, b: &PageBatch) -> Result<u64, ProtocolError> {
-        let bytes = b.write_pages(w, false)?;
+    fn write_pages(
+        &self,
+        w: &mut impl protocol::SpendingWrite,
+        b: &mut PageBatch,
+        sealed: bool,
+    ) -> Result<u64, ProtocolError> {
+        let bytes = b.write_pages_spending(w, sealed)?;
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
         Ok(u64::from(bytes > 0))
     }
@@ -182,14 +197,16 @@ impl SourcePages {
         let cpu0 = crate::stats::thread_cpu_secs();
         let (mut batch, mut b) = (Vec::new(), PageBatch::default());
         let mut frames = 0u64;
+        let sealed = self.may_seal && conn.writer_seals();
+        let how = if sealed { Fill::SEALED } else { Fill::RAW };
         loop {
             self.next_batch(&mut batch);
             if batch.is_empty() {
                 break;
             }
-            self.fill(&mut b, &batch, Fill::RAW);
+            self.fill(&mut b, &batch, how);
             // Pages first, then the zero runs.
-            frames += self.write_pages(conn.writer(), &b)?;
+            frames += self.write_pages(conn.writer(), &mut b, sealed)?;
             if b.zero_pages() > 0 {
                 let bytes = b.write_zeros(conn.writer())?;
                 self.bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -231,7 +248,7 @@ impl SourcePages {
                 // Every page asked for as data, zero or not.
                 for part in window.chunks(MAX_BATCH) {
                     self.fill(&mut b, part, Fill::EVERY_PAGE);
-                    self.write_pages(conn.writer(), &b)?;
+                    self.write_pages(conn.writer(), &mut b, false)?;
                 }
                 self.requests.fetch_add(1, Ordering::Relaxed);
                 self.demand_pages
@@ -243,5 +260,80 @@ impl SourcePages {
         };
         self.cpu.add(crate::stats::thread_cpu_secs() - cpu0);
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::PAGE;
+    use crate::transport::{tls_pair, Stream};
+
+    /// Pushes 301 pages (one of them zero) over `(a, b)`; (sealed,
+    /// checksum holds) for each Pages frame read at `b`, whose pages must
+    /// hold what the source had.
+    fn pushed_frames(a: Stream, b: Stream, may_seal: bool) -> Vec<(bool, bool)> {
+        let t = Some(Duration::from_secs(5));
+        let mut conn = Conn::new(a, t).unwrap();
+        let mut peer = Conn::new(b, t).unwrap();
+        let byte_of = |i: usize| {
+            if i / PAGE == 7 {
+                0
+            } else {
+                (i % 241) as u8 | 1
+            }
+        };
+        let reader = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while let Ok(h) = protocol::read_header(peer.reader()) {
+                let mut body = vec![0u8; h.len as usize];
+                std::io::Read::read_exact(peer.reader(), &mut body).unwrap();
+                if h.kind == Kind::Pages {
+                    seen.push((h.sealed, crate::checksum::crc32c(&body) == h.crc));
+                    let (gpas, data) = protocol::decode_pages(&body).unwrap();
+                    for (gpa, page) in gpas.iter().zip(data.chunks_exact(PAGE)) {
+                        let at = *gpa as usize;
+                        let want: Vec<u8> = (at..at + PAGE).map(byte_of).collect();
+                        assert!(page == &want[..], "page {gpa:#x} arrived changed");
+                    }
+                }
+            }
+            seen
+        });
+        let n = 301u64;
+        let mut mem: Vec<u8> = (0..n as usize * PAGE).map(byte_of).collect();
+        // SAFETY: `mem` outlives the push and nothing else touches it.
+        let regions = vec![unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
+        let out = SourcePages::new(regions, &[GpaPages::new(0, n)], 0, None, Instant::now())
+            .sealing(may_seal);
+        out.push(&mut conn).unwrap();
+        assert_eq!(out.pushed_pages.load(Ordering::Relaxed), n - 1);
+        assert_eq!(out.pushed_zero_pages.load(Ordering::Relaxed), 1);
+        drop(conn);
+        reader.join().unwrap()
+    }
+
+    #[test]
+    fn pushed_pages_go_sealed_over_a_link_that_seals_to_a_peer_that_reads_them() {
+        let dir = std::env::temp_dir().join(format!("ferry-push-{}", std::process::id()));
+        let (a, b) = tls_pair(&dir);
+        let tls = pushed_frames(a, b, true);
+        assert!(
+            !tls.is_empty() && tls.iter().all(|&(sealed, _)| sealed),
+            "{tls:?}"
+        );
+        let (a, b) = tls_pair(&dir);
+        let old_peer = pushed_frames(a, b, false);
+        assert!(
+            !old_peer.is_empty() && old_peer.iter().all(|&f| f == (false, true)),
+            "{old_peer:?}"
+        );
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let plain = pushed_frames(Stream::unix(a), Stream::unix(b), true);
+        assert!(
+            !plain.is_empty() && plain.iter().all(|&f| f == (false, true)),
+            "{plain:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

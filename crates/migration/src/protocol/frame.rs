@@ -131,6 +131,31 @@ pub fn write_sealed_pages_frame(
     w.write_all(data)
 }
 
+/// A writer that may overwrite what it is given to write, to spare a copy
+/// (a TLS link seals the buffer in place); any other writes it as it is.
+pub trait SpendingWrite: Write {
+    /// Writes all of `data`; afterwards `data` may hold anything.
+    fn write_all_spending(&mut self, data: &mut [u8]) -> io::Result<()> {
+        self.write_all(data)
+    }
+}
+
+impl SpendingWrite for Vec<u8> {}
+
+/// [`write_sealed_pages_frame`] whose page data the writer may spend.
+pub fn write_sealed_pages_frame_spending(
+    w: &mut impl SpendingWrite,
+    count: &[u8],
+    addrs: &[u8],
+    data: &mut [u8],
+) -> io::Result<()> {
+    let len = count.len() + addrs.len() + data.len();
+    w.write_all(&encode_header_flagged(Kind::Pages, SEALED, len, 0))?;
+    w.write_all(count)?;
+    w.write_all(addrs)?;
+    w.write_all_spending(data)
+}
+
 /// Reads one frame, checking magic, kind, length limit and checksum.
 pub fn read_frame(r: &mut impl Read) -> Result<Frame, ProtocolError> {
     let mut body = Vec::new();

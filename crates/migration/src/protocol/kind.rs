@@ -101,6 +101,12 @@ pub enum Kind {
     StandbyHeld = 37,
     /// v11: the source lives (every second while the net stands by).
     StandbyBeat = 38,
+    /// v12, source to destination after TimelineAsk: hash every page as it
+    /// lands (`bool`; a verified precopy).
+    HashAsk = 39,
+    /// v12, in the pause: the digests of the pages' hashes as they were
+    /// sent (`Vec<u64>`), for the destination to hold against its own.
+    VerifyDigests = 40,
 }
 
 impl Kind {
@@ -146,6 +152,8 @@ impl Kind {
             36 => StandbyPlan,
             37 => StandbyHeld,
             38 => StandbyBeat,
+            39 => HashAsk,
+            40 => VerifyDigests,
             _ => return None,
         })
     }
@@ -192,6 +200,8 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::StandbyPlan => "StandbyPlan",
         Kind::StandbyHeld => "StandbyHeld",
         Kind::StandbyBeat => "StandbyBeat",
+        Kind::HashAsk => "HashAsk",
+        Kind::VerifyDigests => "VerifyDigests",
     }
 }
 
@@ -204,19 +214,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=38, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 38);
+        // 1..=40, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 40);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(39), None);
+        assert_eq!(Kind::from_u16(41), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=38).filter_map(Kind::from_u16) {
+        for k in (1..=40).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }
@@ -234,5 +244,6 @@ mod tests {
         assert_eq!(Kind::SplitPlan as u16, 32);
         assert_eq!(Kind::GatherReady as u16, 34);
         assert_eq!(Kind::StandbyPlan as u16, 36);
+        assert_eq!(Kind::VerifyDigests as u16, 40);
     }
 }

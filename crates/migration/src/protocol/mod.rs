@@ -49,8 +49,9 @@ mod version;
 pub use error::ProtocolError;
 pub use frame::{
     eof_is_truncated, read_body_into, read_frame, read_frame_into, read_header, write_frame,
-    write_frame_parts, write_pages_frame, write_sealed_pages_frame, Frame, Header, HEADER, MAGIC,
-    MAX_BODY, SEALED,
+    write_frame_parts, write_pages_frame, write_sealed_pages_frame,
+    write_sealed_pages_frame_spending, Frame, Header, SpendingWrite, HEADER, MAGIC, MAX_BODY,
+    SEALED,
 };
 pub use kind::Kind;
 pub use messages::{
@@ -61,7 +62,7 @@ pub use pages::{
     decode_pages, encode_pages, page_hash, write_holes, write_zero_ranges, MAX_BATCH, PAGE,
 };
 pub use version::{
-    negotiate, VERSION_CLIENTS, VERSION_MAX, VERSION_MIN, VERSION_POSTCOPY, VERSION_RESUME,
-    VERSION_SEALED_PAGES, VERSION_SPLIT, VERSION_STANDBY, VERSION_STORE, VERSION_TIMELINE,
-    VERSION_TRUST,
+    negotiate, VERSION_CLIENTS, VERSION_LANDED_HASHES, VERSION_MAX, VERSION_MIN, VERSION_POSTCOPY,
+    VERSION_RESUME, VERSION_SEALED_PAGES, VERSION_SPLIT, VERSION_STANDBY, VERSION_STORE,
+    VERSION_TIMELINE, VERSION_TRUST,
 };

@@ -14,7 +14,7 @@ use super::{Hello, ProtocolError};
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 11;
+pub const VERSION_MAX: u16 = 12;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -47,6 +47,11 @@ pub const VERSION_SEALED_PAGES: u16 = 10;
 /// Standby* kinds): a third host holds the pages a destination still
 /// lacks and resumes the postcopy if the source dies.
 pub const VERSION_STANDBY: u16 = 11;
+/// The first version where a verified precopy compares pages hashed as
+/// they were sent and as they landed (HashAsk after TimelineAsk, and
+/// VerifyDigests in the pause instead of Verify): no pass over memory in
+/// the pause (`crate::verify`).
+pub const VERSION_LANDED_HASHES: u16 = 12;
 
 /// Picks the version both sides speak, or says why there is none.
 pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
@@ -77,7 +82,8 @@ mod tests {
 
     #[test]
     fn overlapping_ranges_pick_the_highest_common_version() {
-        assert_eq!(negotiate(&hello(1, 11)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 12)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 11)).unwrap(), VERSION_STANDBY);
         assert_eq!(negotiate(&hello(1, 10)).unwrap(), VERSION_SEALED_PAGES);
         assert_eq!(negotiate(&hello(1, 9)).unwrap(), VERSION_TRUST);
         assert_eq!(negotiate(&hello(0, u16::MAX)).unwrap(), VERSION_MAX);
@@ -127,6 +133,7 @@ mod tests {
             VERSION_TRUST,
             VERSION_SEALED_PAGES,
             VERSION_STANDBY,
+            VERSION_LANDED_HASHES,
         ];
         assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
         assert!(features

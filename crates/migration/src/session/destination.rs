@@ -16,6 +16,7 @@ use crate::sink::{PageSink, SwitchSink};
 use crate::stats::{thread_cpu_secs, DestinationStats, StartedReport, StartedReportV1};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Listener};
+use crate::verify::{HashingSink, PageHashes};
 use crate::vm::{ClientsAnswer, ClientsPlan, DestinationVm};
 
 /// What a destination mode is made with: the VM, the listener the
@@ -87,6 +88,8 @@ pub(crate) struct DestSession<'a> {
     tel: std::sync::Arc<Telemetry>,
     /// The source wants this side's timeline, this long after the end (v6).
     timeline_tail: Option<Duration>,
+    /// The source asked for every page to be hashed as it lands (v12).
+    hash_landed: bool,
 }
 
 impl<'a> DestSession<'a> {
@@ -123,6 +126,7 @@ impl<'a> DestSession<'a> {
             clients_agreed: false,
             tel: Telemetry::new(),
             timeline_tail: None,
+            hash_landed: false,
         })
     }
 
@@ -171,6 +175,9 @@ impl<'a> DestSession<'a> {
             // A source may ask for a long tail; this side bounds it.
             self.timeline_tail = Some(Duration::from_millis(u64::from(tail.min(60_000))));
         }
+        if self.version >= protocol::VERSION_LANDED_HASHES {
+            self.hash_landed = self.ctl.recv(Kind::HashAsk)?;
+        }
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;
@@ -203,6 +210,16 @@ impl<'a> DestSession<'a> {
         let regions = vm.regions();
         let rx = Received::new(bulk.len());
         let mut stats = DestinationStats::default();
+        // A verified precopy: every page is hashed as it lands.
+        let landed = self.hash_landed.then(|| PageHashes::new(&regions));
+        let hashing = landed.as_ref().map(|hashes| HashingSink {
+            inner: sink,
+            hashes,
+        });
+        let sink: &dyn PageSink = match &hashing {
+            Some(h) => h,
+            None => sink,
+        };
         std::thread::scope(|s| -> Result<(), MigrationError> {
             for (i, c) in bulk.into_iter().enumerate() {
                 if let Ok(closer) = c.closer() {
@@ -216,7 +233,15 @@ impl<'a> DestSession<'a> {
                     }
                 });
             }
-            let r = self.control_loop(vm, &regions, &rx, mode, ctl_cpu0, &mut stats);
+            let r = self.control_loop(
+                vm,
+                &regions,
+                &rx,
+                mode,
+                landed.as_ref(),
+                ctl_cpu0,
+                &mut stats,
+            );
             if r.is_err() {
                 // Bulk threads may wait on a source that waits for us: cut
                 // their streams so the Abort goes out now, not at a timeout.
@@ -236,12 +261,14 @@ impl<'a> DestSession<'a> {
         Ok(stats)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn control_loop(
         &mut self,
         vm: &dyn DestinationVm,
         regions: &[RegionView],
         rx: &Received,
         mode: &mut dyn DestinationMode,
+        landed: Option<&PageHashes>,
         ctl_cpu0: f64,
         stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
@@ -268,6 +295,26 @@ impl<'a> DestSession<'a> {
                         None => super::hashes(regions, |i| vm.data_ranges(i)),
                     };
                     stats.verified_pages = super::compare_hashes(regions, &mine, &f.body)?;
+                    stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
+                }
+                Kind::VerifyDigests => {
+                    let t = Instant::now();
+                    let Some(landed) = landed else {
+                        return Err(ProtocolError::Unexpected {
+                            got: Kind::VerifyDigests,
+                            want: "Verify (no hashes were asked for as pages landed)",
+                        }
+                        .into());
+                    };
+                    let theirs: Vec<u64> = protocol::decode(&f, Kind::VerifyDigests)?;
+                    stats.verified_pages =
+                        landed
+                            .compare(&theirs)
+                            .map_err(|m| MigrationError::VerifyLanded {
+                                digests: m.digests,
+                                total: m.total,
+                                first: m.first,
+                            })?;
                     stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
                 }
                 Kind::Complete => {

@@ -45,6 +45,9 @@ pub(crate) struct SourceSession<'a> {
     pub(crate) t_start: Instant,
     /// Live figures for watchers (the VM's, or a private one).
     pub(crate) tel: std::sync::Arc<Telemetry>,
+    /// A verified precopy with a v12 peer: every page's hash as it was
+    /// sent (`crate::verify`).
+    pub(crate) sent_hashes: Option<std::sync::Arc<crate::verify::PageHashes>>,
 }
 
 /// A fresh session id: random, so a stranger cannot guess it (it ties a
@@ -81,6 +84,7 @@ impl<'a> SourceSession<'a> {
             clients: None,
             clients_ms: 0.0,
             cpu: CpuMeter::default(),
+            sent_hashes: None,
             ctl_cpu0: thread_cpu_secs(),
             t_start,
             tel: vm.telemetry().unwrap_or_default(),
@@ -224,6 +228,16 @@ impl<'a> SourceSession<'a> {
         if self.version >= protocol::VERSION_TIMELINE {
             let tail = self.opts.timeline_tail_ms;
             self.ctl()?.send(Kind::TimelineAsk, &tail)?;
+        }
+        if self.version >= protocol::VERSION_LANDED_HASHES {
+            // Only a precopy compares hashes taken as pages go and land;
+            // the other modes hash memory when they verify.
+            let hash = self.opts.verify && self.opts.mode == crate::options::Mode::Precopy;
+            self.ctl()?.send(Kind::HashAsk, &hash)?;
+            if hash {
+                let table = crate::verify::PageHashes::new(&self.regions);
+                self.sent_hashes = Some(std::sync::Arc::new(table));
+            }
         }
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
@@ -525,7 +539,11 @@ impl<'a> SourceSession<'a> {
         let parts = &mut stats.downtime_parts;
         parts.clients = self.clients_ms;
         parts.destination = ms - self.clients_ms;
-        parts.destination_verify = report.verify_ms;
+        // The destination starts hashing as the Verify frame arrives,
+        // while this side is still finishing its own part: only what falls
+        // in the destination's part counts there (the parts add up to the
+        // downtime, and this one lies inside its part).
+        parts.destination_verify = report.verify_ms.min(parts.destination);
         stats.clients = self.clients.clone();
         stats.destination_service = report.service.clone();
     }

@@ -103,6 +103,9 @@ pub trait PageSink: Send + Sync {
     fn in_place(&self, _run: GpaPages) -> Option<InPlace<'_>> {
         None
     }
+    /// Pages that landed in place ([`PageSink::in_place`]) at `run`, as
+    /// they landed (a verified migration hashes them here).
+    fn landed(&self, _run: GpaPages, _data: &[u8]) {}
 }
 
 /// Stretches at least this long are populated in one call before a copy
@@ -157,9 +160,13 @@ impl<'a> InPlace<'a> {
 
     /// CRC-32C of the stretch appended to `crc` (after [`InPlace::fill_from`]).
     pub fn crc(&self, crc: u32) -> u32 {
+        crate::checksum::append(crc, self.landed())
+    }
+
+    /// What the stretch holds (after [`InPlace::fill_from`]: what landed).
+    pub fn landed(&self) -> &[u8] {
         // SAFETY: the stretch is ours alone while `self` lives (the
         // constructor's promise), so a shared view of it cannot race.
-        let landed = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
-        crate::checksum::append(crc, landed)
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }

@@ -48,4 +48,8 @@ impl PageSink for SwitchSink<'_> {
     fn in_place(&self, run: GpaPages) -> Option<InPlace<'_>> {
         self.current().in_place(run)
     }
+
+    fn landed(&self, run: GpaPages, data: &[u8]) {
+        self.current().landed(run, data)
+    }
 }

@@ -284,6 +284,14 @@ impl ConnWriter {
     }
 }
 
+impl protocol::SpendingWrite for ConnWriter {
+    /// What is buffered goes first; then a TLS link seals `data` in place.
+    fn write_all_spending(&mut self, data: &mut [u8]) -> io::Result<()> {
+        self.0.flush()?;
+        self.0.get_mut().write_all_spending(data)
+    }
+}
+
 impl Write for ConnWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.0.write(buf)

@@ -234,6 +234,16 @@ impl Stream {
             .then_some(info.tcpi_delivery_rate as f64)
     }
 
+    /// Writes all of `data`, which a TLS link seals in place (so it holds
+    /// ciphertext afterwards) instead of copying it into its records.
+    pub(super) fn write_all_spending(&mut self, data: &mut [u8]) -> io::Result<()> {
+        let Sock::Tls(s) = &self.sock else {
+            return self.write_all(data);
+        };
+        let r = s.send_in_place(data).map(|()| data.len());
+        self.counted(r, true).map(|_| ())
+    }
+
     fn counted(&self, n: io::Result<usize>, sent: bool) -> io::Result<usize> {
         if let (Ok(n), Some(m)) = (&n, &self.meter) {
             let c = if sent { &m.sent } else { &m.received };

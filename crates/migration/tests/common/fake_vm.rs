@@ -63,6 +63,9 @@ pub struct FakeVm {
     clients_plan: Option<ClientsPlan>,
     accepts_clients: Result<(), String>,
     restore_fails: bool,
+    /// A page of region 0 written as the VM pauses but never reported
+    /// dirty: a hole in the dirty log, for verification to find.
+    unlogged_write: Option<u64>,
     /// Where the engine reports live figures (None: nobody watches).
     pub telemetry: Option<Arc<Telemetry>>,
     // What the engine did to it.
@@ -105,6 +108,7 @@ impl FakeVm {
             clients_plan: None,
             accepts_clients: Err("a fake VM has no clients".into()),
             restore_fails: false,
+            unlogged_write: None,
             telemetry: None,
             pauses: AtomicU32::new(0),
             resumes: AtomicU32::new(0),
@@ -217,6 +221,13 @@ impl FakeVm {
     /// A destination that takes clients but fails to restore them.
     pub fn with_failing_client_restore(mut self) -> FakeVm {
         self.restore_fails = true;
+        self
+    }
+
+    /// Page `p` of region 0 changes as the VM pauses, and no dirty log
+    /// says so (a dirty-tracking bug, as verification must see it).
+    pub fn with_unlogged_write(mut self, p: u64) -> FakeVm {
+        self.unlogged_write = Some(p);
         self
     }
 
@@ -382,6 +393,13 @@ impl MigratableVm for FakeVm {
     }
     fn pause(&self) -> Result<(), VmOpError> {
         self.pauses.fetch_add(1, Ordering::SeqCst);
+        if let Some(p) = self.unlogged_write {
+            let b = self
+                .host(self.regions[0].gpa() + p * PAGE as u64)
+                .wrapping_add(17);
+            // SAFETY: page `p` lies in region 0 (host checks it).
+            unsafe { b.write_volatile(b.read_volatile() ^ 0x5a) };
+        }
         Ok(())
     }
     fn resume(&self) -> Result<(), VmOpError> {

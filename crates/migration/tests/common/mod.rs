@@ -76,6 +76,16 @@ pub fn send_opening(
     token: Option<&str>,
     regions: &[(u64, u64)],
 ) {
+    send_opening_hashing(c, token, regions, false)
+}
+
+/// [`send_opening`], asking (`hash`) that pages be hashed as they land.
+pub fn send_opening_hashing(
+    c: &mut ferry_migration::transport::Conn,
+    token: Option<&str>,
+    regions: &[(u64, u64)],
+    hash: bool,
+) {
     use ferry_migration::protocol::{Kind, Layout};
     c.send(Kind::Token, &token.map(str::to_string)).unwrap();
     let layout = Layout {
@@ -86,4 +96,5 @@ pub fn send_opening(
     c.send(Kind::ClientsPlan, &None::<ferry_migration::ClientsPlan>)
         .unwrap();
     c.send(Kind::TimelineAsk, &0u32).unwrap();
+    c.send(Kind::HashAsk, &hash).unwrap();
 }

@@ -179,7 +179,7 @@ impl ControlHandler for VmControl {
         match req {
             Request::Status => Ok(json!({
                 "pid": std::process::id(),
-                "state": vm.run_state(),
+                "state": vm.reported_state(),
                 "postcopy_paused": self.paused.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| p.reason.clone()),
                 "vcpus": vm.config().vcpus,
                 "mem_bytes": vm.config().mem_bytes,
@@ -353,7 +353,7 @@ impl VmControl {
                 Err(msg)
             }
             Err(e @ E::InDoubt(_)) => Err(format!("migration outcome unknown: {e}")),
-            Err(e @ E::PostcopyBroken { .. }) => Err(e.to_string()),
+            Err(e @ (E::PostcopyBroken { .. } | E::VerifyAfterSwitch { .. })) => Err(e.to_string()),
             Err(e) => Err(format!("migration failed, the VM keeps running here: {e}")),
         }
     }

@@ -73,7 +73,7 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
         "gauge",
         "1 while the VM's vCPUs run on this host.",
         &one(f64::from(u8::from(
-            vm.run_state() == crate::RunState::Running,
+            vm.reported_state() == crate::ReportedState::Running,
         ))),
     );
     if let Ok(m) = vm.metrics() {

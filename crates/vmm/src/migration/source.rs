@@ -192,11 +192,14 @@ pub fn migrate(
 }
 
 /// Whether the VM goes on running here after a migration failed this way
-/// (not after a postcopy switch, nor when the outcome is unknown).
+/// (not after a postcopy switch, nor when the outcome is unknown, nor when
+/// verification failed once the destination had started it).
 fn runs_here_after(e: &MigrationError) -> bool {
     !matches!(
         e,
-        MigrationError::InDoubt(_) | MigrationError::PostcopyBroken { .. }
+        MigrationError::InDoubt(_)
+            | MigrationError::PostcopyBroken { .. }
+            | MigrationError::VerifyAfterSwitch { .. }
     )
 }
 

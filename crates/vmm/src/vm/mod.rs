@@ -35,7 +35,7 @@ use crate::timeline::{Sampled, Watch};
 use crate::vstate::dirty::DirtyLog;
 
 pub use crate::vstate::exit::VmExit;
-pub use crate::vstate::run_control::{RunState, VmShared};
+pub use crate::vstate::run_control::{ReportedState, RunState, VmShared};
 pub use config::VmConfig;
 pub use error::VmError;
 pub use state::VmState;
@@ -278,8 +278,8 @@ impl Vm {
 
 /// What the timeline reads (it knows no [`Vm`]).
 impl Sampled for Vm {
-    fn run_state(&self) -> RunState {
-        Vm::run_state(self)
+    fn reported_state(&self) -> ReportedState {
+        Vm::reported_state(self)
     }
 
     fn tsc_khz(&self) -> u64 {

@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::{RunState, Vm, VmError};
+use super::{ReportedState, RunState, Vm, VmError};
 use crate::vstate::run_control::THROTTLE_PERIOD;
 
 impl Vm {
@@ -52,6 +52,12 @@ impl Vm {
         self.shared.requested()
     }
 
+    /// What the VM is doing, as reports show it: "waiting" until its
+    /// vCPUs have started, then what they are asked to do.
+    pub fn reported_state(&self) -> ReportedState {
+        reported(self.has_started(), self.run_state())
+    }
+
     /// Slows the guest for auto-converge: every vCPU sits out `pct`% (0-99)
     /// of each 10 ms. A helper thread kicks the vCPUs out of KVM_RUN once per
     /// period while the throttle is on; 0 stops it.
@@ -88,5 +94,34 @@ impl Vm {
             .iter()
             .map(|t| t.load(Ordering::Acquire))
             .collect()
+    }
+}
+
+/// The state reported for a VM whose vCPUs have `started` (or not) and are
+/// asked to be in `run`.
+pub(crate) fn reported(started: bool, run: RunState) -> ReportedState {
+    match (started, run) {
+        (_, RunState::Stopped) => ReportedState::Stopped,
+        (false, _) => ReportedState::Waiting,
+        (true, RunState::Running) => ReportedState::Running,
+        (true, RunState::Paused) => ReportedState::Paused,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vm_whose_vcpus_never_started_is_waiting_whatever_they_are_asked() {
+        assert_eq!(reported(false, RunState::Running), ReportedState::Waiting);
+        assert_eq!(reported(false, RunState::Paused), ReportedState::Waiting);
+        assert_eq!(reported(false, RunState::Stopped), ReportedState::Stopped);
+        assert_eq!(reported(true, RunState::Running), ReportedState::Running);
+        assert_eq!(reported(true, RunState::Paused), ReportedState::Paused);
+        assert_eq!(
+            serde_json::to_value(ReportedState::Waiting).unwrap(),
+            serde_json::json!("waiting")
+        );
     }
 }

@@ -28,6 +28,24 @@ pub enum RunState {
     Stopped,
 }
 
+/// What a VM is doing, as its status, metrics and timelines report it.
+/// Unlike [`RunState`] (what the vCPUs are asked to do), it is never
+/// "running" before the vCPUs have started: a VMM waiting for its incoming
+/// migration runs no guest yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReportedState {
+    /// The vCPUs have not started: the VM waits for its migration (or
+    /// handover) to bring it.
+    Waiting,
+    /// The vCPUs run the guest (perhaps throttled).
+    Running,
+    /// The vCPUs are parked until resumed.
+    Paused,
+    /// The VM has stopped.
+    Stopped,
+}
+
 /// What the VM handle and its vCPU threads wait on each other for (under
 /// [`VmShared`]'s lock, signalled by its condition variable).
 pub(crate) struct Control {
