@@ -561,3 +561,52 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
     );
     let _ = m.0.as_mut().unwrap().wait();
 }
+
+/// A VMM waiting for its migration populates its RAM in the background by
+/// default (status shows how far), stops when a source is admitted, and a
+/// postcopy into it (which discards the pages still to come, and would see
+/// zeros where a late populate refilled them) moves the VM whole.
+#[test]
+fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-mig-prealloc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
+    let wl = "fill:content=worst,mib=96+dirty:rate=32,wss=16";
+    let mut src = spawn(&[
+        "run", "--mem", "256M", "--workload", wl, "--control", &src_sock, "--duration", "60s",
+        "--prealloc", "off",
+    ]);
+    let to = format!("tcp:127.0.0.1:{}", free_port());
+    let mut dst = spawn_incoming(&[
+        "run", "--mem", "256M", "--workload", wl, "--incoming", &to, "--control", &dst_sock,
+        "--duration", "2s",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = wait_status(&dst_sock);
+        assert_eq!(st["state"], "waiting", "{st}");
+        let p = &st["preallocated"];
+        if p["bytes"] == 256u64 << 20 && p["running"] == false {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never preallocated: {st}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    wait_status(&src_sock);
+    std::thread::sleep(Duration::from_millis(1500));
+    let o = ferry(&[
+        "migrate", &src_sock, "--to", &to, "--mode", "postcopy", "--verify", "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(stats["verified_pages"], 256 * 256, "{stats}");
+    let _ = src.wait();
+    let _ = dst.kill();
+    let _ = dst.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -36,6 +36,7 @@ pub fn receive_with_reconnect(
     reconnect_timeout: Duration,
 ) -> Result<DestinationStats, MigrationError> {
     let mut session = DestSession::accept(listener, timeout, vm)?;
+    vm.admitted();
     let direct = DirectSink::new(vm);
     // Pages land straight in memory until a postcopy switch, then through
     // userfaultfd (the plan tells; precopy never switches).

@@ -64,8 +64,9 @@ pub(crate) fn background() {
 }
 
 /// Lowers the calling thread below the push too (the postcopy safety
-/// net's copy: on a host short of CPU the move itself goes first).
-pub(crate) fn lowest() {
+/// net's copy, a waiting VMM's background preallocation: on a host short of
+/// CPU the move itself goes first).
+pub fn lowest() {
     let _ = set_nice(19);
 }
 

@@ -133,6 +133,9 @@ pub trait MigratableVm: Send + Sync {
 pub trait DestinationVm: PageStore {
     /// Number of vCPUs.
     fn vcpus(&self) -> u32;
+    /// A source was admitted: from now on guest memory is the migration's
+    /// (whatever else touched it while the VM waited must stop now).
+    fn admitted(&self) {}
     /// Restores the state `save_state` produced.
     fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError>;
     /// Starts the vCPUs.

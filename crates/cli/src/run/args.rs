@@ -24,6 +24,17 @@ fn parse_mem(s: &str) -> Result<u64, String> {
     parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 512M, 4G)"))
 }
 
+/// When guest RAM is allocated ahead of its first touch (`--prealloc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Prealloc {
+    /// All of it before the VM boots or waits.
+    Now,
+    /// In the background while the VM waits for its migration.
+    Waiting,
+    /// Never ahead: each page on its first touch.
+    Off,
+}
+
 #[derive(clap::Args)]
 #[command(after_help = WORKLOAD_HELP)]
 pub struct RunArgs {
@@ -97,11 +108,15 @@ pub struct RunArgs {
     /// Guest kernel ELF (default: the one built into ferry).
     #[arg(long)]
     pub(super) kernel: Option<PathBuf>,
-    /// Allocate all guest RAM before the VM boots or the migration starts
-    /// (like QEMU's -mem-prealloc): the first touch of host memory then
-    /// happens outside the guest's and the migration's time.
-    #[arg(long)]
-    pub(super) prealloc: bool,
+    /// When to allocate guest RAM ahead of its first touch, which then
+    /// happens outside the guest's and the migration's time: now (before
+    /// the VM boots or waits, like QEMU's -mem-prealloc; a bare --prealloc),
+    /// waiting (a VMM waiting with --incoming populates it in the background
+    /// until a source arrives, leaving the host a reserve of free memory),
+    /// or off.
+    #[arg(long, value_enum, default_value_t = Prealloc::Waiting, num_args = 0..=1,
+          default_missing_value = "now")]
+    pub(super) prealloc: Prealloc,
     /// KVM asynchronous page faults for the guest: on, or off (the guest
     /// is not told of the feature, so a vCPU waits out every host fault).
     #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]

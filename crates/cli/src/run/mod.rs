@@ -28,6 +28,7 @@ use ferry_vmm::{Vm, VmConfig};
 
 use crate::format;
 use access::access_config;
+use args::Prealloc;
 pub use args::RunArgs;
 use drive::drive;
 use front::Carried;
@@ -135,7 +136,10 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             eprintln!("ferry: metrics at {scheme}://{got}/metrics");
         }
     }
-    if args.prealloc {
+    if args.prealloc == Prealloc::Waiting && args.incoming.is_some() {
+        vm.prealloc_in_background();
+    }
+    if args.prealloc == Prealloc::Now {
         let t = Instant::now();
         vm.prealloc().context("cannot preallocate guest RAM")?;
         if !quiet {

@@ -193,6 +193,9 @@ impl ControlHandler for VmControl {
                 "split": vm.pager_stats(),
                 "access": vm.access().status(),
                 "incoming": vm.waiting(),
+                "preallocated": vm.preallocated().map(|(bytes, running)| json!({
+                    "bytes": bytes, "running": running,
+                })),
                 "token": vm.waiting().and_then(|w| w.token),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),

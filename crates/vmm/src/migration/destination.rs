@@ -46,6 +46,13 @@ impl DestinationVm for Vm {
         self.config().vcpus
     }
 
+    /// Guest memory is the migration's now: the background preallocation
+    /// stops (a postcopy discards pages it must not see populated again).
+    fn admitted(&self) {
+        let bytes = self.stop_prealloc();
+        tracing::info!(bytes, "a source was admitted; preallocated while waiting");
+    }
+
     /// Restores the state, then counts this migration on the guest's host
     /// info page, so the guest can tell it runs here from its first
     /// instruction here on.

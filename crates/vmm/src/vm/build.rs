@@ -157,6 +157,7 @@ impl Vm {
             loaded: AtomicBool::new(false),
             started: Mutex::new(None),
             data_before_prealloc: Mutex::new(None),
+            background_prealloc: Default::default(),
             watch: Default::default(),
             pager: Mutex::new(None),
             pager_final: Mutex::new(None),

@@ -15,6 +15,7 @@ mod build;
 pub mod config;
 pub mod error;
 mod lifecycle;
+mod prealloc;
 mod run_control;
 pub mod state;
 
@@ -56,6 +57,9 @@ pub struct Vm {
     started: Mutex<Option<Instant>>,
     /// Per region, what held data when `prealloc` populated the rest.
     data_before_prealloc: Mutex<Option<Vec<DataRanges>>>,
+    /// Guest RAM being populated in the background while the VM waits for
+    /// its migration (`prealloc.rs`).
+    background_prealloc: prealloc::Slot,
     /// The migration being recorded, if any (timeline and metrics).
     watch: Watch,
     /// A split VM's remote paging (on its main host), kept while it runs.
@@ -199,40 +203,6 @@ impl Vm {
     /// Guest memory.
     pub fn memory(&self) -> &Arc<GuestMemory> {
         &self.memory
-    }
-
-    /// Populates every page of guest RAM now (`--prealloc`: the first touch
-    /// of host memory then costs nothing later). What held data before is
-    /// remembered: the rest is known to read as zeros.
-    pub fn prealloc(&self) -> Result<(), ferry_memory::RegionError> {
-        let before = self
-            .memory
-            .regions()
-            .iter()
-            .map(|r| r.data_ranges())
-            .collect();
-        for r in self.memory.regions() {
-            r.populate(0, r.size())?;
-        }
-        *self
-            .data_before_prealloc
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(before);
-        Ok(())
-    }
-
-    /// What held data in region `index` when `prealloc` populated the rest
-    /// with zeros (None without preallocation). Only an incoming migration
-    /// writes a waiting VM (besides its service ring), and it receives at
-    /// most one: a failed migration ends the destination VMM.
-    pub fn data_before_prealloc(&self, index: usize) -> Option<Vec<(u64, u64)>> {
-        let before = self
-            .data_before_prealloc
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        before
-            .as_ref()
-            .map(|ranges| ranges.get(index).cloned().unwrap_or_default())
     }
 
     /// The RAM layout.
