@@ -6,9 +6,11 @@ same run (the machines are shared and noisy; compare within a run).
 A VM holds --fill-mib MiB of incompressible pages (`fill:content=worst`) and
 migrates over loopback, uncompressed, with each bulk stream count of
 --streams; the figure is round 0's wire rate. The destination runs with
---prealloc, and once more without it (one stream): the first touch of fresh
-host memory runs at ~0.4-1 GB/s on this machine, so without it the
-destination's page faults, not the copy, set the pace.
+--prealloc now; once with default settings (default streams; since session
+40 a waiting destination preallocates in the background); and once with
+--prealloc off (one stream): the first touch of fresh host memory runs at
+~0.4-1 GB/s on this machine, so without preallocation the destination's
+page faults, not the copy, set the pace.
 
 Results: bench/results/throughput.{json,md}.
 
@@ -71,29 +73,34 @@ def free_port():
     return p
 
 
-def migrate_once(ferry, mem, mib, prealloc, tmp, streams=1):
+def migrate_once(ferry, mem, mib, prealloc, tmp, streams=1, env=None, flags=()):
+    """Round 0's rate and the migration's figures; `prealloc` is the
+    destination's --prealloc (None: its default), `streams` the source's
+    --streams (None: its default); `env` and `flags` carry the security."""
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     benchlib.fresh(src_sock, dst_sock)
     port = free_port()
     wl = f"fill:content=worst,mib={mib}"
     common = ["--mem", mem, "--vcpus", "1", "--workload", wl]
-    src = subprocess.Popen([ferry, "run", *common, "--control", src_sock, "--duration", "120s", "-q"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    dst = subprocess.Popen([ferry, "run", *common, "--incoming", f"tcp:127.0.0.1:{port}", "--control", dst_sock,
-                            "--duration", "1s"] + (["--prealloc"] if prealloc else []),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    src = subprocess.Popen([ferry, *flags, "run", *common, "--control", src_sock, "--duration", "120s", "-q"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    dst = subprocess.Popen([ferry, *flags, "run", *common, "--incoming", f"tcp:127.0.0.1:{port}", "--control",
+                            dst_sock, "--duration", "1s"] + (["--prealloc", prealloc] if prealloc else []),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     # The destination says when it listens (after preallocating, if asked).
     for line in dst.stderr:
         if "waiting for an incoming migration" in line:
             break
     threading.Thread(target=dst.stderr.read, daemon=True).start()
     time.sleep(1.5 + mib / 150)  # fill writes ~150 MiB/s at worst
-    out = subprocess.run([ferry, "migrate", src_sock, "--to", f"tcp:127.0.0.1:{port}", "--streams", str(streams), "--json"],
-                         capture_output=True, text=True)
+    streams = ["--streams", str(streams)] if streams else []
+    out = subprocess.run([ferry, *flags, "migrate", src_sock, "--to", f"tcp:127.0.0.1:{port}", *streams,
+                          "--json"], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        benchlib.reap(src, dst)
+        sys.exit(f"migration failed: {out.stderr}")
     src.wait(timeout=60)
     dst.wait(timeout=60)
-    if out.returncode != 0:
-        sys.exit(f"migration failed: {out.stderr}")
     m = json.loads(out.stdout)
     return m["rounds"][0]["throughput"], m
 
@@ -111,10 +118,21 @@ def main():
     ap.add_argument("--streams", default="1,2,3", help="bulk stream counts to measure (with --prealloc)")
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target", "release", "ferry"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "throughput"))
+    ap.add_argument("--insecure", action="store_true", help="plaintext links (default: mutual TLS, as ferry's)")
     a = ap.parse_args()
+    # Mutual TLS, as by default: a fleet of one host made here.
+    flags = ("--insecure",) if a.insecure else ()
+    env = dict(os.environ)
+    if not a.insecure:
+        fleet = tempfile.mkdtemp(prefix="ferry-throughput-fleet-")
+        benchlib.sh(a.ferry, "pki", "init", "--dir", f"{fleet}/ca")
+        benchlib.sh(a.ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
+                    "--out", f"{fleet}/host", "--san", "127.0.0.1")
+        env["FERRY_TLS_DIR"] = f"{fleet}/host"
+    sec = dict(env=env, flags=flags)
     counts = [int(x) for x in a.streams.split(",")]
     tmp = tempfile.mkdtemp()
-    tcp, cold, tcp_cpu, cold_cpu = [], [], [], []
+    tcp, cold, tcp_cpu, cold_cpu, dflt, dflt_cpu = [], [], [], [], [], []
     pre = {n: [] for n in counts}
     pre_cpu = {n: [] for n in counts}
     for i in range(a.runs):
@@ -122,15 +140,19 @@ def main():
         tcp.append(rate)
         tcp_cpu.append(cpu)
         for n in counts:
-            rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, True, tmp, n)
+            rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, "now", tmp, n, **sec)
             pre[n].append(rate)
             pre_cpu[n].append(cpu_per_gib(m))
-        rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, False, tmp)
+        rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, None, tmp, None, **sec)
+        dflt.append(rate)
+        dflt_cpu.append(cpu_per_gib(m))
+        rate, m = migrate_once(a.ferry, a.mem, a.fill_mib, "off", tmp, **sec)
         cold.append(rate)
         cold_cpu.append(cpu_per_gib(m))
-        print(f"run {i + 1}: tcp {tcp[-1] / 2**20:.0f} MiB/s, round 0 with --prealloc "
+        print(f"run {i + 1}: tcp {tcp[-1] / 2**20:.0f} MiB/s, round 0 with --prealloc now "
               + ", ".join(f"{n} stream(s) {pre[n][-1] / 2**20:.0f}" for n in counts)
-              + f" MiB/s, without (1 stream) {cold[-1] / 2**20:.0f} MiB/s", flush=True)
+              + f" MiB/s, default settings {dflt[-1] / 2**20:.0f} MiB/s"
+              + f", --prealloc off (1 stream) {cold[-1] / 2**20:.0f} MiB/s", flush=True)
     med = statistics.median
     ratio = {n: med(p / t for p, t in zip(pre[n], tcp)) for n in counts}
     cores = os.cpu_count() or 1
@@ -144,6 +166,8 @@ def main():
            "round0_prealloc": {str(n): pre[n] for n in counts},
            "cpu_s_per_gib_prealloc": {str(n): pre_cpu[n] for n in counts},
            "round0_cold": cold, "cpu_s_per_gib_cold": cold_cpu,
+           "round0_default": dflt, "cpu_s_per_gib_default": dflt_cpu,
+           "ratio_default": med(d / t for d, t in zip(dflt, tcp)),
            "ratio_prealloc": {str(n): ratio[n] for n in counts},
            "ratio_cold": med(c / t for c, t in zip(cold, tcp)),
            "cpu_budget_s_per_gib_for_90pct": budget}
@@ -156,16 +180,19 @@ def main():
     notes = benchlib.kept_notes(a.out + ".md")
     with open(a.out + ".md", "w") as f:
         f.write(f"# Bulk throughput\n\nCommand: `{res['command']}` (after `cargo build --release`)  \n"
-                f"Date: {res['date']}; loopback, no compression; {a.mem} VM holding {a.fill_mib} MiB of "
+                f"Date: {res['date']}; loopback, {'plaintext' if a.insecure else 'mutual TLS'}, "
+                f"no compression; {a.mem} VM holding {a.fill_mib} MiB of "
                 f"incompressible pages; {cores} cores; the measurements alternate, {a.runs} times. "
                 "CPU = seconds of CPU per GiB moved, both ends together (the TCP stream's two threads; "
                 "the two VMMs' migration threads), kernel time included.\n\n"
                 "| what | median MiB/s | runs (MiB/s) | vs TCP stream (median of per-run ratios) | CPU s/GiB |\n"
                 "|---|---|---|---|---|\n"
                 + row("one plain TCP stream (python, 1 MiB writes)", tcp, 1.0, tcp_cpu)
-                + "".join(row(f"precopy round 0, {n} bulk stream(s), destination --prealloc", pre[n], ratio[n],
-                              pre_cpu[n]) for n in counts)
-                + row("precopy round 0, 1 bulk stream, destination cold", cold, res["ratio_cold"], cold_cpu)
+                + "".join(row(f"precopy round 0, {n} bulk stream(s), destination --prealloc now", pre[n],
+                              ratio[n], pre_cpu[n]) for n in counts)
+                + row("precopy round 0, default settings", dflt, res["ratio_default"], dflt_cpu)
+                + row("precopy round 0, 1 bulk stream, destination --prealloc off", cold, res["ratio_cold"],
+                      cold_cpu)
                 + f"\n90% of the TCP stream with all {cores} cores on the migration allows at most "
                 f"{budget:.2f} CPU s per GiB; the TCP stream alone costs {med(tcp_cpu):.2f}.\n" + notes)
     print(f"wrote {a.out}.md and .json")

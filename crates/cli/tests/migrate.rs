@@ -578,13 +578,31 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
     let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
     let wl = "fill:content=worst,mib=96+dirty:rate=32,wss=16";
     let mut src = spawn(&[
-        "run", "--mem", "256M", "--workload", wl, "--control", &src_sock, "--duration", "60s",
-        "--prealloc", "off",
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        wl,
+        "--control",
+        &src_sock,
+        "--duration",
+        "60s",
+        "--prealloc",
+        "off",
     ]);
     let to = format!("tcp:127.0.0.1:{}", free_port());
     let mut dst = spawn_incoming(&[
-        "run", "--mem", "256M", "--workload", wl, "--incoming", &to, "--control", &dst_sock,
-        "--duration", "2s",
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        wl,
+        "--incoming",
+        &to,
+        "--control",
+        &dst_sock,
+        "--duration",
+        "2s",
     ]);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::Vm;
-use crate::memory::GuestMemory;
+use ferry_memory::GuestMemory;
 
 /// Populated per step of the background thread.
 const STEP: u64 = 32 << 20;
