@@ -15,6 +15,7 @@ use crate::encoded::CodecSetup;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::mode::SourceMode;
+use crate::options::Mode;
 use crate::paused::Outcome;
 use crate::protocol::Kind;
 use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages, PAGE};
@@ -253,11 +254,21 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         };
         mode.send_round(regions, &last, &[], &mut send)?
     };
-    s.barrier(round, frames)?;
+    // The last round's ack is read after Complete went out (a round trip
+    // less in the pause), except by a copy mode that commits state
+    // elsewhere at Complete (split's stores, gather's pager): its last round
+    // must be known applied before it commits.
+    if matches!(opts.mode, Mode::Precopy | Mode::Hybrid) {
+        s.last_round_done(round, frames)?;
+    } else {
+        s.barrier(round, frames)?;
+    }
     add_round(&mut stats, rs);
-    s.stop_dirty_log()?;
     stats.downtime_parts.last_round = s.lap_ms();
 
+    // (Saving the state on a thread of its own while the last round went
+    // out was tried: on 2 cores it made the pause longer, 1.55 ms against
+    // 1.29 for an idle 1 GiB VM.)
     stats.state_bytes = s.send_state()?;
     stats.bytes += crate::protocol::HEADER as u64 + stats.state_bytes;
     stats.downtime_parts.save_state = s.lap_ms();
@@ -293,6 +304,13 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     let report = s.complete(SourcePhase::Done)?;
     let ms = s.lap_ms();
     s.note_started(&mut stats, &report, ms);
+    // Outside the downtime: the log was read for the last time in the
+    // pause, and a VM that never runs here again needs it off only to free
+    // its bitmaps (switching it off rewrites the memory slots). The move
+    // has succeeded: a failure here is only logged.
+    if let Err(e) = s.stop_dirty_log() {
+        tracing::warn!(error = %e, "the VM moved; stopping its dirty log here failed");
+    }
     stats.destination_cpu_s = report.cpu_s;
     add_encoding(&mut stats, &sender, compressed);
     stats.source_cpu_s = s.cpu_secs();

@@ -40,6 +40,8 @@ use crate::{error::MigrationError, protocol::ProtocolError};
 
 /// Buffers between two stages.
 const DEPTH: usize = 3;
+/// A round of at most this many pages is sent from the calling thread.
+const INLINE_PAGES: u64 = 256;
 
 /// One batch on its way through the stages.
 #[derive(Default)]
@@ -203,6 +205,12 @@ impl PageSender {
         if let Some(h) = &self.hashes {
             holes.iter().for_each(|&run| h.set_zero(run));
         }
+        // A round this small (an idle VM's stop-and-copy) goes out from this
+        // thread, stream after stream: starting threads would cost more than
+        // sending it, and in the pause every microsecond counts. Its CPU is
+        // then this thread's, which the session counts already.
+        let inline = total_pages(runs) <= INLINE_PAGES;
+        let counted_by_caller = CpuMeter::default();
         let ctx = RoundCtx {
             regions,
             round,
@@ -212,7 +220,7 @@ impl PageSender {
             crc_at_fetch: !self.compressed,
             sealed: self.may_seal && conns.iter().all(|c| c.writer_seals()),
             pacer: Pacer::new(self.bandwidth),
-            cpu,
+            cpu: if inline { &counted_by_caller } else { cpu },
             pages: AtomicU64::new(0),
             zero: AtomicU64::new(0),
             bytes: AtomicU64::new(hole_bytes),
@@ -232,21 +240,30 @@ impl PageSender {
         } else {
             Work::Shared(Mutex::new(group(runs).into_iter()))
         };
-        let results: Vec<Result<u64, MigrationError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = conns
+        let results: Vec<Result<u64, MigrationError>> = if inline {
+            conns
                 .iter_mut()
                 .zip(self.streams.iter_mut())
                 .enumerate()
-                .map(|(i, (conn, st))| {
-                    let (ctx, work) = (&ctx, &work);
-                    s.spawn(move || run_stream(ctx, conn.writer(), st, work, i, n))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(Ok(0)))
+                .map(|(i, (conn, st))| run_stream(&ctx, conn.writer(), st, &work, i, n))
                 .collect()
-        });
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = conns
+                    .iter_mut()
+                    .zip(self.streams.iter_mut())
+                    .enumerate()
+                    .map(|(i, (conn, st))| {
+                        let (ctx, work) = (&ctx, &work);
+                        s.spawn(move || run_stream(ctx, conn.writer(), st, work, i, n))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or(Ok(0)))
+                    .collect()
+            })
+        };
         let mut frames = Vec::with_capacity(n);
         for (i, r) in results.into_iter().enumerate() {
             frames.push(r.map_err(|e| MigrationError::Stream {

@@ -45,9 +45,23 @@ pub(crate) struct SourceSession<'a> {
     pub(crate) t_start: Instant,
     /// Live figures for watchers (the VM's, or a private one).
     pub(crate) tel: std::sync::Arc<Telemetry>,
+    /// The last round's ack, not read yet ([`SourceSession::last_round_done`]).
+    unacked: Option<u32>,
     /// A verified precopy with a v12 peer: every page's hash as it was
     /// sent (`crate::verify`).
     pub(crate) sent_hashes: Option<std::sync::Arc<crate::verify::PageHashes>>,
+}
+
+/// Checks that an ack is for `round`.
+fn check_ack(ack: u32, round: u32) -> Result<(), MigrationError> {
+    if ack != round {
+        return Err(ProtocolError::Malformed {
+            kind: Kind::RoundAck,
+            reason: format!("ack for round {ack}, expected {round}"),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// A fresh session id: random, so a stranger cannot guess it (it ties a
@@ -85,6 +99,7 @@ impl<'a> SourceSession<'a> {
             clients_ms: 0.0,
             cpu: CpuMeter::default(),
             sent_hashes: None,
+            unacked: None,
             ctl_cpu0: thread_cpu_secs(),
             t_start,
             tel: vm.telemetry().unwrap_or_default(),
@@ -333,8 +348,13 @@ impl<'a> SourceSession<'a> {
     /// Pauses the vCPUs (resumed by [`SourceSession::conclude`] on failure)
     /// and starts the downtime clock.
     pub(crate) fn pause(&mut self) -> Result<(), MigrationError> {
+        // The guest stops at the first kick: the downtime counts from here,
+        // parking the vCPUs included.
+        let asked = Instant::now();
         self.vm.pause().map_err(MigrationError::vm("pause"))?;
-        self.enter(SourcePhase::Paused)
+        self.enter(SourcePhase::Paused)?;
+        self.state.pause_asked_at(asked);
+        Ok(())
     }
 
     /// The one place the source changes phase: checked against the rule,
@@ -378,16 +398,24 @@ impl<'a> SourceSession<'a> {
     /// destination has applied it (so a later copy of a page can never be
     /// overtaken by an earlier one).
     pub(crate) fn barrier(&mut self, round: u32, frames: Vec<u64>) -> Result<(), MigrationError> {
-        let ctl = self.ctl()?;
-        ctl.send(Kind::RoundDone, &RoundDone { round, frames })?;
-        let ack: u32 = ctl.recv(Kind::RoundAck)?;
-        if ack != round {
-            return Err(ProtocolError::Malformed {
-                kind: Kind::RoundAck,
-                reason: format!("ack for round {ack}, expected {round}"),
-            }
-            .into());
-        }
+        self.ctl()?
+            .send(Kind::RoundDone, &RoundDone { round, frames })?;
+        let ack: u32 = self.ctl()?.recv(Kind::RoundAck)?;
+        check_ack(ack, round)
+    }
+
+    /// Ends the last round without waiting for its ack: the destination
+    /// applies a round before it reads what follows, and starts the VM
+    /// only after, so State and Complete may go out at once (a round trip
+    /// less in the pause). [`SourceSession::complete`] reads the ack.
+    pub(crate) fn last_round_done(
+        &mut self,
+        round: u32,
+        frames: Vec<u64>,
+    ) -> Result<(), MigrationError> {
+        self.ctl()?
+            .send(Kind::RoundDone, &RoundDone { round, frames })?;
+        self.unacked = Some(round);
         Ok(())
     }
 
@@ -495,8 +523,26 @@ impl<'a> SourceSession<'a> {
         }
         let version = self.version;
         self.enter(SourcePhase::Completing)?;
+        let unacked = self.unacked.take();
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
+        if let Some(round) = unacked {
+            // The last round's ack comes first; the destination applied it
+            // before it could start the VM.
+            match protocol::read_frame(ctl.reader()) {
+                Ok(f) if f.kind == Kind::RoundAck => {
+                    check_ack(protocol::decode(&f, Kind::RoundAck)?, round)?
+                }
+                Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
+                Ok(f) => {
+                    return Err(MigrationError::InDoubt(format!(
+                        "the destination answered the last round with {:?}",
+                        f.kind
+                    )))
+                }
+                Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
+            }
+        }
         let frame = match protocol::read_frame(ctl.reader()) {
             Ok(f) if f.kind == Kind::Started => f,
             Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),

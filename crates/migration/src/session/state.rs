@@ -202,6 +202,15 @@ impl SourceState {
         Ok(())
     }
 
+    /// The pause was asked for at `at` (before the vCPUs were parked and
+    /// Paused entered): the downtime and its first part count from there.
+    pub(crate) fn pause_asked_at(&mut self, at: Instant) {
+        if self.phase == SourcePhase::Paused {
+            self.paused_at = Some(at);
+            self.lap_mark = Some(at);
+        }
+    }
+
     /// When the VM was paused here (None before).
     pub(crate) fn paused_at(&self) -> Option<Instant> {
         self.paused_at
@@ -338,6 +347,26 @@ mod tests {
 
     fn abort() -> MigrationError {
         ProtocolError::Aborted("no room".into()).into()
+    }
+
+    #[test]
+    fn the_downtime_counts_from_the_pause_request_parking_included() {
+        use SourcePhase::*;
+        let asked = Instant::now();
+        std::thread::sleep(Duration::from_millis(20)); // the vCPUs park
+        let mut s = at(&[Copying, Paused]);
+        s.pause_asked_at(asked);
+        assert!(
+            s.lap_ms() >= 20.0,
+            "the first part (pause) holds the parking"
+        );
+        s.enter(Completing).unwrap();
+        s.enter(Done).unwrap();
+        assert!(s.downtime().unwrap() >= Duration::from_millis(20));
+        // Only while paused: a stray call later moves nothing.
+        let before = s.downtime();
+        s.pause_asked_at(Instant::now());
+        assert_eq!(s.downtime(), before);
     }
 
     #[test]
