@@ -91,6 +91,14 @@ def migrate_once(ferry, env, security, mem, workload, settle, extra=(), full=Fal
             if ws and all(w["tasks_done"] >= w["tasks"] for w in ws if w["spec"].startswith("fill")):
                 break
             time.sleep(0.2)
+        # The destination preallocates its RAM while it waits (the default
+        # since session 40); a migration that started before that ended
+        # would pay the rest of the first touches, whichever its security.
+        while time.time() < deadline:
+            pre = (benchlib.status(ferry, dst) or {}).get("preallocated") or {}
+            if not pre.get("running"):
+                break
+            time.sleep(0.2)
         time.sleep(settle)
         out = subprocess.run([ferry, *flags, "migrate", src, "--to", f"tcp:127.0.0.1:{port}",
                               "--json", "--no-timeline", *extra],

@@ -49,6 +49,9 @@ pub enum Suite {
     /// with and without it alternating run by run; --old BINARY runs an
     /// earlier build beside.
     Verify,
+    /// A precopy's downtime and its parts (idle and random VMs); --old
+    /// BINARY runs an earlier build beside, alternating.
+    Downtime,
     /// Draining a host through its agent (8 VMs x 1 GiB over a 1 Gbit link
     /// at concurrency 1, 2, 4) against the link's limit, and upgrading a
     /// host in place.
@@ -85,6 +88,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Split => "split.py",
         Suite::Tls => "tls.py",
         Suite::Verify => "verify.py",
+        Suite::Downtime => "downtime.py",
         Suite::Drain => "drain.py",
     });
     if !script.exists() {

@@ -562,10 +562,11 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
     let _ = m.0.as_mut().unwrap().wait();
 }
 
-/// A VMM waiting for its migration populates its RAM in the background by
-/// default (status shows how far), stops when a source is admitted, and a
-/// postcopy into it (which discards the pages still to come, and would see
-/// zeros where a late populate refilled them) moves the VM whole.
+/// A VMM waiting for its migration with --prealloc waiting populates its
+/// RAM in the background (status shows how far), stops when a source is
+/// admitted, and a postcopy into it (which discards the pages still to
+/// come, and would see zeros where a late populate refilled them) moves the
+/// VM whole.
 #[test]
 fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -603,6 +604,8 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
         &dst_sock,
         "--duration",
         "2s",
+        "--prealloc",
+        "waiting",
     ]);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

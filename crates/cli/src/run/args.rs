@@ -112,9 +112,10 @@ pub struct RunArgs {
     /// happens outside the guest's and the migration's time: now (before
     /// the VM boots or waits, like QEMU's -mem-prealloc; a bare --prealloc),
     /// waiting (a VMM waiting with --incoming populates it in the background
-    /// until a source arrives, leaving the host a reserve of free memory),
-    /// or off.
-    #[arg(long, value_enum, default_value_t = Prealloc::Waiting, num_args = 0..=1,
+    /// until a source arrives, leaving the host a reserve of free memory;
+    /// a postcopy into it then discards it all in its pause, 250 ms per GiB
+    /// here, so it is not the default yet), or off.
+    #[arg(long, value_enum, default_value_t = Prealloc::Off, num_args = 0..=1,
           default_missing_value = "now")]
     pub(super) prealloc: Prealloc,
     /// KVM asynchronous page faults for the guest: on, or off (the guest

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""A precopy's downtime and its parts, this build against an earlier one
+(--old), alternating run by run on loopback with mutual TLS (the default):
+
+- idle: an idle --idle-mem VM;
+- random: --fill-mib MiB of random pages in a --mem VM (a few pages left
+  for the pause).
+
+The parts are `ferry migrate --json`'s downtime_parts (pause: parking the
+vCPUs, counted since session 40; last round; state; destination: Complete
+to Started). Results: bench/results/downtime.{json,md}.
+
+Usage: python3 bench/downtime.py [--runs 3] [--old PATH] [--mem 2G] [--fill-mib 1024] [--idle-mem 1G]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import benchlib
+import tls
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("pause", "last_round", "save_state", "destination")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--mem", default="2G")
+    ap.add_argument("--fill-mib", type=int, default=1024)
+    ap.add_argument("--idle-mem", default="1G")
+    ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
+    ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
+    a = ap.parse_args()
+    fleet = tempfile.mkdtemp(prefix="ferry-downtime-fleet-")
+    benchlib.sh(a.ferry, "pki", "init", "--dir", f"{fleet}/ca")
+    benchlib.sh(a.ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
+                "--out", f"{fleet}/host", "--san", "127.0.0.1")
+    env = dict(os.environ, FERRY_TLS_DIR=f"{fleet}/host")
+    env.pop("FERRY_INSECURE", None)
+    builds = {"new": a.ferry}
+    if a.old:
+        builds["old"] = a.old
+    cases = {"idle": (a.idle_mem, "idle"),
+             "random": (a.mem, f"fill:content=worst,mib={a.fill_mib}")}
+    runs = {c: {b: [] for b in builds} for c in cases}
+    errors = []
+    for i in range(a.runs):
+        for case, (mem, wl) in cases.items():
+            order = list(builds) if i % 2 == 0 else list(reversed(builds))
+            for b in order:
+                try:
+                    r = tls.migrate_once(builds[b], env, "tls", mem, wl, 1.0, full=True)
+                    parts = r.pop("stats")["downtime_parts"]
+                    r.update({p: parts.get(p, 0.0) for p in PARTS})
+                    runs[case][b].append(r)
+                    print(f"run {i + 1} {case} {b}: {r}", file=sys.stderr)
+                except Exception as e:  # noqa: BLE001 - a failed run is recorded, not fatal
+                    errors.append(f"run {i + 1} {case} {b}: {e}")
+                    print(errors[-1], file=sys.stderr)
+    res = {c: {b: benchlib.medians(rs) for b, rs in by.items() if rs} for c, by in runs.items()}
+    out_dir = os.path.join(ROOT, "bench/results")
+    benchlib.write_json(os.path.join(out_dir, "downtime.json"),
+                        {"command": benchlib.recorded_command("downtime.py"), "runs": runs,
+                         "medians": res, "errors": errors}, indent=1)
+    lines = ["# A precopy's downtime and its parts", "",
+             f"Command: `{benchlib.recorded_command('downtime.py')}` (loopback, TLS, this machine: "
+             f"2 cores, PVM). Medians of {a.runs}; builds alternated run by run. Times in ms; the "
+             "pause part (parking the vCPUs) is counted only since session 40.", "",
+             "| case | build | downtime | pause | last round | state | destination | runs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for case in cases:
+        for b in builds:
+            m = res[case].get(b)
+            if m:
+                each = ", ".join(f"{r['downtime_ms']:.2f}" for r in runs[case][b])
+                lines.append(f"| {case} | {b} | {m['downtime_ms']:.2f} | {m['pause']:.2f} | "
+                             f"{m['last_round']:.2f} | {m['save_state']:.2f} | "
+                             f"{m['destination']:.2f} | {each} |")
+    if errors:
+        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    benchlib.write_md(os.path.join(out_dir, "downtime.md"), lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
