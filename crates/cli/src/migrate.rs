@@ -443,7 +443,15 @@ fn print_table(to: &str, s: &MigrationStats) {
         "downtime     {:.2} ms  (pause {:.2}, last round {:.2}, state {:.2}, verify {:.2}, clients {:.2}, destination {:.2})",
         s.downtime_ms, d.pause, d.last_round, d.save_state, d.verify, d.clients, d.destination
     );
-    if s.verified_pages > 0 && d.verify_share() > 0.0 {
+    if s.verified_pages > 0 && s.verify_after_ms > 0.0 {
+        // v12: pages were hashed as they went and landed; the pause only
+        // compared digests, and this side's memory was checked afterwards.
+        println!(
+            "             of which --verify {:.2} ms (digests of what was sent and what landed); this side's memory was checked against what it sent after the VM started there ({:.1} ms, outside the downtime)",
+            d.verify_share(),
+            s.verify_after_ms
+        );
+    } else if s.verified_pages > 0 && d.verify_share() > 0.0 {
         println!(
             "             of which --verify {:.2} ms (source {:.2}, destination {:.2}): both sides hash the paused memory, inside the downtime; without --verify about {:.2} ms",
             d.verify_share(),
