@@ -371,6 +371,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_requests_bandwidth_reads_back_exactly_after_it_is_written() {
+        // Found by fuzz/agent_api: serde_json's fast float parsing read
+        // 125000000.5555555555550 one step off the value its own shortest
+        // form reads as, so a Send written back did not read as itself.
+        let line = br#"{"op":"send","name":"web","to":"tcp:10.77.0.2:41234","token":"00112233445566778899aabbccddeeff","mode":"hybrid","verify":true,"postcopy_after":"1|20s","bandwidth":125000000.5555555555550}"#;
+        let req = parse_request(line).unwrap();
+        let again = serde_json::to_vec(&req).unwrap();
+        assert_eq!(parse_request(&again).unwrap(), req);
+    }
+
+    #[test]
     fn requests_read_back_and_names_that_could_escape_are_refused() {
         let r = Request::Send {
             name: "web-1".into(),
