@@ -150,6 +150,19 @@ def report(out, say=lambda err: err):
     return json.loads(out.stdout)
 
 
+def tls_env(ferry, name):
+    """The environment of a bench whose VMMs speak mutual TLS, as by
+    default: a fleet of one host (127.0.0.1) made in a fresh directory."""
+    import tempfile
+    fleet = tempfile.mkdtemp(prefix=f"ferry-{name}-fleet-")
+    sh(ferry, "pki", "init", "--dir", f"{fleet}/ca")
+    sh(ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
+       "--out", f"{fleet}/host", "--san", "127.0.0.1")
+    env = dict(os.environ, FERRY_TLS_DIR=f"{fleet}/host")
+    env.pop("FERRY_INSECURE", None)
+    return env
+
+
 def status(ferry, sock):
     """`ferry status --json --metrics` of the VM at `sock`, or None when
     it does not answer."""

@@ -122,13 +122,7 @@ def main():
     a = ap.parse_args()
     # Mutual TLS, as by default: a fleet of one host made here.
     flags = ("--insecure",) if a.insecure else ()
-    env = dict(os.environ)
-    if not a.insecure:
-        fleet = tempfile.mkdtemp(prefix="ferry-throughput-fleet-")
-        benchlib.sh(a.ferry, "pki", "init", "--dir", f"{fleet}/ca")
-        benchlib.sh(a.ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
-                    "--out", f"{fleet}/host", "--san", "127.0.0.1")
-        env["FERRY_TLS_DIR"] = f"{fleet}/host"
+    env = dict(os.environ) if a.insecure else benchlib.tls_env(a.ferry, "throughput")
     sec = dict(env=env, flags=flags)
     counts = [int(x) for x in a.streams.split(",")]
     tmp = tempfile.mkdtemp()

@@ -126,12 +126,7 @@ def main():
     ap.add_argument("--idle-mem", default="1G")
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
     a = ap.parse_args()
-    fleet = tempfile.mkdtemp(prefix="ferry-tls-fleet-")
-    benchlib.sh(a.ferry, "pki", "init", "--dir", f"{fleet}/ca")
-    benchlib.sh(a.ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
-                "--out", f"{fleet}/host", "--san", "127.0.0.1")
-    env = dict(os.environ, FERRY_TLS_DIR=f"{fleet}/host")
-    env.pop("FERRY_INSECURE", None)
+    env = benchlib.tls_env(a.ferry, "tls")
     cases = {
         "random": (a.mem, f"fill:content=worst,mib={a.fill_mib}", 1.0, ()),
         "idle": (a.idle_mem, "idle", 1.0, ()),

@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 import benchlib
 import tls
@@ -49,12 +48,7 @@ def main():
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
     ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
     a = ap.parse_args()
-    fleet = tempfile.mkdtemp(prefix="ferry-verify-fleet-")
-    benchlib.sh(a.ferry, "pki", "init", "--dir", f"{fleet}/ca")
-    benchlib.sh(a.ferry, "pki", "issue", "bench-host", "--dir", f"{fleet}/ca",
-                "--out", f"{fleet}/host", "--san", "127.0.0.1")
-    env = dict(os.environ, FERRY_TLS_DIR=f"{fleet}/host")
-    env.pop("FERRY_INSECURE", None)
+    env = benchlib.tls_env(a.ferry, "verify")
     builds = {"new": a.ferry}
     if a.old:
         builds["old"] = a.old

@@ -94,14 +94,7 @@ pub fn verify_digests(regions: &[RegionView], f: &Frame) -> Result<u64, Migratio
         r.read(r.gpa(), &mut data);
         landed.set_pages(pages, &data);
     }
-    let theirs: Vec<u64> = crate::protocol::decode(f, crate::protocol::Kind::VerifyDigests)?;
-    landed
-        .compare(&theirs)
-        .map_err(|m| MigrationError::VerifyLanded {
-            digests: m.digests,
-            total: m.total,
-            first: m.first,
-        })
+    landed.check_digests(f)
 }
 
 /// What a postcopy source's demand thread did.

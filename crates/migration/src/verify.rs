@@ -20,9 +20,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+use crate::error::MigrationError;
 use crate::memory::{HashMismatch, RegionView};
 use crate::postcopy::pages::PageIndex;
-use crate::protocol::page_hash;
+use crate::protocol::{page_hash, Frame, Kind};
 use crate::ranges::{GpaPages, PAGE};
 use crate::sink::{InPlace, PageSink, SinkError};
 
@@ -133,6 +134,19 @@ impl PageHashes {
                 first: self.index.gpa_of(i as u64 * DIGEST_PAGES),
             }),
         }
+    }
+
+    /// Holds a VerifyDigests frame from the peer against this side's
+    /// digests; the pages covered, or the refusal that names the first
+    /// stretch that differs.
+    pub(crate) fn check_digests(&self, f: &Frame) -> Result<u64, MigrationError> {
+        let theirs: Vec<u64> = crate::protocol::decode(f, Kind::VerifyDigests)?;
+        self.compare(&theirs)
+            .map_err(|m| MigrationError::VerifyLanded {
+                digests: m.digests,
+                total: m.total,
+                first: m.first,
+            })
     }
 
     /// Hashes `regions` (this side's memory, frozen) page by page against

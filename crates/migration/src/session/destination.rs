@@ -306,15 +306,7 @@ impl<'a> DestSession<'a> {
                         }
                         .into());
                     };
-                    let theirs: Vec<u64> = protocol::decode(&f, Kind::VerifyDigests)?;
-                    stats.verified_pages =
-                        landed
-                            .compare(&theirs)
-                            .map_err(|m| MigrationError::VerifyLanded {
-                                digests: m.digests,
-                                total: m.total,
-                                first: m.first,
-                            })?;
+                    stats.verified_pages = landed.check_digests(&f)?;
                     stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
                 }
                 Kind::Complete => {
