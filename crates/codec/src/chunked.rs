@@ -81,6 +81,26 @@ fn payload_len(header: u16) -> Option<usize> {
     }
 }
 
+/// The chunk-cache references of a dedup page payload, read ahead of
+/// decoding so their cache lines can be fetched together. Stops at the first
+/// header or length that does not parse; [`decode_page`] reports it.
+pub(crate) fn dedup_refs(src: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    let (heads, body) = src.split_at_checked(CHUNK_HEADERS).unwrap_or_default();
+    let mut at = 0;
+    heads
+        .chunks_exact(2)
+        .map_while(move |head| {
+            let header = u16::from_le_bytes([head[0], head[1]]);
+            let start = at;
+            at += payload_len(header)?;
+            Some((header, body.get(start..at)?))
+        })
+        .filter_map(|(header, payload)| match (header, payload) {
+            (HDR_DEDUP_REF, &[a, b, c, d]) => Some(u32::from_le_bytes([a, b, c, d])),
+            _ => None,
+        })
+}
+
 /// Decodes a chunked page payload into `out`. Verbatim chunks are copied here;
 /// every other chunk goes to `decode(chunk, header, payload, out)`, which
 /// rejects headers its method does not use. The headers must account for the

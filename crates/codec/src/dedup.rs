@@ -1,6 +1,7 @@
 //! dedup: 256-byte chunks found in the chunk cache travel as 4-byte references.
 
 use crate::error::CodecError;
+use crate::prefetch::prefetch;
 use crate::sets::{alloc, sets_for, SetState};
 use crate::sizes::CHUNK;
 
@@ -81,6 +82,25 @@ impl ChunkCache {
         let way = self.way_of(hash, chunk)?;
         // set * 2 + way < 2 * MAX_SETS = 2^32.
         u32::try_from(self.set_of(hash) * 2 + way).ok()
+    }
+
+    /// Starts loading what a lookup or touch of `hash` will read (its set's
+    /// hashes and both ways' chunks), so a page's 16 chunks miss together.
+    pub fn prefetch(&self, hash: u32) {
+        let slot = self.set_of(hash) * 2;
+        if let Some(hashes) = self.hashes.get(slot..slot + 2) {
+            prefetch(hashes);
+        }
+        for chunk in self.chunks.get(slot..slot + 2).into_iter().flatten() {
+            prefetch(chunk);
+        }
+    }
+
+    /// Starts loading the chunk a reference points at.
+    pub fn prefetch_index(&self, index: u32) {
+        if let Some(chunk) = usize::try_from(index).ok().and_then(|i| self.chunks.get(i)) {
+            prefetch(chunk);
+        }
     }
 
     /// The chunk a reference points at; `None` when out of range or empty.

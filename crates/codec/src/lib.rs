@@ -17,6 +17,7 @@ mod error;
 mod method;
 mod page;
 mod parse;
+mod prefetch;
 pub mod rle;
 mod sets;
 mod sizes;

@@ -8,7 +8,7 @@ use crate::dedup::ChunkCache;
 use crate::error::{ChunkError, CodecError};
 use crate::method::{CacheSizes, Method, PageCodec, ZSTD_LEVELS};
 use crate::page::{chunk_at, chunks, is_zero_page, pages, pages_mut};
-use crate::sizes::{MAX_BATCH_PAGES, PAGE};
+use crate::sizes::{CHUNKS_PER_PAGE, MAX_BATCH_PAGES, PAGE};
 use crate::xbzrle::PageCache;
 use crate::{rle, superfasthash, xbzrle};
 
@@ -222,7 +222,11 @@ impl StreamEncoder {
         for page in pages(data) {
             out.page(page, |p, buf| {
                 let first = hashes.len();
-                hashes.extend(chunks(p).map(|c| superfasthash::hash(c)));
+                let page_hashes = superfasthash::hash_chunks(p);
+                for &hash in &page_hashes {
+                    cache.prefetch(hash);
+                }
+                hashes.extend(page_hashes);
                 let mut page_hashes = hashes[first..].iter();
                 chunked::encode_page(p, buf, |_, chunk, _| {
                     match page_hashes.next().and_then(|&h| cache.lookup(h, chunk)) {
@@ -234,12 +238,16 @@ impl StreamEncoder {
             });
         }
         // ...then every chunk of every non-Zero page touches it in batch order.
-        let mut next_hash = hashes.iter();
+        let mut next_hash = hashes.chunks_exact(CHUNKS_PER_PAGE);
         for (page, &codec) in pages(data).zip(&out.codecs) {
             if codec == PageCodec::Zero {
                 continue;
             }
-            for (chunk, &hash) in chunks(page).zip(&mut next_hash) {
+            let page_hashes = next_hash.next().unwrap_or_default();
+            for &hash in page_hashes {
+                cache.prefetch(hash);
+            }
+            for (chunk, &hash) in chunks(page).zip(page_hashes) {
                 cache.touch(hash, chunk);
             }
         }
@@ -426,6 +434,11 @@ impl StreamDecoder {
                     })?
                 }
                 PageCodec::Dedup => {
+                    if let Some(cache) = dedup_cache {
+                        for index in chunked::dedup_refs(src) {
+                            cache.prefetch_index(index);
+                        }
+                    }
                     chunked::decode_page(pos, src, dst, |chunk, header, body, d| {
                         if header != HDR_DEDUP_REF {
                             return Err(chunk_error(pos, chunk, ChunkError::BadHeader(header)));
@@ -500,8 +513,12 @@ impl StreamDecoder {
                         if codec == PageCodec::Zero {
                             continue;
                         }
-                        for chunk in chunks(page) {
-                            cache.touch(superfasthash::hash(chunk), chunk);
+                        let hashes = superfasthash::hash_chunks(page);
+                        for &hash in &hashes {
+                            cache.prefetch(hash);
+                        }
+                        for (chunk, hash) in chunks(page).zip(hashes) {
+                            cache.touch(hash, chunk);
                         }
                     }
                 }

@@ -87,7 +87,7 @@ fn rle_vectors() {
     assert_eq!(enc(rle::encode_chunk, &ramp), None);
     // Ramp with step 2 starting at 0xFE: wrapping deltas stay 2.
     let mut out = [0u8; CHUNK];
-    let wrap: [u8; CHUNK] = std::array::from_fn(|i| 0xfe_u8.wrapping_add(2 * i as u8));
+    let wrap: [u8; CHUNK] = std::array::from_fn(|i| 0xfe_u8.wrapping_add((2 * i) as u8));
     let mut d = [0u8; CHUNK];
     rle::delta(&wrap, &mut d);
     assert_eq!(&d[..3], &[0xfe, 0x02, 0x02]);
@@ -131,6 +131,28 @@ fn superfasthash_vectors() {
     assert_eq!(superfasthash::hash(&[0u8; 256]), 0xbc3f_b0f0);
     let ramp: [u8; 256] = std::array::from_fn(|i| i as u8);
     assert_eq!(superfasthash::hash(&ramp), 0xe4ee_f917);
+}
+
+#[test]
+fn a_pages_chunk_hashes_taken_side_by_side_are_each_chunks_hash() {
+    // Chunks of every kind: zero, a ramp, bytes with the top bit set, random.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let page: [u8; ferry_codec::PAGE] = std::array::from_fn(|i| match i / CHUNK % 4 {
+        0 => 0,
+        1 => i as u8,
+        2 => 0x80 | (i / 7) as u8,
+        _ => {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 56) as u8
+        }
+    });
+    let side_by_side = superfasthash::hash_chunks(&page);
+    for (i, chunk) in page.chunks_exact(CHUNK).enumerate() {
+        assert_eq!(side_by_side[i], superfasthash::hash(chunk), "chunk {i}");
+    }
+    assert_eq!(side_by_side[0], 0xbc3f_b0f0);
 }
 
 #[test]
