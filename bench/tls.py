@@ -58,9 +58,12 @@ def warm_memory(mib):
             os.unlink(path)
 
 
-def migrate_once(ferry, env, security, mem, workload, settle, extra=(), full=False):
+def migrate_once(ferry, env, security, mem, workload, settle, extra=(), full=False, dst_extra=(),
+                 old_dst=None):
     """One source and destination on loopback, migrated once: the
-    `ferry migrate --json` figures (with `full`, all of them as "stats")."""
+    `ferry migrate --json` figures (with `full`, all of them as "stats").
+    `dst_extra` goes to the destination's `ferry run`; `old_dst` runs the
+    destination with another build."""
     # The page cache of earlier builds makes whichever VM pair comes first
     # reclaim it (0.5-0.7 s for 2 x 2 GiB here); dropped before each, as
     # root, so both modes start from the same free memory.
@@ -76,8 +79,9 @@ def migrate_once(ferry, env, security, mem, workload, settle, extra=(), full=Fal
     common = [ferry, *flags, "run", "--mem", mem, "--vcpus", "2", "--workload", workload, "--quiet"]
     s = subprocess.Popen(common + ["--control", src, "--duration", "300s"], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t = subprocess.Popen(common + ["--control", dst, "--duration", "5s",
-                                   "--incoming", f"tcp:127.0.0.1:{port}"], env=env,
+    dst_common = [old_dst or ferry, *common[1:]]
+    t = subprocess.Popen(dst_common + ["--control", dst, "--duration", "5s",
+                                       "--incoming", f"tcp:127.0.0.1:{port}", *dst_extra], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         benchlib.wait_for(src, dst)
@@ -91,8 +95,8 @@ def migrate_once(ferry, env, security, mem, workload, settle, extra=(), full=Fal
             if ws and all(w["tasks_done"] >= w["tasks"] for w in ws if w["spec"].startswith("fill")):
                 break
             time.sleep(0.2)
-        # The destination preallocates its RAM while it waits (the default
-        # since session 40); a migration that started before that ended
+        # A destination that preallocates its RAM while it waits is given
+        # the time to finish; a migration that started before that ended
         # would pay the rest of the first touches, whichever its security.
         while time.time() < deadline:
             pre = (benchlib.status(ferry, dst) or {}).get("preallocated") or {}

@@ -67,10 +67,12 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         Kind::RoundAck | Kind::TimelineAsk => drop(decode::<u32>(&f)),
-        Kind::StoreSync | Kind::GatherReady | Kind::StandbyHeld => drop(decode::<u64>(&f)),
+        Kind::StoreSync | Kind::GatherReady | Kind::StandbyHeld | Kind::SwitchReady => {
+            let _ = decode::<u64>(&f);
+        }
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
         Kind::StandbyBeat => {}
-        Kind::HashAsk => drop(decode::<bool>(&f)),
+        Kind::HashAsk | Kind::SwitchAhead => drop(decode::<bool>(&f)),
         Kind::VerifyDigests => {
             // This side's memory is zero: only digests of zero pages (0
             // each, one per 16 MiB) may pass.

@@ -42,7 +42,7 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
 
 /// The message kinds in wire order (1..=40), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 40] = [
+    const KINDS: [Kind; 42] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
@@ -83,6 +83,8 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::StandbyBeat,
         Kind::HashAsk,
         Kind::VerifyDigests,
+        Kind::SwitchAhead,
+        Kind::SwitchReady,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }

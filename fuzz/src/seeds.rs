@@ -148,6 +148,8 @@ fn messages() -> Vec<(Kind, Vec<u8>)> {
         (Kind::TimelineAsk, enc(&500u32)),
         (Kind::HashAsk, enc(&true)),
         (Kind::VerifyDigests, enc(&vec![0u64; 2])),
+        (Kind::SwitchAhead, enc(&true)),
+        (Kind::SwitchReady, enc(&(256u64 << 20))),
         (
             Kind::Timeline,
             ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),

@@ -52,6 +52,10 @@ pub enum Suite {
     /// A precopy's downtime and its parts (idle and random VMs); --old
     /// BINARY runs an earlier build beside, alternating.
     Downtime,
+    /// The destination's RAM populated ahead of the stream (`--prealloc off`
+    /// and `waiting`) under precopy and postcopy: speed, downtime, memory
+    /// given back; --old BINARY runs an earlier build beside.
+    Prealloc,
     /// Draining a host through its agent (8 VMs x 1 GiB over a 1 Gbit link
     /// at concurrency 1, 2, 4) against the link's limit, and upgrading a
     /// host in place.
@@ -90,6 +94,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Verify => "verify.py",
         Suite::Downtime => "downtime.py",
         Suite::Drain => "drain.py",
+        Suite::Prealloc => "prealloc.py",
     });
     if !script.exists() {
         bail!(

@@ -460,6 +460,12 @@ fn print_table(to: &str, s: &MigrationStats) {
             (s.downtime_ms - d.verify_share()).max(0.0)
         );
     }
+    if s.destination_released_bytes > 0 {
+        println!(
+            "             the destination gave back {} it had populated ahead, before the first page (this mode may switch, which needs the pages still to come missing)",
+            format::bytes(s.destination_released_bytes as f64)
+        );
+    }
     if let Some(c) = &s.clients {
         if c.moved {
             println!(

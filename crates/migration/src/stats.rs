@@ -83,6 +83,11 @@ pub struct MigrationStats {
     /// Gather: what the destination pulled from the memory servers.
     #[serde(default)]
     pub gather: Option<GatherStats>,
+    /// Guest RAM the destination had populated ahead of the stream and
+    /// gave back at the opening, before any page landed, because this
+    /// migration may switch to postcopy or split (protocol v13).
+    #[serde(default)]
+    pub destination_released_bytes: u64,
 }
 
 /// What a gather pulled from the memory servers.

@@ -136,6 +136,13 @@ pub trait DestinationVm: PageStore {
     /// A source was admitted: from now on guest memory is the migration's
     /// (whatever else touched it while the VM waited must stop now).
     fn admitted(&self) {}
+    /// The source may switch to postcopy or split, which need the pages
+    /// still to come missing: memory populated ahead of the stream (and
+    /// holding no data) is given back now, before any page lands. Returns
+    /// the bytes given back.
+    fn release_prealloc(&self) -> Result<u64, VmOpError> {
+        Ok(0)
+    }
     /// Restores the state `save_state` produced.
     fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError>;
     /// Starts the vCPUs.

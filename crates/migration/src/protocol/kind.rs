@@ -107,6 +107,13 @@ pub enum Kind {
     /// v12, in the pause: the digests of the pages' hashes as they were
     /// sent (`Vec<u64>`), for the destination to hold against its own.
     VerifyDigests = 40,
+    /// v13, source to destination after HashAsk: this migration may switch
+    /// to postcopy or split (`bool`).
+    SwitchAhead = 41,
+    /// v13, the destination's answer to a `true` SwitchAhead: memory it had
+    /// populated ahead of the stream is missing again (`u64`, the bytes
+    /// given back).
+    SwitchReady = 42,
 }
 
 impl Kind {
@@ -154,6 +161,8 @@ impl Kind {
             38 => StandbyBeat,
             39 => HashAsk,
             40 => VerifyDigests,
+            41 => SwitchAhead,
+            42 => SwitchReady,
             _ => return None,
         })
     }
@@ -202,6 +211,8 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::StandbyBeat => "StandbyBeat",
         Kind::HashAsk => "HashAsk",
         Kind::VerifyDigests => "VerifyDigests",
+        Kind::SwitchAhead => "SwitchAhead",
+        Kind::SwitchReady => "SwitchReady",
     }
 }
 
@@ -214,14 +225,14 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=40, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 40);
+        // 1..=42, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 42);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(41), None);
+        assert_eq!(Kind::from_u16(43), None);
     }
 
     #[test]
@@ -245,5 +256,6 @@ mod tests {
         assert_eq!(Kind::GatherReady as u16, 34);
         assert_eq!(Kind::StandbyPlan as u16, 36);
         assert_eq!(Kind::VerifyDigests as u16, 40);
+        assert_eq!(Kind::SwitchReady as u16, 42);
     }
 }

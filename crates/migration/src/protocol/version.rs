@@ -14,7 +14,7 @@ use super::{Hello, ProtocolError};
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 12;
+pub const VERSION_MAX: u16 = 13;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -52,6 +52,13 @@ pub const VERSION_STANDBY: u16 = 11;
 /// VerifyDigests in the pause instead of Verify): no pass over memory in
 /// the pause (`crate::verify`).
 pub const VERSION_LANDED_HASHES: u16 = 12;
+/// The first version where the source says at the opening whether it may
+/// switch to postcopy or split (SwitchAhead after HashAsk), and a
+/// destination that populated its memory ahead of the stream gives that
+/// back before answering (SwitchReady): such a switch needs the pages
+/// still to come missing, and punching populated ones out in the pause
+/// cost about 250 ms a GiB.
+pub const VERSION_SWITCH_AHEAD: u16 = 13;
 
 /// Picks the version both sides speak, or says why there is none.
 pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
@@ -82,7 +89,8 @@ mod tests {
 
     #[test]
     fn overlapping_ranges_pick_the_highest_common_version() {
-        assert_eq!(negotiate(&hello(1, 12)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 13)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 12)).unwrap(), VERSION_LANDED_HASHES);
         assert_eq!(negotiate(&hello(1, 11)).unwrap(), VERSION_STANDBY);
         assert_eq!(negotiate(&hello(1, 10)).unwrap(), VERSION_SEALED_PAGES);
         assert_eq!(negotiate(&hello(1, 9)).unwrap(), VERSION_TRUST);
@@ -134,6 +142,7 @@ mod tests {
             VERSION_SEALED_PAGES,
             VERSION_STANDBY,
             VERSION_LANDED_HASHES,
+            VERSION_SWITCH_AHEAD,
         ];
         assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
         assert!(features

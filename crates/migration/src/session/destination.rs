@@ -178,6 +178,17 @@ impl<'a> DestSession<'a> {
         if self.version >= protocol::VERSION_LANDED_HASHES {
             self.hash_landed = self.ctl.recv(Kind::HashAsk)?;
         }
+        if self.version >= protocol::VERSION_SWITCH_AHEAD {
+            let ahead: bool = self.ctl.recv(Kind::SwitchAhead)?;
+            if ahead {
+                // No page has landed yet: nothing given back here is data.
+                let released = vm
+                    .release_prealloc()
+                    .map_err(MigrationError::vm("give back memory populated ahead"))?;
+                self.tel.event("released", format!("{released} bytes"));
+                self.ctl.send(Kind::SwitchReady, &released)?;
+            }
+        }
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;

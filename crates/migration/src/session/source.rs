@@ -50,6 +50,9 @@ pub(crate) struct SourceSession<'a> {
     /// A verified precopy with a v12 peer: every page's hash as it was
     /// sent (`crate::verify`).
     pub(crate) sent_hashes: Option<std::sync::Arc<crate::verify::PageHashes>>,
+    /// Memory the destination had populated ahead and gave back at the
+    /// opening, because this migration may switch (v13 SwitchReady).
+    released_ahead: u64,
 }
 
 /// Checks that an ack is for `round`.
@@ -99,6 +102,7 @@ impl<'a> SourceSession<'a> {
             clients_ms: 0.0,
             cpu: CpuMeter::default(),
             sent_hashes: None,
+            released_ahead: 0,
             unacked: None,
             ctl_cpu0: thread_cpu_secs(),
             t_start,
@@ -252,6 +256,21 @@ impl<'a> SourceSession<'a> {
             if hash {
                 let table = crate::verify::PageHashes::new(&self.regions);
                 self.sent_hashes = Some(std::sync::Arc::new(table));
+            }
+        }
+        if self.version >= protocol::VERSION_SWITCH_AHEAD {
+            use crate::options::Mode;
+            // These modes need the pages still to come missing at the
+            // destination when they switch; it makes them so now, while the
+            // guest still runs here, instead of in the pause.
+            let ahead = matches!(self.opts.mode, Mode::Postcopy | Mode::Hybrid | Mode::Split);
+            self.ctl()?.send(Kind::SwitchAhead, &ahead)?;
+            if ahead {
+                self.released_ahead = self.ctl()?.recv(Kind::SwitchReady)?;
+                tracing::info!(
+                    bytes = self.released_ahead,
+                    "destination gave back memory populated ahead"
+                );
             }
         }
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
@@ -592,6 +611,7 @@ impl<'a> SourceSession<'a> {
         parts.destination_verify = report.verify_ms.min(parts.destination);
         stats.clients = self.clients.clone();
         stats.destination_service = report.service.clone();
+        stats.destination_released_bytes = self.released_ahead;
     }
 
     /// Host CPU seconds this side used: data threads and this thread.

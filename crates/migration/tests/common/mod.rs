@@ -69,8 +69,8 @@ pub fn insecure() {
 }
 
 /// What a source sends after HelloAck, as the engine's source does: the
-/// token, the memory layout of `regions` (one vCPU), no clients plan, and
-/// a timeline ask of 0. For tests that play a source by hand.
+/// token, the memory layout of `regions` (one vCPU), no clients plan, a
+/// timeline ask of 0, and no switch ahead. For tests that play a source by hand.
 pub fn send_opening(
     c: &mut ferry_migration::transport::Conn,
     token: Option<&str>,
@@ -97,4 +97,6 @@ pub fn send_opening_hashing(
         .unwrap();
     c.send(Kind::TimelineAsk, &0u32).unwrap();
     c.send(Kind::HashAsk, &hash).unwrap();
+    // No switch to postcopy announced, so no SwitchReady to wait for.
+    c.send(Kind::SwitchAhead, &false).unwrap();
 }

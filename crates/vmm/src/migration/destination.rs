@@ -53,6 +53,17 @@ impl DestinationVm for Vm {
         tracing::info!(bytes, "a source was admitted; preallocated while waiting");
     }
 
+    fn release_prealloc(&self) -> Result<u64, VmOpError> {
+        let t = std::time::Instant::now();
+        let bytes = Vm::release_prealloc(self)?;
+        tracing::info!(
+            bytes,
+            ms = t.elapsed().as_millis() as u64,
+            "gave back memory populated ahead"
+        );
+        Ok(bytes)
+    }
+
     /// Restores the state, then counts this migration on the guest's host
     /// info page, so the guest can tell it runs here from its first
     /// instruction here on.

@@ -9,12 +9,14 @@
 //!   (from then on the memory is the migration's: a postcopy discards the
 //!   pages still to come and must not see them populated again). It leaves
 //!   the host a reserve of free memory (a split VM's main host has no room
-//!   for all of it), so it may stop early. Not the default: a postcopy
-//!   discards every page still to come at its switch, in the pause, and
-//!   punching out a populated GiB took 250 ms there (session 40).
+//!   for all of it), so it may stop early.
 //!
 //! Either way what held data before is remembered: the rest is known to
-//! read as zeros (`data_before_prealloc`).
+//! read as zeros (`data_before_prealloc`). A source that may switch to
+//! postcopy or split says so at the opening (protocol v13), and the
+//! destination gives back what it populated before any page lands
+//! (`release_prealloc`), so the switch finds those pages missing without
+//! punching them out in the pause.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,8 +45,37 @@ impl Vm {
         self.remember_data();
         for r in self.memory.regions() {
             r.populate(0, r.size())?;
+            self.background_prealloc
+                .bytes
+                .fetch_add(r.size(), Ordering::AcqRel);
         }
         Ok(())
+    }
+
+    /// Stops any preallocation and gives back what it populated: every
+    /// page that held no data before it and is not the service ring (which
+    /// the device may write) becomes a hole again, so an incoming postcopy
+    /// finds it missing. Only for a VM no migration has written yet.
+    /// Returns the bytes populated ahead (0 without preallocation).
+    pub fn release_prealloc(&self) -> Result<u64, ferry_memory::RegionError> {
+        let populated = self.stop_prealloc();
+        if populated == 0 {
+            return Ok(0);
+        }
+        let ring = crate::migration::service_ring(self);
+        for (i, r) in self.memory.regions().iter().enumerate() {
+            let mut keep = self.data_before_prealloc(i).unwrap_or_default();
+            keep.extend(ring.iter().filter_map(|g| {
+                let start = g.gpa.max(r.gpa());
+                let end = (g.gpa + g.bytes).min(r.gpa() + r.size());
+                (start < end).then(|| (start - r.gpa(), end - start))
+            }));
+            for (offset, len) in gaps(r.size(), keep) {
+                r.punch_hole(offset, len)?;
+            }
+        }
+        self.background_prealloc.bytes.store(0, Ordering::Release);
+        Ok(populated)
     }
 
     /// Starts populating guest RAM on a background thread until all of it
@@ -154,6 +185,24 @@ fn populate_until(memory: &GuestMemory, stop: &AtomicBool, done: &AtomicU64) {
     }
 }
 
+/// The parts of `0..size` outside every `keep` range (offset, length).
+fn gaps(size: u64, mut keep: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    keep.sort_unstable();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (offset, len) in keep {
+        let offset = offset.min(size);
+        if offset > at {
+            out.push((at, offset - at));
+        }
+        at = at.max(offset.saturating_add(len).min(size));
+    }
+    if at < size {
+        out.push((at, size - at));
+    }
+    out
+}
+
 /// True if the host keeps its reserve after `bytes` more are used (a host
 /// whose /proc/meminfo cannot be read is given the benefit of the doubt).
 fn room_for(bytes: u64) -> bool {
@@ -176,6 +225,17 @@ fn room_for(bytes: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_is_given_back_is_what_no_range_keeps() {
+        assert_eq!(gaps(100, vec![]), vec![(0, 100)]);
+        assert_eq!(gaps(100, vec![(0, 100)]), vec![]);
+        // Unsorted, overlapping, touching and running past the end.
+        assert_eq!(
+            gaps(100, vec![(50, 10), (10, 5), (12, 8), (20, 5), (90, 40)]),
+            vec![(0, 10), (25, 25), (60, 30)]
+        );
+    }
 
     #[test]
     fn the_reserve_is_kept() {
