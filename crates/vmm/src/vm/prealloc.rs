@@ -3,7 +3,7 @@
 //! outside the guest's and the migration's time.
 //!
 //! - `--prealloc now`: all of it before the VM boots or waits.
-//! - `--prealloc waiting` (for a VMM started with --incoming): on a
+//! - `--prealloc waiting` (the default, for a VMM started with --incoming): on a
 //!   background thread at the lowest priority while the VM waits for
 //!   its migration, 32 MiB at a time, stopped when a source is admitted
 //!   (from then on the memory is the migration's: a postcopy discards the
