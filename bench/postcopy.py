@@ -71,6 +71,7 @@ def fault_figures(stats):
         "blocked": f["blocked"],
         "p50_us": f["latency_us"]["p50"],
         "p99_us": f["latency_us"]["p99"],
+        "p999_us": f["latency_us"].get("p999", 0.0),
         "min_exec_ratio": min((b["exec_ratio"] for b in f["series"]), default=1.0),
         "prefetched": p["prefetched_pages"],
     }

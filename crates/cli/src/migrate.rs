@@ -604,8 +604,12 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
     );
     if f.latency_us.count > 0 {
         println!(
-            "  latency    major fault to wake: p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs, mean {:.0} µs",
-            f.latency_us.p50, f.latency_us.p99, f.latency_us.max, f.latency_us.mean
+            "  latency    major fault to wake: p50 {:.0} µs, p99 {:.0} µs, p99.9 {:.0} µs, max {:.0} µs, mean {:.0} µs",
+            f.latency_us.p50,
+            f.latency_us.p99,
+            f.latency_us.p999,
+            f.latency_us.max,
+            f.latency_us.mean
         );
     }
     let worst = f.series.iter().map(|b| b.exec_ratio).fold(1.0f64, f64::min);

@@ -255,6 +255,9 @@ pub struct Latency {
     pub p50: f64,
     /// 99th percentile.
     pub p99: f64,
+    /// 99.9th percentile.
+    #[serde(default)]
+    pub p999: f64,
     /// Largest.
     pub max: f64,
     /// Mean.
@@ -273,6 +276,7 @@ impl Latency {
             count: v.len() as u64,
             p50: at(0.5),
             p99: at(0.99),
+            p999: at(0.999),
             max: v[v.len() - 1],
             mean: v.iter().sum::<f64>() / v.len() as f64,
         }
@@ -486,5 +490,20 @@ impl CpuMeter {
     /// Total in seconds.
     pub(crate) fn secs(&self) -> f64 {
         self.0.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_percentiles_are_the_sorted_samples_at_their_ranks() {
+        // 1..=1000 in reverse: the rank of q is round(999 q).
+        let l = Latency::of((1..=1000).rev().map(f64::from).collect());
+        assert_eq!(l.count, 1000);
+        assert_eq!((l.p50, l.p99, l.p999, l.max), (501.0, 990.0, 999.0, 1000.0));
+        assert_eq!(l.mean, 500.5);
+        assert_eq!(Latency::of(Vec::new()), Latency::default());
     }
 }
