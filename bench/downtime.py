@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--idle-mem", default="1G", help="idle VM sizes, a comma list")
     ap.add_argument("--no-random", action="store_true", help="only the idle cases")
     ap.add_argument("--out", default="downtime", help="results name under bench/results/")
+    ap.add_argument("--dst-prealloc", help="the destination's --prealloc (default: its default)")
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
     ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
     a = ap.parse_args()
@@ -51,7 +52,8 @@ def main():
             order = list(builds) if i % 2 == 0 else list(reversed(builds))
             for b in order:
                 try:
-                    r = tls.migrate_once(builds[b], env, "tls", mem, wl, 1.0, full=True)
+                    dst = ("--prealloc", a.dst_prealloc) if a.dst_prealloc else ()
+                    r = tls.migrate_once(builds[b], env, "tls", mem, wl, 1.0, full=True, dst_extra=dst)
                     parts = r.pop("stats")["downtime_parts"]
                     r.update({p: parts.get(p, 0.0) for p in PARTS})
                     runs[case][b].append(r)

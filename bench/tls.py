@@ -48,7 +48,15 @@ def warm_memory(mib):
     This machine is itself a guest (PVM): a page its kernel has never
     handed out costs the host a fault on first touch, so a VM pair that
     came after a smaller one ran 0.4-1.2 s slower whichever its security.
-    Written first, the pages the pair gets are ones the host has backed."""
+    Written first, the pages the pair gets are ones the host has backed.
+    Never more than the host has free less 2 GiB (a 16 GiB pair asks for
+    more than the host has: filling it stalled the whole machine)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(l.split()[1]) for l in f if l.startswith("MemAvailable:")) // 1024
+        mib = max(0, min(mib, avail - 2048))
+    except (OSError, StopIteration, ValueError):
+        pass
     path = "/dev/shm/ferry-tls-bench-warm"
     try:
         subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}",

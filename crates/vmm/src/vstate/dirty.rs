@@ -218,7 +218,13 @@ impl DirtyLog {
             }
         }
         let mut mine = pending[who.index()].replace(Vec::new()).unwrap_or_default();
-        or_into(&mut mine, &new);
+        if mine.iter().all(Vec::is_empty) {
+            // Nothing pending (the usual case): KVM's answer is the result,
+            // without a fresh zeroed copy to OR it into.
+            mine = new;
+        } else {
+            or_into(&mut mine, &new);
+        }
         // Same shape as KVM's answer even when nothing was pending.
         Ok(mine)
     }

@@ -113,19 +113,30 @@ pub fn clear_dirty_log(vm: &VmFd, memory: &GuestMemory, bits: &[Vec<u64>]) -> Re
             continue;
         }
         let pages = region.size() / ferry_memory::PAGE_SIZE;
-        // KVM reads num_pages/64 words (rounded up) from the bitmap.
-        let mut bitmap = words.clone();
-        bitmap.resize(pages.div_ceil(64) as usize, 0);
+        // KVM reads num_pages/64 words (rounded up) from the bitmap, and
+        // writes none. A bitmap of KVM's own shape (what a read of the log
+        // returns) goes as it is: copying it meant a fresh buffer, whose
+        // first touches cost more than the rest of the call (in the pause).
+        let words_needed = pages.div_ceil(64) as usize;
+        let mut padded;
+        let bitmap: &[u64] = if words.len() >= words_needed {
+            words
+        } else {
+            padded = words.clone();
+            padded.resize(words_needed, 0);
+            &padded
+        };
         let mut arg = kvm_clear_dirty_log {
             slot: slot as u32,
             num_pages: pages as u32,
             first_page: 0,
             ..Default::default()
         };
-        arg.__bindgen_anon_1.dirty_bitmap = bitmap.as_mut_ptr().cast();
+        arg.__bindgen_anon_1.dirty_bitmap = bitmap.as_ptr().cast_mut().cast();
         // SAFETY: KVM_CLEAR_DIRTY_LOG takes a kvm_clear_dirty_log, whose
-        // bitmap pointer covers num_pages bits: `bitmap` holds
-        // ceil(pages/64) words and outlives the call; the fd is the VM's.
+        // bitmap pointer covers num_pages bits: `bitmap` holds at least
+        // ceil(pages/64) words and outlives the call; KVM only reads it
+        // (copy_from_user); the fd is the VM's.
         let r = unsafe { libc::ioctl(vm.as_raw_fd(), KVM_CLEAR_DIRTY_LOG as _, &mut arg) };
         if r < 0 {
             return Err(KvmError::Ioctl {
