@@ -29,8 +29,7 @@ fn parse_mem(s: &str) -> Result<u64, String> {
 pub enum Prealloc {
     /// All of it before the VM boots or waits.
     Now,
-    /// In the background while the VM waits for its migration (the default;
-    /// nothing for a VM that does not wait).
+    /// In the background while the VM waits for its migration.
     Waiting,
     /// Never ahead: each page on its first touch.
     Off,
@@ -112,11 +111,13 @@ pub struct RunArgs {
     /// When to allocate guest RAM ahead of its first touch, which then
     /// happens outside the guest's and the migration's time: now (before
     /// the VM boots or waits, like QEMU's -mem-prealloc; a bare --prealloc),
-    /// waiting (the default: a VMM waiting with --incoming populates it in
-    /// the background until a source arrives, leaving the host a reserve of
-    /// free memory; a source that may switch to postcopy or split has it
-    /// given back before its first page), or off.
-    #[arg(long, value_enum, default_value_t = Prealloc::Waiting, num_args = 0..=1,
+    /// waiting (a VMM waiting with --incoming populates it in the background
+    /// until a source arrives, leaving the host a reserve of free memory;
+    /// a source that may switch to postcopy or split has it given back
+    /// before its first page), or off. Not the default: a 16 GiB
+    /// destination populated down to the reserve brought multi-ms stalls
+    /// into the pause (bench/results/downtime-sizes.md).
+    #[arg(long, value_enum, default_value_t = Prealloc::Off, num_args = 0..=1,
           default_missing_value = "now")]
     pub(super) prealloc: Prealloc,
     /// KVM asynchronous page faults for the guest: on, or off (the guest
