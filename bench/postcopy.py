@@ -22,7 +22,7 @@ the destination before its vCPUs start). Cells: push limit (`ferry migrate
 --bandwidth`, which paces the background push but never holds back demand
 answers: "none", or e.g. 100M so faults, not the push, bring most pages) x
 RTT x APF. Per run: each task's time and their mean; per cell the median
-over --runs. Results: bench/results/postcopy-memtouch.{json,md}.
+over --runs. Results: bench/results/postcopy-memtouch.{json,md} (--memtouch-out names others).
 
 Needs root (network namespaces), /dev/kvm and userfaultfd. --local runs both
 VMMs and the proxy on this host's loopback instead of in the lab (`ferry lab
@@ -192,12 +192,12 @@ def run_memtouch(ferry, a, rtts, port, out):
 def write_memtouch(a, cells, out):
     command = benchlib.recorded_command("postcopy.py")
     spec = memtouch_spec(a.memtouch_tasks, a.memtouch_mib)
-    benchlib.write_json(os.path.join(out, "postcopy-memtouch.json"),
+    benchlib.write_json(os.path.join(out, f"{a.memtouch_out}.json"),
                         {"command": command, "workload": spec, "mem": a.mem, "vcpus": a.memtouch_vcpus,
                          "link": "loopback" if a.local else "lab veth",
                          "prefetch": a.memtouch_prefetch, "push_limits": a.memtouch_push.split(","),
                          "cells": cells}, indent=1)
-    md = os.path.join(out, "postcopy-memtouch.md")
+    md = os.path.join(out, f"{a.memtouch_out}.md")
     lines = [
         "# Postcopy: memtouch after the switch, APF on and off",
         "",
@@ -212,15 +212,16 @@ def write_memtouch(a, cells, out):
         "Task columns: the fastest to the slowest task of a run, each the median over the runs.",
         "",
         "| push limit | added RTT | APF | " + " | ".join(f"task {i + 1} s" for i in range(a.memtouch_tasks))
-        + " | mean s | downtime ms | postcopy s | faults | absorbed by APF | stopped a vCPU | p50 µs |",
-        "|---|---|---|" + "---|" * a.memtouch_tasks + "---|---|---|---|---|---|---|",
+        + " | mean s | downtime ms | postcopy s | faults | absorbed by APF | stopped a vCPU | p50 µs | p99 µs | p99.9 µs |",
+        "|---|---|---|" + "---|" * a.memtouch_tasks + "---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         m = c["median"]
         lines.append(
             f"| {c['push']} | {c['rtt_ms']} ms | {c['apf']} | " + " | ".join(f"{t:.2f}" for t in m["task_s"])
             + f" | {m['mean_s']:.2f} | {m['downtime_ms']:.2f} | {m['postcopy_s']:.2f} | {m['faults']:.0f} | "
-            f"{m['apf_absorbed']:.0f} | {m['blocked']:.0f} | {m['p50_us']:.0f} |")
+            f"{m['apf_absorbed']:.0f} | {m['blocked']:.0f} | {m['p50_us']:.0f} | {m['p99_us']:.0f} | "
+            f"{m.get('p999_us', 0):.0f} |")
     lines += [
         "",
         "Mean task time, APF on against off (the paper: 17.6 s off, 9.8 s on, -44%):",
@@ -251,6 +252,8 @@ def main():
                     help="background push: hold (held while the tasks run, the paper's setting), "
                          "none (unlimited) or a limit (ferry migrate --bandwidth, e.g. 100M)")
     ap.add_argument("--memtouch-vcpus", type=int, default=1, help="the paper's VM had 1 vCPU")
+    ap.add_argument("--memtouch-out", default="postcopy-memtouch",
+                    help="memtouch results name under bench/results/")
     ap.add_argument("--priorities", default="realtime,normal",
                     help="faults section: fault path priorities to compare (realtime, normal)")
     ap.add_argument("--cells", default="on:0,on:8,off:0,off:8",
@@ -284,7 +287,7 @@ def main():
         if not a.local:
             sh(ferry, "lab", "down", check=False)
     if memtouch_cells:
-        print(f"wrote {os.path.join(out, 'postcopy-memtouch.md')}")
+        print(f"wrote {os.path.join(out, a.memtouch_out + '.md')}")
     if cells:
         write_faults(a, cells, out)
 

@@ -55,7 +55,12 @@ impl DestinationVm for Vm {
 
     fn release_prealloc(&self) -> Result<u64, VmOpError> {
         let t = std::time::Instant::now();
-        let bytes = Vm::release_prealloc(self)?;
+        // The service ring is the device's to write, populated or not.
+        let ring: Vec<(u64, u64)> = super::service_ring(self)
+            .iter()
+            .map(|g| (g.gpa, g.bytes))
+            .collect();
+        let bytes = Vm::release_prealloc(self, &ring)?;
         tracing::info!(
             bytes,
             ms = t.elapsed().as_millis() as u64,

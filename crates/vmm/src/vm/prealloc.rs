@@ -56,24 +56,24 @@ impl Vm {
     }
 
     /// Stops any preallocation and gives back what it populated: every
-    /// page that held no data before it and is not the service ring (which
-    /// the device may write) becomes a hole again, so an incoming postcopy
-    /// finds it missing. Only for a VM no migration has written yet.
-    /// Returns the bytes populated ahead (0 without preallocation).
-    pub fn release_prealloc(&self) -> Result<u64, ferry_memory::RegionError> {
+    /// page that held no data before it and lies outside `keep` (guest
+    /// physical (address, length) ranges the VMM may write, such as the
+    /// service ring) becomes a hole again, so an incoming postcopy finds it
+    /// missing. Only for a VM no migration has written yet. Returns the
+    /// bytes populated ahead (0 without preallocation).
+    pub fn release_prealloc(&self, keep: &[(u64, u64)]) -> Result<u64, ferry_memory::RegionError> {
         let populated = self.stop_prealloc();
         if populated == 0 {
             return Ok(0);
         }
-        let ring = crate::migration::service_ring(self);
         for (i, r) in self.memory.regions().iter().enumerate() {
-            let mut keep = self.data_before_prealloc(i).unwrap_or_default();
-            keep.extend(ring.iter().filter_map(|g| {
-                let start = g.gpa.max(r.gpa());
-                let end = (g.gpa + g.bytes).min(r.gpa() + r.size());
+            let mut kept = self.data_before_prealloc(i).unwrap_or_default();
+            kept.extend(keep.iter().filter_map(|&(gpa, len)| {
+                let start = gpa.max(r.gpa());
+                let end = gpa.saturating_add(len).min(r.gpa() + r.size());
                 (start < end).then(|| (start - r.gpa(), end - start))
             }));
-            for (offset, len) in gaps(r.size(), keep) {
+            for (offset, len) in gaps(r.size(), kept) {
                 r.punch_hole(offset, len)?;
             }
         }
