@@ -274,6 +274,9 @@ def main():
     if a.local:
         global SRC, DST
         SRC = DST = LOCAL
+        # Lab hosts get their certificates from `ferry lab up`; on loopback
+        # the VMMs (and everything started from here) use a one-host fleet.
+        os.environ.update(benchlib.tls_env(ferry, "postcopy"))
     else:
         benchlib.lab_up(ferry, 2)
     cells, memtouch_cells = [], []
