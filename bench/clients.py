@@ -11,7 +11,9 @@ to ferry-h2. Configurations:
 - move: this ferry with --vm-address 10.77.0.100: the address and every
   connection move with the VM (TCP_REPAIR) and the source exits;
 - move-tight: the same with `ferry migrate --downtime-ms 2` (precopy
-  iterates until the last round fits 2 ms instead of 10).
+  iterates until the last round fits 2 ms instead of 10);
+- move-raw: move with `ferry migrate --compress none` (what the default
+  `auto` policy's codec choices cost or bring here).
 
 Per run: downtime and its parts (from the migration's own report),
 requests/s in the 5 s before the pause and in the 5 s after the
@@ -76,7 +78,8 @@ def once(ferry, config, tmp, port, lead_s=7.0, load_s=16):
                 raise RuntimeError("kv never served")
             time.sleep(0.1)
         time.sleep(lead_s)
-        tight = ["--downtime-ms", "2"] if config == "move-tight" else []
+        tight = {"move-tight": ["--downtime-ms", "2"],
+                 "move-raw": ["--compress", "none"]}.get(config, [])
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{listen}", "--json", *tight), check=False)
         stats = benchlib.report(m, str.strip)
         try:
@@ -162,7 +165,7 @@ def main():
         kept = [c for c in old.get("cells", []) if c["config"] not in done]
         for c in kept:
             c.setdefault("command", old.get("command", "?"))
-        order = ["before", "forward", "move", "move-tight"]
+        order = ["before", "forward", "move", "move-tight", "move-raw"]
         cells = sorted(kept + cells, key=lambda c: order.index(c["config"]) if c["config"] in order else 99)
     benchlib.write_json(path, {"workload": WORKLOAD, "cells": cells}, indent=1)
     md = os.path.join(out, "clients.md")
