@@ -221,13 +221,12 @@ impl StreamEncoder {
         // Lookups against the cache as it was before the batch...
         for page in pages(data) {
             out.page(page, |p, buf| {
-                let first = hashes.len();
                 let page_hashes = superfasthash::hash_chunks(p);
                 for &hash in &page_hashes {
                     cache.prefetch(hash);
                 }
                 hashes.extend(page_hashes);
-                let mut page_hashes = hashes[first..].iter();
+                let mut page_hashes = page_hashes.iter();
                 chunked::encode_page(p, buf, |_, chunk, _| {
                     match page_hashes.next().and_then(|&h| cache.lookup(h, chunk)) {
                         Some(index) => ChunkOut::Ref(index),

@@ -48,22 +48,25 @@ pub fn encode(src: &[u8; CHUNK], out: &mut [u8; CHUNK]) -> Option<usize> {
 /// Length of the encoding of `src`: one byte per non-zero byte and two per
 /// zero run (runs are maximal: a run of 256 is the whole chunk, so none is split).
 pub fn encoded_len(src: &[u8; CHUNK]) -> usize {
-    // Counts are kept in u8 lanes so the compiler adds 16 bytes at a time; a
-    // half chunk holds at most 128 non-zero bytes, and a chunk at most 128
-    // runs (each but the first follows a non-zero byte), so none wraps.
     let non_zero = non_zero(src);
     if non_zero > MAX_ENCODED {
         return non_zero;
     }
-    // A run starts at a zero byte that is first or follows a non-zero byte.
+    non_zero + 2 * runs(src)
+}
+
+/// Number of zero runs of `src`.
+fn runs(src: &[u8; CHUNK]) -> usize {
+    // Counted in u8 lanes so the compiler adds 16 bytes at a time; a chunk
+    // has at most 128 runs (each but the first follows a non-zero byte), so
+    // the count never wraps. A run starts at a zero byte that is first or follows a non-zero byte.
     let later_starts = src[1..]
         .iter()
         .zip(&src[..CHUNK - 1])
         .fold(0u8, |n, (&b, &prev)| {
             n.wrapping_add(u8::from(b == 0) & u8::from(prev != 0))
         });
-    let runs = usize::from(later_starts) + usize::from(src[0] == 0);
-    non_zero + 2 * runs
+    usize::from(later_starts) + usize::from(src[0] == 0)
 }
 
 /// Whether the encoding of `src` is at most [`MAX_ENCODED`] bytes.
@@ -71,11 +74,13 @@ fn fits(src: &[u8; CHUNK]) -> bool {
     // Runs lie between non-zero bytes, so there are at most non_zero + 1 of
     // them: a sparse chunk (the usual xbzrle delta) fits without counting runs.
     let non_zero = non_zero(src);
-    non_zero + 2 * (non_zero + 1) <= MAX_ENCODED || encoded_len(src) <= MAX_ENCODED
+    non_zero + 2 * (non_zero + 1) <= MAX_ENCODED || non_zero + 2 * runs(src) <= MAX_ENCODED
 }
 
 /// Number of non-zero bytes of `src`.
 fn non_zero(src: &[u8; CHUNK]) -> usize {
+    // Counted in u8 lanes per half chunk (at most 128 each, so no count
+    // wraps), which the compiler adds 16 bytes at a time.
     let (front, back) = src.split_at(CHUNK / 2);
     let count = |half: &[u8]| {
         half.iter()
