@@ -163,6 +163,23 @@ def tls_env(ferry, name):
     return env
 
 
+def add_build_args(ap, root):
+    """--ferry (this build) and --old (an earlier one, run beside it)."""
+    ap.add_argument("--ferry", default=os.path.join(root, "target/release/ferry"))
+    ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
+
+
+def builds_of(a):
+    """The builds to run, by label: "new" (--ferry), and "old" with --old."""
+    return {"new": a.ferry, **({"old": a.old} if a.old else {})}
+
+
+def alternated(builds, run):
+    """The builds' labels in the order run number `run` takes them: each
+    run reverses the last, so neither build always goes first."""
+    return list(builds) if run % 2 == 0 else list(reversed(builds))
+
+
 def status(ferry, sock):
     """`ferry status --json --metrics` of the VM at `sock`, or None when
     it does not answer."""

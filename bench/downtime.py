@@ -34,13 +34,10 @@ def main():
     ap.add_argument("--no-random", action="store_true", help="only the idle cases")
     ap.add_argument("--out", default="downtime", help="results name under bench/results/")
     ap.add_argument("--dst-prealloc", help="the destination's --prealloc (default: its default)")
-    ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
-    ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
+    benchlib.add_build_args(ap, ROOT)
     a = ap.parse_args()
     env = benchlib.tls_env(a.ferry, "downtime")
-    builds = {"new": a.ferry}
-    if a.old:
-        builds["old"] = a.old
+    builds = benchlib.builds_of(a)
     sizes = a.idle_mem.split(",")
     cases = {("idle" if len(sizes) == 1 else f"idle {s}"): (s, "idle") for s in sizes}
     if not a.no_random:
@@ -49,8 +46,7 @@ def main():
     errors = []
     for i in range(a.runs):
         for case, (mem, wl) in cases.items():
-            order = list(builds) if i % 2 == 0 else list(reversed(builds))
-            for b in order:
+            for b in benchlib.alternated(builds, i):
                 try:
                     dst = ("--prealloc", a.dst_prealloc) if a.dst_prealloc else ()
                     r = tls.migrate_once(builds[b], env, "tls", mem, wl, 1.0, full=True, dst_extra=dst)

@@ -26,13 +26,10 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mem", default="2G")
     ap.add_argument("--fill-mib", type=int, default=1024)
-    ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
-    ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
+    benchlib.add_build_args(ap, ROOT)
     a = ap.parse_args()
     env = benchlib.tls_env(a.ferry, "prealloc")
-    builds = {"new": a.ferry}
-    if a.old:
-        builds["old"] = a.old
+    builds = benchlib.builds_of(a)
     wl = f"fill:content=worst,mib={a.fill_mib}"
     cells = [(mode, pre) for mode in ("precopy", "postcopy") for pre in ("off", "waiting")]
     runs = {f"{m} {p}": {b: [] for b in builds} for m, p in cells}
@@ -40,8 +37,7 @@ def main():
     for i in range(a.runs):
         for mode, pre in cells:
             key = f"{mode} {pre}"
-            order = list(builds) if i % 2 == 0 else list(reversed(builds))
-            for b in order:
+            for b in benchlib.alternated(builds, i):
                 try:
                     r = tls.migrate_once(builds[b], env, "tls", a.mem, wl, 1.0, full=True,
                                          extra=("--mode", mode), dst_extra=("--prealloc", pre))

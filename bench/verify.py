@@ -45,13 +45,10 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mem", default="1G")
     ap.add_argument("--fill-mib", type=int, default=768)
-    ap.add_argument("--ferry", default=os.path.join(ROOT, "target/release/ferry"))
-    ap.add_argument("--old", help="an earlier build, run beside --ferry in the same runs")
+    benchlib.add_build_args(ap, ROOT)
     a = ap.parse_args()
     env = benchlib.tls_env(a.ferry, "verify")
-    builds = {"new": a.ferry}
-    if a.old:
-        builds["old"] = a.old
+    builds = benchlib.builds_of(a)
     cases = {
         "idle": "idle",
         "filled": f"fill:content=worst,mib={a.fill_mib}",
