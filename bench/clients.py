@@ -25,7 +25,10 @@ Cells are medians of --runs runs. Results: bench/results/clients.{json,md}.
 A run of some configurations keeps the other configurations' cells in the
 results file.
 
-Usage: python3 bench/clients.py [--runs 5] [--before PATH] [--configs before,forward,move,move-tight]
+With --old PATH, every configuration also runs with that earlier build,
+alternating with this one run by run; its cells are named CONFIG@old.
+
+Usage: python3 bench/clients.py [--runs 5] [--before PATH] [--old PATH] [--configs before,forward,move,move-tight]
 """
 import argparse
 import csv
@@ -120,7 +123,7 @@ def once(ferry, config, tmp, port, lead_s=7.0, load_s=16):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ferry", default="target/release/ferry")
+    benchlib.add_build_args(ap, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--before", help="a ferry binary built before issue 16 (for the 'before' configuration)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--configs", default="before,forward,move,move-tight")
@@ -135,21 +138,27 @@ def main():
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for config in configs:
-                binary = os.path.abspath(a.before) if config == "before" else ferry
-                runs, errors = [], []
-                for _ in range(a.runs):
-                    port += 2
-                    try:
-                        runs.append(once(binary, config, tmp, port))
-                    except (RuntimeError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
-                        errors.append(str(e)[-300:])
-                        print(f"{config}: a run failed: {e}", flush=True)
-                if not runs:
-                    continue
-                med = benchlib.medians(runs)
-                cell = {"config": config, "median": med, "runs": runs, "errors": errors}
-                cells.append(cell)
-                print(json.dumps({"config": config, "median": med}), flush=True)
+                # With --old, each run takes both builds, in alternating order;
+                # the old build's cell is named CONFIG@old.
+                builds = {"new": os.path.abspath(a.before)} if config == "before" else \
+                    {k: os.path.abspath(v) for k, v in benchlib.builds_of(a).items()}
+                runs = {k: [] for k in builds}
+                errors = {k: [] for k in builds}
+                for i in range(a.runs):
+                    for label in benchlib.alternated(builds, i):
+                        port += 2
+                        try:
+                            runs[label].append(once(builds[label], config, tmp, port))
+                        except (RuntimeError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
+                            errors[label].append(str(e)[-300:])
+                            print(f"{config} ({label}): a run failed: {e}", flush=True)
+                for label in builds:
+                    if not runs[label]:
+                        continue
+                    name = config if label == "new" else f"{config}@{label}"
+                    med = benchlib.medians(runs[label])
+                    cells.append({"config": name, "median": med, "runs": runs[label], "errors": errors[label]})
+                    print(json.dumps({"config": name, "median": med}), flush=True)
     finally:
         sh(ferry, "lab", "down", check=False)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -166,7 +175,8 @@ def main():
         for c in kept:
             c.setdefault("command", old.get("command", "?"))
         order = ["before", "forward", "move", "move-tight", "move-raw"]
-        cells = sorted(kept + cells, key=lambda c: order.index(c["config"]) if c["config"] in order else 99)
+        base = lambda c: c["config"].split("@")[0]
+        cells = sorted(kept + cells, key=lambda c: (order.index(base(c)) if base(c) in order else 99, c["config"]))
     benchlib.write_json(path, {"workload": WORKLOAD, "cells": cells}, indent=1)
     md = os.path.join(out, "clients.md")
     commands = ", ".join(sorted({"`" + c["command"] + "`" for c in cells if "command" in c}))
