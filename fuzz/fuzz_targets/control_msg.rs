@@ -72,7 +72,9 @@ fuzz_target!(|data: &[u8]| {
         }
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
         Kind::StandbyBeat => {}
-        Kind::HashAsk | Kind::SwitchAhead => drop(decode::<bool>(&f)),
+        Kind::HashAsk | Kind::SwitchAhead | Kind::ShareAsk => drop(decode::<bool>(&f)),
+        Kind::SharedOffer => drop(decode::<ferry_migration::protocol::SharedOffer>(&f)),
+        Kind::SharedMissed => drop(decode::<Vec<ferry_migration::GpaPages>>(&f)),
         Kind::VerifyDigests => {
             // This side's memory is zero: only digests of zero pages (0
             // each, one per 16 MiB) may pass.
@@ -170,6 +172,11 @@ fuzz_target!(|data: &[u8]| {
                 other => panic!("an Abort frame read as {other:?}"),
             }
         }
-        Kind::Pages | Kind::Encoded | Kind::Complete | Kind::StoreList | Kind::StoreClose => {}
+        Kind::Pages
+        | Kind::Encoded
+        | Kind::SharedPages
+        | Kind::Complete
+        | Kind::StoreList
+        | Kind::StoreClose => {}
     }
 });

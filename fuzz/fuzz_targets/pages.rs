@@ -13,9 +13,17 @@
 //! pages untouched; a sealed frame never lands and changes nothing.
 //! (ZeroRanges): a body lands only when every run lies inside one region,
 //! and then those pages read as zero, and nothing else changed.
+//! (SharedPages, v14): references to another VM's pages land only when
+//! every address is a page of guest memory and the frame holds at most a
+//! batch; then each page whose reference names that VM's page by key and
+//! BLAKE3 id holds exactly that page, the rest are reported missed, and
+//! nothing else changed.
 #![no_main]
 
+use std::sync::OnceLock;
+
 use ferry_fuzz::{init, Memory, Peer};
+use ferry_migration::shared::SiblingIndex;
 use ferry_migration::protocol::{self, Header, Kind};
 use ferry_migration::sink::DirectSink;
 use ferry_migration::GpaPages;
@@ -152,16 +160,95 @@ fn zero_ranges(memory: &Memory, body: &[u8]) {
     }
 }
 
+/// The other VM: 16 pages of a pattern, and its index under seed 1.
+fn sibling() -> &'static (ferry_memory::MemfdRegion, SiblingIndex) {
+    static SIBLING: OnceLock<(ferry_memory::MemfdRegion, SiblingIndex)> = OnceLock::new();
+    SIBLING.get_or_init(|| {
+        let r = ferry_memory::MemfdRegion::new("sibling", 0, 16 * 4096).expect("a memfd");
+        for p in 0..16usize {
+            // SAFETY: page p of the region's live mapping.
+            unsafe { std::ptr::write_bytes(r.host_addr().add(p * 4096), 0x40 + p as u8, 4096) };
+        }
+        let fd = r.fd().try_clone_to_owned().expect("a dup");
+        let peer = ferry_memory::PeerRegion::map("sibling", 16 * 4096, fd).expect("a mapping");
+        let index = SiblingIndex::build(vec![peer], 1);
+        (r, index)
+    })
+}
+
+/// A reference as the wire has it (the engine's own type is private: this
+/// is a second reading of the same layout).
+#[derive(serde::Deserialize)]
+struct Ref {
+    gpa: u64,
+    key: u64,
+    id: [u8; 16],
+}
+
+fn shared_pages(memory: &Memory, body: &[u8]) {
+    pattern(memory);
+    let before = memory.snapshot();
+    let regions = memory.views();
+    let sink = DirectSink::new(memory);
+    let (_, index) = sibling();
+    let result = ferry_migration::fuzzing::shared_pages(&regions, &sink, body, index);
+    let refs: Option<Vec<Ref>> = postcard::from_bytes(body).ok();
+    let in_memory = |g: u64| memory.page(g).is_some() && g.is_multiple_of(4096);
+    // What each sibling page is: (key, id, content).
+    let theirs: Vec<(u64, [u8; 16], Vec<u8>)> = (0..16u8)
+        .map(|p| {
+            let page = vec![0x40 + p; 4096];
+            let key = xxhash_rust::xxh3::xxh3_64_with_seed(&page, 1);
+            let mut id = [0u8; 16];
+            id.copy_from_slice(&blake3::hash(&page).as_bytes()[..16]);
+            (key, id, page)
+        })
+        .collect();
+    let after = memory.snapshot();
+    match result {
+        Ok((landed, missed)) => {
+            let refs = refs.expect("landed a body that does not decode");
+            assert!(refs.len() <= protocol::MAX_BATCH, "an over-long frame landed");
+            assert!(refs.iter().all(|r| in_memory(r.gpa)), "a page outside memory landed");
+            let resolves = |r: &Ref| theirs.iter().find(|t| t.0 == r.key && t.1 == r.id);
+            assert_eq!(landed as usize, refs.iter().filter(|r| resolves(r).is_some()).count());
+            let missed_pages: u64 = missed.iter().map(|r| r.pages).sum();
+            let mut want_missed: Vec<u64> =
+                refs.iter().filter(|r| resolves(r).is_none()).map(|r| r.gpa).collect();
+            want_missed.sort_unstable();
+            want_missed.dedup();
+            assert_eq!(missed_pages as usize, want_missed.len(), "missed pages miscounted");
+            for (k, g) in memory.page_addrs().iter().enumerate() {
+                let page = &after[k * 4096..][..4096];
+                // The last reference to a page that resolves wins.
+                match refs.iter().rev().filter(|r| r.gpa == *g).find_map(|r| resolves(r)) {
+                    Some(t) => assert!(page == &t.2[..], "page {g:#x} is not the page named"),
+                    None => assert!(page == &before[k * 4096..][..4096], "page {g:#x} changed"),
+                }
+            }
+        }
+        Err(_) => {
+            if let Some(refs) = refs {
+                assert!(
+                    refs.len() > protocol::MAX_BATCH || !refs.iter().all(|r| in_memory(r.gpa)),
+                    "good references refused"
+                );
+            }
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     init();
     let Some((&mode, body)) = data.split_first() else {
         return;
     };
     let memory = Memory::standard();
-    match mode % 4 {
+    match mode % 5 {
         0 => pages(&memory, Check::Honest, body),
         1 => pages(&memory, Check::Wrong, body),
         2 => zero_ranges(&memory, body),
-        _ => pages(&memory, Check::Sealed, body),
+        3 => pages(&memory, Check::Sealed, body),
+        _ => shared_pages(&memory, body),
     }
 });

@@ -150,6 +150,16 @@ fn messages() -> Vec<(Kind, Vec<u8>)> {
         (Kind::VerifyDigests, enc(&vec![0u64; 2])),
         (Kind::SwitchAhead, enc(&true)),
         (Kind::SwitchReady, enc(&(256u64 << 20))),
+        (Kind::ShareAsk, enc(&true)),
+        (
+            Kind::SharedOffer,
+            enc(&ferry_migration::protocol::SharedOffer {
+                seed: 7,
+                keys: vec![1, 5, 900],
+                last: true,
+            }),
+        ),
+        (Kind::SharedMissed, enc(&runs)),
         (
             Kind::Timeline,
             ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),
@@ -321,10 +331,32 @@ fn pages_seeds() -> Vec<Seed> {
         GpaPages::new(0x1000, 3),
         GpaPages::new(0xffff_c000, 4),
     ]));
+    // References to the fuzz target's other VM (16 pages of 0x40 + p,
+    // keyed under seed 1): one that resolves, one with a wrong id, one
+    // outside memory.
+    #[derive(serde::Serialize)]
+    struct Ref {
+        gpa: u64,
+        key: u64,
+        id: [u8; 16],
+    }
+    let theirs = vec![0x43u8; 4096];
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&blake3::hash(&theirs).as_bytes()[..16]);
+    let key = xxhash_rust::xxh3::xxh3_64_with_seed(&theirs, 1);
+    let mut shared = vec![4];
+    shared.extend(enc(&vec![
+        Ref { gpa: 0x2000, key, id },
+        Ref { gpa: 0x3000, key, id: [9; 16] },
+    ]));
+    let mut shared_outside = vec![4];
+    shared_outside.extend(enc(&vec![Ref { gpa: 1 << 40, key, id }]));
     vec![
         named(t, "pages", honest),
         named(t, "pages-bad-crc", bad_crc),
         named(t, "zero-ranges", zeros),
+        named(t, "shared-pages", shared),
+        named(t, "shared-pages-outside", shared_outside),
     ]
 }
 

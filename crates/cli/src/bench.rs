@@ -60,6 +60,10 @@ pub enum Suite {
     /// at concurrency 1, 2, 4) against the link's limit, and upgrading a
     /// host in place.
     Drain,
+    /// Pages shared across VMs moving to one host (`--share-pages`): 4 VMs
+    /// holding the same 512 MiB data set moved one after another, with and
+    /// without sharing: bytes on the wire, time, downtime.
+    Share,
 }
 
 #[derive(clap::Args)]
@@ -95,6 +99,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Downtime => "downtime.py",
         Suite::Drain => "drain.py",
         Suite::Prealloc => "prealloc.py",
+        Suite::Share => "share.py",
     });
     if !script.exists() {
         bail!(

@@ -56,6 +56,11 @@ pub struct AgentArgs {
     /// The ferry binary new VMs (and arriving ones) run (default: this one).
     #[arg(long)]
     binary: Option<PathBuf>,
+    /// Run every VM of this host with --share-pages: a VM arriving (a
+    /// drain, say) takes the pages the host's VMs already hold from them
+    /// instead of over the link (docs/security.md says what this shares).
+    #[arg(long)]
+    share_pages: bool,
     /// Print JSON for machines (one line when ready).
     #[arg(long)]
     json: bool,
@@ -221,6 +226,7 @@ pub fn agent(a: AgentArgs) -> Result<ExitCode> {
             None => std::env::current_exe().context("cannot find this ferry binary")?,
         },
         tls: crate::security::fleet_credentials()?,
+        share_pages: a.share_pages,
     };
     let secure = opts.tls.is_some();
     let stop = stop_flag()?;

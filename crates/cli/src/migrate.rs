@@ -466,6 +466,15 @@ fn print_table(to: &str, s: &MigrationStats) {
             format::bytes(s.destination_released_bytes as f64)
         );
     }
+    if s.shared_offered > 0 {
+        println!(
+            "shared       {} pages sent as references to what the destination's host holds ({} offered by its other VMs; {} missed and sent again): {} not sent",
+            s.shared_pages,
+            s.shared_offered,
+            s.shared_missed,
+            format::bytes(s.shared_pages.saturating_sub(s.shared_missed) as f64 * 4096.0)
+        );
+    }
     if let Some(c) = &s.clients {
         if c.moved {
             println!(

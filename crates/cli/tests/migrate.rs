@@ -25,8 +25,13 @@ impl Drop for Reaper {
 }
 
 fn spawn(args: &[&str]) -> Child {
+    spawn_env(args, &[])
+}
+
+fn spawn_env(args: &[&str], env: &[(&str, &str)]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -41,9 +46,18 @@ fn spawn_incoming(args: &[&str]) -> Child {
 
 /// As [`spawn_incoming`], also keeping what the destination prints on stderr.
 fn spawn_incoming_logged(args: &[&str]) -> (Child, std::sync::Arc<std::sync::Mutex<String>>) {
+    spawn_incoming_logged_env(args, &[])
+}
+
+/// [`spawn_incoming_logged`] with `env` added to the VMM's environment.
+fn spawn_incoming_logged_env(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Child, std::sync::Arc<std::sync::Mutex<String>>) {
     use std::io::BufRead;
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -633,5 +647,80 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
     let _ = src.wait();
     let _ = dst.kill();
     let _ = dst.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// A VM whose data another VM on the destination's host already holds
+/// (both run with --share-pages; protocol v14) moves with those pages sent
+/// as references: a fraction of the bytes on the wire, and memory still
+/// verifies page for page at the destination.
+#[test]
+fn pages_another_vm_on_the_destination_holds_are_not_sent_again() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-mig-share-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let (sib_sock, src_sock, dst_sock) = (sock("sib.sock"), sock("src.sock"), sock("dst.sock"));
+    let share = sock("share");
+    let env = [("FERRY_SHARE_DIR", share.as_str())];
+    // The same data set in both (the guest's fill is seeded alike).
+    let (wl, mib) = ("fill:content=worst,mib=96", 96u64);
+    let run = |sock: &str| -> Vec<String> {
+        [
+            "run",
+            "--mem",
+            "256M",
+            "--workload",
+            wl,
+            "--control",
+            sock,
+            "--duration",
+            "60s",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let mut sib_args = run(&sib_sock);
+    sib_args.push("--share-pages".into());
+    let _sibling = Reaper(Some(spawn_env(&strs(&sib_args), &env)));
+    // The source does not share: only the destination's host counts.
+    let src = Reaper(Some(spawn(&strs(&run(&src_sock)))));
+    let to = format!("tcp:127.0.0.1:{}", free_port());
+    let mut dst_args = run(&dst_sock);
+    dst_args.extend(["--incoming".into(), to.clone(), "--share-pages".into()]);
+    let dst = Reaper(Some(spawn_incoming_logged_env(&strs(&dst_args), &env).0));
+    for s in [&sib_sock, &src_sock] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while progress(&wait_status(s)) < mib << 20 {
+            assert!(Instant::now() < deadline, "{s} never filled its memory");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let o = ferry(&["migrate", &src_sock, "--to", &to, "--verify", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(stats["verified_pages"], 256 * 256, "{stats}");
+    let data_pages = mib << 8;
+    let offered = stats["shared_offered"].as_u64().unwrap();
+    let shared = stats["shared_pages"].as_u64().unwrap();
+    assert!(offered >= data_pages, "{stats}");
+    assert!(shared >= data_pages * 95 / 100, "{stats}");
+    // What went on the wire is what the sibling did not hold: the guest's
+    // own pages, not the data set.
+    let bytes = stats["bytes"].as_u64().unwrap();
+    assert!(bytes < (mib << 20) / 5, "{bytes} bytes sent: {stats}");
+    // The VM runs on at the destination, with its data.
+    let st = wait_status(&dst_sock);
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(progress(&st), mib << 20, "{st}");
+    drop(src);
+    drop(dst);
     let _ = std::fs::remove_dir_all(&dir);
 }

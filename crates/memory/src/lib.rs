@@ -5,6 +5,8 @@
 //! - [`region`]: one memfd-backed region ([`MemfdRegion`]).
 //! - [`guest_memory`]: the VM's regions as one guest-physical address space
 //!   ([`GuestMemory`]), with bounds-checked reads and writes.
+//! - [`peer`]: another VM's RAM mapped read-only ([`PeerRegion`]), where
+//!   pages shared across VMs are found.
 //! - [`mapping`]: residency and hole punching by address (split's pager).
 //! - [`uffd`]: userfaultfd for postcopy, access sampling and write protection
 //!   ([`Userfaultfd`]).
@@ -14,6 +16,7 @@
 pub mod access;
 pub mod guest_memory;
 pub mod mapping;
+pub mod peer;
 pub mod region;
 pub mod uffd;
 
@@ -22,6 +25,7 @@ pub use access::{
     DEFAULT_GRAIN_PAGES,
 };
 pub use guest_memory::{GuestMemory, MemoryError, Plain};
+pub use peer::PeerRegion;
 pub use region::{MemfdRegion, RegionError};
 pub use uffd::{Event, Features, Ioctls, RegisterMode, UffdError, Userfaultfd};
 

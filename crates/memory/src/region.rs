@@ -218,31 +218,7 @@ impl MemfdRegion {
     /// SEEK_DATA/SEEK_HOLE without touching the memory: reading a hole of a
     /// shared memfd would allocate a page for it.
     pub fn data_ranges(&self) -> Vec<(u64, u64)> {
-        let fd = self.fd.as_raw_fd();
-        let mut out = Vec::new();
-        let mut pos: i64 = 0;
-        let size = self.size as i64;
-        while pos < size {
-            // SAFETY: lseek on our own fd with a valid whence has no memory effects.
-            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-            if data < 0 {
-                if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
-                    // SEEK_DATA unsupported: report everything as data.
-                    return vec![(0, self.size)];
-                }
-                break; // ENXIO: no data after pos
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.min(size);
-            if hole <= data {
-                return vec![(0, self.size)];
-            }
-            let start = data as u64 & !(PAGE_SIZE - 1);
-            let end = (hole as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
-            out.push((start, end.min(self.size) - start));
-            pos = hole;
-        }
-        out
+        data_ranges_of(self.fd.as_fd(), self.size)
     }
 
     /// True when every page of a range has backing in the memfd, asked with
@@ -313,7 +289,38 @@ impl Drop for MemfdRegion {
 }
 
 /// The size of the file behind `fd`.
-fn file_size(fd: &OwnedFd) -> Result<u64, std::io::Error> {
+/// The page-aligned (offset, length) ranges of the first `size` bytes of
+/// `fd` that hold data, asked with SEEK_DATA/SEEK_HOLE (all of it where
+/// the file system cannot tell).
+pub(crate) fn data_ranges_of(fd: BorrowedFd<'_>, size: u64) -> Vec<(u64, u64)> {
+    let fd = fd.as_raw_fd();
+    let mut out = Vec::new();
+    let mut pos: i64 = 0;
+    let end = size as i64;
+    while pos < end {
+        // SAFETY: lseek on an open fd with a valid whence has no memory effects.
+        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
+                // SEEK_DATA unsupported: report everything as data.
+                return vec![(0, size)];
+            }
+            break; // ENXIO: no data after pos
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.min(end);
+        if hole <= data {
+            return vec![(0, size)];
+        }
+        let start = data as u64 & !(PAGE_SIZE - 1);
+        let stop = (hole as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        out.push((start, stop.min(size) - start));
+        pos = hole;
+    }
+    out
+}
+
+pub(crate) fn file_size(fd: &OwnedFd) -> Result<u64, std::io::Error> {
     // SAFETY: all-zero is a valid `struct stat` (plain integers).
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fd is open and `st` is a live, writable struct stat.
@@ -323,7 +330,7 @@ fn file_size(fd: &OwnedFd) -> Result<u64, std::io::Error> {
     Ok(u64::try_from(st.st_size).unwrap_or(0))
 }
 
-fn check_size(size: u64) -> Result<(), RegionError> {
+pub(crate) fn check_size(size: u64) -> Result<(), RegionError> {
     if size == 0 || !size.is_multiple_of(PAGE_SIZE) || usize::try_from(size).is_err() {
         return Err(RegionError::BadSize { size });
     }

@@ -79,6 +79,11 @@ pub(crate) struct PageBatch {
     hashing: bool,
     /// Those hashes, in the order of `gpas`.
     hashes: Vec<u64>,
+    /// Send a page the destination's host holds by reference (v14).
+    sharing: Option<std::sync::Arc<crate::shared::Offer>>,
+    /// Those pages, and their hashes (with `hashing`) in the same order.
+    refs: Vec<crate::shared::SharedRef>,
+    ref_hashes: Vec<u64>,
 }
 
 impl PageBatch {
@@ -91,6 +96,20 @@ impl PageBatch {
         self.crc = None;
         self.spent = false;
         self.hashes.clear();
+        self.refs.clear();
+        self.ref_hashes.clear();
+    }
+
+    /// From the next fill on, a page `offer` holds becomes a reference
+    /// ([`Self::refs`]) instead of data; None: every page is data.
+    pub(crate) fn share_with(&mut self, offer: Option<&std::sync::Arc<crate::shared::Offer>>) {
+        self.sharing = offer.cloned();
+    }
+
+    /// The pages sent by reference, and their hashes (with
+    /// [`Self::hash_pages`]) in the same order.
+    pub(crate) fn refs(&self) -> (&[crate::shared::SharedRef], &[u64]) {
+        (&self.refs, &self.ref_hashes)
     }
 
     /// From the next fill on, hashes each page with data as it is copied
@@ -145,6 +164,23 @@ impl PageBatch {
             if how.zero_runs && is_zero(&self.data[at..]) {
                 self.data.truncate(at);
                 push_page(&mut self.zeros, gpa);
+                continue;
+            }
+            if let Some(key) = self
+                .sharing
+                .as_ref()
+                .and_then(|o| o.holds(&self.data[at..]))
+            {
+                let page = &self.data[at..];
+                self.refs.push(crate::shared::SharedRef {
+                    gpa,
+                    key,
+                    id: crate::shared::page_id(page),
+                });
+                if self.hashing {
+                    self.ref_hashes.push(protocol::page_hash(page));
+                }
+                self.data.truncate(at);
                 continue;
             }
             self.gpas.push(gpa);
@@ -221,6 +257,12 @@ impl PageBatch {
         protocol::write_sealed_pages_frame_spending(w, &count, &self.addrs, &mut self.data)?;
         self.spent = true;
         Ok((HEADER + count.len() + self.addrs.len() + self.data.len()) as u64)
+    }
+
+    /// Writes the pages sent by reference as one SharedPages frame (nothing
+    /// if there are none); returns its wire bytes.
+    pub(crate) fn write_refs(&self, w: &mut impl Write) -> Result<u64, ProtocolError> {
+        crate::shared::write_refs(w, &self.refs)
     }
 
     /// Writes the zero runs as one ZeroRanges frame (nothing if there are

@@ -131,3 +131,17 @@ pub fn standby_intake(c: &mut Conn, hello: &crate::protocol::Hello) -> Result<u6
     let room = crate::standby::Room::new(u64::MAX);
     crate::standby::intake(c, hello, &room).map(|i| i.pages)
 }
+
+/// A SharedPages body landed as a bulk stream lands it, against `index`
+/// (the host's other VMs' pages): returns the pages landed and the pages
+/// it missed (runs, as the source is told).
+pub fn shared_pages(
+    regions: &[RegionView],
+    sink: &dyn PageSink,
+    body: &[u8],
+    index: &crate::shared::SiblingIndex,
+) -> Result<(u64, Vec<GpaPages>), MigrationError> {
+    let rx = Received::new(1);
+    let landed = crate::shared::land_refs(regions, sink, body, Some(index), &rx.missed)?;
+    Ok((landed, rx.take_missed()))
+}

@@ -51,6 +51,7 @@ pub mod ranges;
 pub(crate) mod receiver;
 pub(crate) mod sender;
 pub(crate) mod session;
+pub mod shared;
 pub mod sink;
 pub mod source;
 pub mod split;

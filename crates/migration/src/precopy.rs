@@ -148,7 +148,8 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     )
     .watched_by(s.tel.clone())
     .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES)
-    .hashing(s.sent_hashes.clone());
+    .hashing(s.sent_hashes.clone())
+    .sharing(s.shared.clone());
 
     s.start_dirty_log()?;
     let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
@@ -177,7 +178,16 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         let bitmaps = vm
             .take_dirty()
             .map_err(MigrationError::vm("read dirty log"))?;
-        let (next, dirty) = dirty_runs(&s.regions, &bitmaps);
+        let (mut next, mut dirty) = dirty_runs(&s.regions, &bitmaps);
+        let missed = s.take_missed();
+        if !missed.is_empty() {
+            // References the destination could not resolve go again.
+            stats.shared_missed += total_pages(&missed);
+            next.extend(missed);
+            next.sort_unstable();
+            next = merge_runs(next);
+            dirty = total_pages(&next);
+        }
         rs.dirty_rate = (dirty * PAGE) as f64 / rs.secs;
         rs.throttle_pct = throttle;
         bandwidth = rs.throughput.max(1.0);
@@ -347,6 +357,7 @@ fn add_encoding(stats: &mut MigrationStats, sender: &PageSender, compressed: boo
         stats.compression.batches = sender.policy().summary();
         stats.compression.link_bandwidth = sender.policy().link();
     }
+    stats.shared_pages = sender.refs_sent();
     stats.compression.encoded_in = stats.rounds.iter().map(|r| r.encoded_in).sum();
     stats.compression.encoded_out = stats.rounds.iter().map(|r| r.encoded_out).sum();
 }

@@ -32,6 +32,10 @@ pub(crate) struct Received {
     pub(crate) cpu: CpuMeter,
     /// The streams' sockets, to cut them when the link broke.
     socks: Mutex<Vec<Closer>>,
+    /// This host's other VMs' pages that references name (v14).
+    shared: Option<std::sync::Arc<crate::shared::SiblingIndex>>,
+    /// Pages referenced that did not resolve, since the last round.
+    pub(crate) missed: Mutex<Vec<u64>>,
 }
 
 impl Received {
@@ -46,7 +50,31 @@ impl Received {
             zero_pages: AtomicU64::new(0),
             cpu: CpuMeter::default(),
             socks: Mutex::new(Vec::new()),
+            shared: None,
+            missed: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Resolves SharedPages references against `index` (v14).
+    pub(crate) fn sharing(
+        mut self,
+        index: Option<std::sync::Arc<crate::shared::SiblingIndex>>,
+    ) -> Self {
+        self.shared = index;
+        self
+    }
+
+    /// The pages referenced that did not resolve since the last call, as
+    /// runs (after a round's barrier: the source sends them again).
+    pub(crate) fn take_missed(&self) -> Vec<GpaPages> {
+        let mut gpas = std::mem::take(&mut *self.missed.lock().unwrap_or_else(|e| e.into_inner()));
+        gpas.sort_unstable();
+        gpas.dedup();
+        let mut runs = Vec::new();
+        for gpa in gpas {
+            crate::ranges::push_page(&mut runs, gpa);
+        }
+        runs
     }
 
     /// Keeps a handle on a stream's socket for [`Received::cut`].
@@ -274,6 +302,17 @@ pub(crate) fn bulk_loop(
                         protocol::read_body_into(&mut r, &h, &mut body)?;
                         zero_ranges(regions, sink, &body, rx)?;
                     }
+                    Kind::SharedPages => {
+                        protocol::read_body_into(&mut r, &h, &mut body)?;
+                        let n = crate::shared::land_refs(
+                            regions,
+                            sink,
+                            &body,
+                            rx.shared.as_deref(),
+                            &rx.missed,
+                        )?;
+                        rx.pages.fetch_add(n, Ordering::Relaxed);
+                    }
                     Kind::Codec if first => {
                         protocol::read_body_into(&mut r, &h, &mut body)?;
                         let setup: crate::encoded::CodecSetup = postcard::from_bytes(&body)
@@ -318,7 +357,7 @@ pub(crate) fn bulk_loop(
                     k => {
                         return Err(ProtocolError::Unexpected {
                             got: k,
-                            want: "Pages, ZeroRanges or Encoded on a bulk stream",
+                            want: "Pages, ZeroRanges, SharedPages or Encoded on a bulk stream",
                         }
                         .into())
                     }

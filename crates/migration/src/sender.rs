@@ -108,6 +108,12 @@ struct RoundCtx<'a> {
     tel: Option<&'a crate::telemetry::Telemetry>,
     /// Where each page's hash goes as it is sent (a verified migration).
     hashes: Option<&'a crate::verify::PageHashes>,
+    /// What the destination's host holds: such pages go by reference
+    /// (never in the last round, which has no round after it to resend a
+    /// miss in).
+    shared: Option<&'a std::sync::Arc<crate::shared::Offer>>,
+    /// Pages sent by reference.
+    refs: AtomicU64,
 }
 
 /// The sending side of the bulk streams, kept for a whole migration.
@@ -122,6 +128,10 @@ pub(crate) struct PageSender {
     may_seal: bool,
     /// Each page's hash as it was sent (a verified precopy, v12).
     hashes: Option<std::sync::Arc<crate::verify::PageHashes>>,
+    /// The destination's offer of its host's pages (v14), if not empty.
+    shared: Option<std::sync::Arc<crate::shared::Offer>>,
+    /// Pages sent by reference, over the whole migration.
+    refs_sent: u64,
 }
 
 impl PageSender {
@@ -155,7 +165,21 @@ impl PageSender {
             tel: None,
             may_seal: false,
             hashes: None,
+            shared: None,
+            refs_sent: 0,
         }
+    }
+
+    /// Sends the pages `offer` holds by reference, in every round but the
+    /// last (an empty offer changes nothing).
+    pub(crate) fn sharing(mut self, offer: Option<std::sync::Arc<crate::shared::Offer>>) -> Self {
+        self.shared = offer.filter(|o| o.len() > 0);
+        self
+    }
+
+    /// Pages sent by reference so far.
+    pub(crate) fn refs_sent(&self) -> u64 {
+        self.refs_sent
     }
 
     /// Records each page's hash in `hashes` as it is sent (and zero runs
@@ -228,6 +252,8 @@ impl PageSender {
             encoded_out: AtomicU64::new(0),
             tel: self.tel.as_deref(),
             hashes: self.hashes.as_deref(),
+            shared: self.shared.as_ref().filter(|_| final_bytes.is_none()),
+            refs: AtomicU64::new(0),
         };
         let n = conns.len();
         let work = if self.compressed {
@@ -275,6 +301,7 @@ impl PageSender {
         let elapsed = secs(t0.elapsed()).max(1e-9);
         let bytes = ctx.bytes.load(Ordering::Relaxed);
         let encoded_in = ctx.encoded_in.load(Ordering::Relaxed);
+        self.refs_sent += ctx.refs.load(Ordering::Relaxed);
         self.policy
             .observe_round(bytes as f64 / elapsed, elapsed, encoded_in == 0);
         Ok((
@@ -347,10 +374,15 @@ fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
         (true, false) => Fill::RAW,
     };
     b.pages.hash_pages(ctx.hashes.is_some());
+    b.pages.share_with(ctx.shared);
     b.pages.fill_from(ctx.regions, item, how);
     if let Some(h) = ctx.hashes {
         for (&gpa, &hash) in b.pages.gpas().iter().zip(b.pages.hashes()) {
             h.set(gpa, hash);
+        }
+        let (refs, hashes) = b.pages.refs();
+        for (r, &hash) in refs.iter().zip(hashes) {
+            h.set(r.gpa, hash);
         }
         b.pages.zeros().iter().for_each(|&run| h.set_zero(run));
     }
@@ -401,6 +433,12 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, Migrat
         ctx.zero.fetch_add(p.zero_pages(), Ordering::Relaxed);
         frames += 1;
     }
+    let refs = p.refs().0.len() as u64;
+    if refs > 0 {
+        bytes += p.write_refs(w)?;
+        ctx.refs.fetch_add(refs, Ordering::Relaxed);
+        frames += 1;
+    }
     if p.pages() > 0 {
         match b.method.unwrap_or(Method::None) {
             Method::None => {
@@ -428,7 +466,7 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, Migrat
         frames += 1;
     }
     if let Some(t) = ctx.tel {
-        t.add_pages(p.pages() + p.zero_pages());
+        t.add_pages(p.pages() + p.zero_pages() + refs);
     }
     let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;

@@ -88,6 +88,16 @@ pub struct MigrationStats {
     /// migration may switch to postcopy or split (protocol v13).
     #[serde(default)]
     pub destination_released_bytes: u64,
+    /// Distinct pages the destination's host offered to share: what its
+    /// other VMs hold (protocol v14).
+    #[serde(default)]
+    pub shared_offered: u64,
+    /// Pages sent as references to those instead of as data.
+    #[serde(default)]
+    pub shared_pages: u64,
+    /// References the destination could not resolve (sent again).
+    #[serde(default)]
+    pub shared_missed: u64,
 }
 
 /// What a gather pulled from the memory servers.
@@ -440,6 +450,12 @@ pub struct DestinationStats {
     pub postcopy_pauses: u32,
     /// Seconds it spent paused (vCPUs touching a missing page waited).
     pub postcopy_paused_s: f64,
+    /// Pages landed from this host's other VMs by reference (v14).
+    #[serde(default)]
+    pub shared_pages: u64,
+    /// References that did not resolve here (the source sent them again).
+    #[serde(default)]
+    pub shared_missed: u64,
 }
 
 /// Live progress for a bar.

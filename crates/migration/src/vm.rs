@@ -143,6 +143,12 @@ pub trait DestinationVm: PageStore {
     fn release_prealloc(&self) -> Result<u64, VmOpError> {
         Ok(0)
     }
+    /// The RAM of this host's other VMs that pages may be shared from
+    /// (`crate::shared`, read-only mappings), or None when this VM does
+    /// not share (the default: a source asking is offered nothing).
+    fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {
+        None
+    }
     /// Restores the state `save_state` produced.
     fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError>;
     /// Starts the vCPUs.

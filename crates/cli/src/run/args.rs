@@ -120,6 +120,14 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value_t = Prealloc::Off, num_args = 0..=1,
           default_missing_value = "now")]
     pub(super) prealloc: Prealloc,
+    /// Share guest pages with this host's other VMs run with --share-pages:
+    /// this VM's RAM can be read by them (same user, read-only), and a
+    /// migration into it (--incoming) takes the pages they already hold
+    /// from them instead of over the link (protocol v14). The host's share
+    /// directory: FERRY_SHARE_DIR, else one per network namespace under
+    /// /run/ferry/share.
+    #[arg(long)]
+    pub(super) share_pages: bool,
     /// KVM asynchronous page faults for the guest: on, or off (the guest
     /// is not told of the feature, so a vCPU waits out every host fault).
     #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]

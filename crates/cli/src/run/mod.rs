@@ -136,6 +136,11 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             eprintln!("ferry: metrics at {scheme}://{got}/metrics");
         }
     }
+    if args.share_pages {
+        let dir = ferry_vmm::share::default_dir();
+        vm.share_pages(&dir)
+            .with_context(|| format!("cannot share pages through {}", dir.display()))?;
+    }
     if args.prealloc == Prealloc::Waiting && args.incoming.is_some() {
         vm.prealloc_in_background();
     }

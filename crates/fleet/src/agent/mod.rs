@@ -52,6 +52,8 @@ pub struct AgentOptions {
     pub ferry: PathBuf,
     /// Its credentials (None: plaintext, `--insecure`).
     pub tls: Option<Arc<Credentials>>,
+    /// Its VMs run with `--share-pages` (pages shared across VMs, v14).
+    pub share_pages: bool,
 }
 
 /// A running agent.
@@ -77,7 +79,8 @@ impl Agent {
                 opts.listen
             )));
         }
-        let vms = Vms::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?;
+        let vms = Vms::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?
+            .sharing(opts.share_pages);
         let stores = Stores::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?;
         let listener = TcpListener::bind(opts.listen)
             .map_err(FleetError::io(format!("cannot listen on {}", opts.listen)))?;

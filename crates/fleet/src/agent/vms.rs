@@ -53,6 +53,8 @@ pub struct Vms {
     children: Mutex<Vec<Child>>,
     /// VMs being sent away now (listed as `sending`).
     sending: Mutex<std::collections::BTreeSet<String>>,
+    /// New VMMs run with `--share-pages`.
+    share_pages: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -110,7 +112,14 @@ impl Vms {
             records: Mutex::new(records),
             children: Mutex::new(Vec::new()),
             sending: Mutex::new(Default::default()),
+            share_pages: false,
         })
+    }
+
+    /// Whether the VMMs it starts from now on run with `--share-pages`.
+    pub fn sharing(mut self, on: bool) -> Self {
+        self.share_pages = on;
+        self
     }
 
     /// Memory and vCPUs the VMs take (waiting destinations included).
@@ -223,6 +232,9 @@ impl Vms {
         }
         if let (Some(s), false) = (&spec.serve, arriving) {
             args.extend(["--serve".into(), s.clone()]);
+        }
+        if self.share_pages {
+            args.push("--share-pages".into());
         }
         args.extend(extra.iter().cloned());
         let mut child = super::process::spawn_detached(&self.ferry, &args, &log)?;

@@ -114,6 +114,22 @@ pub enum Kind {
     /// populated ahead of the stream is missing again (`u64`, the bytes
     /// given back).
     SwitchReady = 42,
+    /// v14, source to destination after SwitchAhead (or SwitchReady): it
+    /// may send pages another VM on the destination's host already holds
+    /// as references (`bool`).
+    ShareAsk = 43,
+    /// v14, the destination's answer to a `true` ShareAsk: the seeded
+    /// hashes of the pages its host's other VMs hold (a [`SharedOffer`],
+    /// one or more frames, the last one marked).
+    ///
+    /// [`SharedOffer`]: super::SharedOffer
+    SharedOffer = 44,
+    /// v14, on a bulk stream: pages sent as references to content the
+    /// destination's host holds (`crate::shared`'s layout).
+    SharedPages = 45,
+    /// v14, destination to source before a RoundAck: referenced pages it
+    /// could not find as referenced (runs); the source sends them again.
+    SharedMissed = 46,
 }
 
 impl Kind {
@@ -163,6 +179,10 @@ impl Kind {
             40 => VerifyDigests,
             41 => SwitchAhead,
             42 => SwitchReady,
+            43 => ShareAsk,
+            44 => SharedOffer,
+            45 => SharedPages,
+            46 => SharedMissed,
             _ => return None,
         })
     }
@@ -213,6 +233,10 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::VerifyDigests => "VerifyDigests",
         Kind::SwitchAhead => "SwitchAhead",
         Kind::SwitchReady => "SwitchReady",
+        Kind::ShareAsk => "ShareAsk",
+        Kind::SharedOffer => "SharedOffer",
+        Kind::SharedPages => "SharedPages",
+        Kind::SharedMissed => "SharedMissed",
     }
 }
 
@@ -225,19 +249,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=42, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 42);
+        // 1..=46, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 46);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(43), None);
+        assert_eq!(Kind::from_u16(47), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=40).filter_map(Kind::from_u16) {
+        for k in (1..=46).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }
@@ -257,5 +281,6 @@ mod tests {
         assert_eq!(Kind::StandbyPlan as u16, 36);
         assert_eq!(Kind::VerifyDigests as u16, 40);
         assert_eq!(Kind::SwitchReady as u16, 42);
+        assert_eq!(Kind::SharedMissed as u16, 46);
     }
 }

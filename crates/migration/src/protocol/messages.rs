@@ -96,6 +96,18 @@ pub struct PostcopyPlan {
     pub guest_apf_base: Option<u64>,
 }
 
+/// Part of a destination's answer to a ShareAsk (v14): the keys of the
+/// pages its host's other VMs hold (`crate::shared`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SharedOffer {
+    /// The seed every key is taken with (the same in every frame).
+    pub seed: u64,
+    /// Keys, ascending (this frame's share).
+    pub keys: Vec<u64>,
+    /// True on the offer's last frame.
+    pub last: bool,
+}
+
 /// Part of the destination's answer to a Resume: pages it still lacks (the
 /// source sends exactly these again; its memory has not changed since the
 /// switch, so nothing can be stale).

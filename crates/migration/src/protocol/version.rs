@@ -14,7 +14,7 @@ use super::{Hello, ProtocolError};
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 13;
+pub const VERSION_MAX: u16 = 14;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -59,6 +59,11 @@ pub const VERSION_LANDED_HASHES: u16 = 12;
 /// still to come missing, and punching populated ones out in the pause
 /// cost about 250 ms a GiB.
 pub const VERSION_SWITCH_AHEAD: u16 = 13;
+/// The first version where pages another VM on the destination's host
+/// already holds may travel as references (ShareAsk, SharedOffer,
+/// SharedPages, SharedMissed; `crate::shared`): a drain of VMs holding the
+/// same data sends it once per destination host.
+pub const VERSION_SHARED_PAGES: u16 = 14;
 
 /// Picks the version both sides speak, or says why there is none.
 pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
@@ -89,7 +94,8 @@ mod tests {
 
     #[test]
     fn overlapping_ranges_pick_the_highest_common_version() {
-        assert_eq!(negotiate(&hello(1, 13)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 14)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 13)).unwrap(), VERSION_SWITCH_AHEAD);
         assert_eq!(negotiate(&hello(1, 12)).unwrap(), VERSION_LANDED_HASHES);
         assert_eq!(negotiate(&hello(1, 11)).unwrap(), VERSION_STANDBY);
         assert_eq!(negotiate(&hello(1, 10)).unwrap(), VERSION_SEALED_PAGES);
@@ -143,6 +149,7 @@ mod tests {
             VERSION_STANDBY,
             VERSION_LANDED_HASHES,
             VERSION_SWITCH_AHEAD,
+            VERSION_SHARED_PAGES,
         ];
         assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
         assert!(features

@@ -90,6 +90,8 @@ pub(crate) struct DestSession<'a> {
     timeline_tail: Option<Duration>,
     /// The source asked for every page to be hashed as it lands (v12).
     hash_landed: bool,
+    /// This host's other VMs' pages, offered to the source (v14).
+    shared: Option<std::sync::Arc<crate::shared::SiblingIndex>>,
 }
 
 impl<'a> DestSession<'a> {
@@ -127,6 +129,7 @@ impl<'a> DestSession<'a> {
             tel: Telemetry::new(),
             timeline_tail: None,
             hash_landed: false,
+            shared: None,
         })
     }
 
@@ -189,11 +192,40 @@ impl<'a> DestSession<'a> {
                 self.ctl.send(Kind::SwitchReady, &released)?;
             }
         }
+        if self.version >= protocol::VERSION_SHARED_PAGES {
+            let ask: bool = self.ctl.recv(Kind::ShareAsk)?;
+            if ask {
+                self.offer_shared(vm)?;
+            }
+        }
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;
         self.tel.event("open", format!("v{}", self.version));
         tracing::info!(version = self.version, "incoming migration session open");
+        Ok(())
+    }
+
+    /// Answers a ShareAsk: the keys of the pages this host's other VMs
+    /// hold, under a seed drawn for this migration (none when this VM does
+    /// not share).
+    fn offer_shared(&mut self, vm: &dyn DestinationVm) -> Result<(), MigrationError> {
+        let Some(siblings) = vm.sibling_memory() else {
+            return Ok(crate::shared::send_offer(&mut self.ctl, 0, &[])?);
+        };
+        let t = Instant::now();
+        let seed = crate::random::u64().map_err(ProtocolError::Io)?;
+        let index = crate::shared::SiblingIndex::build(siblings, seed);
+        let keys = index.keys();
+        crate::shared::send_offer(&mut self.ctl, seed, &keys)?;
+        tracing::info!(
+            pages = keys.len(),
+            ms = t.elapsed().as_millis() as u64,
+            "offered the pages this host's other VMs hold"
+        );
+        self.tel
+            .event("shared_offer", format!("{} pages", keys.len()));
+        self.shared = Some(std::sync::Arc::new(index));
         Ok(())
     }
 
@@ -219,7 +251,7 @@ impl<'a> DestSession<'a> {
         let ctl_cpu0 = thread_cpu_secs();
         let bulk = self.accept_bulk()?;
         let regions = vm.regions();
-        let rx = Received::new(bulk.len());
+        let rx = Received::new(bulk.len()).sharing(self.shared.clone());
         let mut stats = DestinationStats::default();
         // A verified precopy: every page is hashed as it lands.
         let landed = self.hash_landed.then(|| PageHashes::new(&regions));
@@ -268,6 +300,11 @@ impl<'a> DestSession<'a> {
             }
         })?;
         stats.pages = rx.pages.load(std::sync::atomic::Ordering::Relaxed);
+        if let Some(index) = &self.shared {
+            use std::sync::atomic::Ordering::Relaxed;
+            stats.shared_pages = index.landed.load(Relaxed);
+            stats.shared_missed = index.missed.load(Relaxed);
+        }
         stats.zero_pages = rx.zero_pages.load(std::sync::atomic::Ordering::Relaxed);
         Ok(stats)
     }
@@ -295,6 +332,10 @@ impl<'a> DestSession<'a> {
                     stats.rounds = rd.round + 1;
                     tracing::debug!(round = rd.round, "round applied");
                     self.tel.event("round_applied", rd.round.to_string());
+                    let missed = rx.take_missed();
+                    for (runs, _) in protocol::run_frames(&missed).filter(|(r, _)| !r.is_empty()) {
+                        self.ctl.send(Kind::SharedMissed, &runs)?;
+                    }
                     self.ctl.send(Kind::RoundAck, &rd.round)?;
                 }
                 Kind::State => state = Some(f.body),

@@ -15,6 +15,7 @@ use crate::memory::RegionView;
 use crate::options::MigrateOptions;
 use crate::paused::{Outcome, Resumable};
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
+use crate::ranges::GpaPages;
 use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Endpoint};
@@ -53,6 +54,11 @@ pub(crate) struct SourceSession<'a> {
     /// Memory the destination had populated ahead and gave back at the
     /// opening, because this migration may switch (v13 SwitchReady).
     released_ahead: u64,
+    /// What the destination's host already holds (v14), for the sender.
+    pub(crate) shared: Option<std::sync::Arc<crate::shared::Offer>>,
+    /// Pages sent by reference that the destination could not resolve,
+    /// from the last round barrier: they go again in the next round.
+    missed: Vec<GpaPages>,
 }
 
 /// Checks that an ack is for `round`.
@@ -103,6 +109,8 @@ impl<'a> SourceSession<'a> {
             cpu: CpuMeter::default(),
             sent_hashes: None,
             released_ahead: 0,
+            shared: None,
+            missed: Vec::new(),
             unacked: None,
             ctl_cpu0: thread_cpu_secs(),
             t_start,
@@ -273,6 +281,21 @@ impl<'a> SourceSession<'a> {
                 );
             }
         }
+        if self.version >= protocol::VERSION_SHARED_PAGES {
+            use crate::options::Mode;
+            // Only the copy rounds send references (a miss goes again in
+            // the next round); postcopy and split pages have no next round.
+            let ask = matches!(self.opts.mode, Mode::Precopy | Mode::Hybrid);
+            self.ctl()?.send(Kind::ShareAsk, &ask)?;
+            if ask {
+                let offer = crate::shared::recv_offer(self.ctl()?)?;
+                tracing::info!(
+                    keys = offer.len(),
+                    "the destination's host offers pages it holds"
+                );
+                self.shared = Some(std::sync::Arc::new(offer));
+            }
+        }
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
         self.tel.set_phase(self.state.phase().live());
@@ -419,8 +442,39 @@ impl<'a> SourceSession<'a> {
     pub(crate) fn barrier(&mut self, round: u32, frames: Vec<u64>) -> Result<(), MigrationError> {
         self.ctl()?
             .send(Kind::RoundDone, &RoundDone { round, frames })?;
-        let ack: u32 = self.ctl()?.recv(Kind::RoundAck)?;
-        check_ack(ack, round)
+        loop {
+            let f = protocol::read_frame(self.ctl()?.reader())?;
+            if f.kind == Kind::SharedMissed && self.shared.is_some() {
+                let runs: Vec<GpaPages> = protocol::decode(&f, Kind::SharedMissed)?;
+                // Only pages of this VM go again (a stranger's list is not
+                // trusted to stay inside it).
+                let inside = |r: &GpaPages| {
+                    r.pages > 0
+                        && r.gpa.is_multiple_of(crate::ranges::PAGE)
+                        && r.pages
+                            .checked_mul(crate::ranges::PAGE)
+                            .is_some_and(|bytes| {
+                                self.regions.iter().any(|v| v.contains_range(r.gpa, bytes))
+                            })
+                };
+                if !runs.iter().all(inside) {
+                    return Err(ProtocolError::Malformed {
+                        kind: Kind::SharedMissed,
+                        reason: "a missed page outside guest RAM".into(),
+                    }
+                    .into());
+                }
+                self.missed.extend(runs);
+                continue;
+            }
+            return check_ack(protocol::decode(&f, Kind::RoundAck)?, round);
+        }
+    }
+
+    /// Pages sent by reference that the destination missed since the last
+    /// call: they go again.
+    pub(crate) fn take_missed(&mut self) -> Vec<GpaPages> {
+        std::mem::take(&mut self.missed)
     }
 
     /// Ends the last round without waiting for its ack: the destination
@@ -612,6 +666,7 @@ impl<'a> SourceSession<'a> {
         stats.clients = self.clients.clone();
         stats.destination_service = report.service.clone();
         stats.destination_released_bytes = self.released_ahead;
+        stats.shared_offered = self.shared.as_ref().map_or(0, |o| o.len() as u64);
     }
 
     /// Host CPU seconds this side used: data threads and this thread.

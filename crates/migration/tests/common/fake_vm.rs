@@ -84,7 +84,15 @@ pub struct FakeVm {
     pub restored_clients: Mutex<Option<(Vec<u8>, u32)>>,
     /// The split pager this VM adopted as a main host.
     pub pager: Mutex<Option<Arc<RemotePager>>>,
+    /// Another VM's regions (fd, size) this destination may share pages
+    /// from; None: it does not share.
+    siblings: Option<Vec<(std::os::fd::OwnedFd, u64)>>,
+    /// Run at take_dirty calls, popped from the end like `dirty_script`.
+    dirty_hooks: Mutex<Vec<Option<DirtyHook>>>,
 }
+
+/// What a test does at a take_dirty call (another VM writing, say).
+type DirtyHook = Box<dyn FnOnce() + Send>;
 
 impl FakeVm {
     /// A VM of zeroed memory in `layout` ((gpa, bytes) per region).
@@ -120,7 +128,29 @@ impl FakeVm {
             clients_saved: AtomicU32::new(0),
             restored_clients: Mutex::new(None),
             pager: Mutex::new(None),
+            siblings: None,
+            dirty_hooks: Mutex::new(Vec::new()),
         }
+    }
+
+    /// A destination that shares pages with `other` (as `--share-pages`
+    /// does with the host's other VMs).
+    pub fn with_sibling(mut self, other: &FakeVm) -> FakeVm {
+        self.siblings = Some(
+            other
+                .regions
+                .iter()
+                .map(|r| (r.fd().try_clone_to_owned().unwrap(), r.size()))
+                .collect(),
+        );
+        self
+    }
+
+    /// Runs `hooks` at the take_dirty calls, the last one at the first call
+    /// (None: nothing at that call).
+    pub fn with_dirty_hooks(self, hooks: Vec<Option<DirtyHook>>) -> FakeVm {
+        *self.dirty_hooks.lock().unwrap() = hooks;
+        self
     }
 
     /// Fills memory with `byte(region gpa, offset in region)`; pages that
@@ -377,6 +407,9 @@ impl MigratableVm for FakeVm {
             unsafe { b.write_volatile(step(b.read_volatile())) };
             out[0][(p / 64) as usize] |= 1 << (p % 64);
         };
+        if let Some(Some(hook)) = self.dirty_hooks.lock().unwrap().pop() {
+            hook();
+        }
         // Each call: the scripted pages get new content and are reported dirty.
         for p in self.dirty_script.lock().unwrap().pop().unwrap_or_default() {
             dirty(p, 0, &|b| b ^ 0xff);
@@ -495,6 +528,18 @@ impl DestinationVm for FakeVm {
             .iter()
             .map(|r| r.fd().try_clone_to_owned().ok())
             .collect()
+    }
+    fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {
+        let siblings = self.siblings.as_ref()?;
+        Some(
+            siblings
+                .iter()
+                .map(|(fd, size)| {
+                    ferry_memory::PeerRegion::map("sibling", *size, fd.try_clone().unwrap())
+                        .unwrap()
+                })
+                .collect(),
+        )
     }
     fn adopt_pager(&self, pager: RemotePager) -> Result<(), VmOpError> {
         *self.pager.lock().unwrap() = Some(Arc::new(pager));

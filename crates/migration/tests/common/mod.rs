@@ -70,7 +70,7 @@ pub fn insecure() {
 
 /// What a source sends after HelloAck, as the engine's source does: the
 /// token, the memory layout of `regions` (one vCPU), no clients plan, a
-/// timeline ask of 0, and no switch ahead. For tests that play a source by hand.
+/// timeline ask of 0, no switch ahead and no shared pages. For tests that play a source by hand.
 pub fn send_opening(
     c: &mut ferry_migration::transport::Conn,
     token: Option<&str>,
@@ -97,6 +97,8 @@ pub fn send_opening_hashing(
         .unwrap();
     c.send(Kind::TimelineAsk, &0u32).unwrap();
     c.send(Kind::HashAsk, &hash).unwrap();
-    // No switch to postcopy announced, so no SwitchReady to wait for.
+    // No switch to postcopy announced, so no SwitchReady to wait for; no
+    // shared pages asked for, so no offer to read.
     c.send(Kind::SwitchAhead, &false).unwrap();
+    c.send(Kind::ShareAsk, &false).unwrap();
 }

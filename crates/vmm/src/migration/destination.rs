@@ -53,6 +53,10 @@ impl DestinationVm for Vm {
         tracing::info!(bytes, "a source was admitted; preallocated while waiting");
     }
 
+    fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {
+        Vm::sibling_memory(self)
+    }
+
     fn release_prealloc(&self) -> Result<u64, VmOpError> {
         let t = std::time::Instant::now();
         // The service ring is the device's to write, populated or not.

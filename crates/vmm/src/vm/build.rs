@@ -164,6 +164,7 @@ impl Vm {
             dirty,
             access: AccessSlot::default(),
             waiting: Mutex::new(None),
+            sharing: Mutex::new(None),
             vm_fd,
             _kvm: kvm,
             host_info,

@@ -73,6 +73,9 @@ pub struct Vm {
     /// While this VM waits for an incoming migration: where, and who may
     /// bring it (shown by `status`).
     waiting: Mutex<Option<Waiting>>,
+    /// Where this VM shares its RAM with the host's other VMs, and finds
+    /// theirs (`--share-pages`, `crate::share`).
+    sharing: Mutex<Option<crate::share::Published>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -106,6 +109,22 @@ impl Vm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Shares this VM's RAM with the host's other sharing VMs through
+    /// `dir`, and lets an incoming migration take pages from theirs
+    /// (`--share-pages`).
+    pub fn share_pages(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        let published = crate::share::publish(dir, &self.memory)?;
+        *self.sharing.lock().unwrap_or_else(|e| e.into_inner()) = Some(published);
+        Ok(())
+    }
+
+    /// The other sharing VMs' RAM, mapped read-only (None when this VM
+    /// does not share).
+    pub fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {
+        let sharing = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
+        sharing.as_ref().map(|p| crate::share::siblings(p.dir()))
     }
 
     /// Starts access tracking on this running VM (a failure is logged and

@@ -1,0 +1,163 @@
+//! The destination's index of the pages its host's other VMs hold: built
+//! once per migration under a fresh seed, offered by key, and consulted as
+//! references arrive.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ferry_memory::PeerRegion;
+
+use super::{key, page_id, MAX_OFFER_KEYS};
+use crate::memory::is_zero;
+use crate::protocol::PAGE;
+
+/// Pages a build thread takes at a time (16 MiB).
+const STRETCH: u64 = 16 << 20;
+
+/// Other VMs' RAM on this host, by page key.
+pub struct SiblingIndex {
+    seed: u64,
+    regions: Vec<PeerRegion>,
+    /// Key → (region, byte offset) of the first page found with it.
+    at: HashMap<u64, (u32, u64)>,
+    /// Pages landed from here, and references that missed.
+    pub(crate) landed: AtomicU64,
+    pub(crate) missed: AtomicU64,
+}
+
+impl SiblingIndex {
+    /// Hashes every page with data in `regions` (zero pages travel as
+    /// ranges anyway) under `seed`, up to [`MAX_OFFER_KEYS`] distinct keys,
+    /// on as many threads as the host has cores (up to 4): the source
+    /// waits for the offer before its first page.
+    pub fn build(regions: Vec<PeerRegion>, seed: u64) -> Self {
+        // Every (region, offset) with data, dealt to the threads in stretches.
+        let mut stretches: Vec<(u32, u64, u64)> = Vec::new();
+        for (i, r) in regions.iter().enumerate() {
+            for (start, len) in r.data_ranges() {
+                for at in (start..start + len).step_by(STRETCH as usize) {
+                    stretches.push((i as u32, at, (start + len - at).min(STRETCH)));
+                }
+            }
+        }
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 4)
+            .min(stretches.len().max(1));
+        let parts: Vec<HashMap<u64, (u32, u64)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (regions, stretches) = (&regions, &stretches);
+                    s.spawn(move || {
+                        let mut at = HashMap::new();
+                        let mut page = [0u8; PAGE];
+                        for &(i, start, len) in stretches.iter().skip(t).step_by(threads) {
+                            let r = &regions[i as usize];
+                            for off in (start..start + len).step_by(PAGE) {
+                                if r.copy_page(off, &mut page) && !is_zero(&page) {
+                                    at.entry(key(&page, seed)).or_insert((i, off));
+                                }
+                            }
+                            if at.len() >= MAX_OFFER_KEYS {
+                                break;
+                            }
+                        }
+                        at
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        let mut at: HashMap<u64, (u32, u64)> = HashMap::new();
+        for part in parts {
+            for (k, v) in part {
+                if at.len() >= MAX_OFFER_KEYS {
+                    break;
+                }
+                at.entry(k).or_insert(v);
+            }
+        }
+        SiblingIndex {
+            seed,
+            regions,
+            at,
+            landed: AtomicU64::new(0),
+            missed: AtomicU64::new(0),
+        }
+    }
+
+    /// The seed of every key.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Every key, ascending (what the offer carries).
+    pub fn keys(&self) -> Vec<u64> {
+        let mut k: Vec<u64> = self.at.keys().copied().collect();
+        k.sort_unstable();
+        k
+    }
+
+    /// Distinct pages indexed.
+    pub fn pages(&self) -> usize {
+        self.at.len()
+    }
+
+    /// Copies the page `key` names into `out`; true only if what was copied
+    /// is the page `id` names (the other VM may have changed it since).
+    pub(crate) fn resolve(&self, key: u64, id: &[u8; 16], out: &mut [u8; PAGE]) -> bool {
+        let Some(&(r, off)) = self.at.get(&key) else {
+            return false;
+        };
+        self.regions[r as usize].copy_page(off, out) && page_id(out) == *id
+    }
+
+    /// Counts a reference landed or missed.
+    pub(crate) fn count(&self, landed: bool) {
+        let c = if landed { &self.landed } else { &self.missed };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_memory::MemfdRegion;
+
+    #[test]
+    fn a_page_resolves_only_while_it_still_holds_what_was_referenced() {
+        let owner = MemfdRegion::new("other-vm", 0, 8 * PAGE as u64).unwrap();
+        let page = |i: usize| owner.host_addr().wrapping_add(i * PAGE);
+        for i in [1usize, 4] {
+            // SAFETY: pages 1 and 4 of the owner's live mapping.
+            unsafe { std::ptr::write_bytes(page(i), i as u8 + 10, PAGE) };
+        }
+        // Page 6 is written as zeros: it holds data, but is not indexed.
+        // SAFETY: page 6 of the mapping.
+        unsafe { std::ptr::write_bytes(page(6), 0, PAGE) };
+        let fd = owner.fd().try_clone_to_owned().unwrap();
+        let idx = SiblingIndex::build(
+            vec![PeerRegion::map("peer", 8 * PAGE as u64, fd).unwrap()],
+            7,
+        );
+        assert_eq!(idx.pages(), 2);
+        let want = [11u8; PAGE];
+        let (k, id) = (key(&want, 7), page_id(&want));
+        assert!(idx.keys().contains(&k));
+        let mut out = [0u8; PAGE];
+        assert!(idx.resolve(k, &id, &mut out));
+        assert_eq!(out, want);
+        // The other VM writes the page: the reference misses.
+        // SAFETY: page 1 of the mapping.
+        unsafe { *page(1) = 0 };
+        assert!(!idx.resolve(k, &id, &mut out));
+        // A key it never offered, or a key with someone else's id.
+        assert!(!idx.resolve(k ^ 1, &id, &mut out));
+        let other = [14u8; PAGE];
+        assert!(!idx.resolve(key(&other, 7), &id, &mut out));
+        assert!(idx.resolve(key(&other, 7), &page_id(&other), &mut out));
+    }
+}

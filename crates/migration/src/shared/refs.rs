@@ -1,0 +1,82 @@
+//! SharedPages frames: pages sent as references to content the
+//! destination's host holds, written by the source's sender and landed by
+//! the destination's bulk streams through the sink like any other page.
+
+use std::io::Write;
+use std::sync::Mutex;
+
+use super::SiblingIndex;
+use crate::error::MigrationError;
+use crate::memory::RegionView;
+use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH, PAGE};
+use crate::ranges::GpaPages;
+use crate::sink::PageSink;
+
+/// One page sent by reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct SharedRef {
+    /// Where it lands.
+    pub(crate) gpa: u64,
+    /// Its key in the destination's offer.
+    pub(crate) key: u64,
+    /// Its identity ([`super::page_id`]).
+    pub(crate) id: [u8; 16],
+}
+
+/// Writes one SharedPages frame of `refs` (nothing if there are none);
+/// returns its wire bytes.
+pub(crate) fn write_refs(w: &mut impl Write, refs: &[SharedRef]) -> Result<u64, ProtocolError> {
+    if refs.is_empty() {
+        return Ok(0);
+    }
+    let body = postcard::to_stdvec(refs).map_err(|e| ProtocolError::Malformed {
+        kind: Kind::SharedPages,
+        reason: e.to_string(),
+    })?;
+    protocol::write_frame(w, Kind::SharedPages, &body)?;
+    Ok((protocol::HEADER + body.len()) as u64)
+}
+
+/// Lands a SharedPages body: each page its reference resolves to lands
+/// through `sink`; one that does not resolve (the other VM changed it, or
+/// no such key) goes to `missed`, for the source to send again. Returns
+/// the pages landed. A frame without an offer behind it, of more than a
+/// batch, or naming a page outside guest RAM fails the migration.
+pub(crate) fn land_refs(
+    regions: &[RegionView],
+    sink: &dyn PageSink,
+    body: &[u8],
+    index: Option<&SiblingIndex>,
+    missed: &Mutex<Vec<u64>>,
+) -> Result<u64, MigrationError> {
+    let bad = |reason: String| ProtocolError::Malformed {
+        kind: Kind::SharedPages,
+        reason,
+    };
+    let Some(index) = index else {
+        return Err(ProtocolError::Unexpected {
+            got: Kind::SharedPages,
+            want: "pages (this side offered none to refer to)",
+        }
+        .into());
+    };
+    let refs: Vec<SharedRef> = postcard::from_bytes(body).map_err(|e| bad(e.to_string()))?;
+    if refs.len() > MAX_BATCH {
+        return Err(bad(format!("{} references in one frame", refs.len())).into());
+    }
+    let mut page = [0u8; PAGE];
+    let mut landed = 0;
+    for r in refs {
+        let run = GpaPages::new(r.gpa, 1);
+        crate::sink::host_of(regions, run)?;
+        if index.resolve(r.key, &r.id, &mut page) {
+            sink.write(run, &page)?;
+            landed += 1;
+            index.count(true);
+        } else {
+            index.count(false);
+            missed.lock().unwrap_or_else(|e| e.into_inner()).push(r.gpa);
+        }
+    }
+    Ok(landed)
+}
