@@ -170,7 +170,7 @@ fn sibling() -> &'static (ferry_memory::MemfdRegion, SiblingIndex) {
             unsafe { std::ptr::write_bytes(r.host_addr().add(p * 4096), 0x40 + p as u8, 4096) };
         }
         let fd = r.fd().try_clone_to_owned().expect("a dup");
-        let peer = ferry_memory::PeerRegion::map("sibling", 16 * 4096, fd).expect("a mapping");
+        let peer = ferry_memory::PeerRegion::open("sibling", 16 * 4096, fd).expect("a mapping");
         let index = SiblingIndex::build(vec![peer], 1);
         (r, index)
     })

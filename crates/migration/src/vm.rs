@@ -144,7 +144,7 @@ pub trait DestinationVm: PageStore {
         Ok(0)
     }
     /// The RAM of this host's other VMs that pages may be shared from
-    /// (`crate::shared`, read-only mappings), or None when this VM does
+    /// (`crate::shared`, read-only, by pread), or None when this VM does
     /// not share (the default: a source asking is offered nothing).
     fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {
         None

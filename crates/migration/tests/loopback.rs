@@ -615,16 +615,24 @@ fn pages_another_vm_holds_go_by_reference_and_a_changed_one_goes_again() {
     // back after round 1 (byte 0 flipped twice): round 2 sends it as a
     // reference again, after the other VM wrote its copy.
     let sibling = FakeVm::new(LAYOUT).with_fill(filled);
-    let sib_page5 = sibling.regions[0].host_addr().wrapping_add(5 * PAGE) as usize;
+    // The fill depends on the offset in a region only: page 5 of each
+    // region holds the same content, and both copies change.
+    let sib_page5: Vec<usize> = sibling
+        .regions
+        .iter()
+        .map(|r| r.host_addr().wrapping_add(5 * PAGE) as usize)
+        .collect();
     let src = source(LAYOUT)
         .with_dirty_script(vec![vec![], vec![], vec![5], vec![5]])
         .with_dirty_hooks(vec![
             None,
             None,
             Some(Box::new(move || {
-                // SAFETY: byte 100 of page 5 of the sibling's live region 0
-                // (the sibling outlives the migration below).
-                unsafe { *(sib_page5 as *mut u8).add(100) ^= 1 };
+                for &p in &sib_page5 {
+                    // SAFETY: byte 100 of page 5 of one of the sibling's
+                    // live regions (it outlives the migration below).
+                    unsafe { *(p as *mut u8).add(100) ^= 1 };
+                }
             })),
             None,
         ]);

@@ -12,8 +12,11 @@
 //! - An entry is trusted only as far as the kernel allows: it must belong
 //!   to this user, name a live process started when the entry says, and a
 //!   descriptor of that process that is a memfd; the memory is opened
-//!   through /proc (the same permission a debugger needs) and mapped
-//!   read-only. Every page taken from it is checked by its hash.
+//!   through /proc (the same permission a debugger needs) and read with
+//!   pread, never mapped (`ferry_memory::PeerRegion`). Every page taken from
+//!   it is checked by its hash.
+//! - The directory must be this user's alone (0700), or nothing is
+//!   published or read there.
 //! - An entry disappears when its VMM exits; one left by a VMM that was
 //!   killed is ignored (its process is gone or another one has its pid).
 
@@ -88,12 +91,33 @@ impl Drop for Published {
     }
 }
 
-/// Publishes `memory` in `dir` (created owner-only if missing).
+/// Checks that `dir` is a directory (not a link to one) of this user's
+/// that no one else may write or read: another user's directory could
+/// hold entries planted for this VMM to follow.
+fn check_private(dir: &Path) -> io::Result<()> {
+    let meta = fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a directory of uid {me} alone (mode 0700)",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Publishes `memory` in `dir` (created owner-only if missing; an
+/// existing one must be this user's alone).
 pub fn publish(dir: &Path, memory: &GuestMemory) -> io::Result<Published> {
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
+    check_private(dir)?;
     let pid = std::process::id();
     let start =
         start_time(pid).ok_or_else(|| io::Error::other("cannot read this process's start time"))?;
@@ -113,11 +137,13 @@ pub fn publish(dir: &Path, memory: &GuestMemory) -> io::Result<Published> {
     let path = dir.join(format!("{pid}.json"));
     let tmp = dir.join(format!(".{pid}.json.tmp"));
     {
+        // A fresh file, never one (or a link) someone left in its place.
+        let _ = fs::remove_file(&tmp);
         let mut f = fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)?;
         // The mode above is filtered by the umask; owner-only either way.
         f.set_permissions(fs::Permissions::from_mode(0o600))?;
@@ -130,9 +156,13 @@ pub fn publish(dir: &Path, memory: &GuestMemory) -> io::Result<Published> {
     })
 }
 
-/// The RAM of every other VMM that shares in `dir`, mapped read-only.
+/// The RAM of every other VMM that shares in `dir`, opened read-only.
 /// Entries that cannot be trusted or opened are skipped (and logged).
 pub fn siblings(dir: &Path) -> Vec<PeerRegion> {
+    if let Err(why) = check_private(dir) {
+        tracing::warn!(%why, "no pages shared");
+        return Vec::new();
+    }
     let Ok(list) = fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -185,8 +215,17 @@ fn open_entry(path: &Path, me: u32) -> Result<Option<Vec<PeerRegion>>, String> {
             .custom_flags(libc::O_CLOEXEC)
             .open(&fd_path)
             .map_err(|e| e.to_string())?;
+        // What was opened, not what was looked at before: the process may
+        // have ended and its pid or fd number been reused in between.
+        let opened = fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .map_err(|e| e.to_string())?;
+        if !opened.to_string_lossy().starts_with("/memfd:")
+            || start_time(entry.pid) != Some(entry.start)
+        {
+            return Err(format!("{fd_path} changed while it was opened"));
+        }
         let name = format!("pid {} at {:#x}", entry.pid, r.gpa);
-        regions.push(PeerRegion::map(&name, r.size, file.into()).map_err(|e| e.to_string())?);
+        regions.push(PeerRegion::open(&name, r.size, file.into()).map_err(|e| e.to_string())?);
     }
     Ok(Some(regions))
 }
@@ -236,6 +275,10 @@ mod tests {
         assert!(open_entry(&dir.join("stale.json"), 0).is_err());
         drop(published);
         assert!(!path.exists(), "the entry goes with its VMM");
+        // A directory others may write is neither published in nor read.
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(publish(&dir, &memory).is_err());
+        assert!(siblings(&dir).is_empty());
         let _ = fs::remove_dir_all(&dir);
     }
 }

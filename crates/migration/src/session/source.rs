@@ -464,6 +464,21 @@ impl<'a> SourceSession<'a> {
                     }
                     .into());
                 }
+                // Held until the next round: never more than the VM's pages.
+                let guest: u64 = self
+                    .regions
+                    .iter()
+                    .map(|r| r.size() / crate::ranges::PAGE)
+                    .sum();
+                let held =
+                    crate::ranges::total_pages(&self.missed) + crate::ranges::total_pages(&runs);
+                if held > guest {
+                    return Err(ProtocolError::Malformed {
+                        kind: Kind::SharedMissed,
+                        reason: "more pages missed than the VM has".into(),
+                    }
+                    .into());
+                }
                 self.missed.extend(runs);
                 continue;
             }

@@ -11,8 +11,11 @@ use super::{key, page_id, MAX_OFFER_KEYS};
 use crate::memory::is_zero;
 use crate::protocol::PAGE;
 
-/// Pages a build thread takes at a time (16 MiB).
-const STRETCH: u64 = 16 << 20;
+/// Bytes a build thread reads at a time.
+const STRETCH: u64 = 4 << 20;
+/// The longest an index build takes: what is hashed by then is offered
+/// (the source waits for the offer under its control timeout).
+pub const BUILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Other VMs' RAM on this host, by page key.
 pub struct SiblingIndex {
@@ -27,11 +30,11 @@ pub struct SiblingIndex {
 
 impl SiblingIndex {
     /// Hashes every page with data in `regions` (zero pages travel as
-    /// ranges anyway) under `seed`, up to [`MAX_OFFER_KEYS`] distinct keys,
-    /// on as many threads as the host has cores (up to 4): the source
-    /// waits for the offer before its first page.
+    /// ranges anyway) under `seed`, on as many threads as the host has
+    /// cores (up to 4), until [`MAX_OFFER_KEYS`] keys or [`BUILD_LIMIT`]:
+    /// the source waits for the offer before its first page.
     pub fn build(regions: Vec<PeerRegion>, seed: u64) -> Self {
-        // Every (region, offset) with data, dealt to the threads in stretches.
+        // Every stretch with data, dealt to the threads.
         let mut stretches: Vec<(u32, u64, u64)> = Vec::new();
         for (i, r) in regions.iter().enumerate() {
             for (start, len) in r.data_ranges() {
@@ -44,23 +47,35 @@ impl SiblingIndex {
             .map_or(1, |n| n.get())
             .clamp(1, 4)
             .min(stretches.len().max(1));
+        let until = std::time::Instant::now() + BUILD_LIMIT;
+        // Keys found by all threads (a thread's repeats count too: a bound,
+        // not a tally).
+        let found = std::sync::atomic::AtomicUsize::new(0);
         let parts: Vec<HashMap<u64, (u32, u64)>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..threads)
                 .map(|t| {
-                    let (regions, stretches) = (&regions, &stretches);
+                    let (regions, stretches, found) = (&regions, &stretches, &found);
                     s.spawn(move || {
                         let mut at = HashMap::new();
-                        let mut page = [0u8; PAGE];
+                        let mut buf = vec![0u8; STRETCH as usize];
                         for &(i, start, len) in stretches.iter().skip(t).step_by(threads) {
-                            let r = &regions[i as usize];
-                            for off in (start..start + len).step_by(PAGE) {
-                                if r.copy_page(off, &mut page) && !is_zero(&page) {
-                                    at.entry(key(&page, seed)).or_insert((i, off));
-                                }
-                            }
-                            if at.len() >= MAX_OFFER_KEYS {
+                            let buf = &mut buf[..len as usize];
+                            if found.load(Ordering::Relaxed) >= MAX_OFFER_KEYS
+                                || std::time::Instant::now() > until
+                            {
                                 break;
                             }
+                            if !regions[i as usize].read_pages(start, buf) {
+                                continue;
+                            }
+                            let before = at.len();
+                            for (k, page) in buf.chunks_exact(PAGE).enumerate() {
+                                if !is_zero(page) {
+                                    let off = start + (k * PAGE) as u64;
+                                    at.entry(key(page, seed)).or_insert((i, off));
+                                }
+                            }
+                            found.fetch_add(at.len() - before, Ordering::Relaxed);
                         }
                         at
                     })
@@ -140,7 +155,7 @@ mod tests {
         unsafe { std::ptr::write_bytes(page(6), 0, PAGE) };
         let fd = owner.fd().try_clone_to_owned().unwrap();
         let idx = SiblingIndex::build(
-            vec![PeerRegion::map("peer", 8 * PAGE as u64, fd).unwrap()],
+            vec![PeerRegion::open("peer", 8 * PAGE as u64, fd).unwrap()],
             7,
         );
         assert_eq!(idx.pages(), 2);

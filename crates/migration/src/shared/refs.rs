@@ -60,10 +60,18 @@ pub(crate) fn land_refs(
         }
         .into());
     };
+    // The longest a batch of references encodes to, checked before it is
+    // decoded: a count, and per reference two varints and 16 bytes.
+    if body.len() > 5 + MAX_BATCH * (10 + 10 + 16) {
+        return Err(bad(format!("{} bytes of references in one frame", body.len())).into());
+    }
     let refs: Vec<SharedRef> = postcard::from_bytes(body).map_err(|e| bad(e.to_string()))?;
     if refs.len() > MAX_BATCH {
         return Err(bad(format!("{} references in one frame", refs.len())).into());
     }
+    // A round names a page once: more misses than the VM has pages is not
+    // an honest source.
+    let pages: u64 = regions.iter().map(|r| r.size() / PAGE as u64).sum();
     let mut page = [0u8; PAGE];
     let mut landed = 0;
     for r in refs {
@@ -75,7 +83,11 @@ pub(crate) fn land_refs(
             index.count(true);
         } else {
             index.count(false);
-            missed.lock().unwrap_or_else(|e| e.into_inner()).push(r.gpa);
+            let mut missed = missed.lock().unwrap_or_else(|e| e.into_inner());
+            if missed.len() as u64 >= pages {
+                return Err(bad("more references missed than the VM has pages".into()).into());
+            }
+            missed.push(r.gpa);
         }
     }
     Ok(landed)

@@ -535,7 +535,7 @@ impl DestinationVm for FakeVm {
             siblings
                 .iter()
                 .map(|(fd, size)| {
-                    ferry_memory::PeerRegion::map("sibling", *size, fd.try_clone().unwrap())
+                    ferry_memory::PeerRegion::open("sibling", *size, fd.try_clone().unwrap())
                         .unwrap()
                 })
                 .collect(),

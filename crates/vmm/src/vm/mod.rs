@@ -120,7 +120,7 @@ impl Vm {
         Ok(())
     }
 
-    /// The other sharing VMs' RAM, mapped read-only (None when this VM
+    /// The other sharing VMs' RAM, opened read-only (None when this VM
     /// does not share).
     pub fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {
         let sharing = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
