@@ -12,6 +12,9 @@ use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH, PAGE};
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
 
+/// Runs of at least this many referenced pages are populated in one call.
+const POPULATE_MIN_PAGES: usize = 8;
+
 /// One page sent by reference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct SharedRef {
@@ -72,6 +75,25 @@ pub(crate) fn land_refs(
     // A round names a page once: more misses than the VM has pages is not
     // an honest source.
     let pages: u64 = regions.iter().map(|r| r.size() / PAGE as u64).sum();
+    // Runs of consecutive pages are allocated in one call first, where the
+    // sink writes plain memory: fresh guest memory faults page by page on
+    // a copy's first touch, which cost more than the rest of a reference.
+    let mut i = 0;
+    while i < refs.len() {
+        let mut n = 1;
+        while i + n < refs.len()
+            && refs[i + n].gpa == refs[i].gpa.wrapping_add(n as u64 * PAGE as u64)
+        {
+            n += 1;
+        }
+        let run = GpaPages::new(refs[i].gpa, n as u64);
+        if n >= POPULATE_MIN_PAGES && crate::sink::host_of(regions, run).is_ok() {
+            if let Some(stretch) = sink.in_place(run) {
+                stretch.populate();
+            }
+        }
+        i += n;
+    }
     let mut page = [0u8; PAGE];
     let mut landed = 0;
     for r in refs {

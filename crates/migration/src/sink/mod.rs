@@ -158,6 +158,12 @@ impl<'a> InPlace<'a> {
         unsafe { r.read_exact_raw(self.ptr, self.len) }
     }
 
+    /// Allocates and maps the whole stretch now, in one call, ahead of
+    /// copies that fill it page by page (each would fault its page in).
+    pub fn populate(&self) {
+        populate(self.ptr, self.len);
+    }
+
     /// CRC-32C of the stretch appended to `crc` (after [`InPlace::fill_from`]).
     pub fn crc(&self, crc: u32) -> u32 {
         crate::checksum::append(crc, self.landed())
