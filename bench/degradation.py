@@ -16,6 +16,7 @@ the charts of its runs goes to bench/results/degradation/.
 Results: bench/results/degradation.{json,md} and degradation-*.png.
 
 Usage: python3 bench/degradation.py [--runs 1] [--rates 0,128,512] [--modes precopy,postcopy,hybrid]
+       [--kinds compute,kv] [--extra 'MIGRATE ARGS'] [--out degradation]
 """
 import argparse
 import json
@@ -43,7 +44,7 @@ def workload(kind, rate):
     return base if rate == 0 else f"{base}+dirty:rate={rate},wss=128,pattern=random,tasks=1"
 
 
-def run_once(ferry, kind, rate, mode, tmp, port, keep):
+def run_once(ferry, kind, rate, mode, tmp, port, keep, extra=()):
     src_sock, dst_sock = os.path.join(tmp, "src.sock"), os.path.join(tmp, "dst.sock")
     benchlib.fresh(src_sock, dst_sock)
     wl = workload(kind, rate)
@@ -68,7 +69,7 @@ def run_once(ferry, kind, rate, mode, tmp, port, keep):
         time.sleep(LEAD_S)
         flags = {"precopy": ["--max-rounds", "15"], "postcopy": ["--mode", "postcopy"],
                  "hybrid": ["--mode", "hybrid", "--postcopy-after", "3"]}[mode]
-        m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{DST[1]}:{port}", *flags,
+        m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{DST[1]}:{port}", *flags, *extra,
                         "--timeline", timeline, "--json"), check=False)
         if m.returncode != 0:
             raise RuntimeError(m.stderr)
@@ -90,7 +91,7 @@ def run_once(ferry, kind, rate, mode, tmp, port, keep):
     }
 
 
-def plot(out, cells, rates):
+def plot(out, cells, rates, prefix="degradation"):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -117,7 +118,7 @@ def plot(out, cells, rates):
         ax[0].legend(fontsize=8)
         fig.suptitle(f"{kind} VM ({workload(kind, 0)}), 1 GiB, 1 Gbit link")
         fig.tight_layout()
-        name = f"degradation-{kind}.png"
+        name = f"{prefix}-{kind}.png"
         fig.savefig(os.path.join(out, name), dpi=90)
         plt.close(fig)
         made.append(name)
@@ -131,12 +132,15 @@ def main():
     ap.add_argument("--rates", default="0,128,512")
     ap.add_argument("--modes", default="precopy,postcopy,hybrid")
     ap.add_argument("--kinds", default="compute,kv")
+    ap.add_argument("--extra", default="", help="more `ferry migrate` arguments for every run (e.g. '--bandwidth 100MB/s')")
+    ap.add_argument("--out", default="degradation", help="results file name under bench/results/")
     a = ap.parse_args()
+    extra = a.extra.split()
     ferry = os.path.abspath(a.ferry)
     rates = [int(r) for r in a.rates.split(",")]
     benchlib.lab_up(ferry, 3, "1gbit")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    pages = os.path.join(out, "degradation")
+    pages = os.path.join(out, a.out)
     os.makedirs(pages, exist_ok=True)
     cells = []
     try:
@@ -151,7 +155,7 @@ def main():
                         for _ in range(a.runs):
                             port += 1
                             try:
-                                runs.append(run_once(ferry, kind, rate, mode, tmp, port, keep))
+                                runs.append(run_once(ferry, kind, rate, mode, tmp, port, keep, extra))
                             except (RuntimeError, subprocess.SubprocessError, ValueError) as e:
                                 errors.append(str(e).strip()[:300])
                                 print(f"{kind} {rate} {mode}: a run failed: {e}", flush=True)
@@ -177,14 +181,14 @@ def main():
                 sh(ferry, "report", *args, "--out", d, "--title", f"ferry degradation study: {kind} VM")
     finally:
         sh(ferry, "lab", "down", check=False)
-    plots = plot(out, cells, rates)
+    plots = plot(out, cells, rates, a.out)
     command = benchlib.recorded_command("degradation.py")
     for c in cells:
         for r in c["runs"]:
             r["timeline"] = os.path.basename(r["timeline"])
             r["load"] = r["load"] and os.path.basename(r["load"])
-    benchlib.write_json(os.path.join(out, "degradation.json"), {"command": command, "cells": cells}, indent=1)
-    md = os.path.join(out, "degradation.md")
+    benchlib.write_json(os.path.join(out, f"{a.out}.json"), {"command": command, "cells": cells}, indent=1)
+    md = os.path.join(out, f"{a.out}.md")
     lines = [
         "# Degradation during migration: guest throughput, downtime and total time vs dirty rate",
         "",
@@ -206,7 +210,7 @@ def main():
             f"{m['during_vs_before_pct']:+.1f}% | {m['exec_ratio_min']:.2f} | "
             f"{m['latency_p99_ms']:.1f} | {m['errors']:.0f} |")
     lines += ["", *[f"![{p}]({p})" for p in plots]]
-    lines += ["", "Report pages (charts per run): `degradation/compute/index.html`, `degradation/kv/index.html`."]
+    lines += ["", f"Report pages (charts per run): `{a.out}/compute/index.html`, `{a.out}/kv/index.html`."]
     lines += benchlib.failed_runs(cells, lambda c: f"{c['kind']} {c['rate']} {c['mode']}")
     benchlib.write_md(md, lines)
     print(f"wrote {md}")
