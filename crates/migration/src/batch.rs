@@ -169,7 +169,7 @@ impl PageBatch {
             if let Some(key) = self
                 .sharing
                 .as_ref()
-                .and_then(|o| o.holds(&self.data[at..]))
+                .and_then(|o| o.holds(gpa, &self.data[at..]))
             {
                 let page = &self.data[at..];
                 self.refs.push(crate::shared::SharedRef {

@@ -181,7 +181,10 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         let (mut next, mut dirty) = dirty_runs(&s.regions, &bitmaps);
         let missed = s.take_missed();
         if !missed.is_empty() {
-            // References the destination could not resolve go again.
+            // References the destination could not resolve go again, as data.
+            if let Some(offer) = &s.shared {
+                offer.withdraw(&missed);
+            }
             stats.shared_missed += total_pages(&missed);
             next.extend(missed);
             next.sort_unstable();

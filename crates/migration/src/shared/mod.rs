@@ -14,7 +14,7 @@
 //!      no:  Pages / Encoded as always
 //!  RoundDone                             ──▶
 //!                                       ◀──  SharedMissed(runs)…  RoundAck
-//!  the missed pages go again next round
+//!  the missed pages go again next round, as data
 //! ```
 //!
 //! - The offer is 8 bytes per page, keyed by a seed the destination draws

@@ -1,22 +1,54 @@
 //! The offer: the keys of the pages a destination's host already holds,
 //! sent at the opening, and the source's test of each page against it.
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::RwLock;
+
 use super::{KEYS_PER_FRAME, MAX_OFFER_KEYS};
 use crate::protocol::{Kind, ProtocolError, SharedOffer};
+use crate::ranges::GpaPages;
 use crate::transport::Conn;
 
-/// What the destination offered: a seed and the keys under it, ascending.
+/// What the destination offered: a seed and the keys under it, ascending;
+/// and the pages whose reference missed, which go as data from then on.
 #[derive(Debug, Default)]
 pub(crate) struct Offer {
     seed: u64,
     keys: Vec<u64>,
+    withdrawn: RwLock<HashSet<u64>>,
+    /// Any page withdrawn (spares the lock on every page until then).
+    any_withdrawn: AtomicBool,
 }
 
 impl Offer {
-    /// The key under which the offer holds `page`, if it does.
-    pub(crate) fn holds(&self, page: &[u8]) -> Option<u64> {
+    /// The key under which the offer holds `page`, at `gpa`, if it does and
+    /// the page's reference never missed.
+    pub(crate) fn holds(&self, gpa: u64, page: &[u8]) -> Option<u64> {
         let k = super::key(page, self.seed);
-        self.keys.binary_search(&k).is_ok().then_some(k)
+        if self.keys.binary_search(&k).is_err() {
+            return None;
+        }
+        if self.any_withdrawn.load(Ordering::Acquire)
+            && self
+                .withdrawn
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&gpa)
+        {
+            return None;
+        }
+        Some(k)
+    }
+
+    /// The pages of `runs` missed as references: they go as data from now
+    /// on (the destination's copy changed, and may change again).
+    pub(crate) fn withdraw(&self, runs: &[GpaPages]) {
+        let mut w = self.withdrawn.write().unwrap_or_else(|e| e.into_inner());
+        for r in runs {
+            w.extend(r.page_addrs());
+        }
+        self.any_withdrawn.store(!w.is_empty(), Ordering::Release);
     }
 
     /// Keys offered.
@@ -53,7 +85,7 @@ pub(crate) fn recv_offer(ctl: &mut Conn) -> Result<Offer, ProtocolError> {
         let part: SharedOffer = ctl.recv(Kind::SharedOffer)?;
         let o = offer.get_or_insert_with(|| Offer {
             seed: part.seed,
-            keys: Vec::new(),
+            ..Default::default()
         });
         if part.seed != o.seed {
             return Err(bad("the seed changed between frames"));
@@ -107,9 +139,13 @@ mod tests {
         t.join().unwrap();
         assert_eq!(offer.len(), keys.len());
         for p in &pages {
-            assert!(offer.holds(p).is_some());
+            assert!(offer.holds(0x1000, p).is_some());
         }
-        assert!(offer.holds(&[9u8; crate::protocol::PAGE]).is_none());
+        assert!(offer.holds(0x1000, &[9u8; crate::protocol::PAGE]).is_none());
+        // A page whose reference missed goes as data from then on.
+        offer.withdraw(&[GpaPages::new(0x1000, 1)]);
+        assert!(offer.holds(0x1000, &pages[0]).is_none());
+        assert!(offer.holds(0x2000, &pages[0]).is_some());
     }
 
     #[test]
