@@ -142,6 +142,6 @@ pub fn shared_pages(
     index: &crate::shared::SiblingIndex,
 ) -> Result<(u64, Vec<GpaPages>), MigrationError> {
     let rx = Received::new(1);
-    let landed = crate::shared::land_refs(regions, sink, body, Some(index), &rx.missed)?;
+    let (landed, _) = crate::shared::land_refs(regions, sink, body, Some(index), &rx.missed)?;
     Ok((landed, rx.take_missed()))
 }

@@ -32,8 +32,12 @@ pub(crate) struct Received {
     pub(crate) cpu: CpuMeter,
     /// The streams' sockets, to cut them when the link broke.
     socks: Mutex<Vec<Closer>>,
-    /// This host's other VMs' pages that references name (v14).
-    shared: Option<std::sync::Arc<crate::shared::SiblingIndex>>,
+    /// This host's other VMs' pages that references name (v14), until the
+    /// copy rounds end.
+    shared: Mutex<Option<std::sync::Arc<crate::shared::SiblingIndex>>>,
+    /// Pages landed by reference, and references that missed (v14).
+    pub(crate) shared_landed: AtomicU64,
+    pub(crate) shared_missed: AtomicU64,
     /// Pages referenced that did not resolve, since the last round.
     pub(crate) missed: Mutex<Vec<u64>>,
 }
@@ -50,7 +54,9 @@ impl Received {
             zero_pages: AtomicU64::new(0),
             cpu: CpuMeter::default(),
             socks: Mutex::new(Vec::new()),
-            shared: None,
+            shared: Mutex::new(None),
+            shared_landed: AtomicU64::new(0),
+            shared_missed: AtomicU64::new(0),
             missed: Mutex::new(Vec::new()),
         }
     }
@@ -60,8 +66,15 @@ impl Received {
         mut self,
         index: Option<std::sync::Arc<crate::shared::SiblingIndex>>,
     ) -> Self {
-        self.shared = index;
+        self.shared = Mutex::new(index);
         self
+    }
+
+    /// The copy rounds are over (no reference may come any more): lets go
+    /// of the other VMs' memory, which a VM that exited meanwhile would
+    /// otherwise keep allocated through a postcopy phase.
+    pub(crate) fn stop_sharing(&self) {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 
     /// The pages referenced that did not resolve since the last call, as
@@ -304,14 +317,17 @@ pub(crate) fn bulk_loop(
                     }
                     Kind::SharedPages => {
                         protocol::read_body_into(&mut r, &h, &mut body)?;
-                        let n = crate::shared::land_refs(
+                        let index = rx.shared.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                        let (n, misses) = crate::shared::land_refs(
                             regions,
                             sink,
                             &body,
-                            rx.shared.as_deref(),
+                            index.as_deref(),
                             &rx.missed,
                         )?;
                         rx.pages.fetch_add(n, Ordering::Relaxed);
+                        rx.shared_landed.fetch_add(n, Ordering::Relaxed);
+                        rx.shared_missed.fetch_add(misses, Ordering::Relaxed);
                     }
                     Kind::Codec if first => {
                         protocol::read_body_into(&mut r, &h, &mut body)?;

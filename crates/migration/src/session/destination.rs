@@ -251,7 +251,9 @@ impl<'a> DestSession<'a> {
         let ctl_cpu0 = thread_cpu_secs();
         let bulk = self.accept_bulk()?;
         let regions = vm.regions();
-        let rx = Received::new(bulk.len()).sharing(self.shared.clone());
+        // The receiver holds the index alone, and lets go of it when the
+        // copy rounds end.
+        let rx = Received::new(bulk.len()).sharing(self.shared.take());
         let mut stats = DestinationStats::default();
         // A verified precopy: every page is hashed as it lands.
         let landed = self.hash_landed.then(|| PageHashes::new(&regions));
@@ -300,11 +302,8 @@ impl<'a> DestSession<'a> {
             }
         })?;
         stats.pages = rx.pages.load(std::sync::atomic::Ordering::Relaxed);
-        if let Some(index) = &self.shared {
-            use std::sync::atomic::Ordering::Relaxed;
-            stats.shared_pages = index.landed.load(Relaxed);
-            stats.shared_missed = index.missed.load(Relaxed);
-        }
+        stats.shared_pages = rx.shared_landed.load(std::sync::atomic::Ordering::Relaxed);
+        stats.shared_missed = rx.shared_missed.load(std::sync::atomic::Ordering::Relaxed);
         stats.zero_pages = rx.zero_pages.load(std::sync::atomic::Ordering::Relaxed);
         Ok(stats)
     }
@@ -338,7 +337,11 @@ impl<'a> DestSession<'a> {
                     }
                     self.ctl.send(Kind::RoundAck, &rd.round)?;
                 }
-                Kind::State => state = Some(f.body),
+                Kind::State => {
+                    // The last round was applied: no reference comes after.
+                    rx.stop_sharing();
+                    state = Some(f.body);
+                }
                 Kind::Clients if self.clients_agreed => clients = Some(f.body),
                 Kind::Verify => {
                     let t = Instant::now();

@@ -3,7 +3,7 @@
 //! references arrive.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use ferry_memory::PeerRegion;
 
@@ -23,9 +23,6 @@ pub struct SiblingIndex {
     regions: Vec<PeerRegion>,
     /// Key → (region, byte offset) of the first page found with it.
     at: HashMap<u64, (u32, u64)>,
-    /// Pages landed from here, and references that missed.
-    pub(crate) landed: AtomicU64,
-    pub(crate) missed: AtomicU64,
 }
 
 impl SiblingIndex {
@@ -95,13 +92,7 @@ impl SiblingIndex {
                 at.entry(k).or_insert(v);
             }
         }
-        SiblingIndex {
-            seed,
-            regions,
-            at,
-            landed: AtomicU64::new(0),
-            missed: AtomicU64::new(0),
-        }
+        SiblingIndex { seed, regions, at }
     }
 
     /// The seed of every key.
@@ -128,12 +119,6 @@ impl SiblingIndex {
             return false;
         };
         self.regions[r as usize].copy_page(off, out) && page_id(out) == *id
-    }
-
-    /// Counts a reference landed or missed.
-    pub(crate) fn count(&self, landed: bool) {
-        let c = if landed { &self.landed } else { &self.missed };
-        c.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -51,7 +51,7 @@ pub(crate) fn land_refs(
     body: &[u8],
     index: Option<&SiblingIndex>,
     missed: &Mutex<Vec<u64>>,
-) -> Result<u64, MigrationError> {
+) -> Result<(u64, u64), MigrationError> {
     let bad = |reason: String| ProtocolError::Malformed {
         kind: Kind::SharedPages,
         reason,
@@ -95,16 +95,15 @@ pub(crate) fn land_refs(
         i += n;
     }
     let mut page = [0u8; PAGE];
-    let mut landed = 0;
+    let (mut landed, mut misses) = (0, 0);
     for r in refs {
         let run = GpaPages::new(r.gpa, 1);
         crate::sink::host_of(regions, run)?;
         if index.resolve(r.key, &r.id, &mut page) {
             sink.write(run, &page)?;
             landed += 1;
-            index.count(true);
         } else {
-            index.count(false);
+            misses += 1;
             let mut missed = missed.lock().unwrap_or_else(|e| e.into_inner());
             if missed.len() as u64 >= pages {
                 return Err(bad("more references missed than the VM has pages".into()).into());
@@ -112,5 +111,5 @@ pub(crate) fn land_refs(
             missed.push(r.gpa);
         }
     }
-    Ok(landed)
+    Ok((landed, misses))
 }
