@@ -30,6 +30,14 @@ def failed_runs(cells, label):
     return ["", "Failed runs (left out of the medians):", ""] + [f"- {l}: {e}" for l, e in failed]
 
 
+def error_lines(errors):
+    """Markdown lines listing a bench's failed runs (`errors`: one string
+    each), or none."""
+    if not errors:
+        return []
+    return ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+
+
 def sh(*args, check=True, **kw):
     """Runs a command, capturing its output as text."""
     import subprocess

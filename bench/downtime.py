@@ -76,8 +76,7 @@ def main():
                 lines.append(f"| {case} | {b} | {m['downtime_ms']:.2f} | {m['pause']:.2f} | "
                              f"{m['last_round']:.2f} | {m['save_state']:.2f} | "
                              f"{m['destination']:.2f} | {each} |")
-    if errors:
-        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    lines += benchlib.error_lines(errors)
     benchlib.write_md(os.path.join(out_dir, f"{a.out}.md"), lines)
     print("\n".join(lines))
 

@@ -235,8 +235,7 @@ def main():
                   f"{', '.join(f'{x:.2f}' for x in upgrade['max_downtimes_ms'])}), downtime p50 over every VM "
                   f"{upgrade['downtime_p50_ms']:.2f} ms, {upgrade['copied_bytes']} bytes of guest memory copied, "
                   f"{len(upgrade['failed'])} failed."]
-    if errors:
-        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    lines += benchlib.error_lines(errors)
     benchlib.write_md(os.path.join(out, f"{a.results}.md"), lines)
     print("\n".join(lines))
 

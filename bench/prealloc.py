@@ -69,8 +69,7 @@ def main():
                 each = ", ".join(f"{r['total_s']:.2f}/{r['downtime_ms']:.1f}" for r in runs[key][b])
                 lines.append(f"| {mode} | {pre} | {b} | {m['total_s']:.2f} | {m['rate_mib_s']:.0f} | "
                              f"{m['downtime_ms']:.1f} | {m['released_mib']:.0f} | {each} |")
-    if errors:
-        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    lines += benchlib.error_lines(errors)
     benchlib.write_md(os.path.join(out_dir, "prealloc.md"), lines)
     print("\n".join(lines))
 

@@ -149,8 +149,7 @@ def main():
     if ratio is not None:
         lines += ["", f"Bytes of the shared moves against the separate ones: **{ratio:.3f}** "
                       "(issue 34's goal: <= 0.3)."]
-    if errors:
-        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    lines += benchlib.error_lines(errors)
     benchlib.write_md(os.path.join(out_dir, f"{a.out}.md"), lines)
     print("\n".join(lines))
 

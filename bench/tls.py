@@ -191,8 +191,7 @@ def main():
             if len(pairs) == a.runs:
                 lines.append(f"| {case} | TLS / plaintext, median of run pairs | "
                              f"{statistics.median(pairs):.3f}x | | | | |")
-    if errors:
-        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    lines += benchlib.error_lines(errors)
     benchlib.write_md(os.path.join(out_dir, "tls.md"), lines)
     print("\n".join(lines))
 

@@ -96,8 +96,7 @@ def main():
                 added = statistics.median(w["downtime_ms"] - p["downtime_ms"]
                                           for w, p in zip(with_, without))
                 lines.append(f"- {case}, {b}: {added:+.2f} ms")
-    if errors:
-        lines += ["", "Failed runs:", ""] + [f"- {e}" for e in errors]
+    lines += benchlib.error_lines(errors)
     benchlib.write_md(os.path.join(out_dir, "verify.md"), lines)
     print("\n".join(lines))
 

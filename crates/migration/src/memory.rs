@@ -128,6 +128,17 @@ impl RegionView {
     }
 }
 
+/// True if `n` pages from `gpa` are whole pages inside one region (checked
+/// arithmetic: the range comes from the wire).
+pub(crate) fn range_inside(regions: &[RegionView], gpa: u64, n: u64) -> bool {
+    gpa.is_multiple_of(PAGE)
+        && n.checked_mul(PAGE).is_some_and(|l| {
+            regions
+                .iter()
+                .any(|r| r.contains(gpa) && r.contains_range(gpa, l))
+        })
+}
+
 /// The region of `regions` holding `gpa`.
 pub fn region_of(regions: &[RegionView], gpa: u64) -> Option<(usize, &RegionView)> {
     regions.iter().enumerate().find(|(_, r)| r.contains(gpa))

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use ferry_codec::StreamDecoder;
 
 use crate::error::MigrationError;
-use crate::memory::RegionView;
+use crate::memory::{range_inside, RegionView};
 use crate::protocol::{self, Kind, ProtocolError, PAGE};
 use crate::ranges::GpaPages;
 use crate::sink::PageSink;
@@ -186,17 +186,6 @@ impl Received {
     }
 }
 
-/// True if `n` pages from `gpa` are whole pages inside one region (checked
-/// arithmetic: the range comes from the wire).
-fn zero_range_inside(regions: &[RegionView], gpa: u64, n: u64) -> bool {
-    gpa.is_multiple_of(PAGE as u64)
-        && n.checked_mul(PAGE as u64).is_some_and(|l| {
-            regions
-                .iter()
-                .any(|r| r.contains(gpa) && r.contains_range(gpa, l))
-        })
-}
-
 pub(crate) fn zero_ranges(
     regions: &[RegionView],
     sink: &dyn PageSink,
@@ -209,7 +198,7 @@ pub(crate) fn zero_ranges(
             reason: e.to_string(),
         })?;
     for run in ranges {
-        if !zero_range_inside(regions, run.gpa, run.pages) {
+        if !range_inside(regions, run.gpa, run.pages) {
             return Err(ProtocolError::Malformed {
                 kind: Kind::ZeroRanges,
                 reason: format!(
@@ -409,19 +398,16 @@ mod tests {
                 RegionView::new(0x1_0000_0000, 4 * p, std::ptr::null_mut()),
             ]
         };
-        assert!(zero_range_inside(&regions, 0, 16));
-        assert!(zero_range_inside(&regions, 0x1_0000_0000 + p, 3));
-        assert!(!zero_range_inside(&regions, 0, 17), "past the end");
+        assert!(range_inside(&regions, 0, 16));
+        assert!(range_inside(&regions, 0x1_0000_0000 + p, 3));
+        assert!(!range_inside(&regions, 0, 17), "past the end");
         assert!(
-            !zero_range_inside(&regions, 15 * p, 2),
+            !range_inside(&regions, 15 * p, 2),
             "into the next region's gap"
         );
-        assert!(!zero_range_inside(&regions, 8, 1), "unaligned");
-        assert!(!zero_range_inside(&regions, 16 * p, 1), "in the gap");
-        assert!(
-            !zero_range_inside(&regions, p, (1 << 52) - 1),
-            "wraps around"
-        );
-        assert!(!zero_range_inside(&regions, p, u64::MAX), "overflows");
+        assert!(!range_inside(&regions, 8, 1), "unaligned");
+        assert!(!range_inside(&regions, 16 * p, 1), "in the gap");
+        assert!(!range_inside(&regions, p, (1 << 52) - 1), "wraps around");
+        assert!(!range_inside(&regions, p, u64::MAX), "overflows");
     }
 }

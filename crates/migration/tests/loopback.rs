@@ -8,8 +8,8 @@ mod common;
 
 use common::fake_vm::FakeVm;
 use ferry_migration::{
-    destination, Backend, ClientsAnswer, ClientsPlan, Endpoint, GpaBytes, Listener, MigrateOptions,
-    MigrationError, MigrationStats, OffsetBytes, Progress,
+    destination, Backend, ClientsAnswer, ClientsPlan, DestinationStats, Endpoint, GpaBytes,
+    Listener, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress,
 };
 
 const PAGE: usize = 4096;
@@ -47,6 +47,29 @@ fn migrate(
     progress: &dyn Fn(&Progress),
 ) -> Result<MigrationStats, MigrationError> {
     ferry_migration::migrate(vm, to, opts, &Backend::cpu(), progress).map(common::done)
+}
+
+/// Migrates `src` into `dst`, which waits on `listener` (at `addr`), with
+/// `opts`; both sides must succeed. Returns both sides' figures.
+fn migrate_whole(
+    src: &FakeVm,
+    dst: &FakeVm,
+    listener: &Listener,
+    addr: &Endpoint,
+    opts: &MigrateOptions,
+) -> (MigrationStats, DestinationStats) {
+    std::thread::scope(|s| {
+        let d = s.spawn(|| destination::receive(dst, listener, Duration::from_secs(10)));
+        let st = migrate(src, addr, opts, &|_| {}).unwrap();
+        (st, d.join().unwrap().unwrap())
+    })
+}
+
+/// Every region of `dst` holds what the same region of `src` holds.
+fn assert_same_memory(src: &FakeVm, dst: &FakeVm) {
+    for i in 0..src.regions.len() {
+        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
+    }
 }
 
 /// Every third page stays zero; the others hold data.
@@ -88,14 +111,8 @@ fn precopy_moves_every_page_and_the_state_via(via: Via) {
         verify: true,
         ..Default::default()
     };
-    let (stats, istats) = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        (st, d.join().unwrap().unwrap())
-    });
-    for i in 0..src.regions.len() {
-        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
-    }
+    let (stats, istats) = migrate_whole(&src, &dst, &listener, &addr, &opts);
+    assert_same_memory(&src, &dst);
     assert_eq!(*dst.state.lock().unwrap(), b"vcpu state");
     assert_eq!(dst.started.load(Ordering::SeqCst), 1);
     assert_eq!(
@@ -186,15 +203,8 @@ fn zero_ranges_clear_only_pages_that_may_hold_data() {
         verify: true,
         ..Default::default()
     };
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
-    for i in 0..src.regions.len() {
-        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
-    }
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
+    assert_same_memory(&src, &dst);
     assert!(
         stats.zero_pages >= 80,
         "zero ranges were sent: {}",
@@ -250,12 +260,7 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
         max_rounds: 4,
         ..Default::default()
     };
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
     let t = src.throttles.lock().unwrap().clone();
     assert_eq!(
         &t[..2],
@@ -263,9 +268,7 @@ fn auto_converge_throttles_a_guest_that_outruns_the_link() {
         "20% first, then 10% more per round: {t:?}"
     );
     assert!(stats.rounds.iter().any(|r| r.throttle_pct > 0));
-    for i in 0..src.regions.len() {
-        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
-    }
+    assert_same_memory(&src, &dst);
 }
 
 #[test]
@@ -279,12 +282,7 @@ fn bandwidth_limit_paces_the_copy() {
         bandwidth: Some(1024.0 * 1024.0),
         ..Default::default()
     };
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
     let r0 = &stats.rounds[0];
     assert!(
         r0.throughput < 1.3 * 1024.0 * 1024.0,
@@ -432,12 +430,7 @@ fn clients_move_when_the_destination_takes_them() {
     let dst = FakeVm::new(LAYOUT).with_clients_answer(Ok(()));
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions::default();
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
     assert_eq!(*src.decided.lock().unwrap(), Some(ClientsAnswer::Move));
     assert_eq!(src.clients_saved.load(Ordering::SeqCst), 1);
     let (blob, started) = dst.restored_clients.lock().unwrap().clone().unwrap();
@@ -457,12 +450,7 @@ fn clients_stay_when_the_destination_refuses_them() {
     let dst =
         FakeVm::new(LAYOUT).with_clients_answer(Err("no interface for 10.77.0.100 here".into()));
     let (listener, addr) = listen(Via::Tcp);
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &MigrateOptions::default());
     assert_eq!(
         *src.decided.lock().unwrap(),
         Some(ClientsAnswer::Stay(
@@ -522,12 +510,7 @@ fn telemetry_follows_the_migration_on_both_sides() {
         streams: 2,
         ..Default::default()
     };
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
     let tel = src.telemetry.as_ref().unwrap();
     let s = tel.snapshot();
     assert_eq!(s.phase, "succeeded");
@@ -645,14 +628,8 @@ fn pages_another_vm_holds_go_by_reference_and_a_changed_one_goes_again() {
         verify: true,
         ..Default::default()
     };
-    let (stats, istats) = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        (st, d.join().unwrap().unwrap())
-    });
-    for i in 0..src.regions.len() {
-        assert!(src.bytes(i) == dst.bytes(i), "memory differs");
-    }
+    let (stats, istats) = migrate_whole(&src, &dst, &listener, &addr, &opts);
+    assert_same_memory(&src, &dst);
     assert_eq!(stats.verified_pages, 264);
     // 2/3 of the 264 pages hold data, and the sibling holds them all (some
     // alike: the offer has each content once); the source's VMM wrote its
@@ -690,12 +667,7 @@ fn a_destination_that_does_not_share_gets_every_page_as_data() {
         verify: true,
         ..Default::default()
     };
-    let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
-        let st = migrate(&src, &addr, &opts, &|_| {}).unwrap();
-        d.join().unwrap().unwrap();
-        st
-    });
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
     assert_eq!((stats.shared_offered, stats.shared_pages), (0, 0));
     assert_eq!(stats.verified_pages, 264);
     assert!(src.bytes(0) == dst.bytes(0) && src.bytes(1) == dst.bytes(1));

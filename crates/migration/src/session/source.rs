@@ -449,13 +449,7 @@ impl<'a> SourceSession<'a> {
                 // Only pages of this VM go again (a stranger's list is not
                 // trusted to stay inside it).
                 let inside = |r: &GpaPages| {
-                    r.pages > 0
-                        && r.gpa.is_multiple_of(crate::ranges::PAGE)
-                        && r.pages
-                            .checked_mul(crate::ranges::PAGE)
-                            .is_some_and(|bytes| {
-                                self.regions.iter().any(|v| v.contains_range(r.gpa, bytes))
-                            })
+                    r.pages > 0 && crate::memory::range_inside(&self.regions, r.gpa, r.pages)
                 };
                 if !runs.iter().all(inside) {
                     return Err(ProtocolError::Malformed {
@@ -465,11 +459,7 @@ impl<'a> SourceSession<'a> {
                     .into());
                 }
                 // Held until the next round: never more than the VM's pages.
-                let guest: u64 = self
-                    .regions
-                    .iter()
-                    .map(|r| r.size() / crate::ranges::PAGE)
-                    .sum();
+                let guest: u64 = self.regions.iter().map(RegionView::pages).sum();
                 let held =
                     crate::ranges::total_pages(&self.missed) + crate::ranges::total_pages(&runs);
                 if held > guest {

@@ -19,7 +19,6 @@ pub const BUILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Other VMs' RAM on this host, by page key.
 pub struct SiblingIndex {
-    seed: u64,
     regions: Vec<PeerRegion>,
     /// Key → (region, byte offset) of the first page found with it.
     at: HashMap<u64, (u32, u64)>,
@@ -92,12 +91,7 @@ impl SiblingIndex {
                 at.entry(k).or_insert(v);
             }
         }
-        SiblingIndex { seed, regions, at }
-    }
-
-    /// The seed of every key.
-    pub fn seed(&self) -> u64 {
-        self.seed
+        SiblingIndex { regions, at }
     }
 
     /// Every key, ascending (what the offer carries).
@@ -105,11 +99,6 @@ impl SiblingIndex {
         let mut k: Vec<u64> = self.at.keys().copied().collect();
         k.sort_unstable();
         k
-    }
-
-    /// Distinct pages indexed.
-    pub fn pages(&self) -> usize {
-        self.at.len()
     }
 
     /// Copies the page `key` names into `out`; true only if what was copied
@@ -143,7 +132,7 @@ mod tests {
             vec![PeerRegion::open("peer", 8 * PAGE as u64, fd).unwrap()],
             7,
         );
-        assert_eq!(idx.pages(), 2);
+        assert_eq!(idx.keys().len(), 2);
         let want = [11u8; PAGE];
         let (k, id) = (key(&want, 7), page_id(&want));
         assert!(idx.keys().contains(&k));

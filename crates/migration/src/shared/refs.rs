@@ -74,7 +74,7 @@ pub(crate) fn land_refs(
     }
     // A round names a page once: more misses than the VM has pages is not
     // an honest source.
-    let pages: u64 = regions.iter().map(|r| r.size() / PAGE as u64).sum();
+    let pages: u64 = regions.iter().map(RegionView::pages).sum();
     // Runs of consecutive pages are allocated in one call first, where the
     // sink writes plain memory: fresh guest memory faults page by page on
     // a copy's first touch, which cost more than the rest of a reference.
@@ -87,7 +87,7 @@ pub(crate) fn land_refs(
             n += 1;
         }
         let run = GpaPages::new(refs[i].gpa, n as u64);
-        if n >= POPULATE_MIN_PAGES && crate::sink::host_of(regions, run).is_ok() {
+        if n >= POPULATE_MIN_PAGES {
             if let Some(stretch) = sink.in_place(run) {
                 stretch.populate();
             }

@@ -324,7 +324,7 @@ fn receive(c: &mut Conn, image: &mut Image) -> Result<u64, MigrationError> {
             Kind::ZeroRanges => protocol::read_body_into(c.reader(), &h, &mut body)?,
             Kind::Verify => {
                 protocol::read_body_into(c.reader(), &h, &mut body)?;
-                let total: u64 = regions.iter().map(|r| r.size() / crate::ranges::PAGE).sum();
+                let total: u64 = regions.iter().map(crate::memory::RegionView::pages).sum();
                 if body.len() as u64 > total * 8 || body.len() % 8 != 0 {
                     return Err(ProtocolError::Malformed {
                         kind: Kind::Verify,
