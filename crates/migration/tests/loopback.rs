@@ -501,6 +501,29 @@ fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
 /// counted every page and the bytes of the VM, the connections were
 /// metered, and both phases end in success.
 #[test]
+fn the_state_is_restored_while_the_last_round_arrives_not_after_complete() {
+    // v15: State goes out as the pause begins and the destination restores
+    // it before Complete (while still receiving); the VM runs with it.
+    common::secure();
+    let src = source(LAYOUT);
+    *src.state.lock().unwrap() = b"the source's vCPUs".to_vec();
+    let dst = FakeVm::new(LAYOUT).with_telemetry();
+    let (listener, addr) = listen(Via::Tcp);
+    let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &MigrateOptions::default());
+    assert_eq!(*dst.restored_in.lock().unwrap(), Some("running"));
+    assert_eq!(*dst.state.lock().unwrap(), b"the source's vCPUs");
+    assert_eq!(dst.started.load(Ordering::SeqCst), 1);
+    assert!(stats.state_bytes > 0, "{stats:?}");
+    let parts = &stats.downtime_parts;
+    let sum = parts.pause + parts.last_round + parts.save_state + parts.verify + parts.destination;
+    assert!(
+        (sum - stats.downtime_ms).abs() < 0.5,
+        "the parts add up to the downtime: {parts:?} against {} ms",
+        stats.downtime_ms
+    );
+}
+
+#[test]
 fn telemetry_follows_the_migration_on_both_sides() {
     common::secure();
     let src = source(LAYOUT).with_telemetry();

@@ -320,6 +320,8 @@ impl<'a> DestSession<'a> {
         stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
         let mut state: Option<Vec<u8>> = None;
+        // From v15: the state was restored as it arrived.
+        let mut restored = false;
         let mut clients: Option<Vec<u8>> = None;
         loop {
             let f = protocol::read_frame(self.ctl.reader())?;
@@ -338,9 +340,24 @@ impl<'a> DestSession<'a> {
                     self.ctl.send(Kind::RoundAck, &rd.round)?;
                 }
                 Kind::State => {
-                    // The last round was applied: no reference comes after.
+                    // No reference comes after: the last round was applied
+                    // (or, from v15, is the last round, which sends none).
                     rx.stop_sharing();
-                    state = Some(f.body);
+                    if self.version >= protocol::VERSION_EARLY_STATE {
+                        // Restored now, while the rest arrives: the state
+                        // touches no guest memory, and restoring it again
+                        // (a second State) replaces it whole.
+                        let t = Instant::now();
+                        vm.restore_state(&f.body)
+                            .map_err(MigrationError::vm("restore state"))?;
+                        restored = true;
+                        tracing::debug!(
+                            ms = t.elapsed().as_secs_f64() * 1e3,
+                            "state restored ahead of Complete"
+                        );
+                    } else {
+                        state = Some(f.body);
+                    }
                 }
                 Kind::Clients if self.clients_agreed => clients = Some(f.body),
                 Kind::Verify => {
@@ -367,12 +384,14 @@ impl<'a> DestSession<'a> {
                 Kind::Complete => {
                     let t = Instant::now();
                     self.enter(DestPhase::Restoring)?;
-                    let state = state.take().ok_or(ProtocolError::Unexpected {
-                        got: Kind::Complete,
-                        want: "State before Complete",
-                    })?;
-                    vm.restore_state(&state)
-                        .map_err(MigrationError::vm("restore state"))?;
+                    if !restored {
+                        let state = state.take().ok_or(ProtocolError::Unexpected {
+                            got: Kind::Complete,
+                            want: "State before Complete",
+                        })?;
+                        vm.restore_state(&state)
+                            .map_err(MigrationError::vm("restore state"))?;
+                    }
                     let state_ms = t.elapsed().as_secs_f64() * 1e3;
                     match clients.take() {
                         Some(c) => {

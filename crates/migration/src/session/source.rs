@@ -22,6 +22,10 @@ use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
 
 /// One outgoing migration's connections and what it has done to the VM.
+/// How long the paused source polls for the destination's answers to
+/// Complete before it blocks in read(2).
+const SPIN_FOR_STARTED: Duration = Duration::from_millis(5);
+
 pub(crate) struct SourceSession<'a> {
     pub(crate) vm: &'a dyn MigratableVm,
     pub(crate) opts: &'a MigrateOptions,
@@ -604,6 +608,9 @@ impl<'a> SourceSession<'a> {
         let unacked = self.unacked.take();
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
+        // The destination answers within a millisecond or so: waited for
+        // awake (Conn::spin_until_readable).
+        ctl.spin_until_readable(SPIN_FOR_STARTED);
         if let Some(round) = unacked {
             // The last round's ack comes first; the destination applied it
             // before it could start the VM.
@@ -621,6 +628,7 @@ impl<'a> SourceSession<'a> {
                 Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
             }
         }
+        ctl.spin_until_readable(SPIN_FOR_STARTED);
         let frame = match protocol::read_frame(ctl.reader()) {
             Ok(f) if f.kind == Kind::Started => f,
             Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),

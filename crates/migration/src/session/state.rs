@@ -284,7 +284,8 @@ pub(crate) enum DestPhase {
     Waiting,
     /// Pages, rounds, state and hashes arrive.
     Receiving,
-    /// Complete arrived: restoring the state and the clients.
+    /// Complete arrived: restoring the state (unless it was restored as it
+    /// arrived, from v15) and the clients, and starting the vCPUs.
     Restoring,
     /// The VM runs here (Started went out); a mode may still receive pages.
     Started,

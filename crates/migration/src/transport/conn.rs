@@ -142,6 +142,27 @@ impl Conn {
         self.reader.wait_readable(wait)
     }
 
+    /// Polls, without sleeping (yielding the core between polls), until a frame (or an end) can be read or
+    /// `budget` has passed; true if it can. For an answer due in well under
+    /// a millisecond while the VM is paused: a thread asleep in read(2)
+    /// wakes 50-200 µs after the data is there on a virtualized host, and
+    /// that wake-up is downtime. Where nothing came within the budget, the
+    /// caller's read blocks as usual.
+    pub fn spin_until_readable(&self, budget: Duration) -> bool {
+        let t = std::time::Instant::now();
+        loop {
+            if self.reader.wait_readable(Duration::ZERO) {
+                return true;
+            }
+            if t.elapsed() >= budget {
+                return false;
+            }
+            // Yielded, not spun: on a small host the destination's threads
+            // may need this core to send the answer.
+            std::thread::yield_now();
+        }
+    }
+
     /// Says why this side gives up, then closes its sending half gracefully:
     /// unread bytes at close would turn into a reset, and the peer would
     /// lose the reason.

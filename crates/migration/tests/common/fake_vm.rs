@@ -82,6 +82,8 @@ pub struct FakeVm {
     pub decided: Mutex<Option<ClientsAnswer>>,
     pub clients_saved: AtomicU32,
     pub restored_clients: Mutex<Option<(Vec<u8>, u32)>>,
+    /// The destination's phase (its telemetry's) when restore_state came.
+    pub restored_in: Mutex<Option<&'static str>>,
     /// The split pager this VM adopted as a main host.
     pub pager: Mutex<Option<Arc<RemotePager>>>,
     /// Another VM's regions (fd, size) this destination may share pages
@@ -127,6 +129,7 @@ impl FakeVm {
             decided: Mutex::new(None),
             clients_saved: AtomicU32::new(0),
             restored_clients: Mutex::new(None),
+            restored_in: Mutex::new(None),
             pager: Mutex::new(None),
             siblings: None,
             dirty_hooks: Mutex::new(Vec::new()),
@@ -506,6 +509,7 @@ impl DestinationVm for FakeVm {
         self.vcpus
     }
     fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
+        *self.restored_in.lock().unwrap() = self.telemetry.as_ref().map(|t| t.phase().name());
         *self.state.lock().unwrap() = state.to_vec();
         Ok(())
     }
