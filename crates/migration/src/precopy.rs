@@ -256,9 +256,12 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         && matches!(opts.mode, Mode::Precopy | Mode::Hybrid);
     if state_first {
         stats.state_bytes = s.send_state()?;
-        s.ctl()?.flush()?;
         stats.bytes += crate::protocol::HEADER as u64 + stats.state_bytes;
         stats.downtime_parts.save_state = s.lap_ms();
+        if s.send_clients_early()? {
+            stats.downtime_parts.clients = s.lap_ms();
+        }
+        s.ctl()?.flush()?;
     }
     let remaining = total_pages(&last);
     s.tel.round_began(round, remaining);

@@ -422,12 +422,16 @@ fn with_clients(src: FakeVm) -> FakeVm {
 
 /// Protocol v5: a destination that takes the clients gets their checkpoint
 /// before its vCPUs start, and the source reports them moved with the
-/// destination's words.
+/// destination's words. From v15 they come in the pause beside the state,
+/// and are restored (parked) before Complete, while the destination still
+/// receives.
 #[test]
 fn clients_move_when_the_destination_takes_them() {
     common::secure();
     let src = with_clients(source(LAYOUT));
-    let dst = FakeVm::new(LAYOUT).with_clients_answer(Ok(()));
+    let dst = FakeVm::new(LAYOUT)
+        .with_clients_answer(Ok(()))
+        .with_telemetry();
     let (listener, addr) = listen(Via::Tcp);
     let opts = MigrateOptions::default();
     let (stats, _) = migrate_whole(&src, &dst, &listener, &addr, &opts);
@@ -436,6 +440,8 @@ fn clients_move_when_the_destination_takes_them() {
     let (blob, started) = dst.restored_clients.lock().unwrap().clone().unwrap();
     assert_eq!(blob, b"checkpointed connections");
     assert_eq!(started, 0, "restored before the vCPUs started");
+    assert_eq!(*dst.clients_restored_in.lock().unwrap(), Some("running"));
+    assert!(stats.downtime_parts.clients > 0.0, "{stats:?}");
     let c = stats.clients.unwrap();
     assert!(c.moved);
     assert_eq!(c.detail, "3 connections restored");

@@ -320,8 +320,10 @@ impl<'a> DestSession<'a> {
         stats: &mut DestinationStats,
     ) -> Result<(), MigrationError> {
         let mut state: Option<Vec<u8>> = None;
-        // From v15: the state was restored as it arrived.
+        // From v15: the state, and the clients that move, were restored
+        // as they arrived.
         let mut restored = false;
+        let mut clients_restored = false;
         let mut clients: Option<Vec<u8>> = None;
         loop {
             let f = protocol::read_frame(self.ctl.reader())?;
@@ -359,7 +361,31 @@ impl<'a> DestSession<'a> {
                         state = Some(f.body);
                     }
                 }
-                Kind::Clients if self.clients_agreed => clients = Some(f.body),
+                Kind::Clients if self.clients_agreed => {
+                    if clients_restored {
+                        return Err(ProtocolError::Unexpected {
+                            got: Kind::Clients,
+                            want: "Complete (the clients came already)",
+                        }
+                        .into());
+                    }
+                    if self.version >= protocol::VERSION_EARLY_STATE {
+                        // Restored now, parked: they go live only as the
+                        // VM starts, so the last round may still land.
+                        let t = Instant::now();
+                        let note = vm
+                            .restore_clients(&f.body)
+                            .map_err(MigrationError::vm("restore the clients"))?;
+                        stats.clients = Some(note);
+                        clients_restored = true;
+                        tracing::debug!(
+                            ms = t.elapsed().as_secs_f64() * 1e3,
+                            "clients restored ahead of Complete"
+                        );
+                    } else {
+                        clients = Some(f.body);
+                    }
+                }
                 Kind::Verify => {
                     let t = Instant::now();
                     let mine = match mode.hashes(regions)? {
@@ -400,7 +426,7 @@ impl<'a> DestSession<'a> {
                                 .map_err(MigrationError::vm("restore the clients"))?;
                             stats.clients = Some(note);
                         }
-                        None if self.clients_agreed => {
+                        None if self.clients_agreed && !clients_restored => {
                             return Err(ProtocolError::Unexpected {
                                 got: Kind::Complete,
                                 want: "the Clients this side agreed to take",

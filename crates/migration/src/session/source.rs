@@ -44,6 +44,8 @@ pub(crate) struct SourceSession<'a> {
     pub(crate) clients: Option<crate::stats::ClientsOutcome>,
     /// Checkpointing and sending the clients took this long (ms).
     pub(crate) clients_ms: f64,
+    /// The clients' connections went out already (v15: early in the pause).
+    clients_sent: bool,
     /// CPU seconds of the data threads.
     pub(crate) cpu: CpuMeter,
     ctl_cpu0: f64,
@@ -110,6 +112,7 @@ impl<'a> SourceSession<'a> {
             clients_move: false,
             clients: None,
             clients_ms: 0.0,
+            clients_sent: false,
             cpu: CpuMeter::default(),
             sent_hashes: None,
             released_ahead: 0,
@@ -501,6 +504,32 @@ impl<'a> SourceSession<'a> {
         Ok(())
     }
 
+    /// Checkpoints the clients' connections and sends them (Clients).
+    fn send_clients(&mut self) -> Result<(), MigrationError> {
+        let clients = self
+            .vm
+            .save_clients()
+            .map_err(MigrationError::vm("checkpoint the clients"))?;
+        protocol::write_frame(self.ctl()?.writer(), Kind::Clients, &clients)
+            .map_err(ProtocolError::Io)?;
+        self.clients_sent = true;
+        Ok(())
+    }
+
+    /// From v15, in the pause right after State: the clients that move go
+    /// now, so the destination restores their connections (parked) while
+    /// the last round arrives instead of after Complete. Their time off
+    /// this host is no longer: the restore there overlaps the round.
+    /// Returns whether they went (the downtime's clients part is then the
+    /// caller's lap).
+    pub(crate) fn send_clients_early(&mut self) -> Result<bool, MigrationError> {
+        if !self.clients_move || self.version < protocol::VERSION_EARLY_STATE {
+            return Ok(false);
+        }
+        self.send_clients()?;
+        Ok(true)
+    }
+
     /// Sends the VM's state; returns its size in bytes.
     pub(crate) fn send_state(&mut self) -> Result<u64, MigrationError> {
         let state = self
@@ -592,15 +621,11 @@ impl<'a> SourceSession<'a> {
     /// Started leaves the outcome unknown, and resuming here could run the
     /// VM twice (the state's rule).
     pub(crate) fn complete(&mut self, then: SourcePhase) -> Result<StartedReport, MigrationError> {
-        if self.clients_move {
-            // Last, so the clients are off this host for the shortest time.
+        if self.clients_move && !self.clients_sent {
+            // Last, so the clients are off this host for the shortest time
+            // (a v15 precopy sent them earlier: send_clients_early).
             let t = Instant::now();
-            let clients = self
-                .vm
-                .save_clients()
-                .map_err(MigrationError::vm("checkpoint the clients"))?;
-            protocol::write_frame(self.ctl()?.writer(), Kind::Clients, &clients)
-                .map_err(ProtocolError::Io)?;
+            self.send_clients()?;
             self.clients_ms = t.elapsed().as_secs_f64() * 1e3;
         }
         let version = self.version;
@@ -669,7 +694,10 @@ impl<'a> SourceSession<'a> {
         ms: f64,
     ) {
         let parts = &mut stats.downtime_parts;
-        parts.clients = self.clients_ms;
+        if self.clients_ms > 0.0 {
+            // Checkpointed in complete(), inside this lap.
+            parts.clients = self.clients_ms;
+        }
         parts.destination = ms - self.clients_ms;
         // The destination starts hashing as the Verify frame arrives,
         // while this side is still finishing its own part: only what falls

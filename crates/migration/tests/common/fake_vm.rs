@@ -82,6 +82,8 @@ pub struct FakeVm {
     pub decided: Mutex<Option<ClientsAnswer>>,
     pub clients_saved: AtomicU32,
     pub restored_clients: Mutex<Option<(Vec<u8>, u32)>>,
+    /// The destination's phase (its telemetry's) when restore_clients came.
+    pub clients_restored_in: Mutex<Option<&'static str>>,
     /// The destination's phase (its telemetry's) when restore_state came.
     pub restored_in: Mutex<Option<&'static str>>,
     /// The split pager this VM adopted as a main host.
@@ -130,6 +132,7 @@ impl FakeVm {
             clients_saved: AtomicU32::new(0),
             restored_clients: Mutex::new(None),
             restored_in: Mutex::new(None),
+            clients_restored_in: Mutex::new(None),
             pager: Mutex::new(None),
             siblings: None,
             dirty_hooks: Mutex::new(Vec::new()),
@@ -558,6 +561,8 @@ impl DestinationVm for FakeVm {
         }
         let started = self.started.load(Ordering::SeqCst);
         *self.restored_clients.lock().unwrap() = Some((clients.to_vec(), started));
+        *self.clients_restored_in.lock().unwrap() =
+            self.telemetry.as_ref().map(|t| t.phase().name());
         Ok("3 connections restored".into())
     }
 }
