@@ -221,6 +221,14 @@ impl MemfdRegion {
         data_ranges_of(self.fd.as_fd(), self.size)
     }
 
+    /// As [`data_ranges`](Self::data_ranges), only within `offset ..
+    /// offset + len` (clipped to the region), so a small window of a large,
+    /// fragmented region costs a few lseeks, not one per run of the whole.
+    pub fn data_ranges_in(&self, offset: u64, len: u64) -> Vec<(u64, u64)> {
+        let end = offset.saturating_add(len).min(self.size);
+        data_ranges_within(self.fd.as_fd(), offset.min(end), end)
+    }
+
     /// True when every page of a range has backing in the memfd, asked with
     /// SEEK_DATA/SEEK_HOLE so a hole is never touched: a thread that must not
     /// fault (memory under userfaultfd whose pages may still be missing)
@@ -293,9 +301,20 @@ impl Drop for MemfdRegion {
 /// `fd` that hold data, asked with SEEK_DATA/SEEK_HOLE (all of it where
 /// the file system cannot tell).
 pub(crate) fn data_ranges_of(fd: BorrowedFd<'_>, size: u64) -> Vec<(u64, u64)> {
+    data_ranges_within(fd, 0, size)
+}
+
+/// The populated runs of `fd` between byte offsets `from` and `to` (whole
+/// pages; `to` at most the file's size), clipped to that window; everything
+/// in it where SEEK_DATA is not supported.
+fn data_ranges_within(fd: BorrowedFd<'_>, from: u64, to: u64) -> Vec<(u64, u64)> {
     let fd = fd.as_raw_fd();
     let mut out = Vec::new();
-    let mut pos: i64 = 0;
+    let (from, size) = (from & !(PAGE_SIZE - 1), to);
+    if from >= size {
+        return out;
+    }
+    let mut pos = from as i64;
     let end = size as i64;
     while pos < end {
         // SAFETY: lseek on an open fd with a valid whence has no memory effects.
@@ -303,14 +322,17 @@ pub(crate) fn data_ranges_of(fd: BorrowedFd<'_>, size: u64) -> Vec<(u64, u64)> {
         if data < 0 {
             if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
                 // SEEK_DATA unsupported: report everything as data.
-                return vec![(0, size)];
+                return vec![(from, size - from)];
             }
             break; // ENXIO: no data after pos
+        }
+        if data >= end {
+            break; // the next data lies past the window
         }
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.min(end);
         if hole <= data {
-            return vec![(0, size)];
+            return vec![(from, size - from)];
         }
         let start = data as u64 & !(PAGE_SIZE - 1);
         let stop = (hole as u64).div_ceil(PAGE_SIZE) * PAGE_SIZE;
@@ -439,6 +461,14 @@ mod tests {
             r.data_ranges(),
             vec![(3 * PAGE_SIZE, PAGE_SIZE), (9 * PAGE_SIZE, PAGE_SIZE)]
         );
+        // Within a window: clipped to it; nothing past it, nothing before.
+        let p = PAGE_SIZE;
+        assert_eq!(r.data_ranges_in(0, 16 * p), r.data_ranges());
+        assert_eq!(r.data_ranges_in(4 * p, 5 * p), Vec::<(u64, u64)>::new());
+        assert_eq!(r.data_ranges_in(4 * p, 6 * p), vec![(9 * p, p)]);
+        assert_eq!(r.data_ranges_in(0, 4 * p), vec![(3 * p, p)]);
+        assert_eq!(r.data_ranges_in(9 * p, 100 * p), vec![(9 * p, p)]);
+        assert_eq!(r.data_ranges_in(20 * p, p), Vec::<(u64, u64)>::new());
     }
 
     #[test]

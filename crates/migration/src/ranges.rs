@@ -103,6 +103,36 @@ pub fn push_page(runs: &mut Vec<GpaPages>, gpa: u64) {
     }
 }
 
+/// The pages of `runs` that no run of `minus` covers (both sorted and
+/// disjoint, as merge_runs leaves them).
+pub fn subtract_runs(runs: &[GpaPages], minus: &[GpaPages]) -> Vec<GpaPages> {
+    let mut out = Vec::new();
+    let mut k = 0;
+    for r in runs {
+        let mut at = r.gpa;
+        while k < minus.len() && minus[k].end() <= at {
+            k += 1;
+        }
+        let mut j = k;
+        while at < r.end() {
+            match minus.get(j) {
+                Some(m) if m.gpa < r.end() => {
+                    if m.gpa > at {
+                        out.push(GpaPages::new(at, (m.gpa - at) / PAGE));
+                    }
+                    at = at.max(m.end());
+                    j += 1;
+                }
+                _ => {
+                    out.push(GpaPages::new(at, (r.end() - at) / PAGE));
+                    at = r.end();
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Total pages in `runs`.
 pub fn total_pages(runs: &[GpaPages]) -> u64 {
     runs.iter().map(|r| r.pages).sum()
@@ -110,6 +140,29 @@ pub fn total_pages(runs: &[GpaPages]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn subtract_runs_leaves_what_no_run_covers() {
+        let p = |n: u64| n * PAGE;
+        let runs = [GpaPages::new(0, 10), GpaPages::new(p(20), 4)];
+        let minus = [
+            GpaPages::new(p(2), 2),
+            GpaPages::new(p(9), 12),
+            GpaPages::new(p(23), 1),
+        ];
+        assert_eq!(
+            subtract_runs(&runs, &minus),
+            vec![
+                GpaPages::new(0, 2),
+                GpaPages::new(p(4), 5),
+                GpaPages::new(p(21), 2)
+            ]
+        );
+        assert_eq!(subtract_runs(&runs, &[]), runs.to_vec());
+        assert!(subtract_runs(&runs, &[GpaPages::new(0, 100)]).is_empty());
+        assert!(subtract_runs(&[], &minus).is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -71,6 +71,18 @@ pub trait MigratableVm: Send + Sync {
     fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
         crate::memory::whole_region(&self.regions(), index)
     }
+    /// [`data_ranges`](Self::data_ranges) clipped to `window` of region
+    /// `index`. A VM that can ask its memory about a window alone (a few
+    /// lseeks, in the pause) overrides it.
+    fn data_ranges_in(&self, index: usize, window: OffsetBytes) -> Vec<OffsetBytes> {
+        self.data_ranges(index)
+            .into_iter()
+            .filter_map(|r| {
+                let (start, end) = (r.offset.max(window.offset), r.end().min(window.end()));
+                (start < end).then(|| OffsetBytes::new(start, end - start))
+            })
+            .collect()
+    }
     /// Auto-converge: slow the guest so it dirties memory more slowly
     /// (percent of vCPU time taken away, 0 = off). VMs that cannot throttle
     /// keep the default, which does nothing.

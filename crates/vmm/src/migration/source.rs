@@ -94,6 +94,15 @@ impl MigratableVm for Vm {
         super::data_ranges(self, index)
     }
 
+    fn data_ranges_in(&self, index: usize, window: OffsetBytes) -> Vec<OffsetBytes> {
+        self.memory().regions().get(index).map_or(Vec::new(), |r| {
+            r.data_ranges_in(window.offset, window.bytes)
+                .into_iter()
+                .map(|(o, l)| OffsetBytes::new(o, l))
+                .collect()
+        })
+    }
+
     fn throttle(&self, pct: u32) -> Result<(), VmOpError> {
         self.set_throttle(pct);
         Ok(())
