@@ -256,15 +256,24 @@ impl PageSender {
             refs: AtomicU64::new(0),
         };
         let n = conns.len();
+        // The stop-and-copy's pages are often scattered (a page or two per
+        // block): there each batch packs as many blocks as fit, since every
+        // batch costs a record and a send of its own (15-60 µs here) and
+        // the pause waits for them all.
+        let shards = self.streams.first().map_or(1, |s| s.shards.len());
+        let pack = |items: Vec<Item>| match final_bytes {
+            Some(_) => pack_items(items, n, shards),
+            None => items,
+        };
         let work = if self.compressed {
             Work::Dealt(
                 deal(runs, n)
                     .into_iter()
-                    .map(|d| Mutex::new(d.into_iter()))
+                    .map(|d| Mutex::new(pack(d).into_iter()))
                     .collect(),
             )
         } else {
-            Work::Shared(Mutex::new(group(runs).into_iter()))
+            Work::Shared(Mutex::new(pack(group(runs)).into_iter()))
         };
         let results: Vec<Result<u64, MigrationError>> = if inline {
             conns
@@ -356,6 +365,31 @@ fn deal(runs: &[GpaPages], streams: usize) -> Vec<Vec<Item>> {
     let mut out = vec![Vec::new(); streams.max(1)];
     for item in group(runs) {
         out[(block_of(&item) % streams.max(1) as u64) as usize].push(item);
+    }
+    out
+}
+
+/// Joins consecutive items into batches of up to MAX_BATCH pages, never
+/// across encoder shards (a block keeps its stream, and its shard's
+/// caches, whichever batch carries it).
+fn pack_items(items: Vec<Item>, streams: usize, shards: usize) -> Vec<Item> {
+    let mut out: Vec<Item> = Vec::new();
+    let mut pages = 0u64;
+    for item in items {
+        let n: u64 = item.iter().map(|r| r.pages).sum();
+        match out.last_mut() {
+            Some(last)
+                if pages + n <= MAX_BATCH as u64
+                    && shard_of(last, streams, shards) == shard_of(&item, streams, shards) =>
+            {
+                last.extend(item);
+                pages += n;
+            }
+            _ => {
+                out.push(item);
+                pages = n;
+            }
+        }
     }
     out
 }
@@ -615,6 +649,45 @@ mod tests {
         assert_ne!(
             shard_of(&vec![r(0, 1)], 1, 2),
             shard_of(&vec![r(1024 * p, 1)], 1, 2)
+        );
+    }
+
+    #[test]
+    fn a_stop_and_copy_packs_scattered_blocks_without_mixing_shards() {
+        let p = PAGE as u64;
+        let r = GpaPages::new;
+        // One page in each of blocks 0, 2, 4, 6 (stream 0 of 2): one shard,
+        // one batch; two shards: blocks 0 and 4 apart from 2 and 6.
+        let runs = [r(0, 1), r(2048 * p, 1), r(4096 * p, 1), r(6144 * p, 1)];
+        let dealt = deal(&runs, 2).swap_remove(0);
+        assert_eq!(dealt.len(), 4);
+        assert_eq!(
+            pack_items(dealt.clone(), 2, 1),
+            vec![vec![
+                r(0, 1),
+                r(2048 * p, 1),
+                r(4096 * p, 1),
+                r(6144 * p, 1)
+            ]]
+        );
+        let packed = pack_items(dealt, 2, 2);
+        for item in &packed {
+            let s = shard_of(item, 2, 2);
+            assert!(
+                item.iter().all(|&x| shard_of(&vec![x], 2, 2) == s),
+                "{packed:?}"
+            );
+        }
+        assert_eq!(packed.iter().map(Vec::len).sum::<usize>(), 4);
+        // Never more than a batch holds.
+        let full = vec![
+            vec![r(0, 1000)],
+            vec![r(2048 * p, 30)],
+            vec![r(4096 * p, 20)],
+        ];
+        assert_eq!(
+            pack_items(full, 2, 1),
+            vec![vec![r(0, 1000)], vec![r(2048 * p, 30), r(4096 * p, 20)]]
         );
     }
 
