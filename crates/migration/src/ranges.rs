@@ -140,6 +140,7 @@ pub fn total_pages(runs: &[GpaPages]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn subtract_runs_leaves_what_no_run_covers() {
@@ -162,8 +163,6 @@ mod tests {
         assert!(subtract_runs(&runs, &[GpaPages::new(0, 100)]).is_empty());
         assert!(subtract_runs(&[], &minus).is_empty());
     }
-
-    use super::*;
 
     #[test]
     fn runs_merge_and_grow() {

@@ -503,13 +503,10 @@ fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
     assert_eq!(dst.started.load(Ordering::SeqCst), 0);
 }
 
-/// Both sides' live figures follow a migration to its end: the source
-/// counted every page and the bytes of the VM, the connections were
-/// metered, and both phases end in success.
+/// v15: State goes out as the pause begins and the destination restores
+/// it before Complete (while still receiving); the VM runs with it.
 #[test]
 fn the_state_is_restored_while_the_last_round_arrives_not_after_complete() {
-    // v15: State goes out as the pause begins and the destination restores
-    // it before Complete (while still receiving); the VM runs with it.
     common::secure();
     let src = source(LAYOUT);
     *src.state.lock().unwrap() = b"the source's vCPUs".to_vec();
@@ -529,6 +526,9 @@ fn the_state_is_restored_while_the_last_round_arrives_not_after_complete() {
     );
 }
 
+/// Both sides' live figures follow a migration to its end: the source
+/// counted every page and the bytes of the VM, the connections were
+/// metered, and both phases end in success.
 #[test]
 fn telemetry_follows_the_migration_on_both_sides() {
     common::secure();

@@ -21,11 +21,11 @@ use crate::telemetry::{LivePhase, Telemetry};
 use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
 
-/// One outgoing migration's connections and what it has done to the VM.
 /// How long the paused source polls for the destination's answers to
 /// Complete before it blocks in read(2).
 const SPIN_FOR_STARTED: Duration = Duration::from_millis(5);
 
+/// One outgoing migration's connections and what it has done to the VM.
 pub(crate) struct SourceSession<'a> {
     pub(crate) vm: &'a dyn MigratableVm,
     pub(crate) opts: &'a MigrateOptions,

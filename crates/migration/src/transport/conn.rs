@@ -142,8 +142,9 @@ impl Conn {
         self.reader.wait_readable(wait)
     }
 
-    /// Polls, without sleeping (yielding the core between polls), until a frame (or an end) can be read or
-    /// `budget` has passed; true if it can. For an answer due in well under
+    /// Polls, without sleeping (yielding the core between polls), until a
+    /// frame (or an end) can be read or `budget` has passed; true if it
+    /// can. For an answer due in well under
     /// a millisecond while the VM is paused: a thread asleep in read(2)
     /// wakes 50-200 µs after the data is there on a virtualized host, and
     /// that wake-up is downtime. Where nothing came within the budget, the
