@@ -248,6 +248,7 @@ enum ferry_svc_op {
   FERRY_OP_ECHO = 3, /* answered by the VMM's device itself: device-only latency */
   FERRY_OP_INFO = 4, /* key = number of keys, seed = value size */
   FERRY_OP_NOP = 5,  /* answered by a guest worker doing nothing */
+  FERRY_OP_SLOW = 6, /* answered after seed ms of spinning (at most 10 s): in flight at a pause */
 };
 enum ferry_svc_status {
   FERRY_ST_OK = 0,

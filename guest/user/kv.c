@@ -100,6 +100,12 @@ static u32 serve(struct task_ctx *t, struct ferry_svc_slot *s) {
     break;
   case FERRY_OP_NOP:
     break;
+  case FERRY_OP_SLOW: {
+    u64 ms = rq.seed < 10000 ? rq.seed : 10000;
+    u64 until = rdtsc() + ms * t->tsc_khz;
+    while (rdtsc() < until) asm volatile("pause");
+    break;
+  }
   default:
     r.status = FERRY_ST_BAD_REQUEST;
     break;

@@ -66,8 +66,8 @@ fn print_table(socket: &std::path::Path, s: &HandoverStats) {
     println!("control      {} (same path)", socket.display());
     println!("total time   {:.2} ms", s.total_ms);
     println!(
-        "downtime     {:.3} ms (pause + save {:.3} ms)",
-        s.downtime_ms, s.save_ms
+        "downtime     {:.3} ms (pause + save {:.3} ms, restore in the new VMM {:.3} ms)",
+        s.downtime_ms, s.save_ms, s.restore_ms
     );
     println!(
         "build        {:.2} ms in the new VMM, before the pause",
@@ -75,7 +75,7 @@ fn print_table(socket: &std::path::Path, s: &HandoverStats) {
     );
     if s.verified_pages > 0 {
         println!(
-            "verified     {} pages hashed alike in both VMMs ({:.1} ms of the downtime)",
+            "verified     {} pages hashed alike in both VMMs ({:.1} ms of the downtime here; the new VMM's hashing is part of its restore)",
             s.verified_pages, s.verify_ms
         );
     }

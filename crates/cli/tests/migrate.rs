@@ -5,6 +5,7 @@
 mod common;
 use common::{ferry, free_port, kvm_usable, progress, wait_listening, wait_status};
 
+use ferry_vmm::devices::service::wire::{self, Op, Request, Response, Status};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -247,6 +248,124 @@ fn kv_clients_see_no_errors_across_a_migration() {
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["wrong_values"], 0, "{v}");
     assert!(v["requests"].as_u64().unwrap() > 1000, "{v}");
+}
+
+/// Sends `req` on a new connection to `addr` and reads one answer (None if
+/// the connection closed first); the stream stays open for more.
+fn ask(s: &mut std::net::TcpStream, req: &Request) -> Option<Response> {
+    use std::io::Write;
+    s.write_all(&req.encode()).unwrap();
+    let body = wire::read_frame(s, wire::MAX_BODY).ok()??;
+    Some(Response::decode(&body).unwrap())
+}
+
+/// A request still in the guest's ring when the source pauses, with the
+/// clients forwarded (no `--vm-address`): the pause does not wait for the
+/// guest to answer it (it spins 2.5 s, past the 2 s a drain would wait);
+/// the destination's guest answers it and the source hands the answer to
+/// its client. A stranger cannot collect answers from the destination.
+#[test]
+fn a_request_in_flight_at_the_pause_is_answered_from_the_destination() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !kvm_usable() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferry-miginflight-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
+    let (svc_port, dst_svc_port, mig_port) = (free_port(), free_port(), free_port());
+    let svc = format!("127.0.0.1:{svc_port}");
+    let dst_svc = format!("127.0.0.1:{dst_svc_port}");
+    let to = format!("tcp:127.0.0.1:{mig_port}");
+    let wl = "kv:workers=4,keys=1024,value=64";
+    let _src = Reaper(Some(spawn(&[
+        "run",
+        "--mem",
+        "128M",
+        "--vcpus",
+        "2",
+        "--workload",
+        wl,
+        "--serve",
+        &svc,
+        "--control",
+        &src_sock,
+        "--duration",
+        "60s",
+        "--quiet",
+    ])));
+    let _dst = Reaper(Some(spawn_incoming(&[
+        "run",
+        "--mem",
+        "128M",
+        "--vcpus",
+        "2",
+        "--workload",
+        wl,
+        "--serve",
+        &dst_svc,
+        "--incoming",
+        &to,
+        "--duration",
+        "30s",
+    ])));
+    wait_listening(svc_port, Duration::from_secs(10));
+    let mut client = std::net::TcpStream::connect(&svc).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ask(&mut client, &Request::new(Op::Info, 1, 0, 0))
+        .unwrap()
+        .status
+        != Status::Ok
+    {
+        assert!(Instant::now() < deadline, "the guest's kv never got ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // 2.5 s of guest time: surely in the ring when the VM pauses.
+    use std::io::Write;
+    client
+        .write_all(&Request::new(Op::Slow, 42, 0, 2500).encode())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let asked = Instant::now();
+    let o = ferry(&["migrate", &src_sock, "--to", &to, "--verify", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let downtime = stats["downtime_ms"].as_f64().unwrap();
+    assert!(
+        downtime < 1000.0,
+        "the pause waited for the guest: {downtime} ms"
+    );
+    let detail = stats["clients"]["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("1 request in flight at the pause answered there"),
+        "{detail}"
+    );
+    let body = wire::read_frame(&mut client, wire::MAX_BODY)
+        .unwrap()
+        .unwrap();
+    let answer = Response::decode(&body).unwrap();
+    assert_eq!(
+        (answer.status, answer.op, answer.id),
+        (Status::Ok, Op::Slow as u8, 42)
+    );
+    assert!(asked.elapsed() < Duration::from_secs(15));
+    // The client's connection goes on, forwarded to the destination.
+    let r = ask(&mut client, &Request::new(Op::Get, 43, 7, 0)).unwrap();
+    assert_eq!((r.status, r.id, r.key), (Status::Ok, 43, 7));
+    // A stranger asking the destination for held answers is refused and
+    // let go, token or no token.
+    for (key, seed) in [(0, 0), (u64::MAX, 1)] {
+        let mut stranger = std::net::TcpStream::connect(&dst_svc).unwrap();
+        stranger
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let r = ask(&mut stranger, &Request::new(Op::Collect, 9, key, seed)).unwrap();
+        assert_eq!(r.status, Status::BadRequest, "{r:?}");
+        assert!(ask(&mut stranger, &Request::new(Op::Info, 10, 0, 0)).is_none());
+    }
 }
 
 /// Forwards TCP connections from `listen` to `to`, flipping one byte of the

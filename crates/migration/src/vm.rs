@@ -130,6 +130,16 @@ pub trait MigratableVm: Send + Sync {
     /// too old to move clients). With [`ClientsAnswer::Move`] the pause
     /// need not drain the VM's requests: the connections travel.
     fn clients_decided(&self, _answer: &ClientsAnswer) {}
+    /// Whether requests may be in the VM's ring at the pause whose answers
+    /// it can collect from the destination once the VM runs there (its
+    /// clients stay here and are forwarded).
+    fn answers_may_follow(&self) -> bool {
+        false
+    }
+    /// The destination holds the answers to requests in flight at the
+    /// pause under `token`: the pause need not wait for the guest to
+    /// answer them here (only after [`answers_may_follow`](Self::answers_may_follow)).
+    fn answers_follow(&self, _token: [u8; 16]) {}
     /// The VM is paused and everything else is sent: take the clients off
     /// this host and checkpoint their connections (only after
     /// [`ClientsAnswer::Move`]). A later [`resume`](Self::resume) brings
@@ -202,6 +212,13 @@ pub trait DestinationVm: PageStore {
         Err(VmOpError::from(
             "this VMM cannot keep a split VM's pager".to_string(),
         ))
+    }
+    /// Holds the answers the guest gives to requests that were in flight
+    /// at the source's pause, for the source to collect with `token`
+    /// (its clients stay there); false: this VMM cannot, and the source
+    /// waits for them in its pause instead.
+    fn hold_answers(&self, _token: [u8; 16]) -> bool {
+        false
     }
     /// Gets ready to take the source's clients over (before any page
     /// arrives); Err says why it cannot, and the source forwards instead.

@@ -94,6 +94,7 @@ fn service_json(s: &ferry_vmm::devices::service::ServiceDevice) -> serde_json::V
         "not_ready": n(&st.not_ready),
         "guest_errors": n(&st.guest_errors),
         "forwarded": n(&st.forwarded),
+        "collected": n(&st.collected),
         "moved_out": n(&st.moved_out),
         "moved_in": n(&st.moved_in),
         "vm_address": s.vm_address().map(|a| a.to_string()),

@@ -130,6 +130,15 @@ pub enum Kind {
     /// v14, destination to source before a RoundAck: referenced pages it
     /// could not find as referenced (runs); the source sends them again.
     SharedMissed = 46,
+    /// v16, source to destination after ShareAsk (or SharedOffer): when the
+    /// clients stay on the source (forwarded), a token (`Option<[u8; 16]>`)
+    /// under which the destination is to hold the answers to requests in
+    /// flight at the pause for the source to collect; None: nothing to hold.
+    AnswersAsk = 47,
+    /// v16, the destination's answer to a `Some` AnswersAsk (`bool`): it
+    /// holds them, so the source's pause need not wait for the guest to
+    /// answer what is in its ring.
+    AnswersHeld = 48,
 }
 
 impl Kind {
@@ -183,6 +192,8 @@ impl Kind {
             44 => SharedOffer,
             45 => SharedPages,
             46 => SharedMissed,
+            47 => AnswersAsk,
+            48 => AnswersHeld,
             _ => return None,
         })
     }
@@ -237,6 +248,8 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::SharedOffer => "SharedOffer",
         Kind::SharedPages => "SharedPages",
         Kind::SharedMissed => "SharedMissed",
+        Kind::AnswersAsk => "AnswersAsk",
+        Kind::AnswersHeld => "AnswersHeld",
     }
 }
 
@@ -249,19 +262,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=46, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 46);
+        // 1..=48, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 48);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(47), None);
+        assert_eq!(Kind::from_u16(49), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=46).filter_map(Kind::from_u16) {
+        for k in (1..=48).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }
@@ -282,5 +295,6 @@ mod tests {
         assert_eq!(Kind::VerifyDigests as u16, 40);
         assert_eq!(Kind::SwitchReady as u16, 42);
         assert_eq!(Kind::SharedMissed as u16, 46);
+        assert_eq!(Kind::AnswersHeld as u16, 48);
     }
 }

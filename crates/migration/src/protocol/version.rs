@@ -14,7 +14,7 @@ use super::{Hello, ProtocolError};
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 15;
+pub const VERSION_MAX: u16 = 16;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -70,6 +70,11 @@ pub const VERSION_SHARED_PAGES: u16 = 14;
 /// starts the VM, and the restores (about 0.2 ms of KVM calls here, 2 ms
 /// for 128 connections) leave the downtime.
 pub const VERSION_EARLY_STATE: u16 = 15;
+/// The first version where a source whose clients stay (forwarded) need
+/// not wait, in the pause, for the guest to answer the requests in its
+/// ring: the destination holds those answers (AnswersAsk, AnswersHeld) and
+/// the source collects them from its service once the VM runs there.
+pub const VERSION_ANSWERS_FOLLOW: u16 = 16;
 
 /// Picks the version both sides speak, or says why there is none.
 pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
@@ -100,7 +105,8 @@ mod tests {
 
     #[test]
     fn overlapping_ranges_pick_the_highest_common_version() {
-        assert_eq!(negotiate(&hello(1, 15)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 16)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 15)).unwrap(), VERSION_EARLY_STATE);
         assert_eq!(negotiate(&hello(1, 13)).unwrap(), VERSION_SWITCH_AHEAD);
         assert_eq!(negotiate(&hello(1, 12)).unwrap(), VERSION_LANDED_HASHES);
         assert_eq!(negotiate(&hello(1, 11)).unwrap(), VERSION_STANDBY);
@@ -157,6 +163,7 @@ mod tests {
             VERSION_SWITCH_AHEAD,
             VERSION_SHARED_PAGES,
             VERSION_EARLY_STATE,
+            VERSION_ANSWERS_FOLLOW,
         ];
         assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
         assert!(features

@@ -198,6 +198,13 @@ impl<'a> DestSession<'a> {
                 self.offer_shared(vm)?;
             }
         }
+        if self.version >= protocol::VERSION_ANSWERS_FOLLOW {
+            let token: Option<[u8; 16]> = self.ctl.recv(Kind::AnswersAsk)?;
+            if let Some(token) = token {
+                let held = !self.clients_agreed && vm.hold_answers(token);
+                self.ctl.send(Kind::AnswersHeld, &held)?;
+            }
+        }
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;

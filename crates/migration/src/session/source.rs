@@ -303,6 +303,9 @@ impl<'a> SourceSession<'a> {
                 self.shared = Some(std::sync::Arc::new(offer));
             }
         }
+        if self.version >= protocol::VERSION_ANSWERS_FOLLOW {
+            self.ask_answers_held()?;
+        }
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
         self.tel.set_phase(self.state.phase().live());
@@ -342,6 +345,31 @@ impl<'a> SourceSession<'a> {
             },
         });
         self.vm.clients_decided(&answer);
+        Ok(())
+    }
+
+    /// Clients that stay here (forwarded) may have requests in the ring at
+    /// the pause (v16): asks the destination to hold their answers under a
+    /// fresh token, and tells the VM when it does, so its pause need not
+    /// wait for the guest to answer them here.
+    fn ask_answers_held(&mut self) -> Result<(), MigrationError> {
+        let token = if self.clients_move || !self.vm.answers_may_follow() {
+            None
+        } else {
+            let mut t = [0u8; 16];
+            crate::random::fill(&mut t)
+                .map_err(|e| MigrationError::Internal(format!("no random token: {e}")))?;
+            Some(t)
+        };
+        self.ctl()?.send(Kind::AnswersAsk, &token)?;
+        let Some(token) = token else {
+            return Ok(());
+        };
+        let held: bool = self.ctl()?.recv(Kind::AnswersHeld)?;
+        tracing::info!(held, "answers to requests in flight at the pause");
+        if held {
+            self.vm.answers_follow(token);
+        }
         Ok(())
     }
 

@@ -101,4 +101,6 @@ pub fn send_opening_hashing(
     // shared pages asked for, so no offer to read.
     c.send(Kind::SwitchAhead, &false).unwrap();
     c.send(Kind::ShareAsk, &false).unwrap();
+    // No clients stay behind with requests in flight: nothing to hold.
+    c.send(Kind::AnswersAsk, &None::<[u8; 16]>).unwrap();
 }

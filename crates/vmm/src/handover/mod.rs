@@ -146,6 +146,11 @@ pub struct HandoverStats {
     /// `--verify`: hashing guest memory in the old process (ms), inside the
     /// downtime (the new process hashes its mapping too before `Restored`).
     pub verify_ms: f64,
+    /// From the state sent to the new process's `Restored` (ms), inside
+    /// the downtime: it decodes and restores the state and, with
+    /// `--verify`, first hashes its own mapping of all guest memory.
+    #[serde(default)]
+    pub restore_ms: f64,
     /// `--verify`: pages whose hashes matched in both processes.
     pub verified_pages: u64,
     /// Guest RAM handed over (bytes), not copied.

@@ -239,8 +239,12 @@ pub fn hand_over(
         false => RESTORE_TIMEOUT,
     };
     let paused_at = monotonic_ns();
-    let sent = send_state(vm, plan.verify, &mut peer, &mut stats, paused_at)
-        .and_then(|_| peer.expect("Restored", "restore the VM state", restore_timeout));
+    let sent = send_state(vm, plan.verify, &mut peer, &mut stats, paused_at).and_then(|_| {
+        let t = Instant::now();
+        let restored = peer.expect("Restored", "restore the VM state", restore_timeout);
+        stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;
+        restored
+    });
     if let Err(e) = sent {
         peer.abandon(&e);
         if let Some(s) = service {

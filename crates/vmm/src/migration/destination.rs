@@ -121,6 +121,10 @@ impl DestinationVm for Vm {
         self.watch().current().map_or_else(Vec::new, |r| r.lines())
     }
 
+    fn hold_answers(&self, token: [u8; 16]) -> bool {
+        self.service().map(|s| s.hold_answers(token)).is_some()
+    }
+
     fn prepare_clients(&self, plan: &ClientsPlan) -> Result<(), String> {
         match self.service() {
             Some(s) => s.prepare_clients(plan.ip, plan.port, plan.connections),

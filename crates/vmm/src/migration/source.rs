@@ -50,8 +50,10 @@ impl MigratableVm for Vm {
     /// When the clients move with the VM, the readers stop between frames
     /// and requests in the ring travel with it (their connections are
     /// restored under the same ids there). When they stay (forwarded),
-    /// requests in the ring are answered here first, so every answer the
-    /// destination's guest writes is for a request it got.
+    /// requests in the ring travel too if the destination holds their
+    /// answers for this host to collect (v16); else they are answered here
+    /// first, so every answer the destination's guest writes is for a
+    /// request it got.
     fn pause(&self) -> Result<(), VmOpError> {
         let timeout = std::time::Duration::from_secs(2);
         let paused = match self.service() {
@@ -61,9 +63,10 @@ impl MigratableVm for Vm {
                 .and_then(|_| Vm::pause(self).map_err(VmOpError::from))
                 .and_then(|_| s.flush_answers(timeout).map_err(VmOpError::from)),
             Some(s) => s
-                .hold_and_drain(timeout)
+                .hold_for_pause(timeout)
                 .map_err(VmOpError::from)
-                .and_then(|_| Vm::pause(self).map_err(VmOpError::from)),
+                .and_then(|_| Vm::pause(self).map_err(VmOpError::from))
+                .map(|_| s.pause_in_flight()),
             None => Vm::pause(self).map_err(VmOpError::from),
         };
         if paused.is_err() {
@@ -141,6 +144,16 @@ impl MigratableVm for Vm {
         }
     }
 
+    fn answers_may_follow(&self) -> bool {
+        self.service().is_some_and(|s| !s.clients_move())
+    }
+
+    fn answers_follow(&self, token: [u8; 16]) {
+        if let Some(s) = self.service() {
+            s.answers_follow(token);
+        }
+    }
+
     fn save_clients(&self) -> Result<Vec<u8>, VmOpError> {
         let s = self
             .service()
@@ -172,6 +185,9 @@ pub fn migrate(
             "the VM is {:?}: only a running VM migrates",
             vm.run_state()
         )));
+    }
+    if let Some(s) = vm.service() {
+        s.forget_follow(); // an earlier attempt's agreement is not this one's
     }
     let progress = Mutex::new(progress);
     // The migration reads all of guest memory: access tracking steps
@@ -234,8 +250,15 @@ fn settle_clients(vm: &Vm, to: &Endpoint, stats: &mut MigrationStats) {
                     .is_ok_and(|a| a.ip().is_loopback() && !t.ip().is_loopback()),
                 _ => false,
             };
+            let in_flight = match svc.answers_in_flight() {
+                0 => String::new(),
+                n => format!(
+                    "; {n} request{} in flight at the pause answered there",
+                    if n == 1 { "" } else { "s" }
+                ),
+            };
             let how = format!(
-                "forwarded by this host to the destination's service{}",
+                "forwarded by this host to the destination's service{}{in_flight}",
                 match (&stats.destination_service, unreachable) {
                     (Some(a), true) => format!(
                         " ({a}: a loopback address on another host, which this host cannot reach; give the destination --serve on its own address)"

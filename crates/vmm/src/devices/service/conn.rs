@@ -583,6 +583,14 @@ impl ServiceDevice {
                 reply(resp.encode());
                 Handled::Done
             }
+            Ok(req) if req.op == Op::Collect => match self.adopt_collector(&req, tx) {
+                Ok(()) => Handled::Done,
+                Err(refusal) => {
+                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    reply(refusal);
+                    Handled::Close
+                }
+            },
             Ok(req) if !self.guest_ready() && self.redirected_to().is_none() => {
                 self.stats.not_ready.fetch_add(1, Ordering::Relaxed);
                 let msg = "the guest is not serving yet (is a kv workload running?)";

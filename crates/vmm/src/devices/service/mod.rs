@@ -21,6 +21,7 @@
 //! frame format.
 
 mod conn;
+mod follow;
 mod handover;
 mod moving;
 mod ring;
@@ -93,6 +94,9 @@ pub struct ServiceStats {
     pub guest_errors: AtomicU64,
     /// Requests forwarded to the VM's new host after a migration.
     pub forwarded: AtomicU64,
+    /// Answers to requests in flight at a migration's pause, collected
+    /// from the VM's new host (the pause did not wait for them).
+    pub collected: AtomicU64,
     /// Connections checkpointed here and moved with the VM.
     pub moved_out: AtomicU64,
     /// Connections restored here from the VM's previous host.
@@ -160,6 +164,11 @@ pub struct ServiceDevice {
     /// After a migration: where the VM's service now listens; every request
     /// is forwarded there, like a moved IP address.
     redirect: Mutex<Option<SocketAddr>>,
+    /// Source of a migration: answers to what is in flight at the pause
+    /// come from the destination (follow.rs).
+    follow: Mutex<follow::Follow>,
+    /// Destination: answers to what was in flight at the source's pause.
+    orphans: Mutex<follow::Orphans>,
     /// What it did.
     pub stats: ServiceStats,
 }
@@ -236,6 +245,8 @@ impl ServiceDevice {
             spares: Spares::new(),
             held: AtomicBool::new(true),
             redirect: Mutex::new(None),
+            follow: Mutex::new(follow::Follow::default()),
+            orphans: Mutex::new(follow::Orphans::default()),
             stats: ServiceStats::default(),
         }))
     }
@@ -289,6 +300,7 @@ impl ServiceDevice {
     /// moved here go live (or, after a failed move, come back), readers
     /// go on, requests go into the ring, and clients are accepted.
     pub fn release(self: &Arc<Self>) {
+        self.forget_follow();
         self.settle_move();
         self.thaw();
         self.held.store(false, Ordering::SeqCst);
@@ -297,11 +309,13 @@ impl ServiceDevice {
     }
 
     /// The VM now runs elsewhere: forward every request (waiting ones
-    /// first) to its service there.
-    pub fn redirect(&self, to: SocketAddr) {
+    /// first) to its service there, and collect from it the answers to
+    /// what was in flight at the pause.
+    pub fn redirect(self: &Arc<Self>, to: SocketAddr) {
         *lock(&self.redirect) = Some(to);
         self.held.store(false, Ordering::SeqCst);
         self.slot_freed.notify_all();
+        self.collect_answers(to);
     }
 
     /// Where requests are forwarded, if the VM moved.

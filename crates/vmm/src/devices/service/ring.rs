@@ -148,7 +148,16 @@ impl ServiceDevice {
         self.stats.responses.fetch_add(1, Ordering::Relaxed);
         if let Some(c) = lock(&self.conns).get(&conn) {
             let _ = c.tx.frame(frame);
+        } else {
+            // In flight at a migration's pause: the source's client.
+            self.answer_orphan(slot, conn, &frame);
         }
+    }
+
+    /// The connection a slot's request came from (its tag in the ring).
+    pub(super) fn slot_tag(&self, slot: usize) -> Result<u64, MemoryError> {
+        self.memory
+            .read_u64_volatile(svc_slot_gpa(slot) + svc_off::SLOT_TAG)
     }
 
     /// Sends a request frame to the VM's new host on this connection's own
@@ -204,6 +213,7 @@ impl ServiceDevice {
             return Err(ServiceError::AlreadyPosting { posted });
         }
         ring.free = state.free_slots.iter().map(|&i| i as usize).collect();
+        self.note_orphans(&ring.free);
         // Slots in flight carry the saved connections' ids as tags; new
         // connections here must never reuse one (their answers would go to
         // the wrong client), nor an id this device already gave out.

@@ -34,6 +34,15 @@ pub enum Op {
     Info = 4,
     /// Answered by a guest worker doing nothing.
     Nop = 5,
+    /// Answered by a guest worker after `seed` milliseconds of spinning
+    /// (at most 10 s): a request that is surely in flight when a migration
+    /// pauses the VM.
+    Slow = 6,
+    /// Never reaches the guest: a migration's source collecting the
+    /// answers to requests that were in flight at its pause (key and seed
+    /// are the 16-byte token it agreed with the destination). The device
+    /// answers with collected frames, `tag:u64 | response` each.
+    Collect = 7,
 }
 
 impl Op {
@@ -45,6 +54,8 @@ impl Op {
             3 => Op::Echo,
             4 => Op::Info,
             5 => Op::Nop,
+            6 => Op::Slow,
+            7 => Op::Collect,
             _ => return None,
         })
     }
@@ -422,6 +433,15 @@ mod tests {
         let mut b = Request::new(Op::Get, 1, 2, 3).encode()[4..].to_vec();
         b[0] = 99;
         assert!(matches!(Request::decode(&b), Err(WireError::BadOp(99))));
+        // 1..=7 are ops (6 SLOW, 7 COLLECT); 0 and 8 are not.
+        for op in 1..=7u8 {
+            b[0] = op;
+            assert_eq!(Request::decode(&b).unwrap().op as u8, op);
+        }
+        for op in [0u8, 8] {
+            b[0] = op;
+            assert!(matches!(Request::decode(&b), Err(WireError::BadOp(o)) if o == op));
+        }
         b[0] = 1;
         b[4] = 5; // value_len 5, no value bytes
         assert!(matches!(

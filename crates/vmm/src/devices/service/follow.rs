@@ -1,0 +1,295 @@
+//! Answers that follow the VM (protocol v16): when a migration's clients
+//! stay on the source (forwarded), the source no longer waits in its pause
+//! for the guest to answer the requests in its ring. Those requests travel
+//! with the ring; the destination's guest answers them; the destination's
+//! device holds the answers, and the source, once the VM runs there,
+//! collects them from its service with the token both agreed over the
+//! migration's control connection and hands each to its client.
+//!
+//! ```text
+//! source                                        destination
+//! answers_follow(token)   ◀── AnswersAsk/Held ──▶  hold_answers(token)
+//! pause: hold, no drain; in flight = slots not free
+//!                                               restore: those slots are orphans
+//!                                               doorbell on an orphan: held
+//! redirect ── connect, Collect(token) ─────────▶  held answers, then each new one,
+//!          ◀──────────── tag:u64 | response ───   as a frame on that connection
+//! each to conns[tag]; ends when all came (or a deadline passes)
+//! ```
+//! A stranger without the token gets nothing; everything the destination
+//! holds is bounded by the ring (one answer per orphan slot).
+
+use std::collections::HashMap;
+use std::io::{BufReader, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::conn::Outbox;
+use super::wire::{self, Op, Request, Response, Status, MAX_BODY};
+use super::{lock, ServiceDevice};
+use crate::guest_abi::SVC_SLOTS;
+
+/// How long the source waits for the answers it collects: the longest a
+/// test's slow request spins (10 s), and then some.
+const COLLECT_FOR: Duration = Duration::from_secs(20);
+
+/// The source's side.
+#[derive(Default)]
+pub(super) struct Follow {
+    /// Agreed with the destination: the pause does not drain.
+    token: Option<[u8; 16]>,
+    /// Requests in the ring when the VM paused, by connection (until the
+    /// collector takes them).
+    in_flight: HashMap<u64, usize>,
+    /// How many there were.
+    at_pause: usize,
+}
+
+/// The destination's side.
+#[derive(Default)]
+pub(super) struct Orphans {
+    /// The source's token; None: answers to orphans are dropped.
+    token: Option<[u8; 16]>,
+    /// Slots in flight in the restored ring (not free in the saved state).
+    slots: Vec<bool>,
+    /// Where collected answers go once the source asked for them.
+    collector: Option<Outbox>,
+    /// Answers that came before the collector did: `tag | response` frames.
+    held: Vec<Vec<u8>>,
+}
+
+/// Splits a token into the request's key and seed.
+fn token_words(t: &[u8; 16]) -> (u64, u64) {
+    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default());
+    (word(&t[..8]), word(&t[8..]))
+}
+
+/// A collected answer's frame: the length, the tag, the response.
+fn collected_frame(tag: u64, answer: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(12 + answer.len());
+    f.extend_from_slice(&((8 + answer.len()) as u32).to_le_bytes());
+    f.extend_from_slice(&tag.to_le_bytes());
+    f.extend_from_slice(answer);
+    f
+}
+
+impl ServiceDevice {
+    /// Source: the destination holds the answers to what is in flight at
+    /// the pause (so [`pause_in_flight`](Self::pause_in_flight) need not drain).
+    pub fn answers_follow(&self, token: [u8; 16]) {
+        *lock(&self.follow) = Follow {
+            token: Some(token),
+            ..Follow::default()
+        };
+    }
+
+    /// Source, before the VM pauses: stops posting; drains the ring only if
+    /// the destination does not hold the answers.
+    pub fn hold_for_pause(&self, timeout: Duration) -> Result<(), String> {
+        if lock(&self.follow).token.is_none() {
+            return self.hold_and_drain(timeout);
+        }
+        self.hold();
+        Ok(())
+    }
+
+    /// Source, with the vCPUs paused: notes which connections have requests
+    /// in the ring (their answers will come from the destination).
+    pub fn pause_in_flight(&self) {
+        let mut f = lock(&self.follow);
+        if f.token.is_none() {
+            return;
+        }
+        let ring = lock(&self.ring);
+        let mut free = [false; SVC_SLOTS];
+        for &s in &ring.free {
+            free[s] = true;
+        }
+        f.in_flight.clear();
+        for (slot, _) in free.iter().enumerate().filter(|(_, f)| !**f) {
+            if let Ok(tag) = self.slot_tag(slot) {
+                *f.in_flight.entry(tag).or_default() += 1;
+            }
+        }
+        f.at_pause = f.in_flight.values().sum();
+    }
+
+    /// Source: the VM runs here again (a migration failed, or none ran), or
+    /// a new migration starts: the ring's answers come here until a
+    /// destination agrees to hold them.
+    pub fn forget_follow(&self) {
+        *lock(&self.follow) = Follow::default();
+    }
+
+    /// How many requests were in flight at the pause and answer from the
+    /// destination.
+    pub fn answers_in_flight(&self) -> usize {
+        lock(&self.follow).at_pause
+    }
+
+    /// Source, once the VM runs at `to`: collects the answers to what was
+    /// in flight at the pause, on a thread of its own.
+    pub(super) fn collect_answers(self: &std::sync::Arc<Self>, to: SocketAddr) {
+        let (token, expected) = {
+            let mut f = lock(&self.follow);
+            let Some(token) = f.token.take() else { return };
+            (token, std::mem::take(&mut f.in_flight))
+        };
+        if expected.is_empty() {
+            return;
+        }
+        let d = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("svc-collect".into())
+            .spawn(move || d.collect(to, token, expected));
+        if spawned.is_err() {
+            tracing::warn!("cannot start the thread collecting answers in flight");
+        }
+    }
+
+    fn collect(&self, to: SocketAddr, token: [u8; 16], mut expected: HashMap<u64, usize>) {
+        let total: usize = expected.values().sum();
+        match self.collect_from(to, token, &mut expected) {
+            Ok(()) => tracing::info!(answers = total, "answers in flight collected"),
+            Err(e) => {
+                // Their clients would wait for ever: close them instead.
+                let missing: usize = expected.values().sum();
+                tracing::warn!(%to, missing, "collecting answers in flight failed: {e}");
+                let conns = lock(&self.conns);
+                for tag in expected.keys() {
+                    if let Some(c) = conns.get(tag) {
+                        let _ = c.stream.shutdown(Shutdown::Both);
+                    }
+                }
+            }
+        }
+    }
+
+    fn collect_from(
+        &self,
+        to: SocketAddr,
+        token: [u8; 16],
+        expected: &mut HashMap<u64, usize>,
+    ) -> Result<(), String> {
+        let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))
+            .map_err(|e| format!("connect: {e}"))?;
+        let _ = s.set_nodelay(true);
+        let (key, seed) = token_words(&token);
+        (&s).write_all(&Request::new(Op::Collect, 0, key, seed).encode())
+            .map_err(|e| format!("send: {e}"))?;
+        let deadline = Instant::now() + COLLECT_FOR;
+        let mut r = BufReader::new(&s);
+        while !expected.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!("no answer within {COLLECT_FOR:?}"));
+            }
+            let _ = s.set_read_timeout(Some(left));
+            let body = match wire::read_frame(&mut r, MAX_BODY + 8) {
+                Ok(Some(b)) => b,
+                Ok(None) => return Err("the destination closed the connection".into()),
+                Err(e) => return Err(e.to_string()),
+            };
+            let Some((tag, answer)) = body.split_first_chunk::<8>() else {
+                return Err("a collected answer shorter than its tag".into());
+            };
+            let tag = u64::from_le_bytes(*tag);
+            // Only what was in flight here, once each: anything else is a
+            // confused or hostile peer.
+            match expected.get_mut(&tag) {
+                Some(n) if *n > 1 => *n -= 1,
+                Some(_) => {
+                    expected.remove(&tag);
+                }
+                None => return Err(format!("an answer for connection {tag}, not in flight")),
+            }
+            self.stats.collected.fetch_add(1, Ordering::Relaxed);
+            let mut frame = (answer.len() as u32).to_le_bytes().to_vec();
+            frame.extend_from_slice(answer);
+            if let Some(c) = lock(&self.conns).get(&tag) {
+                let _ = c.tx.frame(frame);
+            }
+        }
+        let _ = s.shutdown(Shutdown::Both);
+        Ok(())
+    }
+
+    /// Destination: holds answers to what was in flight at the source's
+    /// pause, for a collector that brings `token`.
+    pub fn hold_answers(&self, token: [u8; 16]) {
+        lock(&self.orphans).token = Some(token);
+    }
+
+    /// Destination, restoring the saved ring: the slots not free there are
+    /// in flight (their connections are the source's).
+    pub(super) fn note_orphans(&self, free: &[usize]) {
+        let mut o = lock(&self.orphans);
+        o.slots = vec![true; SVC_SLOTS];
+        for &s in free {
+            o.slots[s] = false;
+        }
+    }
+
+    /// Destination, at a doorbell for a connection this device does not
+    /// have: if the slot was in flight at the source's pause, hold (or
+    /// send) its answer for the source; true if taken.
+    pub(super) fn answer_orphan(&self, slot: usize, tag: u64, answer: &[u8]) -> bool {
+        let mut o = lock(&self.orphans);
+        if o.token.is_none() || !o.slots.get(slot).is_some_and(|&b| b) {
+            return false;
+        }
+        o.slots[slot] = false;
+        let frame = collected_frame(tag, &answer[4..]);
+        match &o.collector {
+            Some(tx) => {
+                let _ = tx.frame(frame);
+            }
+            None => o.held.push(frame),
+        }
+        true
+    }
+
+    /// Destination: a connection asks for the held answers. Only with the
+    /// token, and only once; Err is the refusal to send before closing.
+    pub(super) fn adopt_collector(&self, req: &Request, tx: &Outbox) -> Result<(), Vec<u8>> {
+        let mut o = lock(&self.orphans);
+        let refuse = |why: &str| {
+            Response::error(Status::BadRequest, Op::Collect as u8, req.id, why).encode()
+        };
+        let Some(token) = o.token else {
+            return Err(refuse("no answers are held here"));
+        };
+        let (key, seed) = token_words(&token);
+        // Both words compared whatever the first says: no early exit to time.
+        if (req.key ^ key) | (req.seed ^ seed) != 0 {
+            return Err(refuse("wrong token"));
+        }
+        if o.collector.is_some() {
+            return Err(refuse("the answers are being collected already"));
+        }
+        for f in std::mem::take(&mut o.held) {
+            let _ = tx.frame(f);
+        }
+        o.collector = Some(tx.clone());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_splits_into_key_and_seed_and_a_collected_frame_carries_its_tag() {
+        let mut t = [0u8; 16];
+        t[0] = 1;
+        t[15] = 0x80;
+        assert_eq!(token_words(&t), (1, 0x80 << 56));
+        let f = collected_frame(7, b"answer");
+        let body = wire::complete_frame(&f, MAX_BODY + 8).unwrap().unwrap();
+        assert_eq!(body, 8 + 6);
+        assert_eq!(&f[4..12], &7u64.to_le_bytes());
+        assert_eq!(&f[12..], b"answer");
+    }
+}
