@@ -10,11 +10,25 @@
 //! short bursts, it cannot starve them (the kernel's real-time throttling
 //! bounds it regardless). The push runs at nice 10.
 //!
-//! [`real_time`] is also what a handover's pause threads take (ferry-vmm).
+//! [`real_time`] is also what the threads that carry a pause take, for as
+//! long as it lasts ([`Urgent`]): a handover's (ferry-vmm), and a
+//! migration's control threads on both sides. The pause is a handful of
+//! messages, each a wake-up; on a host whose cores are busy (vCPUs, other
+//! guests, the clients' readers a move wakes), a woken thread of normal
+//! priority may wait a time slice (milliseconds) before it runs, and every
+//! wait adds to the downtime. Only these threads are raised, never vCPUs:
+//! they block between short bursts, so they cannot starve anything (and the
+//! kernel's real-time throttling bounds them regardless). A vCPU raised
+//! instead keeps the core it runs guest code on, which made the pause
+//! longer when it was tried.
 //!
 //! `FERRY_FAULT_PRIORITY=normal` in a VMM's environment keeps its fault
 //! path at normal priority (for a host that allows no real-time threads
 //! to a VMM, and to measure what the priority buys).
+
+/// `FERRY_PAUSE_PRIORITY=normal` in a VMM's environment keeps a
+/// migration's control threads at normal priority during the pause.
+pub const PAUSE_PRIORITY: &str = "FERRY_PAUSE_PRIORITY";
 
 /// Which class a thread took.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +94,60 @@ fn set_nice(nice: i32) -> bool {
     }
 }
 
+/// The calling thread at real-time priority until dropped; its policy is
+/// then restored. Where the process may not raise itself, nothing changes.
+pub struct Urgent {
+    /// The raised thread and its policy before, to restore (by thread id,
+    /// so whoever drops the guard restores the thread that was raised).
+    before: Option<(libc::pid_t, i32, libc::sched_param)>,
+}
+
+impl Urgent {
+    /// Raises the calling thread (SCHED_FIFO, priority 1) if allowed and
+    /// the environment variable `opt_out` is not `normal`.
+    pub fn enter(opt_out: &str) -> Urgent {
+        let unchanged = Urgent { before: None };
+        if std::env::var(opt_out).is_ok_and(|v| v == "normal") {
+            return unchanged;
+        }
+        // The kernel's own calls throughout: glibc's pthread_getschedparam
+        // answers from a cache that sched_setscheduler does not update.
+        let mut param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: pid 0 is the calling thread.
+        let policy = unsafe { libc::sched_getscheduler(0) };
+        // SAFETY: pid 0 is the calling thread; `param` is a live local.
+        if policy < 0 || unsafe { libc::sched_getparam(0, &mut param) } != 0 {
+            return unchanged;
+        }
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        Urgent {
+            before: real_time().then_some((tid, policy, param)),
+        }
+    }
+
+    /// Back to the thread's own policy now (before long work, such as
+    /// hashing all of memory for `--verify`, that must not hold a core).
+    pub fn relax(&mut self) {
+        if let Some((tid, policy, param)) = self.before.take() {
+            // SAFETY: `tid` is the raised thread's id and `param` a live
+            // sched_param; if that thread ended, the call fails harmlessly.
+            unsafe { libc::sched_setscheduler(tid, policy, &param) };
+        }
+    }
+
+    /// True if the thread was raised.
+    pub fn raised(&self) -> bool {
+        self.before.is_some()
+    }
+}
+
+impl Drop for Urgent {
+    fn drop(&mut self) {
+        self.relax();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,5 +166,48 @@ mod tests {
             Class::RealTime => assert_eq!(class.1, libc::SCHED_FIFO),
             Class::Raised | Class::Unchanged => assert_eq!(class.1, libc::SCHED_OTHER),
         }
+    }
+}
+
+#[cfg(test)]
+mod urgent_tests {
+    use super::*;
+
+    fn policy() -> i32 {
+        // SAFETY: querying the calling thread's own policy.
+        unsafe { libc::sched_getscheduler(0) & !libc::SCHED_RESET_ON_FORK }
+    }
+
+    #[test]
+    fn a_raised_thread_gets_its_policy_back() {
+        std::thread::spawn(|| {
+            let before = policy();
+            {
+                let u = Urgent::enter("FERRY_TEST_PRIORITY");
+                if u.raised() {
+                    assert_eq!(policy(), libc::SCHED_FIFO);
+                } else {
+                    eprintln!("NOTE: no CAP_SYS_NICE here: the handover thread stays as it was");
+                    assert_eq!(policy(), before);
+                }
+            }
+            assert_eq!(policy(), before);
+            // A thread started while raised runs at the normal policy.
+            let u = Urgent::enter("FERRY_TEST_PRIORITY");
+            let child = std::thread::spawn(policy).join().unwrap();
+            assert_eq!(
+                child,
+                libc::SCHED_OTHER,
+                "a child of a raised thread is not real time"
+            );
+            drop(u);
+            let mut u = Urgent::enter("FERRY_TEST_PRIORITY");
+            u.relax();
+            assert_eq!(policy(), before, "relaxed early");
+            drop(u);
+            assert_eq!(policy(), before);
+        })
+        .join()
+        .unwrap();
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use super::DestPhase;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
+use crate::priority::{Urgent, PAUSE_PRIORITY};
 use crate::protocol::{self, Frame, Hello, Kind, ProtocolError, Role, RoundDone};
 use crate::receiver::Received;
 use crate::sink::{PageSink, SwitchSink};
@@ -332,6 +333,10 @@ impl<'a> DestSession<'a> {
         let mut restored = false;
         let mut clients_restored = false;
         let mut clients: Option<Vec<u8>> = None;
+        // From the pause's first frame to Started this thread carries the
+        // downtime: real time (crate::priority), so the readers a move wakes
+        // and the vCPUs it starts do not take its core.
+        let mut urgent: Option<Urgent> = None;
         loop {
             let f = protocol::read_frame(self.ctl.reader())?;
             match f.kind {
@@ -349,6 +354,7 @@ impl<'a> DestSession<'a> {
                     self.ctl.send(Kind::RoundAck, &rd.round)?;
                 }
                 Kind::State => {
+                    urgent.get_or_insert_with(|| Urgent::enter(PAUSE_PRIORITY));
                     // No reference comes after: the last round was applied
                     // (or, from v15, is the last round, which sends none).
                     rx.stop_sharing();
@@ -394,6 +400,8 @@ impl<'a> DestSession<'a> {
                     }
                 }
                 Kind::Verify => {
+                    // Hashing all of memory must not hold a core at real time.
+                    drop(urgent.take());
                     let t = Instant::now();
                     let mine = match mode.hashes(regions)? {
                         Some(h) => h,
@@ -415,6 +423,7 @@ impl<'a> DestSession<'a> {
                     stats.verify_ms = t.elapsed().as_secs_f64() * 1e3;
                 }
                 Kind::Complete => {
+                    urgent.get_or_insert_with(|| Urgent::enter(PAUSE_PRIORITY));
                     let t = Instant::now();
                     self.enter(DestPhase::Restoring)?;
                     if !restored {
@@ -469,6 +478,7 @@ impl<'a> DestSession<'a> {
                         };
                         self.ctl.send(Kind::Started, &v1)?;
                     }
+                    drop(urgent.take()); // postcopy's after_start runs on
                     tracing::info!(restore_ms = stats.restore_ms, "VM started here");
                     self.tel
                         .event("started", format!("restore {:.1} ms", stats.restore_ms));

@@ -62,6 +62,9 @@ pub(crate) struct SourceSession<'a> {
     released_ahead: u64,
     /// What the destination's host already holds (v14), for the sender.
     pub(crate) shared: Option<std::sync::Arc<crate::shared::Offer>>,
+    /// This thread at real time from the pause to Started
+    /// (crate::priority): it carries the downtime.
+    urgent: Option<crate::priority::Urgent>,
     /// Pages sent by reference that the destination could not resolve,
     /// from the last round barrier: they go again in the next round.
     missed: Vec<GpaPages>,
@@ -117,6 +120,7 @@ impl<'a> SourceSession<'a> {
             sent_hashes: None,
             released_ahead: 0,
             shared: None,
+            urgent: None,
             missed: Vec::new(),
             unacked: None,
             ctl_cpu0: thread_cpu_secs(),
@@ -428,6 +432,9 @@ impl<'a> SourceSession<'a> {
         // The guest stops at the first kick: the downtime counts from here,
         // parking the vCPUs included.
         let asked = Instant::now();
+        self.urgent = Some(crate::priority::Urgent::enter(
+            crate::priority::PAUSE_PRIORITY,
+        ));
         self.vm.pause().map_err(MigrationError::vm("pause"))?;
         self.enter(SourcePhase::Paused)?;
         self.state.pause_asked_at(asked);
@@ -452,6 +459,12 @@ impl<'a> SourceSession<'a> {
         } else {
             self.state.phase().live()
         });
+    }
+
+    /// Back to normal priority before long work in the pause (hashing all
+    /// of memory), which must not hold a core at real time.
+    pub(crate) fn relax(&mut self) {
+        self.urgent = None;
     }
 
     /// When the VM was paused here.
@@ -659,11 +672,17 @@ impl<'a> SourceSession<'a> {
         let version = self.version;
         self.enter(SourcePhase::Completing)?;
         let unacked = self.unacked.take();
+        // The destination answers within a millisecond or so: waited for
+        // awake (Conn::spin_until_readable), unless this thread is at real
+        // time, which wakes at once and must not spin (it would keep its
+        // core from the destination's threads on a shared host).
+        let spin = match self.urgent.as_ref().is_some_and(|u| u.raised()) {
+            true => Duration::ZERO,
+            false => SPIN_FOR_STARTED,
+        };
         let ctl = self.ctl()?;
         ctl.send_frame(Kind::Complete, &[])?;
-        // The destination answers within a millisecond or so: waited for
-        // awake (Conn::spin_until_readable).
-        ctl.spin_until_readable(SPIN_FOR_STARTED);
+        ctl.spin_until_readable(spin);
         if let Some(round) = unacked {
             // The last round's ack comes first; the destination applied it
             // before it could start the VM.
@@ -681,7 +700,7 @@ impl<'a> SourceSession<'a> {
                 Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
             }
         }
-        ctl.spin_until_readable(SPIN_FOR_STARTED);
+        ctl.spin_until_readable(spin);
         let frame = match protocol::read_frame(ctl.reader()) {
             Ok(f) if f.kind == Kind::Started => f,
             Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
@@ -703,6 +722,7 @@ impl<'a> SourceSession<'a> {
                 ..Default::default()
             }
         };
+        self.urgent = None;
         if let (Some(c), Some(note)) = (self.clients.as_mut(), &report.clients) {
             c.detail = note.clone();
         }

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 
 use ferry_memory::{GuestMemory, MemfdRegion};
 
-use super::urgent::Urgent;
 use super::wire::{self, Hello, Message};
 use super::{cpu_secs, monotonic_ns, stall_before, HandoverError};
 use crate::devices::serial::ConsoleSink;
 use crate::devices::service::FrozenConn;
 use crate::vm::{Vm, VmConfig, VmState};
 use crate::vstate::persist;
+use ferry_migration::priority::Urgent;
 
 /// How long to wait for the old process's next message.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -78,7 +78,7 @@ pub fn take_over(
     let vm = offered.vm;
     // From here to the resume the VM is paused or about to be: each
     // wakeup on this thread is downtime.
-    let mut urgent = Urgent::enter();
+    let mut urgent = Urgent::enter(super::HANDOVER_PRIORITY);
     let ready = restore(&mut sock, &vm, &mut urgent);
     let (adopted, paused_at) = match ready {
         Ok(r) => r,

@@ -27,13 +27,17 @@
 
 mod destination;
 mod source;
-mod urgent;
 pub mod wire;
 
 pub use destination::{take_over, TakenOver};
 pub use source::{hand_over, HandoverPlan};
 
 use std::time::Duration;
+
+/// The threads that carry the pause run at real-time priority
+/// ([`ferry_migration::priority::Urgent`]); `FERRY_HANDOVER_PRIORITY=normal`
+/// leaves them at normal priority (to measure what the raise buys).
+const HANDOVER_PRIORITY: &str = "FERRY_HANDOVER_PRIORITY";
 
 /// Why a handover failed.
 #[derive(Debug, thiserror::Error)]

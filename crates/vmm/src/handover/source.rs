@@ -8,12 +8,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::urgent::Urgent;
 use super::wire::{self, Hello, Message, VmShape, CONNS_PER_MESSAGE};
 use super::MovingListener;
 use super::{cpu_secs, memory_hashes, monotonic_ns, HandoverError, HandoverStats};
 use crate::vm::{RunState, Vm};
 use crate::vstate::persist;
+use ferry_migration::priority::Urgent;
 
 /// How long the new process may take to start and say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -219,7 +219,7 @@ pub fn hand_over(
     // From here the VM pauses; any failure before Go resumes it here.
     // Each wakeup of this thread until Running is downtime (a --verify
     // handover hashes all of memory meanwhile: not at real time).
-    let urgent = (!plan.verify).then(Urgent::enter);
+    let urgent = (!plan.verify).then(|| Urgent::enter(super::HANDOVER_PRIORITY));
     let service = vm.service();
     let frozen_at = monotonic_ns();
     if let Some(s) = service {

@@ -12,14 +12,18 @@ use super::{RunState, Vm, VmError, VmExit};
 use crate::vstate::vcpu;
 
 impl Vm {
-    /// Starts one thread per vCPU.
+    /// Starts one thread per vCPU. The service device is released (its
+    /// moved clients go live) between the threads' start, parked, and
+    /// their run: the vCPUs would take the cores from that work, and once
+    /// the threads exist nothing can fail after it.
     pub fn start(&self) -> Result<(), VmError> {
         let t = Instant::now();
-        self.start_threads()?;
+        self.start_paused()?;
         let threads_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Some(s) = self.service() {
             s.release();
         }
+        self.resume()?;
         if let Some(access) = self.config.access {
             self.start_access(access);
         }

@@ -48,7 +48,7 @@ impl ServiceDevice {
         if self.stop.load(Ordering::Acquire) {
             return Err(ServiceError::Handover("the device is shut down".into()));
         }
-        // The gate first: its eventfd also wakes the accept thread.
+        // The gate first, so no reader posts once the accept thread stopped.
         self.accepting.store(false, Ordering::Release);
         self.gate.close();
         self.stop_accepting();

@@ -154,6 +154,8 @@ pub struct ServiceDevice {
     /// The accept thread runs (from the VM's start until a freeze).
     accepting: AtomicBool,
     accept_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Wakes the accept thread to stop (readable until it is restarted).
+    accept_wake: vmm_sys_util::eventfd::EventFd,
     /// Stops the readers between frames for a handover.
     gate: Gate,
     /// Threads started ahead for connections a migration brings.
@@ -241,6 +243,10 @@ impl ServiceDevice {
             moving: Mutex::new(moving::Moving::Idle),
             accepting: AtomicBool::new(false),
             accept_thread: Mutex::new(None),
+            accept_wake: vmm_sys_util::eventfd::EventFd::new(
+                vmm_sys_util::eventfd::EFD_NONBLOCK | libc::EFD_CLOEXEC,
+            )
+            .map_err(listen_err)?,
             gate: Gate::new().map_err(listen_err)?,
             spares: Spares::new(),
             held: AtomicBool::new(true),
@@ -260,6 +266,7 @@ impl ServiceDevice {
         let Ok(listener) = self.listener() else {
             return;
         };
+        let _ = self.accept_wake.read(); // a stop's wake-up is spent
         self.accepting.store(true, Ordering::Release);
         let d = self.clone();
         *t = std::thread::Builder::new()
@@ -272,6 +279,7 @@ impl ServiceDevice {
     /// listen queue).
     fn stop_accepting(&self) {
         self.accepting.store(false, Ordering::Release);
+        let _ = self.accept_wake.write(1);
         if let Some(t) = lock(&self.accept_thread).take() {
             let _ = t.join();
         }

@@ -419,14 +419,21 @@ impl ServiceDevice {
         if let Some(Err(e)) = address.as_ref().map(|a| a.bring_up()) {
             tracing::error!(error = %e, "the VM's address cannot go up here: its clients are cut off");
         }
+        // Every socket first, then the readers: a reader woken between two
+        // sockets takes the core from this loop (on 2 cores, 128 wake-ups
+        // inside it doubled its 1.2 ms).
+        let mut live = Vec::with_capacity(restored.len());
         for r in restored {
             match r.parked.go_live() {
-                Ok(s) => self.spawn_connection(r.id, s, r.pending, r.tx, r.rx),
+                Ok(s) => live.push((r.id, s, r.pending, r.tx, r.rx)),
                 Err(e) => {
                     tracing::warn!(error = %e, id = r.id, "a client connection could not go live");
                     lock(&self.conns).remove(&r.id);
                 }
             }
+        }
+        for (id, stream, pending, tx, rx) in live {
+            self.spawn_connection(id, stream, pending, tx, rx);
         }
         if let Some(a) = address {
             a.announce_in_background();
