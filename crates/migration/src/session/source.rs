@@ -672,17 +672,15 @@ impl<'a> SourceSession<'a> {
         let version = self.version;
         self.enter(SourcePhase::Completing)?;
         let unacked = self.unacked.take();
-        // The destination answers within a millisecond or so: waited for
-        // awake (Conn::spin_until_readable), unless this thread is at real
-        // time, which wakes at once and must not spin (it would keep its
-        // core from the destination's threads on a shared host).
-        let spin = match self.urgent.as_ref().is_some_and(|u| u.raised()) {
-            true => Duration::ZERO,
-            false => SPIN_FOR_STARTED,
-        };
+        self.ctl()?.send_frame(Kind::Complete, &[])?;
+        // Nothing is left to do here but wait: back to normal priority, so
+        // the wait can poll (a thread at real time polling would keep its
+        // core from the destination's threads on a shared host). The
+        // destination answers within a millisecond or so: waited for awake
+        // (Conn::spin_until_readable), as a sleeping thread wakes late here.
+        self.urgent = None;
         let ctl = self.ctl()?;
-        ctl.send_frame(Kind::Complete, &[])?;
-        ctl.spin_until_readable(spin);
+        ctl.spin_until_readable(SPIN_FOR_STARTED);
         if let Some(round) = unacked {
             // The last round's ack comes first; the destination applied it
             // before it could start the VM.
@@ -700,7 +698,7 @@ impl<'a> SourceSession<'a> {
                 Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
             }
         }
-        ctl.spin_until_readable(spin);
+        ctl.spin_until_readable(SPIN_FOR_STARTED);
         let frame = match protocol::read_frame(ctl.reader()) {
             Ok(f) if f.kind == Kind::Started => f,
             Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
@@ -722,7 +720,6 @@ impl<'a> SourceSession<'a> {
                 ..Default::default()
             }
         };
-        self.urgent = None;
         if let (Some(c), Some(note)) = (self.clients.as_mut(), &report.clients) {
             c.detail = note.clone();
         }

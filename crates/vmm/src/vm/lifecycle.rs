@@ -12,18 +12,26 @@ use super::{RunState, Vm, VmError, VmExit};
 use crate::vstate::vcpu;
 
 impl Vm {
-    /// Starts one thread per vCPU. The service device is released (its
-    /// moved clients go live) between the threads' start, parked, and
-    /// their run: the vCPUs would take the cores from that work, and once
-    /// the threads exist nothing can fail after it.
+    /// Starts one thread per vCPU. When clients moved here with the VM,
+    /// the service device is released (they go live) between the threads'
+    /// start, parked, and their run: the vCPUs would take the cores from
+    /// that work, and once the threads exist nothing can fail after it.
+    /// Otherwise the threads run at once (parking them first costs a
+    /// wake-up each, which an idle VM's downtime feels).
     pub fn start(&self) -> Result<(), VmError> {
         let t = Instant::now();
-        self.start_paused()?;
+        let staged = self.service().is_some_and(|s| s.clients_moving_in());
+        match staged {
+            true => self.start_paused()?,
+            false => self.start_threads()?,
+        }
         let threads_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Some(s) = self.service() {
             s.release();
         }
-        self.resume()?;
+        if staged {
+            self.resume()?;
+        }
         if let Some(access) = self.config.access {
             self.start_access(access);
         }

@@ -190,6 +190,11 @@ impl ServiceDevice {
         *lock(&self.moving) = if moving { Moving::Agreed } else { Moving::Idle };
     }
 
+    /// Destination: connections restored here wait to go live.
+    pub fn clients_moving_in(&self) -> bool {
+        matches!(*lock(&self.moving), Moving::In(_))
+    }
+
     /// True once the destination agreed to take the clients.
     pub fn clients_move(&self) -> bool {
         !matches!(*lock(&self.moving), Moving::Idle)
