@@ -72,7 +72,10 @@ fuzz_target!(|data: &[u8]| {
         }
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
         Kind::StandbyBeat => {}
-        Kind::HashAsk | Kind::SwitchAhead | Kind::ShareAsk => drop(decode::<bool>(&f)),
+        Kind::HashAsk | Kind::SwitchAhead | Kind::ShareAsk | Kind::AnswersHeld => {
+            drop(decode::<bool>(&f))
+        }
+        Kind::AnswersAsk => drop(decode::<Option<[u8; 16]>>(&f)),
         Kind::SharedOffer => drop(decode::<ferry_migration::protocol::SharedOffer>(&f)),
         Kind::SharedMissed => drop(decode::<Vec<ferry_migration::GpaPages>>(&f)),
         Kind::VerifyDigests => {

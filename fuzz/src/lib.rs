@@ -89,6 +89,8 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::SharedOffer,
         Kind::SharedPages,
         Kind::SharedMissed,
+        Kind::AnswersAsk,
+        Kind::AnswersHeld,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }

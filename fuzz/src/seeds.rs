@@ -160,6 +160,8 @@ fn messages() -> Vec<(Kind, Vec<u8>)> {
             }),
         ),
         (Kind::SharedMissed, enc(&runs)),
+        (Kind::AnswersAsk, enc(&Some([7u8; 16]))),
+        (Kind::AnswersHeld, enc(&true)),
         (
             Kind::Timeline,
             ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),
