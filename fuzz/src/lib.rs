@@ -42,7 +42,7 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
 
 /// The message kinds in wire order (1..=40), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 46] = [
+    const KINDS: [Kind; 48] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
