@@ -74,6 +74,66 @@ fn collected_frame(tag: u64, answer: &[u8]) -> Vec<u8> {
     f
 }
 
+/// Collects from the destination's service at `to` the answers in
+/// `expected` (connection id: how many), within `within`, handing each
+/// response to `deliver` as a frame for its client. Every byte is the
+/// peer's: a frame over the limit, shorter than its tag, or for a
+/// connection with nothing (more) in flight ends it. On Err, what is left
+/// in `expected` never came.
+fn collect_from(
+    to: SocketAddr,
+    token: [u8; 16],
+    expected: &mut HashMap<u64, usize>,
+    within: Duration,
+    mut deliver: impl FnMut(u64, Vec<u8>),
+) -> Result<(), String> {
+    let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = s.set_nodelay(true);
+    let (key, seed) = token_words(&token);
+    (&s).write_all(&Request::new(Op::Collect, 0, key, seed).encode())
+        .map_err(|e| format!("send: {e}"))?;
+    let deadline = Instant::now() + within;
+    let mut r = BufReader::new(&s);
+    while !expected.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("no answer within {within:?}"));
+        }
+        let _ = s.set_read_timeout(Some(left));
+        let body = match wire::read_frame(&mut r, MAX_BODY + 8) {
+            Ok(Some(b)) => b,
+            Ok(None) => return Err("the destination closed the connection".into()),
+            Err(wire::WireError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(format!("no answer within {within:?}"))
+            }
+            Err(e) => return Err(e.to_string()),
+        };
+        let Some((tag, answer)) = body.split_first_chunk::<8>() else {
+            return Err("a collected answer shorter than its tag".into());
+        };
+        let tag = u64::from_le_bytes(*tag);
+        // Only what was in flight here, once each.
+        match expected.get_mut(&tag) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                expected.remove(&tag);
+            }
+            None => return Err(format!("an answer for connection {tag}, not in flight")),
+        }
+        let mut frame = (answer.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(answer);
+        deliver(tag, frame);
+    }
+    let _ = s.shutdown(Shutdown::Both);
+    Ok(())
+}
+
 impl ServiceDevice {
     /// Source: the destination holds the answers to what is in flight at
     /// the pause (so [`pause_in_flight`](Self::pause_in_flight) need not drain).
@@ -150,7 +210,13 @@ impl ServiceDevice {
 
     fn collect(&self, to: SocketAddr, token: [u8; 16], mut expected: HashMap<u64, usize>) {
         let total: usize = expected.values().sum();
-        match self.collect_from(to, token, &mut expected) {
+        let deliver = |tag: u64, frame: Vec<u8>| {
+            self.stats.collected.fetch_add(1, Ordering::Relaxed);
+            if let Some(c) = lock(&self.conns).get(&tag) {
+                let _ = c.tx.frame(frame);
+            }
+        };
+        match collect_from(to, token, &mut expected, COLLECT_FOR, deliver) {
             Ok(()) => tracing::info!(answers = total, "answers in flight collected"),
             Err(e) => {
                 // Their clients would wait for ever: close them instead.
@@ -164,55 +230,6 @@ impl ServiceDevice {
                 }
             }
         }
-    }
-
-    fn collect_from(
-        &self,
-        to: SocketAddr,
-        token: [u8; 16],
-        expected: &mut HashMap<u64, usize>,
-    ) -> Result<(), String> {
-        let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))
-            .map_err(|e| format!("connect: {e}"))?;
-        let _ = s.set_nodelay(true);
-        let (key, seed) = token_words(&token);
-        (&s).write_all(&Request::new(Op::Collect, 0, key, seed).encode())
-            .map_err(|e| format!("send: {e}"))?;
-        let deadline = Instant::now() + COLLECT_FOR;
-        let mut r = BufReader::new(&s);
-        while !expected.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(format!("no answer within {COLLECT_FOR:?}"));
-            }
-            let _ = s.set_read_timeout(Some(left));
-            let body = match wire::read_frame(&mut r, MAX_BODY + 8) {
-                Ok(Some(b)) => b,
-                Ok(None) => return Err("the destination closed the connection".into()),
-                Err(e) => return Err(e.to_string()),
-            };
-            let Some((tag, answer)) = body.split_first_chunk::<8>() else {
-                return Err("a collected answer shorter than its tag".into());
-            };
-            let tag = u64::from_le_bytes(*tag);
-            // Only what was in flight here, once each: anything else is a
-            // confused or hostile peer.
-            match expected.get_mut(&tag) {
-                Some(n) if *n > 1 => *n -= 1,
-                Some(_) => {
-                    expected.remove(&tag);
-                }
-                None => return Err(format!("an answer for connection {tag}, not in flight")),
-            }
-            self.stats.collected.fetch_add(1, Ordering::Relaxed);
-            let mut frame = (answer.len() as u32).to_le_bytes().to_vec();
-            frame.extend_from_slice(answer);
-            if let Some(c) = lock(&self.conns).get(&tag) {
-                let _ = c.tx.frame(frame);
-            }
-        }
-        let _ = s.shutdown(Shutdown::Both);
-        Ok(())
     }
 
     /// Destination: holds answers to what was in flight at the source's
@@ -279,6 +296,8 @@ impl ServiceDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
+    use std::net::TcpListener;
 
     #[test]
     fn a_token_splits_into_key_and_seed_and_a_collected_frame_carries_its_tag() {
@@ -291,5 +310,93 @@ mod tests {
         assert_eq!(body, 8 + 6);
         assert_eq!(&f[4..12], &7u64.to_le_bytes());
         assert_eq!(&f[12..], b"answer");
+    }
+
+    /// A destination's service that checks the COLLECT request and then
+    /// sends `reply` (raw bytes) and closes, or holds the line if `hold`.
+    fn destination(token: [u8; 16], reply: Vec<u8>, hold: bool) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut req = [0u8; 4 + wire::REQUEST_HEADER];
+            s.read_exact(&mut req).unwrap();
+            let r = Request::decode(&req[4..]).unwrap();
+            assert_eq!(r.op, Op::Collect);
+            assert_eq!((r.key, r.seed), token_words(&token));
+            s.write_all(&reply).unwrap();
+            if hold {
+                std::thread::sleep(Duration::from_secs(2));
+            }
+        });
+        addr
+    }
+
+    fn collect(
+        reply: Vec<u8>,
+        hold: bool,
+        expected: &[(u64, usize)],
+    ) -> (Result<(), String>, Vec<(u64, Vec<u8>)>, HashMap<u64, usize>) {
+        let token = [9u8; 16];
+        let to = destination(token, reply, hold);
+        let mut expected: HashMap<u64, usize> = expected.iter().copied().collect();
+        let mut got = Vec::new();
+        let r = collect_from(
+            to,
+            token,
+            &mut expected,
+            Duration::from_millis(300),
+            |t, f| got.push((t, f)),
+        );
+        (r, got, expected)
+    }
+
+    #[test]
+    fn the_answers_in_flight_are_handed_to_their_clients_once_each() {
+        let reply = [
+            collected_frame(5, b"a"),
+            collected_frame(9, b"bb"),
+            collected_frame(5, b"c"),
+        ]
+        .concat();
+        let (r, got, left) = collect(reply, true, &[(5, 2), (9, 1)]);
+        r.unwrap();
+        assert!(left.is_empty());
+        let frame = |b: &[u8]| [(b.len() as u32).to_le_bytes().as_slice(), b].concat();
+        assert_eq!(got, [(5, frame(b"a")), (9, frame(b"bb")), (5, frame(b"c"))]);
+    }
+
+    #[test]
+    fn a_confused_or_hostile_destination_ends_the_collection() {
+        // A connection with nothing in flight, or one answered too often.
+        let (r, got, left) = collect(collected_frame(77, b"x"), true, &[(5, 1)]);
+        assert!(r.unwrap_err().contains("not in flight"));
+        assert!(got.is_empty());
+        assert_eq!(left.get(&5), Some(&1), "what never came is left");
+        let twice = [collected_frame(5, b"a"), collected_frame(5, b"a")].concat();
+        let (r, got, _) = collect(twice, true, &[(5, 1), (9, 1)]);
+        assert!(r.unwrap_err().contains("not in flight"));
+        assert_eq!(got.len(), 1);
+        // Shorter than its tag; over the limit; cut off; silent.
+        let short = [4u32.to_le_bytes(), [1, 2, 3, 4]].concat();
+        assert!(collect(short, true, &[(5, 1)])
+            .0
+            .unwrap_err()
+            .contains("shorter than its tag"));
+        let huge = ((MAX_BODY + 9) as u32).to_le_bytes().to_vec();
+        assert!(collect(huge, true, &[(5, 1)])
+            .0
+            .unwrap_err()
+            .contains("exceeds the limit"));
+        let cut = collected_frame(5, b"abc")[..9].to_vec();
+        assert!(collect(cut, false, &[(5, 1)]).0.is_err());
+        assert!(collect(Vec::new(), false, &[(5, 1)])
+            .0
+            .unwrap_err()
+            .contains("closed"));
+        assert!(collect(Vec::new(), true, &[(5, 1)])
+            .0
+            .unwrap_err()
+            .contains("no answer within"));
     }
 }
