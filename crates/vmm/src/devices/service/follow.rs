@@ -332,11 +332,14 @@ mod tests {
         addr
     }
 
+    /// What a collection returned, what it delivered, and what never came.
+    type Collected = (Result<(), String>, Vec<(u64, Vec<u8>)>, HashMap<u64, usize>);
+
     fn collect(
         reply: Vec<u8>,
         hold: bool,
         expected: &[(u64, usize)],
-    ) -> (Result<(), String>, Vec<(u64, Vec<u8>)>, HashMap<u64, usize>) {
+    ) -> Collected {
         let token = [9u8; 16];
         let to = destination(token, reply, hold);
         let mut expected: HashMap<u64, usize> = expected.iter().copied().collect();
