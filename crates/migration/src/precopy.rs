@@ -313,6 +313,9 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         send_state(s, &mut stats)?;
     }
     if opts.verify {
+        if s.sent_hashes.is_none() {
+            s.relax(); // hashes all of memory (here or in the mode)
+        }
         progress(&Progress {
             round,
             remaining_pages: 0,
@@ -334,10 +337,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
                 let hashes = hashes?;
                 (hashes.len() as u64, s.send_hashes(&hashes)?)
             }
-            (None, None) => {
-                s.relax(); // hashes all of memory
-                s.send_verify()?
-            }
+            (None, None) => s.send_verify()?,
         };
         stats.verified_pages = pages;
         stats.bytes += bytes;

@@ -545,6 +545,7 @@ impl ServiceDevice {
         if !handed_off {
             lock(&self.conns).remove(&id);
         }
+        self.collector_gone(id);
         drop(tx);
         self.gate.reader_ended();
         if writer.is_some() {
@@ -662,7 +663,7 @@ impl ServiceDevice {
                 reply(resp.encode());
                 Handled::Done
             }
-            Ok(req) if req.op == Op::Collect => match self.adopt_collector(&req, tx) {
+            Ok(req) if req.op == Op::Collect => match self.adopt_collector(&req, id, tx) {
                 Ok(()) => Handled::Done,
                 Err(refusal) => {
                     self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);

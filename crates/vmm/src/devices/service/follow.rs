@@ -53,8 +53,12 @@ pub(super) struct Orphans {
     token: Option<[u8; 16]>,
     /// Slots in flight in the restored ring (not free in the saved state).
     slots: Vec<bool>,
-    /// Where collected answers go once the source asked for them.
-    collector: Option<Outbox>,
+    /// Where collected answers go once the source asked for them (that
+    /// connection's id and outbox), until the last orphan is answered or
+    /// the connection ends.
+    collector: Option<(u64, Outbox)>,
+    /// A collector came already: there is no second.
+    collected: bool,
     /// Answers that came before the collector did: `tag | response` frames.
     held: Vec<Vec<u8>>,
 }
@@ -147,7 +151,10 @@ impl ServiceDevice {
     /// Source, before the VM pauses: stops posting; drains the ring only if
     /// the destination does not hold the answers.
     pub fn hold_for_pause(&self, timeout: Duration) -> Result<(), String> {
-        if lock(&self.follow).token.is_none() {
+        // Answers this VM still owes a previous source (it came here with
+        // requests in flight) cannot be collected by that source from the
+        // next host: they are answered here first.
+        if lock(&self.follow).token.is_none() || self.orphans_pending() {
             return self.hold_and_drain(timeout);
         }
         self.hold();
@@ -199,12 +206,25 @@ impl ServiceDevice {
         if expected.is_empty() {
             return;
         }
+        let tags: Vec<u64> = expected.keys().copied().collect();
         let d = self.clone();
         let spawned = std::thread::Builder::new()
             .name("svc-collect".into())
             .spawn(move || d.collect(to, token, expected));
-        if spawned.is_err() {
-            tracing::warn!("cannot start the thread collecting answers in flight");
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the thread collecting answers in flight: {e}");
+            self.close_waiting(&tags);
+        }
+    }
+
+    /// Closes the clients whose answers will not come (they would wait for
+    /// ever otherwise).
+    fn close_waiting<'a>(&self, tags: impl IntoIterator<Item = &'a u64>) {
+        let conns = lock(&self.conns);
+        for tag in tags {
+            if let Some(c) = conns.get(tag) {
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
         }
     }
 
@@ -222,12 +242,7 @@ impl ServiceDevice {
                 // Their clients would wait for ever: close them instead.
                 let missing: usize = expected.values().sum();
                 tracing::warn!(%to, missing, "collecting answers in flight failed: {e}");
-                let conns = lock(&self.conns);
-                for tag in expected.keys() {
-                    if let Some(c) = conns.get(tag) {
-                        let _ = c.stream.shutdown(Shutdown::Both);
-                    }
-                }
+                self.close_waiting(expected.keys());
             }
         }
     }
@@ -248,6 +263,22 @@ impl ServiceDevice {
         }
     }
 
+    /// Destination: answers to a previous source's requests are still to
+    /// come from this guest.
+    fn orphans_pending(&self) -> bool {
+        let o = lock(&self.orphans);
+        o.token.is_some() && o.slots.iter().any(|&b| b)
+    }
+
+    /// Destination: the collector's connection `id` ended; answers still
+    /// to come are held (at most one a slot) rather than queued to it.
+    pub(super) fn collector_gone(&self, id: u64) {
+        let mut o = lock(&self.orphans);
+        if o.collector.as_ref().is_some_and(|(c, _)| *c == id) {
+            o.collector = None;
+        }
+    }
+
     /// Destination, at a doorbell for a connection this device does not
     /// have: if the slot was in flight at the source's pause, hold (or
     /// send) its answer for the source; true if taken.
@@ -259,17 +290,26 @@ impl ServiceDevice {
         o.slots[slot] = false;
         let frame = collected_frame(tag, &answer[4..]);
         match &o.collector {
-            Some(tx) => {
+            Some((_, tx)) => {
                 let _ = tx.frame(frame);
             }
             None => o.held.push(frame),
+        }
+        // The last one: the collector's writer may end with its connection.
+        if !o.slots.iter().any(|&b| b) {
+            o.collector = None;
         }
         true
     }
 
     /// Destination: a connection asks for the held answers. Only with the
     /// token, and only once; Err is the refusal to send before closing.
-    pub(super) fn adopt_collector(&self, req: &Request, tx: &Outbox) -> Result<(), Vec<u8>> {
+    pub(super) fn adopt_collector(
+        &self,
+        req: &Request,
+        id: u64,
+        tx: &Outbox,
+    ) -> Result<(), Vec<u8>> {
         let mut o = lock(&self.orphans);
         let refuse = |why: &str| {
             Response::error(Status::BadRequest, Op::Collect as u8, req.id, why).encode()
@@ -282,13 +322,15 @@ impl ServiceDevice {
         if (req.key ^ key) | (req.seed ^ seed) != 0 {
             return Err(refuse("wrong token"));
         }
-        if o.collector.is_some() {
-            return Err(refuse("the answers are being collected already"));
+        if std::mem::replace(&mut o.collected, true) {
+            return Err(refuse("the answers were collected already"));
         }
         for f in std::mem::take(&mut o.held) {
             let _ = tx.frame(f);
         }
-        o.collector = Some(tx.clone());
+        if o.slots.iter().any(|&b| b) {
+            o.collector = Some((id, tx.clone()));
+        }
         Ok(())
     }
 }
@@ -335,11 +377,7 @@ mod tests {
     /// What a collection returned, what it delivered, and what never came.
     type Collected = (Result<(), String>, Vec<(u64, Vec<u8>)>, HashMap<u64, usize>);
 
-    fn collect(
-        reply: Vec<u8>,
-        hold: bool,
-        expected: &[(u64, usize)],
-    ) -> Collected {
+    fn collect(reply: Vec<u8>, hold: bool, expected: &[(u64, usize)]) -> Collected {
         let token = [9u8; 16];
         let to = destination(token, reply, hold);
         let mut expected: HashMap<u64, usize> = expected.iter().copied().collect();
