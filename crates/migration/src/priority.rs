@@ -167,11 +167,6 @@ mod tests {
             Class::Raised | Class::Unchanged => assert_eq!(class.1, libc::SCHED_OTHER),
         }
     }
-}
-
-#[cfg(test)]
-mod urgent_tests {
-    use super::*;
 
     fn policy() -> i32 {
         // SAFETY: querying the calling thread's own policy.
@@ -187,7 +182,7 @@ mod urgent_tests {
                 if u.raised() {
                     assert_eq!(policy(), libc::SCHED_FIFO);
                 } else {
-                    eprintln!("NOTE: no CAP_SYS_NICE here: the handover thread stays as it was");
+                    eprintln!("NOTE: no CAP_SYS_NICE here: the thread stays as it was");
                     assert_eq!(policy(), before);
                 }
             }

@@ -678,7 +678,7 @@ impl<'a> SourceSession<'a> {
         // core from the destination's threads on a shared host). The
         // destination answers within a millisecond or so: waited for awake
         // (Conn::spin_until_readable), as a sleeping thread wakes late here.
-        self.urgent = None;
+        self.relax();
         let ctl = self.ctl()?;
         ctl.spin_until_readable(SPIN_FOR_STARTED);
         if let Some(round) = unacked {

@@ -63,6 +63,17 @@ pub(super) struct Orphans {
     held: Vec<Vec<u8>>,
 }
 
+/// Per ring slot, whether a request is in it: every slot not in `free`.
+fn slots_in_flight(free: &[usize]) -> Vec<bool> {
+    let mut busy = vec![true; SVC_SLOTS];
+    for &s in free {
+        if let Some(b) = busy.get_mut(s) {
+            *b = false;
+        }
+    }
+    busy
+}
+
 /// Splits a token into the request's key and seed.
 fn token_words(t: &[u8; 16]) -> (u64, u64) {
     let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default());
@@ -130,9 +141,7 @@ fn collect_from(
             }
             None => return Err(format!("an answer for connection {tag}, not in flight")),
         }
-        let mut frame = (answer.len() as u32).to_le_bytes().to_vec();
-        frame.extend_from_slice(answer);
-        deliver(tag, frame);
+        deliver(tag, wire::frame(answer));
     }
     let _ = s.shutdown(Shutdown::Both);
     Ok(())
@@ -168,13 +177,11 @@ impl ServiceDevice {
         if f.token.is_none() {
             return;
         }
+        // Under the ring lock, as every post and doorbell changes it.
         let ring = lock(&self.ring);
-        let mut free = [false; SVC_SLOTS];
-        for &s in &ring.free {
-            free[s] = true;
-        }
+        let busy = slots_in_flight(&ring.free);
         f.in_flight.clear();
-        for (slot, _) in free.iter().enumerate().filter(|(_, f)| !**f) {
+        for (slot, _) in busy.iter().enumerate().filter(|(_, b)| **b) {
             if let Ok(tag) = self.slot_tag(slot) {
                 *f.in_flight.entry(tag).or_default() += 1;
             }
@@ -256,11 +263,7 @@ impl ServiceDevice {
     /// Destination, restoring the saved ring: the slots not free there are
     /// in flight (their connections are the source's).
     pub(super) fn note_orphans(&self, free: &[usize]) {
-        let mut o = lock(&self.orphans);
-        o.slots = vec![true; SVC_SLOTS];
-        for &s in free {
-            o.slots[s] = false;
-        }
+        lock(&self.orphans).slots = slots_in_flight(free);
     }
 
     /// Destination: answers to a previous source's requests are still to
@@ -281,11 +284,11 @@ impl ServiceDevice {
 
     /// Destination, at a doorbell for a connection this device does not
     /// have: if the slot was in flight at the source's pause, hold (or
-    /// send) its answer for the source; true if taken.
-    pub(super) fn answer_orphan(&self, slot: usize, tag: u64, answer: &[u8]) -> bool {
+    /// send) its answer for the source; else drops it.
+    pub(super) fn answer_orphan(&self, slot: usize, tag: u64, answer: &[u8]) {
         let mut o = lock(&self.orphans);
         if o.token.is_none() || !o.slots.get(slot).is_some_and(|&b| b) {
-            return false;
+            return;
         }
         o.slots[slot] = false;
         let frame = collected_frame(tag, &answer[4..]);
@@ -299,7 +302,6 @@ impl ServiceDevice {
         if !o.slots.iter().any(|&b| b) {
             o.collector = None;
         }
-        true
     }
 
     /// Destination: a connection asks for the held answers. Only with the
@@ -403,7 +405,7 @@ mod tests {
         let (r, got, left) = collect(reply, true, &[(5, 2), (9, 1)]);
         r.unwrap();
         assert!(left.is_empty());
-        let frame = |b: &[u8]| [(b.len() as u32).to_le_bytes().as_slice(), b].concat();
+        let frame = wire::frame;
         assert_eq!(got, [(5, frame(b"a")), (9, frame(b"bb")), (5, frame(b"c"))]);
     }
 

@@ -120,7 +120,7 @@ impl ServiceDevice {
         }
         fence(Ordering::Acquire);
         let len = m.read_u32_volatile(gpa + svc_off::SLOT_LEN).unwrap_or(0) as usize;
-        let conn = m.read_u64_volatile(gpa + svc_off::SLOT_TAG).unwrap_or(0);
+        let conn = self.slot_tag(slot).unwrap_or(0);
         let posted_tsc = m
             .read_u64_volatile(gpa + svc_off::SLOT_POST_TSC)
             .unwrap_or(0);
@@ -178,9 +178,7 @@ impl ServiceDevice {
                 .name("svc-fwd".into())
                 .spawn(move || {
                     while let Ok(Some(b)) = wire::read_frame(&mut r, MAX_BODY) {
-                        let mut f = (b.len() as u32).to_le_bytes().to_vec();
-                        f.extend_from_slice(&b);
-                        if !tx.frame(f) {
+                        if !tx.frame(wire::frame(&b)) {
                             break;
                         }
                     }
@@ -188,9 +186,7 @@ impl ServiceDevice {
             *upstream = Some(s);
         }
         let s = upstream.as_mut().ok_or(std::io::ErrorKind::NotConnected)?;
-        let mut f = (body.len() as u32).to_le_bytes().to_vec();
-        f.extend_from_slice(body);
-        s.write_all(&f)?;
+        s.write_all(&wire::frame(body))?;
         self.stats.forwarded.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -332,6 +332,14 @@ pub fn complete_frame(buf: &[u8], max: usize) -> Result<Option<usize>, WireError
     Ok((buf.len() >= 4 + len).then_some(len))
 }
 
+/// The frame of `body`: its length prefix, then the body.
+pub fn frame(body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(4 + body.len());
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
 /// Writes a whole frame.
 pub fn write_frame(w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
     w.write_all(frame)
