@@ -10,9 +10,11 @@ use cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig,
     PinnedHostSlice, PushKernelArg,
 };
+use cudarc::nvrtc::Ptx;
 use ferry_codec::{MAX_BATCH_PAGES, PAGE};
 
 use crate::device::{Arg, Device, Kernel};
+use crate::nvrtc::Nvrtc;
 use crate::{GpuError, KERNELS_CU};
 
 /// Threads per block: small enough that a 1024-page batch (16384 chunks)
@@ -58,10 +60,8 @@ impl CudaGpu {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(GpuError::NoDriver);
         }
-        // SAFETY: as above.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(GpuError::NoNvrtc);
-        }
+        // ferry's own loader: cudarc's refuses NVRTC 13 (see nvrtc.rs).
+        let nvrtc = Nvrtc::load()?;
         let count = CudaContext::device_count().map_err(|e| match e.0 {
             cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NO_DEVICE => GpuError::NoDevice,
             _ => driver("device count")(e),
@@ -75,8 +75,7 @@ impl CudaGpu {
         // SAFETY: nothing is allocated yet, and no buffer is shared between streams.
         unsafe { ctx.disable_event_tracking() };
         let name = ctx.name().unwrap_or_else(|_| "GPU 0".into());
-        let ptx =
-            cudarc::nvrtc::compile_ptx(KERNELS_CU).map_err(|e| GpuError::Compile(e.to_string()))?;
+        let ptx = Ptx::from_src(nvrtc.compile_ptx(KERNELS_CU)?);
         // A driver older than NVRTC cannot load its PTX; that fails here, plainly.
         let module = ctx
             .load_module(ptx)

@@ -20,6 +20,7 @@ mod cuda;
 mod device;
 mod encoder;
 mod error;
+mod nvrtc;
 
 pub use cuda::{CudaDevice, CudaGpu};
 pub use device::{Arg, Device, Kernel};
