@@ -116,6 +116,85 @@ fn a_restored_vm_carries_on_where_the_saved_one_stopped() {
     ));
 }
 
+/// A destination makes its vCPU threads before the state comes
+/// (`prepare_incoming`, so the switch does not wait for them): parked, the
+/// VM still waits and refuses a resume, takes the state through the parked
+/// threads, and carries on once started.
+#[test]
+fn an_incoming_vm_with_threads_made_ahead_restores_through_them_and_carries_on() {
+    if !kvm_usable() {
+        return;
+    }
+    let a = Vm::create(config()).unwrap();
+    a.start().unwrap();
+    wait_valid(&a);
+    std::thread::sleep(Duration::from_millis(300));
+    a.pause().unwrap();
+    let state = a.save_state().unwrap();
+    let at_pause = a.metrics().unwrap();
+
+    let b = Vm::create(config()).unwrap();
+    b.prepare_incoming().unwrap();
+    b.prepare_incoming().unwrap(); // a second time: nothing more
+    assert_eq!(b.reported_state(), ferry_vmm::ReportedState::Waiting);
+    assert!(!b.has_started());
+    assert!(
+        matches!(b.resume(), Err(VmError::WrongState(w)) if w.contains("incoming")),
+        "a resume must not run vCPUs that have no state"
+    );
+    let mut buf = vec![0u8; 4 * MIB as usize];
+    for r in a.memory().regions() {
+        for off in (0..r.size()).step_by(buf.len()) {
+            let n = buf.len().min((r.size() - off) as usize);
+            a.memory().read_bytes(r.gpa() + off, &mut buf[..n]).unwrap();
+            b.memory().write_bytes(r.gpa() + off, &buf[..n]).unwrap();
+        }
+    }
+    a.stop();
+    b.restore_state(&state).unwrap();
+    assert_eq!(b.reported_state(), ferry_vmm::ReportedState::Waiting);
+    b.start().unwrap();
+    assert_eq!(b.reported_state(), ferry_vmm::ReportedState::Running);
+    if let Some(exit) = b.wait_exit(Duration::from_millis(700)) {
+        panic!(
+            "restored VM stopped: {exit}\n{}",
+            b.console_lines().join("\n")
+        );
+    }
+    let later = b.metrics().unwrap();
+    assert!(
+        later.progress(0) > at_pause.progress(0) + 100_000_000,
+        "compute carries on"
+    );
+    // Paused again, its state is read through the threads' lent fds.
+    b.pause().unwrap();
+    let again = b.save_state().unwrap();
+    assert_eq!(again.vcpus.len(), 2);
+    assert!(matches!(
+        b.restore_state(&state),
+        Err(VmError::WrongState(_))
+    ));
+    b.stop();
+}
+
+#[test]
+fn a_vm_that_stops_while_its_threads_wait_for_its_state_stops_cleanly() {
+    if !kvm_usable() {
+        return;
+    }
+    // An incoming migration that failed: the parked threads end with the VM.
+    let b = Vm::create(config()).unwrap();
+    b.prepare_incoming().unwrap();
+    let t = Instant::now();
+    let exit = b.stop();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "stopped in {:?}",
+        t.elapsed()
+    );
+    assert_eq!(exit.to_string(), ferry_vmm::VmExit::Stopped.to_string());
+}
+
 #[test]
 fn hostile_state_bytes_are_refused() {
     assert!(matches!(

@@ -51,6 +51,11 @@ impl DestinationVm for Vm {
     fn admitted(&self) {
         let bytes = self.stop_prealloc();
         tracing::info!(bytes, "a source was admitted; preallocated while waiting");
+        // The vCPU threads, made now and parked, so the switch only lets
+        // them go. If they cannot be made now, start makes them as before.
+        if let Err(e) = self.prepare_incoming() {
+            tracing::warn!(error = %e, "vCPU threads not made ahead of the switch");
+        }
     }
 
     fn sibling_memory(&self) -> Option<Vec<ferry_memory::PeerRegion>> {

@@ -180,10 +180,11 @@ pub fn migrate(
     opts: &MigrateOptions,
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Outcome, MigrationError> {
-    if vm.run_state() != crate::RunState::Running {
+    let state = vm.reported_state();
+    if state != crate::ReportedState::Running {
         return Err(MigrationError::Unsupported(format!(
-            "the VM is {:?}: only a running VM migrates",
-            vm.run_state()
+            "the VM is {}: only a running VM migrates",
+            state.name()
         )));
     }
     if let Some(s) = vm.service() {

@@ -62,9 +62,6 @@ pub enum VmError {
     /// The vCPUs did not stop in time.
     #[error("vCPUs did not pause within {0:?}")]
     PauseTimeout(Duration),
-    /// A vCPU thread could not save its state.
-    #[error("saving vCPU state failed: {0}")]
-    SaveFailed(String),
     /// The operation needs a VM in another state.
     #[error("the VM is {0}")]
     WrongState(&'static str),

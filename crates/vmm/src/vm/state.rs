@@ -6,6 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use kvm_ioctls::VcpuFd;
+
 use super::{RunState, Vm, VmError};
 use crate::vstate::persist::{self, KvmVmState, PersistError, VcpuState};
 
@@ -41,24 +43,21 @@ impl Vm {
                     "not paused: pause it before saving its state",
                 ));
             }
-            let mut c = self.shared.lock();
-            for id in 0..n {
-                c.save_requested[id] = true;
-                c.saved[id] = None;
-            }
-            self.shared.changed.notify_all();
+            // Parked threads lend their fds: read them here, under the
+            // lock, so no vCPU thread has to wake (see Control::lent).
             let timeout = Duration::from_secs(5);
-            let mut c = self
+            let c = self
                 .shared
-                .wait_until(c, timeout, |c| c.saved.iter().all(Option::is_some))
+                .wait_until(self.shared.lock(), timeout, |c| {
+                    c.lent.iter().all(Option::is_some)
+                })
                 .map_err(|_| VmError::PauseTimeout(timeout))?;
             let mut out = Vec::new();
-            for s in c.saved.iter_mut() {
-                match s.take() {
-                    Some(Ok(state)) => out.push(state),
-                    Some(Err(e)) => return Err(VmError::SaveFailed(e)),
-                    None => return Err(VmError::SaveFailed("a vCPU gave no state".into())),
-                }
+            for (id, fd) in c.lent.iter().enumerate() {
+                let fd = fd
+                    .as_ref()
+                    .ok_or(VmError::WrongState("a vCPU is not parked"))?;
+                out.push(persist::save_vcpu(fd, id as u32, &self.shared.msr_indices)?);
             }
             out
         };
@@ -77,16 +76,17 @@ impl Vm {
     /// Guest memory is restored separately (it is most of the migration);
     /// nothing here reads or writes it.
     pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
-        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
-        if vcpus.len() != self.config.vcpus as usize {
-            return Err(VmError::WrongState("already started: restore before start"));
-        }
-        if state.vcpus.len() != vcpus.len() {
+        let n = self.config.vcpus as usize;
+        if state.vcpus.len() != n {
             return Err(PersistError::Shape {
                 saved: state.vcpus.len(),
-                have: vcpus.len(),
+                have: n,
             }
             .into());
+        }
+        let idle = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() != n && !self.prepared() {
+            return Err(VmError::WrongState("already started: restore before start"));
         }
         match (&state.service, self.service()) {
             (Some(saved), Some(device)) => device.restore(saved)?,
@@ -95,7 +95,32 @@ impl Vm {
             (None, Some(_)) => return Err(VmError::ServiceUnexpected),
         }
         persist::restore_vm(&self.vm_fd, &state.kvm)?;
-        for (fd, s) in vcpus.iter().zip(&state.vcpus) {
+        if idle.len() == n {
+            self.restore_vcpus(idle.iter(), state)?;
+        } else {
+            drop(idle);
+            // Started parked for this (prepare_incoming): through the fds
+            // the parked threads lend, under the lock that keeps them lent.
+            let timeout = Duration::from_secs(5);
+            let c = self
+                .shared
+                .wait_until(self.shared.lock(), timeout, |c| {
+                    c.lent.iter().all(Option::is_some)
+                })
+                .map_err(|_| VmError::PauseTimeout(timeout))?;
+            self.restore_vcpus(c.lent.iter().flatten(), state)?;
+        }
+        self.host_info.set_migrations(state.migrations);
+        self.loaded.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn restore_vcpus<'a>(
+        &self,
+        fds: impl Iterator<Item = &'a VcpuFd>,
+        state: &VmState,
+    ) -> Result<(), VmError> {
+        for (fd, s) in fds.zip(&state.vcpus) {
             if self.config.apf {
                 persist::restore_vcpu(fd, s)?;
             } else {
@@ -112,8 +137,6 @@ impl Vm {
                 persist::restore_vcpu(fd, &s)?;
             }
         }
-        self.host_info.set_migrations(state.migrations);
-        self.loaded.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -124,8 +147,7 @@ impl Vm {
     /// runs here (memtouch `after=migrate` waits for it). The page is not
     /// guest RAM: nothing here waits for memory still at the source.
     pub fn count_incoming_migration(&self) -> Result<u64, VmError> {
-        let vcpus = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
-        if vcpus.len() != self.config.vcpus as usize {
+        if self.has_started() {
             return Err(VmError::WrongState(
                 "already started: count a migration before start",
             ));

@@ -14,7 +14,6 @@ use super::exit::VmExit;
 use super::kick::set_thread_run;
 pub use super::kick::{install_kick_handler, kick_signal};
 use super::kvm::KvmError;
-use super::persist;
 use super::run_control::{RunState, VmShared};
 use crate::boot::setup;
 use crate::devices::PioAction;
@@ -79,10 +78,7 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
                 }
             }
             RunState::Paused => {
-                let msrs = shared.msr_indices.clone();
-                shared.park(id, &mut || {
-                    persist::save_vcpu(&vcpu, id, &msrs).map_err(|e| e.to_string())
-                });
+                vcpu = shared.park(id, vcpu);
                 continue;
             }
             RunState::Stopped => break,
