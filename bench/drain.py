@@ -185,7 +185,9 @@ def main():
                       "max_downtime_ms": max(v["downtime_ms"] or 0 for v in vms),
                       "downtimes_ms": [v["downtime_ms"] for v in vms],
                       "copied_bytes": sum(v["copied_bytes"] for v in vms),
-                      "failed": [v for v in vms if v["error"]]}
+                      "failed": [v for v in vms if v["error"]],
+                      # each VM's handover parts, to explain an outlier
+                      "handovers": [v.get("handover") for v in vms]}
                 ups.append(up)
                 print(f"upgrade run {r + 1}: largest downtime {up['max_downtime_ms']:.2f} ms",
                       file=sys.stderr, flush=True)

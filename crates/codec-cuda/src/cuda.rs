@@ -61,7 +61,7 @@ impl CudaGpu {
             return Err(GpuError::NoDriver);
         }
         // ferry's own loader: cudarc's refuses NVRTC 13 (see nvrtc.rs).
-        let nvrtc = Nvrtc::load()?;
+        let nvrtc = Nvrtc::shared()?;
         let count = CudaContext::device_count().map_err(|e| match e.0 {
             cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NO_DEVICE => GpuError::NoDevice,
             _ => driver("device count")(e),

@@ -4,7 +4,7 @@
 //! cudarc's NVRTC loader insists on every symbol of the API version it was
 //! built for, and NVRTC 13 dropped one of 12.0's (`nvrtcGetNVVM`), so on a
 //! CUDA 13 machine it refused to load at all. The calls used here exist
-//! unchanged from NVRTC 11.2 to 13, so this loader takes whichever
+//! unchanged from NVRTC 11.1 to 13, so this loader takes whichever
 //! `libnvrtc` the machine has.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -50,8 +50,18 @@ pub(crate) struct Nvrtc {
 }
 
 impl Nvrtc {
+    /// The process's libnvrtc, loaded on first use and kept loaded (a
+    /// CUDA library is not one to unload and load again).
+    pub(crate) fn shared() -> Result<&'static Nvrtc, GpuError> {
+        static NVRTC: std::sync::OnceLock<Option<Nvrtc>> = std::sync::OnceLock::new();
+        NVRTC
+            .get_or_init(|| Nvrtc::load().ok())
+            .as_ref()
+            .ok_or(GpuError::NoNvrtc)
+    }
+
     /// Loads the first libnvrtc the machine has; `NoNvrtc` when none.
-    pub(crate) fn load() -> Result<Nvrtc, GpuError> {
+    fn load() -> Result<Nvrtc, GpuError> {
         for name in CANDIDATES {
             // SAFETY: loading libnvrtc runs only its initialisers, which set
             // up no state that outlives a failed load or conflicts with ours.
@@ -64,7 +74,7 @@ impl Nvrtc {
 
     fn symbol<T>(&self, name: &'static str) -> Result<Symbol<'_, T>, GpuError> {
         // SAFETY: every `T` used is the C signature of the NVRTC function of
-        // that name, unchanged from NVRTC 11.2 to 13.
+        // that name, unchanged from NVRTC 11.1 to 13.
         unsafe { self.lib.get::<T>(name.as_bytes()) }
             .map_err(|e| GpuError::Compile(format!("{} lacks {name}: {e}", self.name)))
     }
@@ -153,7 +163,7 @@ mod tests {
     /// compile to PTX that defines every kernel ferry launches.
     #[test]
     fn the_kernels_compile_with_this_machines_nvrtc() {
-        let nvrtc = match Nvrtc::load() {
+        let nvrtc = match Nvrtc::shared() {
             Ok(n) => n,
             Err(e) => {
                 eprintln!("SKIPPED: {e}");

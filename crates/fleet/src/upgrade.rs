@@ -31,6 +31,10 @@ pub struct UpgradeReport {
     pub secs: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// The handover's own account (its parts: pause, save, restore...), as
+    /// the agent gave it; absent if it failed before.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handover: Option<serde_json::Value>,
 }
 
 /// Hands each VM on `host` to a new VMM running `binary` (the agent's own
@@ -109,6 +113,7 @@ fn one(
         copied_bytes: 0,
         secs: 0.0,
         error: None,
+        handover: None,
     };
     match agent.call(&Request::Upgrade {
         name: name.into(),
@@ -117,6 +122,7 @@ fn one(
         Ok(v) => {
             let stats = &v["stats"];
             r.downtime_ms = stats["downtime_ms"].as_f64();
+            r.handover = Some(stats.clone());
             match stats["memory_bytes_copied"].as_u64() {
                 Some(b) => r.copied_bytes = b,
                 None => r.error = Some("the handover did not say what it copied".into()),

@@ -71,6 +71,15 @@ pub fn real_time() -> bool {
     }
 }
 
+/// Whether the calling thread runs at a real-time policy (FIFO or RR).
+/// Such a thread must not wait by polling: it would keep its core from the
+/// normal threads it waits for.
+pub fn is_real_time() -> bool {
+    // SAFETY: pid 0 is the calling thread; the call only reads its policy.
+    let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
+    policy == libc::SCHED_FIFO || policy == libc::SCHED_RR
+}
+
 /// Lowers the calling thread below the fault path and the vCPUs (bulk work
 /// that may wait: the push).
 pub(crate) fn background() {
@@ -181,12 +190,14 @@ mod tests {
                 let u = Urgent::enter("FERRY_TEST_PRIORITY");
                 if u.raised() {
                     assert_eq!(policy(), libc::SCHED_FIFO);
+                    assert!(is_real_time());
                 } else {
                     eprintln!("NOTE: no CAP_SYS_NICE here: the thread stays as it was");
                     assert_eq!(policy(), before);
                 }
             }
             assert_eq!(policy(), before);
+            assert!(!is_real_time(), "back to normal");
             // A thread started while raised runs at the normal policy.
             let u = Urgent::enter("FERRY_TEST_PRIORITY");
             let child = std::thread::spawn(policy).join().unwrap();

@@ -151,6 +151,9 @@ fn an_incoming_vm_with_threads_made_ahead_restores_through_them_and_carries_on()
         }
     }
     a.stop();
+    // A second State replaces the first whole (a source sends State again
+    // after an early one): both go through the parked threads.
+    b.restore_state(&state).unwrap();
     b.restore_state(&state).unwrap();
     assert_eq!(b.reported_state(), ferry_vmm::ReportedState::Waiting);
     b.start().unwrap();

@@ -218,6 +218,11 @@ impl ControlHandler for VmControl {
             ),
             // The service too: after a migration that ended in doubt its
             // clients may be held, or checkpointed for a move.
+            // A VMM waiting for its incoming migration: nothing here may
+            // run, and its service stays held while pages land.
+            Request::Resume if !vm.has_started() => Err(
+                "the VM has not started here: it waits for its incoming migration".into(),
+            ),
             Request::Resume => {
                 // The service first: checkpointed clients leave repair
                 // mode before the guest can answer them.

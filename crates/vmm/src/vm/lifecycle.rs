@@ -69,7 +69,14 @@ impl Vm {
         if self.prepared() {
             return Ok(());
         }
-        self.shared.set_requested(RunState::Paused);
+        {
+            // Under the lock: a stop that came first stays a stop.
+            let _c = self.shared.lock();
+            if self.shared.requested() == RunState::Stopped {
+                return Err(VmError::WrongState("stopped"));
+            }
+            self.shared.set_requested(RunState::Paused);
+        }
         self.spawn_threads()
     }
 
@@ -107,8 +114,9 @@ impl Vm {
             return Err(VmError::WrongState("already started"));
         }
         self.check_loaded()?;
+        self.spawn_threads()?;
         self.mark_started();
-        self.spawn_threads()
+        Ok(())
     }
 
     fn spawn_threads(&self) -> Result<(), VmError> {
@@ -124,15 +132,29 @@ impl Vm {
             .threads
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        self.shared.lock().running_threads = vcpus.len() as u32;
         for (id, fd) in vcpus.into_iter().enumerate() {
             let shared = self.shared.clone();
-            let h = std::thread::Builder::new()
+            // Counted before the thread can leave (it counts itself out).
+            self.shared.lock().running_threads += 1;
+            let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
-                .spawn(move || vcpu::run_loop(fd, id as u32, shared))
-                .map_err(VmError::Thread)?;
-            threads.push(h.pthread_handle());
-            handles.push(h);
+                .spawn(move || vcpu::run_loop(fd, id as u32, shared));
+            match spawned {
+                Ok(h) => {
+                    threads.push(h.pthread_handle());
+                    handles.push(h);
+                }
+                Err(e) => {
+                    // The VM cannot run without every vCPU: the threads
+                    // made already leave, and stop() can join them.
+                    self.shared.lock().running_threads -= 1;
+                    // (finish kicks the threads: it takes their list.)
+                    drop(threads);
+                    drop(handles);
+                    self.shared.finish(VmExit::Stopped);
+                    return Err(VmError::Thread(e));
+                }
+            }
         }
         Ok(())
     }

@@ -26,10 +26,14 @@ impl Vm {
         // The vCPUs park within a few hundred µs: waited for awake first
         // (yielding between looks), as a thread asleep on the condition
         // wakes 50-200 µs late on a virtualized host, and a migration's
-        // pause counts that as downtime. Asleep after SPIN_FOR_PARKING.
-        let t = Instant::now();
-        while !all_parked(&self.shared.lock()) && t.elapsed() < SPIN_FOR_PARKING {
-            std::thread::yield_now();
+        // pause counts that as downtime. Asleep after SPIN_FOR_PARKING, or
+        // at once from a real-time caller (a handover's), whose polling
+        // would keep its core from the vCPU threads.
+        if !ferry_migration::priority::is_real_time() {
+            let t = Instant::now();
+            while !all_parked(&self.shared.lock()) && t.elapsed() < SPIN_FOR_PARKING {
+                std::thread::yield_now();
+            }
         }
         let c = self.shared.lock();
         let parked = self
@@ -44,13 +48,15 @@ impl Vm {
         Ok(())
     }
 
-    /// Lets paused vCPUs run again. Refused for an incoming VM whose
-    /// threads wait parked for its state ([`Vm::prepare_incoming`]): only
-    /// [`Vm::start`] lets them go.
+    /// Lets paused vCPUs run again. Refused for a VM not started yet (an
+    /// incoming VM's threads may wait parked for its state,
+    /// [`Vm::prepare_incoming`]): only [`Vm::start`] lets them go.
     pub fn resume(&self) -> Result<(), VmError> {
-        if self.prepared() {
+        // Every start marks the VM started before it resumes; until then
+        // vCPU threads made ahead (or being made) have no state to run.
+        if !self.has_started() {
             return Err(VmError::WrongState(
-                "waiting for its incoming migration: it has no state to run yet",
+                "not started: it waits for its state (an incoming migration)",
             ));
         }
         let _c = self.shared.lock();
