@@ -300,6 +300,16 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
         assert!(r["error"].is_null(), "{r}");
         assert_eq!(r["copied_bytes"], 0, "{r}");
         assert_ne!(r["new_pid"], r["old_pid"], "{r}");
+        // The handover's own account comes with it, and it is the one the
+        // report's figures were taken from.
+        let h = &r["handover"];
+        assert_eq!(h["downtime_ms"], r["downtime_ms"], "{r}");
+        assert_eq!(h["memory_bytes_copied"], 0, "{r}");
+        assert_eq!(h["new_pid"], r["new_pid"], "{r}");
+        assert!(
+            h["save_ms"].as_f64().unwrap() <= h["downtime_ms"].as_f64().unwrap(),
+            "{r}"
+        );
     }
     let after = vms_on(reg, "ferry-h2");
     for (name, pid, state, _) in &after {
