@@ -72,6 +72,7 @@ fn a_malformed_kernel_is_refused() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-cli-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.elf");
     std::fs::write(&bad, b"\x7fELF garbage that is not a kernel").unwrap();
@@ -113,6 +114,7 @@ fn run_writes_a_timeline_and_status_answers() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-tl-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let tl = dir.join("t.jsonl");
     let sock = dir.join("vm.sock");
@@ -207,6 +209,7 @@ fn the_control_socket_refuses_another_uid_and_serves_its_owner() {
     }
     // A directory another uid may pass through (temp_dir is 1777).
     let dir = std::env::temp_dir().join(format!("ferry-cli-uid-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let sock = dir.join("vm.sock");
     let sock_s = sock.to_str().unwrap();

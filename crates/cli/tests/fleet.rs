@@ -173,6 +173,7 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-fleet-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
@@ -409,6 +410,7 @@ fn a_vm_that_fits_nowhere_whole_is_drained_split_and_stopped_with_its_memory_ser
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-fleet-split-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
@@ -476,6 +478,7 @@ fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error()
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-fleet-kv-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
@@ -585,6 +588,7 @@ fn a_destination_agent_killed_mid_drain_loses_no_vm() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-fleet-dest-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
@@ -675,6 +679,7 @@ fn a_source_vmm_killed_mid_postcopy_drain_is_survived_from_the_standby() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-fleet-net-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
@@ -803,6 +808,7 @@ fn six_mixed_vms_are_drained_off_a_host_resumed_after_a_crash_and_upgraded() {
     }
     let Some(_lab) = lab_up_n(4) else { return };
     let dir = std::env::temp_dir().join(format!("ferry-fleet-six-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let _vms = VmReaper(dir.to_str().unwrap().to_string());

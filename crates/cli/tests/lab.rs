@@ -98,6 +98,7 @@ fn json(out: &[u8]) -> serde_json::Value {
 
 fn migrate_across(sc: &Scenario, n: u16) {
     let dir = std::env::temp_dir().join(format!("ferry-lab-{}-{n}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
@@ -471,6 +472,7 @@ fn memserver_on_h3(port: u16) -> Reaper {
 fn split_placed_by_the_registry_embedded_and_etcd() {
     let Some(_lab) = split_lab() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-reg-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let mut registries = vec![(format!("dir:{}", dir.join("registry").display()), None)];
@@ -652,6 +654,7 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
 fn a_split_vm_is_gathered_back_to_one_host() {
     let Some(_lab) = split_lab() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-gather-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let _servers = [memserver_on_h3(7650), memserver_on_h3(7651)];
     let sock = |n: &str| dir.join(n).to_str().unwrap().to_string();
@@ -835,6 +838,7 @@ fn stranger_opens(port: u16, vm: &str) -> String {
 fn a_killed_memory_server_is_survived_with_replicas_and_named_without() {
     let Some(_lab) = split_lab() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-kill-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     for (n, replicas) in [(0u16, "2"), (1, "1")] {
         let (a, b) = (7620 + 2 * n, 7621 + 2 * n);
@@ -968,6 +972,7 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-cut-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
@@ -1136,6 +1141,7 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-net-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
@@ -1274,6 +1280,7 @@ fn clients_follow_their_vm_and_the_source_exits() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-follow-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
@@ -1419,6 +1426,7 @@ fn clients_come_back_after_a_failed_move_and_are_forwarded_when_refused() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-refuse-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (src_sock, d1_sock, d2_sock) = (sock("src.sock"), sock("d1.sock"), sock("d2.sock"));
@@ -1529,6 +1537,7 @@ fn a_handed_over_vm_keeps_its_address_and_its_clients_still_move() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-hofollow-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
@@ -1633,6 +1642,7 @@ fn a_waiting_destination_refuses_every_stranger_then_takes_the_real_source() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-trust-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let path = |n: &str| dir.join(n).to_string_lossy().into_owned();
@@ -1948,6 +1958,7 @@ fn a_trickling_connection_and_200_idle_ones_do_not_hold_up_a_real_migration() {
     }
     let Some(_lab) = lab_up() else { return };
     let dir = std::env::temp_dir().join(format!("ferry-lab-idle-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));

@@ -92,6 +92,7 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-mig-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     let wl = "compute+dirty:rate=64,wss=32";
@@ -186,6 +187,7 @@ fn kv_clients_see_no_errors_across_a_migration() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-migkv-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     let (svc_port, mig_port) = (free_port(), free_port());
@@ -271,6 +273,7 @@ fn a_request_in_flight_at_the_pause_is_answered_from_the_destination() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-miginflight-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     let (svc_port, dst_svc_port, mig_port) = (free_port(), free_port(), free_port());
@@ -418,6 +421,7 @@ fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-migfail-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     // 384 MiB of incompressible memory: round 0 takes long enough to interrupt.
@@ -518,6 +522,7 @@ fn compressed_migrations_verify_and_the_workload_continues() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-cmig-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let wl = "dirty:rate=64,wss=32,pattern=random,content=text+fill:content=mixed,mib=32";
     for (i, extra) in [
@@ -620,6 +625,7 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-pckill-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     // 256 MiB written once (pushed at 16 MB/s after the switch: seconds),
@@ -708,6 +714,7 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-mig-prealloc-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
@@ -784,6 +791,7 @@ fn pages_another_vm_on_the_destination_holds_are_not_sent_again() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-mig-share-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     std::fs::create_dir_all(&dir).unwrap();
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (sib_sock, src_sock, dst_sock) = (sock("sib.sock"), sock("src.sock"), sock("dst.sock"));

@@ -168,6 +168,7 @@ fn exercise(registry: &str, tls: Option<&Path>) {
 #[test]
 fn embedded_registry_lists_advertises_and_forgets() {
     let dir = std::env::temp_dir().join(format!("ferry-registry-test-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     exercise(&format!("dir:{}", dir.display()), None);
     // A bad address is a clear error.
@@ -180,6 +181,7 @@ fn embedded_registry_lists_advertises_and_forgets() {
 #[test]
 fn an_etcds_registry_without_credentials_names_the_directory() {
     let dir = std::env::temp_dir().join(format!("ferry-no-tls-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let out = ferry_cmd(Some(&dir))
         .args(["hosts", "--registry", "etcds://127.0.0.1:1"])
         .output()

@@ -62,6 +62,7 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-report-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
@@ -316,6 +317,7 @@ fn a_throttled_guests_execution_ratio_and_a_waiting_destination_are_reported_as_
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferry-report-exec-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let p = |n: &str| dir.join(n).to_string_lossy().into_owned();

@@ -4,8 +4,42 @@
 
 pub mod lab;
 
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+/// A test's scratch directory, removed when the test ends well. A failing
+/// test keeps it (its logs and sockets), to be looked at.
+pub struct Scratch(pub PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Removes `/tmp/PREFIX<pid>` directories of test processes that have
+/// ended (a directory kept for a whole test binary cannot be removed by
+/// that binary).
+pub fn sweep_stale(prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(prefix)
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
 
 /// Every ferry these tests start speaks mutual TLS on its TCP links, as a
 /// host of a fleet made here once per test binary with `ferry pki` (one
@@ -15,6 +49,9 @@ use std::time::{Duration, Instant};
 pub fn fleet() {
     static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     FLEET.get_or_init(|| {
+        // Lives as long as the test binary: what earlier binaries left is
+        // swept here instead.
+        sweep_stale("ferry-cli-fleet-");
         let dir = std::env::temp_dir().join(format!("ferry-cli-fleet-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let (ca, host) = (dir.join("ca"), dir.join("host"));

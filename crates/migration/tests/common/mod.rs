@@ -49,6 +49,8 @@ pub fn done(o: ferry_migration::Outcome) -> ferry_migration::MigrationStats {
 pub fn secure() {
     static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     FLEET.get_or_init(|| {
+        // Made anew each run (what the last run of this binary left goes).
+        let _ = std::fs::remove_dir_all(fleet_dir());
         let fleet =
             ferry_migration::transport::Security::local_fleet(&fleet_dir()).expect("a test fleet");
         ferry_migration::transport::install(fleet);
@@ -58,8 +60,15 @@ pub fn secure() {
 /// Where [`secure`] makes its fleet: the CA in `ca/` (tests issue other
 /// hosts' certificates from it) and the one host, `local-host`, in
 /// `local-host/`.
+/// One per test binary (named after it, not after the process: test runs
+/// would otherwise leave one each).
 pub fn fleet_dir() -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()))
+    let exe = std::env::current_exe().ok();
+    let name = exe
+        .as_deref()
+        .and_then(|e| e.file_stem())
+        .map_or("tests".into(), |s| s.to_string_lossy().into_owned());
+    std::env::temp_dir().join(format!("ferry-test-fleet-migration-{name}"))
 }
 
 /// Plaintext links, for the tests that must read the frames on the wire

@@ -23,7 +23,13 @@ pub fn kvm_usable() -> bool {
 pub fn secure() {
     static FLEET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     FLEET.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ferry-test-fleet-{}", std::process::id()));
+        // One per test binary, made anew each run (named after the process,
+        // test runs would leave one each).
+        let exe = std::env::current_exe().ok();
+        let name = exe.as_deref().and_then(|e| e.file_stem());
+        let name = name.map_or("tests".into(), |s| s.to_string_lossy().into_owned());
+        let dir = std::env::temp_dir().join(format!("ferry-test-fleet-vmm-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
         let fleet = ferry_migration::transport::Security::local_fleet(&dir).expect("a test fleet");
         ferry_migration::transport::install(fleet);
     });
