@@ -73,14 +73,7 @@ fn a_restored_vm_carries_on_where_the_saved_one_stopped() {
 
     // A second VM gets A's memory and state, then runs instead of A.
     let b = Vm::create(config()).unwrap();
-    let mut buf = vec![0u8; 4 * MIB as usize];
-    for r in a.memory().regions() {
-        for off in (0..r.size()).step_by(buf.len()) {
-            let n = buf.len().min((r.size() - off) as usize);
-            a.memory().read_bytes(r.gpa() + off, &mut buf[..n]).unwrap();
-            b.memory().write_bytes(r.gpa() + off, &buf[..n]).unwrap();
-        }
-    }
+    copy_between(a.memory(), b.memory());
     b.restore_state(&state).unwrap();
     a.stop();
     // Read before the start: once running, B's guest may count on before a
@@ -142,14 +135,7 @@ fn an_incoming_vm_with_threads_made_ahead_restores_through_them_and_carries_on()
         matches!(b.resume(), Err(VmError::WrongState(w)) if w.contains("incoming")),
         "a resume must not run vCPUs that have no state"
     );
-    let mut buf = vec![0u8; 4 * MIB as usize];
-    for r in a.memory().regions() {
-        for off in (0..r.size()).step_by(buf.len()) {
-            let n = buf.len().min((r.size() - off) as usize);
-            a.memory().read_bytes(r.gpa() + off, &mut buf[..n]).unwrap();
-            b.memory().write_bytes(r.gpa() + off, &buf[..n]).unwrap();
-        }
-    }
+    copy_between(a.memory(), b.memory());
     a.stop();
     // A second State replaces the first whole (a source sends State again
     // after an early one): both go through the parked threads.
@@ -302,6 +288,12 @@ fn wait_until(what: &str, vm: &Vm, cond: impl Fn() -> bool) {
 /// Every region's bytes in fresh memory of the same layout.
 fn copy_memory(config: &VmConfig, from: &GuestMemory) -> Arc<GuestMemory> {
     let to = config.new_memory().unwrap();
+    copy_between(from, &to);
+    to
+}
+
+/// Copies every region of `from` into `to` (same layout).
+fn copy_between(from: &GuestMemory, to: &GuestMemory) {
     let mut buf = vec![0u8; 4 * MIB as usize];
     for r in from.regions() {
         for off in (0..r.size()).step_by(buf.len()) {
@@ -310,7 +302,6 @@ fn copy_memory(config: &VmConfig, from: &GuestMemory) -> Arc<GuestMemory> {
             to.write_bytes(r.gpa() + off, &buf[..n]).unwrap();
         }
     }
-    to
 }
 
 #[test]

@@ -105,14 +105,7 @@ impl Vm {
     }
 
     fn start_threads(&self) -> Result<(), VmError> {
-        if self
-            .vcpus
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
-        {
-            return Err(VmError::WrongState("already started"));
-        }
+        // (A started VM was loaded: spawn_threads says "already started".)
         self.check_loaded()?;
         self.spawn_threads()?;
         self.mark_started();

@@ -36,10 +36,7 @@ impl Vm {
             }
         }
         let c = self.shared.lock();
-        let parked = self
-            .shared
-            .wait_until(c, timeout, |c| all_parked(c))
-            .is_ok();
+        let parked = self.shared.wait_until(c, timeout, all_parked).is_ok();
         if !parked {
             // Never leave a VM half-paused: let every vCPU run again.
             let _ = self.resume();

@@ -4,12 +4,14 @@
 //! migration and handover carry it, and guest memory travels separately.
 
 use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
 use std::time::Duration;
 
 use kvm_ioctls::VcpuFd;
 
 use super::{RunState, Vm, VmError};
 use crate::vstate::persist::{self, KvmVmState, PersistError, VcpuState};
+use crate::vstate::run_control::Control;
 
 /// A whole VM's state besides guest memory.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -31,11 +33,7 @@ impl Vm {
         let idle = self.vcpus.lock().unwrap_or_else(|e| e.into_inner());
         let vcpus = if idle.len() == n {
             // Not running: the fds are here.
-            let mut out = Vec::new();
-            for (id, fd) in idle.iter().enumerate() {
-                out.push(persist::save_vcpu(fd, id as u32, &self.shared.msr_indices)?);
-            }
-            out
+            self.save_vcpus(idle.iter())?
         } else {
             drop(idle);
             if self.shared.requested() != RunState::Paused {
@@ -43,23 +41,7 @@ impl Vm {
                     "not paused: pause it before saving its state",
                 ));
             }
-            // Parked threads lend their fds: read them here, under the
-            // lock, so no vCPU thread has to wake (see Control::lent).
-            let timeout = Duration::from_secs(5);
-            let c = self
-                .shared
-                .wait_until(self.shared.lock(), timeout, |c| {
-                    c.lent.iter().all(Option::is_some)
-                })
-                .map_err(|_| VmError::PauseTimeout(timeout))?;
-            let mut out = Vec::new();
-            for (id, fd) in c.lent.iter().enumerate() {
-                let fd = fd
-                    .as_ref()
-                    .ok_or(VmError::WrongState("a vCPU is not parked"))?;
-                out.push(persist::save_vcpu(fd, id as u32, &self.shared.msr_indices)?);
-            }
-            out
+            self.save_vcpus(self.lent_fds()?.lent.iter().flatten())?
         };
         Ok(VmState {
             vcpus,
@@ -99,20 +81,34 @@ impl Vm {
             self.restore_vcpus(idle.iter(), state)?;
         } else {
             drop(idle);
-            // Started parked for this (prepare_incoming): through the fds
-            // the parked threads lend, under the lock that keeps them lent.
-            let timeout = Duration::from_secs(5);
-            let c = self
-                .shared
-                .wait_until(self.shared.lock(), timeout, |c| {
-                    c.lent.iter().all(Option::is_some)
-                })
-                .map_err(|_| VmError::PauseTimeout(timeout))?;
-            self.restore_vcpus(c.lent.iter().flatten(), state)?;
+            // Started parked for this (prepare_incoming).
+            self.restore_vcpus(self.lent_fds()?.lent.iter().flatten(), state)?;
         }
         self.host_info.set_migrations(state.migrations);
         self.loaded.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// The run control once every vCPU thread is parked and has lent its
+    /// fd: the fds are read and written through it, under its lock, so no
+    /// vCPU thread has to wake (see `Control::lent`) and none takes its fd
+    /// back meanwhile.
+    fn lent_fds(&self) -> Result<MutexGuard<'_, Control>, VmError> {
+        let timeout = Duration::from_secs(5);
+        self.shared
+            .wait_until(self.shared.lock(), timeout, |c| {
+                c.lent.iter().all(Option::is_some)
+            })
+            .map_err(|_| VmError::PauseTimeout(timeout))
+    }
+
+    fn save_vcpus<'a>(
+        &self,
+        fds: impl Iterator<Item = &'a VcpuFd>,
+    ) -> Result<Vec<VcpuState>, VmError> {
+        fds.enumerate()
+            .map(|(id, fd)| Ok(persist::save_vcpu(fd, id as u32, &self.shared.msr_indices)?))
+            .collect()
     }
 
     fn restore_vcpus<'a>(
