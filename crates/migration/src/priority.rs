@@ -19,8 +19,11 @@
 //! wait adds to the downtime. Only these threads are raised, never vCPUs:
 //! they block between short bursts, so they cannot starve anything (and the
 //! kernel's real-time throttling bounds them regardless). A vCPU raised
-//! instead keeps the core it runs guest code on, which made the pause
-//! longer when it was tried.
+//! while it runs guest code keeps its core, which made the pause longer
+//! when it was tried; a raised pause raises the VM's vCPU threads only from
+//! its kick until each parks ([`real_time_thread`], then [`normal`] by the
+//! thread itself), so that a kicked thread behind busy threads of other VMs
+//! does not wait a time slice for a core to leave KVM_RUN on.
 //!
 //! `FERRY_FAULT_PRIORITY=normal` in a VMM's environment keeps its fault
 //! path at normal priority (for a host that allows no real-time threads
@@ -69,6 +72,32 @@ pub fn real_time() -> bool {
     unsafe {
         libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param) == 0
     }
+}
+
+/// Puts thread `tid` of this process at real-time priority (SCHED_FIFO 1,
+/// reset on fork); false when not allowed or when the thread has ended.
+/// For a thread that must get a core at once and then lowers itself
+/// ([`normal`]): a kicked vCPU on its way to park.
+pub fn real_time_thread(tid: u32) -> bool {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: `param` is a live sched_param for the duration of the call;
+    // the call changes only the named thread's policy, and fails harmlessly
+    // if no such thread exists.
+    unsafe {
+        libc::sched_setscheduler(
+            tid as libc::pid_t,
+            libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK,
+            &param,
+        ) == 0
+    }
+}
+
+/// Puts thread `tid` (0: the calling thread) back at the normal policy,
+/// keeping its nice value.
+pub fn normal(tid: u32) {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in `real_time_thread`.
+    unsafe { libc::sched_setscheduler(tid as libc::pid_t, libc::SCHED_OTHER, &param) };
 }
 
 /// Whether the calling thread runs at a real-time policy (FIFO or RR).

@@ -374,6 +374,66 @@ fn pause_stops_counters_and_resume_restarts_them() {
 
     ctl.call(&Request::Quit).unwrap();
     assert_eq!(vm.wait_exit(Duration::from_secs(5)), Some(VmExit::Stopped));
+    drop(ctl);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The scheduling policy of thread `tid`.
+fn policy(tid: u32) -> i32 {
+    // SAFETY: the call only reads the named thread's policy.
+    unsafe { libc::sched_getscheduler(tid as libc::pid_t) & !libc::SCHED_RESET_ON_FORK }
+}
+
+#[test]
+fn an_urgent_pause_raises_the_vcpus_only_until_they_park() {
+    if !kvm_usable() {
+        return;
+    }
+    let vm = boot(64 * MIB, 2, "compute");
+    settle(&vm, Duration::from_millis(200));
+    let tids = vm.vcpu_tids();
+    assert!(tids.iter().all(|&t| t != 0));
+    // A handover's pause: its thread runs at real time, and so do the
+    // kicked vCPU threads until each has parked.
+    let raised = std::thread::scope(|s| {
+        s.spawn(|| {
+            let urgent = ferry_migration::priority::Urgent::enter("FERRY_TEST_PRIORITY");
+            vm.pause().expect("an urgent pause");
+            urgent.raised()
+        })
+        .join()
+        .unwrap()
+    });
+    if !raised {
+        eprintln!("NOTE: no CAP_SYS_NICE here: the pause ran at normal priority");
+    }
+    // Each parked thread lowers itself just after it counts as parked.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tids.iter().any(|&t| policy(t) != libc::SCHED_OTHER) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for &t in &tids {
+        assert_eq!(
+            policy(t),
+            libc::SCHED_OTHER,
+            "vCPU thread {t} parked raised"
+        );
+    }
+    let p1 = vm.metrics().unwrap().progress(0);
+    vm.resume().unwrap();
+    settle(&vm, Duration::from_millis(300));
+    assert!(
+        vm.metrics().unwrap().progress(0) > p1,
+        "the guest runs again"
+    );
+    for &t in &tids {
+        assert_eq!(
+            policy(t),
+            libc::SCHED_OTHER,
+            "vCPU thread {t} runs the guest raised"
+        );
+    }
+    vm.stop();
 }
 
 #[test]

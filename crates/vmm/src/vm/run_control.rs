@@ -22,6 +22,11 @@ impl Vm {
         }
         self.shared.set_requested(RunState::Paused);
         self.shared.kick_all();
+        let urgent = ferry_migration::priority::is_real_time();
+        if urgent {
+            // Each kicked thread takes a core at once to park on.
+            self.shared.hurry_all();
+        }
         let all_parked = |c: &Control| c.parked >= c.running_threads.min(n) || c.exit.is_some();
         // The vCPUs park within a few hundred µs: waited for awake first
         // (yielding between looks), as a thread asleep on the condition
@@ -29,7 +34,7 @@ impl Vm {
         // pause counts that as downtime. Asleep after SPIN_FOR_PARKING, or
         // at once from a real-time caller (a handover's), whose polling
         // would keep its core from the vCPU threads.
-        if !ferry_migration::priority::is_real_time() {
+        if !urgent {
             let t = Instant::now();
             while !all_parked(&self.shared.lock()) && t.elapsed() < SPIN_FOR_PARKING {
                 std::thread::yield_now();
@@ -38,7 +43,9 @@ impl Vm {
         let c = self.shared.lock();
         let parked = self.shared.wait_until(c, timeout, all_parked).is_ok();
         if !parked {
-            // Never leave a VM half-paused: let every vCPU run again.
+            // Never leave a VM half-paused: let every vCPU run again, none
+            // of them at real time.
+            self.shared.calm_all();
             let _ = self.resume();
             return Err(VmError::PauseTimeout(timeout));
         }

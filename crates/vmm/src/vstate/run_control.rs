@@ -90,6 +90,9 @@ pub struct VmShared {
     pub(crate) threads: Mutex<Vec<libc::pthread_t>>,
     /// Kernel thread ids of the vCPU threads, as each starts (index = vCPU).
     pub(crate) tids: Vec<std::sync::atomic::AtomicU32>,
+    /// Per vCPU: its thread was raised to real time by an urgent pause
+    /// ([`VmShared::hurry_all`]) and must lower itself as it parks.
+    hurried: Vec<std::sync::atomic::AtomicBool>,
     /// MSRs saved with each vCPU.
     pub msr_indices: Vec<u32>,
     /// The VM's devices.
@@ -117,6 +120,9 @@ impl VmShared {
             threads: Mutex::new(Vec::new()),
             tids: (0..vcpus)
                 .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect(),
+            hurried: (0..vcpus)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
             devices,
         }
@@ -192,10 +198,21 @@ impl VmShared {
         c.lent[id] = Some(vcpu);
         c.parked += 1;
         self.changed.notify_all();
+        if self.hurried[id].load(Ordering::Acquire) {
+            // Lowered only once counted as parked, and not under the lock:
+            // a thread back at the normal policy on a busy host may wait a
+            // time slice for its core, and the pause must not wait on it.
+            drop(c);
+            self.calm(id);
+            c = self.lock();
+        }
         while self.requested() == RunState::Paused {
             c = self.changed.wait(c).unwrap_or_else(|e| e.into_inner());
         }
         c.parked -= 1;
+        // Raised after the look above (the pause raises, then flags): never
+        // back into the guest at real time.
+        self.calm(id);
         // Only this thread takes its slot, and only here: it is full.
         c.lent[id]
             .take()
@@ -218,6 +235,37 @@ impl VmShared {
         let mut c = self.lock();
         c.running_threads -= 1;
         self.changed.notify_all();
+    }
+
+    /// Raises every vCPU thread to real time until it parks: for a pause
+    /// whose caller is real time (a handover's) on a host whose cores are
+    /// busy, where a kicked thread would otherwise wait a time slice behind
+    /// other VMs' vCPUs before it leaves KVM_RUN. Each is raised first and
+    /// flagged after, so a thread that finds no flag as it parks finds it
+    /// when it wakes.
+    pub(crate) fn hurry_all(&self) {
+        for (tid, flag) in self.tids.iter().zip(&self.hurried) {
+            let tid = tid.load(Ordering::Acquire);
+            if tid != 0 && ferry_migration::priority::real_time_thread(tid) {
+                flag.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    /// Lowers every vCPU thread still raised (a pause that gave up).
+    pub(crate) fn calm_all(&self) {
+        for (tid, flag) in self.tids.iter().zip(&self.hurried) {
+            if flag.swap(false, Ordering::AcqRel) {
+                ferry_migration::priority::normal(tid.load(Ordering::Acquire));
+            }
+        }
+    }
+
+    /// Called by vCPU thread `id`: back to the normal policy if raised.
+    fn calm(&self, id: usize) {
+        if self.hurried[id].swap(false, Ordering::AcqRel) {
+            ferry_migration::priority::normal(0);
+        }
     }
 
     /// Kicks every running vCPU thread out of KVM_RUN.
@@ -315,6 +363,122 @@ mod tests {
         assert!(s
             .wait_until(s.lock(), Duration::ZERO, |c| c.parked == 0)
             .is_ok());
+    }
+
+    /// The policy of thread `tid` (0: the calling thread).
+    fn policy(tid: u32) -> i32 {
+        // SAFETY: the call only reads the named thread's policy.
+        unsafe { libc::sched_getscheduler(tid as libc::pid_t) & !libc::SCHED_RESET_ON_FORK }
+    }
+
+    /// A vCPU thread stand-in: records its tid, waits for `go`, parks
+    /// (as its run loop does when paused) and returns its policy once
+    /// resumed.
+    fn parking_thread(
+        s: &Arc<VmShared>,
+        vcpu: VcpuFd,
+    ) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<i32>) {
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        s.lock().running_threads = 1;
+        let thread_s = s.clone();
+        let t = std::thread::spawn(move || {
+            thread_s.set_vcpu_tid(0);
+            let _ = wait.recv();
+            let _vcpu = thread_s.park(0, vcpu);
+            thread_s.vcpu_exited();
+            policy(0)
+        });
+        while s.tids[0].load(Ordering::Acquire) == 0 {
+            std::thread::yield_now();
+        }
+        (go, t)
+    }
+
+    #[test]
+    fn a_hurried_vcpu_thread_parks_and_runs_again_at_the_normal_policy() {
+        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
+            eprintln!("SKIPPED: no /dev/kvm here: a vCPU fd is needed");
+            return;
+        };
+        let vm = kvm.create_vm().expect("a KVM VM");
+        let timeout = Duration::from_secs(10);
+        // Raised on its way to park (the kick's case), and raised while
+        // parked already (it parked before the pause raised it).
+        for raised_while_parked in [false, true] {
+            let s = shared(1);
+            // (KVM keeps a vCPU id for the VM's life: one id per round.)
+            let vcpu = vm.create_vcpu(u64::from(raised_while_parked));
+            let (go, t) = parking_thread(&s, vcpu.expect("a vCPU"));
+            let tid = s.tids[0].load(Ordering::Acquire);
+            s.set_requested(RunState::Paused);
+            if raised_while_parked {
+                go.send(()).unwrap();
+                drop(s.wait_until(s.lock(), timeout, |c| c.parked == 1));
+            }
+            s.hurry_all();
+            if !s.hurried[0].load(Ordering::Acquire) {
+                eprintln!("SKIPPED: no CAP_SYS_NICE here: a vCPU thread cannot be raised");
+                s.set_requested(RunState::Running);
+                let _ = go.send(());
+                s.changed.notify_all();
+                t.join().unwrap();
+                return;
+            }
+            if !raised_while_parked {
+                assert_eq!(policy(tid), libc::SCHED_FIFO, "raised until it parks");
+                go.send(()).unwrap();
+                let c = s.wait_until(s.lock(), timeout, |c| c.parked == 1);
+                assert!(c.is_ok(), "the vCPU did not park");
+                drop(c);
+                // It lowers itself just after it counts as parked.
+                let t0 = Instant::now();
+                while policy(tid) != libc::SCHED_OTHER && t0.elapsed() < timeout {
+                    std::thread::yield_now();
+                }
+                assert_eq!(
+                    policy(tid),
+                    libc::SCHED_OTHER,
+                    "parked at the normal policy"
+                );
+            }
+            {
+                let _c = s.lock();
+                s.set_requested(RunState::Running);
+                s.changed.notify_all();
+            }
+            assert_eq!(
+                t.join().unwrap(),
+                libc::SCHED_OTHER,
+                "back to the guest at the normal policy (raised while parked: \
+                 {raised_while_parked})"
+            );
+            assert!(!s.hurried[0].load(Ordering::Acquire));
+        }
+    }
+
+    #[test]
+    fn a_pause_that_gives_up_lowers_the_threads_it_raised() {
+        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
+            eprintln!("SKIPPED: no /dev/kvm here: a vCPU fd is needed");
+            return;
+        };
+        let vm = kvm.create_vm().expect("a KVM VM");
+        let s = shared(1);
+        let (go, t) = parking_thread(&s, vm.create_vcpu(0).expect("a vCPU"));
+        let tid = s.tids[0].load(Ordering::Acquire);
+        s.hurry_all();
+        if s.hurried[0].load(Ordering::Acquire) {
+            assert_eq!(policy(tid), libc::SCHED_FIFO);
+        } else {
+            eprintln!("NOTE: no CAP_SYS_NICE here: nothing was raised to lower");
+        }
+        // The thread never parked (it waits on `go`, as a vCPU stuck in a
+        // device exit would): the pause gives up and lowers it.
+        s.calm_all();
+        assert_eq!(policy(tid), libc::SCHED_OTHER);
+        assert!(!s.hurried[0].load(Ordering::Acquire));
+        go.send(()).unwrap();
+        assert_eq!(t.join().unwrap(), libc::SCHED_OTHER);
     }
 
     #[test]
