@@ -19,7 +19,8 @@ Then, --upgrade-runs times (default: --runs): 8 VMs on ferry-h2 and
 the largest downtime of the run (the median over runs is reported), every
 VM's downtime, bytes copied.
 
-Results: bench/results/NAME.{json,md} (--results, default drain).
+Results: bench/results/NAME.{json,md,png} (--results, default drain; the plot by
+bench/drain_plot.py, when matplotlib is installed).
 `--concurrency none` runs only the upgrade; `--agent-env K=V` starts the
 agents (and so every VMM) with K=V in their environment, to compare a
 setting such as FERRY_HANDOVER_PRIORITY=normal.
@@ -238,6 +239,10 @@ def main():
                   f"{upgrade['downtime_p50_ms']:.2f} ms, {upgrade['copied_bytes']} bytes of guest memory copied, "
                   f"{len(upgrade['failed'])} failed."]
     lines += benchlib.error_lines(errors)
+    if cells or upgrade:
+        import drain_plot
+        if drain_plot.plot(a.results):
+            lines += ["", f"![drain time, downtime and upgrade downtime]({a.results}.png)"]
     benchlib.write_md(os.path.join(out, f"{a.results}.md"), lines)
     print("\n".join(lines))
 

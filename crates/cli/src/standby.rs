@@ -61,7 +61,8 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
     };
     let t0 = Instant::now();
     while !stop.load(Ordering::Relaxed) && a.duration.is_none_or(|d| t0.elapsed() < d) {
-        std::thread::sleep(Duration::from_millis(100));
+        // An agent stops its standby at each move's end: seen within 20 ms.
+        std::thread::sleep(Duration::from_millis(20));
         if serving.is_finished() {
             break;
         }
@@ -79,7 +80,7 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
         .map_err(|_| anyhow::anyhow!("the standby thread panicked"))?;
     // A move being finished from here must not be cut off.
     while standby.stats.held.load(Ordering::Acquire) > 0 {
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(20));
     }
     served?;
     let s = &standby.stats;

@@ -528,8 +528,9 @@ pub fn run(
                     let t = Instant::now();
                     report.state = MoveState::Preparing;
                     let _ = tx.send(Event::Update(k, report.clone()));
-                    let r = match vm {
-                        Some(vm) => one_move(&shared, &vm, &mut report, &tx, k, t),
+                    let mut standby = None;
+                    let r = match &vm {
+                        Some(vm) => one_move(&shared, vm, &mut report, &tx, k, t, &mut standby),
                         None => Err(format!("VM {} is no longer on {}", report.vm, shared.from)),
                     };
                     report.secs = t.elapsed().as_secs_f64();
@@ -540,6 +541,12 @@ pub fn run(
                         MoveState::Failed
                     };
                     let _ = tx.send(Event::Ended(k, report, err));
+                    // The move's standby is stopped after the move is
+                    // reported: its end (a few hundred ms) holds no slot.
+                    // The scope waits for it before the drain ends.
+                    if let (Some(standby), Some(vm)) = (standby, vm) {
+                        standby.stop(&vm.spec.name);
+                    }
                 });
             }
             if running.is_empty() && pending.is_empty() {
@@ -600,7 +607,7 @@ fn start_standby(
     from: &str,
     vm: &VmInfo,
     report: &mut MoveReport,
-) -> Option<(crate::AgentClient, String, String)> {
+) -> Option<StandbyAt> {
     let hosts = fleet.hosts().ok()?;
     let mut third: Vec<HostInfo> = hosts
         .into_iter()
@@ -619,7 +626,11 @@ fn start_standby(
         match started {
             Ok((agent, addr)) => {
                 report.standby = Some(h.name.clone());
-                return Some((agent, h.name, addr));
+                return Some(StandbyAt {
+                    agent,
+                    host: h.name,
+                    addr,
+                });
             }
             Err(e) => tracing::warn!("drain: no standby on {} for {}: {e}", h.name, vm.spec.name),
         }
@@ -631,6 +642,21 @@ fn start_standby(
     None
 }
 
+/// A move's postcopy standby: its host's agent, the host, its address.
+struct StandbyAt {
+    agent: crate::AgentClient,
+    host: String,
+    addr: String,
+}
+
+impl StandbyAt {
+    /// Stops the standby for VM `vm` (one still finishing a move whose
+    /// source died ends when that move does: it holds on SIGTERM).
+    fn stop(&self, vm: &str) {
+        let _ = self.agent.call(&Request::Stop { name: vm.into() });
+    }
+}
+
 /// What every move of a drain shares.
 struct Shared {
     fleet: Fleet,
@@ -640,7 +666,9 @@ struct Shared {
     opts: DrainOptions,
 }
 
-/// One try at moving `vm` from the source to `report.to`.
+/// One try at moving `vm` from the source to `report.to`. The standby it
+/// started, if any, is left in `standby` for the caller to stop.
+#[allow(clippy::too_many_arguments)]
 fn one_move(
     sh: &Shared,
     vm: &VmInfo,
@@ -648,6 +676,7 @@ fn one_move(
     tx: &mpsc::Sender<Event>,
     k: usize,
     t0: Instant,
+    standby_out: &mut Option<StandbyAt>,
 ) -> Result<(), String> {
     let (fleet, source, from) = (&sh.fleet, &sh.source, sh.from.as_str());
     let verify = sh.opts.verify;
@@ -692,15 +721,8 @@ fn one_move(
     let standby = (sh.opts.safety_net && matches!(report.mode, Mode::Postcopy | Mode::Hybrid))
         .then(|| start_standby(fleet, from, vm, report))
         .flatten();
-    let stop_standby = |s: &Option<(crate::AgentClient, String, String)>| {
-        if let Some((agent, _, _)) = s {
-            let _ = agent.call(&Request::Stop {
-                name: vm.spec.name.clone(),
-            });
-        }
-    };
     let admitted = match &standby {
-        Some((_, host, _)) => format!("{from},{host}"),
+        Some(s) => format!("{from},{}", s.host),
         None => from.to_string(),
     };
     let ready = dest.call(&Request::Receive {
@@ -714,7 +736,9 @@ fn one_move(
         Ok(r) => r,
         Err(e) => {
             undo(&stores);
-            stop_standby(&standby);
+            if let Some(s) = &standby {
+                s.stop(&vm.spec.name);
+            }
             return Err(e.to_string());
         }
     };
@@ -739,7 +763,7 @@ fn one_move(
                 subs: stores.iter().map(|s| s.1.clone()).collect(),
                 main_budget: sp.main_budget,
             }),
-            safety_net: standby.as_ref().map(|s| s.2.clone()),
+            safety_net: standby.as_ref().map(|s| s.addr.clone()),
         },
         &mut |p: &Value| {
             report.bytes = p["bytes"].as_u64().unwrap_or(report.bytes);
@@ -748,9 +772,8 @@ fn one_move(
             let _ = tx.send(Event::Update(k, report.clone()));
         },
     );
-    // Released by its source at the move's end; one still finishing a move
-    // whose source died ends when that move does (it holds on SIGTERM).
-    stop_standby(&standby);
+    // Released by its source at the move's end; the caller stops it.
+    *standby_out = standby;
     match sent {
         Ok(v) => {
             let stats = &v["stats"];

@@ -385,7 +385,7 @@ fn policy(tid: u32) -> i32 {
 }
 
 #[test]
-fn an_urgent_pause_raises_the_vcpus_only_until_they_park() {
+fn a_pause_raises_the_vcpus_only_until_they_park() {
     if !kvm_usable() {
         return;
     }
@@ -393,45 +393,49 @@ fn an_urgent_pause_raises_the_vcpus_only_until_they_park() {
     settle(&vm, Duration::from_millis(200));
     let tids = vm.vcpu_tids();
     assert!(tids.iter().all(|&t| t != 0));
-    // A handover's pause: its thread runs at real time, and so do the
-    // kicked vCPU threads until each has parked.
-    let raised = std::thread::scope(|s| {
-        s.spawn(|| {
-            let urgent = ferry_migration::priority::Urgent::enter("FERRY_TEST_PRIORITY");
-            vm.pause().expect("an urgent pause");
-            urgent.raised()
-        })
-        .join()
-        .unwrap()
-    });
-    if !raised {
-        eprintln!("NOTE: no CAP_SYS_NICE here: the pause ran at normal priority");
-    }
-    // Each parked thread lowers itself just after it counts as parked.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while tids.iter().any(|&t| policy(t) != libc::SCHED_OTHER) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    for &t in &tids {
-        assert_eq!(
-            policy(t),
-            libc::SCHED_OTHER,
-            "vCPU thread {t} parked raised"
+    // A migration's pause (its thread at real time since session 46) and
+    // any other (control `pause`, at normal priority): the kicked vCPU
+    // threads run at real time until each has parked, then never again.
+    for real_time_caller in [true, false] {
+        let raised = std::thread::scope(|s| {
+            s.spawn(|| {
+                let urgent = real_time_caller
+                    .then(|| ferry_migration::priority::Urgent::enter("FERRY_TEST_PRIORITY"));
+                vm.pause().expect("a pause");
+                urgent.is_some_and(|u| u.raised())
+            })
+            .join()
+            .unwrap()
+        });
+        if real_time_caller && !raised {
+            eprintln!("NOTE: no CAP_SYS_NICE here: the pause ran at normal priority");
+        }
+        // Each parked thread lowers itself just after it counts as parked.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while tids.iter().any(|&t| policy(t) != libc::SCHED_OTHER) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for &t in &tids {
+            assert_eq!(
+                policy(t),
+                libc::SCHED_OTHER,
+                "vCPU thread {t} parked raised"
+            );
+        }
+        let p1 = vm.metrics().unwrap().progress(0);
+        vm.resume().unwrap();
+        settle(&vm, Duration::from_millis(300));
+        assert!(
+            vm.metrics().unwrap().progress(0) > p1,
+            "the guest runs again"
         );
-    }
-    let p1 = vm.metrics().unwrap().progress(0);
-    vm.resume().unwrap();
-    settle(&vm, Duration::from_millis(300));
-    assert!(
-        vm.metrics().unwrap().progress(0) > p1,
-        "the guest runs again"
-    );
-    for &t in &tids {
-        assert_eq!(
-            policy(t),
-            libc::SCHED_OTHER,
-            "vCPU thread {t} runs the guest raised"
-        );
+        for &t in &tids {
+            assert_eq!(
+                policy(t),
+                libc::SCHED_OTHER,
+                "vCPU thread {t} runs the guest raised"
+            );
+        }
     }
     vm.stop();
 }

@@ -157,7 +157,9 @@ impl Stores {
                     "the {what} for VM {vm} did not listen within {READY_WITHIN:?}"
                 )));
             }
-            std::thread::sleep(Duration::from_millis(50));
+            // It listens within about 10 ms: looked for often, as a
+            // drain's move waits on it.
+            std::thread::sleep(Duration::from_millis(10));
         }
         let info = StoreInfo {
             vm: vm.into(),

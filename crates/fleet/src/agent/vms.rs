@@ -264,7 +264,9 @@ impl Vms {
                     reason: format!("its VMM did not answer within {READY_WITHIN:?}"),
                 });
             }
-            std::thread::sleep(Duration::from_millis(50));
+            // A VMM answers within tens of ms: looked for often, as a
+            // drain's move waits on it.
+            std::thread::sleep(Duration::from_millis(10));
         }
         lock(&self.children).push(child);
         Ok(pid)

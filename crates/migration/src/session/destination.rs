@@ -335,8 +335,13 @@ impl<'a> DestSession<'a> {
         let mut clients: Option<Vec<u8>> = None;
         // From the pause's first frame to Started this thread carries the
         // downtime: real time (crate::priority), so the readers a move wakes
-        // and the vCPUs it starts do not take its core.
-        let mut urgent: Option<Urgent> = None;
+        // and the vCPUs it starts do not take its core. Raised from the
+        // start: the pause's first frame must wake it at once, and at
+        // normal priority on a busy host that wake-up waits a time slice
+        // (5-10 ms with 16 busy vCPUs on 2 cores). Until then it only
+        // sleeps on the control connection and the round barriers, and
+        // answers each round with a frame, which starves nothing.
+        let mut urgent: Option<Urgent> = Some(Urgent::enter(PAUSE_PRIORITY));
         loop {
             let f = protocol::read_frame(self.ctl.reader())?;
             match f.kind {

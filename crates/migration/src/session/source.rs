@@ -432,12 +432,14 @@ impl<'a> SourceSession<'a> {
         // The guest stops at the first kick: the downtime counts from here,
         // parking the vCPUs included.
         let asked = Instant::now();
-        // Raised once the vCPUs are parked: the pause waits for them awake,
-        // yielding, which at real time would keep them from the core.
-        self.vm.pause().map_err(MigrationError::vm("pause"))?;
+        // Raised before the pause: the VM raises its kicked vCPUs too (until
+        // each parks), and waits for them awake, yielding to them. At
+        // normal priority on a busy host this thread's own turn would come
+        // a time slice late.
         self.urgent = Some(crate::priority::Urgent::enter(
             crate::priority::PAUSE_PRIORITY,
         ));
+        self.vm.pause().map_err(MigrationError::vm("pause"))?;
         self.enter(SourcePhase::Paused)?;
         self.state.pause_asked_at(asked);
         Ok(())

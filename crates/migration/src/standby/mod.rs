@@ -139,7 +139,9 @@ impl Standby {
     /// Accepts sources until stopped, each on a thread of its own.
     pub fn serve(self: &Arc<Self>, listener: &Listener) -> Result<(), MigrationError> {
         while !self.stopping.load(Ordering::Acquire) {
-            let (mut c, hello) = match listener.accept_hello(Duration::from_millis(200)) {
+            // A short wait: a stop (the agent's, at each move's end) is
+            // seen within it.
+            let (mut c, hello) = match listener.accept_hello(Duration::from_millis(50)) {
                 Ok(admitted) => admitted,
                 Err(MigrationError::Listen { source, .. })
                     if source.kind() == std::io::ErrorKind::TimedOut =>

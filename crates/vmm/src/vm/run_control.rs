@@ -21,20 +21,22 @@ impl Vm {
             return Err(VmError::WrongState("stopped"));
         }
         self.shared.set_requested(RunState::Paused);
+        // Each kicked thread takes a core at once to park on, unless this
+        // VMM was asked to raise nothing for a pause. Raised (and flagged)
+        // before the kick, so that each finds its flag as it parks.
+        let hurried =
+            !ferry_migration::priority::opted_out(ferry_migration::priority::PAUSE_PRIORITY)
+                && self.shared.hurry_all();
         self.shared.kick_all();
-        let urgent = ferry_migration::priority::is_real_time();
-        if urgent {
-            // Each kicked thread takes a core at once to park on.
-            self.shared.hurry_all();
-        }
         let all_parked = |c: &Control| c.parked >= c.running_threads.min(n) || c.exit.is_some();
         // The vCPUs park within a few hundred µs: waited for awake first
         // (yielding between looks), as a thread asleep on the condition
         // wakes 50-200 µs late on a virtualized host, and a migration's
         // pause counts that as downtime. Asleep after SPIN_FOR_PARKING, or
-        // at once from a real-time caller (a handover's), whose polling
-        // would keep its core from the vCPU threads.
-        if !urgent {
+        // at once from a real-time caller whose vCPUs could not be raised
+        // with it: its polling would keep its core from them (raised, they
+        // take their turn as it yields).
+        if hurried || !ferry_migration::priority::is_real_time() {
             let t = Instant::now();
             while !all_parked(&self.shared.lock()) && t.elapsed() < SPIN_FOR_PARKING {
                 std::thread::yield_now();
@@ -42,10 +44,12 @@ impl Vm {
         }
         let c = self.shared.lock();
         let parked = self.shared.wait_until(c, timeout, all_parked).is_ok();
+        // Any thread still raised (one that parked on an exit of its own
+        // before it was flagged sleeps raised) is lowered here.
+        self.shared.calm_all();
         if !parked {
-            // Never leave a VM half-paused: let every vCPU run again, none
-            // of them at real time.
-            self.shared.calm_all();
+            // Never leave a VM half-paused: let every vCPU run again (none
+            // of them at real time).
             let _ = self.resume();
             return Err(VmError::PauseTimeout(timeout));
         }

@@ -237,19 +237,24 @@ impl VmShared {
         self.changed.notify_all();
     }
 
-    /// Raises every vCPU thread to real time until it parks: for a pause
-    /// whose caller is real time (a handover's) on a host whose cores are
-    /// busy, where a kicked thread would otherwise wait a time slice behind
-    /// other VMs' vCPUs before it leaves KVM_RUN. Each is raised first and
-    /// flagged after, so a thread that finds no flag as it parks finds it
-    /// when it wakes.
-    pub(crate) fn hurry_all(&self) {
+    /// Raises every vCPU thread to real time until it parks: on a host
+    /// whose cores are busy, a kicked thread would otherwise wait a time
+    /// slice behind other VMs' vCPUs before it leaves KVM_RUN, and the
+    /// pause (a migration's or a handover's downtime) with it. Each is
+    /// raised first and flagged after: a thread that finds no flag as it
+    /// parks finds it when it wakes (and the pause lowers it, `calm_all`).
+    /// True if every vCPU thread was raised.
+    pub(crate) fn hurry_all(&self) -> bool {
+        let mut all = true;
         for (tid, flag) in self.tids.iter().zip(&self.hurried) {
             let tid = tid.load(Ordering::Acquire);
             if tid != 0 && ferry_migration::priority::real_time_thread(tid) {
                 flag.store(true, Ordering::Release);
+            } else {
+                all = false;
             }
         }
+        all
     }
 
     /// Lowers every vCPU thread still raised (a pause that gave up).
