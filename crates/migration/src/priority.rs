@@ -12,7 +12,7 @@
 //!
 //! [`real_time`] is also what the threads that carry a pause take
 //! ([`Urgent`]): a handover's (ferry-vmm) for as long as it lasts, the
-//! migration source's control thread from the pause, and the destination's
+//! migration source's control thread from the pause to Started, and the destination's
 //! from the start (it sleeps on its connection until the pause's first
 //! frame, which must wake it at once). The pause is a handful of messages,
 //! each a wake-up; on a host whose cores are busy (vCPUs, other guests, the

@@ -22,7 +22,7 @@ use crate::transport::{Conn, Endpoint};
 use crate::vm::{ClientsAnswer, MigratableVm};
 
 /// How long the paused source polls for the destination's answers to
-/// Complete before it blocks in read(2).
+/// Complete before it blocks in read(2), when it could not take real time.
 const SPIN_FOR_STARTED: Duration = Duration::from_millis(5);
 
 /// One outgoing migration's connections and what it has done to the VM.
@@ -677,14 +677,21 @@ impl<'a> SourceSession<'a> {
         self.enter(SourcePhase::Completing)?;
         let unacked = self.unacked.take();
         self.ctl()?.send_frame(Kind::Complete, &[])?;
-        // Nothing is left to do here but wait: back to normal priority, so
-        // the wait can poll (a thread at real time polling would keep its
-        // core from the destination's threads on a shared host). The
-        // destination answers within a millisecond or so: waited for awake
-        // (Conn::spin_until_readable), as a sleeping thread wakes late here.
-        self.relax();
+        // Still at real time: it sleeps in read, and a real-time thread
+        // is woken at once even on a busy host. At normal priority it polls
+        // instead (Conn::spin_until_readable: a sleeping thread wakes
+        // 50-200 µs late here), but on a busy host each yield gave the core
+        // away for a time slice (the wait took 5-10 ms beside 7 busy VMs).
+        // Polling at real time was worse on both counts: on one host it
+        // keeps the core from the destination's normal threads that the
+        // answer waits for (idle 4 GiB 2.0 ms against 1.0; beside 7 busy
+        // VMs 1.7 ms against 0.7; bench/results/downtime-busy.md).
+        let spin = match &self.urgent {
+            Some(u) if u.raised() => Duration::ZERO,
+            _ => SPIN_FOR_STARTED,
+        };
         let ctl = self.ctl()?;
-        ctl.spin_until_readable(SPIN_FOR_STARTED);
+        ctl.spin_until_readable(spin);
         if let Some(round) = unacked {
             // The last round's ack comes first; the destination applied it
             // before it could start the VM.
@@ -702,8 +709,11 @@ impl<'a> SourceSession<'a> {
                 Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
             }
         }
-        ctl.spin_until_readable(SPIN_FOR_STARTED);
-        let frame = match protocol::read_frame(ctl.reader()) {
+        ctl.spin_until_readable(spin);
+        let frame = protocol::read_frame(ctl.reader());
+        // The downtime ends with Started: back to normal priority.
+        self.relax();
+        let frame = match frame {
             Ok(f) if f.kind == Kind::Started => f,
             Err(e @ ProtocolError::Aborted(_)) => return Err(e.into()),
             Ok(f) => {
