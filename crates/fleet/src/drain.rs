@@ -540,13 +540,24 @@ pub fn run(
                     } else {
                         MoveState::Failed
                     };
+                    // The standby of a move that succeeded is stopped after
+                    // the move is reported: its end (a few hundred ms) then
+                    // holds no slot (the scope waits for it before the drain
+                    // ends). A failed move's goes first: its retry may pick
+                    // that host, for the VM or for a new standby.
+                    let stop = |s: Option<StandbyAt>| {
+                        if let (Some(s), Some(vm)) = (s, &vm) {
+                            s.stop(&vm.spec.name);
+                        }
+                    };
+                    let standby = if err.is_some() {
+                        stop(standby.take());
+                        None
+                    } else {
+                        standby
+                    };
                     let _ = tx.send(Event::Ended(k, report, err));
-                    // The move's standby is stopped after the move is
-                    // reported: its end (a few hundred ms) holds no slot.
-                    // The scope waits for it before the drain ends.
-                    if let (Some(standby), Some(vm)) = (standby, vm) {
-                        standby.stop(&vm.spec.name);
-                    }
+                    stop(standby);
                 });
             }
             if running.is_empty() && pending.is_empty() {
@@ -811,6 +822,10 @@ fn one_move(
             // (it may hold the only copy), and the move counts as failed.
             Some("unresponsive") => Err(format!(
                 "{e}; the VMM at {} does not answer, so it is left running",
+                report.to
+            )),
+            None => Err(format!(
+                "{e}; {}'s agent does not say where the VM is, so its VMM there is left as it is",
                 report.to
             )),
             _ => {

@@ -311,7 +311,7 @@ impl Vms {
 
     fn info_of(&self, rec: &Record) -> Result<VmInfo, FleetError> {
         let s = status(&rec.socket)?;
-        let waiting = !s["incoming"].is_null();
+        let waiting = waits(&s);
         let came_by = if let (Some(how), false) = (rec.came_by.strip_prefix("arriving"), waiting) {
             // It came ("arriving by postcopy" becomes "migrated by
             // postcopy"): say so from now on.
@@ -512,6 +512,17 @@ fn create_private_dir(dir: &Path) -> Result<(), FleetError> {
         .map_err(FleetError::io(format!("cannot make {}", dir.display())))
 }
 
+/// Whether a VMM's `status` says it waits for its VM: until its vCPUs
+/// start. A postcopy destination runs the VM while its incoming migration
+/// goes on (the pages still come), and a drain that took it for waiting
+/// would stop it. A VMM that says "waiting" itself waits; one from before
+/// that state existed does while incoming with an uptime of 0 (no vCPU
+/// started).
+fn waits(status: &Value) -> bool {
+    status["state"] == "waiting"
+        || (!status["incoming"].is_null() && status["uptime_s"].as_f64().unwrap_or(0.0) == 0.0)
+}
+
 /// What the record alone says of a VM whose VMM gave no status (still
 /// starting, or not answering), in `state`.
 fn unanswered(rec: &Record, state: &str) -> VmInfo {
@@ -537,6 +548,30 @@ fn process_alive(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vmm_waits_until_its_vcpus_start_not_until_its_migration_ends() {
+        let incoming = serde_json::json!({"endpoint": "tcp:10.0.0.1:1"});
+        // Waiting for its source.
+        assert!(waits(
+            &serde_json::json!({"state": "waiting", "incoming": incoming, "uptime_s": 0.0})
+        ));
+        // Running by postcopy while the pages still come: not waiting.
+        assert!(!waits(
+            &serde_json::json!({"state": "running", "incoming": incoming, "uptime_s": 4.2})
+        ));
+        assert!(!waits(
+            &serde_json::json!({"state": "paused", "incoming": incoming, "uptime_s": 4.2})
+        ));
+        // Arrived, or never incoming.
+        assert!(!waits(
+            &serde_json::json!({"state": "running", "incoming": null, "uptime_s": 9.0})
+        ));
+        // A VMM from before the "waiting" state said "running" while it waited.
+        assert!(waits(
+            &serde_json::json!({"state": "running", "incoming": incoming, "uptime_s": 0.0})
+        ));
+    }
 
     fn record(dir: &Path, name: &str, pid: u32) {
         let rec = Record {

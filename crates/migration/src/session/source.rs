@@ -781,6 +781,9 @@ impl<'a> SourceSession<'a> {
         mut self,
         mut result: Result<Outcome, MigrationError>,
     ) -> Result<Outcome, MigrationError> {
+        // Whatever is left to do here (resume, abort, stop the dirty log)
+        // is no pause's: at normal priority.
+        self.relax();
         // A broken or refused connection often means the destination refused
         // the session and closed: its Abort, if it sent one, says why better
         // than "connection reset" (a bulk connect can race its exit).

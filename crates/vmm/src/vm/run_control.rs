@@ -21,13 +21,14 @@ impl Vm {
             return Err(VmError::WrongState("stopped"));
         }
         self.shared.set_requested(RunState::Paused);
+        self.shared.kick_all();
         // Each kicked thread takes a core at once to park on, unless this
-        // VMM was asked to raise nothing for a pause. Raised (and flagged)
-        // before the kick, so that each finds its flag as it parks.
+        // VMM was asked to raise nothing for a pause. Raised after the kick:
+        // with the signal pending, a raised thread cannot enter the guest
+        // again. One that parks before it is flagged is lowered below.
         let hurried =
             !ferry_migration::priority::opted_out(ferry_migration::priority::PAUSE_PRIORITY)
                 && self.shared.hurry_all();
-        self.shared.kick_all();
         let all_parked = |c: &Control| c.parked >= c.running_threads.min(n) || c.exit.is_some();
         // The vCPUs park within a few hundred µs: waited for awake first
         // (yielding between looks), as a thread asleep on the condition

@@ -137,6 +137,14 @@ impl VmShared {
         }
     }
 
+    /// Forgets vCPU `id`'s thread as it ends: its id may be reused by
+    /// another thread, which a pause must not raise.
+    pub fn clear_vcpu_tid(&self, id: u32) {
+        if let Some(t) = self.tids.get(id as usize) {
+            t.store(0, Ordering::Release);
+        }
+    }
+
     /// What the vCPUs should do now.
     pub fn requested(&self) -> RunState {
         match self.requested.load(Ordering::Acquire) {
@@ -210,8 +218,9 @@ impl VmShared {
             c = self.changed.wait(c).unwrap_or_else(|e| e.into_inner());
         }
         c.parked -= 1;
-        // Raised after the look above (the pause raises, then flags): never
-        // back into the guest at real time.
+        // Raised after the look above (the pause raises, then flags), and
+        // not lowered by the pause (a resume comes only after it ended):
+        // never back into the guest at real time.
         self.calm(id);
         // Only this thread takes its slot, and only here: it is full.
         c.lent[id]
@@ -257,11 +266,14 @@ impl VmShared {
         all
     }
 
-    /// Lowers every vCPU thread still raised (a pause that gave up).
+    /// Lowers every vCPU thread still raised: the pause's last step, once
+    /// all parked or when it gave up.
     pub(crate) fn calm_all(&self) {
         for (tid, flag) in self.tids.iter().zip(&self.hurried) {
-            if flag.swap(false, Ordering::AcqRel) {
-                ferry_migration::priority::normal(tid.load(Ordering::Acquire));
+            let tid = tid.load(Ordering::Acquire);
+            // (tid 0 would be the calling thread: a vCPU thread that ended.)
+            if flag.swap(false, Ordering::AcqRel) && tid != 0 {
+                ferry_migration::priority::normal(tid);
             }
         }
     }

@@ -137,6 +137,7 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
         }
     }
     set_thread_run(std::ptr::null_mut());
+    shared.clear_vcpu_tid(id);
     shared.vcpu_exited();
     vcpu
 }
