@@ -17,10 +17,16 @@ impl Vm {
     pub fn pause(&self) -> Result<(), VmError> {
         let timeout = Duration::from_secs(2);
         let n = self.config.vcpus;
-        if self.shared.requested() == RunState::Stopped {
-            return Err(VmError::WrongState("stopped"));
+        {
+            // Under the lock, as a stop sets its state: a stop that came
+            // first stays a stop (a pause over it would park the threads
+            // the stop waits to see leave).
+            let _c = self.shared.lock();
+            if self.shared.requested() == RunState::Stopped {
+                return Err(VmError::WrongState("stopped"));
+            }
+            self.shared.set_requested(RunState::Paused);
         }
-        self.shared.set_requested(RunState::Paused);
         self.shared.kick_all();
         // Each kicked thread takes a core at once to park on, unless this
         // VMM was asked to raise nothing for a pause. Raised after the kick:
