@@ -139,9 +139,10 @@ impl Standby {
     /// Accepts sources until stopped, each on a thread of its own.
     pub fn serve(self: &Arc<Self>, listener: &Listener) -> Result<(), MigrationError> {
         while !self.stopping.load(Ordering::Acquire) {
-            // A short wait: a stop (the agent's, at each move's end) is
-            // seen within it.
-            let (mut c, hello) = match listener.accept_hello(Duration::from_millis(50)) {
+            // Also the taken connection's I/O timeout until the session
+            // sets its own: not shorter (at 50 ms a source's first frames
+            // over a busy lab link timed out).
+            let (mut c, hello) = match listener.accept_hello(Duration::from_millis(200)) {
                 Ok(admitted) => admitted,
                 Err(MigrationError::Listen { source, .. })
                     if source.kind() == std::io::ErrorKind::TimedOut =>
