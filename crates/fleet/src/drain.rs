@@ -550,12 +550,9 @@ pub fn run(
                             s.stop(&vm.spec.name);
                         }
                     };
-                    let standby = if err.is_some() {
+                    if err.is_some() {
                         stop(standby.take());
-                        None
-                    } else {
-                        standby
-                    };
+                    }
                     let _ = tx.send(Event::Ended(k, report, err));
                     stop(standby);
                 });

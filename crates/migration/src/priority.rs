@@ -58,7 +58,7 @@ pub(crate) enum Class {
 /// Lifts the calling thread onto the fault path: real time if allowed,
 /// else the highest nice value it may take, else as it was.
 pub(crate) fn fault_path() -> Class {
-    if std::env::var("FERRY_FAULT_PRIORITY").is_ok_and(|v| v == "normal") {
+    if opted_out("FERRY_FAULT_PRIORITY") {
         return Class::Unchanged;
     }
     if real_time() {
@@ -156,7 +156,7 @@ impl Urgent {
     /// the environment variable `opt_out` is not `normal`.
     pub fn enter(opt_out: &str) -> Urgent {
         let unchanged = Urgent { before: None };
-        if std::env::var(opt_out).is_ok_and(|v| v == "normal") {
+        if opted_out(opt_out) {
             return unchanged;
         }
         // The kernel's own calls throughout: glibc's pthread_getschedparam

@@ -90,7 +90,7 @@ pub struct VmShared {
     pub(crate) threads: Mutex<Vec<libc::pthread_t>>,
     /// Kernel thread ids of the vCPU threads, as each starts (index = vCPU).
     pub(crate) tids: Vec<std::sync::atomic::AtomicU32>,
-    /// Per vCPU: its thread was raised to real time by an urgent pause
+    /// Per vCPU: its thread was raised to real time by a pause
     /// ([`VmShared::hurry_all`]) and must lower itself as it parks.
     hurried: Vec<std::sync::atomic::AtomicBool>,
     /// MSRs saved with each vCPU.
@@ -382,6 +382,15 @@ mod tests {
             .is_ok());
     }
 
+    /// A KVM VM to make vCPU fds in; None (said loudly) without /dev/kvm.
+    fn kvm_vm() -> Option<kvm_ioctls::VmFd> {
+        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
+            eprintln!("SKIPPED: no /dev/kvm here: a vCPU fd is needed");
+            return None;
+        };
+        Some(kvm.create_vm().expect("a KVM VM"))
+    }
+
     /// The policy of thread `tid` (0: the calling thread).
     fn policy(tid: u32) -> i32 {
         // SAFETY: the call only reads the named thread's policy.
@@ -413,11 +422,7 @@ mod tests {
 
     #[test]
     fn a_hurried_vcpu_thread_parks_and_runs_again_at_the_normal_policy() {
-        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
-            eprintln!("SKIPPED: no /dev/kvm here: a vCPU fd is needed");
-            return;
-        };
-        let vm = kvm.create_vm().expect("a KVM VM");
+        let Some(vm) = kvm_vm() else { return };
         let timeout = Duration::from_secs(10);
         // Raised on its way to park (the kick's case), and raised while
         // parked already (it parked before the pause raised it).
@@ -475,11 +480,7 @@ mod tests {
 
     #[test]
     fn a_pause_that_gives_up_lowers_the_threads_it_raised() {
-        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
-            eprintln!("SKIPPED: no /dev/kvm here: a vCPU fd is needed");
-            return;
-        };
-        let vm = kvm.create_vm().expect("a KVM VM");
+        let Some(vm) = kvm_vm() else { return };
         let s = shared(1);
         let (go, t) = parking_thread(&s, vm.create_vcpu(0).expect("a vCPU"));
         let tid = s.tids[0].load(Ordering::Acquire);
@@ -500,11 +501,7 @@ mod tests {
 
     #[test]
     fn a_parked_vcpu_lends_its_fd_and_takes_it_back_on_resume() {
-        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
-            eprintln!("SKIPPED: no /dev/kvm here: a vCPU fd is needed");
-            return;
-        };
-        let vm = kvm.create_vm().expect("a KVM VM");
+        let Some(vm) = kvm_vm() else { return };
         let vcpu = vm.create_vcpu(0).expect("a vCPU");
         let s = shared(1);
         s.set_requested(RunState::Paused);
