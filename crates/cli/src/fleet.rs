@@ -169,6 +169,12 @@ pub struct DrainArgs {
     /// loses no VM; it costs the pages sent to it out of the host).
     #[arg(long)]
     no_safety_net: bool,
+    /// The source of a move with a standby pushes every page to the
+    /// destination itself (by default it sends each page once, to the
+    /// standby, leaves once it holds them all, and the standby finishes
+    /// the move from its host).
+    #[arg(long, conflicts_with = "no_safety_net")]
+    source_finishes: bool,
     #[command(flatten)]
     fleet: RegistryArgs,
 }
@@ -420,6 +426,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         bandwidth: a.bandwidth.map(|b| b as f64),
         postcopy_after_rounds: a.postcopy_after_rounds,
         safety_net: !a.no_safety_net,
+        net_finishes: !a.source_finishes,
     };
     let plan_now = || -> Result<drain::Plan> {
         let mut source = fleet.host(&a.host)?;

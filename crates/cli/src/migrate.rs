@@ -87,6 +87,12 @@ pub struct MigrateArgs {
     /// and finishes the move from them if this source dies.
     #[arg(long, value_parser = crate::format::tcp_endpoint)]
     safety_net: Option<ferry_migration::Endpoint>,
+    /// With --safety-net: the standby finishes the move. This source sends
+    /// each page the destination lacks once, to the standby (answering the
+    /// destination's faults meanwhile), and leaves once it holds them all;
+    /// the standby pushes them on from its host.
+    #[arg(long, requires = "safety_net")]
+    net_finishes: bool,
     /// Parallel bulk connections (default: 2, or 1 on a single core).
     #[arg(long)]
     streams: Option<u16>,
@@ -175,6 +181,7 @@ impl MigrateArgs {
             postcopy_after: self.postcopy_after,
             reconnect_timeout_ms: self.reconnect_timeout.as_millis() as u64,
             safety_net: self.safety_net.clone(),
+            net_finishes: self.net_finishes,
             timeline_tail_ms: match self.no_timeline {
                 true => 0,
                 false => self.timeline_tail.as_millis().min(u32::MAX as u128) as u32,

@@ -84,21 +84,22 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
     }
     served?;
     let s = &standby.stats;
-    let (released, finished, failed, verified) = (
+    let (released, finished, handed, failed, verified) = (
         s.released.load(Ordering::Relaxed),
         s.finished.load(Ordering::Relaxed),
+        s.handed.load(Ordering::Relaxed),
         s.failed.load(Ordering::Relaxed),
         s.verified_pages.load(Ordering::Relaxed),
     );
     if a.json {
         println!(
             "{}",
-            json!({"released": released, "finished": finished, "failed": failed,
+            json!({"released": released, "finished": finished, "handed": handed, "failed": failed,
                    "verified_pages": verified})
         );
     } else {
         eprintln!(
-            "ferry standby: {released} move(s) released by their source, {finished} finished from here ({verified} pages verified by the destination), {failed} failed"
+            "ferry standby: {released} move(s) released by their source, {finished} finished from here ({handed} of them handed over; {verified} pages verified by the destination), {failed} failed"
         );
     }
     Ok(if failed > 0 {

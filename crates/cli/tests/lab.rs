@@ -1266,6 +1266,122 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
     assert!(slog.contains("resuming the move from here"), "{slog}");
 }
 
+/// Issue 33: a safety net that finishes the move (`--net-finishes`). A VM
+/// moves from ferry-h1 to ferry-h2 by postcopy with a standby on ferry-h3:
+/// the source pushes nothing to the destination, sends every page it lacks
+/// once, to the standby, and hands over once the standby holds them. The
+/// migration succeeds, the source sent the destination far less than the
+/// VM's data (its faults), the standby finished the move with every page
+/// verified, and the workload goes on.
+#[test]
+fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-relay-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
+    let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
+    let common = [
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
+        "--json",
+    ];
+    let standby = in_host(
+        "ferry-h3",
+        &["standby", "--listen", "10.77.0.3:7481", "--once", "--json"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let standby = Reaper(Some(standby));
+    let mut dst = in_host("ferry-h2", &common);
+    dst.args(["--incoming", "tcp:10.77.0.2:7471", "--control", dst_sock])
+        .args(["--duration", "3s"]);
+    let dst = Reaper(Some(
+        dst.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--control", src_sock, "--duration", "120s"]);
+    let src = Reaper(Some(
+        src.stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_for_sockets("relay", &[src_sock, dst_sock]);
+    wait_port_in("ferry-h1", "10.77.0.3", 7481);
+    std::thread::sleep(Duration::from_millis(1500));
+    let m = in_host(
+        "ferry-h1",
+        &[
+            "migrate",
+            src_sock,
+            "--to",
+            "tcp:10.77.0.2:7471",
+            "--mode",
+            "postcopy",
+            "--verify",
+            "--safety-net",
+            "10.77.0.3:7481",
+            "--net-finishes",
+            "--json",
+        ],
+    )
+    .output()
+    .unwrap();
+    let mlog = String::from_utf8_lossy(&m.stderr);
+    assert!(m.status.success(), "{mlog}");
+    let stats = json(&m.stdout);
+    let post = &stats["postcopy"];
+    assert_eq!(post["handed_over"], true, "{stats}");
+    assert_eq!(post["safety_net_armed"], true, "{stats}");
+    // The standby got the VM's 160 MiB of data; the destination only what
+    // its vCPUs faulted on before the hand-over.
+    let (to_net, to_dst) = (
+        post["safety_net_bytes"].as_u64().unwrap(),
+        stats["bytes"].as_u64().unwrap(),
+    );
+    assert!(to_net > 160 << 20, "{stats}");
+    assert!(
+        to_dst < 64 << 20,
+        "the source pushed: {to_dst} bytes; {stats}"
+    );
+    let s = json(&src.output().stdout);
+    assert_eq!(s["ending"], "migrated", "{s}");
+    let d = dst.output();
+    let dlog = String::from_utf8_lossy(&d.stderr);
+    assert!(d.status.success(), "the destination lost its VM: {dlog}");
+    let d = json(&d.stdout);
+    assert_eq!(d["received"]["verified_pages"], 256 * 256, "{d}");
+    let (was, now) = (
+        s["workloads"][1]["progress"].as_u64().unwrap(),
+        d["workloads"][1]["progress"].as_u64().unwrap(),
+    );
+    assert!(now > was, "dirty went on: {was} -> {now}");
+    let out = standby.output();
+    let slog = String::from_utf8_lossy(&out.stderr);
+    let last = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_string();
+    let summary: serde_json::Value = serde_json::from_str(&last).unwrap_or_default();
+    assert_eq!(summary["finished"], 1, "{last} {slog}");
+    assert_eq!(summary["handed"], 1, "{last} {slog}");
+    assert_eq!(summary["verified_pages"], 256 * 256, "{last} {slog}");
+    assert_eq!(summary["failed"], 0, "{last} {slog}");
+}
+
 /// Issue 16: a VM's clients follow it. The kv VM has its own address
 /// (10.77.0.100, up on ferry-h1's interface) and 128 clients on ferry-h3.
 /// A precopy to ferry-h2 moves the address and every connection

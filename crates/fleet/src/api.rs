@@ -255,6 +255,10 @@ pub enum Request {
         /// move if the source dies.
         #[serde(default)]
         safety_net: Option<String>,
+        /// With a safety net: the standby finishes the move (the source
+        /// sends each page once, to it, and leaves once it holds them).
+        #[serde(default)]
+        net_finishes: bool,
     },
     /// Measure how fast each VM here dirties memory (half a second each,
     /// all at once); answers `rates`: VM name → bytes/s.
@@ -393,6 +397,7 @@ mod tests {
             bandwidth: None,
             split: None,
             safety_net: Some("tcp:10.77.0.3:7101".into()),
+            net_finishes: true,
         };
         let line = serde_json::to_string(&r).unwrap();
         assert!(line.contains(r#""op":"send""#), "{line}");

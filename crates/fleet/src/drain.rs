@@ -53,6 +53,11 @@ pub struct DrainOptions {
     /// Give each postcopy or hybrid move a standby on a third host (the
     /// postcopy safety net).
     pub safety_net: bool,
+    /// The standby finishes each move it stands by for: the source sends
+    /// each pending page once, to it, and leaves once it holds them all
+    /// (false: the source pushes them to the destination as well, and the
+    /// standby only stands by).
+    pub net_finishes: bool,
 }
 
 impl Default for DrainOptions {
@@ -67,6 +72,7 @@ impl Default for DrainOptions {
             bandwidth: None,
             postcopy_after_rounds: 1,
             safety_net: true,
+            net_finishes: true,
         }
     }
 }
@@ -410,6 +416,10 @@ pub struct MoveReport {
     /// Bytes its source sent that standby (beside `bytes`).
     #[serde(default)]
     pub standby_bytes: u64,
+    /// The source left once its standby held every page the destination
+    /// lacked, and the standby finished the move.
+    #[serde(default)]
+    pub handed_over: bool,
 }
 
 /// What a drain did.
@@ -421,8 +431,12 @@ pub struct DrainReport {
     pub moves: Vec<MoveReport>,
     /// VMs no host had room for.
     pub unplaced: Vec<(String, String)>,
-    /// Seconds in all.
+    /// Seconds in all: until every VM runs whole at its destination
+    /// (standbys that finish a move included).
     pub secs: f64,
+    /// Seconds until the last move out of the host ended (the host was
+    /// empty; standbys may still have been pushing pages).
+    pub emptied_secs: f64,
     /// True if it was cancelled before every move started.
     pub cancelled: bool,
 }
@@ -472,6 +486,7 @@ pub fn run(
             split: m.split.clone(),
             standby: None,
             standby_bytes: 0,
+            handed_over: false,
         })
         .collect();
     // Hosts each move may still be tried on (its planned one first).
@@ -480,6 +495,7 @@ pub fn run(
     let mut running: BTreeMap<usize, String> = BTreeMap::new();
     let (tx, rx) = mpsc::channel::<Event>();
     let mut cancelled = false;
+    let mut emptied = Duration::ZERO;
     update(&reports);
     std::thread::scope(|sc| -> Result<(), FleetError> {
         loop {
@@ -553,11 +569,19 @@ pub fn run(
                     if err.is_some() {
                         stop(standby.take());
                     }
+                    let (handed, deadline) =
+                        (report.handed_over, shared.opts.deadline(report.mem_bytes));
                     let _ = tx.send(Event::Ended(k, report, err));
+                    // A standby finishing the move ends with it (`--once`):
+                    // the drain is done when it is, not before.
+                    if let (true, Some(s), Some(vm)) = (handed, &standby, &vm) {
+                        s.wait_ended(&vm.spec.name, deadline);
+                    }
                     stop(standby);
                 });
             }
             if running.is_empty() && pending.is_empty() {
+                emptied = t0.elapsed();
                 return Ok(());
             }
             match rx.recv_timeout(Duration::from_millis(200)) {
@@ -591,6 +615,7 @@ pub fn run(
         moves: reports,
         unplaced: plan.unplaced,
         secs: t0.elapsed().as_secs_f64(),
+        emptied_secs: emptied.as_secs_f64(),
         cancelled,
     })
 }
@@ -662,6 +687,27 @@ impl StandbyAt {
     /// source died ends when that move does: it holds on SIGTERM).
     fn stop(&self, vm: &str) {
         let _ = self.agent.call(&Request::Stop { name: vm.into() });
+    }
+
+    /// Waits (at most `within`) until the standby for VM `vm` has ended:
+    /// one that finishes a move ends when the destination has every page.
+    fn wait_ended(&self, vm: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            let listed = self.agent.call(&Request::Info).ok().is_some_and(|v| {
+                v["host"]["stores"]
+                    .as_array()
+                    .is_some_and(|s| s.iter().any(|x| x["vm"] == vm))
+            });
+            if !listed {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        tracing::warn!(
+            "drain: the standby for {vm} on {} is still finishing its move",
+            self.host
+        );
     }
 }
 
@@ -772,6 +818,7 @@ fn one_move(
                 main_budget: sp.main_budget,
             }),
             safety_net: standby.as_ref().map(|s| s.addr.clone()),
+            net_finishes: standby.is_some() && sh.opts.net_finishes,
         },
         &mut |p: &Value| {
             report.bytes = p["bytes"].as_u64().unwrap_or(report.bytes);
@@ -787,13 +834,21 @@ fn one_move(
             let stats = &v["stats"];
             report.bytes = stats["bytes"].as_u64().unwrap_or(report.bytes);
             report.downtime_ms = stats["downtime_ms"].as_f64();
-            // A postcopy move has no rounds: it sends each page once, so
-            // all it sent is what had to cross.
-            report.first_round_bytes = stats["rounds"][0]["bytes"]
-                .as_u64()
-                .or_else(|| stats["bytes"].as_u64());
             report.postcopy = !stats["postcopy"].is_null();
             report.standby_bytes = stats["postcopy"]["safety_net_bytes"].as_u64().unwrap_or(0);
+            report.handed_over = stats["postcopy"]["handed_over"].as_bool().unwrap_or(false);
+            // A postcopy move has no rounds: it sends each page once, so
+            // all it sent is what had to cross (to its standby, when that
+            // finished the move: the destination got only its faults).
+            report.first_round_bytes = stats["rounds"][0]["bytes"].as_u64().or_else(|| {
+                stats["bytes"].as_u64().map(|b| {
+                    if report.handed_over {
+                        b.max(report.standby_bytes)
+                    } else {
+                        b
+                    }
+                })
+            });
             report.remaining_pages = 0;
             Ok(())
         }

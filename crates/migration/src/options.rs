@@ -418,6 +418,13 @@ pub struct MigrateOptions {
     /// destination lacks at the switch and resumes the postcopy in the
     /// source's place if the source dies (`--safety-net`).
     pub safety_net: Option<crate::transport::Endpoint>,
+    /// Postcopy with a safety net: the net finishes the move
+    /// (`--net-finishes`). The source pushes nothing to the destination:
+    /// it answers faults and sends each pending page once, to the standby,
+    /// and leaves once the standby holds them all; the standby then pushes
+    /// them to the destination. Each page leaves the source's host once
+    /// (without it: once to each), and the source's host is free sooner.
+    pub net_finishes: bool,
 
     // ── Split ────────────────────────────────────────────────────────────
     /// Split: the memory servers, the main host's budget, the chunks.
@@ -444,6 +451,7 @@ impl Default for MigrateOptions {
             postcopy_after: PostcopyAfter::default(),
             reconnect_timeout_ms: defaults::RECONNECT_TIMEOUT_MS,
             safety_net: None,
+            net_finishes: false,
             split: SplitOptions::default(),
         }
     }
@@ -491,6 +499,11 @@ impl MigrateOptions {
                 "a push delay is for postcopy and hybrid; {} has no push after a switch",
                 self.mode
             ));
+        }
+        if self.net_finishes && self.safety_net.is_none() {
+            return Err(
+                "a net that finishes the move needs a safety net (a standby's address)".into(),
+            );
         }
         if self.push_delay_ms > defaults::MAX_PUSH_DELAY_MS {
             return Err(format!(

@@ -352,6 +352,7 @@ impl Agent {
                 bandwidth,
                 split,
                 safety_net,
+                net_finishes,
             } => {
                 let mut options = MigrateOptions {
                     mode,
@@ -361,6 +362,7 @@ impl Agent {
                     // The fleet keeps no timeline: no waiting for the
                     // destination's tail of one (a second a move).
                     timeline_tail_ms: 0,
+                    net_finishes,
                     ..Default::default()
                 };
                 if let Some(after) = postcopy_after {

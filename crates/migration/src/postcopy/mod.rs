@@ -32,7 +32,7 @@ pub(crate) mod source;
 pub(crate) use destination::PostcopyDestination;
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::dirty::first_round;
 use crate::paused::{Epoch, Outcome, PausedPostcopy};
@@ -186,9 +186,12 @@ pub(crate) fn switch(
             landed: false,
         },
         Ok((pending, demand)),
+        safety_net.as_ref().filter(|_| opts.net_finishes),
         progress,
     );
+    let handed = stats.postcopy.as_ref().is_some_and(|p| p.handed_over);
     let sent = match (safety_net, &result) {
+        (Some(n), Ok(None)) if handed => Some(n.hand_over()),
         (Some(n), Ok(None)) => Some(n.release()),
         (Some(n), _) => Some(n.abandon()),
         (None, _) => None,
@@ -230,6 +233,7 @@ fn net_feed(
             .then(|| (0..s.regions.len()).map(|i| vm.data_ranges(i)).collect()),
         timeout: s.opts.timeout(),
         tel: s.tel.clone(),
+        finishes: s.opts.net_finishes,
     }
 }
 
@@ -242,7 +246,7 @@ pub(crate) fn resume(
 ) -> Result<Outcome, MigrationError> {
     let mut stats = paused.stats;
     let reason = format!("resuming after: {}", paused.reason);
-    let again = follow(s, &mut stats, paused.epoch, Err(reason), progress)?;
+    let again = follow(s, &mut stats, paused.epoch, Err(reason), None, progress)?;
     Ok(outcome(stats, again))
 }
 
@@ -250,13 +254,16 @@ pub(crate) fn resume(
 /// destination has them all. A broken link pauses: every connection is
 /// dropped, the source reconnects as the same session, and the destination
 /// names the pages it still lacks, which go out again. `next` is the first
-/// epoch's pages and demand connection, or why the link is down. Returns
+/// epoch's pages and demand connection, or why the link is down. `relay`:
+/// a safety net that finishes the move (the push waits for it, and this
+/// side hands over once it is armed: `handed_over` in the stats). Returns
 /// the pause when the link did not come back within the reconnect timeout.
 fn follow(
     s: &mut SourceSession,
     stats: &mut MigrationStats,
     mut epoch: Epoch,
     mut next: Result<(Vec<GpaPages>, Conn), String>,
+    relay: Option<&net::Net>,
     progress: &dyn Fn(&Progress),
 ) -> Result<Option<Box<PausedPostcopy>>, MigrationError> {
     let opts = s.opts;
@@ -340,7 +347,10 @@ fn follow(
             push_from,
         )
         .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
-        let result = serve(s, &out, demand, &mut epoch, stats.bytes, progress);
+        if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
+            out.held.store(true, Ordering::Release);
+        }
+        let result = serve(s, &out, demand, &mut epoch, stats.bytes, relay, progress);
         let post = stats.postcopy.get_or_insert_with(Default::default);
         post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);
         post.pushed_zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
@@ -353,7 +363,21 @@ fn follow(
         stats.zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
         stats.source_cpu_s += out.cpu.secs();
         match result {
-            Ok((faults, verified)) => {
+            Ok(Served::HandedOver) => {
+                post.handed_over = true;
+                // The destination sees its links end and waits for the
+                // standby, which the net tells to take over after this.
+                s.drop_links();
+                finished(
+                    s,
+                    stats,
+                    &epoch,
+                    "the standby holds every page the destination lacks and finishes the move",
+                    progress,
+                );
+                return Ok(None);
+            }
+            Ok(Served::Finished(faults, verified)) => {
                 post.faults = faults;
                 stats.verified_pages = verified;
                 finished(
@@ -400,20 +424,34 @@ fn finished(
     });
 }
 
+/// How an epoch ended well.
+enum Served {
+    /// Every page landed: the destination's fault report and the pages it
+    /// verified.
+    Finished(crate::stats::FaultReport, u64),
+    /// The net that finishes the move holds every page: this side stops.
+    HandedOver,
+}
+
 /// One epoch of the phase (between the switch or a resume and the end or
 /// a broken link): the demand thread, a pusher per bulk stream, and on
 /// this thread the barrier (acknowledged: `epoch.landed`), the hashes and
-/// Finished.
+/// Finished. With a `relay` net the push waits while it copies (at most
+/// half the session timeout: the destination takes a long silence for a
+/// broken link), goes on if it fails, and the epoch ends handed over once
+/// it is armed.
 fn serve(
     s: &mut SourceSession,
     out: &source::SourcePages,
     mut demand: Conn,
     epoch: &mut Epoch,
     base_bytes: u64,
+    relay: Option<&net::Net>,
     progress: &dyn Fn(&Progress),
-) -> Result<(crate::stats::FaultReport, u64), MigrationError> {
+) -> Result<Served, MigrationError> {
     let opts = s.opts;
     let t0 = Instant::now();
+    let hold_until = t0 + opts.timeout() / 2;
     // The demand connection idles for as long as no vCPU faults; it ends
     // when this side shuts it down after Finished.
     let _ = demand.set_read_timeout(None);
@@ -440,17 +478,45 @@ fn serve(
             .map(|c| sc.spawn(move || out.push(c)))
             .collect();
         let result = (|| {
+            let mut last_progress = t0 - Duration::from_secs(1);
             while pushers.iter().any(|p| !p.is_finished()) && !demand_thread.is_finished() {
-                let sent = out.bytes.load(Ordering::Relaxed);
-                progress(&Progress {
-                    round: epoch.round,
-                    remaining_pages: out.unsent(),
-                    throughput: sent as f64 / secs(t0.elapsed()).max(1e-3),
-                    bytes: base_bytes + sent,
-                    phase: Phase::Postcopy,
-                    ..Default::default()
+                match relay.map(net::Net::state) {
+                    Some(net::NetState::Armed) => {
+                        out.halt.store(true, Ordering::Release);
+                        for b in &bulk_socks {
+                            b.shutdown();
+                        }
+                        for p in pushers {
+                            let _ = p.join();
+                        }
+                        return Ok(Served::HandedOver);
+                    }
+                    Some(net::NetState::Lost) => out.held.store(false, Ordering::Release),
+                    Some(net::NetState::Copying) if Instant::now() >= hold_until => {
+                        out.held.store(false, Ordering::Release);
+                    }
+                    _ => {}
+                }
+                if last_progress.elapsed() >= Duration::from_millis(50) {
+                    last_progress = Instant::now();
+                    // A relay's pages go to its standby.
+                    let sent =
+                        out.bytes.load(Ordering::Relaxed) + relay.map_or(0, net::Net::sent_bytes);
+                    progress(&Progress {
+                        round: epoch.round,
+                        remaining_pages: out.unsent(),
+                        throughput: sent as f64 / secs(t0.elapsed()).max(1e-3),
+                        bytes: base_bytes + sent,
+                        phase: Phase::Postcopy,
+                        ..Default::default()
+                    });
+                }
+                // A relay's hand-over waits for this loop to see it armed.
+                std::thread::sleep(if relay.is_some() {
+                    Duration::from_millis(2)
+                } else {
+                    Duration::from_millis(50)
                 });
-                std::thread::sleep(std::time::Duration::from_millis(50));
             }
             if demand_thread.is_finished() {
                 // The demand connection ended before the push did: the
@@ -474,7 +540,7 @@ fn serve(
                 out.bytes.fetch_add(wire, Ordering::Relaxed);
                 verified = hashes.len() as u64;
             }
-            Ok((s.finish()?, verified))
+            Ok(Served::Finished(s.finish()?, verified))
         })();
         out.done.store(true, Ordering::Release);
         demand_sock.shutdown();

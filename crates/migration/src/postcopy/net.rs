@@ -10,6 +10,14 @@
 //! standby says it holds every page, a source that dies still takes the
 //! pages only it has (docs/agent.md explains why no design closes that
 //! window for free).
+//!
+//! With `--net-finishes` the net also finishes the move: the source holds
+//! its push (only faults are answered) while this copy runs at the push's
+//! priority, and once the standby holds every page the source closes its
+//! links to the destination and hands over ([`Net::hand_over`]: a
+//! StandbyTakeOver frame); the standby resumes the move at once and
+//! pushes the rest from its own host. Each page leaves the source's host
+//! once instead of once to each peer.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -37,6 +45,20 @@ pub(crate) struct NetFeed {
     pub(crate) verify: Option<Vec<Vec<OffsetBytes>>>,
     pub(crate) timeout: Duration,
     pub(crate) tel: Arc<Telemetry>,
+    /// The net finishes the move (`--net-finishes`): copy at the push's
+    /// priority, not below it.
+    pub(crate) finishes: bool,
+}
+
+/// Where the copy stands, for a source that hands over once it is armed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NetState {
+    /// Still sending, or waiting for StandbyHeld.
+    Copying,
+    /// The standby holds every pending page.
+    Armed,
+    /// The net failed: the move goes on without it.
+    Lost,
 }
 
 /// The running net: ends with [`release`](Self::release) (the move is
@@ -45,6 +67,7 @@ pub(crate) struct NetFeed {
 pub(crate) struct Net {
     stop: Arc<AtomicBool>,
     release: Arc<AtomicBool>,
+    hand_over: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     sent: Arc<Sent>,
 }
@@ -56,6 +79,10 @@ pub(crate) struct Sent {
     pub(crate) bytes: AtomicU64,
     /// The standby said it holds every page.
     pub(crate) armed: AtomicBool,
+    /// The feed failed (the move goes on without a net).
+    pub(crate) lost: AtomicBool,
+    /// The standby was told to take the move over.
+    pub(crate) handed_over: AtomicBool,
 }
 
 impl Net {
@@ -63,7 +90,8 @@ impl Net {
     pub(crate) fn start(feed: NetFeed) -> Net {
         let stop = Arc::new(AtomicBool::new(false));
         let release = Arc::new(AtomicBool::new(false));
-        let (st, rel) = (stop.clone(), release.clone());
+        let hand_over = Arc::new(AtomicBool::new(false));
+        let (st, rel, hand) = (stop.clone(), release.clone(), hand_over.clone());
         let sent = Arc::new(Sent::default());
         let sent2 = sent.clone();
         let thread = std::thread::Builder::new()
@@ -71,7 +99,8 @@ impl Net {
             .spawn(move || {
                 let tel = feed.tel.clone();
                 let net = feed.net.to_string();
-                if let Err(e) = run(feed, &st, &rel, &sent2) {
+                if let Err(e) = run(feed, &st, &rel, &hand, &sent2) {
+                    sent2.lost.store(true, Ordering::Release);
                     tracing::warn!(%net, error = %e, "the postcopy safety net failed: the move goes on without it");
                     tel.event("safety_net_lost", format!("{net}: {e}"));
                 }
@@ -80,6 +109,7 @@ impl Net {
         Net {
             stop,
             release,
+            hand_over,
             thread,
             sent,
         }
@@ -88,6 +118,30 @@ impl Net {
     /// The move is done: the standby may drop its copy. What the feed did.
     pub(crate) fn release(mut self) -> Arc<Sent> {
         self.release.store(true, Ordering::Release);
+        self.end();
+        self.sent.clone()
+    }
+
+    /// Bytes sent to the standby so far.
+    pub(crate) fn sent_bytes(&self) -> u64 {
+        self.sent.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Where the copy stands.
+    pub(crate) fn state(&self) -> NetState {
+        if self.sent.armed.load(Ordering::Acquire) {
+            NetState::Armed
+        } else if self.sent.lost.load(Ordering::Acquire) || self.thread.is_none() {
+            NetState::Lost
+        } else {
+            NetState::Copying
+        }
+    }
+
+    /// This side has closed its links to the destination and leaves: the
+    /// armed standby resumes the move at once. What the feed did.
+    pub(crate) fn hand_over(mut self) -> Arc<Sent> {
+        self.hand_over.store(true, Ordering::Release);
         self.end();
         self.sent.clone()
     }
@@ -117,9 +171,15 @@ fn run(
     feed: NetFeed,
     stop: &AtomicBool,
     release: &AtomicBool,
+    hand_over: &AtomicBool,
     sent: &Sent,
 ) -> Result<(), MigrationError> {
-    crate::priority::lowest();
+    // A net that finishes the move is the source's only bulk sender.
+    if feed.finishes {
+        crate::priority::background();
+    } else {
+        crate::priority::lowest();
+    }
     let t0 = Instant::now();
     let hello = Hello {
         version_min: protocol::VERSION_STANDBY,
@@ -179,7 +239,8 @@ fn run(
     );
     let mut beat = Instant::now();
     while !stop.load(Ordering::Acquire) {
-        std::thread::sleep(Duration::from_millis(50));
+        // Short: a source handing over waits for this loop to see it.
+        std::thread::sleep(Duration::from_millis(5));
         if beat.elapsed() >= BEAT {
             c.send_frame(Kind::StandbyBeat, &[])?;
             beat = Instant::now();
@@ -187,6 +248,11 @@ fn run(
     }
     if release.load(Ordering::Acquire) {
         c.send_frame(Kind::Complete, &[])?;
+    } else if hand_over.load(Ordering::Acquire) {
+        c.send_frame(Kind::StandbyTakeOver, &[])?;
+        sent.handed_over.store(true, Ordering::Release);
+        feed.tel
+            .event("handed_over", format!("{} finishes the move", feed.net));
     }
     c.shutdown();
     Ok(())

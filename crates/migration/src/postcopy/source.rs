@@ -58,6 +58,9 @@ pub(crate) struct SourcePages {
     push_from: Instant,
     /// Set when the link broke: a pusher still held stops at once.
     pub(crate) halt: AtomicBool,
+    /// The push waits while this is set: a safety net that finishes the
+    /// move is sending the pages instead (`--net-finishes`).
+    pub(crate) held: AtomicBool,
     pub(crate) cpu: CpuMeter,
     /// `--bandwidth` for the push (demand answers are never held back, but
     /// count against it).
@@ -93,6 +96,7 @@ impl SourcePages {
             done: AtomicBool::new(false),
             push_from,
             halt: AtomicBool::new(false),
+            held: AtomicBool::new(false),
             cpu: CpuMeter::default(),
             pacer: Pacer::new(bandwidth),
             may_seal: false,
@@ -182,7 +186,7 @@ impl SourcePages {
     /// frames sent.
     pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
         crate::priority::background();
-        while Instant::now() < self.push_from {
+        while Instant::now() < self.push_from || self.held.load(Ordering::Acquire) {
             if self.halt.load(Ordering::Acquire) {
                 // The demand connection ended first: like a pusher whose
                 // socket was shut, this epoch fails (never a barrier

@@ -139,6 +139,9 @@ pub enum Kind {
     /// holds them, so the source's pause need not wait for the guest to
     /// answer what is in its ring.
     AnswersHeld = 48,
+    /// Source to its standby once it holds every page (`--net-finishes`):
+    /// the source leaves; the standby finishes the move from here.
+    StandbyTakeOver = 49,
 }
 
 impl Kind {
@@ -194,6 +197,7 @@ impl Kind {
             46 => SharedMissed,
             47 => AnswersAsk,
             48 => AnswersHeld,
+            49 => StandbyTakeOver,
             _ => return None,
         })
     }
@@ -250,6 +254,7 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::SharedMissed => "SharedMissed",
         Kind::AnswersAsk => "AnswersAsk",
         Kind::AnswersHeld => "AnswersHeld",
+        Kind::StandbyTakeOver => "StandbyTakeOver",
     }
 }
 
@@ -262,19 +267,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=48, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 48);
+        // 1..=49, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 49);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(49), None);
+        assert_eq!(Kind::from_u16(50), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=48).filter_map(Kind::from_u16) {
+        for k in (1..=49).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }

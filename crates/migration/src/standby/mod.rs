@@ -6,8 +6,10 @@
 //! memory laid out as the guest's ([`image`]) until one of two things:
 //!
 //! - the source says Complete: the move is done, the copy is dropped;
-//! - the source falls silent (its connection ends or no beat for
-//!   [`SILENCE`]): this host resumes the postcopy as the source's session,
+//! - the source hands the move over (StandbyTakeOver, `--net-finishes`:
+//!   it has closed its links to the destination and leaves) or falls
+//!   silent (its connection ends or no beat for [`SILENCE`]): this host
+//!   resumes the postcopy as the source's session,
 //!   through the engine's own resume path. The destination, which paused
 //!   when its link to the source broke, names the pages it still lacks,
 //!   and they are served and pushed from here until it has them all.
@@ -58,8 +60,12 @@ pub struct StandbyStats {
     pub held: AtomicUsize,
     /// Moves released by their source (done without help).
     pub released: AtomicU64,
-    /// Moves this host finished after its source went silent.
+    /// Moves this host finished after its source went silent or handed
+    /// the move over.
     pub finished: AtomicU64,
+    /// Of the moves taken over, those their source handed over
+    /// (`--net-finishes`), not lost.
+    pub handed: AtomicU64,
     /// Pages of those moves the destination checked against the source's
     /// hashes (with verification).
     pub verified_pages: AtomicU64,
@@ -197,9 +203,14 @@ impl Standby {
         } = intake(c, hello, &self.room)?;
         tracing::info!(session = plan.session, %to, pages, "standby: holding what the destination lacks");
         let _ = c.set_read_timeout(Some(SILENCE));
-        let lost = loop {
+        // Why this host takes the move over, and whether it was asked to.
+        let (lost, handed) = loop {
             match protocol::read_frame(c.reader()) {
                 Ok(f) if f.kind == Kind::StandbyBeat => continue,
+                Ok(f) if f.kind == Kind::StandbyTakeOver => {
+                    self.stats.handed.fetch_add(1, Ordering::Relaxed);
+                    break ("the source handed the move over".to_string(), true);
+                }
                 Ok(f) if f.kind == Kind::Complete => {
                     tracing::info!(
                         session = plan.session,
@@ -208,11 +219,20 @@ impl Standby {
                     self.stats.released.fetch_add(1, Ordering::Relaxed);
                     return Ok(());
                 }
-                Ok(f) => break format!("the source sent {:?} while standing by", f.kind),
-                Err(e) => break e.to_string(),
+                Ok(f) => {
+                    break (
+                        format!("the source sent {:?} while standing by", f.kind),
+                        false,
+                    )
+                }
+                Err(e) => break (e.to_string(), false),
             }
         };
-        tracing::warn!(session = plan.session, %to, reason = %lost, "standby: the source is gone; resuming the move from here");
+        if handed {
+            tracing::info!(session = plan.session, %to, "standby: the source handed the move over; resuming the move from here");
+        } else {
+            tracing::warn!(session = plan.session, %to, reason = %lost, "standby: the source is gone; resuming the move from here");
+        }
         match take_over(&image, &plan, to, &lost) {
             Ok(verified) => {
                 self.stats.finished.fetch_add(1, Ordering::Relaxed);
