@@ -144,7 +144,9 @@ def main():
                         raise RuntimeError(f"not emptied: {rep}")
                     must = sum(m["first_round_bytes"] or 0 for m in moves)
                     limit = must * 8 / LINK_BPS
-                    run = {"secs": rep["secs"], "wall_s": wall, "must_move_bytes": must,
+                    run = {"secs": rep["secs"], "emptied_s": rep.get("emptied_secs"), "wall_s": wall,
+                           "must_move_bytes": must,
+                           "handed_over": sum(1 for m in moves if m.get("handed_over")),
                            "sent_bytes": sum(m["bytes"] for m in moves), "limit_s": limit,
                            "standby_bytes": sum(m.get("standby_bytes", 0) for m in moves),
                            "ratio": rep["secs"] / limit if limit else None,
@@ -152,6 +154,9 @@ def main():
                            "postcopy": sum(1 for m in moves if m["postcopy"]),
                            "moves": [{k: m[k] for k in ("vm", "to", "secs", "bytes", "first_round_bytes",
                                                         "downtime_ms", "postcopy")} for m in moves]}
+                    for mv, m in zip(run["moves"], moves):
+                        mv["handed_over"] = m.get("handed_over", False)
+                        mv["standby_bytes"] = m.get("standby_bytes", 0)
                     runs.append(run)
                     print(f"concurrency {c} run {r + 1}: {rep['secs']:.1f} s, limit {limit:.1f} s, "
                           f"ratio {run['ratio']:.2f}", file=sys.stderr, flush=True)
@@ -165,6 +170,8 @@ def main():
                 cells.append({
                     "concurrency": c, "runs": runs,
                     "secs": statistics.median(r["secs"] for r in runs),
+                    "emptied_s": statistics.median(r["emptied_s"] or r["secs"] for r in runs),
+                    "handed_over": sum(r["handed_over"] for r in runs),
                     "limit_s": statistics.median(r["limit_s"] for r in runs),
                     "ratio": statistics.median(r["ratio"] for r in runs),
                     "downtime_p50_ms": pct(downs, 50), "downtime_p99_ms": pct(downs, 99),
@@ -225,12 +232,15 @@ def main():
              + (f"; drains run with {' '.join(a.drain_arg)}" if a.drain_arg else "") + ".", "",
              "The limit: the bytes that had to cross (each VM's first round) at 1 Gbit/s. Downtime percentiles "
              "over every VM of every run.", "",
-             "| concurrency | drain s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | to standbys GiB | finished by postcopy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "drain s: until every VM runs whole at its destination; host empty s: until the last move out of "
+             "ferry-h1 ended (a standby that finishes a move may still be pushing its pages then).", "",
+             "| concurrency | drain s | host empty s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | to standbys GiB | finished by postcopy | of them by their standby |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        lines.append(f"| {c['concurrency']} | {c['secs']:.1f} | {c['limit_s']:.1f} | {c['ratio']:.2f}x | "
+        lines.append(f"| {c['concurrency']} | {c['secs']:.1f} | {c.get('emptied_s', c['secs']):.1f} | "
+                     f"{c['limit_s']:.1f} | {c['ratio']:.2f}x | "
                      f"{c['downtime_p50_ms']:.1f} | {c['downtime_p99_ms']:.1f} | {c['sent_gib']:.2f} | "
-                     f"{c.get('standby_gib', 0):.2f} | {c['postcopy']} |")
+                     f"{c.get('standby_gib', 0):.2f} | {c['postcopy']} | {c.get('handed_over', 0)} |")
     if upgrade:
         runs = len(upgrade["runs"])
         lines += ["", f"`ferry upgrade` of {upgrade['vms']} VMs, {runs} runs: {upgrade['secs']:.2f} s in all "

@@ -503,15 +503,26 @@ pub fn run(
                 cancelled = true;
                 pending.clear();
             }
-            // Start what the limits allow, in plan order.
+            // Start what the limits allow, in plan order. A move handed to
+            // its standby no longer sends from the host: it holds no slot
+            // (its standby's push crosses another host's link).
+            let sending = |running: &BTreeMap<usize, String>| {
+                running
+                    .iter()
+                    .filter(|(r, _)| !reports[**r].handed_over)
+                    .map(|(r, h)| (*r, h.clone()))
+                    .collect::<Vec<_>>()
+            };
             let mut i = 0;
-            while i < pending.len() && running.len() < opts.in_fleet.min(opts.per_host).max(1) {
+            while i < pending.len()
+                && sending(&running).len() < opts.in_fleet.min(opts.per_host).max(1)
+            {
                 let k = pending[i];
                 let to = reports[k].to.clone();
-                let into = running.values().filter(|h| **h == to).count();
-                let under_way: Vec<(u64, Duration)> = running
-                    .keys()
-                    .map(|&r| {
+                let into = sending(&running).iter().filter(|(_, h)| *h == to).count();
+                let under_way: Vec<(u64, Duration)> = sending(&running)
+                    .iter()
+                    .map(|&(r, _)| {
                         let m = &reports[r];
                         let left = opts
                             .deadline(m.mem_bytes)
@@ -824,6 +835,8 @@ fn one_move(
             report.bytes = p["bytes"].as_u64().unwrap_or(report.bytes);
             report.remaining_pages = p["remaining_pages"].as_u64().unwrap_or(0);
             report.secs = t0.elapsed().as_secs_f64();
+            // Its standby finishes it: the source's link is free.
+            report.handed_over |= p["phase"] == "handed-over";
             let _ = tx.send(Event::Update(k, report.clone()));
         },
     );

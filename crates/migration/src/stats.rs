@@ -412,6 +412,10 @@ pub enum Phase {
     /// Postcopy with the link broken: reconnecting (the VM runs at the
     /// destination, its missing pages wait here).
     PostcopyPaused,
+    /// Postcopy: the safety net's standby holds every page the destination
+    /// lacks and finishes the move (`--net-finishes`); the source sends
+    /// nothing more and waits, as its backup, for it to end.
+    HandedOver,
     /// Finished.
     Done,
 }
@@ -424,6 +428,7 @@ impl std::fmt::Display for Phase {
             Phase::Verify => "verify",
             Phase::Postcopy => "postcopy",
             Phase::PostcopyPaused => "postcopy paused",
+            Phase::HandedOver => "handed over",
             Phase::Done => "done",
         })
     }

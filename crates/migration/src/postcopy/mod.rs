@@ -191,7 +191,7 @@ pub(crate) fn switch(
     );
     let handed = stats.postcopy.as_ref().is_some_and(|p| p.handed_over);
     let sent = match (safety_net, &result) {
-        (Some(n), Ok(None)) if handed => Some(n.hand_over()),
+        (Some(n), Ok(None)) if handed => Some(n.ended()),
         (Some(n), Ok(None)) => Some(n.release()),
         (Some(n), _) => Some(n.abandon()),
         (None, _) => None,
@@ -255,15 +255,17 @@ pub(crate) fn resume(
 /// dropped, the source reconnects as the same session, and the destination
 /// names the pages it still lacks, which go out again. `next` is the first
 /// epoch's pages and demand connection, or why the link is down. `relay`:
-/// a safety net that finishes the move (the push waits for it, and this
-/// side hands over once it is armed: `handed_over` in the stats). Returns
-/// the pause when the link did not come back within the reconnect timeout.
+/// a safety net that finishes the move (the push waits for it; once it is
+/// armed this side hands over and waits, holding every page, until the
+/// standby says it finished: `handed_over` in the stats; a standby that
+/// fails is taken over from again). Returns the pause when the link did
+/// not come back within the reconnect timeout.
 fn follow(
     s: &mut SourceSession,
     stats: &mut MigrationStats,
     mut epoch: Epoch,
     mut next: Result<(Vec<GpaPages>, Conn), String>,
-    relay: Option<&net::Net>,
+    mut relay: Option<&net::Net>,
     progress: &dyn Fn(&Progress),
 ) -> Result<Option<Box<PausedPostcopy>>, MigrationError> {
     let opts = s.opts;
@@ -364,18 +366,43 @@ fn follow(
         stats.source_cpu_s += out.cpu.secs();
         match result {
             Ok(Served::HandedOver) => {
-                post.handed_over = true;
                 // The destination sees its links end and waits for the
-                // standby, which the net tells to take over after this.
+                // standby, told to take over after this.
                 s.drop_links();
-                finished(
-                    s,
-                    stats,
-                    &epoch,
-                    "the standby holds every page the destination lacks and finishes the move",
-                    progress,
-                );
-                return Ok(None);
+                let Some(n) = relay.take() else {
+                    return Err(MigrationError::Unsupported(
+                        "handed over without a net".into(),
+                    ));
+                };
+                let waiting = || {
+                    progress(&Progress {
+                        round: epoch.round,
+                        bytes: stats.bytes,
+                        phase: Phase::HandedOver,
+                        ..Default::default()
+                    })
+                };
+                s.tel.event("handed_over", "the standby finishes the move");
+                tracing::info!("postcopy: handed over to the standby; this side waits for it to finish");
+                match n.hand_over(&waiting) {
+                    Ok(()) => {
+                        let post = stats.postcopy.get_or_insert_with(Default::default);
+                        post.handed_over = true;
+                        finished(
+                            s,
+                            stats,
+                            &epoch,
+                            "the standby finished the move it was handed",
+                            progress,
+                        );
+                        return Ok(None);
+                    }
+                    // Every page is still here: this side resumes.
+                    Err(why) => {
+                        tracing::warn!(%why, "postcopy: the standby that was handed the move failed; resuming it from here");
+                        next = Err(format!("the standby that was handed the move failed: {why}"));
+                    }
+                }
             }
             Ok(Served::Finished(faults, verified)) => {
                 post.faults = faults;

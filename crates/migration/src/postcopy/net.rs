@@ -32,8 +32,12 @@ use crate::ranges::{GpaPages, OffsetBytes};
 use crate::telemetry::Telemetry;
 use crate::transport::{Conn, Endpoint};
 
-/// How often the source tells its standby it lives.
+/// How often the source tells its standby it lives (and a standby that
+/// was handed a move tells its source).
 pub(crate) const BEAT: Duration = Duration::from_secs(1);
+/// A standby finishing a move it was handed says nothing for this long: it
+/// is gone (it may wait up to a minute for the destination to take it).
+pub(crate) const HANDED_SILENCE: Duration = Duration::from_secs(90);
 
 /// What the feeding thread needs, taken from the session at the switch.
 pub(crate) struct NetFeed {
@@ -83,6 +87,10 @@ pub(crate) struct Sent {
     pub(crate) lost: AtomicBool,
     /// The standby was told to take the move over.
     pub(crate) handed_over: AtomicBool,
+    /// The standby said it finished the move it was handed.
+    pub(crate) finished: AtomicBool,
+    /// Why the feed failed.
+    why_lost: std::sync::Mutex<Option<String>>,
 }
 
 impl Net {
@@ -100,6 +108,7 @@ impl Net {
                 let tel = feed.tel.clone();
                 let net = feed.net.to_string();
                 if let Err(e) = run(feed, &st, &rel, &hand, &sent2) {
+                    *sent2.why_lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                     sent2.lost.store(true, Ordering::Release);
                     tracing::warn!(%net, error = %e, "the postcopy safety net failed: the move goes on without it");
                     tel.event("safety_net_lost", format!("{net}: {e}"));
@@ -138,10 +147,34 @@ impl Net {
         }
     }
 
-    /// This side has closed its links to the destination and leaves: the
-    /// armed standby resumes the move at once. What the feed did.
-    pub(crate) fn hand_over(mut self) -> Arc<Sent> {
+    /// This side has closed its links to the destination: the armed
+    /// standby is told to resume the move at once, and this waits until it
+    /// says it finished (Ok) or fails or falls silent for
+    /// [`HANDED_SILENCE`] (Err: why; this side, which still holds every
+    /// page, then resumes the move itself). `waiting` is called every
+    /// 50 ms meanwhile.
+    pub(crate) fn hand_over(&self, waiting: &dyn Fn()) -> Result<(), String> {
         self.hand_over.store(true, Ordering::Release);
+        loop {
+            if self.sent.finished.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let ended = self.thread.as_ref().is_none_or(JoinHandle::is_finished);
+            if self.sent.lost.load(Ordering::Acquire) || ended {
+                // The thread sets `finished` before it ends.
+                if self.sent.finished.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                let why = self.sent.why_lost.lock().unwrap_or_else(|p| p.into_inner());
+                return Err(why.clone().unwrap_or_else(|| "the standby's feed ended".into()));
+            }
+            waiting();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The feed has ended (or is to end now): what it did.
+    pub(crate) fn ended(mut self) -> Arc<Sent> {
         self.end();
         self.sent.clone()
     }
@@ -238,7 +271,7 @@ fn run(
         ),
     );
     let mut beat = Instant::now();
-    while !stop.load(Ordering::Acquire) {
+    while !stop.load(Ordering::Acquire) && !hand_over.load(Ordering::Acquire) {
         // Short: a source handing over waits for this loop to see it.
         std::thread::sleep(Duration::from_millis(5));
         if beat.elapsed() >= BEAT {
@@ -246,13 +279,31 @@ fn run(
             beat = Instant::now();
         }
     }
-    if release.load(Ordering::Acquire) {
-        c.send_frame(Kind::Complete, &[])?;
-    } else if hand_over.load(Ordering::Acquire) {
+    if hand_over.load(Ordering::Acquire) {
         c.send_frame(Kind::StandbyTakeOver, &[])?;
         sent.handed_over.store(true, Ordering::Release);
-        feed.tel
-            .event("handed_over", format!("{} finishes the move", feed.net));
+        feed.tel.event("handed_over", format!("{} finishes the move", feed.net));
+        // It beats while it finishes, and says Complete at the end.
+        let _ = c.set_read_timeout(Some(HANDED_SILENCE));
+        loop {
+            let f = protocol::read_frame(c.reader())?;
+            match f.kind {
+                Kind::StandbyBeat => continue,
+                Kind::Complete => break,
+                k => {
+                    return Err(ProtocolError::Unexpected {
+                        got: k,
+                        want: "StandbyBeat or Complete from a standby finishing a move",
+                    }
+                    .into())
+                }
+            }
+        }
+        sent.finished.store(true, Ordering::Release);
+        tracing::info!(net = %feed.net, "the standby finished the move it was handed");
+        feed.tel.event("standby_finished", feed.net.to_string());
+    } else if release.load(Ordering::Acquire) {
+        c.send_frame(Kind::Complete, &[])?;
     }
     c.shutdown();
     Ok(())

@@ -233,7 +233,25 @@ impl Standby {
         } else {
             tracing::warn!(session = plan.session, %to, reason = %lost, "standby: the source is gone; resuming the move from here");
         }
-        match take_over(&image, &plan, to, &lost) {
+        // A source that handed the move over waits, holding every page, for
+        // this host to say it finished (beats meanwhile): if this host
+        // fails, it takes the move back.
+        let source = std::sync::Mutex::new((&mut *c, Instant::now()));
+        let beat = || {
+            if handed {
+                let mut s = source.lock().unwrap_or_else(|p| p.into_inner());
+                if s.1.elapsed() >= crate::postcopy::net::BEAT {
+                    let _ = s.0.send_frame(Kind::StandbyBeat, &[]);
+                    s.1 = Instant::now();
+                }
+            }
+        };
+        let result = take_over(&image, &plan, to, &lost, &beat);
+        if handed && result.is_ok() {
+            let (c, _) = source.into_inner().unwrap_or_else(|p| p.into_inner());
+            let _ = c.send_frame(Kind::Complete, &[]);
+        }
+        match result {
             Ok(verified) => {
                 self.stats.finished.fetch_add(1, Ordering::Relaxed);
                 self.stats
@@ -383,6 +401,7 @@ fn take_over(
     plan: &StandbyPlan,
     to: Endpoint,
     why: &str,
+    beat: &dyn Fn(),
 ) -> Result<u64, MigrationError> {
     let ago = (crate::telemetry::unix_now() - plan.started_unix_s).max(0.0);
     let now = Instant::now();
@@ -422,7 +441,7 @@ fn take_over(
         },
         reason: format!("the source went silent ({why}); its standby resumes"),
     };
-    match crate::source::resume(image, paused, Some(to.clone()), &|_| {})? {
+    match crate::source::resume(image, paused, Some(to.clone()), &|_| beat())? {
         Outcome::Done(stats) => {
             tracing::info!(
                 session = plan.session,
