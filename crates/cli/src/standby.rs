@@ -99,7 +99,7 @@ pub fn standby(a: StandbyArgs) -> Result<ExitCode> {
         );
     } else {
         eprintln!(
-            "ferry standby: {released} move(s) released by their source, {finished} finished from here ({handed} of them handed over; {verified} pages verified by the destination), {failed} failed"
+            "ferry standby: {released} move(s) released by their source, {finished} finished from here ({verified} pages verified by the destination; {handed} handed over by their source), {failed} failed"
         );
     }
     Ok(if failed > 0 {

@@ -719,6 +719,10 @@ fn a_source_vmm_killed_mid_postcopy_drain_is_survived_from_the_standby() {
             "--verify",
             "--bandwidth",
             "16M",
+            // The source pushes (paced) while the standby stands by; by
+            // default it would hand the move over once the standby held
+            // every page, and wait as its backup.
+            "--source-finishes",
             "--retries",
             "0",
             "--registry",

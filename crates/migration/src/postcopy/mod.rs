@@ -383,7 +383,9 @@ fn follow(
                     })
                 };
                 s.tel.event("handed_over", "the standby finishes the move");
-                tracing::info!("postcopy: handed over to the standby; this side waits for it to finish");
+                tracing::info!(
+                    "postcopy: handed over to the standby; this side waits for it to finish"
+                );
                 match n.hand_over(&waiting) {
                     Ok(()) => {
                         let post = stats.postcopy.get_or_insert_with(Default::default);
@@ -400,12 +402,14 @@ fn follow(
                     // Every page is still here: this side resumes.
                     Err(why) => {
                         tracing::warn!(%why, "postcopy: the standby that was handed the move failed; resuming it from here");
-                        next = Err(format!("the standby that was handed the move failed: {why}"));
+                        next = Err(format!(
+                            "the standby that was handed the move failed: {why}"
+                        ));
                     }
                 }
             }
             Ok(Served::Finished(faults, verified)) => {
-                post.faults = faults;
+                post.faults = *faults;
                 stats.verified_pages = verified;
                 finished(
                     s,
@@ -455,7 +459,7 @@ fn finished(
 enum Served {
     /// Every page landed: the destination's fault report and the pages it
     /// verified.
-    Finished(crate::stats::FaultReport, u64),
+    Finished(Box<crate::stats::FaultReport>, u64),
     /// The net that finishes the move holds every page: this side stops.
     HandedOver,
 }
@@ -567,7 +571,7 @@ fn serve(
                 out.bytes.fetch_add(wire, Ordering::Relaxed);
                 verified = hashes.len() as u64;
             }
-            Ok(Served::Finished(s.finish()?, verified))
+            Ok(Served::Finished(Box::new(s.finish()?), verified))
         })();
         out.done.store(true, Ordering::Release);
         demand_sock.shutdown();

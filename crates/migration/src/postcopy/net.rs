@@ -166,7 +166,9 @@ impl Net {
                     return Ok(());
                 }
                 let why = self.sent.why_lost.lock().unwrap_or_else(|p| p.into_inner());
-                return Err(why.clone().unwrap_or_else(|| "the standby's feed ended".into()));
+                return Err(why
+                    .clone()
+                    .unwrap_or_else(|| "the standby's feed ended".into()));
             }
             waiting();
             std::thread::sleep(Duration::from_millis(50));
@@ -282,7 +284,8 @@ fn run(
     if hand_over.load(Ordering::Acquire) {
         c.send_frame(Kind::StandbyTakeOver, &[])?;
         sent.handed_over.store(true, Ordering::Release);
-        feed.tel.event("handed_over", format!("{} finishes the move", feed.net));
+        feed.tel
+            .event("handed_over", format!("{} finishes the move", feed.net));
         // It beats while it finishes, and says Complete at the end.
         let _ = c.set_read_timeout(Some(HANDED_SILENCE));
         loop {

@@ -23,6 +23,8 @@
 //!  StandbyBeat every second                ──▶  …
 //!  Complete (the move is done)             ──▶  dropped
 //!                      (silence)                 resume the destination as the session
+//!  StandbyTakeOver (--net-finishes)        ──▶  resume the destination as the session
+//!                                          ◀──  StandbyBeat every second, Complete at the end
 //! ```
 //!
 //! Every connection comes through the listener's gate (mutual TLS with a
