@@ -233,7 +233,8 @@ def main():
              "The limit: the bytes that had to cross (each VM's first round) at 1 Gbit/s. Downtime percentiles "
              "over every VM of every run.", "",
              "drain s: until every VM runs whole at its destination; host empty s: until the last move out of "
-             "ferry-h1 ended (a standby that finishes a move may still be pushing its pages then).", "",
+             "ferry-h1 ended (a source that handed its move to its standby waits for it to finish, as its "
+             "backup; the drain then waits for the standby's process to end).", "",
              "| concurrency | drain s | host empty s | limit s | drain / limit | downtime p50 ms | downtime p99 ms | sent GiB | to standbys GiB | finished by postcopy | of them by their standby |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
