@@ -157,6 +157,7 @@ def main():
                     for mv, m in zip(run["moves"], moves):
                         mv["handed_over"] = m.get("handed_over", False)
                         mv["standby_bytes"] = m.get("standby_bytes", 0)
+                        mv["ready_s"] = m.get("ready_secs")
                     runs.append(run)
                     print(f"concurrency {c} run {r + 1}: {rep['secs']:.1f} s, limit {limit:.1f} s, "
                           f"ratio {run['ratio']:.2f}", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use ferry_migration::{MigrationToken, Mode};
@@ -420,6 +420,10 @@ pub struct MoveReport {
     /// lacked, and the standby finished the move.
     #[serde(default)]
     pub handed_over: bool,
+    /// Seconds from the move's start until its destination's VMM (and its
+    /// standby) waited for it: what the move cost before its first byte.
+    #[serde(default)]
+    pub ready_secs: f64,
 }
 
 /// What a drain did.
@@ -487,6 +491,7 @@ pub fn run(
             standby: None,
             standby_bytes: 0,
             handed_over: false,
+            ready_secs: 0.0,
         })
         .collect();
     // Hosts each move may still be tried on (its planned one first).
@@ -496,6 +501,7 @@ pub fn run(
     let (tx, rx) = mpsc::channel::<Event>();
     let mut cancelled = false;
     let mut emptied = Duration::ZERO;
+    let hosts_seen = HostsSeen::new();
     update(&reports);
     std::thread::scope(|sc| -> Result<(), FleetError> {
         loop {
@@ -547,6 +553,7 @@ pub fn run(
                 let (tx, mut report) = (tx.clone(), reports[k].clone());
                 let shared = Shared {
                     fleet: fleet.clone(),
+                    hosts: hosts_seen.clone(),
                     source: source.clone(),
                     from: plan.from.clone(),
                     opts: opts.clone(),
@@ -642,25 +649,32 @@ fn another_host(fleet: &Fleet, from: &str, r: &MoveReport, tried: &[String]) -> 
         .map(|h| h.name)
 }
 
-/// Starts a postcopy standby for `vm` on a host other than the source and
-/// the destination with room for all its memory (the most free first);
-/// its agent, host name and address. None when no host can: the move then
-/// goes without one, as the report says.
-fn start_standby(
-    fleet: &Fleet,
-    from: &str,
-    vm: &VmInfo,
-    report: &mut MoveReport,
-) -> Option<StandbyAt> {
-    let hosts = fleet.hosts().ok()?;
-    let mut third: Vec<HostInfo> = hosts
-        .into_iter()
-        .filter_map(|(_, h)| h.ok())
-        .filter(|h| h.name != from && h.name != report.to && h.free_mem >= vm.spec.mem_bytes)
+/// Hosts a standby may run on, the most free first: neither the source nor
+/// the destination, with room for all the VM's memory as `hosts` last said
+/// (the agent asked checks again); at most [`STANDBY_TRIES`] (the
+/// destination admits each of them).
+fn standby_hosts(hosts: &[HostInfo], from: &str, to: &str, vm: &VmInfo) -> Vec<String> {
+    let mut third: Vec<&HostInfo> = hosts
+        .iter()
+        .filter(|h| h.name != from && h.name != to && h.free_mem >= vm.spec.mem_bytes)
         .collect();
     third.sort_by_key(|h| std::cmp::Reverse(h.free_mem));
-    for h in third {
-        let started = fleet.agent(&h.name).and_then(|a| {
+    third
+        .into_iter()
+        .take(STANDBY_TRIES)
+        .map(|h| h.name.clone())
+        .collect()
+}
+
+/// Third hosts tried for a move's standby.
+const STANDBY_TRIES: usize = 2;
+
+/// Starts a postcopy standby for `vm` on the first of `hosts` that can;
+/// its agent, host name and address. None when none can: the move then
+/// goes without one, as the report says.
+fn start_standby(fleet: &Fleet, hosts: &[String], vm: &VmInfo) -> Option<StandbyAt> {
+    for h in hosts {
+        let started = fleet.agent(h).and_then(|a| {
             let v = a.call(&Request::Standby {
                 vm: vm.spec.name.clone(),
                 bytes: vm.spec.mem_bytes,
@@ -669,14 +683,13 @@ fn start_standby(
         });
         match started {
             Ok((agent, addr)) => {
-                report.standby = Some(h.name.clone());
                 return Some(StandbyAt {
                     agent,
-                    host: h.name,
+                    host: h.clone(),
                     addr,
-                });
+                })
             }
-            Err(e) => tracing::warn!("drain: no standby on {} for {}: {e}", h.name, vm.spec.name),
+            Err(e) => tracing::warn!("drain: no standby on {h} for {}: {e}", vm.spec.name),
         }
     }
     tracing::warn!(
@@ -684,6 +697,59 @@ fn start_standby(
         vm.spec.name
     );
     None
+}
+
+/// The fleet's hosts as their agents last said, for choosing standbys:
+/// asking every agent (and each of their VMMs) takes a quarter of a second
+/// here, which every move paid before its first byte. A look older than
+/// [`HOSTS_FRESH_FOR`] is still used while a new one is taken beside the
+/// moves (the agent asked for a standby checks its room again).
+struct HostsSeen {
+    seen: std::sync::Mutex<Option<(Instant, Vec<HostInfo>)>>,
+    looking: AtomicBool,
+}
+
+/// How long a look at the fleet's hosts is taken as current.
+const HOSTS_FRESH_FOR: Duration = Duration::from_secs(2);
+
+impl HostsSeen {
+    fn new() -> Arc<Self> {
+        Arc::new(HostsSeen {
+            seen: std::sync::Mutex::new(None),
+            looking: AtomicBool::new(false),
+        })
+    }
+
+    fn look(&self, fleet: &Fleet) -> Vec<HostInfo> {
+        let hosts: Vec<HostInfo> = fleet
+            .hosts()
+            .map(|h| h.into_iter().filter_map(|(_, h)| h.ok()).collect())
+            .unwrap_or_default();
+        *self.seen.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((Instant::now(), hosts.clone()));
+        hosts
+    }
+
+    /// The hosts that answered the last look (waiting for the first).
+    fn get(self: &Arc<Self>, fleet: &Fleet) -> Vec<HostInfo> {
+        let last = self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some((at, hosts)) = last else {
+            return self.look(fleet);
+        };
+        if at.elapsed() >= HOSTS_FRESH_FOR && !self.looking.swap(true, Ordering::AcqRel) {
+            let (me, fleet) = (self.clone(), fleet.clone());
+            let spawned = std::thread::Builder::new()
+                .name("drain-hosts".into())
+                .spawn(move || {
+                    me.look(&fleet);
+                    me.looking.store(false, Ordering::Release);
+                });
+            if spawned.is_err() {
+                self.looking.store(false, Ordering::Release);
+            }
+        }
+        hosts
+    }
 }
 
 /// A move's postcopy standby: its host's agent, the host, its address.
@@ -725,6 +791,8 @@ impl StandbyAt {
 /// What every move of a drain shares.
 struct Shared {
     fleet: Fleet,
+    /// The hosts, as last seen (for choosing standbys).
+    hosts: Arc<HostsSeen>,
     /// The drained host's agent, and its name.
     source: crate::AgentClient,
     from: String,
@@ -782,21 +850,33 @@ fn one_move(
     }
     // A postcopy or hybrid move gets a standby on a third host, which
     // keeps what the destination lacks after the switch until the move
-    // ends: a source that dies mid-postcopy then loses no VM.
-    let standby = (sh.opts.safety_net && matches!(report.mode, Mode::Postcopy | Mode::Hybrid))
-        .then(|| start_standby(fleet, from, vm, report))
-        .flatten();
-    let admitted = match &standby {
-        Some(s) => format!("{from},{}", s.host),
-        None => from.to_string(),
+    // ends: a source that dies mid-postcopy then loses no VM. It starts
+    // while the destination's VMM does, which admits every host it may be
+    // on.
+    let want_net = sh.opts.safety_net && matches!(report.mode, Mode::Postcopy | Mode::Hybrid);
+    let third = if want_net {
+        standby_hosts(&sh.hosts.get(fleet), from, &report.to, vm)
+    } else {
+        Vec::new()
     };
-    let ready = dest.call(&Request::Receive {
+    let admitted = std::iter::once(from)
+        .chain(third.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join(",");
+    let receive = Request::Receive {
         vm: vm.spec.clone(),
         from: admitted,
         token: token.0.clone(),
         budget: report.split.as_ref().map(|s| s.main_budget),
         mode: Some(report.mode),
+    };
+    let (standby, ready) = std::thread::scope(|sc| {
+        let starting = want_net.then(|| sc.spawn(|| start_standby(fleet, &third, vm)));
+        let ready = dest.call(&receive);
+        let standby = starting.and_then(|t| t.join().ok()).flatten();
+        (standby, ready)
     });
+    report.standby = standby.as_ref().map(|s| s.host.clone());
     let ready = match ready {
         Ok(r) => r,
         Err(e) => {
@@ -808,6 +888,7 @@ fn one_move(
         }
     };
     let to = ready["to"].as_str().unwrap_or_default().to_string();
+    report.ready_secs = t0.elapsed().as_secs_f64();
     report.state = MoveState::Moving;
     let _ = tx.send(Event::Update(k, report.clone()));
     let sent = source.call_with_progress(
