@@ -1382,6 +1382,147 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
     assert_eq!(summary["failed"], 0, "{last} {slog}");
 }
 
+/// Issue 33: a standby that dies after the source handed it the move. Its
+/// host's link is slowed (tbf, 40 Mbit/s) so its push to the destination
+/// takes half a minute; once it has taken the move over it is killed
+/// (SIGKILL). The source, which waited holding every page, takes the move
+/// back: the migration succeeds, not handed over, and the destination gets
+/// every page, verified against the source's hashes.
+#[test]
+fn a_standby_that_dies_after_the_hand_over_gives_the_move_back_to_the_source() {
+    if !kvm_usable() {
+        return;
+    }
+    let Some(_lab) = lab_up() else { return };
+    let dir = std::env::temp_dir().join(format!("ferry-lab-giveback-{}", std::process::id()));
+    let _scratch = common::Scratch(dir.clone());
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
+    let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
+    let shaped = Command::new("ip")
+        .args([
+            "netns", "exec", "ferry-h3", "tc", "qdisc", "replace", "dev", "eth0", "root",
+        ])
+        .args(["tbf", "rate", "40mbit", "burst", "64kb", "latency", "400ms"])
+        .output()
+        .unwrap();
+    if !shaped.status.success() {
+        eprintln!(
+            "SKIP: cannot slow ferry-h3's link (tc tbf): {}",
+            String::from_utf8_lossy(&shaped.stderr)
+        );
+        return;
+    }
+    /// Gives ferry-h3 its link back, whatever the test's end.
+    struct Unshape;
+    impl Drop for Unshape {
+        fn drop(&mut self) {
+            let _ = Command::new("ip")
+                .args([
+                    "netns", "exec", "ferry-h3", "tc", "qdisc", "del", "dev", "eth0", "root",
+                ])
+                .output();
+        }
+    }
+    let _unshape = Unshape;
+    let common = [
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
+        "--json",
+    ];
+    let mut standby = in_host(
+        "ferry-h3",
+        &["standby", "--listen", "10.77.0.3:7482", "--once"],
+    );
+    let standby = standby
+        .env("FERRY_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut standby = Reaper(Some(standby));
+    let log = standby.0.as_mut().unwrap().stderr.take().unwrap();
+    let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(log).lines().map_while(Result::ok) {
+            if line.contains("handed the move over") {
+                let _ = seen_tx.send(());
+            }
+        }
+    });
+    let mut dst = in_host("ferry-h2", &common);
+    dst.args(["--incoming", "tcp:10.77.0.2:7472", "--control", dst_sock])
+        .args(["--duration", "3s", "--reconnect-timeout", "60s"]);
+    let dst = Reaper(Some(
+        dst.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--control", src_sock, "--duration", "120s"]);
+    let src = Reaper(Some(
+        src.stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_for_sockets("give back", &[src_sock, dst_sock]);
+    wait_port_in("ferry-h1", "10.77.0.3", 7482);
+    std::thread::sleep(Duration::from_millis(1500));
+    let m = in_host(
+        "ferry-h1",
+        &[
+            "migrate",
+            src_sock,
+            "--to",
+            "tcp:10.77.0.2:7472",
+            "--mode",
+            "postcopy",
+            "--verify",
+            "--safety-net",
+            "10.77.0.3:7482",
+            "--net-finishes",
+            "--json",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let m = Reaper(Some(m));
+    seen_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the source never handed the move over");
+    // The standby pushes at 40 Mbit/s now: a second in, most pages are
+    // still only on it and on the source.
+    std::thread::sleep(Duration::from_secs(1));
+    standby.0.as_mut().unwrap().kill().unwrap();
+    let _ = standby.0.as_mut().unwrap().wait();
+    let out = m.output();
+    let mlog = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the source did not finish the move: {mlog}"
+    );
+    let stats = json(&out.stdout);
+    let post = &stats["postcopy"];
+    assert_eq!(post["handed_over"], false, "{stats}");
+    assert_eq!(post["safety_net_armed"], true, "{stats}");
+    assert!(post["pauses"].as_u64().unwrap() >= 1, "{stats}");
+    let s = json(&src.output().stdout);
+    assert_eq!(s["ending"], "migrated", "{s}");
+    let d = dst.output();
+    let dlog = String::from_utf8_lossy(&d.stderr);
+    assert!(d.status.success(), "the destination lost its VM: {dlog}");
+    let d = json(&d.stdout);
+    assert_eq!(d["received"]["verified_pages"], 256 * 256, "{d}");
+}
+
 /// Issue 16: a VM's clients follow it. The kv VM has its own address
 /// (10.77.0.100, up on ferry-h1's interface) and 128 clients on ferry-h3.
 /// A precopy to ferry-h2 moves the address and every connection
