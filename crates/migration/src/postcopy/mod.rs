@@ -351,6 +351,7 @@ fn follow(
         .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
         if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
             out.held.store(true, Ordering::Release);
+            out.prefetch_when_sequential.store(true, Ordering::Release);
         }
         let result = serve(s, &out, demand, &mut epoch, stats.bytes, relay, progress);
         let post = stats.postcopy.get_or_insert_with(Default::default);
@@ -522,9 +523,15 @@ fn serve(
                         }
                         return Ok(Served::HandedOver);
                     }
-                    Some(net::NetState::Lost) => out.held.store(false, Ordering::Release),
+                    // The push goes on from here: each page leaves once
+                    // again, neighbours included.
+                    Some(net::NetState::Lost) => {
+                        out.held.store(false, Ordering::Release);
+                        out.prefetch_when_sequential.store(false, Ordering::Release);
+                    }
                     Some(net::NetState::Copying) if Instant::now() >= hold_until => {
                         out.held.store(false, Ordering::Release);
+                        out.prefetch_when_sequential.store(false, Ordering::Release);
                     }
                     _ => {}
                 }

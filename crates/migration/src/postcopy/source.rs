@@ -61,6 +61,14 @@ pub(crate) struct SourcePages {
     /// The push waits while this is set: a safety net that finishes the
     /// move is sending the pages instead (`--net-finishes`).
     pub(crate) held: AtomicBool,
+    /// Neighbours go with a requested page only when the requests look
+    /// sequential (each just past or before the last window): while a net
+    /// that finishes the move copies every page, a neighbour sent here
+    /// leaves the host twice, and random access rarely wants it.
+    pub(crate) prefetch_when_sequential: AtomicBool,
+    /// The last requested pages (a ring), for the test above.
+    recent: [AtomicU64; 4],
+    recent_at: std::sync::atomic::AtomicUsize,
     pub(crate) cpu: CpuMeter,
     /// `--bandwidth` for the push (demand answers are never held back, but
     /// count against it).
@@ -97,6 +105,9 @@ impl SourcePages {
             push_from,
             halt: AtomicBool::new(false),
             held: AtomicBool::new(false),
+            prefetch_when_sequential: AtomicBool::new(false),
+            recent: std::array::from_fn(|_| AtomicU64::new(NO_HINT)),
+            recent_at: std::sync::atomic::AtomicUsize::new(0),
             cpu: CpuMeter::default(),
             pacer: Pacer::new(bandwidth),
             may_seal: false,
@@ -135,18 +146,39 @@ impl SourcePages {
         }
     }
 
+    /// True if a request for page `n` follows one of the last few (each
+    /// vCPU may scan on its own): within a window's width of it, as a
+    /// forward or backward scan's next fault is. Notes `n` as requested.
+    fn follows_recent_requests(&self, n: u64) -> bool {
+        let reach = 2 * self.prefetch + 1;
+        let follows = self.recent.iter().any(|r| {
+            let r = r.load(Ordering::Relaxed);
+            r != NO_HINT && n.abs_diff(r) <= reach
+        });
+        let at = self.recent_at.fetch_add(1, Ordering::Relaxed) % self.recent.len();
+        self.recent[at].store(n, Ordering::Relaxed);
+        follows
+    }
+
     /// The pages that answer a request for page `n`: `n` itself, then its
     /// unsent neighbours after it and before it (inside its region).
     fn window(&self, n: u64, out: &mut Vec<u64>) {
+        let prefetch = if self.prefetch_when_sequential.load(Ordering::Acquire)
+            && !self.follows_recent_requests(n)
+        {
+            0
+        } else {
+            self.prefetch
+        };
         out.push(n);
         self.unsent.claim(n);
         let span = self.index.region_span(n);
-        for k in 1..=self.prefetch {
+        for k in 1..=prefetch {
             if n + k < span.end && self.unsent.claim(n + k) {
                 out.push(n + k);
             }
         }
-        for k in 1..=self.prefetch {
+        for k in 1..=prefetch {
             if n >= span.start + k && self.unsent.claim(n - k) {
                 out.push(n - k);
             }
@@ -315,6 +347,37 @@ mod tests {
         assert_eq!(out.pushed_zero_pages.load(Ordering::Relaxed), 1);
         drop(conn);
         reader.join().unwrap()
+    }
+
+    #[test]
+    fn while_a_net_copies_neighbours_go_only_with_requests_that_look_sequential() {
+        let n = 4096u64;
+        let mut mem = vec![0u8; n as usize * PAGE];
+        // SAFETY: `mem` outlives `out` and nothing else touches it.
+        let regions = vec![unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
+        let out = SourcePages::new(regions, &[GpaPages::new(0, n)], 8, None, Instant::now());
+        let window = |p: u64| {
+            let mut w = Vec::new();
+            out.window(p, &mut w);
+            w.sort_unstable();
+            w
+        };
+        // Without the net every request takes its ±8 unsent neighbours.
+        assert_eq!(window(2000), (1992..=2008).collect::<Vec<_>>());
+        out.prefetch_when_sequential.store(true, Ordering::Release);
+        // A request far from the last few: alone.
+        assert_eq!(window(100), vec![100]);
+        assert_eq!(window(3000), vec![3000]);
+        // The next page of a scan (and one just before): with neighbours.
+        assert_eq!(
+            window(101),
+            (93..=109).filter(|&p| p != 100).collect::<Vec<_>>()
+        );
+        assert_eq!(window(2990), (2982..=2998).collect::<Vec<_>>());
+        // Random again: alone.
+        assert_eq!(window(1500), vec![1500]);
+        drop(out);
+        drop(mem);
     }
 
     #[test]
