@@ -71,7 +71,7 @@ fuzz_target!(|data: &[u8]| {
             let _ = decode::<u64>(&f);
         }
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
-        Kind::StandbyBeat => {}
+        Kind::StandbyBeat | Kind::StandbyTakeOver => {}
         Kind::HashAsk | Kind::SwitchAhead | Kind::ShareAsk | Kind::AnswersHeld => {
             drop(decode::<bool>(&f))
         }

@@ -40,9 +40,9 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The message kinds in wire order (1..=40), for a byte that picks one.
+/// The message kinds in wire order (1..=49), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 48] = [
+    const KINDS: [Kind; 49] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
@@ -91,6 +91,7 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::SharedMissed,
         Kind::AnswersAsk,
         Kind::AnswersHeld,
+        Kind::StandbyTakeOver,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }
