@@ -1334,6 +1334,10 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
             "--safety-net",
             "10.77.0.3:7481",
             "--net-finishes",
+            // The copy to the standby is then the source's bulk traffic:
+            // it keeps to the move's limit.
+            "--bandwidth",
+            "40M",
             "--json",
         ],
     )
@@ -1355,6 +1359,11 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
     assert!(
         to_dst < 64 << 20,
         "the source pushed: {to_dst} bytes; {stats}"
+    );
+    let secs = stats["total_secs"].as_f64().unwrap();
+    assert!(
+        secs >= 0.9 * to_net as f64 / (40u64 << 20) as f64,
+        "{to_net} bytes to the standby in {secs} s: over the 40 MiB/s limit"
     );
     let s = json(&src.output().stdout);
     assert_eq!(s["ending"], "migrated", "{s}");

@@ -234,6 +234,7 @@ fn net_feed(
         timeout: s.opts.timeout(),
         tel: s.tel.clone(),
         finishes: s.opts.net_finishes,
+        bandwidth: s.opts.bandwidth,
     }
 }
 

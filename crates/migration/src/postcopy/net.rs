@@ -50,8 +50,11 @@ pub(crate) struct NetFeed {
     pub(crate) timeout: Duration,
     pub(crate) tel: Arc<Telemetry>,
     /// The net finishes the move (`--net-finishes`): copy at the push's
-    /// priority, not below it.
+    /// priority, not below it, and within the move's bandwidth limit.
     pub(crate) finishes: bool,
+    /// `--bandwidth` (bytes/s), for a net that finishes the move: its copy
+    /// is then the source's bulk traffic (a drain's budget per host).
+    pub(crate) bandwidth: Option<f64>,
 }
 
 /// Where the copy stands, for a source that hands over once it is armed.
@@ -238,6 +241,7 @@ fn run(
     let fill = if sealed { Fill::SEALED } else { Fill::RAW };
     let mut b = PageBatch::default();
     let mut bytes = 0u64;
+    let pacer = crate::pacer::Pacer::new(feed.bandwidth.filter(|_| feed.finishes));
     let pages = feed.pending.iter().flat_map(|r| r.page_addrs());
     let mut pages = pages.peekable();
     while pages.peek().is_some() {
@@ -252,6 +256,7 @@ fn run(
             + b.write_zeros(c.writer())?;
         bytes += n;
         sent.bytes.fetch_add(n, Ordering::Relaxed);
+        pacer.pace(bytes, c.writer()).map_err(ProtocolError::Io)?;
     }
     if let Some(ranges) = &feed.verify {
         let hashes = crate::session::hashes(&feed.regions, |i| ranges[i].clone());
