@@ -353,12 +353,22 @@ fn pages_seeds() -> Vec<Seed> {
     ]));
     let mut shared_outside = vec![4];
     shared_outside.extend(enc(&vec![Ref { gpa: 1 << 40, key, id }]));
+    // More misses than the target's memory has pages (28): refused.
+    let mut shared_misses = vec![4];
+    shared_misses.extend(enc(&(0..29)
+        .map(|_| Ref {
+            gpa: 0,
+            key,
+            id: [9; 16],
+        })
+        .collect::<Vec<_>>()));
     vec![
         named(t, "pages", honest),
         named(t, "pages-bad-crc", bad_crc),
         named(t, "zero-ranges", zeros),
         named(t, "shared-pages", shared),
         named(t, "shared-pages-outside", shared_outside),
+        named(t, "shared-more-misses-than-pages", shared_misses),
     ]
 }
 
