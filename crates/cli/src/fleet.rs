@@ -171,8 +171,8 @@ pub struct DrainArgs {
     no_safety_net: bool,
     /// The source of a move with a standby pushes every page to the
     /// destination itself (by default it sends each page once, to the
-    /// standby, leaves once it holds them all, and the standby finishes
-    /// the move from its host).
+    /// standby, hands the move over once it holds them all, and waits as
+    /// its backup while the standby finishes the move from its host).
     #[arg(long, conflicts_with = "no_safety_net")]
     source_finishes: bool,
     #[command(flatten)]

@@ -89,8 +89,9 @@ pub struct MigrateArgs {
     safety_net: Option<ferry_migration::Endpoint>,
     /// With --safety-net: the standby finishes the move. This source sends
     /// each page the destination lacks once, to the standby (answering the
-    /// destination's faults meanwhile), and leaves once it holds them all;
-    /// the standby pushes them on from its host.
+    /// destination's faults meanwhile), and hands the move over once it
+    /// holds them all: the standby pushes them on from its host while this
+    /// source waits, holding every page, in case it fails.
     #[arg(long, requires = "safety_net")]
     net_finishes: bool,
     /// Parallel bulk connections (default: 2, or 1 on a single core).

@@ -256,7 +256,8 @@ pub enum Request {
         #[serde(default)]
         safety_net: Option<String>,
         /// With a safety net: the standby finishes the move (the source
-        /// sends each page once, to it, and leaves once it holds them).
+        /// sends each page once, to it, and hands the move over once it
+        /// holds them, waiting as its backup).
         #[serde(default)]
         net_finishes: bool,
     },

@@ -54,9 +54,9 @@ pub struct DrainOptions {
     /// postcopy safety net).
     pub safety_net: bool,
     /// The standby finishes each move it stands by for: the source sends
-    /// each pending page once, to it, and leaves once it holds them all
-    /// (false: the source pushes them to the destination as well, and the
-    /// standby only stands by).
+    /// each pending page once, to it, hands the move over once it holds
+    /// them all, and waits as its backup (false: the source pushes them to
+    /// the destination as well, and the standby only stands by).
     pub net_finishes: bool,
 }
 
@@ -416,8 +416,8 @@ pub struct MoveReport {
     /// Bytes its source sent that standby (beside `bytes`).
     #[serde(default)]
     pub standby_bytes: u64,
-    /// The source left once its standby held every page the destination
-    /// lacked, and the standby finished the move.
+    /// The source handed the move over once its standby held every page
+    /// the destination lacked, and the standby finished it.
     #[serde(default)]
     pub handed_over: bool,
     /// Seconds from the move's start until its destination's VMM (and its
@@ -439,7 +439,8 @@ pub struct DrainReport {
     /// (standbys that finish a move included).
     pub secs: f64,
     /// Seconds until the last move out of the host ended (the host was
-    /// empty; standbys may still have been pushing pages).
+    /// empty; a handed-over move ends when its standby has finished, and
+    /// the drain then waits for the standby's process to end).
     pub emptied_secs: f64,
     /// True if it was cancelled before every move started.
     pub cancelled: bool,

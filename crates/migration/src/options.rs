@@ -421,9 +421,10 @@ pub struct MigrateOptions {
     /// Postcopy with a safety net: the net finishes the move
     /// (`--net-finishes`). The source pushes nothing to the destination:
     /// it answers faults and sends each pending page once, to the standby,
-    /// and leaves once the standby holds them all; the standby then pushes
-    /// them to the destination. Each page leaves the source's host once
-    /// (without it: once to each), and the source's host is free sooner.
+    /// and hands the move over once the standby holds them all; the standby
+    /// then pushes them to the destination while the source waits as its
+    /// backup. Each page leaves the source's host once (without it: once
+    /// to each), and the source's link is free sooner.
     pub net_finishes: bool,
 
     // ── Split ────────────────────────────────────────────────────────────

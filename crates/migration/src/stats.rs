@@ -203,9 +203,9 @@ pub struct PostcopyStats {
     /// The standby held every pending page before the move ended.
     #[serde(default)]
     pub safety_net_armed: bool,
-    /// The source left once the standby held every page, and the standby
-    /// finishes the move (`--net-finishes`): the fault report is the
-    /// standby's to get, and this side's is empty.
+    /// The source handed the move over once the standby held every page,
+    /// and the standby finished it (`--net-finishes`): the fault report is
+    /// the standby's to get, and this side's is empty.
     #[serde(default)]
     pub handed_over: bool,
 }

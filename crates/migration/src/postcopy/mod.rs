@@ -351,8 +351,7 @@ fn follow(
         )
         .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
         if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
-            out.held.store(true, Ordering::Release);
-            out.prefetch_when_sequential.store(true, Ordering::Release);
+            out.net_copies.store(true, Ordering::Release);
         }
         let result = serve(s, &out, demand, &mut epoch, stats.bytes, relay, progress);
         let post = stats.postcopy.get_or_insert_with(Default::default);
@@ -384,7 +383,6 @@ fn follow(
                         ..Default::default()
                     })
                 };
-                s.tel.event("handed_over", "the standby finishes the move");
                 tracing::info!(
                     "postcopy: handed over to the standby; this side waits for it to finish"
                 );
@@ -527,12 +525,10 @@ fn serve(
                     // The push goes on from here: each page leaves once
                     // again, neighbours included.
                     Some(net::NetState::Lost) => {
-                        out.held.store(false, Ordering::Release);
-                        out.prefetch_when_sequential.store(false, Ordering::Release);
+                        out.net_copies.store(false, Ordering::Release);
                     }
                     Some(net::NetState::Copying) if Instant::now() >= hold_until => {
-                        out.held.store(false, Ordering::Release);
-                        out.prefetch_when_sequential.store(false, Ordering::Release);
+                        out.net_copies.store(false, Ordering::Release);
                     }
                     _ => {}
                 }

@@ -88,8 +88,6 @@ pub(crate) struct Sent {
     pub(crate) armed: AtomicBool,
     /// The feed failed (the move goes on without a net).
     pub(crate) lost: AtomicBool,
-    /// The standby was told to take the move over.
-    pub(crate) handed_over: AtomicBool,
     /// The standby said it finished the move it was handed.
     pub(crate) finished: AtomicBool,
     /// Why the feed failed.
@@ -288,7 +286,6 @@ fn run(
     }
     if hand_over.load(Ordering::Acquire) {
         c.send_frame(Kind::StandbyTakeOver, &[])?;
-        sent.handed_over.store(true, Ordering::Release);
         feed.tel
             .event("handed_over", format!("{} finishes the move", feed.net));
         // It beats while it finishes, and says Complete at the end.

@@ -58,14 +58,12 @@ pub(crate) struct SourcePages {
     push_from: Instant,
     /// Set when the link broke: a pusher still held stops at once.
     pub(crate) halt: AtomicBool,
-    /// The push waits while this is set: a safety net that finishes the
-    /// move is sending the pages instead (`--net-finishes`).
-    pub(crate) held: AtomicBool,
-    /// Neighbours go with a requested page only when the requests look
-    /// sequential (each just past or before the last window): while a net
-    /// that finishes the move copies every page, a neighbour sent here
-    /// leaves the host twice, and random access rarely wants it.
-    pub(crate) prefetch_when_sequential: AtomicBool,
+    /// Set while a safety net that finishes the move copies every page
+    /// (`--net-finishes`): the push waits, and neighbours go with a
+    /// requested page only when the requests look sequential (a neighbour
+    /// sent here then leaves the host twice, and random access rarely
+    /// wants it).
+    pub(crate) net_copies: AtomicBool,
     /// The last requested pages (a ring), for the test above.
     recent: [AtomicU64; 4],
     recent_at: std::sync::atomic::AtomicUsize,
@@ -104,8 +102,7 @@ impl SourcePages {
             done: AtomicBool::new(false),
             push_from,
             halt: AtomicBool::new(false),
-            held: AtomicBool::new(false),
-            prefetch_when_sequential: AtomicBool::new(false),
+            net_copies: AtomicBool::new(false),
             recent: std::array::from_fn(|_| AtomicU64::new(NO_HINT)),
             recent_at: std::sync::atomic::AtomicUsize::new(0),
             cpu: CpuMeter::default(),
@@ -163,13 +160,12 @@ impl SourcePages {
     /// The pages that answer a request for page `n`: `n` itself, then its
     /// unsent neighbours after it and before it (inside its region).
     fn window(&self, n: u64, out: &mut Vec<u64>) {
-        let prefetch = if self.prefetch_when_sequential.load(Ordering::Acquire)
-            && !self.follows_recent_requests(n)
-        {
-            0
-        } else {
-            self.prefetch
-        };
+        let prefetch =
+            if self.net_copies.load(Ordering::Acquire) && !self.follows_recent_requests(n) {
+                0
+            } else {
+                self.prefetch
+            };
         out.push(n);
         self.unsent.claim(n);
         let span = self.index.region_span(n);
@@ -218,7 +214,7 @@ impl SourcePages {
     /// frames sent.
     pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
         crate::priority::background();
-        while Instant::now() < self.push_from || self.held.load(Ordering::Acquire) {
+        while Instant::now() < self.push_from || self.net_copies.load(Ordering::Acquire) {
             if self.halt.load(Ordering::Acquire) {
                 // The demand connection ended first: like a pusher whose
                 // socket was shut, this epoch fails (never a barrier
@@ -364,7 +360,7 @@ mod tests {
         };
         // Without the net every request takes its ±8 unsent neighbours.
         assert_eq!(window(2000), (1992..=2008).collect::<Vec<_>>());
-        out.prefetch_when_sequential.store(true, Ordering::Release);
+        out.net_copies.store(true, Ordering::Release);
         // A request far from the last few: alone.
         assert_eq!(window(100), vec![100]);
         assert_eq!(window(3000), vec![3000]);

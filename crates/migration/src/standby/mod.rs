@@ -7,7 +7,8 @@
 //!
 //! - the source says Complete: the move is done, the copy is dropped;
 //! - the source hands the move over (StandbyTakeOver, `--net-finishes`:
-//!   it has closed its links to the destination and leaves) or falls
+//!   it has closed its links to the destination and waits, holding every
+//!   page, until this host says it finished) or falls
 //!   silent (its connection ends or no beat for [`SILENCE`]): this host
 //!   resumes the postcopy as the source's session,
 //!   through the engine's own resume path. The destination, which paused
