@@ -1127,6 +1127,57 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
     assert!(after > before, "dirty continued: {before} -> {after}");
 }
 
+/// The VM of the safety-net tests (256 MiB: 160 MiB of data written, a
+/// task dirtying 32 MiB/s): its source VMM on ferry-h1 at `src_sock` and a
+/// destination waiting on ferry-h2 (port `dst_port`, with `dst_extra`) at
+/// `dst_sock`, both up, the standby's `standby_port` on ferry-h3 reachable
+/// from ferry-h1, and the guest a moment in. (source, destination).
+fn safety_net_vm(
+    src_sock: &str,
+    dst_sock: &str,
+    dst_port: u16,
+    standby_port: u16,
+    dst_extra: &[&str],
+) -> (Reaper, Reaper) {
+    let common = [
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
+        "--json",
+    ];
+    let mut dst = in_host("ferry-h2", &common);
+    let incoming = format!("tcp:10.77.0.2:{dst_port}");
+    dst.args([
+        "--incoming",
+        &incoming,
+        "--control",
+        dst_sock,
+        "--duration",
+        "3s",
+    ])
+    .args(dst_extra);
+    let dst = Reaper(Some(
+        dst.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let mut src = in_host("ferry-h1", &common);
+    src.args(["--control", src_sock, "--duration", "120s"]);
+    let src = Reaper(Some(
+        src.stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_for_sockets("safety net", &[src_sock, dst_sock]);
+    wait_port_in("ferry-h1", "10.77.0.3", standby_port);
+    std::thread::sleep(Duration::from_millis(1500));
+    (src, dst)
+}
+
 /// Issue 33: the postcopy safety net. A VM moves from ferry-h1 to ferry-h2
 /// by postcopy with a standby on ferry-h3 (`--safety-net`); the push is
 /// held (`--push-delay`), so most pages are still only on the source when
@@ -1145,14 +1196,6 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
-    let common = [
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
-        "--json",
-    ];
     let standby = in_host(
         "ferry-h3",
         &[
@@ -1169,28 +1212,15 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
     .spawn()
     .unwrap();
     let standby = Reaper(Some(standby));
-    let mut dst = in_host("ferry-h2", &common);
     // Without the standby the destination would wait this long for its
     // source and then lose the VM.
-    dst.args(["--incoming", "tcp:10.77.0.2:7470", "--control", dst_sock])
-        .args(["--duration", "3s", "--reconnect-timeout", "20s"]);
-    let dst = Reaper(Some(
-        dst.stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    let mut src = in_host("ferry-h1", &common);
-    src.args(["--control", src_sock, "--duration", "120s"]);
-    let mut src = Reaper(Some(
-        src.stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
-    wait_for_sockets("safety net", &[src_sock, dst_sock]);
-    wait_port_in("ferry-h1", "10.77.0.3", 7480);
-    std::thread::sleep(Duration::from_millis(1500));
+    let (mut src, dst) = safety_net_vm(
+        src_sock,
+        dst_sock,
+        7470,
+        7480,
+        &["--reconnect-timeout", "20s"],
+    );
     let m = in_host(
         "ferry-h1",
         &[
@@ -1284,14 +1314,6 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
-    let common = [
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
-        "--json",
-    ];
     let standby = in_host(
         "ferry-h3",
         &["standby", "--listen", "10.77.0.3:7481", "--once", "--json"],
@@ -1301,26 +1323,7 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
     .spawn()
     .unwrap();
     let standby = Reaper(Some(standby));
-    let mut dst = in_host("ferry-h2", &common);
-    dst.args(["--incoming", "tcp:10.77.0.2:7471", "--control", dst_sock])
-        .args(["--duration", "3s"]);
-    let dst = Reaper(Some(
-        dst.stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    let mut src = in_host("ferry-h1", &common);
-    src.args(["--control", src_sock, "--duration", "120s"]);
-    let src = Reaper(Some(
-        src.stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
-    wait_for_sockets("relay", &[src_sock, dst_sock]);
-    wait_port_in("ferry-h1", "10.77.0.3", 7481);
-    std::thread::sleep(Duration::from_millis(1500));
+    let (src, dst) = safety_net_vm(src_sock, dst_sock, 7471, 7481, &[]);
     let m = in_host(
         "ferry-h1",
         &[
@@ -1434,14 +1437,6 @@ fn a_standby_that_dies_after_the_hand_over_gives_the_move_back_to_the_source() {
         }
     }
     let _unshape = Unshape;
-    let common = [
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
-        "--json",
-    ];
     let mut standby = in_host(
         "ferry-h3",
         &["standby", "--listen", "10.77.0.3:7482", "--once"],
@@ -1463,26 +1458,13 @@ fn a_standby_that_dies_after_the_hand_over_gives_the_move_back_to_the_source() {
             }
         }
     });
-    let mut dst = in_host("ferry-h2", &common);
-    dst.args(["--incoming", "tcp:10.77.0.2:7472", "--control", dst_sock])
-        .args(["--duration", "3s", "--reconnect-timeout", "60s"]);
-    let dst = Reaper(Some(
-        dst.stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    let mut src = in_host("ferry-h1", &common);
-    src.args(["--control", src_sock, "--duration", "120s"]);
-    let src = Reaper(Some(
-        src.stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
-    wait_for_sockets("give back", &[src_sock, dst_sock]);
-    wait_port_in("ferry-h1", "10.77.0.3", 7482);
-    std::thread::sleep(Duration::from_millis(1500));
+    let (src, dst) = safety_net_vm(
+        src_sock,
+        dst_sock,
+        7472,
+        7482,
+        &["--reconnect-timeout", "60s"],
+    );
     let m = in_host(
         "ferry-h1",
         &[
