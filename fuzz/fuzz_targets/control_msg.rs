@@ -73,7 +73,7 @@ fuzz_target!(|data: &[u8]| {
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
         Kind::StandbyBeat | Kind::StandbyTakeOver => {}
         Kind::HashAsk | Kind::SwitchAhead | Kind::ShareAsk | Kind::AnswersHeld => {
-            drop(decode::<bool>(&f))
+            let _ = decode::<bool>(&f);
         }
         Kind::AnswersAsk => drop(decode::<Option<[u8; 16]>>(&f)),
         Kind::SharedOffer => drop(decode::<ferry_migration::protocol::SharedOffer>(&f)),

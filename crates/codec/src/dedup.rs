@@ -8,6 +8,9 @@ use crate::sizes::CHUNK;
 /// Most sets a chunk cache may have, so that every reference `set * 2 + way` fits a u32.
 const MAX_SETS: u64 = 1 << 31;
 
+/// A slot hint that names no slot (the chunk was not found by its lookup).
+pub const NO_SLOT: u32 = u32::MAX;
+
 /// 2-way set-associative cache of chunks, keyed by their SuperFastHash.
 ///
 /// entries = bytes / 256, sets = entries / 2 (at least 1, at most 2^31);
@@ -21,6 +24,12 @@ pub struct ChunkCache {
     hashes: Vec<u32>,
     /// Content of way w of set s at `s * 2 + w`.
     chunks: Vec<[u8; CHUNK]>,
+    /// Per set: the batch in which a touch last replaced one of its ways. A
+    /// set not replaced in this batch still holds what the batch's lookups
+    /// found, so its touches need not compare the chunk again.
+    replaced_in: Vec<u32>,
+    /// The current batch (see [`ChunkCache::begin_batch`]); never 0.
+    batch: u32,
 }
 
 impl ChunkCache {
@@ -53,6 +62,8 @@ impl ChunkCache {
             state: SetState::new(sets).ok_or_else(too_big)?,
             hashes: alloc(ways, 0).ok_or_else(too_big)?,
             chunks: alloc(ways, [0; CHUNK]).ok_or_else(too_big)?,
+            replaced_in: alloc(sets, 0).ok_or_else(too_big)?,
+            batch: 1,
         })
     }
 
@@ -96,6 +107,29 @@ impl ChunkCache {
         }
     }
 
+    /// Starts loading the line of a set's two hashes: the first of the two
+    /// steps of [`ChunkCache::prefetch_match`], taken a few pages ahead.
+    pub fn prefetch_hashes(&self, hash: u32) {
+        let slot = self.set_of(hash) * 2;
+        if let Some(hashes) = self.hashes.get(slot..slot + 2) {
+            prefetch(hashes);
+        }
+    }
+
+    /// Starts loading the way whose hash is `hash`, the only one a lookup
+    /// compares (half the lines of [`ChunkCache::prefetch`]); the set's
+    /// hashes should have been prefetched a while before.
+    pub fn prefetch_match(&self, hash: u32) {
+        let slot = self.set_of(hash) * 2;
+        for way in slot..slot + 2 {
+            if self.hashes.get(way) == Some(&hash) {
+                if let Some(chunk) = self.chunks.get(way) {
+                    prefetch(chunk);
+                }
+            }
+        }
+    }
+
     /// Starts loading the chunk a reference points at.
     pub fn prefetch_index(&self, index: u32) {
         if let Some(chunk) = usize::try_from(index).ok().and_then(|i| self.chunks.get(i)) {
@@ -105,11 +139,53 @@ impl ChunkCache {
 
     /// The chunk a reference points at; `None` when out of range or empty.
     pub fn get(&self, index: u32) -> Option<&[u8; CHUNK]> {
+        self.get_with_hash(index).map(|(_, chunk)| chunk)
+    }
+
+    /// The chunk a reference points at and its hash; `None` when out of
+    /// range or empty.
+    pub fn get_with_hash(&self, index: u32) -> Option<(u32, &[u8; CHUNK])> {
         let slot = usize::try_from(index).ok()?;
         if !self.state.valid(slot / 2, slot % 2) {
             return None;
         }
-        self.chunks.get(slot)
+        Some((*self.hashes.get(slot)?, self.chunks.get(slot)?))
+    }
+
+    /// Starts a batch: its lookups see the cache as it is now, and its
+    /// touches may take their slot hints from those lookups.
+    pub fn begin_batch(&mut self) {
+        self.batch = self.batch.wrapping_add(1);
+        if self.batch == 0 {
+            // Once in 2^32 batches: forget which batch replaced what.
+            self.replaced_in.fill(0);
+            self.batch = 1;
+        }
+    }
+
+    /// [`ChunkCache::touch`] of a chunk that this batch's lookup found at
+    /// `slot` (or [`NO_SLOT`]): when no touch of the batch has replaced a
+    /// way of that set since, the slot still holds the chunk (a set never
+    /// holds the same chunk twice), so it becomes MRU without comparing the
+    /// 256 bytes again. The result is always that of `touch`.
+    pub fn touch_found(&mut self, hash: u32, chunk: &[u8; CHUNK], slot: u32) {
+        // (NO_SLOT is also the last slot of a cache of 2^31 sets: that slot
+        // just takes the full touch.)
+        if let Some(slot) = (slot != NO_SLOT)
+            .then(|| usize::try_from(slot).ok())
+            .flatten()
+        {
+            let (set, way) = (slot / 2, slot % 2);
+            if set == self.set_of(hash)
+                && self.replaced_in.get(set) != Some(&self.batch)
+                && self.state.valid(set, way)
+                && self.hashes.get(slot) == Some(&hash)
+            {
+                self.state.make_mru(set, way);
+                return;
+            }
+        }
+        self.touch(hash, chunk);
     }
 
     /// Records a chunk just sent: the way holding it (same hash and content)
@@ -124,6 +200,9 @@ impl ChunkCache {
                 if let (Some(h), Some(c)) = (self.hashes.get_mut(slot), self.chunks.get_mut(slot)) {
                     *h = hash;
                     *c = *chunk;
+                }
+                if let Some(batch) = self.replaced_in.get_mut(set) {
+                    *batch = self.batch;
                 }
                 way
             }

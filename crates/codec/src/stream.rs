@@ -4,7 +4,7 @@
 use zstd::bulk::{Compressor, Decompressor};
 
 use crate::chunked::{self, ChunkOut, HDR_DEDUP_REF, HDR_LEN_MASK};
-use crate::dedup::ChunkCache;
+use crate::dedup::{ChunkCache, NO_SLOT};
 use crate::error::{ChunkError, CodecError};
 use crate::method::{CacheSizes, Method, PageCodec, ZSTD_LEVELS};
 use crate::page::{chunk_at, chunks, is_zero_page, pages, pages_mut};
@@ -58,10 +58,24 @@ impl EncodedBatch {
         page: &[u8; PAGE],
         code: impl FnOnce(&[u8; PAGE], &mut Vec<u8>) -> Option<PageCodec>,
     ) {
-        let start = self.payload.len();
         if is_zero_page(page) {
-            return self.push(PageCodec::Zero, start);
+            return self.zero_page();
         }
+        self.coded(page, code);
+    }
+
+    /// Records a page known to be all zero.
+    fn zero_page(&mut self) {
+        self.push(PageCodec::Zero, self.payload.len());
+    }
+
+    /// [`EncodedBatch::page`] of a page known not to be all zero.
+    fn coded(
+        &mut self,
+        page: &[u8; PAGE],
+        code: impl FnOnce(&[u8; PAGE], &mut Vec<u8>) -> Option<PageCodec>,
+    ) {
+        let start = self.payload.len();
         match code(page, &mut self.payload) {
             Some(codec) => self.push(codec, start),
             None => {
@@ -121,8 +135,34 @@ pub struct StreamEncoder {
     xbzrle: Option<PageCache>,
     dedup: Option<ChunkCache>,
     zstd: Option<(i32, Compressor<'static>)>,
-    /// Chunk hashes of the non-zero pages of a dedup batch, kept for the touches.
+    /// A dedup batch's per-page and per-chunk working state.
+    scratch: DedupScratch,
+}
+
+/// What a dedup batch's lookups leave for its touches (kept between batches
+/// for their allocations).
+#[derive(Default)]
+struct DedupScratch {
+    /// Per page of the batch: all zero (no hashes, no slots).
+    zero: Vec<bool>,
+    /// The chunk hashes of the non-zero pages, 16 a page.
     hashes: Vec<u32>,
+    /// Where the lookups found each of those chunks ([`NO_SLOT`]: not found).
+    slots: Vec<u32>,
+}
+
+/// How many non-zero pages ahead an encoder asks for the sets' hashes, and
+/// for the way a hash matches. Far enough that a miss has landed when it is
+/// read; near enough that 16 chunks' lines a page stay in the cache.
+const HASHES_AHEAD: usize = 4;
+const MATCH_AHEAD: usize = 2;
+/// How many pages ahead a decoder asks for the chunks a page references.
+const REFS_AHEAD: usize = 2;
+
+/// The 16 entries of the k-th page of a per-chunk vector (empty past its end).
+fn page_slice<T>(v: &[T], k: usize) -> &[T] {
+    v.get(k * CHUNKS_PER_PAGE..(k + 1) * CHUNKS_PER_PAGE)
+        .unwrap_or_default()
 }
 
 impl StreamEncoder {
@@ -133,7 +173,7 @@ impl StreamEncoder {
             xbzrle: None,
             dedup: None,
             zstd: None,
-            hashes: Vec::new(),
+            scratch: DedupScratch::default(),
         }
     }
 
@@ -216,39 +256,89 @@ impl StreamEncoder {
     fn encode_dedup(&mut self, data: &[u8], out: &mut EncodedBatch) -> Result<(), CodecError> {
         let bytes = self.sizes.dedup_bytes;
         let cache = lazy(&mut self.dedup, || ChunkCache::new(bytes))?;
-        let hashes = &mut self.hashes;
+        cache.begin_batch();
+        let DedupScratch {
+            zero,
+            hashes,
+            slots,
+        } = &mut self.scratch;
+        zero.clear();
         hashes.clear();
-        // Lookups against the cache as it was before the batch...
+        slots.clear();
+        // The chunk hashes of every non-zero page first (zero pages have none)...
         for page in pages(data) {
-            out.page(page, |p, buf| {
-                let page_hashes = superfasthash::hash_chunks(p);
-                for &hash in &page_hashes {
-                    cache.prefetch(hash);
-                }
-                hashes.extend(page_hashes);
-                let mut page_hashes = page_hashes.iter();
-                chunked::encode_page(p, buf, |_, chunk, _| {
-                    match page_hashes.next().and_then(|&h| cache.lookup(h, chunk)) {
-                        Some(index) => ChunkOut::Ref(index),
+            let is_zero = is_zero_page(page);
+            zero.push(is_zero);
+            if !is_zero {
+                hashes.extend(superfasthash::hash_chunks(page));
+            }
+        }
+        let hashes_of = |k: usize| page_slice(hashes, k);
+        // ...then lookups against the cache as it was before the batch. What
+        // a lookup reads is asked for a few non-zero pages ahead (a set's
+        // hashes, then the way that matches), so the cache misses of several
+        // pages overlap instead of each page waiting for its own.
+        for k in 0..HASHES_AHEAD {
+            hashes_of(k).iter().for_each(|&h| cache.prefetch_hashes(h));
+        }
+        for k in 0..MATCH_AHEAD {
+            hashes_of(k).iter().for_each(|&h| cache.prefetch_match(h));
+        }
+        let mut k = 0;
+        for (page, &is_zero) in pages(data).zip(zero.iter()) {
+            if is_zero {
+                out.zero_page();
+                continue;
+            }
+            hashes_of(k + HASHES_AHEAD)
+                .iter()
+                .for_each(|&h| cache.prefetch_hashes(h));
+            hashes_of(k + MATCH_AHEAD)
+                .iter()
+                .for_each(|&h| cache.prefetch_match(h));
+            let page_hashes = hashes_of(k);
+            k += 1;
+            // Where each chunk was found (the touch's hint), NO_SLOT if not.
+            let start = slots.len();
+            slots.resize(start + CHUNKS_PER_PAGE, NO_SLOT);
+            let page_slots = slots.get_mut(start..).unwrap_or_default();
+            out.coded(page, |p, buf| {
+                chunked::encode_page(p, buf, |i, chunk, _| {
+                    let hash = page_hashes.get(i).copied().unwrap_or_default();
+                    match cache.lookup(hash, chunk) {
+                        Some(slot) => {
+                            if let Some(s) = page_slots.get_mut(i) {
+                                *s = slot;
+                            }
+                            ChunkOut::Ref(slot)
+                        }
                         None => ChunkOut::Verbatim,
                     }
                 })
                 .then_some(PageCodec::Dedup)
             });
         }
-        // ...then every chunk of every non-Zero page touches it in batch order.
-        let mut next_hash = hashes.chunks_exact(CHUNKS_PER_PAGE);
-        for (page, &codec) in pages(data).zip(&out.codecs) {
-            if codec == PageCodec::Zero {
+        // ...then every chunk of every non-zero page touches it in batch
+        // order; a chunk the lookups found needs no second comparison.
+        // (Asking for a found chunk's set bookkeeping ahead, as the lookups
+        // do, measured slower: the lines are mostly in the cache by now.)
+        let mut k = 0;
+        for (page, &is_zero) in pages(data).zip(zero.iter()) {
+            if is_zero {
                 continue;
             }
-            let page_hashes = next_hash.next().unwrap_or_default();
-            for &hash in page_hashes {
+            let page_slots = page_slice(slots, k);
+            for (&hash, _) in hashes_of(k)
+                .iter()
+                .zip(page_slots)
+                .filter(|(_, &slot)| slot == NO_SLOT)
+            {
                 cache.prefetch(hash);
             }
-            for (chunk, &hash) in chunks(page).zip(page_hashes) {
-                cache.touch(hash, chunk);
+            for ((chunk, &hash), &slot) in chunks(page).zip(hashes_of(k)).zip(page_slots) {
+                cache.touch_found(hash, chunk, slot);
             }
+            k += 1;
         }
         Ok(())
     }
@@ -299,6 +389,9 @@ pub struct StreamDecoder {
     xbzrle: Option<PageCache>,
     dedup: Option<ChunkCache>,
     zstd: Option<Decompressor<'static>>,
+    /// Per chunk of each dedup-coded page of a batch: the hash and slot of
+    /// the cached chunk its reference named ([`NO_SLOT`]: not a reference).
+    refs: Vec<(u32, u32)>,
 }
 
 impl StreamDecoder {
@@ -310,6 +403,7 @@ impl StreamDecoder {
             xbzrle: None,
             dedup: None,
             zstd: None,
+            refs: Vec::new(),
         }
     }
 
@@ -367,10 +461,17 @@ impl StreamDecoder {
         let dedup_cache = match method {
             Method::Dedup => {
                 let bytes = self.sizes.dedup_bytes;
-                Some(&*lazy(&mut self.dedup, || ChunkCache::new(bytes))?)
+                let cache = lazy(&mut self.dedup, || ChunkCache::new(bytes))?;
+                cache.begin_batch();
+                Some(&*cache)
             }
             _ => None,
         };
+        let refs = &mut self.refs;
+        refs.clear();
+        // The references of the dedup page REFS_AHEAD pages on are fetched
+        // while this one decodes: (position, payload offset) of that page.
+        let mut ahead = (0, 0);
 
         // Every page is decoded against the caches as they were before the batch.
         let mut rest = payload;
@@ -434,10 +535,20 @@ impl StreamDecoder {
                 }
                 PageCodec::Dedup => {
                     if let Some(cache) = dedup_cache {
-                        for index in chunked::dedup_refs(src) {
-                            cache.prefetch_index(index);
+                        while ahead.0 < codecs.len() && ahead.0 <= pos + REFS_AHEAD {
+                            let len = lens.get(ahead.0).map_or(0, |&l| l as usize);
+                            if codecs.get(ahead.0) == Some(&PageCodec::Dedup) {
+                                let src = payload.get(ahead.1..ahead.1 + len).unwrap_or_default();
+                                for index in chunked::dedup_refs(src) {
+                                    cache.prefetch_index(index);
+                                }
+                            }
+                            ahead = (ahead.0 + 1, ahead.1 + len);
                         }
                     }
+                    let start = refs.len();
+                    refs.resize(start + CHUNKS_PER_PAGE, (0, NO_SLOT));
+                    let page_refs = refs.get_mut(start..).unwrap_or_default();
                     chunked::decode_page(pos, src, dst, |chunk, header, body, d| {
                         if header != HDR_DEDUP_REF {
                             return Err(chunk_error(pos, chunk, ChunkError::BadHeader(header)));
@@ -448,14 +559,17 @@ impl StreamDecoder {
                                 return Err(chunk_error(pos, chunk, ChunkError::BadHeader(header)))
                             }
                         };
-                        let cached = dedup_cache.and_then(|c| c.get(index)).ok_or(
-                            CodecError::DedupIndex {
+                        let (hash, cached) = dedup_cache
+                            .and_then(|c| c.get_with_hash(index))
+                            .ok_or(CodecError::DedupIndex {
                                 page: pos,
                                 chunk,
                                 index,
-                            },
-                        )?;
+                            })?;
                         *d = *cached;
+                        if let Some(r) = page_refs.get_mut(chunk) {
+                            *r = (hash, index);
+                        }
                         Ok(())
                     })?
                 }
@@ -508,16 +622,34 @@ impl StreamDecoder {
             }
             Method::Dedup => {
                 if let Some(cache) = self.dedup.as_mut() {
+                    let mut refs = self.refs.chunks_exact(CHUNKS_PER_PAGE);
                     for (page, &codec) in self::pages(out).zip(codecs) {
                         if codec == PageCodec::Zero {
                             continue;
                         }
-                        let hashes = superfasthash::hash_chunks(page);
-                        for &hash in &hashes {
-                            cache.prefetch(hash);
+                        let page_refs = if codec == PageCodec::Dedup {
+                            refs.next().unwrap_or_default()
+                        } else {
+                            &[]
+                        };
+                        // A page of references alone needs no hashing: each
+                        // came with its cached chunk's hash.
+                        let hashes = match page_refs {
+                            r if r.len() == CHUNKS_PER_PAGE
+                                && r.iter().all(|&(_, slot)| slot != NO_SLOT) =>
+                            {
+                                std::array::from_fn(|i| r.get(i).map_or(0, |&(h, _)| h))
+                            }
+                            _ => superfasthash::hash_chunks(page),
+                        };
+                        for (i, &hash) in hashes.iter().enumerate() {
+                            if page_refs.get(i).is_none_or(|&(_, slot)| slot == NO_SLOT) {
+                                cache.prefetch(hash);
+                            }
                         }
-                        for (chunk, hash) in chunks(page).zip(hashes) {
-                            cache.touch(hash, chunk);
+                        for (i, (chunk, hash)) in chunks(page).zip(hashes).enumerate() {
+                            let slot = page_refs.get(i).map_or(NO_SLOT, |&(_, slot)| slot);
+                            cache.touch_found(hash, chunk, slot);
                         }
                     }
                 }

@@ -48,15 +48,41 @@ pub fn hash(data: &[u8]) -> u32 {
 ///
 /// Each hash is a chain of dependent steps; the 16 chains are walked side by
 /// side so the CPU overlaps them (several times faster than one at a time).
+/// On a CPU with AVX2 the same code runs compiled for it, 8 lanes to a
+/// vector instead of SSE2's 4. (An explicit AVX2 version that loads 8 words
+/// of a chunk at once and transposes them measured no faster: the loads of
+/// the page itself dominate.)
 pub fn hash_chunks(page: &[u8; CHUNKS_PER_PAGE * CHUNK]) -> [u32; CHUNKS_PER_PAGE] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above), the only feature
+        // the function is compiled for.
+        return unsafe { hash_chunks_avx2(page) };
+    }
+    hash_chunks_portable(page)
+}
+
+/// [`hash_chunks_portable`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn hash_chunks_avx2(page: &[u8; CHUNKS_PER_PAGE * CHUNK]) -> [u32; CHUNKS_PER_PAGE] {
+    hash_chunks_portable(page)
+}
+
+/// [`hash_chunks`] as plain code the compiler vectorises for the CPU of its
+/// caller (inlined into each): what runs without AVX2, public so that tests
+/// compare the two.
+#[inline(always)]
+pub fn hash_chunks_portable(page: &[u8; CHUNKS_PER_PAGE * CHUNK]) -> [u32; CHUNKS_PER_PAGE] {
     // Every chunk has the same length and no tail.
     let mut h = [CHUNK as u32; CHUNKS_PER_PAGE];
     for quad in 0..CHUNK / 4 {
         // Gathered first, so the arithmetic below runs on whole vectors of lanes.
-        let words: [u32; CHUNKS_PER_PAGE] = std::array::from_fn(|lane| {
+        let mut words = [0u32; CHUNKS_PER_PAGE];
+        for (lane, word) in words.iter_mut().enumerate() {
             let at = lane * CHUNK + quad * 4;
-            u32::from_le_bytes([page[at], page[at + 1], page[at + 2], page[at + 3]])
-        });
+            *word = u32::from_le_bytes([page[at], page[at + 1], page[at + 2], page[at + 3]]);
+        }
         for (h, word) in h.iter_mut().zip(words) {
             *h = h.wrapping_add(word & 0xffff);
             let tmp = ((word >> 16) << 11) ^ *h;
@@ -64,10 +90,15 @@ pub fn hash_chunks(page: &[u8; CHUNKS_PER_PAGE * CHUNK]) -> [u32; CHUNKS_PER_PAG
             *h = h.wrapping_add(*h >> 11);
         }
     }
-    h.map(avalanche)
+    let mut out = h;
+    for h in &mut out {
+        *h = avalanche(*h);
+    }
+    out
 }
 
 /// The final mixing of every hash.
+#[inline(always)]
 fn avalanche(mut h: u32) -> u32 {
     h ^= h << 3;
     h = h.wrapping_add(h >> 5);

@@ -4,8 +4,10 @@ mod common;
 
 use common::{make_page, Kind, Rng};
 use ferry_codec::{
-    xbzrle::PageCache, CacheSizes, CodecError, EncodedBatch, Method, PageCodec, StreamDecoder,
-    StreamEncoder, PAGE,
+    dedup::{ChunkCache, NO_SLOT},
+    xbzrle::PageCache,
+    CacheSizes, CodecError, EncodedBatch, Method, PageCodec, StreamDecoder, StreamEncoder, CHUNK,
+    PAGE,
 };
 
 const ALL: [Method; 7] = [
@@ -127,6 +129,46 @@ fn page_cache_lru_in_one_set() {
     assert_eq!(PageCache::new(0).unwrap().sets(), 1);
     assert_eq!(PageCache::new(3 * 4096).unwrap().sets(), 1);
     assert_eq!(PageCache::new(64 << 20).unwrap().sets(), 8192);
+}
+
+#[test]
+fn a_found_chunk_whose_set_was_replaced_in_the_batch_is_touched_in_full() {
+    // One set of two ways; A and C share a hash (a collision), B does not.
+    let (a, b, c) = ([1u8; CHUNK], [2u8; CHUNK], [3u8; CHUNK]);
+    let mut fast = ChunkCache::new(512).unwrap();
+    assert_eq!(fast.sets(), 1);
+    fast.touch(7, &a);
+    fast.touch(9, &b);
+    let mut full = fast.clone();
+    // The batch's lookup finds A in way 0, then an earlier touch of the
+    // batch puts C (same hash, other bytes) there in A's place.
+    fast.begin_batch();
+    let found = fast.lookup(7, &a).unwrap();
+    assert_eq!(found, 0);
+    fast.touch(7, &c);
+    full.touch(7, &c);
+    // The hint is stale: A must be inserted again (evicting B), exactly as a
+    // touch without a hint does; taking the slot on its hash alone would
+    // leave C there as if it were A.
+    fast.touch_found(7, &a, found);
+    full.touch(7, &a);
+    for cache in [&fast, &full] {
+        assert_eq!(cache.lookup(7, &c), Some(0));
+        assert_eq!(cache.lookup(7, &a), Some(1));
+        assert_eq!(cache.lookup(9, &b), None);
+    }
+    // In a new batch with no replacement the hint is taken: B evicts the
+    // set's LRU way, which the hinted touch of A made C's.
+    fast.begin_batch();
+    let found = fast.lookup(7, &a).unwrap();
+    fast.touch_found(7, &a, found);
+    fast.touch(9, &b);
+    assert_eq!(fast.lookup(7, &a), Some(1));
+    assert_eq!(fast.lookup(7, &c), None);
+    assert_eq!(fast.lookup(9, &b), Some(0));
+    // A hint of no slot is a plain touch.
+    fast.touch_found(5, &c, NO_SLOT);
+    assert_eq!(fast.lookup(5, &c), Some(1));
 }
 
 #[test]

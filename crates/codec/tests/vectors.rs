@@ -153,6 +153,23 @@ fn a_pages_chunk_hashes_taken_side_by_side_are_each_chunks_hash() {
         assert_eq!(side_by_side[i], superfasthash::hash(chunk), "chunk {i}");
     }
     assert_eq!(side_by_side[0], 0xbc3f_b0f0);
+    // The code a CPU without AVX2 runs gives the same hashes.
+    assert_eq!(superfasthash::hash_chunks_portable(&page), side_by_side);
+    // And so does every chunk of pages of random bytes (every word of every
+    // lane lands where the vector code's transpose puts it).
+    for _ in 0..64 {
+        let page: [u8; ferry_codec::PAGE] = std::array::from_fn(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 56) as u8
+        });
+        let side_by_side = superfasthash::hash_chunks(&page);
+        for (i, chunk) in page.chunks_exact(CHUNK).enumerate() {
+            assert_eq!(side_by_side[i], superfasthash::hash(chunk), "chunk {i}");
+        }
+        assert_eq!(superfasthash::hash_chunks_portable(&page), side_by_side);
+    }
 }
 
 #[test]
