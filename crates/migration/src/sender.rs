@@ -225,6 +225,17 @@ impl PageSender {
         cpu: &CpuMeter,
     ) -> Result<(RoundStats, Vec<u64>), MigrationError> {
         let t0 = Instant::now();
+        // Under a bandwidth limit the kernel also paces each stream's
+        // packets at its share of it: the sender's own pacer keeps the
+        // average, but it lets each batch go as one burst at the sender's
+        // line rate, which sits in the bottleneck's queue ahead of the VM's
+        // own traffic (kv clients saw their requests wait ~2 ms behind it).
+        if let Some(limit) = self.bandwidth {
+            let share = (limit / conns.len().max(1) as f64) as u64;
+            conns
+                .iter_mut()
+                .for_each(|c| c.writer().pace_packets(Some(share.max(1))));
+        }
         let (hole_frames, hole_bytes) = protocol::write_holes(conns[0].writer(), holes)?;
         if let Some(h) = &self.hashes {
             holes.iter().for_each(|&run| h.set_zero(run));

@@ -289,6 +289,15 @@ impl ConnWriter {
         self.0.get_ref().delivery_rate()
     }
 
+    /// Has the kernel pace this connection's packets at `rate` bytes/s at
+    /// most (None: no cap); see [`Stream::set_pacing`]. Best effort: a
+    /// kernel that refuses leaves the sender's own pacer alone in charge.
+    pub fn pace_packets(&self, rate: Option<u64>) {
+        if let Err(e) = self.0.get_ref().set_pacing(rate) {
+            tracing::debug!(error = %e, "SO_MAX_PACING_RATE refused");
+        }
+    }
+
     /// True if the link seals every byte it carries (TLS): frames may go
     /// without a checksum of their own ([`protocol::SEALED`]).
     pub fn seals(&self) -> bool {
@@ -440,5 +449,37 @@ mod tests {
         assert!(rate.is_some_and(|r| r > 0.0), "{rate:?}");
         c.shutdown();
         t.join().unwrap();
+    }
+
+    #[test]
+    fn a_paced_tcp_connection_delivers_no_faster_than_its_rate() {
+        // 8 MiB at 16 MB/s: at least half a second at the reader, where an
+        // unpaced loopback connection takes milliseconds.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let mut c = Conn::new(Stream::tcp(tcp), None).unwrap();
+        c.writer().pace_packets(Some(16_000_000));
+        let (server, _) = l.accept().unwrap();
+        let t = std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut s = server;
+            let mut buf = vec![0u8; 1 << 20];
+            let mut got = 0;
+            while let Ok(n @ 1..) = s.read(&mut buf) {
+                got += n;
+            }
+            (got, start.elapsed())
+        });
+        for _ in 0..8 {
+            c.writer().write_all(&vec![0u8; 1 << 20]).unwrap();
+        }
+        c.flush().unwrap();
+        c.shutdown();
+        let (got, took) = t.join().unwrap();
+        assert_eq!(got, 8 << 20);
+        assert!(took >= Duration::from_millis(400), "{took:?}");
+        // And the cap comes off again.
+        let (a, _b) = pair();
+        a.writer.pace_packets(None);
     }
 }

@@ -234,6 +234,34 @@ impl Stream {
             .then_some(info.tcpi_delivery_rate as f64)
     }
 
+    /// Caps the rate at which the kernel sends this TCP connection's packets
+    /// (SO_MAX_PACING_RATE, bytes/s; None: no cap). The kernel spreads the
+    /// packets evenly at that rate instead of sending each write as one
+    /// burst, so a bottleneck's queue, which the VM's own traffic shares,
+    /// stays short. A no-op over Unix sockets.
+    pub(super) fn set_pacing(&self, rate: Option<u64>) -> io::Result<()> {
+        if !self.is_tcp() {
+            return Ok(());
+        }
+        let rate: u64 = rate.unwrap_or(u64::MAX);
+        // SAFETY: setsockopt reads size_of::<u64>() bytes from `rate`, a
+        // u64 we own; the kernel takes a u64 for this option.
+        let r = unsafe {
+            libc::setsockopt(
+                self.fd(),
+                libc::SOL_SOCKET,
+                libc::SO_MAX_PACING_RATE,
+                (&rate as *const u64).cast(),
+                std::mem::size_of::<u64>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
     /// Writes all of `data`, which a TLS link seals in place (so it holds
     /// ciphertext afterwards) instead of copying it into its records.
     pub(super) fn write_all_spending(&mut self, data: &mut [u8]) -> io::Result<()> {
