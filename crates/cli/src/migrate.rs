@@ -113,6 +113,10 @@ pub struct MigrateArgs {
     /// Never throttle the vCPUs (auto-converge is on by default).
     #[arg(long)]
     no_auto_converge: bool,
+    /// Auto-converge: throttle when a round leaves more than this share of
+    /// what it sent dirty again (rounds that shrink by less converge slowly).
+    #[arg(long, value_name = "RATIO", default_value_t = defaults::AUTO_CONVERGE_TRIGGER_RATIO)]
+    auto_converge_trigger: f64,
     /// Auto-converge: the first throttle, % of vCPU time taken away.
     #[arg(long, value_name = "PCT", default_value_t = defaults::AUTO_CONVERGE_INITIAL_PCT)]
     auto_converge_initial: u32,
@@ -194,10 +198,10 @@ impl MigrateArgs {
             verify: self.verify,
             auto_converge: !self.no_auto_converge,
             auto_converge_tuning: AutoConverge {
+                trigger_ratio: self.auto_converge_trigger,
                 initial_pct: self.auto_converge_initial,
                 step_pct: self.auto_converge_step,
                 max_pct: self.auto_converge_max,
-                ..base.auto_converge_tuning
             },
             bandwidth: self.bandwidth.map(|b| b as f64),
             compression: CompressOptions {
@@ -663,6 +667,8 @@ mod tests {
     #[test]
     fn auto_converge_flags_reach_the_options_and_are_checked() {
         let o = parsed(&[
+            "--auto-converge-trigger",
+            "0.8",
             "--auto-converge-initial",
             "40",
             "--auto-converge-step",
@@ -672,15 +678,17 @@ mod tests {
         ])
         .unwrap();
         let want = AutoConverge {
+            trigger_ratio: 0.8,
             initial_pct: 40,
             step_pct: 5,
             max_pct: 80,
-            ..AutoConverge::default()
         };
         assert_eq!(o.auto_converge_tuning, want);
         assert!(o.auto_converge);
         let off = parsed(&["--no-auto-converge"]).unwrap();
         assert!(!off.auto_converge);
+        let err = parsed(&["--auto-converge-trigger", "0"]).unwrap_err();
+        assert!(err.to_string().contains("trigger ratio"), "{err}");
         let err = parsed(&["--auto-converge-max", "100"]).unwrap_err();
         assert!(err.to_string().contains("max throttle"), "{err}");
         let err =
