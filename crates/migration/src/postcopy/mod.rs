@@ -496,6 +496,14 @@ fn serve(
     let vm = s.vm;
     let regions = s.regions.clone();
     let mut bulk = std::mem::take(&mut s.bulk);
+    // Under a bandwidth limit the kernel paces the push's packets (each
+    // stream at its share) so that the demand answers, on their own
+    // connection, do not queue behind push bursts at the bottleneck.
+    if let Some(limit) = opts.bandwidth {
+        let share = (limit / bulk.len().max(1) as f64) as u64;
+        bulk.iter_mut()
+            .for_each(|c| c.writer().pace_packets(Some(share.max(1))));
+    }
     std::thread::scope(|sc| -> Result<_, MigrationError> {
         let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));
         let hasher = opts.verify.then(|| {
