@@ -110,6 +110,13 @@ pub struct MigrateArgs {
     /// or bits/s ending in "bit" (e.g. 1gbit, 500mbit).
     #[arg(long, value_parser = parse_rate)]
     bandwidth: Option<u64>,
+    /// Leave the bottleneck's queue to the VM's own traffic: precopy rounds
+    /// pace their streams below the rate at which the path starts queueing
+    /// (their TCP round trip over its shortest), so the VM's clients do not
+    /// wait behind the migration. A move whose receiver is CPU-bound (a
+    /// busy host) goes slower with it.
+    #[arg(long)]
+    share_link: bool,
     /// Never throttle the vCPUs (auto-converge is on by default).
     #[arg(long)]
     no_auto_converge: bool,
@@ -204,6 +211,7 @@ impl MigrateArgs {
                 max_pct: self.auto_converge_max,
             },
             bandwidth: self.bandwidth.map(|b| b as f64),
+            share_link: self.share_link,
             compression: CompressOptions {
                 compress: self.compress,
                 backend: self.compress_backend,
@@ -662,6 +670,12 @@ mod tests {
         // The defaults live in ferry_migration::options alone: a flag that
         // restated one (and drifted) would show here.
         assert_eq!(parsed(&[]).unwrap(), MigrateOptions::default());
+    }
+
+    #[test]
+    fn share_link_reaches_the_options() {
+        assert!(parsed(&["--share-link"]).unwrap().share_link);
+        assert!(!parsed(&[]).unwrap().share_link);
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub mod encoded;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+pub(crate) mod governor;
 pub(crate) mod hybrid;
 pub mod memory;
 pub mod memserver;

@@ -380,6 +380,10 @@ pub struct MigrateOptions {
     pub verify: bool,
     /// Most bytes per second on the wire, all streams together.
     pub bandwidth: Option<f64>,
+    /// Precopy rounds pace their streams by the queue they find at the
+    /// bottleneck, leaving it to the VM's own traffic (see
+    /// [`crate::governor`]); off: as fast as TCP goes (or `bandwidth`).
+    pub share_link: bool,
     /// How long to wait for the peer at each step (ms).
     pub timeout_ms: u64,
     /// Compression and the pipelined data path.
@@ -439,6 +443,7 @@ impl Default for MigrateOptions {
             streams: default_streams(),
             verify: false,
             bandwidth: None,
+            share_link: false,
             timeout_ms: defaults::TIMEOUT_MS,
             compression: CompressOptions::default(),
             timeline_tail_ms: defaults::TIMELINE_TAIL_MS,

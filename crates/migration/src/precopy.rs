@@ -148,6 +148,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         opts.bandwidth,
         &sample,
     )
+    .sharing_link(opts.share_link)
     .watched_by(s.tel.clone())
     .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES)
     .hashing(s.sent_hashes.clone())

@@ -29,6 +29,7 @@ use ferry_codec::{EncodedBatch, Method};
 
 use crate::batch::{Fill, PageBatch};
 use crate::compress::{Backend, BatchEncoder, Policy};
+use crate::governor::Governor;
 use crate::memory::RegionView;
 use crate::options::CompressOptions;
 use crate::pacer::Pacer;
@@ -97,6 +98,10 @@ struct RoundCtx<'a> {
     /// its bytes (TLS) and the peer reads sealed frames (v10).
     sealed: bool,
     pacer: Pacer,
+    /// `--share-link`: steers each stream's packet pacing by its queue.
+    governor: Option<&'a Governor>,
+    /// Each stream's share of `--bandwidth` (bytes/s), if limited.
+    fixed_share: Option<u64>,
     cpu: &'a CpuMeter,
     pages: AtomicU64,
     zero: AtomicU64,
@@ -132,6 +137,8 @@ pub(crate) struct PageSender {
     shared: Option<std::sync::Arc<crate::shared::Offer>>,
     /// Pages sent by reference, over the whole migration.
     refs_sent: u64,
+    /// `--share-link`: the streams yield to the VM's own traffic.
+    governor: Option<Governor>,
 }
 
 impl PageSender {
@@ -167,7 +174,15 @@ impl PageSender {
             hashes: None,
             shared: None,
             refs_sent: 0,
+            governor: None,
         }
+    }
+
+    /// Paces the streams by the queue they find at the bottleneck
+    /// (`--share-link`, see [`crate::governor`]), if `on`.
+    pub(crate) fn sharing_link(mut self, on: bool) -> Self {
+        self.governor = on.then(|| Governor::new(self.streams.len()));
+        self
     }
 
     /// Sends the pages `offer` holds by reference, in every round but the
@@ -230,11 +245,16 @@ impl PageSender {
         // average, but it lets each batch go as one burst at the sender's
         // line rate, which sits in the bottleneck's queue ahead of the VM's
         // own traffic (kv clients saw their requests wait ~2 ms behind it).
-        if let Some(limit) = self.bandwidth {
-            let share = (limit / conns.len().max(1) as f64) as u64;
+        let fixed_share = self
+            .bandwidth
+            .map(|limit| ((limit / conns.len().max(1) as f64) as u64).max(1));
+        // The last round runs in the pause: no guest traffic to leave room
+        // for, so the governor's cap comes off (a limit stays).
+        let governed = self.governor.as_ref().filter(|_| final_bytes.is_none());
+        if fixed_share.is_some() || (self.governor.is_some() && governed.is_none()) {
             conns
                 .iter_mut()
-                .for_each(|c| c.writer().pace_packets(Some(share.max(1))));
+                .for_each(|c| c.writer().pace_packets(fixed_share));
         }
         let (hole_frames, hole_bytes) = protocol::write_holes(conns[0].writer(), holes)?;
         if let Some(h) = &self.hashes {
@@ -255,6 +275,8 @@ impl PageSender {
             crc_at_fetch: !self.compressed,
             sealed: self.may_seal && conns.iter().all(|c| c.writer_seals()),
             pacer: Pacer::new(self.bandwidth),
+            governor: governed,
+            fixed_share,
             cpu: if inline { &counted_by_caller } else { cpu },
             pages: AtomicU64::new(0),
             zero: AtomicU64::new(0),
@@ -515,6 +537,15 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, Migrat
     }
     let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;
+    if let Some(g) = ctx.governor {
+        if let Some(sample) = w.path_sample() {
+            let cap = match (g.observe(sample, sent, Instant::now()), ctx.fixed_share) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            w.pace_packets(cap);
+        }
+    }
     Ok(frames)
 }
 

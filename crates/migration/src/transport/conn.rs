@@ -289,6 +289,11 @@ impl ConnWriter {
         self.0.get_ref().delivery_rate()
     }
 
+    /// The path as this connection's TCP_INFO sees it (TCP only).
+    pub(crate) fn path_sample(&self) -> Option<crate::governor::PathSample> {
+        self.0.get_ref().path_sample()
+    }
+
     /// Has the kernel pace this connection's packets at `rate` bytes/s at
     /// most (None: no cap); see [`Stream::set_pacing`]. Best effort: a
     /// kernel that refuses leaves the sender's own pacer alone in charge.

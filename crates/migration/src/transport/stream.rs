@@ -209,10 +209,20 @@ impl Stream {
         }
     }
 
-    /// The kernel's latest delivery-rate sample of a TCP connection
-    /// (bytes/s): what the path really carries, measured from its ACKs.
-    /// None over Unix sockets or before the first sample.
-    pub(super) fn delivery_rate(&self) -> Option<f64> {
+    /// The path as this TCP connection's TCP_INFO sees it: smoothed and
+    /// shortest round trip. None over Unix sockets or on a kernel without
+    /// those fields.
+    pub(super) fn path_sample(&self) -> Option<crate::governor::PathSample> {
+        let (info, len) = self.tcp_info()?;
+        let needed = std::mem::offset_of!(libc::tcp_info, tcpi_min_rtt) + 4;
+        (len >= needed).then_some(crate::governor::PathSample {
+            srtt_us: info.tcpi_rtt,
+            min_rtt_us: info.tcpi_min_rtt,
+        })
+    }
+
+    /// TCP_INFO and how many bytes of it the kernel filled.
+    fn tcp_info(&self) -> Option<(libc::tcp_info, usize)> {
         if !self.is_tcp() {
             return None;
         }
@@ -229,9 +239,16 @@ impl Stream {
                 &mut len,
             )
         };
+        (r == 0).then_some((info, len as usize))
+    }
+
+    /// The kernel's latest delivery-rate sample of a TCP connection
+    /// (bytes/s): what the path really carries, measured from its ACKs.
+    /// None over Unix sockets or before the first sample.
+    pub(super) fn delivery_rate(&self) -> Option<f64> {
+        let (info, len) = self.tcp_info()?;
         let needed = std::mem::offset_of!(libc::tcp_info, tcpi_delivery_rate) + 8;
-        (r == 0 && len as usize >= needed && info.tcpi_delivery_rate > 0)
-            .then_some(info.tcpi_delivery_rate as f64)
+        (len >= needed && info.tcpi_delivery_rate > 0).then_some(info.tcpi_delivery_rate as f64)
     }
 
     /// Caps the rate at which the kernel sends this TCP connection's packets
