@@ -160,6 +160,11 @@ pub struct DrainArgs {
     /// moves (e.g. 1gbit, 100M bytes/s; default: the link's).
     #[arg(long, value_parser = crate::migrate::parse_rate)]
     bandwidth: Option<u64>,
+    /// Each move's precopy rounds leave the link's queue to the VMs' own
+    /// traffic (as `ferry migrate --share-link`): the guests' clients keep
+    /// their latency; the drain takes longer.
+    #[arg(long)]
+    share_link: bool,
     /// Hybrid moves switch to postcopy after this many dirty rounds that
     /// did not converge (or at their deadline).
     #[arg(long, default_value_t = 1)]
@@ -424,6 +429,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         retries: a.retries,
         deadline_per_gib: a.deadline_per_gib,
         bandwidth: a.bandwidth.map(|b| b as f64),
+        share_link: a.share_link,
         postcopy_after_rounds: a.postcopy_after_rounds,
         safety_net: !a.no_safety_net,
         net_finishes: !a.source_finishes,

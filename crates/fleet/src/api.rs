@@ -247,6 +247,10 @@ pub enum Request {
         /// Limit the move's bandwidth (bytes/s).
         #[serde(default)]
         bandwidth: Option<f64>,
+        /// Precopy rounds leave the bottleneck's queue to the VMs' own
+        /// traffic (`ferry migrate --share-link`).
+        #[serde(default)]
+        share_link: bool,
         /// For mode split: the main host's share and the memory servers.
         #[serde(default)]
         split: Option<SplitSpec>,
@@ -396,6 +400,7 @@ mod tests {
             verify: true,
             postcopy_after: Some(ferry_migration::PostcopyAfter::Either(1, 20.0)),
             bandwidth: None,
+            share_link: true,
             split: None,
             safety_net: Some("tcp:10.77.0.3:7101".into()),
             net_finishes: true,

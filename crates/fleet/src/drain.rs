@@ -46,6 +46,9 @@ pub struct DrainOptions {
     /// The bandwidth the drain may use out of the host (bytes/s), shared
     /// by its moves; None: unlimited.
     pub bandwidth: Option<f64>,
+    /// Each move's precopy rounds leave the bottleneck's queue to the VMs'
+    /// own traffic (`ferry migrate --share-link`).
+    pub share_link: bool,
     /// Hybrid moves switch to postcopy after this many dirty rounds that
     /// did not converge (or at their deadline): in a drain every page sent
     /// twice delays every other VM, so fewer than a lone migration's 3.
@@ -70,6 +73,7 @@ impl Default for DrainOptions {
             retries: 2,
             deadline_per_gib: Duration::from_secs(20),
             bandwidth: None,
+            share_link: false,
             postcopy_after_rounds: 1,
             safety_net: true,
             net_finishes: true,
@@ -906,6 +910,7 @@ fn one_move(
                 ),
             ),
             bandwidth,
+            share_link: sh.opts.share_link,
             split: report.split.as_ref().map(|sp| crate::api::SplitSpec {
                 subs: stores.iter().map(|s| s.1.clone()).collect(),
                 main_budget: sp.main_budget,

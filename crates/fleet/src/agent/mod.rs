@@ -350,6 +350,7 @@ impl Agent {
                 verify,
                 postcopy_after,
                 bandwidth,
+                share_link,
                 split,
                 safety_net,
                 net_finishes,
@@ -359,6 +360,7 @@ impl Agent {
                     verify,
                     token: Some(MigrationToken(token)),
                     bandwidth,
+                    share_link,
                     // The fleet keeps no timeline: no waiting for the
                     // destination's tail of one (a second a move).
                     timeline_tail_ms: 0,
