@@ -305,6 +305,12 @@ fn vms_migrate_between_namespace_hosts_with_verification() {
         Scenario::precopy("compute+dirty:rate=256,wss=64,pattern=random", "2", false),
         Scenario::precopy("dirty:rate=1024,wss=64,pattern=random", "2", false),
         Scenario::precopy("kv:workers=2,keys=4096,value=1024", "2", true),
+        // Rounds that back off while the link queues (the governor caps the
+        // streams and the kernel paces them) still end, every page verified.
+        Scenario {
+            mode: &["--share-link"],
+            ..Scenario::precopy("kv:workers=2,keys=4096,value=1024", "2", true)
+        },
     ];
     for (n, sc) in scenarios.iter().enumerate() {
         migrate_across(sc, n as u16);
