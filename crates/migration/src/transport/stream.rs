@@ -26,6 +26,9 @@ use crate::telemetry::LinkMeter;
 pub struct Stream {
     sock: Sock,
     meter: Option<Arc<LinkMeter>>,
+    /// A pacing cap was set on the socket (so taking it off needs a call;
+    /// a socket never capped is left exactly as the kernel made it).
+    capped: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -37,7 +40,11 @@ enum Sock {
 
 impl Stream {
     fn of(sock: Sock) -> Stream {
-        Stream { sock, meter: None }
+        Stream {
+            sock,
+            meter: None,
+            capped: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     /// A TCP connection just accepted or connected (Nagle off: frames are
@@ -117,6 +124,9 @@ impl Stream {
         Ok(Stream {
             sock,
             meter: self.meter.clone(),
+            capped: std::sync::atomic::AtomicBool::new(
+                self.capped.load(std::sync::atomic::Ordering::Relaxed),
+            ),
         })
     }
 
@@ -257,9 +267,13 @@ impl Stream {
     /// burst, so a bottleneck's queue, which the VM's own traffic shares,
     /// stays short. A no-op over Unix sockets.
     pub(super) fn set_pacing(&self, rate: Option<u64>) -> io::Result<()> {
-        if !self.is_tcp() {
+        // Setting the option at all turns the kernel's TCP pacing on, so a
+        // socket that was never capped is not touched to say "no cap".
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.is_tcp() || (rate.is_none() && !self.capped.load(Relaxed)) {
             return Ok(());
         }
+        self.capped.store(rate.is_some(), Relaxed);
         let rate: u64 = rate.unwrap_or(u64::MAX);
         // SAFETY: setsockopt reads size_of::<u64>() bytes from `rate`, a
         // u64 we own; the kernel takes a u64 for this option.
