@@ -156,7 +156,8 @@ struct DedupScratch {
 /// read; near enough that 16 chunks' lines a page stay in the cache.
 const HASHES_AHEAD: usize = 4;
 const MATCH_AHEAD: usize = 2;
-/// How many pages ahead a decoder asks for the chunks a page references.
+/// How many pages ahead (of any codec, zero pages included) a decoder asks
+/// for the chunks a dedup page references.
 const REFS_AHEAD: usize = 2;
 
 /// The 16 entries of the k-th page of a per-chunk vector (empty past its end).

@@ -72,6 +72,7 @@ unsafe fn hash_chunks_avx2(page: &[u8; CHUNKS_PER_PAGE * CHUNK]) -> [u32; CHUNKS
 /// [`hash_chunks`] as plain code the compiler vectorises for the CPU of its
 /// caller (inlined into each): what runs without AVX2, public so that tests
 /// compare the two.
+#[doc(hidden)]
 #[inline(always)]
 pub fn hash_chunks_portable(page: &[u8; CHUNKS_PER_PAGE * CHUNK]) -> [u32; CHUNKS_PER_PAGE] {
     // Every chunk has the same length and no tail.

@@ -9,8 +9,9 @@
 //! now take (smoothed RTT) against the shortest they ever took (min RTT):
 //! the difference is the queue. Like LEDBAT, the governor caps the streams
 //! (the kernel paces their packets, SO_MAX_PACING_RATE) and steers the cap
-//! by that delay: down by a sixth while the queue is over its target, up
-//! by a step of the path's best rate while it is well under.
+//! by that delay: down to 85% of what they sent (at most once per rate
+//! window, so one episode of queueing does not compound) while the queue is
+//! over its target, up by a step of their best rate while it is well under.
 //!
 //! On a link where the receiver's CPU, not the network, is what is slow
 //! (loopback on a busy host) the RTT grows too and the governor slows the
@@ -23,8 +24,8 @@ use std::time::{Duration, Instant};
 pub(crate) const TARGET_US: u32 = 250;
 /// At most one change of the cap per period.
 const PERIOD: Duration = Duration::from_millis(10);
-/// The cap after a period over the target, as a share of what the path
-/// delivered (or of the cap, if lower).
+/// The cap after a period over the target, as a share of what the streams
+/// sent over the last rate window (or of the cap, if lower).
 const DECREASE: f64 = 0.85;
 /// What a period well under the target adds to the cap, as a share of the
 /// path's best rate.
@@ -59,9 +60,15 @@ struct State {
     best: f64,
     /// The latest such rate.
     recent: f64,
-    /// Where the current rate window began: when, and the bytes sent then.
+    /// Bytes the streams sent, all rounds together.
+    total: u64,
+    /// Where the current rate window began: when, and `total` then.
     window: Option<(Instant, u64)>,
+    /// When a sample last counted (one a period).
     last: Option<Instant>,
+    /// When the cap last went down (one decrease a rate window: the RTT
+    /// and the measured rate trail a cut by that long).
+    last_decrease: Option<Instant>,
 }
 
 /// The window over which the streams' rate is measured: long enough that
@@ -84,11 +91,13 @@ impl Governor {
         }
     }
 
-    /// Takes one stream's sample (at most one counts per period) with the
-    /// bytes all streams have sent so far, and returns the cap each stream
-    /// should keep to now (bytes/s; None: none).
-    pub(crate) fn observe(&self, s: PathSample, sent: u64, now: Instant) -> Option<u64> {
+    /// Takes one stream's sample (at most one counts per period) after it
+    /// sent `bytes` more, and returns the cap each stream should keep to now
+    /// (bytes/s; None: none).
+    pub(crate) fn observe(&self, s: PathSample, bytes: u64, now: Instant) -> Option<u64> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.total = st.total.saturating_add(bytes);
+        let sent = st.total;
         match st.window {
             None => st.window = Some((now, sent)),
             Some((t, b)) if now.duration_since(t) >= RATE_WINDOW => {
@@ -102,9 +111,13 @@ impl Governor {
         if due && st.best > 0.0 && s.min_rtt_us > 0 {
             st.last = Some(now);
             let queue = s.queue_us();
-            if queue > TARGET_US {
-                let from = st.cap.unwrap_or(st.recent).min(st.recent.max(1.0));
+            let may_cut = st
+                .last_decrease
+                .is_none_or(|t| now.duration_since(t) >= RATE_WINDOW);
+            if queue > TARGET_US && may_cut && st.recent > 0.0 {
+                let from = st.cap.unwrap_or(st.recent).min(st.recent);
                 st.cap = Some((from * DECREASE).max(st.best * FLOOR));
+                st.last_decrease = Some(now);
             } else if queue < TARGET_US / 2 {
                 if let Some(cap) = st.cap {
                     let up = cap + st.best * INCREASE;
@@ -131,30 +144,29 @@ mod tests {
         }
     }
 
-    /// Feeds `g` samples every period for `periods`, the streams sending
+    /// Feeds `g` a sample every period for `periods`, the streams sending
     /// at `rate` (or at the cap, if lower); returns the last cap and the
-    /// bytes and time reached.
+    /// time reached.
     fn run(
         g: &Governor,
         q: u32,
         rate: f64,
         periods: u32,
-        (mut now, mut sent): (Instant, u64),
-    ) -> (Option<u64>, (Instant, u64)) {
-        let mut cap = None;
+        mut now: Instant,
+    ) -> (Option<u64>, Instant) {
+        let mut cap = g.observe(queue(q), 0, now);
         for _ in 0..periods {
-            cap = g.observe(queue(q), sent, now);
             let total = cap.map_or(rate, |c| (c as f64 * g.streams as f64).min(rate));
-            sent += (total * PERIOD.as_secs_f64()) as u64;
             now += PERIOD;
+            cap = g.observe(queue(q), (total * PERIOD.as_secs_f64()) as u64, now);
         }
-        (cap, (now, sent))
+        (cap, now)
     }
 
     #[test]
     fn no_queue_no_cap() {
         let g = Governor::new(2);
-        let (cap, _) = run(&g, 20, 120.0 * MB, 50, (Instant::now(), 0));
+        let (cap, _) = run(&g, 20, 120.0 * MB, 50, Instant::now());
         assert_eq!(cap, None);
     }
 
@@ -163,20 +175,28 @@ mod tests {
         // Two streams sending 120 MB/s together, no queue for 200 ms: the
         // governor learns the rate and caps nothing.
         let g = Governor::new(2);
-        let (cap, at) = run(&g, 0, 120.0 * MB, 20, (Instant::now(), 0));
+        let (cap, at) = run(&g, 0, 120.0 * MB, 20, Instant::now());
         assert_eq!(cap, None);
         // A queue builds: the first period over the target caps them at
-        // 85% of their rate, the next at 85% of that...
+        // 85% of their rate...
         let (cap, at) = run(&g, 2000, 120.0 * MB, 1, at);
         let first = cap.unwrap() as f64 * 2.0;
         assert!(
             (first - 120.0 * MB * DECREASE).abs() < 0.02 * 120.0 * MB,
             "{first}"
         );
-        let (cap, at) = run(&g, 2000, 120.0 * MB, 1, at);
-        assert!((cap.unwrap() as f64 * 2.0) < first);
+        // ...and holds it for a rate window, whatever the queue says (the
+        // RTT trails the cut)...
+        let (held, at) = run(&g, 2000, 120.0 * MB, 8, at);
+        assert_eq!(held, cap);
+        // ...then cuts again, once a window...
+        let (cap2, at) = run(&g, 2000, 120.0 * MB, 3, at);
+        assert!(
+            (cap2.unwrap() as f64) < cap.unwrap() as f64 * 0.9,
+            "{cap2:?}"
+        );
         // ...never below a tenth of the best rate.
-        let (cap, at) = run(&g, 2000, 120.0 * MB, 100, at);
+        let (cap, at) = run(&g, 2000, 120.0 * MB, 400, at);
         let floor = cap.unwrap() as f64 * 2.0;
         assert!(
             (floor - 120.0 * MB * FLOOR).abs() < 0.05 * 120.0 * MB,
@@ -198,6 +218,18 @@ mod tests {
     }
 
     #[test]
+    fn a_new_round_does_not_read_as_a_stalled_path() {
+        // The byte count runs across rounds: a queue seen as a round starts
+        // (nothing sent in it yet) cuts from the rate the streams had, not
+        // from nothing down to the floor.
+        let g = Governor::new(1);
+        let (_, at) = run(&g, 0, 120.0 * MB, 100, Instant::now());
+        let (cap, _) = run(&g, 2000, 120.0 * MB, 0, at + PERIOD);
+        let cap = cap.unwrap() as f64;
+        assert!(cap > 0.5 * 120.0 * MB, "{cap}");
+    }
+
+    #[test]
     fn samples_before_a_rate_is_known_or_without_an_rtt_change_nothing() {
         let g = Governor::new(1);
         let t = Instant::now();
@@ -212,7 +244,7 @@ mod tests {
         assert_eq!(g.observe(no_rtt, 100 << 20, t + RATE_WINDOW * 2), None);
         // With one, the same queue caps.
         assert!(g
-            .observe(queue(5000), 101 << 20, t + RATE_WINDOW * 2 + PERIOD)
+            .observe(queue(5000), 1 << 20, t + RATE_WINDOW * 2 + PERIOD)
             .is_some());
     }
 }

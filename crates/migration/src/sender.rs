@@ -249,7 +249,8 @@ impl PageSender {
             .bandwidth
             .map(|limit| ((limit / conns.len().max(1) as f64) as u64).max(1));
         // The last round runs in the pause: no guest traffic to leave room
-        // for, so the governor's cap comes off (a limit stays).
+        // for, so the governor's cap comes off (a limit stays; the kernel
+        // keeps pacing a socket once capped, at TCP's own rate).
         let governed = self.governor.as_ref().filter(|_| final_bytes.is_none());
         if fixed_share.is_some() || (self.governor.is_some() && governed.is_none()) {
             conns
@@ -539,7 +540,7 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, Migrat
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;
     if let Some(g) = ctx.governor {
         if let Some(sample) = w.path_sample() {
-            let cap = match (g.observe(sample, sent, Instant::now()), ctx.fixed_share) {
+            let cap = match (g.observe(sample, bytes, Instant::now()), ctx.fixed_share) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };

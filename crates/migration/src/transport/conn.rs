@@ -483,8 +483,37 @@ mod tests {
         let (got, took) = t.join().unwrap();
         assert_eq!(got, 8 << 20);
         assert!(took >= Duration::from_millis(400), "{took:?}");
-        // And the cap comes off again.
-        let (a, _b) = pair();
-        a.writer.pace_packets(None);
+    }
+
+    #[test]
+    fn a_cap_comes_off_and_a_socket_never_capped_is_not_touched() {
+        use std::os::fd::AsRawFd;
+        let max_pacing = |s: &std::net::TcpStream| {
+            let mut v = 0u64;
+            let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+            // SAFETY: getsockopt writes at most `len` bytes into `v`, ours.
+            let r = unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_MAX_PACING_RATE,
+                    (&mut v as *mut u64).cast(),
+                    &mut len,
+                )
+            };
+            assert_eq!(r, 0);
+            v
+        };
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let probe = tcp.try_clone().unwrap();
+        let c = Conn::new(Stream::tcp(tcp), None).unwrap();
+        let untouched = max_pacing(&probe);
+        c.writer.pace_packets(None);
+        assert_eq!(max_pacing(&probe), untouched);
+        c.writer.pace_packets(Some(16_000_000));
+        assert_eq!(max_pacing(&probe), 16_000_000);
+        c.writer.pace_packets(None);
+        assert_eq!(max_pacing(&probe), untouched);
     }
 }

@@ -265,7 +265,8 @@ impl Stream {
     /// (SO_MAX_PACING_RATE, bytes/s; None: no cap). The kernel spreads the
     /// packets evenly at that rate instead of sending each write as one
     /// burst, so a bottleneck's queue, which the VM's own traffic shares,
-    /// stays short. A no-op over Unix sockets.
+    /// stays short. A no-op over Unix sockets. Once capped, a socket stays
+    /// paced by the kernel at TCP's own rate after the cap comes off.
     pub(super) fn set_pacing(&self, rate: Option<u64>) -> io::Result<()> {
         // Setting the option at all turns the kernel's TCP pacing on, so a
         // socket that was never capped is not touched to say "no cap".
@@ -276,7 +277,8 @@ impl Stream {
         self.capped.store(rate.is_some(), Relaxed);
         let rate: u64 = rate.unwrap_or(u64::MAX);
         // SAFETY: setsockopt reads size_of::<u64>() bytes from `rate`, a
-        // u64 we own; the kernel takes a u64 for this option.
+        // u64 we own (a kernel before 4.20 reads its first 4 bytes, an int:
+        // u64::MAX's are ~0, no cap there too).
         let r = unsafe {
             libc::setsockopt(
                 self.fd(),

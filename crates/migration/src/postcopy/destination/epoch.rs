@@ -76,7 +76,13 @@ impl PostcopyDestination<'_> {
                         // Failures of the cut connections are this pause.
                         let _ = live.shared.take_failure();
                     }
-                    *ctl = match self.await_resume(&e) {
+                    let resumed = self.await_resume(&e);
+                    // The streams of the switch's own link were cut with
+                    // it: a reset one of them read is this same break, not
+                    // a cause to report later (the session prefers a bulk
+                    // stream's failure to the phase's own).
+                    let _ = rx.take_failure();
+                    *ctl = match resumed {
                         Ok(c) => c,
                         Err(gone) => {
                             self.end_without_source(gone, stats)?;
