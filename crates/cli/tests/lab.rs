@@ -963,6 +963,18 @@ fn status_in(host: &str, sock: &str) -> serde_json::Value {
     json(&o.stdout)
 }
 
+/// The `ferry run` of the postcopy recovery tests' VM: 256 MiB, 160 MiB of
+/// data written, then a task dirtying 32 MiB/s (the push takes seconds on
+/// a slowed link, so a cut or a kill lands mid-postcopy).
+const POSTCOPY_VM: [&str; 6] = [
+    "run",
+    "--mem",
+    "256M",
+    "--workload",
+    "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
+    "--json",
+];
+
 /// Issue 12's recovery: the link (a relay on the destination host) is cut
 /// while postcopy pages are still on their way. Both sides say "postcopy
 /// paused"; the source gives up reconnecting after 1 s and keeps the VM
@@ -982,14 +994,7 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
     std::fs::create_dir_all(&dir).unwrap();
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
-    let common = [
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
-        "--json",
-    ];
+    let common = POSTCOPY_VM;
     let mut dst = in_host("ferry-h2", &common);
     dst.args(["--incoming", "tcp:10.77.0.2:7470", "--control", dst_sock])
         .args(["--duration", "2s", "--reconnect-timeout", "60s"]);
@@ -1145,14 +1150,7 @@ fn safety_net_vm(
     standby_port: u16,
     dst_extra: &[&str],
 ) -> (Reaper, Reaper) {
-    let common = [
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        "fill:content=worst,mib=160+dirty:rate=32,wss=16,pattern=random",
-        "--json",
-    ];
+    let common = POSTCOPY_VM;
     let mut dst = in_host("ferry-h2", &common);
     let incoming = format!("tcp:10.77.0.2:{dst_port}");
     dst.args([

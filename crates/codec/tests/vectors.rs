@@ -135,40 +135,35 @@ fn superfasthash_vectors() {
 
 #[test]
 fn a_pages_chunk_hashes_taken_side_by_side_are_each_chunks_hash() {
-    // Chunks of every kind: zero, a ramp, bytes with the top bit set, random.
+    // Side by side = one by one, on this CPU's code and on the code a CPU
+    // without AVX2 runs; returns the hashes.
+    let agree = |page: &[u8; ferry_codec::PAGE]| {
+        let side_by_side = superfasthash::hash_chunks(page);
+        for (i, chunk) in page.chunks_exact(CHUNK).enumerate() {
+            assert_eq!(side_by_side[i], superfasthash::hash(chunk), "chunk {i}");
+        }
+        assert_eq!(superfasthash::hash_chunks_portable(page), side_by_side);
+        side_by_side
+    };
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut random_byte = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+        (state >> 56) as u8
+    };
+    // Chunks of every kind: zero, a ramp, bytes with the top bit set, random.
     let page: [u8; ferry_codec::PAGE] = std::array::from_fn(|i| match i / CHUNK % 4 {
         0 => 0,
         1 => i as u8,
         2 => 0x80 | (i / 7) as u8,
-        _ => {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
-            (state >> 56) as u8
-        }
+        _ => random_byte(),
     });
-    let side_by_side = superfasthash::hash_chunks(&page);
-    for (i, chunk) in page.chunks_exact(CHUNK).enumerate() {
-        assert_eq!(side_by_side[i], superfasthash::hash(chunk), "chunk {i}");
-    }
-    assert_eq!(side_by_side[0], 0xbc3f_b0f0);
-    // The code a CPU without AVX2 runs gives the same hashes.
-    assert_eq!(superfasthash::hash_chunks_portable(&page), side_by_side);
-    // And so does every chunk of pages of random bytes (every word of every
-    // lane lands where the vector code's transpose puts it).
+    assert_eq!(agree(&page)[0], 0xbc3f_b0f0);
+    // And pages of random bytes (every word of every lane lands where the
+    // vector code puts it).
     for _ in 0..64 {
-        let page: [u8; ferry_codec::PAGE] = std::array::from_fn(|_| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
-            (state >> 56) as u8
-        });
-        let side_by_side = superfasthash::hash_chunks(&page);
-        for (i, chunk) in page.chunks_exact(CHUNK).enumerate() {
-            assert_eq!(side_by_side[i], superfasthash::hash(chunk), "chunk {i}");
-        }
-        assert_eq!(superfasthash::hash_chunks_portable(&page), side_by_side);
+        agree(&std::array::from_fn(|_| random_byte()));
     }
 }
 

@@ -3,6 +3,12 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+/// Each of `streams` streams' share of a bandwidth limit (bytes/s, at least
+/// 1), for the kernel to pace its packets at; None without a limit.
+pub(crate) fn stream_share(limit: Option<f64>, streams: usize) -> Option<u64> {
+    limit.map(|l| ((l / streams.max(1) as f64) as u64).max(1))
+}
+
 /// Paces writers that share one byte budget from a common start.
 pub(crate) struct Pacer {
     limit: Option<f64>,

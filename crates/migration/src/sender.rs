@@ -245,14 +245,13 @@ impl PageSender {
         // average, but it lets each batch go as one burst at the sender's
         // line rate, which sits in the bottleneck's queue ahead of the VM's
         // own traffic (kv clients saw their requests wait ~2 ms behind it).
-        let fixed_share = self
-            .bandwidth
-            .map(|limit| ((limit / conns.len().max(1) as f64) as u64).max(1));
+        let fixed_share = crate::pacer::stream_share(self.bandwidth, conns.len());
         // The last round runs in the pause: no guest traffic to leave room
         // for, so the governor's cap comes off (a limit stays; the kernel
-        // keeps pacing a socket once capped, at TCP's own rate).
+        // keeps pacing a socket once capped, at TCP's own rate). A governed
+        // round starts from the caps its streams have.
         let governed = self.governor.as_ref().filter(|_| final_bytes.is_none());
-        if fixed_share.is_some() || (self.governor.is_some() && governed.is_none()) {
+        if governed.is_none() || fixed_share.is_some() {
             conns
                 .iter_mut()
                 .for_each(|c| c.writer().pace_packets(fixed_share));

@@ -501,9 +501,7 @@ fn serve(
     // connection, do not queue behind push bursts at the bottleneck. Set
     // either way: a hybrid's rounds may have left a `--share-link` cap on
     // these connections, which the push does not steer.
-    let share = opts
-        .bandwidth
-        .map(|limit| ((limit / bulk.len().max(1) as f64) as u64).max(1));
+    let share = crate::pacer::stream_share(opts.bandwidth, bulk.len());
     bulk.iter_mut().for_each(|c| c.writer().pace_packets(share));
     std::thread::scope(|sc| -> Result<_, MigrationError> {
         let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));

@@ -26,9 +26,10 @@ use crate::telemetry::LinkMeter;
 pub struct Stream {
     sock: Sock,
     meter: Option<Arc<LinkMeter>>,
-    /// A pacing cap was set on the socket (so taking it off needs a call;
-    /// a socket never capped is left exactly as the kernel made it).
-    capped: std::sync::atomic::AtomicBool,
+    /// The pacing cap last set on the socket (bytes/s; u64::MAX: none, the
+    /// kernel's own value): a call that changes nothing makes no syscall,
+    /// and a socket never capped is left exactly as the kernel made it.
+    paced_at: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug)]
@@ -43,7 +44,7 @@ impl Stream {
         Stream {
             sock,
             meter: None,
-            capped: std::sync::atomic::AtomicBool::new(false),
+            paced_at: std::sync::atomic::AtomicU64::new(u64::MAX),
         }
     }
 
@@ -124,8 +125,8 @@ impl Stream {
         Ok(Stream {
             sock,
             meter: self.meter.clone(),
-            capped: std::sync::atomic::AtomicBool::new(
-                self.capped.load(std::sync::atomic::Ordering::Relaxed),
+            paced_at: std::sync::atomic::AtomicU64::new(
+                self.paced_at.load(std::sync::atomic::Ordering::Relaxed),
             ),
         })
     }
@@ -269,13 +270,13 @@ impl Stream {
     /// paced by the kernel at TCP's own rate after the cap comes off.
     pub(super) fn set_pacing(&self, rate: Option<u64>) -> io::Result<()> {
         // Setting the option at all turns the kernel's TCP pacing on, so a
-        // socket that was never capped is not touched to say "no cap".
+        // socket that was never capped is not touched to say "no cap" (nor
+        // one told again what it has: the governor asks every batch).
         use std::sync::atomic::Ordering::Relaxed;
-        if !self.is_tcp() || (rate.is_none() && !self.capped.load(Relaxed)) {
+        let rate: u64 = rate.unwrap_or(u64::MAX);
+        if !self.is_tcp() || rate == self.paced_at.load(Relaxed) {
             return Ok(());
         }
-        self.capped.store(rate.is_some(), Relaxed);
-        let rate: u64 = rate.unwrap_or(u64::MAX);
         // SAFETY: setsockopt reads size_of::<u64>() bytes from `rate`, a
         // u64 we own (a kernel before 4.20 reads its first 4 bytes, an int:
         // u64::MAX's are ~0, no cap there too).
@@ -288,11 +289,11 @@ impl Stream {
                 std::mem::size_of::<u64>() as libc::socklen_t,
             )
         };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
+        if r != 0 {
+            return Err(io::Error::last_os_error());
         }
+        self.paced_at.store(rate, Relaxed);
+        Ok(())
     }
 
     /// Writes all of `data`, which a TLS link seals in place (so it holds
