@@ -76,7 +76,7 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     if sp.is_object() {
         let n = |k: &str| sp[k].as_u64().unwrap_or(0);
         println!(
-            "split       {} of {} chunks here (budget {}); paged in {} chunks ({} pages), out {} ({} pages); page-in p50 {:.0} µs, p99 {:.0} µs{}",
+            "split       {} of {} chunks here (budget {}); paged in {} chunks ({} pages), out {} ({} pages, {} clean: nothing sent); page-in p50 {:.0} µs, p99 {:.0} µs{}",
             n("resident_chunks"),
             n("chunks"),
             n("budget_chunks"),
@@ -84,6 +84,7 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
             n("pages_in"),
             n("page_outs"),
             n("pages_out"),
+            n("clean_drops"),
             sp["page_in_p50_us"].as_f64().unwrap_or(0.0),
             sp["page_in_p99_us"].as_f64().unwrap_or(0.0),
             match sp["failure"].as_str() {

@@ -90,6 +90,10 @@ pub(crate) const REGISTER_MODE_MINOR: u64 = 1 << 2;
 
 /// `UFFDIO_COPY_MODE_DONTWAKE`.
 pub(crate) const COPY_MODE_DONTWAKE: u64 = 1 << 0;
+/// `UFFDIO_COPY_MODE_WP`: the pages land write-protected.
+pub(crate) const COPY_MODE_WP: u64 = 1 << 1;
+/// `UFFDIO_CONTINUE_MODE_WP`: the pages are mapped write-protected.
+pub(crate) const CONTINUE_MODE_WP: u64 = 1 << 1;
 /// `UFFDIO_WRITEPROTECT_MODE_WP`.
 pub(crate) const WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 
@@ -317,6 +321,8 @@ mod tests {
                     ("UFFDIO_REGISTER_MODE_WP", REGISTER_MODE_WP),
                     ("UFFDIO_REGISTER_MODE_MINOR", REGISTER_MODE_MINOR),
                     ("UFFDIO_COPY_MODE_DONTWAKE", COPY_MODE_DONTWAKE),
+                    ("UFFDIO_COPY_MODE_WP", COPY_MODE_WP),
+                    ("UFFDIO_CONTINUE_MODE_WP", CONTINUE_MODE_WP),
                     ("UFFDIO_WRITEPROTECT_MODE_WP", WRITEPROTECT_MODE_WP),
                     ("UFFD_EVENT_PAGEFAULT", EVENT_PAGEFAULT.into()),
                     ("UFFD_EVENT_REMOVE", EVENT_REMOVE.into()),

@@ -64,12 +64,27 @@ impl Userfaultfd {
     /// of pages) and, if `wake`, wakes the threads waiting on them; returns
     /// the bytes copied.
     pub fn copy(&self, dst: u64, src: &[u8], wake: bool) -> Result<u64, UffdError> {
+        self.copy_mode(dst, src, wake, false)
+    }
+
+    /// Like [`copy`](Self::copy), but the pages land write-protected in the
+    /// same ioctl (the range must be registered for WP): no writer can
+    /// reach them before the first write faults.
+    pub fn copy_protected(&self, dst: u64, src: &[u8], wake: bool) -> Result<u64, UffdError> {
+        self.copy_mode(dst, src, wake, true)
+    }
+
+    fn copy_mode(&self, dst: u64, src: &[u8], wake: bool, wp: bool) -> Result<u64, UffdError> {
         let len = src.len() as u64;
+        let mut mode = if wake { 0 } else { abi::COPY_MODE_DONTWAKE };
+        if wp {
+            mode |= abi::COPY_MODE_WP;
+        }
         let mut a = abi::Copy {
             dst,
             src: src.as_ptr() as u64,
             len,
-            mode: if wake { 0 } else { abi::COPY_MODE_DONTWAKE },
+            mode,
             copy: 0,
         };
         self.ioctl("COPY", abi::UFFDIO_COPY, &mut a, dst, len)?;
@@ -91,9 +106,21 @@ impl Userfaultfd {
     /// Resolves MINOR faults: maps the page-cache pages already there and
     /// wakes waiters; returns the bytes mapped.
     pub fn continue_range(&self, addr: u64, len: u64) -> Result<u64, UffdError> {
+        self.continue_mode(addr, len, 0)
+    }
+
+    /// Like [`continue_range`](Self::continue_range), but the pages are
+    /// mapped write-protected (kernels from 6.4; older ones refuse it with
+    /// EINVAL): a page kept write-protected stays so when its entry is
+    /// dropped and mapped back.
+    pub fn continue_protected(&self, addr: u64, len: u64) -> Result<u64, UffdError> {
+        self.continue_mode(addr, len, abi::CONTINUE_MODE_WP)
+    }
+
+    fn continue_mode(&self, addr: u64, len: u64, mode: u64) -> Result<u64, UffdError> {
         let mut a = abi::RangeMode {
             range: abi::Range { start: addr, len },
-            mode: 0,
+            mode,
             result: 0,
         };
         self.ioctl("CONTINUE", abi::UFFDIO_CONTINUE, &mut a, addr, len)?;

@@ -438,3 +438,88 @@ fn continue_prefix_stops_at_the_first_page_not_in_the_cache() {
         "{err:?}"
     );
 }
+
+/// A page copied in write-protected (one ioctl) is readable at once and its
+/// first write faults WP: nothing can write it between landing and
+/// protection.
+#[test]
+fn a_page_copied_in_protected_faults_on_its_first_write() {
+    let Some(u) = uffd(Features {
+        missing_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    }) else {
+        return;
+    };
+    let r = Arc::new(MemfdRegion::new("uffd-copy-wp", 0, PAGE_SIZE).unwrap());
+    let base = r.host_addr() as u64;
+    let both = RegisterMode {
+        missing: true,
+        wp: true,
+        ..Default::default()
+    };
+    u.register(base, PAGE_SIZE, both).unwrap();
+    let page = vec![7u8; PAGE];
+    assert_eq!(u.copy_protected(base, &page, true).unwrap(), PAGE_SIZE);
+    assert_eq!(join(read_byte(&r, 3)), 7, "reads pass");
+    let r2 = r.clone();
+    // SAFETY: byte 0 of the mapping, kept alive by the Arc.
+    let writer = std::thread::spawn(move || unsafe { r2.host_addr().write_volatile(9) });
+    let ev = next_event(&u);
+    assert!(
+        matches!(ev, Event::PageFault { addr, wp: true, .. } if addr == base),
+        "{ev:?}"
+    );
+    u.write_protect(base, PAGE_SIZE, false).unwrap();
+    join(writer);
+    // SAFETY: as above.
+    assert_eq!(unsafe { r.host_addr().read_volatile() }, 9);
+}
+
+/// A page mapped back by CONTINUE in WP mode keeps its protection: the
+/// write after the MINOR fault faults WP. Kernels before 6.4 refuse the
+/// mode; the test says so and checks that the refusal is an error.
+#[test]
+fn a_page_mapped_back_protected_faults_on_its_first_write() {
+    let Some(u) = uffd(Features {
+        minor_shmem: true,
+        wp_shmem: true,
+        ..Default::default()
+    }) else {
+        return;
+    };
+    let r = Arc::new(MemfdRegion::new("uffd-continue-wp", 0, PAGE_SIZE).unwrap());
+    let base = r.host_addr() as u64;
+    // SAFETY: byte 5 of the live mapping.
+    unsafe { *r.host_addr().add(5) = 42 };
+    let both = RegisterMode {
+        minor: true,
+        wp: true,
+        ..Default::default()
+    };
+    u.register(base, PAGE_SIZE, both).unwrap();
+    u.write_protect(base, PAGE_SIZE, true).unwrap();
+    r.discard(0, PAGE_SIZE).unwrap();
+    let reader = read_byte(&r, 5);
+    let ev = next_event(&u);
+    assert!(matches!(ev, Event::PageFault { minor: true, .. }), "{ev:?}");
+    match u.continue_protected(base, PAGE_SIZE) {
+        Ok(n) => assert_eq!(n, PAGE_SIZE),
+        Err(e) => {
+            eprintln!("SKIP: this kernel cannot map back write-protected: {e}");
+            u.continue_range(base, PAGE_SIZE).unwrap();
+            join(reader);
+            return;
+        }
+    }
+    assert_eq!(join(reader), 42);
+    let r2 = r.clone();
+    // SAFETY: byte 5 of the mapping, kept alive by the Arc.
+    let writer = std::thread::spawn(move || unsafe { r2.host_addr().add(5).write_volatile(9) });
+    let ev = next_event(&u);
+    assert!(matches!(ev, Event::PageFault { wp: true, .. }), "{ev:?}");
+    u.write_protect(base, PAGE_SIZE, false).unwrap();
+    join(writer);
+    // SAFETY: as above.
+    assert_eq!(unsafe { r.host_addr().add(5).read_volatile() }, 9);
+}

@@ -26,8 +26,13 @@
 //!   no period sampled it. Arming costs one MINOR fault per chunk in use,
 //!   paid only while paging out.
 //!
+//! - a chunk paged in by a read stays on its servers and lands
+//!   write-protected: while it is only read, paging it out again is a
+//!   drop, no transfer; its first write unprotects it and makes it dirty.
+//!
 //! Files: [`worker`] (the thread's fault loop), [`page_in`], [`page_out`],
-//! [`clock`] (which chunk to page out), [`sampling`] (MINOR-fault access
+//! [`clean`] (chunks unchanged since their page-in), [`clock`] (which
+//! chunk to page out), [`sampling`] (MINOR-fault access
 //! sampling and map-back), [`stats`] (the counters and [`PagerStats`]).
 //! This file starts the pager and is what the rest of the VMM holds.
 //! Every page the pager lands goes through the sink's [`UffdPlacer`]; the
@@ -35,6 +40,7 @@
 //! write-protecting a chunk being paged out, polling and reading events.
 
 mod chunks;
+mod clean;
 mod clock;
 mod page_in;
 mod page_out;
@@ -244,6 +250,9 @@ impl RemotePager {
             sampling,
             shared: shared.clone(),
             parked: Vec::new(),
+            clean: vec![false; n],
+            kept: vec![false; n],
+            keep_copies: true,
         };
         let thread = std::thread::Builder::new()
             .name("ferry-pager".into())
@@ -291,6 +300,7 @@ impl RemotePager {
             loop_victims: c.loop_victims.load(Ordering::Relaxed),
             zero_fills: c.zero_fills.load(Ordering::Relaxed),
             sampled_faults: c.sampled.load(Ordering::Relaxed),
+            clean_drops: c.clean_drops.load(Ordering::Relaxed),
             sampling: self.sampling,
             page_in_p50_us: p50,
             page_in_p99_us: p99,

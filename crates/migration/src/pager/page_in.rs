@@ -23,17 +23,28 @@ impl Worker {
     /// Maps zero pages over every hole of chunk `c` (waking whoever waits
     /// on one).
     pub(super) fn fill_holes(&self, c: usize) -> Result<(), MigrationError> {
+        self.fill_holes_as(c, false)
+    }
+
+    /// Like [`fill_holes`](Self::fill_holes), but the zero pages land
+    /// write-protected and nobody is woken (the caller wakes the chunk).
+    fn fill_holes_protected(&self, c: usize) -> Result<(), MigrationError> {
+        self.fill_holes_as(c, true)
+    }
+
+    fn fill_holes_as(&self, c: usize, protect: bool) -> Result<(), MigrationError> {
         let run = self.map.run(c);
         let (_, resident) = self.residency(c)?;
         let holes: Vec<bool> = resident.iter().map(|&r| !r).collect();
         let mut filled = 0;
         for (i, n) in runs_of(&holes) {
             let hole = GpaPages::new(run.gpa + i as u64 * PAGE, n as u64);
-            filled += self
-                .placer
-                .zero_missing(hole)
-                .map_err(|e| sink_err("zero page", e))?
-                .new;
+            let placed = if protect {
+                self.placer.zero_missing_protected(hole)
+            } else {
+                self.placer.zero_missing(hole)
+            };
+            filled += placed.map_err(|e| sink_err("zero page", e))?.new;
         }
         self.shared
             .counters
@@ -54,45 +65,69 @@ impl Worker {
     }
 
     /// Brings chunk `c` from `server`: the page at `gpa` first (its vCPU
-    /// is woken as soon as it is in), then the rest; the server forgets it.
+    /// is woken as soon as it is in), then the rest. Brought by a read, it
+    /// lands write-protected and the server keeps it (it is clean,
+    /// [`super::clean`]); by a write, the server forgets it.
     pub(super) fn page_in(
         &mut self,
         c: usize,
         gpa: u64,
         server: usize,
         t: Instant,
+        write: bool,
     ) -> Result<(), MigrationError> {
         let run = self.map.run(c);
         let runs = fault_first(run, gpa);
         let (placer, shared) = (&self.placer, &self.shared);
         let mut pages = 0u64;
-        let drop = !shared.gathering.load(Ordering::SeqCst);
+        // Kept copies: the server keeps the chunk, and it lands
+        // write-protected, so its first write is seen (super::clean). A
+        // chunk faulted in by a write is dirty at once: neither.
+        let keep = self.keep_copies && !write;
+        let drop = !shared.gathering.load(Ordering::SeqCst) && !keep;
         self.stores[server].fetch_runs(&runs, drop, |i, gpas, data| {
             // One copy per run of consecutive pages (a chunk is one run in
             // one region): a page at a time costs an ioctl each. A page
             // mapped already counts as brought.
-            let placed = placer
-                .copy_pages(gpas, data, i == 0)
-                .map_err(|e| sink_err("copy", e))?;
+            let placed = if keep {
+                placer.copy_pages_protected(gpas, data, i == 0)
+            } else {
+                placer.copy_pages(gpas, data, i == 0)
+            }
+            .map_err(|e| sink_err("copy", e))?;
             pages += placed.new + placed.present;
             if i == 0 {
                 if gpas.is_empty() {
                     // A zero page: the server held nothing for it.
-                    placer
-                        .zero_missing(GpaPages::new(gpa, 1))
-                        .map_err(|e| sink_err("zero page", e))?;
+                    let first = GpaPages::new(gpa, 1);
+                    if keep {
+                        placer
+                            .zero_missing_protected(first)
+                            .map_err(|e| sink_err("zero page", e))?;
+                        placer.wake(first);
+                    } else {
+                        placer
+                            .zero_missing(first)
+                            .map_err(|e| sink_err("zero page", e))?;
+                    }
                 }
                 record_latency(&shared.latency_us, t.elapsed().as_secs_f64() * 1e6);
             }
             Ok(())
         })?;
         // The pages the server did not hold are zero pages.
-        self.fill_holes(c)?;
+        if keep {
+            self.fill_holes_protected(c)?;
+        } else {
+            self.fill_holes(c)?;
+        }
         // A vCPU that faulted on a page of the chunk while it came in
         // waits for a wake (the copies did not wake): give it now, not
         // after the page-out that may follow.
         self.placer.wake(run);
         self.set_place(c, ON_MAIN);
+        self.clean[c] = keep;
+        self.kept[c] = !drop;
         self.aging[c] |= 0x80;
         let k = &self.shared.counters;
         k.resident.fetch_add(1, Ordering::Relaxed);

@@ -14,9 +14,10 @@ use std::time::Instant;
 
 use crate::error::MigrationError;
 use crate::options::Rank;
-use crate::ranges::PAGE;
+use crate::ranges::{GpaPages, PAGE};
 
 use super::clock::fallback_victim;
+use super::page_in::runs_of;
 use super::sampling::drop_ptes;
 use super::worker::Worker;
 use super::{bad_gpa, host_of, uffd_err};
@@ -128,6 +129,9 @@ impl Worker {
         if shared.gathering.load(Ordering::SeqCst) {
             return Ok(());
         }
+        if self.clean[c] {
+            return self.drop_clean(c);
+        }
         let run = self.map.run(c);
         let host = host_of(&self.regions, run.gpa).ok_or_else(|| bad_gpa(run.gpa))?;
         let len = run.bytes();
@@ -149,16 +153,38 @@ impl Worker {
             )
             .map_err(|e| MigrationError::vm("read a chunk to page out")(e.to_string()))?;
             let (mut gpas, mut data) = (Vec::new(), Vec::new());
+            let mut zero = vec![false; run.pages as usize];
             for (i, page) in bytes.chunks_exact(PAGE as usize).enumerate() {
-                if !crate::memory::is_zero(page) {
+                if crate::memory::is_zero(page) {
+                    zero[i] = true;
+                } else {
                     gpas.push(run.gpa + i as u64 * PAGE);
                     data.extend_from_slice(page);
                 }
             }
+            // Servers that kept an older copy at the page-in: pages zero
+            // now must not read back as its old bytes (absent means zero
+            // there). The rest are overwritten in place.
+            let zero_runs: Vec<GpaPages> = if self.kept[c] {
+                runs_of(&zero)
+                    .into_iter()
+                    .map(|(i, n)| GpaPages::new(run.gpa + i as u64 * PAGE, n as u64))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             let mut landed = 0;
             for &server in servers {
                 let store = &mut self.stores[server];
-                match store.put(&gpas, &data).and_then(|_| store.sync()) {
+                let sent = if zero_runs.is_empty() {
+                    Ok(())
+                } else {
+                    store.drop_runs(&zero_runs)
+                };
+                match sent
+                    .and_then(|_| store.put(&gpas, &data))
+                    .and_then(|_| store.sync())
+                {
                     Ok(_) => landed += 1,
                     Err(e) => self.lose(server, &e.to_string()),
                 }
@@ -183,6 +209,7 @@ impl Worker {
             .map_err(|e| uffd_err("unprotect", e))?;
         self.placer.wake(run);
         let pages = result?;
+        self.kept[c] = false;
         self.set_place(c, self.homes[c]);
         self.clock.disarm(c);
         let k = &self.shared.counters;

@@ -32,12 +32,25 @@ impl Worker {
     pub(super) fn map_back(&mut self, c: usize, gpa: u64) -> Result<(), MigrationError> {
         let run = self.map.run(c);
         let (_, resident) = self.residency(c)?;
-        for (i, n) in runs_of(&resident) {
+        let runs: Vec<GpaPages> = runs_of(&resident)
+            .into_iter()
+            .map(|(i, n)| GpaPages::new(run.gpa + i as u64 * PAGE, n as u64))
+            .collect();
+        if self.clean[c] {
+            // A clean chunk stays write-protected as it comes back.
+            let refused = runs
+                .iter()
+                .find_map(|&r| self.placer.map_back_protected(r).err());
+            if let Some(e) = refused {
+                tracing::warn!(%e, "this kernel cannot map pages back write-protected: paged-in chunks are no longer kept on their servers");
+                self.keep_copies = false;
+                self.mark_dirty(c)?;
+            }
+        }
+        for &r in &runs {
             // Pages mapped already are left (one by one); a run that cannot
             // be mapped back faults MINOR again on its next access.
-            let _ = self
-                .placer
-                .map_back(GpaPages::new(run.gpa + i as u64 * PAGE, n as u64));
+            let _ = self.placer.map_back(r);
         }
         self.placer.wake(GpaPages::new(gpa, 1));
         Ok(())

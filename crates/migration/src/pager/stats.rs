@@ -28,6 +28,10 @@ pub struct PagerStats {
     pub page_outs: u64,
     /// Pages those sent.
     pub pages_out: u64,
+    /// Page-outs that sent nothing: the chunk was unchanged since its
+    /// page-in, and its servers still held it.
+    #[serde(default)]
+    pub clean_drops: u64,
     /// Page-outs of a chunk the clock had armed and seen untouched since
     /// (the others fell back to the least recently seen chunk).
     pub cold_victims: u64,
@@ -67,6 +71,7 @@ pub(super) struct Counters {
     pub(super) loop_victims: AtomicU64,
     pub(super) zero_fills: AtomicU64,
     pub(super) sampled: AtomicU64,
+    pub(super) clean_drops: AtomicU64,
 }
 
 /// Keeps one page-in latency, in µs (the first [`LATENCY_SAMPLES`] only).

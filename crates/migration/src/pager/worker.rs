@@ -69,6 +69,15 @@ pub(super) struct Worker {
     pub(super) shared: Arc<Shared>,
     /// Faults on chunks of a dead server: never woken (the VM stops).
     pub(super) parked: Vec<u64>,
+    /// Per chunk: held here unchanged since its page-in, its servers still
+    /// holding the same bytes, so paging it out is a drop ([`super::clean`]).
+    pub(super) clean: Vec<bool>,
+    /// Per chunk held here: its servers kept the copy it was paged in
+    /// from (a read's page-in, or any during a gather), which may be old.
+    pub(super) kept: Vec<bool>,
+    /// Page-ins by a read keep the servers' copies and land write-protected
+    /// (off once the kernel refused to map a page back write-protected).
+    pub(super) keep_copies: bool,
 }
 
 impl Worker {
@@ -110,10 +119,14 @@ impl Worker {
             }
             for ev in &events {
                 if let Event::PageFault {
-                    addr, wp, minor, ..
+                    addr,
+                    wp,
+                    minor,
+                    write,
+                    ..
                 } = *ev
                 {
-                    if let Err(e) = self.fault(addr, wp, minor) {
+                    if let Err(e) = self.fault(addr, wp, minor, write) {
                         self.fail(e.to_string());
                     }
                 }
@@ -154,7 +167,13 @@ impl Worker {
         self.shared.places_held()[c] = p;
     }
 
-    fn fault(&mut self, addr: u64, wp: bool, minor: bool) -> Result<(), MigrationError> {
+    fn fault(
+        &mut self,
+        addr: u64,
+        wp: bool,
+        minor: bool,
+        write: bool,
+    ) -> Result<(), MigrationError> {
         let page = addr & !(PAGE - 1);
         let Some(gpa) = self.regions.iter().find_map(|r| r.gpa_of_host(page)) else {
             return Ok(());
@@ -163,6 +182,11 @@ impl Worker {
             return Ok(());
         };
         if wp {
+            if self.clean[c] && self.place(c) == ON_MAIN {
+                // The first write to a chunk paged in by a read: it
+                // differs from its servers' copies from now on.
+                return self.mark_dirty(c);
+            }
             // A write that waited on a page-out, which has finished: the
             // page is gone now, and the retry faults MISSING.
             self.placer.wake(GpaPages::new(gpa, 1));
@@ -174,10 +198,19 @@ impl Worker {
         self.clock.disarm(c);
         if minor {
             self.shared.counters.sampled.fetch_add(1, Ordering::Relaxed);
+            if write && self.clean[c] {
+                // Mapped back for a write: dirty now, not one fault later.
+                self.mark_dirty(c)?;
+            }
             return self.map_back(c, gpa);
         }
         let place = self.place(c);
         if place == ON_MAIN {
+            if self.clean[c] {
+                // (A clean chunk has no holes; zero pages landing
+                // unprotected would make it dirty unseen.)
+                self.mark_dirty(c)?;
+            }
             // Never-written pages of a chunk held here: all of them at
             // once (a guest filling fresh memory faults once per chunk,
             // not once per page; the budget counts whole chunks anyway).
@@ -190,12 +223,13 @@ impl Worker {
             if self.dead[server] {
                 continue;
             }
-            match self.page_in(c, gpa, server, t) {
+            match self.page_in(c, gpa, server, t, write) {
                 Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
                 Ok(()) => {
-                    // The other copy is stale from now on.
+                    // The other copy is stale from now on, unless both
+                    // are kept while the chunk stays clean.
                     for other in self.copies(c) {
-                        if other != server && !self.dead[other] {
+                        if other != server && !self.dead[other] && !self.clean[c] {
                             let run = [self.map.run(c)];
                             let store = &mut self.stores[other];
                             if let Err(e) = store.drop_runs(&run).and_then(|_| store.flush()) {

@@ -68,9 +68,23 @@ impl UffdPlacer {
     /// [`UffdError::AlreadyMapped`] included: the caller decides what a page
     /// already there means.
     pub fn copy(&self, run: GpaPages, data: &[u8], wake: bool) -> Result<(), SinkError> {
+        self.copy_as(run, data, wake, false)
+    }
+
+    fn copy_as(
+        &self,
+        run: GpaPages,
+        data: &[u8],
+        wake: bool,
+        protect: bool,
+    ) -> Result<(), SinkError> {
         shape(run, data)?;
         let host = self.host(run)?;
-        self.uffd.copy(host, data, wake)?;
+        if protect {
+            self.uffd.copy_protected(host, data, wake)?;
+        } else {
+            self.uffd.copy(host, data, wake)?;
+        }
         Ok(())
     }
 
@@ -86,6 +100,28 @@ impl UffdPlacer {
     /// consecutive pages inside one region go in one ioctl); pages the
     /// kernel already holds are left as they are.
     pub fn copy_pages(&self, gpas: &[u64], data: &[u8], wake: bool) -> Result<Placed, SinkError> {
+        self.copy_pages_as(gpas, data, wake, false)
+    }
+
+    /// Like [`copy_pages`](Self::copy_pages), but the pages land
+    /// write-protected, each in the ioctl that places it (the regions must
+    /// be registered for WP): the first write to any of them faults.
+    pub fn copy_pages_protected(
+        &self,
+        gpas: &[u64],
+        data: &[u8],
+        wake: bool,
+    ) -> Result<Placed, SinkError> {
+        self.copy_pages_as(gpas, data, wake, true)
+    }
+
+    fn copy_pages_as(
+        &self,
+        gpas: &[u64],
+        data: &[u8],
+        wake: bool,
+        protect: bool,
+    ) -> Result<Placed, SinkError> {
         if data.len() as u64 != gpas.len() as u64 * PAGE {
             return Err(SinkError::Shape {
                 pages: gpas.len() as u64,
@@ -102,7 +138,7 @@ impl UffdPlacer {
             let run = GpaPages::new(gpas[j], n as u64);
             let bytes = &data[j * PAGE as usize..][..n * PAGE as usize];
             let whole = self.in_one_region(run);
-            match whole.then(|| self.copy(run, bytes, wake)) {
+            match whole.then(|| self.copy_as(run, bytes, wake, protect)) {
                 Some(Ok(())) => placed.new += run.pages,
                 Some(Err(e)) if !stopped_at_present(&e) => return Err(e),
                 // Some page is there already (a prefix may have gone in
@@ -110,7 +146,7 @@ impl UffdPlacer {
                 _ => {
                     for (k, gpa) in run.page_addrs().enumerate() {
                         let page = &bytes[k * PAGE as usize..][..PAGE as usize];
-                        match self.copy(GpaPages::new(gpa, 1), page, wake) {
+                        match self.copy_as(GpaPages::new(gpa, 1), page, wake, protect) {
                             Ok(()) => placed.new += 1,
                             Err(e) if already_mapped(&e) => placed.present += 1,
                             Err(e) => return Err(e),
@@ -159,6 +195,35 @@ impl UffdPlacer {
             Err(UffdError::AlreadyMapped { .. }) => {
                 for p in 0..run.pages {
                     let _ = self.uffd.continue_range(host + p * PAGE, PAGE);
+                }
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Zero pages, write-protected, over `run` where the kernel holds none
+    /// (copied from zeros: UFFDIO_ZEROPAGE has no WP mode); wakes nobody.
+    pub fn zero_missing_protected(&self, run: GpaPages) -> Result<Placed, SinkError> {
+        let zeros = vec![0u8; run.bytes() as usize];
+        let gpas: Vec<u64> = run.page_addrs().collect();
+        self.copy_pages_as(&gpas, &zeros, false, true)
+    }
+
+    /// Like [`map_back`](Self::map_back), but the pages are mapped
+    /// write-protected. Fails where the kernel refuses the mode (before
+    /// 6.4): the caller then maps back unprotected and stops relying on
+    /// the protection.
+    pub fn map_back_protected(&self, run: GpaPages) -> Result<(), SinkError> {
+        let host = self.host(run)?;
+        match self.uffd.continue_protected(host, run.bytes()) {
+            Ok(_) => Ok(()),
+            Err(UffdError::AlreadyMapped { .. }) => {
+                for p in 0..run.pages {
+                    match self.uffd.continue_protected(host + p * PAGE, PAGE) {
+                        Ok(_) | Err(UffdError::AlreadyMapped { .. }) => {}
+                        Err(e) => return Err(e.into()),
+                    }
                 }
                 Ok(())
             }
