@@ -1,13 +1,13 @@
-//! Clean chunks: a chunk paged in by a read stays on its servers (the
-//! page-in asks them to keep it) and lands write-protected, so while the
-//! guest only reads it, the servers' copies are still its bytes and paging
-//! it out again is a drop: punched here, nothing sent. The first write
-//! faults WP; the chunk is then dirty (unprotected whole, so it costs one
-//! fault) and its next page-out sends it as before. A chunk paged in by a
-//! write is dirty from the start (no protection, no kept copy: nothing is
-//! paid for it). Sampling maps a clean chunk's pages back write-protected
-//! too ([`super::sampling`]); a kernel that refuses that (before 6.4) turns
-//! keeping off for later page-ins.
+//! Clean chunks: a chunk stays on its servers when it is paged in, and
+//! one paged in by a read lands write-protected, so while the guest only
+//! reads it, the servers' copies are still its bytes and paging it out
+//! again is a drop: punched here, nothing sent. The first write faults
+//! WP; the chunk is then dirty (unprotected whole, so it costs one fault)
+//! and its next page-out sends it as before. A chunk paged in by a write
+//! is dirty from the start (no protection: nothing is paid for it).
+//! Sampling maps a clean chunk's pages back write-protected too
+//! ([`super::sampling`]); a kernel that refuses that (before 6.4) turns
+//! clean tracking off for later page-ins.
 //!
 //! On this PVM host nearly every vCPU fault on guest RAM reaches
 //! userfaultfd as a write (2,254 of 2,255 page-ins of bench/split.py's

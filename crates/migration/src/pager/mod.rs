@@ -7,7 +7,8 @@
 //!   hole of the chunk gets a zero page at once;
 //! - a MISSING fault on a remote chunk pages it in: the server sends the
 //!   faulting page first (the vCPU is woken at once), then the rest of the
-//!   chunk, and forgets it; what it did not hold becomes zero pages;
+//!   chunk, and keeps its copy (a dirty page-out overwrites it, a clean
+//!   one sends nothing); what it did not hold becomes zero pages;
 //! - after a page-in over budget, the coldest chunk held here is paged
 //!   out: write-protected (writers wait), read through the memfd (never the
 //!   guest mapping, where this thread could fault on itself), its non-zero
@@ -252,7 +253,7 @@ impl RemotePager {
             parked: Vec::new(),
             clean: vec![false; n],
             kept: vec![false; n],
-            keep_copies: true,
+            track_clean: true,
         };
         let thread = std::thread::Builder::new()
             .name("ferry-pager".into())

@@ -1,6 +1,6 @@
 //! Page-in: a MISSING fault on a remote chunk brings the whole chunk from
 //! one of its servers, the faulting page first (its vCPU is woken as soon
-//! as that page is in), then the rest; the server forgets it. Pages the
+//! as that page is in), then the rest; the server keeps its copy. Pages the
 //! server did not hold, and never-written pages of a chunk held here, become
 //! zero pages. Every page lands through the sink's [`UffdPlacer`], the one
 //! landing seam: runs of consecutive pages go in one ioctl, and a page the
@@ -65,9 +65,9 @@ impl Worker {
     }
 
     /// Brings chunk `c` from `server`: the page at `gpa` first (its vCPU
-    /// is woken as soon as it is in), then the rest. Brought by a read, it
-    /// lands write-protected and the server keeps it (it is clean,
-    /// [`super::clean`]); by a write, the server forgets it.
+    /// is woken as soon as it is in), then the rest. The servers keep
+    /// their copies. Brought by a read, it lands write-protected: it is
+    /// clean ([`super::clean`]).
     pub(super) fn page_in(
         &mut self,
         c: usize,
@@ -80,16 +80,18 @@ impl Worker {
         let runs = fault_first(run, gpa);
         let (placer, shared) = (&self.placer, &self.shared);
         let mut pages = 0u64;
-        // Kept copies: the server keeps the chunk, and it lands
-        // write-protected, so its first write is seen (super::clean). A
-        // chunk faulted in by a write is dirty at once: neither.
-        let keep = self.keep_copies && !write;
-        let drop = !shared.gathering.load(Ordering::SeqCst) && !keep;
-        self.stores[server].fetch_runs(&runs, drop, |i, gpas, data| {
+        // A chunk brought by a read lands write-protected, so its first
+        // write is seen (super::clean); one brought by a write is dirty at
+        // once. Either way the servers keep their copies: the room stays
+        // this VM's (room a server frees goes back to all its VMs, and a
+        // later page-out could find it taken), and a clean chunk goes out
+        // again with nothing sent.
+        let protect = self.track_clean && !write;
+        self.stores[server].fetch_runs(&runs, false, |i, gpas, data| {
             // One copy per run of consecutive pages (a chunk is one run in
             // one region): a page at a time costs an ioctl each. A page
             // mapped already counts as brought.
-            let placed = if keep {
+            let placed = if protect {
                 placer.copy_pages_protected(gpas, data, i == 0)
             } else {
                 placer.copy_pages(gpas, data, i == 0)
@@ -100,7 +102,7 @@ impl Worker {
                 if gpas.is_empty() {
                     // A zero page: the server held nothing for it.
                     let first = GpaPages::new(gpa, 1);
-                    if keep {
+                    if protect {
                         placer
                             .zero_missing_protected(first)
                             .map_err(|e| sink_err("zero page", e))?;
@@ -116,7 +118,7 @@ impl Worker {
             Ok(())
         })?;
         // The pages the server did not hold are zero pages.
-        if keep {
+        if protect {
             self.fill_holes_protected(c)?;
         } else {
             self.fill_holes(c)?;
@@ -126,8 +128,8 @@ impl Worker {
         // after the page-out that may follow.
         self.placer.wake(run);
         self.set_place(c, ON_MAIN);
-        self.clean[c] = keep;
-        self.kept[c] = !drop;
+        self.clean[c] = protect;
+        self.kept[c] = true;
         self.aging[c] |= 0x80;
         let k = &self.shared.counters;
         k.resident.fetch_add(1, Ordering::Relaxed);

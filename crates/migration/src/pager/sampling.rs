@@ -42,8 +42,8 @@ impl Worker {
                 .iter()
                 .find_map(|&r| self.placer.map_back_protected(r).err());
             if let Some(e) = refused {
-                tracing::warn!(%e, "this kernel cannot map pages back write-protected: paged-in chunks are no longer kept on their servers");
-                self.keep_copies = false;
+                tracing::warn!(%e, "this kernel cannot map pages back write-protected: every chunk paged in from now on is taken for written");
+                self.track_clean = false;
                 self.mark_dirty(c)?;
             }
         }

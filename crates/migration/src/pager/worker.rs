@@ -72,12 +72,12 @@ pub(super) struct Worker {
     /// Per chunk: held here unchanged since its page-in, its servers still
     /// holding the same bytes, so paging it out is a drop ([`super::clean`]).
     pub(super) clean: Vec<bool>,
-    /// Per chunk held here: its servers kept the copy it was paged in
-    /// from (a read's page-in, or any during a gather), which may be old.
+    /// Per chunk held here: it was paged in, and its servers kept the copy
+    /// it came from, which may be old now (a page-out makes it current).
     pub(super) kept: Vec<bool>,
-    /// Page-ins by a read keep the servers' copies and land write-protected
-    /// (off once the kernel refused to map a page back write-protected).
-    pub(super) keep_copies: bool,
+    /// Page-ins by a read land write-protected, clean (off once the kernel
+    /// refused to map a page back write-protected).
+    pub(super) track_clean: bool,
 }
 
 impl Worker {
@@ -226,17 +226,8 @@ impl Worker {
             match self.page_in(c, gpa, server, t, write) {
                 Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
                 Ok(()) => {
-                    // The other copy is stale from now on, unless both
-                    // are kept while the chunk stays clean.
-                    for other in self.copies(c) {
-                        if other != server && !self.dead[other] && !self.clean[c] {
-                            let run = [self.map.run(c)];
-                            let store = &mut self.stores[other];
-                            if let Err(e) = store.drop_runs(&run).and_then(|_| store.flush()) {
-                                self.lose(other, &e.to_string());
-                            }
-                        }
-                    }
+                    // (Both copies stay: the next page-out sends to both,
+                    // or, clean, needs neither.)
                     let outs = self.shared.counters.page_outs.load(Ordering::Relaxed);
                     self.clock.learn_refault(c, outs);
                     return self.keep_budget(c);
