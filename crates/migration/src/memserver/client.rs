@@ -26,6 +26,9 @@ pub struct StoreClient {
     idle: Option<Duration>,
     /// When the last request went out.
     last: Instant,
+    /// The body of the last Pages frame read: reused, so a chunk fetched
+    /// costs no allocation (fresh memory costs a fault and a clear a page).
+    body: Vec<u8>,
 }
 
 impl StoreClient {
@@ -46,6 +49,7 @@ impl StoreClient {
                 token: 0,
                 idle: (ack.idle_secs > 0).then(|| Duration::from_secs(ack.idle_secs.into())),
                 last: Instant::now(),
+                body: Vec::new(),
             },
             ack,
         ))
@@ -205,15 +209,15 @@ impl StoreClient {
         for (i, run) in runs.iter().enumerate() {
             let frames = (run.pages as usize).div_ceil(MAX_BATCH);
             for f in 0..frames {
-                let frame = protocol::read_frame(self.conn.reader())?;
-                if frame.kind != Kind::Pages {
+                let kind = protocol::read_frame_into(self.conn.reader(), &mut self.body)?;
+                if kind != Kind::Pages {
                     return Err(protocol::ProtocolError::Unexpected {
-                        got: frame.kind,
+                        got: kind,
                         want: "Pages",
                     }
                     .into());
                 }
-                let (addrs, data) = protocol::decode_pages(&frame.body)?;
+                let (addrs, data) = protocol::decode_pages(&self.body)?;
                 let lo = run.gpa + (f * MAX_BATCH * PAGE) as u64;
                 let hi = (lo + (MAX_BATCH * PAGE) as u64).min(run.end());
                 if addrs

@@ -254,6 +254,7 @@ impl RemotePager {
             clean: vec![false; n],
             kept: vec![false; n],
             track_clean: true,
+            chunk_buf: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("ferry-pager".into())

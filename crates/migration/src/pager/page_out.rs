@@ -141,27 +141,37 @@ impl Worker {
         self.uffd
             .write_protect(host, len, true)
             .map_err(|e| uffd_err("write-protect", e))?;
+        // One buffer for every page-out: a fresh one costs a page fault
+        // and a clear per page before the read even starts.
+        let mut bytes = std::mem::take(&mut self.chunk_buf);
+        bytes.resize(len as usize, 0);
         let result = (|| -> Result<u64, MigrationError> {
             // Read through the memfd: a hole reads as zeros there, and
             // nothing this thread does can raise a fault it would have to
             // serve itself. Writers wait on the protection meanwhile.
-            let mut bytes = vec![0u8; len as usize];
             std::os::unix::fs::FileExt::read_exact_at(
                 &self.files[ri],
                 &mut bytes,
                 run.gpa - view.gpa(),
             )
             .map_err(|e| MigrationError::vm("read a chunk to page out")(e.to_string()))?;
-            let (mut gpas, mut data) = (Vec::new(), Vec::new());
+            // The non-zero pages, moved to the front in place (nothing
+            // moves while none is zero).
+            let p = PAGE as usize;
+            let mut gpas = Vec::new();
             let mut zero = vec![false; run.pages as usize];
-            for (i, page) in bytes.chunks_exact(PAGE as usize).enumerate() {
-                if crate::memory::is_zero(page) {
+            for i in 0..run.pages as usize {
+                if crate::memory::is_zero(&bytes[i * p..][..p]) {
                     zero[i] = true;
                 } else {
+                    let to = gpas.len();
+                    if to != i {
+                        bytes.copy_within(i * p..(i + 1) * p, to * p);
+                    }
                     gpas.push(run.gpa + i as u64 * PAGE);
-                    data.extend_from_slice(page);
                 }
             }
+            let data = &bytes[..gpas.len() * p];
             // Servers that kept an older copy at the page-in: pages zero
             // now must not read back as its old bytes (absent means zero
             // there). The rest are overwritten in place.
@@ -182,7 +192,7 @@ impl Worker {
                     store.drop_runs(&zero_runs)
                 };
                 match sent
-                    .and_then(|_| store.put(&gpas, &data))
+                    .and_then(|_| store.put(&gpas, data))
                     .and_then(|_| store.sync())
                 {
                     Ok(_) => landed += 1,
@@ -204,6 +214,7 @@ impl Worker {
                 .map_err(|e| MigrationError::vm("punch a paged-out chunk")(e.to_string()))?;
             Ok(gpas.len() as u64)
         })();
+        self.chunk_buf = bytes;
         self.uffd
             .write_protect(host, len, false)
             .map_err(|e| uffd_err("unprotect", e))?;

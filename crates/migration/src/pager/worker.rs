@@ -78,6 +78,8 @@ pub(super) struct Worker {
     /// Page-ins by a read land write-protected, clean (off once the kernel
     /// refused to map a page back write-protected).
     pub(super) track_clean: bool,
+    /// Page-out's read buffer, one chunk, reused.
+    pub(super) chunk_buf: Vec<u8>,
 }
 
 impl Worker {
