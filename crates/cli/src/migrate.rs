@@ -676,7 +676,11 @@ mod tests {
     fn share_link_reaches_the_options() {
         assert!(parsed(&["--share-link"]).unwrap().share_link);
         assert!(!parsed(&[]).unwrap().share_link);
-        assert!(parsed(&["--share-link", "--mode", "hybrid"]).unwrap().share_link);
+        assert!(
+            parsed(&["--share-link", "--mode", "hybrid"])
+                .unwrap()
+                .share_link
+        );
         // Postcopy has no rounds to pace: refused, not silently ignored.
         let e = parsed(&["--share-link", "--mode", "postcopy"]).unwrap_err();
         assert!(e.to_string().contains("postcopy has none"), "{e}");

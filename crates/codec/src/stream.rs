@@ -390,9 +390,29 @@ pub struct StreamDecoder {
     xbzrle: Option<PageCache>,
     dedup: Option<ChunkCache>,
     zstd: Option<Decompressor<'static>>,
-    /// Per chunk of each dedup-coded page of a batch: the hash and slot of
-    /// the cached chunk its reference named ([`NO_SLOT`]: not a reference).
-    refs: Vec<(u32, u32)>,
+    /// Per chunk of each dedup-coded page of a batch: the cached chunk its
+    /// reference named, if it was one.
+    refs: Vec<ChunkRef>,
+}
+
+/// A decoded chunk that was a reference: the cached chunk's hash and slot
+/// ([`NO_SLOT`]: the chunk was literal), so the cache's touch after the
+/// batch neither hashes it again nor looks it up.
+#[derive(Clone, Copy)]
+struct ChunkRef {
+    hash: u32,
+    slot: u32,
+}
+
+impl ChunkRef {
+    const LITERAL: ChunkRef = ChunkRef {
+        hash: 0,
+        slot: NO_SLOT,
+    };
+
+    fn is_ref(self) -> bool {
+        self.slot != NO_SLOT
+    }
 }
 
 impl StreamDecoder {
@@ -548,7 +568,7 @@ impl StreamDecoder {
                         }
                     }
                     let start = refs.len();
-                    refs.resize(start + CHUNKS_PER_PAGE, (0, NO_SLOT));
+                    refs.resize(start + CHUNKS_PER_PAGE, ChunkRef::LITERAL);
                     let page_refs = refs.get_mut(start..).unwrap_or_default();
                     chunked::decode_page(pos, src, dst, |chunk, header, body, d| {
                         if header != HDR_DEDUP_REF {
@@ -569,7 +589,7 @@ impl StreamDecoder {
                             })?;
                         *d = *cached;
                         if let Some(r) = page_refs.get_mut(chunk) {
-                            *r = (hash, index);
+                            *r = ChunkRef { hash, slot: index };
                         }
                         Ok(())
                     })?
@@ -636,20 +656,18 @@ impl StreamDecoder {
                         // A page of references alone needs no hashing: each
                         // came with its cached chunk's hash.
                         let hashes = match page_refs {
-                            r if r.len() == CHUNKS_PER_PAGE
-                                && r.iter().all(|&(_, slot)| slot != NO_SLOT) =>
-                            {
-                                std::array::from_fn(|i| r.get(i).map_or(0, |&(h, _)| h))
+                            r if r.len() == CHUNKS_PER_PAGE && r.iter().all(|r| r.is_ref()) => {
+                                std::array::from_fn(|i| r.get(i).map_or(0, |r| r.hash))
                             }
                             _ => superfasthash::hash_chunks(page),
                         };
                         for (i, &hash) in hashes.iter().enumerate() {
-                            if page_refs.get(i).is_none_or(|&(_, slot)| slot == NO_SLOT) {
+                            if !page_refs.get(i).is_some_and(|r| r.is_ref()) {
                                 cache.prefetch(hash);
                             }
                         }
                         for (i, (chunk, hash)) in chunks(page).zip(hashes).enumerate() {
-                            let slot = page_refs.get(i).map_or(NO_SLOT, |&(_, slot)| slot);
+                            let slot = page_refs.get(i).map_or(NO_SLOT, |r| r.slot);
                             cache.touch_found(hash, chunk, slot);
                         }
                     }
