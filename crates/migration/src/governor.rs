@@ -1,5 +1,6 @@
-//! `--share-link`: the bulk streams leave a shared bottleneck's queue to
-//! the VM's own traffic.
+//! `--share-link`: the bulk streams (precopy's rounds, postcopy's push)
+//! leave a shared bottleneck's queue to the VM's own traffic and to
+//! postcopy's demand answers.
 //!
 //! A bulk TCP stream at the path's full rate keeps the bottleneck's queue
 //! full, and the VM's answers to its clients wait in it: on the lab's

@@ -506,12 +506,6 @@ impl MigrateOptions {
                 self.mode
             ));
         }
-        if self.share_link && self.mode == Mode::Postcopy {
-            return Err(
-                "sharing the link paces precopy rounds, and postcopy has none (a bandwidth limit caps its push)"
-                    .into(),
-            );
-        }
         if self.net_finishes && self.safety_net.is_none() {
             return Err(
                 "a net that finishes the move needs a safety net (a standby's address)".into(),

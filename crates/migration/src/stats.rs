@@ -181,6 +181,10 @@ pub struct PostcopyStats {
     pub pushed_pages: u64,
     /// Zero pages among the pushed, sent as ranges.
     pub pushed_zero_pages: u64,
+    /// Of the pushed, pages the VM's access tracker had seen used lately
+    /// (pushed before the rest).
+    #[serde(default)]
+    pub pushed_hot_pages: u64,
     /// Page requests answered, and pages sent in answer: the requested
     /// page (always) plus its not-yet-sent neighbours.
     pub requests: u64,

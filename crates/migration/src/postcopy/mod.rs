@@ -349,6 +349,8 @@ fn follow(
             opts.bandwidth,
             push_from,
         )
+        .hot_first(s.vm.access_history().as_ref())
+        .sharing_link(opts.share_link, s.bulk.len(), opts.bandwidth)
         .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
         if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
             out.net_copies.store(true, Ordering::Release);
@@ -357,6 +359,7 @@ fn follow(
         let post = stats.postcopy.get_or_insert_with(Default::default);
         post.pushed_pages += out.pushed_pages.load(Ordering::Relaxed);
         post.pushed_zero_pages += out.pushed_zero_pages.load(Ordering::Relaxed);
+        post.pushed_hot_pages += out.hot_pages.load(Ordering::Relaxed);
         post.requests += out.requests.load(Ordering::Relaxed);
         post.demand_pages += out.demand_pages.load(Ordering::Relaxed);
         post.prefetched_pages += out.prefetched_pages.load(Ordering::Relaxed);

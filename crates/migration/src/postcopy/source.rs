@@ -7,7 +7,10 @@
 //!   fault never queues behind bulk data;
 //! - one pusher per bulk stream sends the rest in address order, jumping to
 //!   just past the latest requested window (locality: the guest is likely
-//!   to touch what follows), at lower CPU priority than the demand thread.
+//!   to touch what follows), at lower CPU priority than the demand thread;
+//!   pages the VM's access tracker saw used lately go first (a service
+//!   touching its data at random gets its working set before the cold
+//!   rest, instead of faulting on it page by page).
 //!
 //! Pages are claimed in one shared set, so a page goes out by push or by
 //! prefetch, never both; a requested page is always sent (it may be in a
@@ -20,12 +23,14 @@ use std::time::{Duration, Instant};
 use super::pages::{PageIndex, PageSet};
 use crate::batch::{Fill, PageBatch};
 use crate::error::MigrationError;
+use crate::governor::Governor;
 use crate::memory::RegionView;
 use crate::pacer::Pacer;
 use crate::protocol::{self, Kind, ProtocolError, MAX_BATCH};
 use crate::ranges::GpaPages;
 use crate::stats::CpuMeter;
 use crate::transport::Conn;
+use crate::vm::AccessHistory;
 
 /// Pages per pushed frame: small enough that a new fault redirects the
 /// pusher soon, large enough to keep per-frame costs low.
@@ -39,6 +44,12 @@ pub(crate) struct SourcePages {
     index: PageIndex,
     /// Pending pages not sent yet.
     unsent: PageSet,
+    /// Of those, the ones the guest used lately: pushed first.
+    hot: PageSet,
+    /// The hot set is empty (the pushers stop looking in it).
+    hot_done: AtomicBool,
+    /// Pages pushed from the hot set.
+    pub(crate) hot_pages: AtomicU64,
     prefetch: u64,
     /// Where the pushers continue: just past the latest requested window.
     hint: AtomicU64,
@@ -74,6 +85,12 @@ pub(crate) struct SourcePages {
     /// The destination reads sealed Pages frames: over a link that seals,
     /// pushed pages go without a checksum, sealed where they lie.
     may_seal: bool,
+    /// `--share-link`: the push's streams back off while the path queues,
+    /// so demand answers do not wait behind them ([`crate::governor`]).
+    governor: Option<Governor>,
+    /// Each push stream's share of `--bandwidth` (the governor's cap never
+    /// lifts it).
+    fixed_share: Option<u64>,
 }
 
 impl SourcePages {
@@ -87,6 +104,9 @@ impl SourcePages {
         let index = PageIndex::new(&regions);
         let unsent = PageSet::of_runs(&index, pending);
         SourcePages {
+            hot: PageSet::new(0),
+            hot_done: AtomicBool::new(true),
+            hot_pages: AtomicU64::new(0),
             regions,
             unsent,
             index,
@@ -108,13 +128,48 @@ impl SourcePages {
             cpu: CpuMeter::default(),
             pacer: Pacer::new(bandwidth),
             may_seal: false,
+            governor: None,
+            fixed_share: None,
         }
+    }
+
+    /// Lets the push's `streams` streams share the link (`--share-link`,
+    /// if `on`) within their share of `bandwidth`.
+    pub(crate) fn sharing_link(mut self, on: bool, streams: usize, bandwidth: Option<f64>) -> Self {
+        self.governor = on.then(|| Governor::new(streams));
+        self.fixed_share = crate::pacer::stream_share(bandwidth, streams);
+        self
     }
 
     /// Lets the pushers send sealed Pages frames over a link that seals
     /// (`peer_reads_them`: the destination speaks protocol v10 or later).
     pub(crate) fn sealing(mut self, peer_reads_them: bool) -> Self {
         self.may_seal = peer_reads_them;
+        self
+    }
+
+    /// Pushes first the pending pages that `history` saw used in any of
+    /// its recent periods (a history whose shape differs from the regions'
+    /// is ignored).
+    pub(crate) fn hot_first(mut self, history: Option<&AccessHistory>) -> Self {
+        let Some(h) = history else {
+            return self;
+        };
+        if h.aging.len() != self.regions.len() {
+            return self;
+        }
+        let hot = PageSet::new(self.index.total());
+        for (r, ages) in self.regions.iter().zip(&h.aging) {
+            for (i, &age) in ages.iter().enumerate() {
+                let gpa = r.gpa() + i as u64 * crate::ranges::PAGE;
+                match self.index.page_of(gpa) {
+                    Some(n) if age != 0 && self.unsent.contains(n) => hot.insert(n),
+                    _ => {}
+                }
+            }
+        }
+        self.hot_done = AtomicBool::new(hot.count() == 0);
+        self.hot = hot;
         self
     }
 
@@ -133,12 +188,29 @@ impl SourcePages {
             c.0 = hint;
         }
         while out.len() < PUSH_BATCH {
-            let Some(n) = self.unsent.next_from(c.0) else {
+            // Hot pages first, from where the pusher is (so a scan's next
+            // pages still come first), then the rest.
+            let hot = if self.hot_done.load(Ordering::Relaxed) {
+                None
+            } else {
+                let h = self.hot.next_from(c.0);
+                match h {
+                    Some(h) => {
+                        self.hot.claim(h);
+                    }
+                    None => self.hot_done.store(true, Ordering::Relaxed),
+                }
+                h
+            };
+            let Some(n) = hot.or_else(|| self.unsent.next_from(c.0)) else {
                 break;
             };
             c.0 = n + 1;
             if self.unsent.claim(n) {
                 out.push(n);
+                if hot.is_some() {
+                    self.hot_pages.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
     }
@@ -204,10 +276,10 @@ impl SourcePages {
         w: &mut impl protocol::SpendingWrite,
         b: &mut PageBatch,
         sealed: bool,
-    ) -> Result<u64, ProtocolError> {
+    ) -> Result<(u64, u64), ProtocolError> {
         let bytes = b.write_pages_spending(w, sealed)?;
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        Ok(u64::from(bytes > 0))
+        Ok((u64::from(bytes > 0), bytes))
     }
 
     /// Pushes pages on one bulk stream until none is left; returns the
@@ -238,10 +310,12 @@ impl SourcePages {
             }
             self.fill(&mut b, &batch, how);
             // Pages first, then the zero runs.
-            frames += self.write_pages(conn.writer(), &mut b, sealed)?;
+            let (f, mut sent) = self.write_pages(conn.writer(), &mut b, sealed)?;
+            frames += f;
             if b.zero_pages() > 0 {
                 let bytes = b.write_zeros(conn.writer())?;
                 self.bytes.fetch_add(bytes, Ordering::Relaxed);
+                sent += bytes;
                 frames += 1;
             }
             self.pushed_pages.fetch_add(b.pages(), Ordering::Relaxed);
@@ -250,6 +324,15 @@ impl SourcePages {
             self.pacer
                 .pace(self.bytes.load(Ordering::Relaxed), conn.writer())
                 .map_err(ProtocolError::Io)?;
+            if let Some(g) = &self.governor {
+                if let Some(sample) = conn.writer().path_sample() {
+                    let cap = match (g.observe(sample, sent, Instant::now()), self.fixed_share) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                    conn.writer().pace_packets(cap);
+                }
+            }
         }
         conn.flush()?;
         self.cpu.add(crate::stats::thread_cpu_secs() - cpu0);
@@ -398,5 +481,61 @@ mod tests {
             "{plain:?}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn pages_used_lately_are_pushed_before_the_rest() {
+        let n = 1024u64;
+        let mut mem = vec![0u8; n as usize * PAGE];
+        // SAFETY: `mem` outlives `out` and nothing else touches it.
+        let regions = vec![unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
+        // Pages 500.. 700 seen used (one period ago or eight), 600 already
+        // sent at the switch (not pending), the rest never.
+        let mut aging = vec![0u8; n as usize];
+        for (p, age) in aging.iter_mut().enumerate().take(700).skip(500) {
+            *age = if p % 2 == 0 { 0x80 } else { 0x01 };
+        }
+        let history = AccessHistory {
+            clock: vec![vec![0; n as usize]],
+            aging: vec![aging],
+            periods: 8,
+        };
+        let pending = [
+            GpaPages::new(0, 600),
+            GpaPages::new(601 * PAGE as u64, n - 601),
+        ];
+        let out = SourcePages::new(regions.clone(), &pending, 0, None, Instant::now())
+            .hot_first(Some(&history));
+        let mut order = Vec::new();
+        let mut batch = Vec::new();
+        loop {
+            out.next_batch(&mut batch);
+            if batch.is_empty() {
+                break;
+            }
+            order.extend_from_slice(&batch);
+        }
+        assert_eq!(order.len() as u64, n - 1, "every pending page once");
+        let hot: Vec<u64> = (500..700).filter(|&p| p != 600).collect();
+        assert_eq!(order[..hot.len()], hot[..], "the hot pages first");
+        assert_eq!(out.hot_pages.load(Ordering::Relaxed), hot.len() as u64);
+        // A fault's hint moves the pushers, inside the hot pages too.
+        let out = SourcePages::new(regions.clone(), &pending, 0, None, Instant::now())
+            .hot_first(Some(&history));
+        out.hint.store(650, Ordering::Release);
+        out.next_batch(&mut batch);
+        assert_eq!(batch[..3], [650, 651, 652]);
+        // No history, or one of another shape: address order.
+        let other = AccessHistory {
+            aging: vec![],
+            ..history.clone()
+        };
+        for h in [None, Some(&other)] {
+            let out =
+                SourcePages::new(regions.clone(), &pending, 0, None, Instant::now()).hot_first(h);
+            out.next_batch(&mut batch);
+            assert_eq!(batch[..3], [0, 1, 2]);
+        }
+        drop(mem);
     }
 }
