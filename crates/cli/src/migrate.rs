@@ -111,11 +111,10 @@ pub struct MigrateArgs {
     #[arg(long, value_parser = parse_rate)]
     bandwidth: Option<u64>,
     /// Leave the bottleneck's queue to the VM's own traffic: precopy rounds
-    /// and postcopy's push pace their streams below the rate at which the
-    /// path starts queueing (their TCP round trip over its shortest), so the
-    /// VM's clients, and postcopy's page requests, do not wait behind the
-    /// migration. A move whose receiver is CPU-bound (a busy host) goes
-    /// slower with it.
+    /// pace their streams below the rate at which the path starts queueing
+    /// (their TCP round trip over its shortest), so the VM's clients do not
+    /// wait behind the migration. A move whose receiver is CPU-bound (a
+    /// busy host) goes slower with it. (Postcopy's push always does this.)
     #[arg(long)]
     share_link: bool,
     /// Never throttle the vCPUs (auto-converge is on by default).

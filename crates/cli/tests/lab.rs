@@ -333,7 +333,6 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
     let Some(_lab) = lab_up() else { return };
     const POST8: &[&str] = &["--mode", "postcopy", "--prefetch", "8"];
     const POST0: &[&str] = &["--mode", "postcopy", "--prefetch", "0"];
-    const SHARED: &[&str] = &["--mode", "postcopy", "--share-link"];
     // Demand paging alone for the first second (the paper's setting).
     const HELD: &[&str] = &["--mode", "postcopy", "--push-delay", "1s"];
     const HYBRID: &[&str] = &[
@@ -366,8 +365,6 @@ fn postcopy_and_hybrid_between_namespace_hosts_with_verification() {
             ..post("sort:mib=32", "1", false, POST8)
         },
         post("kv:workers=2,keys=4096,value=1024", "2", true, POST8),
-        // The push backs off while the link queues: every page still goes.
-        post("kv:workers=2,keys=4096,value=1024", "2", true, SHARED),
         post("dirty:rate=1024,wss=64,pattern=random", "2", false, HYBRID),
         Scenario {
             until_done: true,

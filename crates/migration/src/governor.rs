@@ -1,6 +1,6 @@
-//! `--share-link`: the bulk streams (precopy's rounds, postcopy's push)
-//! leave a shared bottleneck's queue to the VM's own traffic and to
-//! postcopy's demand answers.
+//! The bulk streams leave a shared bottleneck's queue to the VM's own
+//! traffic: precopy's rounds with `--share-link`, postcopy's push always
+//! (so its demand answers do not wait behind it).
 //!
 //! A bulk TCP stream at the path's full rate keeps the bottleneck's queue
 //! full, and the VM's answers to its clients wait in it: on the lab's

@@ -350,7 +350,7 @@ fn follow(
             push_from,
         )
         .hot_first(s.vm.access_history().as_ref())
-        .sharing_link(opts.share_link, s.bulk.len(), opts.bandwidth)
+        .yielding(s.bulk.len(), opts.bandwidth)
         .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
         if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
             out.net_copies.store(true, Ordering::Release);
