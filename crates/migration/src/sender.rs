@@ -538,13 +538,7 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, Migrat
     let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;
     if let Some(g) = ctx.governor {
-        if let Some(sample) = w.path_sample() {
-            let cap = match (g.observe(sample, bytes, Instant::now()), ctx.fixed_share) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            w.pace_packets(cap);
-        }
+        w.steer(g, bytes, ctx.fixed_share);
     }
     Ok(frames)
 }

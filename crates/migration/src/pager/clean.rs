@@ -51,13 +51,11 @@ impl Worker {
             .map_err(|e| uffd_err("unprotect", e))?;
         self.placer.wake(run);
         punched?;
-        self.kept[c] = false;
-        self.set_place(c, self.homes[c]);
-        self.clock.disarm(c);
-        let k = &self.shared.counters;
-        k.resident.fetch_sub(1, Ordering::Relaxed);
-        k.page_outs.fetch_add(1, Ordering::Relaxed);
-        k.clean_drops.fetch_add(1, Ordering::Relaxed);
+        self.paged_out(c);
+        self.shared
+            .counters
+            .clean_drops
+            .fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }

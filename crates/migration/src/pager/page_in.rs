@@ -26,12 +26,9 @@ impl Worker {
         self.fill_holes_as(c, false)
     }
 
-    /// Like [`fill_holes`](Self::fill_holes), but the zero pages land
-    /// write-protected and nobody is woken (the caller wakes the chunk).
-    fn fill_holes_protected(&self, c: usize) -> Result<(), MigrationError> {
-        self.fill_holes_as(c, true)
-    }
-
+    /// [`fill_holes`](Self::fill_holes), or with `protect` the zero pages
+    /// land write-protected and nobody is woken (the caller wakes the
+    /// chunk).
     fn fill_holes_as(&self, c: usize, protect: bool) -> Result<(), MigrationError> {
         let run = self.map.run(c);
         let (_, resident) = self.residency(c)?;
@@ -118,11 +115,7 @@ impl Worker {
             Ok(())
         })?;
         // The pages the server did not hold are zero pages.
-        if protect {
-            self.fill_holes_protected(c)?;
-        } else {
-            self.fill_holes(c)?;
-        }
+        self.fill_holes_as(c, protect)?;
         // A vCPU that faulted on a page of the chunk while it came in
         // waits for a wake (the copies did not wake): give it now, not
         // after the page-out that may follow.

@@ -220,14 +220,22 @@ impl Worker {
             .map_err(|e| uffd_err("unprotect", e))?;
         self.placer.wake(run);
         let pages = result?;
+        self.paged_out(c);
+        self.shared
+            .counters
+            .pages_out
+            .fetch_add(pages, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Chunk `c` is gone from here: its servers hold its current bytes.
+    pub(super) fn paged_out(&mut self, c: usize) {
         self.kept[c] = false;
         self.set_place(c, self.homes[c]);
         self.clock.disarm(c);
         let k = &self.shared.counters;
         k.resident.fetch_sub(1, Ordering::Relaxed);
         k.page_outs.fetch_add(1, Ordering::Relaxed);
-        k.pages_out.fetch_add(pages, Ordering::Relaxed);
-        Ok(())
     }
 }
 

@@ -36,16 +36,19 @@ impl Worker {
             .into_iter()
             .map(|(i, n)| GpaPages::new(run.gpa + i as u64 * PAGE, n as u64))
             .collect();
+        // A clean chunk stays write-protected as it comes back; if the
+        // kernel refuses that, the chunk is dirty and maps back as any.
         if self.clean[c] {
-            // A clean chunk stays write-protected as it comes back.
             let refused = runs
                 .iter()
                 .find_map(|&r| self.placer.map_back_protected(r).err());
-            if let Some(e) = refused {
-                tracing::warn!(%e, "this kernel cannot map pages back write-protected: every chunk paged in from now on is taken for written");
-                self.track_clean = false;
-                self.mark_dirty(c)?;
-            }
+            let Some(e) = refused else {
+                self.placer.wake(GpaPages::new(gpa, 1));
+                return Ok(());
+            };
+            tracing::warn!(%e, "this kernel cannot map pages back write-protected: every chunk paged in from now on is taken for written");
+            self.track_clean = false;
+            self.mark_dirty(c)?;
         }
         for &r in &runs {
             // Pages mapped already are left (one by one); a run that cannot

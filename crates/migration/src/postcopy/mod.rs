@@ -499,13 +499,6 @@ fn serve(
     let vm = s.vm;
     let regions = s.regions.clone();
     let mut bulk = std::mem::take(&mut s.bulk);
-    // Under a bandwidth limit the kernel paces the push's packets (each
-    // stream at its share) so that the demand answers, on their own
-    // connection, do not queue behind push bursts at the bottleneck. Set
-    // either way: a hybrid's rounds may have left a `--share-link` cap on
-    // these connections, which the push does not steer.
-    let share = crate::pacer::stream_share(opts.bandwidth, bulk.len());
-    bulk.iter_mut().for_each(|c| c.writer().pace_packets(share));
     std::thread::scope(|sc| -> Result<_, MigrationError> {
         let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));
         let hasher = opts.verify.then(|| {

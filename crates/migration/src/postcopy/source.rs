@@ -290,6 +290,12 @@ impl SourcePages {
     /// frames sent.
     pub(crate) fn push(&self, conn: &mut Conn) -> Result<u64, MigrationError> {
         crate::priority::background();
+        // The kernel paces the push's packets at the stream's share of
+        // `--bandwidth` (so demand answers, on their own connection, do not
+        // queue behind push bursts at the bottleneck) until the governor
+        // steers it. Set either way: a hybrid's rounds may have left a
+        // `--share-link` cap on this connection.
+        conn.writer().pace_packets(self.fixed_share);
         while Instant::now() < self.push_from || self.net_copies.load(Ordering::Acquire) {
             if self.halt.load(Ordering::Acquire) {
                 // The demand connection ended first: like a pusher whose
@@ -329,13 +335,7 @@ impl SourcePages {
                 .pace(self.bytes.load(Ordering::Relaxed), conn.writer())
                 .map_err(ProtocolError::Io)?;
             if let Some(g) = &self.governor {
-                if let Some(sample) = conn.writer().path_sample() {
-                    let cap = match (g.observe(sample, sent, Instant::now()), self.fixed_share) {
-                        (Some(a), Some(b)) => Some(a.min(b)),
-                        (a, b) => a.or(b),
-                    };
-                    conn.writer().pace_packets(cap);
-                }
+                conn.writer().steer(g, sent, self.fixed_share);
             }
         }
         conn.flush()?;

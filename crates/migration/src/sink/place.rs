@@ -189,17 +189,7 @@ impl UffdPlacer {
     /// guest mapping (after MADV_DONTNEED dropped their entries); pages
     /// mapped already are left.
     pub fn map_back(&self, run: GpaPages) -> Result<(), SinkError> {
-        let host = self.host(run)?;
-        match self.uffd.continue_range(host, run.bytes()) {
-            Ok(_) => Ok(()),
-            Err(UffdError::AlreadyMapped { .. }) => {
-                for p in 0..run.pages {
-                    let _ = self.uffd.continue_range(host + p * PAGE, PAGE);
-                }
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+        self.map_back_as(run, false)
     }
 
     /// Zero pages, write-protected, over `run` where the kernel holds none
@@ -215,14 +205,30 @@ impl UffdPlacer {
     /// 6.4): the caller then maps back unprotected and stops relying on
     /// the protection.
     pub fn map_back_protected(&self, run: GpaPages) -> Result<(), SinkError> {
+        self.map_back_as(run, true)
+    }
+
+    /// The whole run in one UFFDIO_CONTINUE, or, where some page is mapped
+    /// already, page by page. Unprotected, a page that cannot be mapped is
+    /// left (it faults MINOR again); protected, that is an error (the
+    /// caller must know the protection did not hold).
+    fn map_back_as(&self, run: GpaPages, protect: bool) -> Result<(), SinkError> {
         let host = self.host(run)?;
-        match self.uffd.continue_protected(host, run.bytes()) {
+        let map = |addr, len| {
+            if protect {
+                self.uffd.continue_protected(addr, len)
+            } else {
+                self.uffd.continue_range(addr, len)
+            }
+        };
+        match map(host, run.bytes()) {
             Ok(_) => Ok(()),
             Err(UffdError::AlreadyMapped { .. }) => {
                 for p in 0..run.pages {
-                    match self.uffd.continue_protected(host + p * PAGE, PAGE) {
+                    match map(host + p * PAGE, PAGE) {
                         Ok(_) | Err(UffdError::AlreadyMapped { .. }) => {}
-                        Err(e) => return Err(e.into()),
+                        Err(e) if protect => return Err(e.into()),
+                        Err(_) => {}
                     }
                 }
                 Ok(())

@@ -294,6 +294,29 @@ impl ConnWriter {
         self.0.get_ref().path_sample()
     }
 
+    /// After this bulk stream sent `bytes` more, has `governor` steer its
+    /// pacing from the path's TCP_INFO: the governor's cap, never above
+    /// `limit` (the stream's share of `--bandwidth`). No sample (not TCP):
+    /// nothing changes.
+    pub(crate) fn steer(
+        &self,
+        governor: &crate::governor::Governor,
+        bytes: u64,
+        limit: Option<u64>,
+    ) {
+        let Some(sample) = self.path_sample() else {
+            return;
+        };
+        let cap = match (
+            governor.observe(sample, bytes, std::time::Instant::now()),
+            limit,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.pace_packets(cap);
+    }
+
     /// Has the kernel pace this connection's packets at `rate` bytes/s at
     /// most (None: no cap); see [`Stream::set_pacing`]. Best effort: a
     /// kernel that refuses leaves the sender's own pacer alone in charge.
