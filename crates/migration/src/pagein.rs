@@ -91,9 +91,18 @@ pub fn read_pages(
                 sink.landed(run, place.landed());
             }
             None => {
-                let at = data.len();
-                data.resize(at + run.bytes() as usize, 0);
-                r.read_exact(&mut data[at..]).map_err(eof_is_truncated)?;
+                let (at, len) = (data.len(), run.bytes() as usize);
+                // Read into spare capacity: zeroing it first would write
+                // every byte once more.
+                data.reserve(len);
+                // SAFETY: `reserve` made `len` writable bytes after `at`,
+                // in our own vector (not the reader's buffer); `set_len`
+                // exposes them only once the read filled them all.
+                unsafe {
+                    r.read_exact_raw(data.as_mut_ptr().add(at), len)
+                        .map_err(eof_is_truncated)?;
+                    data.set_len(at + len);
+                }
                 if checked {
                     crc = crate::checksum::append(crc, &data[at..]);
                 }
