@@ -14,7 +14,15 @@ page faults, not the copy, set the pace.
 
 Results: bench/results/throughput.{json,md}.
 
+With --against OLD_BINARY it compares two builds instead: default settings
+only, the two binaries alternated (which goes first flips each pair), each
+migration preceded by writing --warm-mib MiB into /dev/shm and freeing it.
+This machine is itself a VM: memory its host has not backed lately costs
+several times more on first touch, and whichever run came first in a pair
+got such memory (results: bench/results/throughput-ab.{json,md}).
+
 Usage: python3 bench/throughput.py [--runs 3] [--mem 2G] [--fill-mib 1536] [--streams 1,2,3]
+       python3 bench/throughput.py --against OLD [--ferry NEW] [--runs 8] [--warm-mib 4096]
 """
 import argparse
 import json
@@ -110,6 +118,54 @@ def cpu_per_gib(m):
     return (m["source_cpu_s"] + m["destination_cpu_s"]) / (m["bytes"] / 2**30)
 
 
+def warm(mib):
+    """Writes `mib` MiB into a tmpfs file and frees it, so the next run
+    allocates memory the host has just backed."""
+    if mib <= 0:
+        return
+    path = "/dev/shm/ferry-bench-warm"
+    block = b"\1" * (1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(block)
+    os.unlink(path)
+
+
+def against(a, sec, tmp):
+    """Old and new binaries alternated, default settings (see --against)."""
+    runs = {"old": [], "new": []}
+    cpu = {"old": [], "new": []}
+    bins = {"old": a.against, "new": a.ferry}
+    for i in range(a.runs):
+        for which in (("new", "old") if i % 2 == 0 else ("old", "new")):
+            warm(a.warm_mib)
+            rate, m = migrate_once(bins[which], a.mem, a.fill_mib, None, tmp, None, **sec)
+            runs[which].append(rate)
+            cpu[which].append(m["destination_cpu_s"])
+        print(f"pair {i + 1}: new {runs['new'][-1] / 2**20:.0f} MiB/s (destination CPU "
+              f"{cpu['new'][-1]:.2f} s), old {runs['old'][-1] / 2**20:.0f} ({cpu['old'][-1]:.2f} s)", flush=True)
+    med = statistics.median
+    res = {"command": benchlib.recorded_command("throughput.py"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "old": a.against, "new": a.ferry, "warm_mib": a.warm_mib, "mem": a.mem, "fill_mib": a.fill_mib,
+           "round0": runs, "destination_cpu_s": cpu,
+           "new_wins": sum(n > o for n, o in zip(runs["new"], runs["old"]))}
+    out = a.out + "-ab"
+    benchlib.write_json(out + ".json", res, indent=2)
+    notes = benchlib.kept_notes(out + ".md")
+    with open(out + ".md", "w") as f:
+        f.write(f"# Bulk throughput, two builds alternated\n\nCommand: `{res['command']}`  \n"
+                f"Date: {res['date']}; loopback, {'plaintext' if a.insecure else 'mutual TLS'}, default "
+                f"settings; {a.mem} VM holding {a.fill_mib} MiB of incompressible pages; {a.warm_mib} MiB "
+                "written to /dev/shm and freed before each migration; which build goes first flips each pair.\n\n"
+                "| build | round 0 median MiB/s | runs (MiB/s) | destination CPU s (median) |\n|---|---|---|---|\n"
+                + "".join(f"| {w} (`{bins[w]}`) | {med(runs[w]) / 2**20:.0f} | "
+                          f"{', '.join(f'{x / 2**20:.0f}' for x in runs[w])} | {med(cpu[w]):.2f} |\n"
+                          for w in ("old", "new"))
+                + f"\nnew / old: {med(runs['new']) / med(runs['old']):.2f}x by medians; new faster in "
+                f"{res['new_wins']} of {a.runs} pairs.\n" + notes)
+    print(f"wrote {out}.md and .json")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -119,6 +175,8 @@ def main():
     ap.add_argument("--ferry", default=os.path.join(ROOT, "target", "release", "ferry"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "throughput"))
     ap.add_argument("--insecure", action="store_true", help="plaintext links (default: mutual TLS, as ferry's)")
+    ap.add_argument("--against", metavar="OLD_BINARY", help="compare with this build (see above)")
+    ap.add_argument("--warm-mib", type=int, default=4096, help="with --against: MiB written to /dev/shm before each run")
     a = ap.parse_args()
     # Mutual TLS, as by default: a fleet of one host made here.
     flags = ("--insecure",) if a.insecure else ()
@@ -126,6 +184,8 @@ def main():
     sec = dict(env=env, flags=flags)
     counts = [int(x) for x in a.streams.split(",")]
     tmp = tempfile.mkdtemp()
+    if a.against:
+        return against(a, sec, tmp)
     tcp, cold, tcp_cpu, cold_cpu, dflt, dflt_cpu = [], [], [], [], [], []
     pre = {n: [] for n in counts}
     pre_cpu = {n: [] for n in counts}
