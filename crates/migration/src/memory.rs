@@ -1,8 +1,6 @@
 //! Guest RAM as the engine sees it: regions it may copy pages out of and
 //! into, never a Rust reference into memory the guest writes concurrently.
 
-use std::os::fd::RawFd;
-
 use crate::ranges::{OffsetBytes, PAGE};
 
 /// One guest RAM region: where it lives in guest physical space and in this
@@ -12,9 +10,6 @@ pub struct RegionView {
     gpa: u64,
     size: u64,
     host: *mut u8,
-    /// The file mapped at `host` from its offset 0, if the creator named
-    /// it: pages can then be written into the file without the mapping.
-    file: Option<RawFd>,
 }
 
 // SAFETY: a RegionView names a shared mapping that its creator keeps alive
@@ -34,33 +29,7 @@ impl RegionView {
     /// stays mapped for as long as this view or a copy of it is used.
     pub unsafe fn new(gpa: u64, size: u64, host: *mut u8) -> Self {
         debug_assert!(size.is_multiple_of(PAGE));
-        RegionView {
-            gpa,
-            size,
-            host,
-            file: None,
-        }
-    }
-
-    /// As [`RegionView::new`], for a mapping of `file` from its offset 0:
-    /// a destination lands pages by writing the file, which allocates them
-    /// without mapping them (see [`crate::sink::DirectSink`]).
-    ///
-    /// # Safety
-    /// As [`RegionView::new`]; and `file` must be the open file mapped at
-    /// `host` from offset 0, at least `size` bytes long, open for as long
-    /// as this view or a copy of it is used.
-    pub unsafe fn with_file(gpa: u64, size: u64, host: *mut u8, file: RawFd) -> Self {
-        RegionView {
-            file: Some(file),
-            // SAFETY: the caller's promise covers `new`'s.
-            ..unsafe { Self::new(gpa, size, host) }
-        }
-    }
-
-    /// The file mapped at the region's start, if known.
-    pub(crate) fn file(&self) -> Option<RawFd> {
-        self.file
+        RegionView { gpa, size, host }
     }
 
     /// Guest physical base.

@@ -62,17 +62,6 @@ pub enum SinkError {
         /// The owner's error.
         source: VmOpError,
     },
-    /// Writing pages into guest memory's file failed (a full host: the
-    /// memory cgroup or tmpfs limit).
-    #[error("cannot write {pages} pages at {gpa:#x} into guest memory: {source}")]
-    Write {
-        /// First page.
-        gpa: u64,
-        /// Pages.
-        pages: u64,
-        /// The OS error.
-        source: io::Error,
-    },
     /// A memory server has no room for more pages.
     #[error("the memory server is full: {pages} more pages asked, {free} free")]
     Full {
@@ -121,7 +110,7 @@ pub trait PageSink: Send + Sync {
 
 /// Stretches at least this long are populated in one call before a copy
 /// fills them (see [`ConnReader::lands_by_copy`]).
-pub(super) const POPULATE_MIN_BYTES: usize = 8 * crate::ranges::PAGE as usize;
+const POPULATE_MIN_BYTES: usize = 8 * crate::ranges::PAGE as usize;
 
 /// Allocates and maps `len` bytes at `at`, best effort (where the kernel
 /// cannot, the copy faults the pages in as before). Fresh guest memory
@@ -131,7 +120,7 @@ pub(super) const POPULATE_MIN_BYTES: usize = 8 * crate::ranges::PAGE as usize;
 /// call (1 GiB of random pages over TLS, 5 runs each, session 39: 1.49 s
 /// median populated, 1.62 s not; plaintext is not helped: 1.38 s against
 /// 1.28 s).
-pub(super) fn populate(at: *mut u8, len: usize) {
+fn populate(at: *mut u8, len: usize) {
     // SAFETY: `at .. at + len` is a page-aligned stretch of live guest
     // memory that is ours to write (InPlace's promise), landed by copies,
     // so not under a userfaultfd.

@@ -10,8 +10,6 @@ pub mod source;
 pub use destination::WaitingDestination;
 pub use source::{migrate, resume};
 
-use std::os::fd::AsRawFd;
-
 use ferry_migration::{GpaBytes, OffsetBytes, RegionView};
 
 use crate::guest_abi::{SVC_GPA, SVC_HEADER_SIZE, SVC_SLOTS, SVC_SLOT_SIZE};
@@ -33,13 +31,10 @@ pub(crate) fn views(vm: &Vm) -> Vec<RegionView> {
     vm.memory()
         .regions()
         .iter()
-        // SAFETY: each view names a region of the VM's guest memory, its
-        // memfd mapped from offset 0, which the VM keeps open and mapped for
-        // as long as it lives; the engine's views are used only while the
-        // engine holds a reference to the VM.
-        .map(|r| unsafe {
-            RegionView::with_file(r.gpa(), r.size(), r.host_addr(), r.fd().as_raw_fd())
-        })
+        // SAFETY: each view names a region of the VM's guest memory, which
+        // the VM keeps mapped for as long as it lives; the engine's views
+        // are used only while the engine holds a reference to the VM.
+        .map(|r| unsafe { RegionView::new(r.gpa(), r.size(), r.host_addr()) })
         .collect()
 }
 
