@@ -79,7 +79,14 @@ def run_once(ferry, kind, rate, mode, tmp, port, keep, extra=()):
     rep = sh(ferry, "report", timeline, *(["--load", log] if kind == "kv" else []), "--json",
              "--out", os.path.join(tmp, "report"))
     f = json.loads(rep.stdout)["runs"][0]
+    mig = json.loads(m.stdout) if m.stdout.strip() else {}
+    post = mig.get("postcopy") or {}
     return {
+        # Where the pause went, and for a switch to postcopy what it had to
+        # drop, from the migration's own JSON.
+        "downtime_parts": mig.get("downtime_parts"),
+        "pending_pages": post.get("pending_pages"),
+        "dropped_ahead_pages": post.get("dropped_ahead_pages"),
         "total_s": f["total_s"],
         "downtime_ms": f["downtime_ms"],
         "during_vs_before_pct": 100 * f["during_vs_before"] if f["during_vs_before"] is not None else float("nan"),

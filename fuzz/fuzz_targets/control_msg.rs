@@ -67,7 +67,11 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         Kind::RoundAck | Kind::TimelineAsk => drop(decode::<u32>(&f)),
-        Kind::StoreSync | Kind::GatherReady | Kind::StandbyHeld | Kind::SwitchReady => {
+        Kind::StoreSync
+        | Kind::GatherReady
+        | Kind::StandbyHeld
+        | Kind::SwitchReady
+        | Kind::DroppedAhead => {
             let _ = decode::<u64>(&f);
         }
         Kind::StandbyPlan => drop(decode::<ferry_migration::protocol::StandbyPlan>(&f)),
@@ -116,6 +120,7 @@ fuzz_target!(|data: &[u8]| {
         }
         Kind::PostcopyPlan => drop(decode::<PostcopyPlan>(&f)),
         Kind::PostcopyResume => drop(decode::<PostcopyResume>(&f)),
+        Kind::DropAhead => drop(decode::<ferry_migration::protocol::DropAhead>(&f)),
         Kind::PageRequest => drop(decode::<Vec<u64>>(&f)),
         Kind::Finished => drop(decode::<FaultReport>(&f)),
         Kind::ClientsPlan => drop(decode::<Option<ClientsPlan>>(&f)),

@@ -42,7 +42,7 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
 
 /// The message kinds in wire order (1..=49), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 49] = [
+    const KINDS: [Kind; 51] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
@@ -92,6 +92,8 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::AnswersAsk,
         Kind::AnswersHeld,
         Kind::StandbyTakeOver,
+        Kind::DropAhead,
+        Kind::DroppedAhead,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }

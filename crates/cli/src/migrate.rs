@@ -611,6 +611,12 @@ fn print_postcopy(p: &ferry_migration::PostcopyStats) {
         "postcopy     switched at {:.3} s; {} pages pending, all there {:.3} s after the switch",
         p.switch_at_s, p.pending_pages, p.secs
     );
+    if p.dropped_ahead_pages > 0 {
+        println!(
+            "  dropped    {} of them at the destination before the pause (the VM still ran here)",
+            p.dropped_ahead_pages
+        );
+    }
     if p.pauses > 0 {
         println!(
             "  paused     {} time(s) on a broken link, {:.3} s in all; resumed with no page lost",

@@ -64,8 +64,9 @@ pub fn receive_with_reconnect(
 }
 
 /// The destination's mode, picked by the first plan message that arrives:
-/// none is a precopy (the session's own defaults), a PostcopyPlan makes it
-/// postcopy's (pure or hybrid), a SplitPlan or GatherPlan split's.
+/// none is a precopy (the session's own defaults), a PostcopyPlan (or a
+/// hybrid's DropAhead before it) makes it postcopy's (pure or hybrid), a
+/// SplitPlan or GatherPlan split's.
 enum DestMode<'a> {
     Precopy,
     Postcopy(crate::postcopy::PostcopyDestination<'a>),
@@ -84,7 +85,7 @@ impl<'a> Phases<'a> {
     /// plan of another mode is refused.
     fn pick(&mut self, f: &Frame) -> Result<&mut dyn DestinationMode, MigrationError> {
         let wanted = match f.kind {
-            Kind::PostcopyPlan => Some(Kind::PostcopyPlan),
+            Kind::PostcopyPlan | Kind::DropAhead => Some(Kind::PostcopyPlan),
             Kind::SplitPlan | Kind::GatherPlan => Some(Kind::SplitPlan),
             _ => None,
         };

@@ -232,6 +232,13 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         }
     };
     tracing::info!(rounds = round, converged = %stats.converged, "precopy converged");
+    // A switch drops the pages dirtied since they were sent ahead of the
+    // pause, where the destination can (v17).
+    let dropped_ahead = if switch && s.version >= crate::protocol::VERSION_DROP_AHEAD {
+        crate::postcopy::drop_ahead(s, &mut runs)?
+    } else {
+        0
+    };
 
     // Stop and copy.
     s.pause()?;
@@ -263,6 +270,9 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         stats.downtime_parts.last_round = s.lap_ms();
         add_encoding(&mut stats, &sender, compressed);
         let paused = crate::postcopy::switch(s, &mut stats, last, round, progress)?;
+        if let Some(p) = stats.postcopy.as_mut() {
+            p.dropped_ahead_pages = dropped_ahead;
+        }
         return Ok(crate::postcopy::outcome(stats, paused));
     }
     // From v15 the state goes first, so the destination restores it

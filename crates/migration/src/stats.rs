@@ -176,6 +176,10 @@ pub struct PostcopyStats {
     pub switch_at_s: f64,
     /// Pages the destination did not hold at the switch.
     pub pending_pages: u64,
+    /// Of those, pages it dropped before the pause, while the VM still ran
+    /// on the source (hybrid, v17): the pause dropped only the rest.
+    #[serde(default)]
+    pub dropped_ahead_pages: u64,
     /// Pages the background pusher sent (with data), and zero pages it sent
     /// as ranges.
     pub pushed_pages: u64,

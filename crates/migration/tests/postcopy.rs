@@ -108,6 +108,37 @@ fn hybrid_switches_to_postcopy_when_precopy_does_not_converge() {
 }
 
 #[test]
+fn a_hybrid_switch_has_the_destination_drop_dirtied_pages_ahead_of_the_pause() {
+    common::secure();
+    if !uffd_usable() {
+        return;
+    }
+    let opts = MigrateOptions {
+        mode: Mode::Hybrid,
+        downtime_ms: 0.0,
+        postcopy_after: PostcopyAfter::Rounds(2),
+        verify: true,
+        ..Default::default()
+    };
+    // 350 pages dirtied every round: enough to drop ahead (the run's
+    // checks then find every page the source's, so none dropped ahead was
+    // left stale, and none came twice).
+    let src = common::fake_vm::FakeVm::new(LAYOUT)
+        .with_vcpus(2)
+        .with_holes()
+        .with_fill(content)
+        .with_guest_writing((100..450).collect(), |b| b.wrapping_add(1));
+    let (stats, _, _) = run_from(src, &opts, None);
+    assert!(stats.converged.contains("switched to postcopy"));
+    let p = stats.postcopy.unwrap();
+    assert_eq!(p.pending_pages, 350, "{p:?}");
+    // Dropped ahead; the pause's own harvest found the same pages again,
+    // so it had nothing left to drop.
+    assert_eq!(p.dropped_ahead_pages, 350, "{p:?}");
+    assert_eq!(p.faults.supplied_pages, p.pending_pages);
+}
+
+#[test]
 fn a_held_push_leaves_the_pages_to_demand_and_ends_once_nothing_is_left() {
     common::secure();
     if !uffd_usable() {

@@ -24,12 +24,14 @@
 //! faults and landed pages), [`pages`] (page sets).
 
 pub(crate) mod destination;
+mod drop_ahead;
 pub(crate) mod fault_account;
 pub(crate) mod net;
 pub(crate) mod pages;
 pub(crate) mod source;
 
 pub(crate) use destination::PostcopyDestination;
+pub(crate) use drop_ahead::drop_ahead;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -142,6 +142,14 @@ pub enum Kind {
     /// Source to its standby once it holds every page (`--net-finishes`):
     /// the source leaves; the standby finishes the move from here.
     StandbyTakeOver = 49,
+    /// v17, source to destination before a hybrid's pause (one or more
+    /// [`DropAhead`](super::DropAhead) messages, the last marked): pages the guest dirtied
+    /// since they were sent, which the destination drops now, while the VM
+    /// still runs on the source, instead of in the pause.
+    DropAhead = 50,
+    /// v17, the destination's answer to a DropAhead's last frame (`u64`):
+    /// the pages it dropped.
+    DroppedAhead = 51,
 }
 
 impl Kind {
@@ -198,6 +206,8 @@ impl Kind {
             47 => AnswersAsk,
             48 => AnswersHeld,
             49 => StandbyTakeOver,
+            50 => DropAhead,
+            51 => DroppedAhead,
             _ => return None,
         })
     }
@@ -255,6 +265,8 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::AnswersAsk => "AnswersAsk",
         Kind::AnswersHeld => "AnswersHeld",
         Kind::StandbyTakeOver => "StandbyTakeOver",
+        Kind::DropAhead => "DropAhead",
+        Kind::DroppedAhead => "DroppedAhead",
     }
 }
 
@@ -267,19 +279,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=49, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 49);
+        // 1..=51, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 51);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(50), None);
+        assert_eq!(Kind::from_u16(52), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=49).filter_map(Kind::from_u16) {
+        for k in (1..=51).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }

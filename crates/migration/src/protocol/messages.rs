@@ -96,6 +96,16 @@ pub struct PostcopyPlan {
     pub guest_apf_base: Option<u64>,
 }
 
+/// Part of a DropAhead (v17): pages dirtied since they were sent, for the
+/// destination to drop before the pause (runs in address order).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DropAhead {
+    /// Runs of pages (this frame's share).
+    pub runs: Vec<GpaPages>,
+    /// True on the last frame.
+    pub last: bool,
+}
+
 /// Part of a destination's answer to a ShareAsk (v14): the keys of the
 /// pages its host's other VMs hold (`crate::shared`).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -55,15 +55,15 @@ pub use frame::{
 };
 pub use kind::Kind;
 pub use messages::{
-    decode, recv, run_frames, send, Hello, Layout, PostcopyPlan, PostcopyResume, Role, RoundDone,
-    SharedOffer, StandbyPlan, PLAN_RUNS_PER_FRAME,
+    decode, recv, run_frames, send, DropAhead, Hello, Layout, PostcopyPlan, PostcopyResume, Role,
+    RoundDone, SharedOffer, StandbyPlan, PLAN_RUNS_PER_FRAME,
 };
 pub use pages::{
     decode_pages, encode_pages, page_hash, write_holes, write_zero_ranges, MAX_BATCH, PAGE,
 };
 pub use version::{
-    negotiate, VERSION_ANSWERS_FOLLOW, VERSION_CLIENTS, VERSION_EARLY_STATE, VERSION_LANDED_HASHES,
-    VERSION_MAX, VERSION_MIN, VERSION_POSTCOPY, VERSION_RESUME, VERSION_SEALED_PAGES,
-    VERSION_SHARED_PAGES, VERSION_SPLIT, VERSION_STANDBY, VERSION_STORE, VERSION_SWITCH_AHEAD,
-    VERSION_TIMELINE, VERSION_TRUST,
+    negotiate, VERSION_ANSWERS_FOLLOW, VERSION_CLIENTS, VERSION_DROP_AHEAD, VERSION_EARLY_STATE,
+    VERSION_LANDED_HASHES, VERSION_MAX, VERSION_MIN, VERSION_POSTCOPY, VERSION_RESUME,
+    VERSION_SEALED_PAGES, VERSION_SHARED_PAGES, VERSION_SPLIT, VERSION_STANDBY, VERSION_STORE,
+    VERSION_SWITCH_AHEAD, VERSION_TIMELINE, VERSION_TRUST,
 };

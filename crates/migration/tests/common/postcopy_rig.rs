@@ -161,7 +161,15 @@ pub fn run(opts: &MigrateOptions) -> (MigrationStats, FakeVm, FakeVm) {
 
 /// Like [`run`], through a relay that breaks the link once (when given).
 pub fn run_through(opts: &MigrateOptions, cut: Option<Cut>) -> (MigrationStats, FakeVm, FakeVm) {
-    let src = source();
+    run_from(source(), opts, cut)
+}
+
+/// Like [`run_through`], from `src` (a source made like [`source`]).
+pub fn run_from(
+    src: FakeVm,
+    opts: &MigrateOptions,
+    cut: Option<Cut>,
+) -> (MigrationStats, FakeVm, FakeVm) {
     let dst = dest();
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let relay = cut.map(|n| {

@@ -26,6 +26,8 @@ impl Vm {
                 return Err(VmError::WrongState("stopped"));
             }
             self.shared.set_requested(RunState::Paused);
+            // Wakes a vCPU sitting out a throttle period (VmShared::sit_out).
+            self.shared.changed.notify_all();
         }
         self.shared.kick_all();
         // Each kicked thread takes a core at once to park on, unless this

@@ -74,7 +74,7 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
                 // Auto-converge: the throttle thread kicks us every period;
                 // sit out our share of it.
                 if shared.throttle_due(id) {
-                    std::thread::sleep(shared.throttle_sleep());
+                    shared.sit_out(shared.throttle_sleep());
                 }
             }
             RunState::Paused => {

@@ -31,8 +31,8 @@ use ferry_memory::Userfaultfd;
 use super::fault_account::Tracker;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
-use crate::protocol::{self, Frame, Kind, PostcopyPlan, ProtocolError, Role};
-use crate::ranges::{GpaPages, PAGE};
+use crate::protocol::{self, DropAhead, Frame, Kind, PostcopyPlan, ProtocolError, Role};
+use crate::ranges::{merge_runs, subtract_runs, total_pages, GpaPages, PAGE};
 use crate::receiver::Received;
 use crate::session::{DestinationContext, DestinationMode};
 use crate::sink::UffdSink;
@@ -52,6 +52,11 @@ pub(crate) struct PostcopyDestination<'a> {
     cx: DestinationContext<'a>,
     plan: Vec<GpaPages>,
     planned: bool,
+    /// Pages dropped ahead of the pause (DropAhead, v17), merged; the
+    /// pause drops only the plan's other pages.
+    dropped: Vec<GpaPages>,
+    /// The DropAhead being received (its runs so far, in order).
+    dropping: Vec<GpaPages>,
     verify: bool,
     guest_apf_base: Option<u64>,
     demand: Option<Conn>,
@@ -91,6 +96,8 @@ impl<'a> PostcopyDestination<'a> {
             cx,
             plan: Vec::new(),
             planned: false,
+            dropped: Vec::new(),
+            dropping: Vec::new(),
             verify: false,
             guest_apf_base: None,
             demand: None,
@@ -155,16 +162,14 @@ impl<'a> PostcopyDestination<'a> {
 /// page aligned (checked arithmetic), and every run after the one before
 /// it, not overlapping it. A source sends its pending pages merged and in
 /// address order; a plan that repeats or goes back is refused, so plans
-/// cannot grow past the VM's memory.
+/// cannot grow past the VM's memory. A DropAhead's runs obey the same.
 fn check_plan_part<'a>(
+    kind: Kind,
     regions: &[RegionView],
     mut prev: Option<&'a GpaPages>,
     runs: &'a [GpaPages],
 ) -> Result<(), ProtocolError> {
-    let bad = |reason: String| ProtocolError::Malformed {
-        kind: Kind::PostcopyPlan,
-        reason,
-    };
+    let bad = |reason: String| ProtocolError::Malformed { kind, reason };
     for run in runs {
         let inside = run
             .pages
@@ -193,16 +198,25 @@ fn check_plan_part<'a>(
 }
 
 impl DestinationMode for PostcopyDestination<'_> {
-    fn on_message(&mut self, f: &Frame, _ctl: &mut Conn) -> Result<(), MigrationError> {
-        if f.kind != Kind::PostcopyPlan || self.planned {
-            return Err(ProtocolError::Unexpected {
-                got: f.kind,
-                want: "RoundDone, State, Verify, PostcopyPlan or Complete",
+    fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
+        match f.kind {
+            Kind::DropAhead if !self.planned => return self.drop_ahead(f, ctl),
+            Kind::PostcopyPlan if !self.planned => {}
+            _ => {
+                return Err(ProtocolError::Unexpected {
+                    got: f.kind,
+                    want: "RoundDone, State, Verify, DropAhead, PostcopyPlan or Complete",
+                }
+                .into())
             }
-            .into());
         }
         let part: PostcopyPlan = protocol::decode(f, Kind::PostcopyPlan)?;
-        check_plan_part(&self.cx.vm.regions(), self.plan.last(), &part.pending)?;
+        check_plan_part(
+            Kind::PostcopyPlan,
+            &self.cx.vm.regions(),
+            self.plan.last(),
+            &part.pending,
+        )?;
         // Checked: sorted, disjoint, inside guest RAM, so the whole plan
         // never names more pages (nor runs) than the VM has, however many
         // frames a source sends without `last`.
@@ -229,8 +243,20 @@ impl DestinationMode for PostcopyDestination<'_> {
         let regions = vm.regions();
         // What this VM holds and the source will not send must be final:
         // pending pages go (they come again), and without a single precopy
-        // round so does anything the VMM wrote here.
-        let mut discard = self.plan.clone();
+        // round so does anything the VMM wrote here. Pages dropped ahead
+        // are gone already, unless a device wrote one since.
+        let mut discard = subtract_runs(&self.plan, &self.dropped);
+        if !self.dropped.is_empty() {
+            let mut written: Vec<GpaPages> = vm
+                .device_written_ranges()
+                .iter()
+                .map(|r| r.pages())
+                .collect();
+            written.sort_unstable();
+            let written = merge_runs(written);
+            let rewritten = subtract_runs(&self.dropped, &subtract_runs(&self.dropped, &written));
+            discard = merge_runs(sorted(discard.into_iter().chain(rewritten)));
+        }
         if rounds == 0 {
             for (i, r) in regions.iter().enumerate() {
                 discard.extend(
@@ -297,6 +323,47 @@ impl DestinationMode for PostcopyDestination<'_> {
     }
 }
 
+impl PostcopyDestination<'_> {
+    /// One frame of a DropAhead (v17): the source is about to pause and
+    /// switch; these pages were dirtied since they were sent (and every
+    /// round's pages have landed: the source sends this after a round's
+    /// barrier). Dropped now, while the VM still runs there, they need no
+    /// drop in the pause. Answers the last frame with the pages dropped.
+    fn drop_ahead(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
+        let part: DropAhead = protocol::decode(f, Kind::DropAhead)?;
+        check_plan_part(
+            Kind::DropAhead,
+            &self.cx.vm.regions(),
+            self.dropping.last(),
+            &part.runs,
+        )?;
+        for run in part.runs.iter().filter(|r| r.pages > 0) {
+            self.cx
+                .vm
+                .discard(*run)
+                .map_err(MigrationError::vm("drop pages ahead of the pause"))?;
+        }
+        // Checked: sorted, disjoint and inside guest RAM, so never more
+        // runs than the VM has pages.
+        self.dropping
+            .extend(part.runs.into_iter().filter(|r| r.pages > 0));
+        if part.last {
+            let batch = std::mem::take(&mut self.dropping);
+            let pages = total_pages(&batch);
+            self.dropped = merge_runs(sorted(self.dropped.drain(..).chain(batch)));
+            ctl.send(Kind::DroppedAhead, &pages)?;
+        }
+        Ok(())
+    }
+}
+
+/// `runs` in address order.
+fn sorted(runs: impl Iterator<Item = GpaPages>) -> Vec<GpaPages> {
+    let mut v: Vec<GpaPages> = runs.collect();
+    v.sort_unstable();
+    v
+}
+
 impl Drop for PostcopyDestination<'_> {
     fn drop(&mut self) {
         self.stop();
@@ -346,8 +413,10 @@ mod tests {
         ];
         let p = GpaPages::new;
         let ok = [p(0, 2), p(2 * PAGE, 1), p(1 << 32, 16)];
-        assert!(check_plan_part(&regions, None, &ok).is_ok());
-        assert!(check_plan_part(&regions, Some(&p(0, 1)), &[p(PAGE, 1)]).is_ok());
+        assert!(check_plan_part(Kind::PostcopyPlan, &regions, None, &ok).is_ok());
+        assert!(
+            check_plan_part(Kind::PostcopyPlan, &regions, Some(&p(0, 1)), &[p(PAGE, 1)]).is_ok()
+        );
         for (prev, runs) in [
             (None, vec![p(0, 2), p(PAGE, 1)]),     // overlaps
             (None, vec![p(4 * PAGE, 1), p(0, 1)]), // goes back
@@ -356,11 +425,13 @@ mod tests {
             (None, vec![p(15 * PAGE, 2)]),         // crosses the region's end
             (None, vec![p(1, 1)]),                 // not aligned
         ] {
-            let e = check_plan_part(&regions, prev.as_ref(), &runs);
-            assert!(
-                matches!(e, Err(ProtocolError::Malformed { .. })),
-                "{prev:?} {runs:?}"
-            );
+            for kind in [Kind::PostcopyPlan, Kind::DropAhead] {
+                let e = check_plan_part(kind, &regions, prev.as_ref(), &runs);
+                assert!(
+                    matches!(e, Err(ProtocolError::Malformed { kind: k, .. }) if k == kind),
+                    "{kind:?} {prev:?} {runs:?}"
+                );
+            }
         }
     }
 }
