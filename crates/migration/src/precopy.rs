@@ -265,7 +265,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     // Pages dirtied by the guest hold data: a hole left is one nobody wrote.
     let written_holes = subtract_runs(&written_holes, &last);
     if switch {
-        s.stop_dirty_log()?;
+        // (The dirty log goes off once the VM runs there: postcopy::switch.)
         let _ = vm.throttle(0);
         stats.downtime_parts.last_round = s.lap_ms();
         add_encoding(&mut stats, &sender, compressed);

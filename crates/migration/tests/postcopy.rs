@@ -128,8 +128,10 @@ fn a_hybrid_switch_has_the_destination_drop_dirtied_pages_ahead_of_the_pause() {
         .with_holes()
         .with_fill(content)
         .with_guest_writing((100..450).collect(), |b| b.wrapping_add(1));
-    let (stats, _, _) = run_from(src, &opts, None);
+    let (stats, src, _) = run_from(src, &opts, None);
     assert!(stats.converged.contains("switched to postcopy"));
+    // Switched off once the VM ran there (outside the pause), not left on.
+    assert!(!src.dirty_log_on.load(std::sync::atomic::Ordering::SeqCst));
     let p = stats.postcopy.unwrap();
     assert_eq!(p.pending_pages, 350, "{p:?}");
     // Dropped ahead; the pause's own harvest found the same pages again,

@@ -152,6 +152,13 @@ pub(crate) fn switch(
     s.tel.set_remaining_pages(pending_pages);
     let ms = s.lap_ms();
     s.note_started(stats, &report, ms);
+    // Outside the downtime, as precopy does: the log was read for the last
+    // time in the pause, and switching it off rewrites the memory slots
+    // (1.0 ms of a 4.6 ms hybrid pause here). The VM runs there now: a
+    // failure is only logged.
+    if let Err(e) = s.stop_dirty_log() {
+        tracing::warn!(error = %e, "the VM runs at the destination; stopping its dirty log here failed");
+    }
     stats.downtime_ms = s.downtime_ms();
     progress(&Progress {
         round,

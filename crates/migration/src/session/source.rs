@@ -418,8 +418,11 @@ impl<'a> SourceSession<'a> {
         self.enter(SourcePhase::Copying)
     }
 
-    /// Stops dirty tracking.
+    /// Stops dirty tracking (nothing to do where it is off).
     pub(crate) fn stop_dirty_log(&mut self) -> Result<(), MigrationError> {
+        if !self.state.dirty_log {
+            return Ok(());
+        }
         self.state.dirty_log = false;
         self.vm
             .stop_dirty_log()

@@ -70,6 +70,8 @@ pub struct FakeVm {
     pub telemetry: Option<Arc<Telemetry>>,
     // What the engine did to it.
     pub pauses: AtomicU32,
+    /// Whether the engine has the dirty log on.
+    pub dirty_log_on: std::sync::atomic::AtomicBool,
     pub resumes: AtomicU32,
     pub throttles: Mutex<Vec<u32>>,
     /// The state save_state gives and restore_state replaced.
@@ -123,6 +125,7 @@ impl FakeVm {
             unlogged_write: None,
             telemetry: None,
             pauses: AtomicU32::new(0),
+            dirty_log_on: std::sync::atomic::AtomicBool::new(false),
             resumes: AtomicU32::new(0),
             throttles: Mutex::new(Vec::new()),
             state: Mutex::new(b"vcpu state".to_vec()),
@@ -394,6 +397,7 @@ impl MigratableVm for FakeVm {
         self.vcpus
     }
     fn start_dirty_log(&self) -> Result<(), VmOpError> {
+        self.dirty_log_on.store(true, Ordering::SeqCst);
         Ok(())
     }
     fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
@@ -428,6 +432,7 @@ impl MigratableVm for FakeVm {
         Ok(out)
     }
     fn stop_dirty_log(&self) -> Result<(), VmOpError> {
+        self.dirty_log_on.store(false, Ordering::SeqCst);
         Ok(())
     }
     fn pause(&self) -> Result<(), VmOpError> {
