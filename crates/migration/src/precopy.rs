@@ -19,7 +19,7 @@ use crate::options::Mode;
 use crate::paused::Outcome;
 use crate::protocol::Kind;
 use crate::ranges::{
-    merge_runs, subtract_runs, total_pages, GpaBytes, GpaPages, OffsetBytes, PAGE,
+    subtract_runs, total_pages, union_runs, GpaBytes, GpaPages, OffsetBytes, PAGE,
 };
 use crate::sender::PageSender;
 use crate::session::{SourcePhase, SourceSession};
@@ -189,9 +189,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
                 offer.withdraw(&missed);
             }
             stats.shared_missed += total_pages(&missed);
-            next.extend(missed);
-            next.sort_unstable();
-            next = merge_runs(next);
+            next = union_runs(next.into_iter().chain(missed));
             dirty = total_pages(&next);
         }
         rs.dirty_rate = (dirty * PAGE) as f64 / rs.secs;
@@ -260,8 +258,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         (written.iter().map(GpaBytes::pages).collect(), Vec::new())
     };
     last.extend(written);
-    last.sort_unstable();
-    let last: Vec<GpaPages> = merge_runs(last);
+    let last: Vec<GpaPages> = union_runs(last);
     // Pages dirtied by the guest hold data: a hole left is one nobody wrote.
     let written_holes = subtract_runs(&written_holes, &last);
     if switch {
@@ -425,13 +422,11 @@ fn split_holes<V: crate::vm::MigratableVm + ?Sized>(
             continue;
         };
         let window = OffsetBytes::new(run.gpa - reg.gpa(), run.bytes());
-        let mut found: Vec<GpaPages> = vm
-            .data_ranges_in(i, window)
-            .iter()
-            .map(|o| GpaBytes::new(reg.gpa() + o.offset, o.bytes).pages())
-            .collect();
-        found.sort_unstable();
-        let found = merge_runs(found);
+        let found = union_runs(
+            vm.data_ranges_in(i, window)
+                .iter()
+                .map(|o| GpaBytes::new(reg.gpa() + o.offset, o.bytes).pages()),
+        );
         holes.extend(subtract_runs(&[run], &found));
         data.extend(found);
     }

@@ -95,6 +95,19 @@ pub fn merge_runs(sorted: impl IntoIterator<Item = GpaPages>) -> Vec<GpaPages> {
     out
 }
 
+/// Runs in any order, possibly overlapping, as sorted disjoint ones.
+pub fn union_runs(runs: impl IntoIterator<Item = GpaPages>) -> Vec<GpaPages> {
+    let mut v: Vec<GpaPages> = runs.into_iter().collect();
+    v.sort_unstable();
+    merge_runs(v)
+}
+
+/// The pages of `runs` that a run of `of` covers too (both sorted and
+/// disjoint, as merge_runs leaves them).
+pub fn intersect_runs(runs: &[GpaPages], of: &[GpaPages]) -> Vec<GpaPages> {
+    subtract_runs(runs, &subtract_runs(runs, of))
+}
+
 /// Appends page `gpa` to `runs`, extending the last run when it is the next page.
 pub fn push_page(runs: &mut Vec<GpaPages>, gpa: u64) {
     match runs.last_mut() {
@@ -182,6 +195,20 @@ mod tests {
             p(0x2000, 3).page_addrs().collect::<Vec<_>>(),
             [0x2000, 0x3000, 0x4000]
         );
+    }
+
+    #[test]
+    fn runs_unite_and_intersect() {
+        let p = GpaPages::new;
+        assert_eq!(
+            union_runs([p(0x8000, 1), p(0, 2), p(0x1000, 3), p(0x9000, 1)]),
+            vec![p(0, 4), p(0x8000, 2)]
+        );
+        assert_eq!(
+            intersect_runs(&[p(0, 4), p(0x8000, 2)], &[p(0x3000, 6)]),
+            vec![p(0x3000, 1), p(0x8000, 1)]
+        );
+        assert_eq!(intersect_runs(&[p(0, 4)], &[]), vec![]);
     }
 
     #[test]

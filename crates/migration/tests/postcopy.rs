@@ -82,19 +82,25 @@ fn postcopy_moves_memory_on_demand_with_and_without_prefetch() {
     }
 }
 
+/// Hybrid that never converges (no downtime allowed) and switches after
+/// two dirty rounds, verified.
+fn hybrid_after_two_rounds() -> MigrateOptions {
+    MigrateOptions {
+        mode: Mode::Hybrid,
+        downtime_ms: 0.0,
+        postcopy_after: PostcopyAfter::Rounds(2),
+        verify: true,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn hybrid_switches_to_postcopy_when_precopy_does_not_converge() {
     common::secure();
     if !uffd_usable() {
         return;
     }
-    let opts = MigrateOptions {
-        mode: Mode::Hybrid,
-        downtime_ms: 0.0,
-        postcopy_after: PostcopyAfter::Rounds(2),
-        verify: true,
-        ..Default::default()
-    };
+    let opts = hybrid_after_two_rounds();
     let (stats, _, _) = run(&opts);
     assert_eq!(stats.rounds.len(), 3, "the full copy and two dirty rounds");
     assert!(
@@ -113,22 +119,11 @@ fn a_hybrid_switch_has_the_destination_drop_dirtied_pages_ahead_of_the_pause() {
     if !uffd_usable() {
         return;
     }
-    let opts = MigrateOptions {
-        mode: Mode::Hybrid,
-        downtime_ms: 0.0,
-        postcopy_after: PostcopyAfter::Rounds(2),
-        verify: true,
-        ..Default::default()
-    };
+    let opts = hybrid_after_two_rounds();
     // 350 pages dirtied every round: enough to drop ahead (the run's
     // checks then find every page the source's, so none dropped ahead was
     // left stale, and none came twice).
-    let src = common::fake_vm::FakeVm::new(LAYOUT)
-        .with_vcpus(2)
-        .with_holes()
-        .with_fill(content)
-        .with_guest_writing((100..450).collect(), |b| b.wrapping_add(1));
-    let (stats, src, _) = run_from(src, &opts, None);
+    let (stats, src, _) = run_from(source_writing((100..450).collect()), &opts, None);
     assert!(stats.converged.contains("switched to postcopy"));
     // Switched off once the VM ran there (outside the pause), not left on.
     assert!(!src.dirty_log_on.load(std::sync::atomic::Ordering::SeqCst));

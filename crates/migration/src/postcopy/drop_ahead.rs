@@ -14,7 +14,7 @@
 use crate::dirty::dirty_runs;
 use crate::error::MigrationError;
 use crate::protocol::{self, DropAhead, Kind, ProtocolError};
-use crate::ranges::{merge_runs, subtract_runs, total_pages, GpaPages};
+use crate::ranges::{subtract_runs, total_pages, union_runs, GpaPages};
 use crate::session::SourceSession;
 
 /// At most this many steps: each drops what the guest dirtied during the
@@ -54,13 +54,13 @@ pub(crate) fn drop_ahead(
             }
             .into());
         }
-        dropped = merge_runs(sorted(dropped.into_iter().chain(batch)));
+        dropped = union_runs(dropped.into_iter().chain(batch));
         let bitmaps =
             s.vm.take_dirty()
                 .map_err(MigrationError::vm("read dirty log"))?;
         let (dirtied, _) = dirty_runs(&s.regions, &bitmaps);
         batch = subtract_runs(&dirtied, &dropped);
-        *pending = merge_runs(sorted(pending.drain(..).chain(dirtied)));
+        *pending = union_runs(pending.drain(..).chain(dirtied));
     }
     let pages = total_pages(&dropped);
     tracing::info!(
@@ -69,11 +69,4 @@ pub(crate) fn drop_ahead(
     );
     s.tel.event("dropped_ahead", pages.to_string());
     Ok(pages)
-}
-
-/// `runs` in address order.
-fn sorted(runs: impl Iterator<Item = GpaPages>) -> Vec<GpaPages> {
-    let mut v: Vec<GpaPages> = runs.collect();
-    v.sort_unstable();
-    v
 }

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use crate::dirty::first_round;
 use crate::paused::{Epoch, Outcome, PausedPostcopy};
 use crate::protocol::{self, Kind, PostcopyPlan, ProtocolError, Role};
-use crate::ranges::{merge_runs, total_pages, GpaBytes, GpaPages};
+use crate::ranges::{total_pages, union_runs, GpaBytes, GpaPages};
 use crate::session::{SourcePhase, SourceSession};
 use crate::stats::{secs, MigrationStats, Phase, PostcopyStats, Progress};
 use crate::transport::Conn;
@@ -102,8 +102,7 @@ pub(crate) fn run(
     let (data, _holes) = first_round(&s.regions, |i| vm.data_ranges(i));
     let mut pending = data;
     pending.extend(vm.host_written_ranges().iter().map(GpaBytes::pages));
-    pending.sort_unstable();
-    let paused = switch(s, &mut stats, merge_runs(pending), 0, progress)?;
+    let paused = switch(s, &mut stats, union_runs(pending), 0, progress)?;
     Ok(outcome(stats, paused))
 }
 

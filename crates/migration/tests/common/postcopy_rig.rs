@@ -28,11 +28,16 @@ pub fn content(_: u64, i: usize) -> u8 {
 /// whose guest changes 100 pages of region 0 every round: precopy never
 /// converges.
 pub fn source() -> FakeVm {
+    source_writing((100..200).collect())
+}
+
+/// [`source`], its guest changing `pages` of region 0 every round.
+pub fn source_writing(pages: Vec<u64>) -> FakeVm {
     FakeVm::new(LAYOUT)
         .with_vcpus(2)
         .with_holes()
         .with_fill(content)
-        .with_guest_writing((100..200).collect(), |b| b.wrapping_add(1))
+        .with_guest_writing(pages, |b| b.wrapping_add(1))
 }
 
 /// A destination on memfd memory whose start runs two page-touching

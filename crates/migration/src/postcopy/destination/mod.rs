@@ -32,7 +32,7 @@ use super::fault_account::Tracker;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::protocol::{self, DropAhead, Frame, Kind, PostcopyPlan, ProtocolError, Role};
-use crate::ranges::{merge_runs, subtract_runs, total_pages, GpaPages, PAGE};
+use crate::ranges::{intersect_runs, subtract_runs, total_pages, union_runs, GpaPages, PAGE};
 use crate::receiver::Received;
 use crate::session::{DestinationContext, DestinationMode};
 use crate::sink::UffdSink;
@@ -247,15 +247,9 @@ impl DestinationMode for PostcopyDestination<'_> {
         // are gone already, unless a device wrote one since.
         let mut discard = subtract_runs(&self.plan, &self.dropped);
         if !self.dropped.is_empty() {
-            let mut written: Vec<GpaPages> = vm
-                .device_written_ranges()
-                .iter()
-                .map(|r| r.pages())
-                .collect();
-            written.sort_unstable();
-            let written = merge_runs(written);
-            let rewritten = subtract_runs(&self.dropped, &subtract_runs(&self.dropped, &written));
-            discard = merge_runs(sorted(discard.into_iter().chain(rewritten)));
+            let written = union_runs(vm.device_written_ranges().iter().map(|r| r.pages()));
+            let rewritten = intersect_runs(&self.dropped, &written);
+            discard = union_runs(discard.into_iter().chain(rewritten));
         }
         if rounds == 0 {
             for (i, r) in regions.iter().enumerate() {
@@ -350,18 +344,11 @@ impl PostcopyDestination<'_> {
         if part.last {
             let batch = std::mem::take(&mut self.dropping);
             let pages = total_pages(&batch);
-            self.dropped = merge_runs(sorted(self.dropped.drain(..).chain(batch)));
+            self.dropped = union_runs(self.dropped.drain(..).chain(batch));
             ctl.send(Kind::DroppedAhead, &pages)?;
         }
         Ok(())
     }
-}
-
-/// `runs` in address order.
-fn sorted(runs: impl Iterator<Item = GpaPages>) -> Vec<GpaPages> {
-    let mut v: Vec<GpaPages> = runs.collect();
-    v.sort_unstable();
-    v
 }
 
 impl Drop for PostcopyDestination<'_> {
