@@ -67,7 +67,7 @@ def run_once(ferry, kind, rate, mode, tmp, port, keep, extra=()):
                                             "--json", "--quiet"),
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         time.sleep(LEAD_S)
-        flags = {"precopy": ["--max-rounds", "15"], "postcopy": ["--mode", "postcopy"],
+        flags = {"precopy": [], "postcopy": ["--mode", "postcopy"],
                  "hybrid": ["--mode", "hybrid", "--postcopy-after", "3"]}[mode]
         m = sh(*in_host(SRC[0], ferry, "migrate", src_sock, "--to", f"tcp:{DST[1]}:{port}", *flags, *extra,
                         "--timeline", timeline, "--json"), check=False)

@@ -161,10 +161,14 @@ pub struct DrainArgs {
     #[arg(long, value_parser = crate::migrate::parse_rate)]
     bandwidth: Option<u64>,
     /// Each move's precopy rounds leave the link's queue to the VMs' own
-    /// traffic (as `ferry migrate --share-link`): the guests' clients keep
-    /// their latency; the drain takes longer.
-    #[arg(long)]
+    /// traffic, as `ferry migrate` does by default: the guests' clients
+    /// keep their latency. (The default; kept for scripts that ask.)
+    #[arg(long, conflicts_with = "own_link")]
     share_link: bool,
+    /// The link is the drain's own: each move's precopy rounds send as fast
+    /// as TCP goes (or --bandwidth), as `ferry migrate --own-link`.
+    #[arg(long)]
+    own_link: bool,
     /// Hybrid moves switch to postcopy after this many dirty rounds that
     /// did not converge (or at their deadline).
     #[arg(long, default_value_t = 1)]
@@ -429,7 +433,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         retries: a.retries,
         deadline_per_gib: a.deadline_per_gib,
         bandwidth: a.bandwidth.map(|b| b as f64),
-        share_link: a.share_link,
+        share_link: !a.own_link,
         postcopy_after_rounds: a.postcopy_after_rounds,
         safety_net: !a.no_safety_net,
         net_finishes: !a.source_finishes,

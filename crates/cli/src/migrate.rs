@@ -110,18 +110,24 @@ pub struct MigrateArgs {
     /// or bits/s ending in "bit" (e.g. 1gbit, 500mbit).
     #[arg(long, value_parser = parse_rate)]
     bandwidth: Option<u64>,
-    /// Leave the bottleneck's queue to the VM's own traffic: precopy rounds
-    /// pace their streams below the rate at which the path starts queueing
-    /// (their TCP round trip over its shortest), so the VM's clients do not
-    /// wait behind the migration. A move whose receiver is CPU-bound (a
-    /// busy host) goes slower with it. (Postcopy's push always does this.)
-    #[arg(long)]
+    /// Leave the bottleneck's queue to the VM's own traffic (the default):
+    /// precopy rounds pace their streams below the rate at which the path
+    /// starts queueing (their TCP round trip over its shortest), so the
+    /// VM's clients do not wait behind the migration. A delay the pacing
+    /// does not drain (a busy receiver) does not slow the move.
+    #[arg(long, conflicts_with = "own_link")]
     share_link: bool,
+    /// The link is the migration's own: precopy rounds send as fast as TCP
+    /// goes (or --bandwidth), even if the VM's clients wait behind them.
+    /// (Postcopy's push leaves the queue to the VM's traffic regardless.)
+    #[arg(long)]
+    own_link: bool,
     /// Never throttle the vCPUs (auto-converge is on by default).
     #[arg(long)]
     no_auto_converge: bool,
     /// Auto-converge: throttle when a round leaves more than this share of
-    /// what it sent dirty again (rounds that shrink by less converge slowly).
+    /// what it sent dirty again and, at that ratio, the rounds left would
+    /// not bring the rest under the downtime target.
     #[arg(long, value_name = "RATIO", default_value_t = defaults::AUTO_CONVERGE_TRIGGER_RATIO)]
     auto_converge_trigger: f64,
     /// Auto-converge: the first throttle, % of vCPU time taken away.
@@ -211,7 +217,7 @@ impl MigrateArgs {
                 max_pct: self.auto_converge_max,
             },
             bandwidth: self.bandwidth.map(|b| b as f64),
-            share_link: self.share_link,
+            share_link: !self.own_link,
             compression: CompressOptions {
                 compress: self.compress,
                 backend: self.compress_backend,
@@ -679,9 +685,11 @@ mod tests {
     }
 
     #[test]
-    fn share_link_reaches_the_options() {
+    fn share_link_is_the_default_and_own_link_turns_it_off() {
         assert!(parsed(&["--share-link"]).unwrap().share_link);
-        assert!(!parsed(&[]).unwrap().share_link);
+        assert!(parsed(&[]).unwrap().share_link);
+        assert!(!parsed(&["--own-link"]).unwrap().share_link);
+        assert!(parsed(&["--own-link", "--share-link"]).is_err());
         // Postcopy's push shares the link too.
         for mode in ["hybrid", "postcopy"] {
             assert!(

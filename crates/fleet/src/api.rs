@@ -58,6 +58,12 @@ impl VmSpec {
     }
 }
 
+/// A send request that does not say leaves the link's queue to the VMs'
+/// own traffic, as `ferry migrate` does.
+fn share_link_default() -> bool {
+    ferry_migration::options::defaults::SHARE_LINK
+}
+
 /// Refuses a VM name that could not be a file name of its own.
 pub fn check_name(name: &str) -> Result<(), FleetError> {
     let ok = !name.is_empty()
@@ -248,8 +254,8 @@ pub enum Request {
         #[serde(default)]
         bandwidth: Option<f64>,
         /// Precopy rounds leave the bottleneck's queue to the VMs' own
-        /// traffic (`ferry migrate --share-link`).
-        #[serde(default)]
+        /// traffic (`ferry migrate`'s default; absent: on).
+        #[serde(default = "share_link_default")]
         share_link: bool,
         /// For mode split: the main host's share and the memory servers.
         #[serde(default)]

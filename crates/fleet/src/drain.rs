@@ -47,7 +47,7 @@ pub struct DrainOptions {
     /// by its moves; None: unlimited.
     pub bandwidth: Option<f64>,
     /// Each move's precopy rounds leave the bottleneck's queue to the VMs'
-    /// own traffic (`ferry migrate --share-link`).
+    /// own traffic (on by default; `ferry migrate --own-link` is off).
     pub share_link: bool,
     /// Hybrid moves switch to postcopy after this many dirty rounds that
     /// did not converge (or at their deadline): in a drain every page sent
@@ -73,7 +73,7 @@ impl Default for DrainOptions {
             retries: 2,
             deadline_per_gib: Duration::from_secs(20),
             bandwidth: None,
-            share_link: false,
+            share_link: ferry_migration::options::defaults::SHARE_LINK,
             postcopy_after_rounds: 1,
             safety_net: true,
             net_finishes: true,

@@ -59,8 +59,12 @@ pub mod defaults {
     pub const PUSH_DELAY_MS: u64 = 0;
     /// Auto-converge is on unless asked off.
     pub const AUTO_CONVERGE: bool = true;
+    /// Precopy's rounds leave the bottleneck's queue to the VM's own
+    /// traffic unless asked not to (`--own-link`).
+    pub const SHARE_LINK: bool = true;
     /// Auto-converge throttles when the guest dirtied more than this share
-    /// of what the round could send.
+    /// of what the round could send (and the rounds left would not catch
+    /// it at that ratio).
     pub const AUTO_CONVERGE_TRIGGER_RATIO: f64 = 0.5;
     /// Auto-converge's first throttle (% of vCPU time taken away).
     pub const AUTO_CONVERGE_INITIAL_PCT: u32 = 20;
@@ -382,7 +386,8 @@ pub struct MigrateOptions {
     pub bandwidth: Option<f64>,
     /// Precopy rounds pace their streams by the queue they find at the
     /// bottleneck, leaving it to the VM's own traffic (see
-    /// [`crate::governor`]); off: as fast as TCP goes (or `bandwidth`).
+    /// [`crate::governor`]; on by default); off: as fast as TCP goes (or
+    /// `bandwidth`).
     pub share_link: bool,
     /// How long to wait for the peer at each step (ms).
     pub timeout_ms: u64,
@@ -443,7 +448,7 @@ impl Default for MigrateOptions {
             streams: default_streams(),
             verify: false,
             bandwidth: None,
-            share_link: false,
+            share_link: defaults::SHARE_LINK,
             timeout_ms: defaults::TIMEOUT_MS,
             compression: CompressOptions::default(),
             timeline_tail_ms: defaults::TIMELINE_TAIL_MS,

@@ -27,6 +27,8 @@ use crate::stats::{secs, MigrationStats, Phase, Progress, RoundStats};
 
 /// Bytes on the wire per page besides its payload (its address).
 const PAGE_META: u64 = 8;
+/// A round shorter than this (s) does not measure the link's rate.
+const RATE_ROUND_SECS: f64 = 0.1;
 
 /// Sends one round's pages to the destination over the bulk streams: runs,
 /// then known-zero holes; returns the round's figures and each stream's
@@ -158,7 +160,11 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
     let mut holes = mode.holes(holes);
     let mut round = 0u32;
-    let mut bandwidth;
+    // The link's rate, from the latest round long enough to measure it: a
+    // short round's pages fit the socket buffers and read as several
+    // times the link (1.5 GB/s on a 1 Gbit link; 0.17 GB/s for 60 ms), which made a remainder
+    // look as if it fit the downtime when it took twice as long.
+    let mut bandwidth = 0.0f64;
     let mut throttle = 0u32;
     let switch = loop {
         s.tel.round_began(round, total_pages(&runs));
@@ -194,13 +200,21 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         }
         rs.dirty_rate = (dirty * PAGE) as f64 / rs.secs;
         rs.throttle_pct = throttle;
-        bandwidth = rs.throughput.max(1.0);
+        if rs.secs >= RATE_ROUND_SECS || bandwidth == 0.0 {
+            bandwidth = rs.throughput.max(1.0);
+        }
         tracing::debug!(round, pages = rs.pages, dirty, secs = rs.secs, "round sent");
         // Auto-converge (after the full copy): when the guest dirtied more
-        // than half of what the round could send, take away more vCPU time,
-        // 20% at first, then 10% more each round, up to 99%.
+        // than half of what the round could send and, at that ratio, the
+        // rounds left would not bring it under the downtime, take away
+        // more vCPU time, 20% at first, then 10% more each round, up to 99%.
         let tuning = &opts.auto_converge_tuning;
-        if opts.auto_converge && round >= 1 && tuning.triggered(rs.dirty_rate, rs.throughput) {
+        let fits_pause = (opts.downtime_ms / 1e3 * bandwidth / (PAGE + PAGE_META) as f64) as u64;
+        let rounds_left = opts.max_rounds.saturating_sub(round);
+        if opts.auto_converge
+            && round >= 1
+            && tuning.triggered(rs.dirty_rate, rs.throughput, dirty, fits_pause, rounds_left)
+        {
             throttle = tuning.next(throttle);
             vm.throttle(throttle)
                 .map_err(MigrationError::vm("throttle"))?;

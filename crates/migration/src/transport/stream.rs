@@ -30,6 +30,9 @@ pub struct Stream {
     /// kernel's own value): a call that changes nothing makes no syscall,
     /// and a socket never capped is left exactly as the kernel made it.
     paced_at: std::sync::atomic::AtomicU64,
+    /// Whether the receiver holds this stream back, from its TCP_INFO
+    /// (the governor's path samples).
+    window: std::sync::Mutex<crate::governor::WindowWatch>,
 }
 
 #[derive(Debug)]
@@ -45,6 +48,7 @@ impl Stream {
             sock,
             meter: None,
             paced_at: std::sync::atomic::AtomicU64::new(u64::MAX),
+            window: Default::default(),
         }
     }
 
@@ -128,6 +132,7 @@ impl Stream {
             paced_at: std::sync::atomic::AtomicU64::new(
                 self.paced_at.load(std::sync::atomic::Ordering::Relaxed),
             ),
+            window: Default::default(),
         })
     }
 
@@ -221,15 +226,41 @@ impl Stream {
     }
 
     /// The path as this TCP connection's TCP_INFO sees it: smoothed and
-    /// shortest round trip. None over Unix sockets or on a kernel without
-    /// those fields.
+    /// shortest round trip, and whether the receiver's window holds the
+    /// stream back (a kernel before 4.10 does not say: taken as not). None
+    /// over Unix sockets, to a loopback address (no link is shared there:
+    /// a long RTT is the host's CPU) or on a kernel without the round trips.
     pub(super) fn path_sample(&self) -> Option<crate::governor::PathSample> {
+        if self.to_loopback() {
+            return None;
+        }
         let (info, len) = self.tcp_info()?;
         let needed = std::mem::offset_of!(libc::tcp_info, tcpi_min_rtt) + 4;
-        (len >= needed).then_some(crate::governor::PathSample {
+        if len < needed {
+            return None;
+        }
+        let has_limits = len >= std::mem::offset_of!(libc::tcp_info, tcpi_rwnd_limited) + 8;
+        let receiver_limited = has_limits
+            && self
+                .window
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .update(info.tcpi_busy_time, info.tcpi_rwnd_limited);
+        Some(crate::governor::PathSample {
             srtt_us: info.tcpi_rtt,
             min_rtt_us: info.tcpi_min_rtt,
+            receiver_limited,
         })
+    }
+
+    /// True for a TCP connection to a loopback address.
+    fn to_loopback(&self) -> bool {
+        let tcp = match &self.sock {
+            Sock::Tcp(s) => s,
+            Sock::Tls(s) => s.tcp(),
+            Sock::Unix(_) => return false,
+        };
+        tcp.peer_addr().is_ok_and(|a| a.ip().is_loopback())
     }
 
     /// TCP_INFO and how many bytes of it the kernel filled.
