@@ -248,6 +248,7 @@ impl Stream {
                 .update(info.tcpi_busy_time, info.tcpi_rwnd_limited);
         Some(crate::governor::PathSample {
             srtt_us: info.tcpi_rtt,
+            rttvar_us: info.tcpi_rttvar,
             min_rtt_us: info.tcpi_min_rtt,
             receiver_limited,
         })
