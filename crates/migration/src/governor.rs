@@ -14,16 +14,20 @@
 //! window, so one episode of queueing does not compound) while the queue is
 //! over its target, up by a step of their best rate while it is well under.
 //!
-//! Where the receiver, not the network, is what is slow (its CPU on a
-//! busy host, loopback here), the RTT grows too: on this machine's
+//! Where the host, not the network, is what is slow (a CPU-bound receiver,
+//! a busy host's scheduling), the RTT grows too: on this machine's
 //! loopback to ~2.5 ms against a min of ~5 µs, as much as the lab's
-//! 1 Gbit queue. The two differ in who holds the sender back: behind a
-//! slow receiver the stream waits on the receiver's window for much of
-//! its busy time (TCP_INFO's rwnd_limited: 40-60% here), behind a network
-//! queue never. A stream held back by its receiver for more than
-//! [`RECEIVER_LIMITED_SHARE`] of its recent busy time is not counted as
-//! queueing ([`WindowWatch`]), so the governor leaves a move whose
-//! receiver is the bottleneck at its full speed and can be on by default.
+//! 1 Gbit queue. Slowing down buys nothing there, so to be on by default
+//! the governor counts a delay as a queue only when it looks like one:
+//! - the stream is not held back by its receiver's window
+//!   ([`WindowWatch`]: TCP_INFO's rwnd_limited, 40-60% of the busy time
+//!   on loopback, 0% behind the lab's queue);
+//! - the RTT is steady ([`STEADY_SHARE`]: a standing queue's mean
+//!   deviation is small, a busy host's is not);
+//! - it stands in every sample of a period (the shortest one steers);
+//! - cuts drain it: after [`FUTILE_CUTS`] cuts that did not halve it, the
+//!   cap comes off and the target rises above it;
+//! - and the peer is not on loopback (the transport gives no samples).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -167,7 +171,7 @@ impl State {
                 // A bottleneck's queue drains once the streams send below
                 // its rate; a delay that a cut does not even halve is the
                 // hosts' (CPU, scheduling), and slowing down buys nothing.
-                self.futile = if least * 2 > caused {
+                self.futile = if least.saturating_mul(2) > caused {
                     self.futile + 1
                 } else {
                     0
