@@ -168,7 +168,8 @@ def main():
                                 print(f"{kind} {rate} {mode}: a run failed: {e}", flush=True)
                         if not runs:
                             continue
-                        nums = [k for k in runs[0] if isinstance(runs[0][k], (int, float))]
+                        # (A hybrid that did not switch has no postcopy figures.)
+                        nums = [k for k in runs[0] if all(isinstance(r.get(k), (int, float)) for r in runs)]
                         med = benchlib.medians(runs, nums)
                         cell = {"kind": kind, "rate": rate, "mode": mode, "workload": workload(kind, rate),
                                 "median": med, "runs": runs, "errors": errors}
