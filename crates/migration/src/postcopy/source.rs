@@ -140,7 +140,7 @@ impl SourcePages {
     /// (always: a fault that waits behind the push costs the guest more than
     /// a slower push), within their share of `bandwidth`.
     pub(crate) fn yielding(mut self, streams: usize, bandwidth: Option<f64>) -> Self {
-        self.governor = Some(Governor::new(streams));
+        self.governor = Some(Governor::for_push(streams));
         self.fixed_share = crate::pacer::stream_share(bandwidth, streams);
         self
     }

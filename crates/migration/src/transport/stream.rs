@@ -228,12 +228,8 @@ impl Stream {
     /// The path as this TCP connection's TCP_INFO sees it: smoothed and
     /// shortest round trip, and whether the receiver's window holds the
     /// stream back (a kernel before 4.10 does not say: taken as not). None
-    /// over Unix sockets, to a loopback address (no link is shared there:
-    /// a long RTT is the host's CPU) or on a kernel without the round trips.
+    /// over Unix sockets or on a kernel without the round trips.
     pub(super) fn path_sample(&self) -> Option<crate::governor::PathSample> {
-        if self.to_loopback() {
-            return None;
-        }
         let (info, len) = self.tcp_info()?;
         let needed = std::mem::offset_of!(libc::tcp_info, tcpi_min_rtt) + 4;
         if len < needed {
@@ -251,6 +247,7 @@ impl Stream {
             rttvar_us: info.tcpi_rttvar,
             min_rtt_us: info.tcpi_min_rtt,
             receiver_limited,
+            to_loopback: self.to_loopback(),
         })
     }
 
