@@ -28,6 +28,7 @@
 //! - cuts drain it: after [`FUTILE_CUTS`] cuts that did not halve it, the
 //!   cap comes off and the target rises above it;
 //! - and the peer is not on loopback.
+//!
 //! Postcopy's push counts any delay ([`Governor::for_push`]): its demand
 //! answers wait behind it, whatever made the queue.
 
