@@ -98,7 +98,7 @@ const STEADY_SHARE: f64 = 0.2;
 /// Over this share of its busy time waiting on the receiver's window, a
 /// stream is held back by its receiver (the lab's 1 Gbit queue: 0%; this
 /// machine's loopback: 40-60%).
-pub(crate) const RECEIVER_LIMITED_SHARE: f64 = 0.1;
+const RECEIVER_LIMITED_SHARE: f64 = 0.1;
 /// The kernel counts busy and window-limited time in jiffies (4 ms here):
 /// shares are taken over at least this much busy time.
 const WATCH_SPAN_US: u64 = 40_000;

@@ -161,9 +161,10 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     let mut holes = mode.holes(holes);
     let mut round = 0u32;
     // The link's rate, from the latest round long enough to measure it: a
-    // short round's pages fit the socket buffers and read as several
-    // times the link (1.5 GB/s on a 1 Gbit link; 0.17 GB/s for 60 ms), which made a remainder
-    // look as if it fit the downtime when it took twice as long.
+    // short round's pages fit the socket buffers and read as several times
+    // the link (1.5 GB/s on a 1 Gbit link; 0.17 GB/s for 60 ms), which
+    // made a remainder look as if it fit the downtime when it took twice
+    // as long.
     let mut bandwidth = 0.0f64;
     let mut throttle = 0u32;
     let switch = loop {

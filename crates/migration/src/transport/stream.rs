@@ -33,6 +33,9 @@ pub struct Stream {
     /// Whether the receiver holds this stream back, from its TCP_INFO
     /// (the governor's path samples).
     window: std::sync::Mutex<crate::governor::WindowWatch>,
+    /// A TCP connection to a loopback address (its peer never changes:
+    /// asked once, not at every path sample).
+    to_loopback: bool,
 }
 
 #[derive(Debug)]
@@ -45,6 +48,7 @@ enum Sock {
 impl Stream {
     fn of(sock: Sock) -> Stream {
         Stream {
+            to_loopback: to_loopback(&sock),
             sock,
             meter: None,
             paced_at: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -133,6 +137,7 @@ impl Stream {
                 self.paced_at.load(std::sync::atomic::Ordering::Relaxed),
             ),
             window: Default::default(),
+            to_loopback: self.to_loopback,
         })
     }
 
@@ -247,18 +252,8 @@ impl Stream {
             rttvar_us: info.tcpi_rttvar,
             min_rtt_us: info.tcpi_min_rtt,
             receiver_limited,
-            to_loopback: self.to_loopback(),
+            to_loopback: self.to_loopback,
         })
-    }
-
-    /// True for a TCP connection to a loopback address.
-    fn to_loopback(&self) -> bool {
-        let tcp = match &self.sock {
-            Sock::Tcp(s) => s,
-            Sock::Tls(s) => s.tcp(),
-            Sock::Unix(_) => return false,
-        };
-        tcp.peer_addr().is_ok_and(|a| a.ip().is_loopback())
     }
 
     /// TCP_INFO and how many bytes of it the kernel filled.
@@ -401,6 +396,16 @@ pub(super) fn poll_in(fd: RawFd, wait: Duration) -> io::Result<bool> {
 
 /// Two ends of one loopback TLS connection, each host of a throwaway fleet
 /// made in `dir` (the engine's unit tests of what changes over TLS).
+/// True for a TCP connection to a loopback address.
+fn to_loopback(sock: &Sock) -> bool {
+    let tcp = match sock {
+        Sock::Tcp(s) => s,
+        Sock::Tls(s) => s.tcp(),
+        Sock::Unix(_) => return false,
+    };
+    tcp.peer_addr().is_ok_and(|a| a.ip().is_loopback())
+}
+
 #[cfg(test)]
 pub(crate) fn tls_pair(dir: &std::path::Path) -> (Stream, Stream) {
     let Security::Tls(creds) = Security::local_fleet(dir).expect("a local fleet") else {
