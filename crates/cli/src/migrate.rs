@@ -518,6 +518,13 @@ fn print_table(to: &str, s: &MigrationStats) {
         s.zero_pages,
         format::bytes(s.state_bytes as f64)
     );
+    if s.unchanged_pages > 0 {
+        println!(
+            "unchanged    {} dirty pages held what they last sent: {} not sent again",
+            s.unchanged_pages,
+            format::bytes(s.unchanged_pages as f64 * 4096.0)
+        );
+    }
     println!("converged    {}", s.converged);
     if let Some(g) = &s.gather {
         println!(
@@ -593,15 +600,24 @@ fn print_table(to: &str, s: &MigrationStats) {
         return;
     }
     println!(
-        "{:>6} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14} {:>9}",
-        "round", "pages", "zero", "bytes", "secs", "throughput", "dirty rate", "throttle"
+        "{:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14} {:>9}",
+        "round",
+        "pages",
+        "zero",
+        "unchanged",
+        "bytes",
+        "secs",
+        "throughput",
+        "dirty rate",
+        "throttle"
     );
     for r in &s.rounds {
         println!(
-            "{:>6} {:>10} {:>10} {:>12} {:>10.4} {:>14} {:>14} {:>8}%",
+            "{:>6} {:>10} {:>10} {:>10} {:>12} {:>10.4} {:>14} {:>14} {:>8}%",
             r.round,
             r.pages,
             r.zero_pages,
+            r.unchanged_pages,
             format::bytes(r.bytes as f64),
             r.secs,
             format!("{}/s", format::bytes(r.throughput)),

@@ -84,6 +84,11 @@ pub(crate) struct PageBatch {
     /// Those pages, and their hashes (with `hashing`) in the same order.
     refs: Vec<crate::shared::SharedRef>,
     ref_hashes: Vec<u64>,
+    /// Leave out a page whose bytes are those last sent there (precopy's
+    /// rounds), and note what each page goes as.
+    sent: Option<std::sync::Arc<crate::unchanged::SentContent>>,
+    /// Pages left out so, in this fill.
+    unchanged: u64,
 }
 
 impl PageBatch {
@@ -98,6 +103,22 @@ impl PageBatch {
         self.hashes.clear();
         self.refs.clear();
         self.ref_hashes.clear();
+        self.unchanged = 0;
+    }
+
+    /// From the next fill on, leaves out each page whose bytes `sent` says
+    /// the destination holds, and records what the others go as; None:
+    /// every page goes.
+    pub(crate) fn skip_unchanged(
+        &mut self,
+        sent: Option<&std::sync::Arc<crate::unchanged::SentContent>>,
+    ) {
+        self.sent = sent.cloned();
+    }
+
+    /// Pages the last fill left out as unchanged.
+    pub(crate) fn unchanged_pages(&self) -> u64 {
+        self.unchanged
     }
 
     /// From the next fill on, a page `offer` holds becomes a reference
@@ -161,9 +182,28 @@ impl PageBatch {
             // reference ever points into memory the guest writes.
             let at = self.data.len();
             r.copy_page((gpa - r.gpa()) / PAGE as u64, &mut self.data);
-            if how.zero_runs && is_zero(&self.data[at..]) {
+            let zero = how.zero_runs && is_zero(&self.data[at..]);
+            // The page's hash, once, for whoever needs it.
+            let hash = (self.sent.is_some() || self.hashing).then(|| {
+                if zero {
+                    crate::verify::zero_hash()
+                } else {
+                    protocol::page_hash(&self.data[at..])
+                }
+            });
+            if let (Some(sent), Some(h)) = (&self.sent, hash) {
+                if sent.holds(gpa, h) {
+                    self.data.truncate(at);
+                    self.unchanged += 1;
+                    continue;
+                }
+            }
+            if zero {
                 self.data.truncate(at);
                 push_page(&mut self.zeros, gpa);
+                if let (Some(sent), Some(h)) = (&self.sent, hash) {
+                    sent.record(gpa, h);
+                }
                 continue;
             }
             if let Some(key) = self
@@ -178,7 +218,12 @@ impl PageBatch {
                     id: crate::shared::page_id(page),
                 });
                 if self.hashing {
-                    self.ref_hashes.push(protocol::page_hash(page));
+                    self.ref_hashes.push(hash.unwrap_or_default());
+                }
+                // A reference may miss at the destination (it is then sent
+                // again as data): what lands there is not known yet.
+                if let Some(sent) = &self.sent {
+                    sent.forget(gpa);
                 }
                 self.data.truncate(at);
                 continue;
@@ -189,8 +234,13 @@ impl PageBatch {
                 // While the page is hot in cache.
                 crc = checksum::append(crc, &self.data[at..]);
             }
-            if self.hashing {
-                self.hashes.push(protocol::page_hash(&self.data[at..]));
+            if let Some(h) = hash {
+                if self.hashing {
+                    self.hashes.push(h);
+                }
+                if let Some(sent) = &self.sent {
+                    sent.record(gpa, h);
+                }
             }
             if self.gpas.len() >= max {
                 full = true;

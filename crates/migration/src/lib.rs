@@ -60,6 +60,7 @@ pub mod standby;
 pub mod stats;
 pub mod telemetry;
 pub mod transport;
+pub(crate) mod unchanged;
 pub(crate) mod verify;
 pub mod vm;
 mod vm_error;

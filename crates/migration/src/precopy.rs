@@ -154,7 +154,14 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     .watched_by(s.tel.clone())
     .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES)
     .hashing(s.sent_hashes.clone())
-    .sharing(s.shared.clone());
+    .sharing(s.shared.clone())
+    // Split and gather send pages elsewhere than the destination's memory:
+    // only a copy mode's rounds (hybrid's before it switches) know what
+    // lies there.
+    .skipping_unchanged(
+        matches!(opts.mode, Mode::Precopy | Mode::Hybrid)
+            .then(|| std::sync::Arc::new(crate::unchanged::SentContent::new(&s.regions))),
+    );
 
     s.start_dirty_log()?;
     let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
@@ -209,12 +216,23 @@ pub(crate) fn run<M: Rounds + ?Sized>(
         // than half of what the round could send and, at that ratio, the
         // rounds left would not bring it under the downtime, take away
         // more vCPU time, 20% at first, then 10% more each round, up to 99%.
+        // Only what the guest changes costs the link: a dirty page whose
+        // bytes are those last sent costs a hash (a kv store's reads dirty
+        // ~90% of its pages so), and counting it would throttle a guest
+        // the rounds keep up with.
+        let changed = changed_share(&rs);
         let tuning = &opts.auto_converge_tuning;
         let fits_pause = (opts.downtime_ms / 1e3 * bandwidth / (PAGE + PAGE_META) as f64) as u64;
         let rounds_left = opts.max_rounds.saturating_sub(round);
         if opts.auto_converge
             && round >= 1
-            && tuning.triggered(rs.dirty_rate, rs.throughput, dirty, fits_pause, rounds_left)
+            && tuning.triggered(
+                rs.dirty_rate * changed,
+                rs.throughput,
+                (dirty as f64 * changed).ceil() as u64,
+                fits_pause,
+                rounds_left,
+            )
         {
             throttle = tuning.next(throttle);
             vm.throttle(throttle)
@@ -458,9 +476,46 @@ fn add_encoding(stats: &mut MigrationStats, sender: &PageSender, compressed: boo
     stats.compression.encoded_out = stats.rounds.iter().map(|r| r.encoded_out).sum();
 }
 
+/// The share of a round's dirty pages that went on the wire (as data or
+/// zeros), the rest being unchanged since they last went: what the next
+/// round's dirty pages are likely to cost the link (1 for a round that
+/// handled no page).
+fn changed_share(rs: &RoundStats) -> f64 {
+    let went = rs.pages + rs.zero_pages;
+    let handled = went + rs.unchanged_pages;
+    if handled == 0 {
+        1.0
+    } else {
+        went as f64 / handled as f64
+    }
+}
+
 fn add_round(stats: &mut MigrationStats, rs: RoundStats) {
     stats.bytes += rs.bytes;
     stats.pages += rs.pages;
     stats.zero_pages += rs.zero_pages;
+    stats.unchanged_pages += rs.unchanged_pages;
     stats.rounds.push(rs);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_pages_that_went_on_the_wire_count_as_changed() {
+        let rs = RoundStats {
+            pages: 10,
+            zero_pages: 10,
+            unchanged_pages: 180,
+            ..Default::default()
+        };
+        assert!((changed_share(&rs) - 0.1).abs() < 1e-12);
+        let all_went = RoundStats {
+            pages: 5,
+            ..Default::default()
+        };
+        assert_eq!(changed_share(&all_went), 1.0);
+        assert_eq!(changed_share(&RoundStats::default()), 1.0, "an empty round");
+    }
 }

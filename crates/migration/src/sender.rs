@@ -119,6 +119,11 @@ struct RoundCtx<'a> {
     shared: Option<&'a std::sync::Arc<crate::shared::Offer>>,
     /// Pages sent by reference.
     refs: AtomicU64,
+    /// What each page last went as: a page dirtied without a change is
+    /// left out (precopy's rounds).
+    sent: Option<&'a std::sync::Arc<crate::unchanged::SentContent>>,
+    /// Pages left out so.
+    unchanged: AtomicU64,
 }
 
 /// The sending side of the bulk streams, kept for a whole migration.
@@ -139,6 +144,8 @@ pub(crate) struct PageSender {
     refs_sent: u64,
     /// `--share-link`: the streams yield to the VM's own traffic.
     governor: Option<Governor>,
+    /// What each page last went as (see [`crate::unchanged`]).
+    sent: Option<std::sync::Arc<crate::unchanged::SentContent>>,
 }
 
 impl PageSender {
@@ -175,7 +182,19 @@ impl PageSender {
             shared: None,
             refs_sent: 0,
             governor: None,
+            sent: None,
         }
+    }
+
+    /// Leaves out of every round the pages whose bytes are those last sent
+    /// there, keeping what each page went as in `sent` (None: every dirty
+    /// page goes).
+    pub(crate) fn skipping_unchanged(
+        mut self,
+        sent: Option<std::sync::Arc<crate::unchanged::SentContent>>,
+    ) -> Self {
+        self.sent = sent;
+        self
     }
 
     /// Paces the streams by the queue they find at the bottleneck
@@ -260,6 +279,10 @@ impl PageSender {
         if let Some(h) = &self.hashes {
             holes.iter().for_each(|&run| h.set_zero(run));
         }
+        // (A hole goes as zeros without being read: its key is unknown.)
+        if let Some(sent) = &self.sent {
+            sent.forget_runs(holes);
+        }
         // A round this small (an idle VM's stop-and-copy) goes out from this
         // thread, stream after stream: starting threads would cost more than
         // sending it, and in the pause every microsecond counts. Its CPU is
@@ -287,6 +310,8 @@ impl PageSender {
             hashes: self.hashes.as_deref(),
             shared: self.shared.as_ref().filter(|_| final_bytes.is_none()),
             refs: AtomicU64::new(0),
+            sent: self.sent.as_ref(),
+            unchanged: AtomicU64::new(0),
         };
         let n = conns.len();
         // The stop-and-copy's pages are often scattered (a page or two per
@@ -358,6 +383,7 @@ impl PageSender {
                 throttle_pct: 0,
                 encoded_in,
                 encoded_out: ctx.encoded_out.load(Ordering::Relaxed),
+                unchanged_pages: ctx.unchanged.load(Ordering::Relaxed),
             },
             frames,
         ))
@@ -442,6 +468,7 @@ fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
     };
     b.pages.hash_pages(ctx.hashes.is_some());
     b.pages.share_with(ctx.shared);
+    b.pages.skip_unchanged(ctx.sent);
     b.pages.fill_from(ctx.regions, item, how);
     if let Some(h) = ctx.hashes {
         for (&gpa, &hash) in b.pages.gpas().iter().zip(b.pages.hashes()) {
@@ -532,8 +559,10 @@ fn send(ctx: &RoundCtx, w: &mut ConnWriter, b: &mut Batch) -> Result<u64, Migrat
         ctx.pages.fetch_add(p.pages(), Ordering::Relaxed);
         frames += 1;
     }
+    let unchanged = p.unchanged_pages();
+    ctx.unchanged.fetch_add(unchanged, Ordering::Relaxed);
     if let Some(t) = ctx.tel {
-        t.add_pages(p.pages() + p.zero_pages() + refs);
+        t.add_pages(p.pages() + p.zero_pages() + refs + unchanged);
     }
     let sent = ctx.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
     ctx.pacer.pace(sent, w).map_err(ProtocolError::Io)?;

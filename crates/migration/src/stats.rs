@@ -25,6 +25,9 @@ pub struct RoundStats {
     pub encoded_in: u64,
     /// Wire bytes of the encoded batches.
     pub encoded_out: u64,
+    /// Dirty pages left out: their bytes were those last sent.
+    #[serde(default)]
+    pub unchanged_pages: u64,
 }
 
 /// A whole migration, as the source saw it.
@@ -45,6 +48,10 @@ pub struct MigrationStats {
     pub bytes: u64,
     /// Non-zero pages sent (all rounds).
     pub pages: u64,
+    /// Dirty pages not sent again, all rounds: their bytes were those last
+    /// sent.
+    #[serde(default)]
+    pub unchanged_pages: u64,
     /// Zero pages sent as ranges.
     pub zero_pages: u64,
     /// Encoded VM state bytes.
