@@ -411,9 +411,22 @@ impl<'a> SourceSession<'a> {
         if self.state.dirty_log {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         self.vm
             .start_dirty_log()
             .map_err(MigrationError::vm("start dirty log"))?;
+        // Usually milliseconds; a few moves on a host whose memory had
+        // just been churned waited 2-11 s here before round 0 (session 52,
+        // not explained): say so where it happens.
+        let took = t.elapsed();
+        if took > std::time::Duration::from_secs(1) {
+            tracing::warn!(
+                ms = took.as_millis() as u64,
+                "starting the dirty log took over a second"
+            );
+        } else {
+            tracing::debug!(ms = took.as_secs_f64() * 1e3, "dirty log started");
+        }
         self.state.dirty_log = true;
         self.enter(SourcePhase::Copying)
     }
