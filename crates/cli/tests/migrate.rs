@@ -542,20 +542,7 @@ fn compressed_migrations_verify_and_the_workload_continues() {
             .join(format!("dst{i}.sock"))
             .to_string_lossy()
             .into_owned();
-        let src = Reaper(Some(spawn(&[
-            "run",
-            "--mem",
-            "128M",
-            "--workload",
-            wl,
-            "--control",
-            &src_sock,
-            "--duration",
-            "60s",
-            "--json",
-        ])));
-        wait_status(&src_sock);
-        std::thread::sleep(Duration::from_millis(500));
+        let src = running_source(wl, &src_sock);
         let port = free_port();
         let to = format!("tcp:127.0.0.1:{port}");
         let dst = Reaper(Some(spawn_incoming(&[
@@ -776,6 +763,26 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A 128 MiB source VMM running `wl` behind control socket `sock`, its
+/// workload under way (half a second past its first status).
+fn running_source(wl: &str, sock: &str) -> Reaper {
+    let src = Reaper(Some(spawn(&[
+        "run",
+        "--mem",
+        "128M",
+        "--workload",
+        wl,
+        "--control",
+        sock,
+        "--duration",
+        "60s",
+        "--json",
+    ])));
+    wait_status(sock);
+    std::thread::sleep(Duration::from_millis(500));
+    src
+}
+
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -877,20 +884,7 @@ fn pages_dirtied_without_a_change_are_not_sent_again() {
             .join(format!("src-{content}.sock"))
             .to_string_lossy()
             .into_owned();
-        let src = Reaper(Some(spawn(&[
-            "run",
-            "--mem",
-            "128M",
-            "--workload",
-            &wl,
-            "--control",
-            &src_sock,
-            "--duration",
-            "60s",
-            "--json",
-        ])));
-        wait_status(&src_sock);
-        std::thread::sleep(Duration::from_millis(500));
+        let src = running_source(&wl, &src_sock);
         let to = format!("tcp:127.0.0.1:{}", free_port());
         let dst = Reaper(Some(spawn_incoming(&[
             "run",

@@ -415,9 +415,9 @@ impl<'a> SourceSession<'a> {
         self.vm
             .start_dirty_log()
             .map_err(MigrationError::vm("start dirty log"))?;
-        // Usually milliseconds; a few moves on a host whose memory had
-        // just been churned waited 2-11 s here before round 0 (session 52,
-        // not explained): say so where it happens.
+        // Usually about a millisecond. A few moves on a host whose memory
+        // had just been churned waited 2-11 s between opening and round 0
+        // (session 52, not explained): if this is where, say so.
         let took = t.elapsed();
         if took > std::time::Duration::from_secs(1) {
             tracing::warn!(
