@@ -157,13 +157,14 @@ struct ferry_cpu_metrics {
   ferry_u64 context_switches;
   ferry_u64 syscalls;
   ferry_u64 idle_tsc;          /* TSC cycles spent in the idle loop */
-  ferry_u64 apf_not_present;   /* 'page not present' events: a task was blocked */
+  ferry_u64 apf_not_present;   /* 'page not present' events */
   ferry_u64 apf_ready;         /* 'page ready' events */
   ferry_u64 apf_double;        /* not-present for a token already awaited */
   ferry_u64 apf_wake_all;      /* 'page ready' with the wake-all token */
   ferry_u64 apf_waiting;       /* tasks blocked on APF right now */
-  ferry_u64 apf_early_ready;   /* 'page ready' seen before its 'not present' */
-  ferry_u64 reserved[6];
+  ferry_u64 apf_early_ready;   /* 'page ready' that found no task waiting for it */
+  ferry_u64 apf_inline;        /* not-present waited for in KVM: no other task could run */
+  ferry_u64 reserved[5];
 }; /* 128 bytes */
 
 struct ferry_workload_metrics {

@@ -46,8 +46,6 @@ struct apf_area {
   u8 pad[56];
 };
 
-#define EARLY_READY_SLOTS 16
-
 /* Per-vCPU state, reached through the GS base (this_cpu reads `self`). */
 struct percpu {
   u64 kstack_top; /* stack for traps from CPL3 (TSS rsp0) */
@@ -61,7 +59,10 @@ struct percpu {
   u64 idle_since;
   struct frame idle_frame;
   struct ferry_cpu_metrics *m;
-  u32 early_ready[EARLY_READY_SLOTS];
+  /* The current task's access the vCPU retries while KVM fetches its page
+   * (see apf_not_present); NULL when none. */
+  struct task *inline_task;
+  u32 inline_token;
   struct apf_area apf __attribute__((aligned(64)));
 } __attribute__((aligned(64)));
 

@@ -44,7 +44,7 @@ static void cpu_init(struct percpu *c) {
   wrmsr(X2APIC_TIMER_DIV, 0xb); /* divide by 1 */
   wrmsr(X2APIC_LVT_TIMER, FERRY_VEC_TIMER | (1 << 17)); /* periodic */
   wrmsr(X2APIC_TIMER_INIT, LAPIC_HZ / boot->tick_hz);
-  if (boot->flags & FERRY_BOOT_APF) apf_enable(c);
+  if ((boot->flags & FERRY_BOOT_APF) && c->ntasks > 1) apf_enable(c); /* see apf.c */
 }
 
 void kmain(u64 cpu) {

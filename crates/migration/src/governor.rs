@@ -30,7 +30,11 @@
 //! - and the peer is not on loopback.
 //!
 //! Postcopy's push counts any delay ([`Governor::for_push`]): its demand
-//! answers wait behind it, whatever made the queue.
+//! answers wait behind it, whatever made the queue. It also starts slow
+//! (capped at [`START_RATE`], the cap growing by [`START_GROWTH`] a period
+//! until the first queue): uncapped, its first 100 ms filled the lab's
+//! shaped link to its 50 ms queue, and the guest's first faults after the
+//! switch, and its clients' requests, waited in it.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -53,6 +57,13 @@ const INCREASE: f64 = 0.002;
 /// The push's step: it yields to demand answers that come and go with the
 /// guest's faults, and must take the link back as soon as they are gone.
 const PUSH_INCREASE: f64 = 0.02;
+/// A slow start's first cap, all streams together (bytes/s): 200 Mbit/s.
+const START_RATE: f64 = 25e6;
+/// A slow start's cap grows by this factor a period until the first
+/// period over the target: 25 MB/s reaches a 1 Gbit link in ~8 periods,
+/// and overshoots it by at most this share for the period it takes the
+/// RTT to tell.
+const START_GROWTH: f64 = 1.25;
 /// The cap never goes below this share of the path's best rate (the move
 /// must end).
 const FLOOR: f64 = 0.1;
@@ -172,6 +183,9 @@ struct State {
     /// The queueing delay over which the streams back off (µs): [`TARGET_US`],
     /// raised above a delay that cuts proved not to be a queue.
     target: u32,
+    /// Starting slow: the cap grows by [`START_GROWTH`] a period until the
+    /// first period over the target. Decided at the first sample.
+    starting: Option<bool>,
 }
 
 impl State {
@@ -179,6 +193,23 @@ impl State {
     /// `judge` says whether cuts that drain nothing lift the cap.
     fn steer(&mut self, queue: u32, now: Instant, judge: bool, increase: f64) {
         let target = self.target.max(TARGET_US);
+        if self.starting == Some(true) {
+            let cap = self.cap.unwrap_or(START_RATE);
+            if queue > target {
+                // The path is full: from here the usual steering.
+                self.starting = Some(false);
+                let sent = cap.min(if self.recent > 0.0 { self.recent } else { cap });
+                // What the path carried when it filled, if no rate window
+                // has told yet: the climb back is steps of it.
+                self.best = self.best.max(sent);
+                self.cap = Some(sent * DECREASE);
+                self.last_decrease = Some(now);
+                self.judging = Some((queue, u32::MAX));
+            } else if queue < target / 2 {
+                self.cap = Some(cap * START_GROWTH);
+            }
+            return;
+        }
         if let Some((_, least)) = self.judging.as_mut() {
             *least = (*least).min(queue);
         }
@@ -235,6 +266,9 @@ pub(crate) struct Governor {
     /// What a period well under the target adds to the cap (a share of
     /// the best rate).
     increase: f64,
+    /// Start capped at [`START_RATE`] and grow (not on loopback, where no
+    /// link is shared).
+    slow_start: bool,
     state: Mutex<State>,
 }
 
@@ -246,18 +280,27 @@ impl Governor {
             streams: streams.max(1),
             host_aware: true,
             increase: INCREASE,
+            slow_start: false,
             state: Mutex::new(State::default()),
         }
     }
 
-    /// A governor for postcopy's push: any delay counts, one sample a
-    /// period, and a cut is never judged futile.
+    /// A governor for postcopy's push: it starts slow, any delay counts,
+    /// one sample a period, and a cut is never judged futile.
     pub(crate) fn for_push(streams: usize) -> Self {
         Governor {
             host_aware: false,
             increase: PUSH_INCREASE,
+            slow_start: true,
             ..Governor::new(streams)
         }
+    }
+
+    /// True while the streams are held below their rate (a queue was seen
+    /// and has not gone, or the slow start has not met the path's rate).
+    pub(crate) fn capped(&self) -> bool {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.cap.is_some()
     }
 
     /// Takes one stream's sample after it sent `bytes` more (once a period
@@ -265,6 +308,13 @@ impl Governor {
     /// cap each stream should keep to now (bytes/s; None: none).
     pub(crate) fn observe(&self, s: PathSample, bytes: u64, now: Instant) -> Option<u64> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.starting.is_none() {
+            let slow = self.slow_start && !s.to_loopback;
+            st.starting = Some(slow);
+            if slow {
+                st.cap = Some(START_RATE);
+            }
+        }
         st.total = st.total.saturating_add(bytes);
         let sent = st.total;
         match st.window {
@@ -285,7 +335,7 @@ impl Governor {
             }
         }
         let due = st.last.is_none_or(|t| now.duration_since(t) >= PERIOD);
-        if due && st.best == 0.0 {
+        if due && st.best == 0.0 && st.starting != Some(true) {
             // No rate to cut from yet: these samples steer nothing.
             st.last = Some(now);
             st.least_queue = None;
@@ -548,6 +598,32 @@ mod tests {
             "{precopy_cap}"
         );
         assert_eq!(caps[1], None, "the push is back to its full rate");
+    }
+
+    #[test]
+    fn the_push_starts_slow_and_grows_until_the_first_queue() {
+        let g = Governor::for_push(2);
+        // No queue for 8 periods (9 samples): 25 MB/s x 1.25^9, in two
+        // streams' shares.
+        let (cap, at) = run(&g, 0, 1000.0 * MB, 8, Instant::now());
+        let total = 2.0 * cap.expect("capped from the start") as f64;
+        let want = START_RATE * START_GROWTH.powi(9);
+        assert!((total - want).abs() < 0.01 * want, "{total} against {want}");
+        // The first queue: a cut, and the end of the start.
+        let (cut, at) = run(&g, 2000, 1000.0 * MB, 1, at);
+        let cut = 2.0 * cut.expect("still capped") as f64;
+        assert!(cut <= DECREASE * total * 1.01, "{cut} after {total}");
+        // Quiet again: the push's linear climb, not the start's growth.
+        let (after, _) = run(&g, 0, 1000.0 * MB, 4, at);
+        let after = 2.0 * after.expect("still capped") as f64;
+        assert!(after > cut && after < cut * 1.5, "{after} from {cut}");
+        // On loopback no link is shared: no start cap.
+        let lo = Governor::for_push(2);
+        let sample = PathSample {
+            to_loopback: true,
+            ..queue(0)
+        };
+        assert_eq!(lo.observe(sample, 0, Instant::now()), None);
     }
 
     #[test]

@@ -250,7 +250,8 @@ pub struct CpuMetrics {
     pub apf_wake_all: u64,
     pub apf_waiting: u64,
     pub apf_early_ready: u64,
-    pub reserved: [u64; 6],
+    pub apf_inline: u64,
+    pub reserved: [u64; 5],
 }
 
 /// Per-workload state (see `struct ferry_workload_metrics`).

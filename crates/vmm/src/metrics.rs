@@ -141,6 +141,7 @@ impl MetricsSnapshot {
             t.apf_double += c.apf_double;
             t.apf_wake_all += c.apf_wake_all;
             t.apf_waiting += c.apf_waiting;
+            t.apf_inline += c.apf_inline;
         }
         t
     }
@@ -167,6 +168,9 @@ pub struct CpuTotals {
     pub apf_wake_all: u64,
     /// Tasks blocked on APF now.
     pub apf_waiting: u64,
+    /// APF not-present events the vCPU waited out in KVM (no other task
+    /// could run): no task switch in the guest.
+    pub apf_inline: u64,
 }
 
 /// Per-second rate of a counter between two snapshots.

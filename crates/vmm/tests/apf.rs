@@ -24,12 +24,21 @@ struct Outcome {
     /// Time for all memtouch tasks to finish, ms.
     memtouch_ms: f64,
     apf_not_present: u64,
+    /// Not-present events the vCPU waited out in KVM (no other task could run).
+    apf_inline: u64,
     apf_ready: u64,
+    context_switches: u64,
     faults_served: u64,
 }
 
 fn run(apf: bool) -> Option<Outcome> {
-    let workloads = "memtouch:tasks=4,mib=1+compute:tasks=1".parse().unwrap();
+    run_with(apf, "memtouch:tasks=4,mib=1+compute:tasks=1", 4)
+}
+
+/// Runs `workloads` (memtouch first) on one vCPU until its `memtouch_tasks`
+/// are done.
+fn run_with(apf: bool, workloads: &str, memtouch_tasks: u64) -> Option<Outcome> {
+    let workloads = workloads.parse().unwrap();
     let mut config = VmConfig::new(64 * MIB, 1, workloads);
     config.apf = apf;
     let vm = Vm::create(config).expect("create VM");
@@ -102,7 +111,7 @@ fn run(apf: bool) -> Option<Outcome> {
         if first.is_none() {
             first = Some(m.clone());
         }
-        if m.tasks_done(0) == 4 {
+        if m.tasks_done(0) == memtouch_tasks {
             break m;
         }
     };
@@ -121,7 +130,9 @@ fn run(apf: bool) -> Option<Outcome> {
         compute_rate: ferry_vmm::metrics::rate(&first, &last, first.progress(1), last.progress(1)),
         memtouch_ms,
         apf_not_present: c.apf_not_present,
+        apf_inline: c.apf_inline,
         apf_ready: c.apf_ready,
+        context_switches: c.context_switches,
         faults_served: served.load(Ordering::Relaxed),
     })
 }
@@ -161,5 +172,52 @@ fn apf_lets_other_tasks_run_while_a_task_waits_for_a_page() {
         "compute ops/s with APF {:.3e} should far exceed without {:.3e}",
         on.compute_rate,
         off.compute_rate
+    );
+}
+
+#[test]
+fn a_vcpu_with_nothing_else_to_run_waits_for_its_page_in_kvm() {
+    if !kvm_usable() {
+        return;
+    }
+    // One task on the vCPU: nothing could run while a page arrives, so the
+    // guest never turns APF on (each fault would cost it two traps).
+    let Some(one) = run_with(true, "memtouch:tasks=1,mib=1", 1) else {
+        return;
+    };
+    eprintln!(
+        "1 task:  not-present {}, inline {}, faults {}",
+        one.apf_not_present, one.apf_inline, one.faults_served
+    );
+    assert!(one.faults_served >= 256);
+    assert_eq!(one.apf_not_present, 0, "APF stays off with one task");
+    // Two tasks alone: the first to fault is parked and the other runs.
+    // When that one faults too, nothing is left to run: it retries and
+    // waits in KVM (inline) until the first's 'page ready', which parks it
+    // on its own token and runs the first. From then on every fault finds
+    // the other task parked: inline, and a switch at each 'page ready'.
+    let Some(two) = run_with(true, "memtouch:tasks=2,mib=1", 2) else {
+        return;
+    };
+    eprintln!(
+        "2 tasks: not-present {}, inline {}, ready {}, switches {}, faults {}",
+        two.apf_not_present, two.apf_inline, two.apf_ready, two.context_switches, two.faults_served
+    );
+    assert!(two.faults_served >= 512);
+    assert!(two.apf_not_present > 256, "{}", two.apf_not_present);
+    assert!(
+        two.apf_inline >= two.apf_not_present / 2 && two.apf_inline < two.apf_not_present,
+        "{} inline of {}",
+        two.apf_inline,
+        two.apf_not_present
+    );
+    assert!(
+        two.apf_ready >= two.apf_not_present,
+        "each fault's page ready"
+    );
+    assert!(
+        two.context_switches >= two.apf_inline / 2,
+        "a woken task takes the vCPU: {} switches",
+        two.context_switches
     );
 }

@@ -181,6 +181,7 @@ fn write_sample(w: &mut impl Write, vm: &Vm, s: &MetricsSnapshot, t_start: Insta
         "apf_not_present": c.apf_not_present,
         "apf_ready": c.apf_ready,
         "apf_waiting": c.apf_waiting,
+        "apf_inline": c.apf_inline,
         "context_switches": c.context_switches,
         "idle_ms": c.idle_ms,
     });

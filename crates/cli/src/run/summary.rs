@@ -162,8 +162,8 @@ pub(super) fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
     }
     let k = &s["kernel"];
     println!(
-        "guest kernel ticks {}  switches {}  syscalls {}  idle {:.0} ms  APF not-present {} ready {} double {}",
+        "guest kernel ticks {}  switches {}  syscalls {}  idle {:.0} ms  APF not-present {} (waited in KVM {}) ready {} double {}",
         k["ticks"], k["context_switches"], k["syscalls"], f(&k["idle_ms"]),
-        k["apf_not_present"], k["apf_ready"], k["apf_double"]
+        k["apf_not_present"], k["apf_inline"], k["apf_ready"], k["apf_double"]
     );
 }

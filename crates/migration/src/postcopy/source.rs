@@ -40,6 +40,11 @@ use crate::vm::AccessHistory;
 const PUSH_BATCH: usize = 128;
 /// "No fault yet" in the hint.
 const NO_HINT: u64 = u64::MAX;
+/// A recent request: its page in the low bits, and above them how many
+/// requests before it each followed the one before (its scan's streak).
+const RECENT_STREAK_SHIFT: u32 = 56;
+const RECENT_PAGE: u64 = (1 << RECENT_STREAK_SHIFT) - 1;
+const RECENT_MAX_STREAK: u64 = 0x7f;
 
 /// What the demand and push threads share.
 pub(crate) struct SourcePages {
@@ -73,13 +78,16 @@ pub(crate) struct SourcePages {
     /// Set when the link broke: a pusher still held stops at once.
     pub(crate) halt: AtomicBool,
     /// Set while a safety net that finishes the move copies every page
-    /// (`--net-finishes`): the push waits, and neighbours go with a
-    /// requested page only when the requests look sequential (a neighbour
-    /// sent here then leaves the host twice, and random access rarely
-    /// wants it).
+    /// (`--net-finishes`): the push waits.
     pub(crate) net_copies: AtomicBool,
-    /// The last requested pages (a ring), for the test above.
-    recent: [AtomicU64; 4],
+    /// The last requested pages (a ring): while the push's governor holds
+    /// it back (the link is full), neighbours go with a requested page
+    /// only when it follows one of them (a scan). Random access rarely
+    /// wants them then, and they cost the link: a kv VM's answers of 12
+    /// pages a fault took most of the lab's 1 Gbit link, outside the
+    /// governor, and its faults waited 0.9 ms at the median, not 0.05.
+    /// With room on the link they are pages the push would send anyway.
+    recent: [AtomicU64; 8],
     recent_at: std::sync::atomic::AtomicUsize,
     pub(crate) cpu: CpuMeter,
     /// `--bandwidth` for the push (demand answers are never held back, but
@@ -219,29 +227,41 @@ impl SourcePages {
         }
     }
 
-    /// True if a request for page `n` follows one of the last few (each
-    /// vCPU may scan on its own): within a window's width of it, as a
-    /// forward or backward scan's next fault is. Notes `n` as requested.
+    /// True if a request for page `n` continues a scan: it follows one of
+    /// the last few requests (each vCPU may scan on its own), within a
+    /// window's width of it as a forward or backward scan's next fault is,
+    /// and that one followed another. One page after another alone is a
+    /// value that spans two pages, as often as not. Notes `n` as requested.
     fn follows_recent_requests(&self, n: u64) -> bool {
         let reach = 2 * self.prefetch + 1;
-        let follows = self.recent.iter().any(|r| {
-            let r = r.load(Ordering::Relaxed);
-            r != NO_HINT && n.abs_diff(r) <= reach
-        });
+        let streak = self
+            .recent
+            .iter()
+            .filter_map(|r| {
+                let r = r.load(Ordering::Relaxed);
+                let (page, streak) = (r & RECENT_PAGE, r >> RECENT_STREAK_SHIFT);
+                (r != NO_HINT && n.abs_diff(page) <= reach).then_some(streak + 1)
+            })
+            .max()
+            .unwrap_or(0)
+            .min(RECENT_MAX_STREAK);
         let at = self.recent_at.fetch_add(1, Ordering::Relaxed) % self.recent.len();
-        self.recent[at].store(n, Ordering::Relaxed);
-        follows
+        self.recent[at].store(
+            (n & RECENT_PAGE) | (streak << RECENT_STREAK_SHIFT),
+            Ordering::Relaxed,
+        );
+        streak >= 2
     }
 
     /// The pages that answer a request for page `n`: `n` itself, then its
-    /// unsent neighbours after it and before it (inside its region).
+    /// unsent neighbours after it and before it (inside its region), if it
+    /// continues a scan or the link has room (no safety net copies, the
+    /// push not held back).
     fn window(&self, n: u64, out: &mut Vec<u64>) {
-        let prefetch =
-            if self.net_copies.load(Ordering::Acquire) && !self.follows_recent_requests(n) {
-                0
-            } else {
-                self.prefetch
-            };
+        let scan = self.follows_recent_requests(n);
+        let room = !self.net_copies.load(Ordering::Acquire)
+            && !self.governor.as_ref().is_some_and(Governor::capped);
+        let prefetch = if scan || room { self.prefetch } else { 0 };
         out.push(n);
         self.unsent.claim(n);
         let span = self.index.region_span(n);
@@ -296,6 +316,10 @@ impl SourcePages {
         // steers it. Set either way: a hybrid's rounds may have left a
         // `--share-link` cap on this connection.
         conn.writer().pace_packets(self.fixed_share);
+        if let Some(g) = &self.governor {
+            // A slow start's first cap, before the first batch.
+            conn.writer().steer(g, 0, self.fixed_share);
+        }
         while Instant::now() < self.push_from || self.net_copies.load(Ordering::Acquire) {
             if self.halt.load(Ordering::Acquire) {
                 // The demand connection ended first: like a pusher whose
@@ -433,33 +457,64 @@ mod tests {
     }
 
     #[test]
-    fn while_a_net_copies_neighbours_go_only_with_requests_that_look_sequential() {
+    fn neighbours_go_only_with_requests_that_look_sequential() {
         let n = 4096u64;
         let mut mem = vec![0u8; n as usize * PAGE];
         // SAFETY: `mem` outlives `out` and nothing else touches it.
         let regions = vec![unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
-        let out = SourcePages::new(regions, &[GpaPages::new(0, n)], 8, None, Instant::now());
+        let pending = [GpaPages::new(0, n)];
+        // With room on the link (no governor holding the push back): every
+        // request takes its ±8 unsent neighbours.
+        let room = SourcePages::new(regions.clone(), &pending, 8, None, Instant::now());
+        let mut w = Vec::new();
+        room.window(2000, &mut w);
+        w.sort_unstable();
+        assert_eq!(w, (1992..=2008).collect::<Vec<_>>());
+        // The link full: the push's governor caps it (a slow start does).
+        let mut out = SourcePages::new(regions, &pending, 8, None, Instant::now());
+        let g = Governor::for_push(1);
+        let path = crate::governor::PathSample {
+            srtt_us: 100,
+            rttvar_us: 5,
+            min_rtt_us: 100,
+            receiver_limited: false,
+            to_loopback: false,
+        };
+        g.observe(path, 0, Instant::now());
+        assert!(g.capped());
+        out.governor = Some(g);
         let window = |p: u64| {
             let mut w = Vec::new();
             out.window(p, &mut w);
             w.sort_unstable();
             w
         };
-        // Without the net every request takes its ±8 unsent neighbours.
-        assert_eq!(window(2000), (1992..=2008).collect::<Vec<_>>());
-        out.net_copies.store(true, Ordering::Release);
-        // A request far from the last few: alone.
+        // Requests far from the last few: alone.
+        assert_eq!(window(2000), vec![2000]);
         assert_eq!(window(100), vec![100]);
         assert_eq!(window(3000), vec![3000]);
-        // The next page of a scan (and one just before): with neighbours.
+        // The page after one: alone still (a value across two pages).
+        assert_eq!(window(101), vec![101]);
+        assert_eq!(window(2999), vec![2999]);
+        // The third of a scan (either way): with its unsent neighbours.
         assert_eq!(
-            window(101),
-            (93..=109).filter(|&p| p != 100).collect::<Vec<_>>()
+            window(102),
+            (94..=110)
+                .filter(|&p| p != 100 && p != 101)
+                .collect::<Vec<_>>()
         );
-        assert_eq!(window(2990), (2982..=2998).collect::<Vec<_>>());
-        // Random again: alone.
+        assert_eq!(
+            window(2998),
+            (2990..=3006)
+                .filter(|&p| p != 2999 && p != 3000)
+                .collect::<Vec<_>>()
+        );
+        // And on: the scan's next fault is past the window sent.
+        assert_eq!(window(111), (111..=119).collect::<Vec<_>>());
+        // Random again: alone; and next to a lone request, alone.
         assert_eq!(window(1500), vec![1500]);
-        drop(out);
+        assert_eq!(window(2001), vec![2001]);
+        drop((room, out));
         drop(mem);
     }
 
