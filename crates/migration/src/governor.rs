@@ -64,6 +64,10 @@ const START_RATE: f64 = 25e6;
 /// and overshoots it by at most this share for the period it takes the
 /// RTT to tell.
 const START_GROWTH: f64 = 1.25;
+/// A slow start grows by this factor at most between two samples.
+const START_MAX_STEP: f64 = 1.5;
+/// A slow start that never met a queue ends here, uncapped (bytes/s).
+const START_MAX: f64 = 10e9;
 /// The cap never goes below this share of the path's best rate (the move
 /// must end).
 const FLOOR: f64 = 0.1;
@@ -191,7 +195,7 @@ struct State {
 impl State {
     /// One period's decision on the shortest queue its samples saw.
     /// `judge` says whether cuts that drain nothing lift the cap.
-    fn steer(&mut self, queue: u32, now: Instant, judge: bool, increase: f64) {
+    fn steer(&mut self, queue: u32, now: Instant, judge: bool, increase: f64, since: Duration) {
         let target = self.target.max(TARGET_US);
         if self.starting == Some(true) {
             let cap = self.cap.unwrap_or(START_RATE);
@@ -206,7 +210,13 @@ impl State {
                 self.last_decrease = Some(now);
                 self.judging = Some((queue, u32::MAX));
             } else if queue < target / 2 {
-                self.cap = Some(cap * START_GROWTH);
+                // By the time since the last sample: a stream sends a batch
+                // between samples, which takes long at a low cap.
+                let periods = since.as_secs_f64() / PERIOD.as_secs_f64();
+                let up = cap * START_GROWTH.powf(periods.max(1.0)).min(START_MAX_STEP);
+                // Far past any link it could have met: no cap.
+                self.cap = (up < START_MAX).then_some(up);
+                self.starting = Some(up < START_MAX);
             }
             return;
         }
@@ -334,7 +344,8 @@ impl Governor {
                 st.least_queue = Some(s.raw_queue_us());
             }
         }
-        let due = st.last.is_none_or(|t| now.duration_since(t) >= PERIOD);
+        let since = st.last.map_or(PERIOD, |t| now.duration_since(t));
+        let due = since >= PERIOD;
         if due && st.best == 0.0 && st.starting != Some(true) {
             // No rate to cut from yet: these samples steer nothing.
             st.last = Some(now);
@@ -342,7 +353,7 @@ impl Governor {
         } else if due {
             if let Some(queue) = st.least_queue.take() {
                 st.last = Some(now);
-                st.steer(queue, now, self.host_aware, self.increase);
+                st.steer(queue, now, self.host_aware, self.increase, since);
             }
         }
         st.cap.map(|c| (c / self.streams as f64).max(1.0) as u64)
@@ -617,6 +628,20 @@ mod tests {
         let (after, _) = run(&g, 0, 1000.0 * MB, 4, at);
         let after = 2.0 * after.expect("still capped") as f64;
         assert!(after > cut && after < cut * 1.5, "{after} from {cut}");
+        // A start that never meets a queue ends uncapped (25 MB/s x 1.25^28
+        // is past 10 GB/s); a sample after a long batch grows it by 1.5 at
+        // most.
+        let free = Governor::for_push(1);
+        let (cap, at) = run(&free, 0, 1e12, 8, Instant::now());
+        let before = cap.expect("starting") as f64;
+        let late = free
+            .observe(queue(0), 0, at + 20 * PERIOD)
+            .expect("starting") as f64;
+        assert!(
+            (late - 1.5 * before).abs() < 0.01 * late,
+            "{late} after {before}"
+        );
+        assert_eq!(run(&free, 0, 1e12, 30, at + 20 * PERIOD).0, None);
         // On loopback no link is shared: no start cap.
         let lo = Governor::for_push(2);
         let sample = PathSample {
