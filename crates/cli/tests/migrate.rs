@@ -64,14 +64,16 @@ fn spawn_incoming_logged_env(
         .spawn()
         .unwrap();
     let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
+    let mut said = String::new();
     loop {
-        let line = lines
-            .next()
-            .expect("the destination said it listens")
-            .unwrap();
+        let Some(Ok(line)) = lines.next() else {
+            panic!("the destination ended before it listened; it said:\n{said}");
+        };
         if line.contains("waiting for an incoming migration") {
             break;
         }
+        said.push_str(&line);
+        said.push('\n');
     }
     let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let l = log.clone();

@@ -90,14 +90,25 @@ pub fn ferry(args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// A TCP port free on loopback right now.
+/// A TCP port free on loopback right now, and never one this test process
+/// was given before: two ports asked for in a row could otherwise be one
+/// (each listener is closed before the next bind), and a VMM told to serve
+/// and listen on it exits.
 pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     fleet();
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Waits until something listens on 127.0.0.1:`port`, at most `within`.
