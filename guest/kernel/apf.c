@@ -31,6 +31,13 @@ static int other_task_runnable(struct percpu *c) {
   return 0;
 }
 
+/* Parks the current task until 'page ready' for `token`, and runs another. */
+static void park_current(struct percpu *c, struct frame *f, u32 token) {
+  c->cur->apf_token = token;
+  c->m->apf_waiting++;
+  sched_block_current(c, f, FERRY_TASK_APF_WAIT);
+}
+
 /* Returns 1 if this #PF was an APF 'page not present' and has been handled.
  *
  * Returning without blocking retries the access, and KVM halts the vCPU until
@@ -53,9 +60,7 @@ int apf_not_present(struct percpu *c, struct frame *f) {
   for (u32 i = 0; i < c->ntasks; i++)
     if (c->tasks[i]->state == FERRY_TASK_APF_WAIT && c->tasks[i]->apf_token == token)
       c->m->apf_double++;
-  c->cur->apf_token = token;
-  c->m->apf_waiting++;
-  sched_block_current(c, f, FERRY_TASK_APF_WAIT);
+  park_current(c, f, token);
   return 1;
 }
 
@@ -89,10 +94,8 @@ void apf_page_ready(struct percpu *c, struct frame *f) {
   } else if (c->cur == c->inline_task) {
     /* The current task still waits in KVM for its page: park it on that
      * token instead, so the woken task runs now, not at the next tick. */
-    c->cur->apf_token = c->inline_token;
     c->inline_task = NULL;
-    c->m->apf_waiting++;
-    sched_block_current(c, f, FERRY_TASK_APF_WAIT);
+    park_current(c, f, c->inline_token);
   }
   /* Else the woken task runs at the next tick. */
 }

@@ -561,16 +561,7 @@ fn compressed_migrations_verify_and_the_workload_continues() {
             "2s",
             "--json",
         ])));
-        let mut args = vec!["migrate", &src_sock, "--to", &to, "--verify", "--json"];
-        args.extend_from_slice(extra);
-        let o = ferry(&args);
-        assert!(
-            o.status.success(),
-            "{extra:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(stats["verified_pages"], 128 * 256, "{extra:?}");
+        let stats = migrate_verified(&src_sock, &to, extra, &format!("{extra:?}"));
         let c = &stats["compression"];
         // With a GPU the CUDA backend coded it (the verify above checked it);
         // without one the CPU did, and the summary says why.
@@ -785,6 +776,23 @@ fn running_source(wl: &str, sock: &str) -> Reaper {
     src
 }
 
+/// Migrates the VM at `src_sock` to `to` with `--verify` and `extra`;
+/// returns its JSON stats, once it succeeded and verified all of a
+/// 128 MiB VM's pages (`what` names the case in a failure).
+fn migrate_verified(src_sock: &str, to: &str, extra: &[&str], what: &str) -> serde_json::Value {
+    let mut args = vec!["migrate", src_sock, "--to", to, "--verify", "--json"];
+    args.extend_from_slice(extra);
+    let o = ferry(&args);
+    assert!(
+        o.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(stats["verified_pages"], 128 * 256, "{what}");
+    stats
+}
+
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -900,14 +908,7 @@ fn pages_dirtied_without_a_change_are_not_sent_again() {
             "2s",
             "--json",
         ])));
-        let o = ferry(&["migrate", &src_sock, "--to", &to, "--verify", "--json"]);
-        assert!(
-            o.status.success(),
-            "{content}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(stats["verified_pages"], 128 * 256, "{content}");
+        let stats = migrate_verified(&src_sock, &to, &[], content);
         // Every round after the first: pages sent (with data or as zero
         // ranges) against pages left out.
         let rounds = stats["rounds"].as_array().unwrap();

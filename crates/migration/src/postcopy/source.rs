@@ -253,15 +253,25 @@ impl SourcePages {
         streak >= 2
     }
 
+    /// No safety net copies the pages, and the push's governor does not
+    /// hold it back: neighbours sent now are pages the push would send.
+    fn link_has_room(&self) -> bool {
+        !self.net_copies.load(Ordering::Acquire)
+            && !self.governor.as_ref().is_some_and(Governor::capped)
+    }
+
     /// The pages that answer a request for page `n`: `n` itself, then its
     /// unsent neighbours after it and before it (inside its region), if it
     /// continues a scan or the link has room (no safety net copies, the
     /// push not held back).
     fn window(&self, n: u64, out: &mut Vec<u64>) {
+        // (A scan needs no look at the governor, whose lock the pushers take.)
         let scan = self.follows_recent_requests(n);
-        let room = !self.net_copies.load(Ordering::Acquire)
-            && !self.governor.as_ref().is_some_and(Governor::capped);
-        let prefetch = if scan || room { self.prefetch } else { 0 };
+        let prefetch = if scan || self.link_has_room() {
+            self.prefetch
+        } else {
+            0
+        };
         out.push(n);
         self.unsent.claim(n);
         let span = self.index.region_span(n);
