@@ -230,28 +230,34 @@ impl MemfdRegion {
     }
 
     /// True when every page of a range has backing in the memfd, asked with
-    /// SEEK_DATA/SEEK_HOLE so a hole is never touched: a thread that must not
-    /// fault (memory under userfaultfd whose pages may still be missing)
-    /// reads the range only after this says yes.
+    /// SEEK_DATA so a hole is never touched: a thread that must not fault
+    /// (memory under userfaultfd whose pages may still be missing) reads the
+    /// range only after this says yes. One lseek a page, so meant for a few
+    /// pages (the metrics page, 100 times a second): a SEEK_HOLE from the
+    /// range's start would walk the whole run of data after it, every page
+    /// of a populated VM (2 GiB preallocated: ~60% of a core).
     pub fn holds_data(&self, offset: u64, len: u64) -> bool {
         if self.check_range(offset, len).is_err() {
             return false;
         }
         let fd = self.fd.as_raw_fd();
-        let start = (offset & !(PAGE_SIZE - 1)) as i64;
-        // SAFETY: lseek on our own fd with a valid whence has no memory effects.
-        let data = unsafe { libc::lseek(fd, start, libc::SEEK_DATA) };
-        if data < 0 {
-            // ENXIO: no data from here on; anything else: SEEK_DATA is not
-            // supported, so everything counts as data (as in data_ranges).
-            return std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO);
+        let end = offset + len;
+        let mut page = offset & !(PAGE_SIZE - 1);
+        while page < end {
+            // SAFETY: lseek on our own fd with a valid whence has no memory effects.
+            let data = unsafe { libc::lseek(fd, page as i64, libc::SEEK_DATA) };
+            if data < 0 {
+                // ENXIO: no data from here on; anything else: SEEK_DATA is
+                // not supported, so everything counts as data (as in
+                // data_ranges).
+                return std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO);
+            }
+            if data as u64 != page {
+                return false;
+            }
+            page += PAGE_SIZE;
         }
-        if data != start {
-            return false;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
-        hole >= (offset + len) as i64
+        true
     }
 
     /// Allocates and maps every page of a range now (the guest's or an
@@ -382,6 +388,25 @@ mod tests {
         assert_eq!(res.iter().filter(|&&b| b).count(), 1);
         assert!(!r.holds_data(2 * PAGE_SIZE, PAGE_SIZE));
         assert!(r.holds_data(5 * PAGE_SIZE, PAGE_SIZE));
+    }
+
+    #[test]
+    fn a_range_holds_data_only_when_every_page_does() {
+        let r = MemfdRegion::new("holds-test", 0, 16 * PAGE_SIZE).unwrap();
+        r.populate(0, 16 * PAGE_SIZE).unwrap();
+        assert!(r.holds_data(0, 16 * PAGE_SIZE));
+        assert!(r.holds_data(3 * PAGE_SIZE + 100, 2 * PAGE_SIZE));
+        r.punch_hole(9 * PAGE_SIZE, PAGE_SIZE).unwrap();
+        assert!(r.holds_data(0, 9 * PAGE_SIZE));
+        // The hole in the middle, at the end, and reached by an unaligned start.
+        assert!(!r.holds_data(8 * PAGE_SIZE, 3 * PAGE_SIZE));
+        assert!(!r.holds_data(5 * PAGE_SIZE, 4 * PAGE_SIZE + 1));
+        assert!(!r.holds_data(9 * PAGE_SIZE + 8, 8));
+        assert!(r.holds_data(10 * PAGE_SIZE, 6 * PAGE_SIZE));
+        r.punch_hole(12 * PAGE_SIZE, 4 * PAGE_SIZE).unwrap();
+        // No data from the asked page to the end of the memfd (ENXIO).
+        assert!(!r.holds_data(13 * PAGE_SIZE, PAGE_SIZE));
+        assert!(!r.holds_data(16 * PAGE_SIZE, PAGE_SIZE));
     }
 
     #[test]
