@@ -681,8 +681,8 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
     let _ = m.0.as_mut().unwrap().wait();
 }
 
-/// A VMM waiting for its migration with --prealloc waiting populates its
-/// RAM in the background (status shows how far), stops when a source is
+/// A VMM waiting for its migration populates its RAM in the background by
+/// default (--prealloc waiting) (status shows how far), stops when a source is
 /// admitted, gives that memory back when the source says at the opening
 /// that it may switch (a postcopy needs the pages still to come missing),
 /// and a postcopy into it (which would see zeros where a late populate
@@ -725,8 +725,6 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
         &dst_sock,
         "--duration",
         "2s",
-        "--prealloc",
-        "waiting",
     ]);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

@@ -109,15 +109,15 @@ pub struct RunArgs {
     #[arg(long)]
     pub(super) kernel: Option<PathBuf>,
     /// When to allocate guest RAM ahead of its first touch, which then
-    /// happens outside the guest's and the migration's time: now (before
-    /// the VM boots or waits, like QEMU's -mem-prealloc; a bare --prealloc),
-    /// waiting (a VMM waiting with --incoming populates it in the background
-    /// until a source arrives, leaving the host a reserve of free memory;
-    /// a source that may switch to postcopy or split has it given back
-    /// before its first page), or off. Not the default: a 16 GiB
-    /// destination populated down to the reserve brought multi-ms stalls
-    /// into the pause (bench/results/downtime-sizes.md).
-    #[arg(long, value_enum, default_value_t = Prealloc::Off, num_args = 0..=1,
+    /// happens outside the guest's and the migration's time: waiting (the
+    /// default: a VMM waiting with --incoming populates it in the background
+    /// until a source arrives, leaving the host a reserve of free memory; a
+    /// source that may switch to postcopy or split has it given back before
+    /// its first page), now (before the VM boots or waits, like QEMU's
+    /// -mem-prealloc; a bare --prealloc), or off. A precopy of 1 GiB random
+    /// lands 1.4x as fast into a waiting destination that populated ahead
+    /// (bench/results/prealloc.md).
+    #[arg(long, value_enum, default_value_t = Prealloc::Waiting, num_args = 0..=1,
           default_missing_value = "now")]
     pub(super) prealloc: Prealloc,
     /// Share guest pages with this host's other VMs run with --share-pages:

@@ -3,16 +3,16 @@
 //! outside the guest's and the migration's time.
 //!
 //! - `--prealloc now`: all of it before the VM boots or waits.
-//! - `--prealloc waiting` (for a VMM started with --incoming): on a
-//!   background thread at the lowest priority while the VM waits for
+//! - `--prealloc waiting` (the default for a VMM started with --incoming):
+//!   on a background thread at the lowest priority while the VM waits for
 //!   its migration, 32 MiB at a time, stopped when a source is admitted
 //!   (from then on the memory is the migration's: a postcopy discards the
 //!   pages still to come and must not see them populated again). It leaves
 //!   the host a reserve of free memory (a split VM's main host has no room
-//!   for all of it), so it may stop early. Not the default: with a 16 GiB
-//!   destination populated down to that reserve, the pause of an idle
-//!   migration on the same host took 3.8 ms (median of 3, one run 16.5 ms)
-//!   against 1.2 ms without (session 41).
+//!   for all of it), so it may stop early. It was opt-in from session 41 to
+//!   54 for multi-ms pauses at 16 GiB; their cause was not the populated
+//!   memory but the timeline's SEEK_HOLE over it on every metrics read
+//!   (`MemfdRegion::holds_data` now asks page by page).
 //!
 //! Either way what held data before is remembered: the rest is known to
 //! read as zeros (`data_before_prealloc`). A source that may switch to
