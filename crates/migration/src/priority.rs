@@ -133,6 +133,21 @@ pub fn lowest() {
     let _ = set_nice(19);
 }
 
+/// Puts thread `tid` back at nice 0: a thread lowered with [`lowest`] that
+/// another now waits for, which on cores busy with normal threads could
+/// take seconds to finish its step. False when not allowed (raising a
+/// nice value takes CAP_SYS_NICE).
+pub fn nice_normal(tid: u32) -> bool {
+    // SAFETY: setpriority on a thread id changes only that thread's nice value.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 0) == 0 }
+}
+
+/// The calling thread's id, for [`nice_normal`] from another thread.
+pub fn thread_id() -> u32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() as u32 }
+}
+
 /// Sets the calling thread's nice value; false when not allowed.
 fn set_nice(nice: i32) -> bool {
     // SAFETY: gettid has no preconditions; setpriority on our own thread id

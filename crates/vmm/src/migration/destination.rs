@@ -49,8 +49,13 @@ impl DestinationVm for Vm {
     /// Guest memory is the migration's now: the background preallocation
     /// stops (a postcopy discards pages it must not see populated again).
     fn admitted(&self) {
+        let t = std::time::Instant::now();
         let bytes = self.stop_prealloc();
-        tracing::info!(bytes, "a source was admitted; preallocated while waiting");
+        tracing::info!(
+            bytes,
+            stop_ms = t.elapsed().as_millis() as u64,
+            "a source was admitted; preallocated while waiting"
+        );
         // The vCPU threads, made now and parked, so the switch only lets
         // them go. If they cannot be made now, start makes them as before.
         if let Err(e) = self.prepare_incoming() {

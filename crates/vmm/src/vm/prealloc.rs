@@ -5,7 +5,7 @@
 //! - `--prealloc now`: all of it before the VM boots or waits.
 //! - `--prealloc waiting` (the default for a VMM started with --incoming):
 //!   on a background thread at the lowest priority while the VM waits for
-//!   its migration, 32 MiB at a time, stopped when a source is admitted
+//!   its migration, 4 MiB at a time, stopped when a source is admitted
 //!   (from then on the memory is the migration's: a postcopy discards the
 //!   pages still to come and must not see them populated again). It leaves
 //!   the host a reserve of free memory (a split VM's main host has no room
@@ -21,15 +21,16 @@
 //! (`release_prealloc`), so the switch finds those pages missing without
 //! punching them out in the pause.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::Vm;
 use ferry_memory::GuestMemory;
 
-/// Populated per step of the background thread.
-const STEP: u64 = 32 << 20;
+/// Populated per step of the background thread: a step is what a stop
+/// waits for (about 2 ms of CPU).
+const STEP: u64 = 4 << 20;
 /// Free memory the background thread leaves the host: at least this, and
 /// at least a tenth of its memory.
 const RESERVE_MIN: u64 = 1 << 30;
@@ -37,8 +38,16 @@ const RESERVE_MIN: u64 = 1 << 30;
 /// The background thread, if one runs, and what it populated so far.
 #[derive(Default)]
 pub(super) struct Slot {
-    running: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
+    running: Mutex<Option<Running>>,
     bytes: Arc<AtomicU64>,
+}
+
+/// A running background thread: its stop flag, its thread id (0 until it
+/// has one), its handle.
+struct Running {
+    stop: Arc<AtomicBool>,
+    tid: Arc<AtomicU32>,
+    handle: JoinHandle<()>,
 }
 
 impl Vm {
@@ -88,10 +97,16 @@ impl Vm {
         self.remember_data();
         let memory = self.memory.clone();
         let stop = Arc::new(AtomicBool::new(false));
-        let (flag, bytes) = (stop.clone(), self.background_prealloc.bytes.clone());
+        let tid = Arc::new(AtomicU32::new(0));
+        let (flag, bytes, id) = (
+            stop.clone(),
+            self.background_prealloc.bytes.clone(),
+            tid.clone(),
+        );
         let spawned = std::thread::Builder::new()
             .name("prealloc".into())
             .spawn(move || {
+                id.store(ferry_migration::priority::thread_id(), Ordering::Release);
                 ferry_migration::priority::lowest();
                 populate_until(&memory, &flag, &bytes)
             });
@@ -101,7 +116,7 @@ impl Vm {
                     .background_prealloc
                     .running
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some((stop, handle))
+                    .unwrap_or_else(|e| e.into_inner()) = Some(Running { stop, tid, handle })
             }
             Err(e) => tracing::warn!("no background preallocation: {e}"),
         }
@@ -116,7 +131,7 @@ impl Vm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
-            .map(|(_, h)| !h.is_finished());
+            .map(|r| !r.handle.is_finished());
         let bytes = self.background_prealloc.bytes.load(Ordering::Acquire);
         match running {
             Some(r) => Some((bytes, r)),
@@ -126,7 +141,10 @@ impl Vm {
     }
 
     /// Stops the background preallocation, if any, and waits for its last
-    /// step; returns the bytes it populated.
+    /// step; returns the bytes it populated. The thread is raised back to
+    /// the normal nice value first: at the lowest, on cores busy with the
+    /// guest and its clients, its last step took seconds (an incoming
+    /// postcopy waited 1.4 s for it).
     pub fn stop_prealloc(&self) -> u64 {
         let bg = self
             .background_prealloc
@@ -134,9 +152,13 @@ impl Vm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some((stop, handle)) = bg {
-            stop.store(true, Ordering::Release);
-            let _ = handle.join();
+        if let Some(r) = bg {
+            r.stop.store(true, Ordering::Release);
+            let tid = r.tid.load(Ordering::Acquire);
+            if tid != 0 {
+                ferry_migration::priority::nice_normal(tid);
+            }
+            let _ = r.handle.join();
         }
         self.background_prealloc.bytes.load(Ordering::Acquire)
     }
