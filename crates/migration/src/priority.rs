@@ -138,8 +138,7 @@ pub fn lowest() {
 /// take seconds to finish its step. False when not allowed (raising a
 /// nice value takes CAP_SYS_NICE).
 pub fn nice_normal(tid: u32) -> bool {
-    // SAFETY: setpriority on a thread id changes only that thread's nice value.
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 0) == 0 }
+    set_thread_nice(tid, 0)
 }
 
 /// The calling thread's id, for [`nice_normal`] from another thread.
@@ -150,12 +149,13 @@ pub fn thread_id() -> u32 {
 
 /// Sets the calling thread's nice value; false when not allowed.
 fn set_nice(nice: i32) -> bool {
-    // SAFETY: gettid has no preconditions; setpriority on our own thread id
-    // changes only this thread's nice value.
-    unsafe {
-        let tid = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) == 0
-    }
+    set_thread_nice(thread_id(), nice)
+}
+
+/// Sets thread `tid`'s nice value; false when not allowed.
+fn set_thread_nice(tid: u32, nice: i32) -> bool {
+    // SAFETY: setpriority on a thread id changes only that thread's nice value.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) == 0 }
 }
 
 /// The calling thread at real-time priority until dropped; its policy is

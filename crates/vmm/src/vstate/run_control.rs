@@ -130,8 +130,7 @@ impl VmShared {
 
     /// Records the calling thread as vCPU `id`'s.
     pub fn set_vcpu_tid(&self, id: u32) {
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() } as u32;
+        let tid = ferry_migration::priority::thread_id();
         if let Some(t) = self.tids.get(id as usize) {
             t.store(tid, Ordering::Release);
         }
