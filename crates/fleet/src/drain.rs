@@ -559,6 +559,7 @@ pub fn run(
                 let shared = Shared {
                     fleet: fleet.clone(),
                     hosts: hosts_seen.clone(),
+                    owed: owed_room(&reports, pending.iter().chain(running.keys())),
                     source: source.clone(),
                     from: plan.from.clone(),
                     opts: opts.clone(),
@@ -654,16 +655,51 @@ fn another_host(fleet: &Fleet, from: &str, r: &MoveReport, tried: &[String]) -> 
         .map(|h| h.name)
 }
 
+/// The room on each host that the drain's moves not yet ended were planned
+/// to take (a split's share on its main host and on each memory server).
+/// A host's agent counts a move's room only once its destination is made,
+/// and a look at the hosts may be older than that: all are counted, so a
+/// standby (which lasts only its own move) never takes room another move
+/// of the plan was given.
+fn owed_room<'a>(
+    reports: &[MoveReport],
+    moves: impl Iterator<Item = &'a usize>,
+) -> BTreeMap<String, u64> {
+    let mut owed = BTreeMap::new();
+    for r in moves.filter_map(|&k| reports.get(k)) {
+        match &r.split {
+            Some(sp) => {
+                *owed.entry(r.to.clone()).or_default() += sp.main_budget;
+                for (host, bytes) in &sp.stores {
+                    *owed.entry(host.clone()).or_default() += bytes;
+                }
+            }
+            None => *owed.entry(r.to.clone()).or_default() += r.mem_bytes,
+        }
+    }
+    owed
+}
+
 /// Hosts a standby may run on, the most free first: neither the source nor
 /// the destination, with room for all the VM's memory as `hosts` last said
-/// (the agent asked checks again); at most [`STANDBY_TRIES`] (the
-/// destination admits each of them).
-fn standby_hosts(hosts: &[HostInfo], from: &str, to: &str, vm: &VmInfo) -> Vec<String> {
+/// less what the drain's other moves are owed there (the agent asked checks
+/// again); at most [`STANDBY_TRIES`] (the destination admits each of them).
+fn standby_hosts(
+    hosts: &[HostInfo],
+    owed: &BTreeMap<String, u64>,
+    from: &str,
+    to: &str,
+    vm: &VmInfo,
+) -> Vec<String> {
+    let left = |h: &HostInfo| {
+        h.free_mem
+            .saturating_sub(owed.get(&h.name).copied().unwrap_or(0))
+    };
     let mut third: Vec<&HostInfo> = hosts
         .iter()
-        .filter(|h| h.name != from && h.name != to && h.free_mem >= vm.spec.mem_bytes)
+        .filter(|h| h.name != from && h.name != to && left(h) >= vm.spec.mem_bytes)
         .collect();
-    third.sort_by_key(|h| std::cmp::Reverse(h.free_mem));
+    third.sort_by_key(|h| std::cmp::Reverse(left(h)));
     third
         .into_iter()
         .take(STANDBY_TRIES)
@@ -798,6 +834,9 @@ struct Shared {
     fleet: Fleet,
     /// The hosts, as last seen (for choosing standbys).
     hosts: Arc<HostsSeen>,
+    /// Room the drain's moves not yet ended were planned to take, by host
+    /// (as this move started): no standby takes it.
+    owed: BTreeMap<String, u64>,
     /// The drained host's agent, and its name.
     source: crate::AgentClient,
     from: String,
@@ -860,7 +899,7 @@ fn one_move(
     // on.
     let want_net = sh.opts.safety_net && matches!(report.mode, Mode::Postcopy | Mode::Hybrid);
     let third = if want_net {
-        standby_hosts(&sh.hosts.get(fleet), from, &report.to, vm)
+        standby_hosts(&sh.hosts.get(fleet), &sh.owed, from, &report.to, vm)
     } else {
         Vec::new()
     };
@@ -1154,6 +1193,69 @@ mod tests {
             p.unplaced[0].1.contains("1792 MiB on all"),
             "{:?}",
             p.unplaced
+        );
+    }
+
+    #[test]
+    fn a_standby_never_takes_room_the_plan_gave_another_move() {
+        // The CI failure this guards: a drain's standby for one VM took the
+        // room on ferry-h3 that the plan had given the next VM, whose move
+        // then found no room there.
+        let report = |name: &str, to: &str, mib: u64, split: Option<PlannedSplit>| MoveReport {
+            vm: name.into(),
+            mem_bytes: mib << 20,
+            to: to.into(),
+            mode: Mode::Hybrid,
+            state: MoveState::Waiting,
+            secs: 0.0,
+            bytes: 0,
+            first_round_bytes: None,
+            remaining_pages: 0,
+            downtime_ms: None,
+            postcopy: false,
+            errors: Vec::new(),
+            split,
+            standby: None,
+            standby_bytes: 0,
+            handed_over: false,
+            ready_secs: 0.0,
+        };
+        let reports = [
+            report("sort", "h2", 256, None),
+            report("touch", "h3", 256, None),
+            report(
+                "big",
+                "h4",
+                1152,
+                Some(PlannedSplit {
+                    main_budget: 768 << 20,
+                    stores: vec![("h3".into(), 384 << 20)],
+                }),
+            ),
+            report("done", "h3", 512, None),
+        ];
+        // The last move has ended: only the first three are owed.
+        let owed = owed_room(&reports, [0usize, 1, 2].iter());
+        assert_eq!(owed.get("h2"), Some(&(256 << 20)));
+        assert_eq!(owed.get("h3"), Some(&(640 << 20)), "touch and big's server");
+        assert_eq!(owed.get("h4"), Some(&(768 << 20)));
+        let hosts = [
+            host("h1", 4096, 8, vec![]),
+            host("h2", 1024, 8, vec![]),
+            host("h3", 896, 8, vec![]),
+            host("h5", 200, 8, vec![]),
+        ];
+        // sort's standby (h2 is its destination): h3 has 896 MiB free and
+        // 640 of it owed, so 256 MiB is left: just enough.
+        let sort = vm("sort", 256, 1);
+        assert_eq!(standby_hosts(&hosts, &owed, "h1", "h2", &sort), ["h3"]);
+        // A 384 MiB VM fits h3's free memory but not what is left of it.
+        let wide = vm("wide", 384, 1);
+        assert!(standby_hosts(&hosts, &owed, "h1", "h2", &wide).is_empty());
+        assert_eq!(
+            standby_hosts(&hosts, &BTreeMap::new(), "h1", "h2", &wide),
+            ["h3"],
+            "nothing owed: free memory decides"
         );
     }
 
