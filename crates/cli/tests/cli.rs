@@ -71,9 +71,7 @@ fn a_malformed_kernel_is_refused() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-cli-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-cli");
     let bad = dir.join("bad.elf");
     std::fs::write(&bad, b"\x7fELF garbage that is not a kernel").unwrap();
     refused(
@@ -113,9 +111,7 @@ fn run_writes_a_timeline_and_status_answers() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-tl-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-tl");
     let tl = dir.join("t.jsonl");
     let sock = dir.join("vm.sock");
     let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -174,9 +170,7 @@ fn an_idle_vm_with_all_its_ram_populated_leaves_the_cpu_alone() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-idle-cpu-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-idle-cpu");
     let sock = dir.join("vm.sock").to_string_lossy().into_owned();
     let vm = common::spawn_reaped(&[
         "run",
@@ -266,9 +260,7 @@ fn the_control_socket_refuses_another_uid_and_serves_its_owner() {
         return;
     }
     // A directory another uid may pass through (temp_dir is 1777).
-    let dir = std::env::temp_dir().join(format!("ferry-cli-uid-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-cli-uid");
     let sock = dir.join("vm.sock");
     let sock_s = sock.to_str().unwrap();
     let Some(mut probe) = as_nobody(&["ctl", sock_s, "status"]) else {

@@ -172,10 +172,7 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-fleet-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-fleet");
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
     let registry = format!("dir:{}", dir.join("registry").display());
     let reg = registry.as_str();
@@ -409,10 +406,7 @@ fn a_vm_that_fits_nowhere_whole_is_drained_split_and_stopped_with_its_memory_ser
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-fleet-split-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-fleet-split");
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
     let registry = format!("dir:{}", dir.join("registry").display());
     let reg = registry.as_str();
@@ -477,10 +471,7 @@ fn a_kv_vm_under_128_clients_is_drained_through_an_etcd_fleet_without_an_error()
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-fleet-kv-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-fleet-kv");
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
     let Some((etcd, registry)) = tls_etcd_on_h3(&dir) else {
         eprintln!("SKIP: no etcd binary (apt install etcd-server; scripts/setup.sh does)");
@@ -587,10 +578,7 @@ fn a_destination_agent_killed_mid_drain_loses_no_vm() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-fleet-dest-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-fleet-dest");
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
     let registry = format!("dir:{}", dir.join("registry").display());
     let reg = registry.as_str();
@@ -678,10 +666,7 @@ fn a_source_vmm_killed_mid_postcopy_drain_is_survived_from_the_standby() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-fleet-net-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-fleet-net");
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
     let registry = format!("dir:{}", dir.join("registry").display());
     let reg = registry.as_str();
@@ -811,10 +796,7 @@ fn six_mixed_vms_are_drained_off_a_host_resumed_after_a_crash_and_upgraded() {
         return;
     }
     let Some(_lab) = lab_up_n(4) else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-fleet-six-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-fleet-six");
     let _vms = VmReaper(dir.to_str().unwrap().to_string());
     let Some((etcd, registry)) = tls_etcd_on_h3(&dir) else {
         eprintln!("SKIP: no etcd binary (apt install etcd-server; scripts/setup.sh does)");

@@ -97,9 +97,7 @@ fn json(out: &[u8]) -> serde_json::Value {
 }
 
 fn migrate_across(sc: &Scenario, n: u16) {
-    let dir = std::env::temp_dir().join(format!("ferry-lab-{}-{n}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new(&format!("ferry-lab-{n}"));
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let to = format!("tcp:10.77.0.2:{}", 7400 + n);
@@ -477,10 +475,7 @@ fn memserver_on_h3(port: u16) -> Reaper {
 #[test]
 fn split_placed_by_the_registry_embedded_and_etcd() {
     let Some(_lab) = split_lab() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-reg-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-reg");
     let mut registries = vec![(format!("dir:{}", dir.join("registry").display()), None)];
     match tls_etcd_on_h3(&dir) {
         None => eprintln!(
@@ -659,9 +654,7 @@ fn split_placed_by_the_registry_embedded_and_etcd() {
 #[test]
 fn a_split_vm_is_gathered_back_to_one_host() {
     let Some(_lab) = split_lab() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-gather-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-gather");
     let _servers = [memserver_on_h3(7650), memserver_on_h3(7651)];
     let sock = |n: &str| dir.join(n).to_str().unwrap().to_string();
     let (src_sock, main_sock, whole_sock) =
@@ -843,9 +836,7 @@ fn stranger_opens(port: u16, vm: &str) -> String {
 #[test]
 fn a_killed_memory_server_is_survived_with_replicas_and_named_without() {
     let Some(_lab) = split_lab() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-kill-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-kill");
     for (n, replicas) in [(0u16, "2"), (1, "1")] {
         let (a, b) = (7620 + 2 * n, 7621 + 2 * n);
         let mut servers = vec![memserver_on_h3(a), memserver_on_h3(b)];
@@ -989,9 +980,7 @@ fn a_link_cut_mid_postcopy_pauses_and_resume_finishes_it() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-cut-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-cut");
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let common = POSTCOPY_VM;
@@ -1195,9 +1184,7 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-net-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-net");
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let standby = in_host(
@@ -1313,9 +1300,7 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-relay-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-relay");
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let standby = in_host(
@@ -1410,9 +1395,7 @@ fn a_standby_that_dies_after_the_hand_over_gives_the_move_back_to_the_source() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-giveback-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-giveback");
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let shaped = Command::new("ip")
@@ -1531,9 +1514,7 @@ fn clients_follow_their_vm_and_the_source_exits() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-follow-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-follow");
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let csv = dir.join("load.csv");
@@ -1677,9 +1658,7 @@ fn clients_come_back_after_a_failed_move_and_are_forwarded_when_refused() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-refuse-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-refuse");
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (src_sock, d1_sock, d2_sock) = (sock("src.sock"), sock("d1.sock"), sock("d2.sock"));
     let svc = "10.77.0.101:7101";
@@ -1788,9 +1767,7 @@ fn a_handed_over_vm_keeps_its_address_and_its_clients_still_move() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-hofollow-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-hofollow");
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
     let svc = "10.77.0.102:7102";
@@ -1893,10 +1870,7 @@ fn a_waiting_destination_refuses_every_stranger_then_takes_the_real_source() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-trust-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-trust");
     let path = |n: &str| dir.join(n).to_string_lossy().into_owned();
     // What a stranger can make: a CA of its own, and a certificate from it
     // naming ferry-h1 and its address, with the fleet's (public) CA
@@ -2209,10 +2183,7 @@ fn a_trickling_connection_and_200_idle_ones_do_not_hold_up_a_real_migration() {
         return;
     }
     let Some(_lab) = lab_up() else { return };
-    let dir = std::env::temp_dir().join(format!("ferry-lab-idle-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-lab-idle");
     let (src_sock, dst_sock) = (dir.join("src.sock"), dir.join("dst.sock"));
     let (src_sock, dst_sock) = (src_sock.to_str().unwrap(), dst_sock.to_str().unwrap());
     let port = 7711;

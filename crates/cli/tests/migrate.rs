@@ -93,9 +93,7 @@ fn a_failed_migration_leaves_the_vm_running_and_a_later_one_succeeds() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-mig-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-mig");
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     let wl = "compute+dirty:rate=64,wss=32";
     let src = spawn(&[
@@ -188,9 +186,7 @@ fn kv_clients_see_no_errors_across_a_migration() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-migkv-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-migkv");
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     let (svc_port, mig_port) = (free_port(), free_port());
     let svc = format!("127.0.0.1:{svc_port}");
@@ -274,9 +270,7 @@ fn a_request_in_flight_at_the_pause_is_answered_from_the_destination() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-miginflight-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-miginflight");
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     let (svc_port, dst_svc_port, mig_port) = (free_port(), free_port(), free_port());
     let svc = format!("127.0.0.1:{svc_port}");
@@ -422,9 +416,7 @@ fn a_dead_destination_or_a_corrupt_frame_leaves_the_vm_running() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-migfail-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-migfail");
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     // 384 MiB of incompressible memory: round 0 takes long enough to interrupt.
     let wl = "compute+fill:content=worst,mib=384";
@@ -523,9 +515,7 @@ fn compressed_migrations_verify_and_the_workload_continues() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-cmig-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-cmig");
     let wl = "dirty:rate=64,wss=32,pattern=random,content=text+fill:content=mixed,mib=32";
     for (i, extra) in [
         &["--compress", "xbzrle", "--compress-threads", "2"][..],
@@ -604,9 +594,7 @@ fn a_source_killed_mid_postcopy_is_reported_plainly() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-pckill-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-pckill");
     let src_sock = dir.join("src.sock").to_string_lossy().into_owned();
     // 256 MiB written once (pushed at 16 MB/s after the switch: seconds),
     // and a small working set the guest keeps faulting on.
@@ -693,9 +681,7 @@ fn a_waiting_vmm_preallocates_in_the_background_and_a_postcopy_into_it_is_whole(
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-mig-prealloc-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-mig-prealloc");
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (src_sock, dst_sock) = (sock("src.sock"), sock("dst.sock"));
     let wl = "fill:content=worst,mib=96+dirty:rate=32,wss=16";
@@ -805,9 +791,7 @@ fn pages_another_vm_on_the_destination_holds_are_not_sent_again() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-mig-share-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-mig-share");
     let sock = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (sib_sock, src_sock, dst_sock) = (sock("sib.sock"), sock("src.sock"), sock("dst.sock"));
     let share = sock("share");
@@ -880,9 +864,7 @@ fn pages_dirtied_without_a_change_are_not_sent_again() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-same-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-same");
     for content in ["zero", "random"] {
         // (The fill makes round 0 long enough for the guest to dirty pages.)
         let wl = format!(

@@ -61,10 +61,7 @@ fn a_migration_under_load_is_scraped_recorded_and_drawn() {
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-report-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-report");
     let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (svc0, svc1, svc2) = (free_port(), free_port(), free_port());
     let (mig1, mig2, metrics) = (free_port(), free_port(), free_port());
@@ -316,10 +313,7 @@ fn a_throttled_guests_execution_ratio_and_a_waiting_destination_are_reported_as_
     if !kvm_usable() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("ferry-report-exec-{}", std::process::id()));
-    let _scratch = common::Scratch(dir.clone());
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let (dir, _scratch) = common::Scratch::new("ferry-report-exec");
     let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let (mig, metrics) = (free_port(), free_port());
     let to = format!("tcp:127.0.0.1:{mig}");

@@ -12,6 +12,17 @@ use std::time::{Duration, Instant};
 /// test keeps it (its logs and sockets), to be looked at.
 pub struct Scratch(pub PathBuf);
 
+impl Scratch {
+    /// A fresh, empty `/tmp/NAME-<pid>` (one a run before left with the
+    /// same pid is cleared) and its guard: the directory and the Scratch.
+    pub fn new(name: &str) -> (PathBuf, Scratch) {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        (dir.clone(), Scratch(dir))
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         if !std::thread::panicking() {
