@@ -93,11 +93,12 @@ mod avx512 {
         let mut h = _mm512_set1_epi32(CHUNK as i32);
         let low = _mm512_set1_epi32(0xffff);
         for block in 0..CHUNK / (4 * BLOCK_WORDS) {
+            let lines = page.as_chunks::<64>().0;
             let rows: [__m512i; CHUNKS_PER_PAGE] = std::array::from_fn(|chunk| {
-                let at = chunk * CHUNK + block * 4 * BLOCK_WORDS;
-                let bytes: &[u8; 64] = page[at..at + 64].try_into().unwrap_or(&[0; 64]);
-                // SAFETY: an unaligned load of the 64 bytes `bytes` borrows.
-                unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) }
+                // 4 lines a chunk: chunk * 4 + block < 64 lines a page.
+                let line = &lines[chunk * (CHUNK / 64) + block];
+                // SAFETY: an unaligned load of the 64 bytes `line` borrows.
+                unsafe { _mm512_loadu_si512(line.as_ptr().cast()) }
             });
             for word in transpose(rows) {
                 // The step of `hash`, on every chunk at once.

@@ -22,6 +22,7 @@ use ferry_migration::{MigrationToken, Mode};
 use serde_json::Value;
 
 use crate::api::{HostInfo, Request, VmInfo};
+use crate::claims::{room_left, Claim, StandbyClaims};
 use crate::fleet::Fleet;
 use crate::FleetError;
 
@@ -507,6 +508,7 @@ pub fn run(
     let mut cancelled = false;
     let mut emptied = Duration::ZERO;
     let hosts_seen = HostsSeen::new();
+    let standby_claims = Arc::new(StandbyClaims::default());
     update(&reports);
     std::thread::scope(|sc| -> Result<(), FleetError> {
         loop {
@@ -559,7 +561,8 @@ pub fn run(
                 let shared = Shared {
                     fleet: fleet.clone(),
                     hosts: hosts_seen.clone(),
-                    owed: owed_room(&reports, pending.iter().chain(running.keys())),
+                    planned: planned_claims(&reports, pending.iter().chain(running.keys())),
+                    standbys: standby_claims.clone(),
                     source: source.clone(),
                     from: plan.from.clone(),
                     opts: opts.clone(),
@@ -615,9 +618,14 @@ pub fn run(
                     if let Some(e) = err {
                         r.errors.push(format!("to {}: {e}", r.to));
                         // Another host, if one has room and tries are left.
+                        let claims: Vec<Claim> =
+                            planned_claims(&reports, pending.iter().chain(running.keys()))
+                                .into_iter()
+                                .chain(standby_claims.snapshot())
+                                .collect();
                         let next = (!cancel.load(Ordering::Relaxed)
                             && tried[k].len() <= opts.retries)
-                            .then(|| another_host(fleet, &plan.from, &r, &tried[k]))
+                            .then(|| another_host(fleet, &plan.from, &r, &tried[k], &claims))
                             .flatten();
                         if let Some(h) = next {
                             r.to = h;
@@ -644,81 +652,75 @@ pub fn run(
     })
 }
 
-/// A host other than the source and those tried, with room for the VM now.
-fn another_host(fleet: &Fleet, from: &str, r: &MoveReport, tried: &[String]) -> Option<String> {
+/// A host other than the source and those tried, with room for the VM now
+/// (less what the drain's other moves and standbys have claimed there).
+fn another_host(
+    fleet: &Fleet,
+    from: &str,
+    r: &MoveReport,
+    tried: &[String],
+    claims: &[Claim],
+) -> Option<String> {
     let hosts = fleet.hosts().ok()?;
     hosts
         .into_iter()
         .filter_map(|(_, h)| h.ok())
-        .filter(|h| h.name != from && !tried.contains(&h.name) && h.free_mem >= r.mem_bytes)
-        .max_by_key(|h| h.free_mem)
-        .map(|h| h.name)
+        .map(|h| (room_left(&h, claims), h))
+        .filter(|(room, h)| h.name != from && !tried.contains(&h.name) && *room >= r.mem_bytes)
+        .max_by_key(|(room, _)| *room)
+        .map(|(_, h)| h.name)
 }
 
-/// The room on each host that the drain's moves not yet ended were planned
-/// to take (a split's share on its main host and on each memory server).
-/// A host's agent counts a move's room only once its destination is made,
-/// and a look at the hosts may be older than that: all are counted, so a
-/// standby (which lasts only its own move) never takes room another move
-/// of the plan was given.
-fn owed_room<'a>(
+/// The room the drain's moves not yet ended were planned to take: a claim
+/// on the destination for each, a split's share on its main host and on
+/// each memory server instead.
+fn planned_claims<'a>(
     reports: &[MoveReport],
     moves: impl Iterator<Item = &'a usize>,
-) -> BTreeMap<String, u64> {
-    let mut owed = BTreeMap::new();
+) -> Vec<Claim> {
+    let claim = |host: &str, vm: &str, bytes: u64| Claim {
+        host: host.into(),
+        vm: vm.into(),
+        bytes,
+    };
+    let mut claims = Vec::new();
     for r in moves.filter_map(|&k| reports.get(k)) {
         match &r.split {
             Some(sp) => {
-                *owed.entry(r.to.clone()).or_default() += sp.main_budget;
+                claims.push(claim(&r.to, &r.vm, sp.main_budget));
                 for (host, bytes) in &sp.stores {
-                    *owed.entry(host.clone()).or_default() += bytes;
+                    claims.push(claim(host, &r.vm, *bytes));
                 }
             }
-            None => *owed.entry(r.to.clone()).or_default() += r.mem_bytes,
+            None => claims.push(claim(&r.to, &r.vm, r.mem_bytes)),
         }
     }
-    owed
-}
-
-/// Hosts a standby may run on, the most free first: neither the source nor
-/// the destination, with room for all the VM's memory as `hosts` last said
-/// less what the drain's other moves are owed there (the agent asked checks
-/// again); at most [`STANDBY_TRIES`] (the destination admits each of them).
-fn standby_hosts(
-    hosts: &[HostInfo],
-    owed: &BTreeMap<String, u64>,
-    from: &str,
-    to: &str,
-    vm: &VmInfo,
-) -> Vec<String> {
-    let left = |h: &HostInfo| {
-        h.free_mem
-            .saturating_sub(owed.get(&h.name).copied().unwrap_or(0))
-    };
-    let mut third: Vec<&HostInfo> = hosts
-        .iter()
-        .filter(|h| h.name != from && h.name != to && left(h) >= vm.spec.mem_bytes)
-        .collect();
-    third.sort_by_key(|h| std::cmp::Reverse(left(h)));
-    third
-        .into_iter()
-        .take(STANDBY_TRIES)
-        .map(|h| h.name.clone())
-        .collect()
+    claims
 }
 
 /// Third hosts tried for a move's standby.
 const STANDBY_TRIES: usize = 2;
 
-/// Starts a postcopy standby for `vm` on the first of `hosts` that can;
-/// its agent, host name and address. None when none can: the move then
-/// goes without one, as the report says.
-fn start_standby(fleet: &Fleet, hosts: &[String], vm: &VmInfo) -> Option<StandbyAt> {
-    for h in hosts {
-        let started = fleet.agent(h).and_then(|a| {
+/// Starts a postcopy standby for `vm` on the first of `third` whose room
+/// can still be claimed and whose agent starts it; its agent, host name and
+/// address. None when none can: the move then goes without one, as the
+/// report says.
+fn start_standby(
+    sh: &Shared,
+    hosts: &[HostInfo],
+    third: &[String],
+    vm: &VmInfo,
+) -> Option<StandbyAt> {
+    let (name, bytes) = (vm.spec.name.as_str(), vm.spec.mem_bytes);
+    for h in third {
+        if !sh.standbys.claim(hosts, &sh.planned, h, name, bytes) {
+            tracing::warn!("drain: no standby on {h} for {name}: its room was claimed meanwhile");
+            continue;
+        }
+        let started = sh.fleet.agent(h).and_then(|a| {
             let v = a.call(&Request::Standby {
-                vm: vm.spec.name.clone(),
-                bytes: vm.spec.mem_bytes,
+                vm: name.into(),
+                bytes,
             })?;
             Ok((a, v["addr"].as_str().unwrap_or_default().to_string()))
         });
@@ -728,14 +730,17 @@ fn start_standby(fleet: &Fleet, hosts: &[String], vm: &VmInfo) -> Option<Standby
                     agent,
                     host: h.clone(),
                     addr,
+                    claims: sh.standbys.clone(),
                 })
             }
-            Err(e) => tracing::warn!("drain: no standby on {h} for {}: {e}", vm.spec.name),
+            Err(e) => {
+                sh.standbys.release(h, name);
+                tracing::warn!("drain: no standby on {h} for {name}: {e}");
+            }
         }
     }
     tracing::warn!(
-        "drain: no third host can hold {}'s memory; its postcopy runs without a safety net",
-        vm.spec.name
+        "drain: no third host can hold {name}'s memory; its postcopy runs without a safety net"
     );
     None
 }
@@ -793,11 +798,13 @@ impl HostsSeen {
     }
 }
 
-/// A move's postcopy standby: its host's agent, the host, its address.
+/// A move's postcopy standby: its host's agent, the host, its address, and
+/// the drain's standby claims (its own given back when it is stopped).
 struct StandbyAt {
     agent: crate::AgentClient,
     host: String,
     addr: String,
+    claims: Arc<StandbyClaims>,
 }
 
 impl StandbyAt {
@@ -805,6 +812,7 @@ impl StandbyAt {
     /// source died ends when that move does: it holds on SIGTERM).
     fn stop(&self, vm: &str) {
         let _ = self.agent.call(&Request::Stop { name: vm.into() });
+        self.claims.release(&self.host, vm);
     }
 
     /// Waits (at most `within`) until the standby for VM `vm` has ended:
@@ -834,9 +842,11 @@ struct Shared {
     fleet: Fleet,
     /// The hosts, as last seen (for choosing standbys).
     hosts: Arc<HostsSeen>,
-    /// Room the drain's moves not yet ended were planned to take, by host
-    /// (as this move started): no standby takes it.
-    owed: BTreeMap<String, u64>,
+    /// Room the drain's moves not yet ended were planned to take (as this
+    /// move started): no standby takes it.
+    planned: Vec<Claim>,
+    /// The room the drain's standbys hold.
+    standbys: Arc<StandbyClaims>,
     /// The drained host's agent, and its name.
     source: crate::AgentClient,
     from: String,
@@ -898,11 +908,18 @@ fn one_move(
     // while the destination's VMM does, which admits every host it may be
     // on.
     let want_net = sh.opts.safety_net && matches!(report.mode, Mode::Postcopy | Mode::Hybrid);
-    let third = if want_net {
-        standby_hosts(&sh.hosts.get(fleet), &sh.owed, from, &report.to, vm)
+    let hosts = if want_net {
+        sh.hosts.get(fleet)
     } else {
         Vec::new()
     };
+    let third = sh.standbys.candidates(
+        &hosts,
+        &sh.planned,
+        (from, &report.to),
+        vm.spec.mem_bytes,
+        STANDBY_TRIES,
+    );
     let admitted = std::iter::once(from)
         .chain(third.iter().map(String::as_str))
         .collect::<Vec<_>>()
@@ -915,7 +932,7 @@ fn one_move(
         mode: Some(report.mode),
     };
     let (standby, ready) = std::thread::scope(|sc| {
-        let starting = want_net.then(|| sc.spawn(|| start_standby(fleet, &third, vm)));
+        let starting = want_net.then(|| sc.spawn(|| start_standby(sh, &hosts, &third, vm)));
         let ready = dest.call(&receive);
         let standby = starting.and_then(|t| t.join().ok()).flatten();
         (standby, ready)
@@ -1234,29 +1251,44 @@ mod tests {
             ),
             report("done", "h3", 512, None),
         ];
-        // The last move has ended: only the first three are owed.
-        let owed = owed_room(&reports, [0usize, 1, 2].iter());
-        assert_eq!(owed.get("h2"), Some(&(256 << 20)));
-        assert_eq!(owed.get("h3"), Some(&(640 << 20)), "touch and big's server");
-        assert_eq!(owed.get("h4"), Some(&(768 << 20)));
+        // The last move has ended: only the first three are claimed.
+        let planned = planned_claims(&reports, [0usize, 1, 2].iter());
+        let on = |host: &str| -> u64 {
+            planned
+                .iter()
+                .filter(|c| c.host == host)
+                .map(|c| c.bytes)
+                .sum()
+        };
+        assert_eq!(on("h2"), 256 << 20);
+        assert_eq!(on("h3"), 640 << 20, "touch and big's server");
+        assert_eq!(on("h4"), 768 << 20);
         let hosts = [
             host("h1", 4096, 8, vec![]),
             host("h2", 1024, 8, vec![]),
             host("h3", 896, 8, vec![]),
             host("h5", 200, 8, vec![]),
         ];
+        let standbys = StandbyClaims::default();
+        let third = |mib: u64| {
+            standbys.candidates(&hosts, &planned, ("h1", "h2"), mib << 20, STANDBY_TRIES)
+        };
         // sort's standby (h2 is its destination): h3 has 896 MiB free and
-        // 640 of it owed, so 256 MiB is left: just enough.
-        let sort = vm("sort", 256, 1);
-        assert_eq!(standby_hosts(&hosts, &owed, "h1", "h2", &sort), ["h3"]);
+        // 640 of it claimed, so 256 MiB is left: just enough.
+        assert_eq!(third(256), ["h3"]);
         // A 384 MiB VM fits h3's free memory but not what is left of it.
-        let wide = vm("wide", 384, 1);
-        assert!(standby_hosts(&hosts, &owed, "h1", "h2", &wide).is_empty());
+        assert!(third(384).is_empty());
         assert_eq!(
-            standby_hosts(&hosts, &BTreeMap::new(), "h1", "h2", &wide),
+            standbys.candidates(&hosts, &[], ("h1", "h2"), 384 << 20, STANDBY_TRIES),
             ["h3"],
-            "nothing owed: free memory decides"
+            "nothing claimed: free memory decides"
         );
+        // Once sort's standby has claimed h3's last 256 MiB, no other
+        // standby gets it, until it is given back.
+        assert!(standbys.claim(&hosts, &planned, "h3", "sort", 256 << 20));
+        assert!(third(256).is_empty());
+        standbys.release("h3", "sort");
+        assert_eq!(third(256), ["h3"]);
     }
 
     #[test]

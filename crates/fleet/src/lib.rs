@@ -11,13 +11,15 @@
 //! - [`fleet`]: the hosts the registry knows, and their agents.
 //! - [`drain`]: empties a host: plans where each VM goes and how, and runs
 //!   the moves within limits, its state in the registry ([`journal`]) so a
-//!   drain restarted after a crash resumes; [`upgrade`]: hands every VM of
-//!   a host to a fresh VMM process.
+//!   drain restarted after a crash resumes (`claims`: the room its moves
+//!   and standbys hold on each host); [`upgrade`]: hands every VM of a host
+//!   to a fresh VMM process.
 //!
 //! docs/agent.md describes the API and the operations.
 
 pub mod agent;
 pub mod api;
+mod claims;
 pub mod client;
 pub mod drain;
 pub mod fleet;

@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
-    /// A fresh, empty `/tmp/NAME-<pid>` (one a run before left with the
-    /// same pid is cleared) and its guard: the directory and the Scratch.
+    /// A fresh, empty `NAME-<pid>` in the temp directory (one a run before
+    /// left with the same pid is cleared) and its guard: the directory and
+    /// the Scratch.
     pub fn new(name: &str) -> (PathBuf, Scratch) {
         let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
