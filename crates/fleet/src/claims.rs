@@ -58,15 +58,11 @@ impl StandbyClaims {
         bytes: u64,
         most: usize,
     ) -> Vec<String> {
-        let standbys = self.all();
-        let left = |h: &HostInfo| {
-            let claims: Vec<Claim> = planned.iter().chain(standbys.iter()).cloned().collect();
-            room_left(h, &claims)
-        };
+        let claims: Vec<Claim> = planned.iter().chain(self.all().iter()).cloned().collect();
         let mut third: Vec<(u64, &HostInfo)> = hosts
             .iter()
             .filter(|h| h.name != from && h.name != to)
-            .map(|h| (left(h), h))
+            .map(|h| (room_left(h, &claims), h))
             .filter(|(room, _)| *room >= bytes)
             .collect();
         third.sort_by_key(|(room, _)| std::cmp::Reverse(*room));
@@ -120,48 +116,28 @@ impl StandbyClaims {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{StoreInfo, VmInfo, VmSpec};
+    use crate::api::StoreInfo;
+    use crate::testing::vm;
 
+    /// `free_mib` free, running `vms`, serving memory for `stores`.
     fn host(name: &str, free_mib: u64, vms: &[&str], stores: &[&str]) -> HostInfo {
-        HostInfo {
-            name: name.into(),
-            addr: "10.0.0.1:7000".into(),
-            mem_bytes: 4096 << 20,
-            free_mem: free_mib << 20,
-            vcpus: 8,
-            free_vcpus: 8,
-            link_bps: 0,
-            vms: vms
-                .iter()
-                .map(|n| VmInfo {
-                    spec: VmSpec {
-                        name: (*n).into(),
-                        mem_bytes: 512 << 20,
-                        vcpus: 1,
-                        workload: "idle".into(),
-                        vm_address: None,
-                        serve: None,
-                    },
-                    state: "waiting".into(),
-                    pid: 1,
-                    socket: "/x".into(),
-                    uptime_s: 1.0,
-                    came_by: "started".into(),
-                    progress: None,
-                    dirty_bytes_per_s: None,
-                })
-                .collect(),
-            stores: stores
-                .iter()
-                .map(|n| StoreInfo {
-                    vm: (*n).into(),
-                    addr: "tcp:10.0.0.1:7600".into(),
-                    bytes: 512 << 20,
-                    pid: 2,
-                    standby: true,
-                })
-                .collect(),
-        }
+        let mut h = crate::testing::host(
+            name,
+            free_mib,
+            8,
+            vms.iter().map(|n| vm(n, 512, 1)).collect(),
+        );
+        h.stores = stores
+            .iter()
+            .map(|n| StoreInfo {
+                vm: (*n).into(),
+                addr: "tcp:10.0.0.1:7600".into(),
+                bytes: 512 << 20,
+                pid: 2,
+                standby: true,
+            })
+            .collect();
+        h
     }
 
     fn claim(host: &str, vm: &str, mib: u64) -> Claim {

@@ -431,6 +431,31 @@ pub struct MoveReport {
     pub ready_secs: f64,
 }
 
+impl MoveReport {
+    /// A planned move not started yet.
+    fn waiting(m: &PlannedMove) -> Self {
+        MoveReport {
+            vm: m.vm.clone(),
+            mem_bytes: m.mem_bytes,
+            to: m.to.clone(),
+            mode: m.mode,
+            state: MoveState::Waiting,
+            secs: 0.0,
+            bytes: 0,
+            first_round_bytes: None,
+            remaining_pages: 0,
+            downtime_ms: None,
+            postcopy: false,
+            errors: Vec::new(),
+            split: m.split.clone(),
+            standby: None,
+            standby_bytes: 0,
+            handed_over: false,
+            ready_secs: 0.0,
+        }
+    }
+}
+
 /// What a drain did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DrainReport {
@@ -477,29 +502,7 @@ pub fn run(
     let source_info = crate::fleet::info(&source)?;
     // What the moves out of the host may use together (bytes/s).
     let link = opts.out_of(&source_info);
-    let mut reports: Vec<MoveReport> = plan
-        .moves
-        .iter()
-        .map(|m| MoveReport {
-            vm: m.vm.clone(),
-            mem_bytes: m.mem_bytes,
-            to: m.to.clone(),
-            mode: m.mode,
-            state: MoveState::Waiting,
-            secs: 0.0,
-            bytes: 0,
-            first_round_bytes: None,
-            remaining_pages: 0,
-            downtime_ms: None,
-            postcopy: false,
-            errors: Vec::new(),
-            split: m.split.clone(),
-            standby: None,
-            standby_bytes: 0,
-            handed_over: false,
-            ready_secs: 0.0,
-        })
-        .collect();
+    let mut reports: Vec<MoveReport> = plan.moves.iter().map(MoveReport::waiting).collect();
     // Hosts each move may still be tried on (its planned one first).
     let mut tried: Vec<Vec<String>> = plan.moves.iter().map(|_| Vec::new()).collect();
     let mut pending: Vec<usize> = (0..reports.len()).collect();
@@ -1071,7 +1074,7 @@ fn arrived(state: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::VmSpec;
+    use crate::testing::{host, vm};
 
     #[test]
     fn only_a_destination_that_runs_the_vm_counts_as_arrived() {
@@ -1085,40 +1088,6 @@ mod tests {
             Some("unresponsive"),
         ] {
             assert!(!arrived(s), "{s:?}");
-        }
-    }
-
-    fn vm(name: &str, mib: u64, vcpus: u32) -> VmInfo {
-        VmInfo {
-            spec: VmSpec {
-                name: name.into(),
-                mem_bytes: mib << 20,
-                vcpus,
-                workload: "idle".into(),
-                vm_address: None,
-                serve: None,
-            },
-            state: "running".into(),
-            pid: 1,
-            socket: "/x".into(),
-            uptime_s: 1.0,
-            came_by: "started".into(),
-            progress: None,
-            dirty_bytes_per_s: None,
-        }
-    }
-
-    fn host(name: &str, free_mib: u64, free_vcpus: u32, vms: Vec<VmInfo>) -> HostInfo {
-        HostInfo {
-            name: name.into(),
-            addr: "10.0.0.1:7000".into(),
-            mem_bytes: 4096 << 20,
-            free_mem: free_mib << 20,
-            vcpus: 8,
-            free_vcpus,
-            link_bps: 0,
-            vms,
-            stores: Vec::new(),
         }
     }
 
@@ -1218,24 +1187,15 @@ mod tests {
         // The CI failure this guards: a drain's standby for one VM took the
         // room on ferry-h3 that the plan had given the next VM, whose move
         // then found no room there.
-        let report = |name: &str, to: &str, mib: u64, split: Option<PlannedSplit>| MoveReport {
-            vm: name.into(),
-            mem_bytes: mib << 20,
-            to: to.into(),
-            mode: Mode::Hybrid,
-            state: MoveState::Waiting,
-            secs: 0.0,
-            bytes: 0,
-            first_round_bytes: None,
-            remaining_pages: 0,
-            downtime_ms: None,
-            postcopy: false,
-            errors: Vec::new(),
-            split,
-            standby: None,
-            standby_bytes: 0,
-            handed_over: false,
-            ready_secs: 0.0,
+        let report = |name: &str, to: &str, mib: u64, split: Option<PlannedSplit>| {
+            MoveReport::waiting(&PlannedMove {
+                vm: name.into(),
+                mem_bytes: mib << 20,
+                to: to.into(),
+                mode: Mode::Hybrid,
+                why: String::new(),
+                split,
+            })
         };
         let reports = [
             report("sort", "h2", 256, None),

@@ -24,6 +24,8 @@ pub mod client;
 pub mod drain;
 pub mod fleet;
 pub mod journal;
+#[cfg(test)]
+mod testing;
 pub mod upgrade;
 pub mod wire;
 
