@@ -18,6 +18,10 @@
 //! 1024-page block), because xbzrle's cache must see every version of a
 //! page; per-shard order is kept from encoder to wire, so the destination's
 //! mirror decodes in the same order.
+//!
+//! How a round's runs are cut into batches and dealt to the streams and
+//! shards is in `sender/work.rs`; this file holds the sender, the stages
+//! and the pipeline that joins them.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,11 +37,14 @@ use crate::governor::Governor;
 use crate::memory::RegionView;
 use crate::options::CompressOptions;
 use crate::pacer::Pacer;
-use crate::protocol::{self, MAX_BATCH, PAGE};
+use crate::protocol::{self, PAGE};
 use crate::ranges::{total_pages, GpaPages};
 use crate::stats::{secs, thread_cpu_secs, CpuMeter, RoundStats};
 use crate::transport::{Conn, ConnWriter};
 use crate::{error::MigrationError, protocol::ProtocolError};
+use work::{deal, group, pack_items, shard_of, Item, Work};
+
+mod work;
 
 /// Buffers between two stages.
 const DEPTH: usize = 3;
@@ -56,32 +63,11 @@ struct Batch {
     enc: EncodedBatch,
 }
 
-/// One batch to fetch: runs of pages inside one 1024-page block.
-type Item = Vec<GpaPages>;
-
 /// A bulk stream's encoder shards and buffers, kept across rounds (the
 /// caches must be).
 struct StreamState {
     shards: Vec<Box<dyn BatchEncoder>>,
     pool: Vec<Batch>,
-}
-
-/// Where the streams take their batches from.
-enum Work {
-    /// Any stream takes the next batch (raw: no per-stream state).
-    Shared(Mutex<std::vec::IntoIter<Item>>),
-    /// Each stream has its own (codecs: a block keeps its stream).
-    Dealt(Vec<Mutex<std::vec::IntoIter<Item>>>),
-}
-
-impl Work {
-    fn next(&self, stream: usize) -> Option<Item> {
-        let q = match self {
-            Work::Shared(q) => q,
-            Work::Dealt(qs) => &qs[stream],
-        };
-        q.lock().unwrap_or_else(|e| e.into_inner()).next()
-    }
 }
 
 /// What every stream of a round shares.
@@ -390,73 +376,6 @@ impl PageSender {
     }
 }
 
-/// Groups sorted runs into batches: each holds the runs (or pieces of runs)
-/// of one 1024-page block, so fragmented memory still travels in full
-/// batches and a page's block decides its stream and shard.
-fn group(runs: &[GpaPages]) -> Vec<Item> {
-    let mut out: Vec<Item> = Vec::new();
-    let mut current: Option<u64> = None;
-    for r in runs {
-        let mut page = r.gpa / PAGE as u64;
-        let end = page + r.pages;
-        while page < end {
-            let block = page / MAX_BATCH as u64;
-            let stop = ((block + 1) * MAX_BATCH as u64).min(end);
-            let piece = GpaPages::new(page * PAGE as u64, stop - page);
-            match out.last_mut() {
-                Some(item) if current == Some(block) => item.push(piece),
-                _ => out.push(vec![piece]),
-            }
-            current = Some(block);
-            page = stop;
-        }
-    }
-    out
-}
-
-fn block_of(item: &Item) -> u64 {
-    item.first()
-        .map_or(0, |r| r.gpa / PAGE as u64 / MAX_BATCH as u64)
-}
-
-/// [`group`], then deals the batches to streams by block number.
-fn deal(runs: &[GpaPages], streams: usize) -> Vec<Vec<Item>> {
-    let mut out = vec![Vec::new(); streams.max(1)];
-    for item in group(runs) {
-        out[(block_of(&item) % streams.max(1) as u64) as usize].push(item);
-    }
-    out
-}
-
-/// Joins consecutive items into batches of up to MAX_BATCH pages, never
-/// across encoder shards (a block keeps its stream, and its shard's
-/// caches, whichever batch carries it).
-fn pack_items(items: Vec<Item>, streams: usize, shards: usize) -> Vec<Item> {
-    let mut out: Vec<Item> = Vec::new();
-    let mut pages = 0u64;
-    for item in items {
-        let n: u64 = item.iter().map(|r| r.pages).sum();
-        match out.last_mut() {
-            Some(last)
-                if pages + n <= MAX_BATCH as u64
-                    && shard_of(last, streams, shards) == shard_of(&item, streams, shards) =>
-            {
-                last.extend(item);
-                pages += n;
-            }
-            _ => {
-                out.push(item);
-                pages = n;
-            }
-        }
-    }
-    out
-}
-
-fn shard_of(item: &Item, streams: usize, shards: usize) -> usize {
-    ((block_of(item) / streams.max(1) as u64) % shards.max(1) as u64) as usize
-}
-
 /// Copies the batch's pages out of guest RAM; zero pages become ranges.
 fn fetch(ctx: &RoundCtx, item: &Item, b: &mut Batch) {
     b.enc.clear();
@@ -685,159 +604,4 @@ fn run_pipelined(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transport::Stream;
-
-    #[test]
-    fn batches_stay_inside_blocks_and_blocks_keep_their_stream() {
-        let p = PAGE as u64;
-        let r = GpaPages::new;
-        // Fragmented runs of one block travel as one batch.
-        let runs = [r(0, 3), r(4 * p, 3), r(8 * p, 1500), r(3000 * p, 10)];
-        let dealt = deal(&runs, 2);
-        assert_eq!(
-            dealt[0],
-            vec![
-                vec![r(0, 3), r(4 * p, 3), r(8 * p, 1016)],
-                vec![r(3000 * p, 10)]
-            ]
-        );
-        assert_eq!(dealt[1], vec![vec![r(1024 * p, 484)]]);
-        // Same page, same stream and shard, whatever run it arrives in.
-        let again = deal(&[r(1100 * p, 1)], 2);
-        assert_eq!(again[1], vec![vec![r(1100 * p, 1)]]);
-        assert_eq!(
-            shard_of(&vec![r(1024 * p, 1)], 2, 3),
-            shard_of(&vec![r(2047 * p, 1)], 2, 3)
-        );
-        assert_ne!(
-            shard_of(&vec![r(0, 1)], 1, 2),
-            shard_of(&vec![r(1024 * p, 1)], 1, 2)
-        );
-    }
-
-    #[test]
-    fn a_stop_and_copy_packs_scattered_blocks_without_mixing_shards() {
-        let p = PAGE as u64;
-        let r = GpaPages::new;
-        // One page in each of blocks 0, 2, 4, 6 (stream 0 of 2): one shard,
-        // one batch; two shards: blocks 0 and 4 apart from 2 and 6.
-        let runs = [r(0, 1), r(2048 * p, 1), r(4096 * p, 1), r(6144 * p, 1)];
-        let dealt = deal(&runs, 2).swap_remove(0);
-        assert_eq!(dealt.len(), 4);
-        assert_eq!(
-            pack_items(dealt.clone(), 2, 1),
-            vec![vec![
-                r(0, 1),
-                r(2048 * p, 1),
-                r(4096 * p, 1),
-                r(6144 * p, 1)
-            ]]
-        );
-        let packed = pack_items(dealt, 2, 2);
-        for item in &packed {
-            let s = shard_of(item, 2, 2);
-            assert!(
-                item.iter().all(|&x| shard_of(&vec![x], 2, 2) == s),
-                "{packed:?}"
-            );
-        }
-        assert_eq!(packed.iter().map(Vec::len).sum::<usize>(), 4);
-        // Never more than a batch holds.
-        let full = vec![
-            vec![r(0, 1000)],
-            vec![r(2048 * p, 30)],
-            vec![r(4096 * p, 20)],
-        ];
-        assert_eq!(
-            pack_items(full, 2, 1),
-            vec![vec![r(0, 1000)], vec![r(2048 * p, 30), r(4096 * p, 20)]]
-        );
-    }
-
-    /// The content of guest page `n` in [`round_frames`]' guest.
-    fn byte_of(i: usize) -> u8 {
-        (i % 251) as u8 | 1
-    }
-
-    /// The Pages frames one raw round sends over `(a, b)`, as read at `b`:
-    /// (sealed, checksum holds) for each; every page read must hold what
-    /// the guest had.
-    fn round_frames(a: Stream, b: Stream, may_seal: bool) -> Vec<(bool, bool)> {
-        let t = Some(std::time::Duration::from_secs(5));
-        let mut conns = [Conn::new(a, t).unwrap()];
-        let mut peer = Conn::new(b, t).unwrap();
-        let reader = std::thread::spawn(move || {
-            let mut seen = Vec::new();
-            while let Ok(h) = crate::protocol::read_header(peer.reader()) {
-                let mut body = vec![0u8; h.len as usize];
-                std::io::Read::read_exact(peer.reader(), &mut body).unwrap();
-                if h.kind == crate::protocol::Kind::Pages {
-                    seen.push((h.sealed, crate::checksum::crc32c(&body) == h.crc));
-                    let (gpas, data) = crate::protocol::decode_pages(&body).unwrap();
-                    for (gpa, page) in gpas.iter().zip(data.chunks_exact(PAGE)) {
-                        let at = *gpa as usize;
-                        let want: Vec<u8> = (at..at + PAGE).map(byte_of).collect();
-                        assert!(page == &want[..], "page {gpa:#x} arrived changed");
-                    }
-                }
-            }
-            seen
-        });
-        // 1023 pages: records and sealing bursts of every fill, and a
-        // last record short of four pages.
-        const N: u64 = 1023;
-        let mut mem: Vec<u8> = (0..N as usize * PAGE).map(byte_of).collect();
-        // SAFETY: `mem` outlives the round and nothing else touches it.
-        let regions = [unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
-        let mut sender = PageSender::new(
-            &CompressOptions::default(),
-            &crate::compress::Backend::cpu(),
-            false,
-            1,
-            None,
-            &[],
-        )
-        .sealing(may_seal);
-        let runs = [GpaPages::new(0, N)];
-        let (stats, _) = sender
-            .send_round(
-                &regions,
-                &mut conns,
-                &runs,
-                &[],
-                0,
-                None,
-                &CpuMeter::default(),
-            )
-            .unwrap();
-        assert_eq!(stats.pages, N);
-        drop(conns);
-        reader.join().unwrap()
-    }
-
-    #[test]
-    fn pages_go_sealed_only_over_a_link_that_seals_to_a_peer_that_reads_them() {
-        let dir = std::env::temp_dir().join(format!("ferry-sender-{}", std::process::id()));
-        let (a, b) = crate::transport::tls_pair(&dir);
-        let tls = round_frames(a, b, true);
-        assert!(
-            !tls.is_empty() && tls.iter().all(|&(sealed, _)| sealed),
-            "{tls:?}"
-        );
-        let (a, b) = crate::transport::tls_pair(&dir);
-        let old_peer = round_frames(a, b, false);
-        assert!(
-            !old_peer.is_empty() && old_peer.iter().all(|&f| f == (false, true)),
-            "{old_peer:?}"
-        );
-        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let plain = round_frames(Stream::unix(a), Stream::unix(b), true);
-        assert!(
-            !plain.is_empty() && plain.iter().all(|&f| f == (false, true)),
-            "{plain:?}"
-        );
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-}
+mod tests;
