@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use ferry_fleet::agent::{Agent, AgentOptions};
-use ferry_fleet::drain::{self, DrainOptions, MoveReport, MoveState};
+use ferry_fleet::drain::{self, defaults, Drain, DrainOptions, MoveReport, MoveState};
 use ferry_fleet::fleet::Fleet;
-use ferry_fleet::{Request, VmSpec};
+use ferry_fleet::VmSpec;
 use ferry_migration::Mode;
 use ferry_vmm::boot::layout::parse_size;
 use serde_json::json;
@@ -137,10 +137,10 @@ pub struct DrainArgs {
     #[arg(long, conflicts_with = "dry_run")]
     cancel: bool,
     /// Moves out of the host, and into any one host, at once.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = defaults::PER_HOST)]
     per_host: usize,
     /// Moves in the whole fleet at once.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = defaults::IN_FLEET)]
     in_fleet: usize,
     /// One mode for every VM (default: hybrid for each: precopy, then
     /// postcopy if its rounds do not converge).
@@ -150,12 +150,12 @@ pub struct DrainArgs {
     #[arg(long)]
     verify: bool,
     /// Other hosts a VM is tried on after a failed move.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = defaults::RETRIES)]
     retries: usize,
     /// Each move's completion deadline per GiB of its VM: past it, a
     /// hybrid move switches to postcopy.
-    #[arg(long, default_value = "20s", value_parser = format::parse_duration)]
-    deadline_per_gib: std::time::Duration,
+    #[arg(long, default_value_t = format::Secs(defaults::DEADLINE_PER_GIB), value_parser = format::parse_secs)]
+    deadline_per_gib: format::Secs,
     /// The bandwidth the drain may use out of the host, shared by its
     /// moves (e.g. 1gbit, 100M bytes/s; default: the link's).
     #[arg(long, value_parser = crate::migrate::parse_rate)]
@@ -171,7 +171,7 @@ pub struct DrainArgs {
     own_link: bool,
     /// Hybrid moves switch to postcopy after this many dirty rounds that
     /// did not converge (or at their deadline).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = defaults::POSTCOPY_AFTER_ROUNDS)]
     postcopy_after_rounds: u32,
     /// Move by postcopy without a standby on a third host (by default each
     /// postcopy or hybrid move gets one, so a source that dies mid-postcopy
@@ -300,11 +300,11 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
                 vm_address: a.vm_address.map(|v| v.to_string()),
                 serve: a.serve.map(|s| s.to_string()),
             };
-            let v = fleet.agent(&a.host)?.call(&Request::Start { vm: spec })?;
+            let vm = fleet.agent(&a.host)?.start(spec)?;
             if a.fleet.json {
-                println!("{}", json!({"host": a.host, "vm": v["vm"]}));
+                println!("{}", json!({"host": a.host, "vm": vm}));
             } else {
-                println!("VM {} runs on {} (pid {})", a.name, a.host, v["vm"]["pid"]);
+                println!("VM {} runs on {} (pid {})", a.name, a.host, vm.pid);
             }
         }
         VmCommand::List(a) => {
@@ -370,9 +370,7 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
         VmCommand::Stop(a) => {
             let fleet = open_fleet(a.fleet.registry.as_deref())?;
             let (host, _) = fleet.find_vm(&a.name)?;
-            fleet.agent(&host.name)?.call(&Request::Stop {
-                name: a.name.clone(),
-            })?;
+            fleet.agent(&host.name)?.stop(&a.name)?;
             // A split VM's memory servers on other hosts end with it, and
             // so does a VMM left forwarding its clients to it.
             let mut stores = Vec::new();
@@ -383,9 +381,7 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
                     .iter()
                     .any(|v| v.spec.name == a.name && v.state == "forwarding");
                 if h.name != host.name && (forwarder || h.stores.iter().any(|s| s.vm == a.name)) {
-                    fleet.agent(&h.name)?.call(&Request::Stop {
-                        name: a.name.clone(),
-                    })?;
+                    fleet.agent(&h.name)?.stop(&a.name)?;
                     stores.push(h.name);
                 }
             }
@@ -409,7 +405,7 @@ pub fn vm(cmd: VmCommand) -> Result<ExitCode> {
 pub fn drain(a: DrainArgs) -> Result<ExitCode> {
     let fleet = open_fleet(a.fleet.registry.as_deref())?;
     if a.cancel {
-        let r = ferry_fleet::journal::cancel(&**fleet.registry(), &a.host)?;
+        let r = drain::cancel(&fleet, &a.host)?;
         if a.fleet.json {
             println!("{}", json!({"cancelled": a.host, "owner": r.owner}));
         } else {
@@ -421,43 +417,9 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let opts = DrainOptions {
-        per_host: a.per_host.max(1),
-        in_fleet: a.in_fleet.max(1),
-        mode: a.mode.as_deref().map(|m| match m {
-            "precopy" => Mode::Precopy,
-            "postcopy" => Mode::Postcopy,
-            _ => Mode::Hybrid,
-        }),
-        verify: a.verify,
-        retries: a.retries,
-        deadline_per_gib: a.deadline_per_gib,
-        bandwidth: a.bandwidth.map(|b| b as f64),
-        share_link: !a.own_link,
-        postcopy_after_rounds: a.postcopy_after_rounds,
-        safety_net: !a.no_safety_net,
-        net_finishes: !a.source_finishes,
-    };
-    let plan_now = || -> Result<drain::Plan> {
-        let mut source = fleet.host(&a.host)?;
-        // How fast each VM dirties memory now (half a second, all at once):
-        // the mode follows from it.
-        if opts.mode.is_none() {
-            let rates = fleet.agent(&a.host)?.call(&Request::DirtyRates)?;
-            for vm in &mut source.vms {
-                vm.dirty_bytes_per_s = rates["rates"][&vm.spec.name].as_f64();
-            }
-        }
-        let others: Vec<_> = fleet
-            .hosts()?
-            .into_iter()
-            .filter_map(|(_, h)| h.ok())
-            .filter(|h| h.name != a.host)
-            .collect();
-        Ok(drain::plan(&source, &others, &opts))
-    };
+    let opts = a.options();
     if a.dry_run {
-        let plan = plan_now()?;
+        let plan = drain::plan_now(&fleet, &a.host, &opts)?;
         if a.fleet.json {
             println!("{}", serde_json::to_string(&plan)?);
         } else {
@@ -465,93 +427,26 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    // The drain's state lives in the registry: a drain of this host that
-    // died is settled first (its moves in flight end one way or the other),
-    // then the plan is made from where the VMs are now.
-    let (journal, before) =
-        ferry_fleet::journal::Journal::begin(fleet.registry().clone(), &a.host)?;
-    let journal = Arc::new(journal);
-    if let Some(prev) = before {
-        if !a.fleet.json {
-            eprintln!(
-                "resuming the drain of {} that {} started (it stopped renewing its record)",
-                a.host, prev.owner
-            );
-        }
-        for note in
-            ferry_fleet::journal::settle(&fleet, &prev, std::time::Duration::from_secs(600))?
-        {
-            if !a.fleet.json {
-                eprintln!("  {note}");
-            }
+    // A drain of this host that died is settled first (its moves in flight
+    // end one way or the other), then the plan is made from where the VMs
+    // are now.
+    let (session, resumed) = Drain::begin(&fleet, &a.host, drain::session::SETTLE_WITHIN)?;
+    if let (Some(r), false) = (resumed, a.fleet.json) {
+        eprintln!(
+            "resuming the drain of {} that {} started (it stopped renewing its record)",
+            a.host, r.record.owner
+        );
+        for note in r.notes {
+            eprintln!("  {note}");
         }
     }
-    let plan = plan_now()?;
+    let plan = session.plan(&opts)?;
     if !a.fleet.json {
         print_plan(&plan);
     }
     let cancel = stop_flag()?;
-    let ended = Arc::new(AtomicBool::new(false));
-    // Renews the record every second and listens for `--cancel`.
-    let beat = {
-        let (journal, cancel, ended) = (journal.clone(), cancel.clone(), ended.clone());
-        std::thread::spawn(move || {
-            while !ended.load(std::sync::atomic::Ordering::Relaxed) {
-                if journal.beat() {
-                    cancel.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                std::thread::sleep(ferry_fleet::journal::HEARTBEAT);
-            }
-        })
-    };
-    // At a terminal the lines are redrawn in place four times a second;
-    // elsewhere (a log) a line is printed when a move changes state.
-    let live = !a.fleet.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let mut shown = 0usize;
-    let mut states: Vec<MoveState> = Vec::new();
-    let t0 = std::time::Instant::now();
-    let mut last = std::time::Instant::now() - std::time::Duration::from_secs(1);
-    let report = drain::run(
-        &fleet,
-        plan,
-        &opts,
-        &cancel,
-        &mut |moves: &[MoveReport]| {
-            journal.record(moves);
-            if a.fleet.json {
-                return;
-            }
-            let mut err = std::io::stderr();
-            let lines = progress_lines(moves, t0.elapsed().as_secs_f64());
-            if !live {
-                for (i, m) in moves.iter().enumerate() {
-                    if states.get(i) != Some(&m.state) {
-                        let _ = writeln!(err, "{}", lines[i]);
-                    }
-                }
-                states = moves.iter().map(|m| m.state.clone()).collect();
-                return;
-            }
-            if last.elapsed() < std::time::Duration::from_millis(250) {
-                return;
-            }
-            last = std::time::Instant::now();
-            if shown > 0 {
-                // Back over the lines drawn last time.
-                let _ = write!(err, "\x1b[{shown}A");
-            }
-            for l in &lines {
-                let _ = writeln!(err, "\x1b[2K{l}");
-            }
-            shown = lines.len();
-        },
-    );
-    ended.store(true, std::sync::atomic::Ordering::Relaxed);
-    let _ = beat.join();
-    if let Ok(j) = Arc::try_unwrap(journal) {
-        j.end();
-    }
-    let report = report?;
+    let mut progress = DrainProgress::new(!a.fleet.json);
+    let report = session.run(plan, &opts, &cancel, &mut |moves| progress.show(moves))?;
     if a.fleet.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -562,6 +457,83 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+impl DrainArgs {
+    fn options(&self) -> DrainOptions {
+        DrainOptions {
+            per_host: self.per_host.max(1),
+            in_fleet: self.in_fleet.max(1),
+            mode: self.mode.as_deref().map(|m| match m {
+                "precopy" => Mode::Precopy,
+                "postcopy" => Mode::Postcopy,
+                _ => Mode::Hybrid,
+            }),
+            verify: self.verify,
+            retries: self.retries,
+            deadline_per_gib: self.deadline_per_gib.0,
+            bandwidth: self.bandwidth.map(|b| b as f64),
+            share_link: !self.own_link,
+            postcopy_after_rounds: self.postcopy_after_rounds,
+            safety_net: !self.no_safety_net,
+            net_finishes: !self.source_finishes,
+        }
+    }
+}
+
+/// A drain's progress on stderr: at a terminal the lines are redrawn in
+/// place four times a second; elsewhere (a log) a line is printed when a
+/// move changes phase; with `--json`, nothing.
+struct DrainProgress {
+    on: bool,
+    live: bool,
+    shown: usize,
+    states: Vec<MoveState>,
+    t0: std::time::Instant,
+    last: std::time::Instant,
+}
+
+impl DrainProgress {
+    fn new(on: bool) -> Self {
+        let now = std::time::Instant::now();
+        DrainProgress {
+            on,
+            live: on && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            shown: 0,
+            states: Vec::new(),
+            t0: now,
+            last: now - std::time::Duration::from_secs(1),
+        }
+    }
+
+    fn show(&mut self, moves: &[MoveReport]) {
+        if !self.on {
+            return;
+        }
+        let mut err = std::io::stderr();
+        let lines = progress_lines(moves, self.t0.elapsed().as_secs_f64());
+        if !self.live {
+            for (i, m) in moves.iter().enumerate() {
+                if self.states.get(i) != Some(&m.state) {
+                    let _ = writeln!(err, "{}", lines[i]);
+                }
+            }
+            self.states = moves.iter().map(|m| m.state).collect();
+            return;
+        }
+        if self.last.elapsed() < std::time::Duration::from_millis(250) {
+            return;
+        }
+        self.last = std::time::Instant::now();
+        if self.shown > 0 {
+            // Back over the lines drawn last time.
+            let _ = write!(err, "\x1b[{}A", self.shown);
+        }
+        for l in &lines {
+            let _ = writeln!(err, "\x1b[2K{l}");
+        }
+        self.shown = lines.len();
+    }
 }
 
 fn print_plan(plan: &drain::Plan) {
@@ -600,6 +572,9 @@ fn progress_lines(moves: &[MoveReport], secs: f64) -> Vec<String> {
                     m.downtime_ms.unwrap_or(0.0)
                 ),
                 MoveState::Failed => format!("failed  {}", m.errors.last().map_or("", |e| e)),
+                MoveState::LeftAlone => {
+                    format!("left alone  {}", m.errors.last().map_or("", |e| e))
+                }
             };
             format!("  {:<20} -> {:<16} {}", m.vm, m.to, state)
         })
@@ -639,15 +614,22 @@ fn print_summary(r: &drain::DrainReport) {
         "vm", "to", "mode", "mem", "secs", "downtime ms", "sent"
     );
     for m in &r.moves {
+        let verified = m
+            .verified_pages
+            .map_or(String::new(), |p| format!(", {p} pages verified"));
         let result = match m.state {
             MoveState::Done if m.errors.is_empty() && m.postcopy && m.standby.is_some() => {
                 format!(
-                    "moved (postcopy with a standby on {})",
+                    "moved (postcopy with a standby on {}){verified}",
                     m.standby.as_deref().unwrap_or_default()
                 )
             }
-            MoveState::Done if m.errors.is_empty() => "moved".to_string(),
+            MoveState::Done if m.errors.is_empty() => format!("moved{verified}"),
             MoveState::Done => format!("moved after {} failed tries", m.errors.len()),
+            MoveState::LeftAlone => format!(
+                "LEFT ALONE (where it runs is not known; nothing was stopped): {}",
+                m.errors.last().map_or("", |e| e)
+            ),
             _ => format!(
                 "stays on {}: {}",
                 r.host,

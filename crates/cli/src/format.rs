@@ -42,6 +42,22 @@ pub fn rate(v: f64, unit: &str) -> String {
     format!("{}/s", amount(v, unit))
 }
 
+/// A duration as a flag takes it and shows its default (`20s`), so a
+/// default kept as a `Duration` elsewhere is written once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Secs(pub std::time::Duration);
+
+impl std::fmt::Display for Secs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}s", self.0.as_secs_f64())
+    }
+}
+
+/// [`parse_duration`] into a [`Secs`].
+pub fn parse_secs(text: &str) -> Result<Secs, String> {
+    parse_duration(text).map(Secs)
+}
+
 /// Parses `10s`, `500ms`, `2m`, `1h` or plain seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     parse_duration_from(text, false)
@@ -96,6 +112,15 @@ pub fn ms_arg(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_duration_shows_as_it_parses() {
+        let d = Secs(std::time::Duration::from_secs(20));
+        assert_eq!(d.to_string(), "20s");
+        assert_eq!(parse_secs(&d.to_string()).unwrap(), d);
+        let half = Secs(std::time::Duration::from_millis(2500));
+        assert_eq!(parse_secs(&half.to_string()).unwrap(), half);
+    }
 
     #[test]
     fn formats_and_parses() {

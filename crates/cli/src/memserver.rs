@@ -231,16 +231,7 @@ pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
         );
     }
     for d in &drains {
-        let moving = d
-            .moves
-            .iter()
-            .filter(|m| {
-                !matches!(
-                    m.state,
-                    ferry_fleet::drain::MoveState::Done | ferry_fleet::drain::MoveState::Failed
-                )
-            })
-            .count();
+        let moving = d.moves.iter().filter(|m| !m.state.ended()).count();
         println!(
             "drain of {}: {} ({}), {} moves recorded, {moving} not ended",
             d.host,

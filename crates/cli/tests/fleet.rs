@@ -229,6 +229,8 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
         assert_eq!(m["state"], "done", "{m}");
         assert_eq!(m["to"], "ferry-h2", "{m}");
         assert!(m["downtime_ms"].as_f64().unwrap() > 0.0, "{m}");
+        // --verify: every move says how many pages it compared.
+        assert!(m["verified_pages"].as_u64().unwrap() > 0, "{m}");
     }
     assert!(
         moves.iter().any(|m| m["errors"]

@@ -7,9 +7,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_tls::{Connection, Credentials};
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::api::{Request, MAX_LINE};
+use crate::api::{HostInfo, Request, VmInfo, VmSpec, MAX_LINE};
+use crate::reply::{
+    InfoReply, RatesReply, ReadyReply, SendProgress, SendReply, StartReply, StopReply, StoreReply,
+    UpgradeReply,
+};
 use crate::wire::{self, HANDSHAKE_WITHIN};
 use crate::FleetError;
 
@@ -41,6 +46,99 @@ impl AgentClient {
     /// Where it listens.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// What the agent says of its host.
+    pub fn info(&self) -> Result<HostInfo, FleetError> {
+        Ok(self.ask::<InfoReply>(&Request::Info, &mut |_| {})?.host)
+    }
+
+    /// How fast each running VM here dirties memory (bytes/s).
+    pub fn dirty_rates(&self) -> Result<std::collections::BTreeMap<String, f64>, FleetError> {
+        Ok(self
+            .ask::<RatesReply>(&Request::DirtyRates, &mut |_| {})?
+            .rates)
+    }
+
+    /// Starts VM `vm` here.
+    pub fn start(&self, vm: VmSpec) -> Result<VmInfo, FleetError> {
+        Ok(self
+            .ask::<StartReply>(&Request::Start { vm }, &mut |_| {})?
+            .vm)
+    }
+
+    /// Stops VM `name`'s VMM here, and its memory servers or standby.
+    pub fn stop(&self, name: &str) -> Result<StopReply, FleetError> {
+        self.ask(&Request::Stop { name: name.into() }, &mut |_| {})
+    }
+
+    /// A memory server (`Request::Store`) or standby (`Request::Standby`).
+    pub fn store(&self, req: &Request) -> Result<StoreReply, FleetError> {
+        self.expect(
+            req,
+            matches!(req, Request::Store { .. } | Request::Standby { .. }),
+        )?;
+        self.ask(req, &mut |_| {})
+    }
+
+    /// A waiting VMM for a VM on its way here (`Request::Receive`).
+    pub fn receive(&self, req: &Request) -> Result<ReadyReply, FleetError> {
+        self.expect(req, matches!(req, Request::Receive { .. }))?;
+        self.ask(req, &mut |_| {})
+    }
+
+    /// Moves a VM (`Request::Send`), handing its progress to `progress`.
+    pub fn send(
+        &self,
+        req: &Request,
+        progress: &mut dyn FnMut(&SendProgress),
+    ) -> Result<SendReply, FleetError> {
+        self.expect(req, matches!(req, Request::Send { .. }))?;
+        let agent = self.addr.to_string();
+        self.ask(
+            req,
+            &mut |p| match serde_json::from_value::<SendProgress>(p.clone()) {
+                Ok(p) => progress(&p),
+                Err(e) => tracing::warn!("agent {agent}: a progress line that is not one: {e}"),
+            },
+        )
+    }
+
+    /// Hands VM `name` to a new VMM process here.
+    pub fn upgrade(
+        &self,
+        name: &str,
+        binary: Option<std::path::PathBuf>,
+    ) -> Result<UpgradeReply, FleetError> {
+        let req = Request::Upgrade {
+            name: name.into(),
+            binary,
+        };
+        self.ask(&req, &mut |_| {})
+    }
+
+    fn expect(&self, req: &Request, right: bool) -> Result<(), FleetError> {
+        if right {
+            Ok(())
+        } else {
+            Err(FleetError::Refused(format!(
+                "a {} request where another was expected",
+                req.op()
+            )))
+        }
+    }
+
+    /// Sends `req` and decodes its reply as `T`.
+    fn ask<T: DeserializeOwned>(
+        &self,
+        req: &Request,
+        progress: &mut dyn FnMut(&Value),
+    ) -> Result<T, FleetError> {
+        let v = self.call_with_progress(req, progress)?;
+        serde_json::from_value(v).map_err(|e| FleetError::Link {
+            agent: self.addr.to_string(),
+            reason: format!("an answer to {} that is not one: {e}", req.op()),
+        })
     }
 
     /// Sends `req`; its reply's fields (without `ok`).

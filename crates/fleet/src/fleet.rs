@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ferry_registry::{HostEntry, HostKind, Registry};
 use ferry_tls::Credentials;
 
-use crate::api::{HostInfo, Request, VmInfo};
+use crate::api::{HostInfo, VmInfo};
 use crate::{AgentClient, FleetError};
 
 /// A registry entry of an agent and what the agent said of its host.
@@ -81,7 +81,7 @@ impl Fleet {
 
     /// What host `name`'s agent says of itself.
     pub fn host(&self, name: &str) -> Result<HostInfo, FleetError> {
-        info(&self.agent(name)?)
+        self.agent(name)?.info()
     }
 
     /// What every agent says of itself; an agent that does not answer is
@@ -91,7 +91,7 @@ impl Fleet {
             .agents()?
             .into_iter()
             .map(|e| {
-                let i = self.client(&e).and_then(|c| info(&c));
+                let i = self.client(&e).and_then(|c| c.info());
                 (e, i)
             })
             .collect())
@@ -142,13 +142,4 @@ impl Fleet {
         }
         Ok(out)
     }
-}
-
-/// An agent's own account of its host.
-pub fn info(agent: &AgentClient) -> Result<HostInfo, FleetError> {
-    let v = agent.call(&Request::Info)?;
-    serde_json::from_value(v["host"].clone()).map_err(|e| FleetError::Link {
-        agent: agent.addr().to_string(),
-        reason: format!("an answer to info that is not a host: {e}"),
-    })
 }

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_registry::Registry;
 
-use crate::api::Request;
 use crate::drain::{MoveReport, MoveState};
 use crate::fleet::Fleet;
 use crate::FleetError;
@@ -47,6 +46,10 @@ pub struct RecordedMove {
     pub to: String,
     /// Where the move stands.
     pub state: MoveState,
+    /// Pages verified end to end, once a `--verify` move is done: a drain
+    /// killed after the move still tells whether it was verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verified_pages: Option<u64>,
 }
 
 impl DrainRecord {
@@ -178,7 +181,8 @@ impl Journal {
                 .map(|m| RecordedMove {
                     vm: m.vm.clone(),
                     to: m.to.clone(),
-                    state: m.state.clone(),
+                    state: m.state,
+                    verified_pages: m.verified_pages,
                 })
                 .collect();
             let changed = r.moves != now;
@@ -228,7 +232,14 @@ pub fn settle(
     for m in prev
         .moves
         .iter()
-        .filter(|m| matches!(m.state, MoveState::Preparing | MoveState::Moving))
+        // A move left alone is settled like one under way: where its VM
+        // runs is looked up again.
+        .filter(|m| {
+            matches!(
+                m.state,
+                MoveState::Preparing | MoveState::Moving | MoveState::LeftAlone
+            )
+        })
     {
         loop {
             // Every copy of the VM in the fleet: (host, state).
@@ -261,9 +272,7 @@ pub fn settle(
             match runs {
                 Some((h, _)) => {
                     for (w, _) in copies.iter().filter(|(_, st)| st == "waiting") {
-                        fleet
-                            .agent(w)?
-                            .call(&Request::Stop { name: m.vm.clone() })?;
+                        fleet.agent(w)?.stop(&m.vm)?;
                         notes.push(format!(
                             "{}: runs on {h}; the VMM left waiting for it on {w} stopped",
                             m.vm
@@ -317,6 +326,7 @@ mod tests {
             vm: "web".into(),
             to: "h2".into(),
             state: MoveState::Moving,
+            verified_pages: None,
         }];
         reg.put_record("drains/h1", &serde_json::to_vec(&dead).unwrap())
             .unwrap();
@@ -327,5 +337,32 @@ mod tests {
         assert!(!j.beat(), "a new drain starts uncancelled");
         j.end();
         assert!(all(&*reg).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_done_moves_verification_is_in_the_record_before_the_drain_ends() {
+        let reg = registry("verified");
+        let (j, _) = Journal::begin(reg.clone(), "h1").unwrap();
+        let mut m = MoveReport::waiting(&crate::drain::PlannedMove {
+            vm: "web".into(),
+            mem_bytes: 256 << 20,
+            to: "h2".into(),
+            mode: ferry_migration::Mode::Hybrid,
+            why: String::new(),
+            split: None,
+        });
+        j.record(std::slice::from_ref(&m));
+        let rec = read(&*reg, "h1").unwrap().unwrap();
+        assert_eq!(rec.moves[0].verified_pages, None);
+        for next in [MoveState::Preparing, MoveState::Moving, MoveState::Done] {
+            m.advance(next).unwrap();
+        }
+        m.verified_pages = Some(65_536);
+        j.record(std::slice::from_ref(&m));
+        // The drain dies here: its record still tells.
+        let rec = read(&*reg, "h1").unwrap().unwrap();
+        assert_eq!(rec.moves[0].state, MoveState::Done);
+        assert_eq!(rec.moves[0].verified_pages, Some(65_536));
+        j.end();
     }
 }

@@ -6,12 +6,14 @@
 //!   starts VMs and waiting destinations when asked, moves and hands over
 //!   its VMs, and adopts the VMs already running after its own restart;
 //!   VMMs outlive it.
-//! - [`api`]: what an agent is asked and answers; [`wire`] carries it (a
-//!   JSON line each way over mutual TLS); [`client`] calls an agent.
+//! - [`api`]: what an agent is asked, [`reply`] what it answers (typed,
+//!   decoded once in the client); [`wire`] carries both (a JSON line each
+//!   way over mutual TLS); [`client`] calls an agent.
 //! - [`fleet`]: the hosts the registry knows, and their agents.
-//! - [`drain`]: empties a host: plans where each VM goes and how, and runs
-//!   the moves within limits, its state in the registry ([`journal`]) so a
-//!   drain restarted after a crash resumes (`claims`: the room its moves
+//! - [`drain`]: empties a host, as a session in rooms: plan, the moves'
+//!   phases and failure rule, the scheduler, standbys, the report, and a
+//!   [`drain::Drain`] that keeps its state in the registry ([`journal`]) so
+//!   a drain restarted after a crash resumes (`claims`: the room its moves
 //!   and standbys hold on each host); [`upgrade`]: hands every VM of a host
 //!   to a fresh VMM process.
 //!
@@ -24,6 +26,7 @@ pub mod client;
 pub mod drain;
 pub mod fleet;
 pub mod journal;
+pub mod reply;
 #[cfg(test)]
 mod testing;
 pub mod upgrade;

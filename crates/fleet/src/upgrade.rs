@@ -10,7 +10,6 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::api::Request;
 use crate::fleet::Fleet;
 use crate::FleetError;
 
@@ -34,7 +33,7 @@ pub struct UpgradeReport {
     /// The handover's own account (its parts: pause, save, restore...), as
     /// the agent gave it; absent if it failed before.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub handover: Option<serde_json::Value>,
+    pub handover: Option<ferry_vmm::handover::HandoverStats>,
 }
 
 /// Hands each VM on `host` to a new VMM running `binary` (the agent's own
@@ -48,7 +47,7 @@ pub fn run(
     update: &mut dyn FnMut(&UpgradeReport),
 ) -> Result<Vec<UpgradeReport>, FleetError> {
     let agent = fleet.agent(host)?;
-    let before = crate::fleet::info(&agent)?;
+    let before = agent.info()?;
     let names: Vec<String> = before
         .vms
         .iter()
@@ -92,7 +91,8 @@ fn one(
     // see whether its guest is counting at all (a workload that finished
     // stands still, healthy).
     let find = || -> Option<crate::api::VmInfo> {
-        crate::fleet::info(agent)
+        agent
+            .info()
             .ok()?
             .vms
             .into_iter()
@@ -115,18 +115,11 @@ fn one(
         error: None,
         handover: None,
     };
-    match agent.call(&Request::Upgrade {
-        name: name.into(),
-        binary,
-    }) {
-        Ok(v) => {
-            let stats = &v["stats"];
-            r.downtime_ms = stats["downtime_ms"].as_f64();
-            r.handover = Some(stats.clone());
-            match stats["memory_bytes_copied"].as_u64() {
-                Some(b) => r.copied_bytes = b,
-                None => r.error = Some("the handover did not say what it copied".into()),
-            }
+    match agent.upgrade(name, binary) {
+        Ok(reply) => {
+            r.downtime_ms = Some(reply.stats.downtime_ms);
+            r.copied_bytes = reply.stats.memory_bytes_copied;
+            r.handover = Some(reply.stats);
             match healthy(fleet, host, &vm) {
                 Ok(pid) => r.new_pid = pid,
                 Err(e) => r.error = Some(e),

@@ -26,6 +26,9 @@ use ferry_vmm::control::{ControlClient, MigrateRequest, Request as Control};
 use serde_json::{json, Value};
 
 use crate::api::{HostInfo, Request, MAX_LINE};
+use crate::reply::{
+    InfoReply, RatesReply, ReadyReply, SendReply, StartReply, StopReply, StoreReply, UpgradeReply,
+};
 use crate::wire::{self, HANDSHAKE_WITHIN, REQUEST_WITHIN};
 use crate::FleetError;
 use stores::Stores;
@@ -256,7 +259,7 @@ impl Agent {
 
     fn handle(&self, req: Request, progress: &mut dyn FnMut(Value)) -> Result<Value, FleetError> {
         match req {
-            Request::Info => Ok(json!({ "host": self.info() })),
+            Request::Info => reply_of(InfoReply { host: self.info() }),
             Request::DirtyRates => {
                 // Every running VM at once, each for half a second.
                 let vms: Vec<_> = self
@@ -265,17 +268,17 @@ impl Agent {
                     .into_iter()
                     .filter(|v| v.state == "running")
                     .collect();
-                let rates: serde_json::Map<String, Value> = std::thread::scope(|sc| {
+                let rates = std::thread::scope(|sc| {
                     let asked: Vec<_> = vms
                         .iter()
                         .map(|v| (v.spec.name.clone(), sc.spawn(|| vms::dirty_rate(&v.socket))))
                         .collect();
                     asked
                         .into_iter()
-                        .filter_map(|(n, h)| h.join().ok().flatten().map(|r| (n, json!(r))))
+                        .filter_map(|(n, h)| h.join().ok().flatten().map(|r| (n, r)))
                         .collect()
                 });
-                Ok(json!({ "rates": rates }))
+                reply_of(RatesReply { rates })
             }
             Request::Start { vm } => {
                 let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
@@ -283,7 +286,7 @@ impl Agent {
                 let info = self.vms.start(&vm, None, &[], "started", |m, c, tm, tc| {
                     self.fits(&vm.name, m, c, tm + stores, tc)
                 })?;
-                Ok(json!({ "vm": info }))
+                reply_of(StartReply { vm: info })
             }
             Request::Stop { name } => {
                 let vm = self.vms.has(&name);
@@ -296,7 +299,7 @@ impl Agent {
                         "no VM named {name} runs here, and no memory server for one"
                     )));
                 }
-                Ok(json!({ "vm": vm, "store": store }))
+                reply_of(StopReply { vm, store })
             }
             Request::Store { vm, bytes } => {
                 let _one = self.admit.lock().unwrap_or_else(|p| p.into_inner());
@@ -304,14 +307,20 @@ impl Agent {
                 let info = self.stores.start(&vm, bytes, false, |stores| {
                     self.fits(&vm, bytes, 0, mem + stores, vcpus)
                 })?;
-                Ok(json!({ "addr": info.addr, "store": info }))
+                reply_of(StoreReply {
+                    addr: info.addr.clone(),
+                    store: info,
+                })
             }
             Request::Standby { vm, bytes } => {
                 let (mem, vcpus, _) = self.vms.taken();
                 let info = self.stores.start(&vm, bytes, true, |stores| {
                     self.fits(&vm, bytes, 0, mem + stores, vcpus)
                 })?;
-                Ok(json!({ "addr": info.addr, "store": info }))
+                reply_of(StoreReply {
+                    addr: info.addr.clone(),
+                    store: info,
+                })
             }
             Request::Receive {
                 vm,
@@ -340,7 +349,7 @@ impl Agent {
                     .start(&vm, budget, &extra, &came_by, |m, c, tm, tc| {
                         self.fits(&vm.name, m, c, tm + stores, tc)
                     })?;
-                Ok(json!({ "to": to, "vm": info }))
+                reply_of(ReadyReply { to, vm: info })
             }
             Request::Send {
                 name,
@@ -404,7 +413,12 @@ impl Agent {
                         reason: format!("handover failed: {e}"),
                     })?;
                 self.vms.repid(&name)?;
-                Ok(reply)
+                let figures: UpgradeReply =
+                    serde_json::from_value(reply).map_err(|e| FleetError::Vm {
+                        vm: name.clone(),
+                        reason: format!("the handover's figures are not its own: {e}"),
+                    })?;
+                reply_of(figures)
             }
         }
     }
@@ -458,7 +472,15 @@ impl Agent {
             })?;
         // It runs at the destination now: its VMM here ends, unless its
         // clients could not move with it (it forwards them, and stays).
-        let forwarded = reply["stats"]["clients"]["moved"] == false;
+        // The VM has left whether or not its figures read: the books follow
+        // it first.
+        let reply = serde_json::from_value::<SendReply>(reply).map_err(|e| FleetError::Vm {
+            vm: name.into(),
+            reason: format!("moved, but the migration's figures do not read: {e}"),
+        });
+        let forwarded = reply
+            .as_ref()
+            .is_ok_and(|r| r.stats.clients.as_ref().is_some_and(|c| !c.moved));
         if forwarded {
             self.vms.forwarding(name);
         } else {
@@ -467,7 +489,7 @@ impl Agent {
             // VMM once it ends (a move that waited for it took longer).
             self.vms.forget(name);
         }
-        Ok(reply)
+        reply_of(reply?)
     }
 }
 
@@ -482,4 +504,9 @@ pub fn run_until(agent: &Agent, stop: &AtomicBool) {
         }
         agent.tick();
     }
+}
+
+/// A typed reply as the line's fields (the wire adds `ok`).
+fn reply_of<T: serde::Serialize>(r: T) -> Result<Value, FleetError> {
+    serde_json::to_value(r).map_err(|e| FleetError::Refused(format!("a reply not written: {e}")))
 }
