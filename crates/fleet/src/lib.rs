@@ -30,10 +30,12 @@ pub mod reply;
 #[cfg(test)]
 mod testing;
 pub mod upgrade;
-pub mod wire;
+mod wire;
 
 pub use api::{HostInfo, Request, VmInfo, VmSpec};
 pub use client::AgentClient;
+pub use drain::{Drain, DrainOptions, DrainReport};
+pub use fleet::Fleet;
 
 /// Why a fleet operation failed.
 #[derive(Debug, thiserror::Error)]

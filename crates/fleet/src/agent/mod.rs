@@ -10,8 +10,8 @@
 //! a waiting destination admits only the source host it was told of.
 
 mod process;
-pub mod stores;
-pub mod vms;
+mod stores;
+mod vms;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
