@@ -1,7 +1,8 @@
 //! The device's client connections: accepting them, a reader per connection
 //! that cuts frames out of its own buffer, a writer that sends answers in
 //! order, and the gate that stops every reader between two frames so the
-//! connections can be handed to another VMM process (docs/handover.md).
+//! connections can be handed to another VMM process (docs/handover.md);
+//! the gate itself is in `conn/gate.rs`.
 //!
 //! Why a reader keeps its own buffer rather than reading frame by frame: a
 //! reader stopped for a handover must not hold bytes the next process will
@@ -9,19 +10,22 @@
 //! has read but not handled (a partial frame, or whole frames not posted
 //! yet) with the gate, and that travels with the socket.
 
-use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::wire::{self, Op, Request, Response, Status, MAX_BODY};
 use super::{lock, Route, ServiceDevice};
+use gate::Woken;
+
+mod gate;
+pub(super) use gate::Gate;
 
 /// What a connection's writer sends.
 pub(super) enum Out {
@@ -97,211 +101,6 @@ pub struct FrozenConn {
     pub stream: TcpStream,
     /// Bytes read from the client and not handled yet.
     pub pending: Vec<u8>,
-}
-
-/// Where the readers are.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Fate {
-    /// Reading and posting.
-    Running,
-    /// Stopped between frames until thawed or handed off.
-    Frozen,
-    /// Another process serves the connections: leave without touching them.
-    HandedOff,
-}
-
-struct GateState {
-    fate: Fate,
-    /// Readers alive (counted before their thread starts).
-    readers: usize,
-    /// Frozen readers and what each had not handled.
-    parked: HashMap<u64, Vec<u8>>,
-    /// Readers asleep in poll on a socket with nothing to handle but a
-    /// partial frame (kept here): a freeze counts them as parked without
-    /// waking them.
-    asleep: HashMap<u64, Vec<u8>>,
-    /// Those a freeze counted as parked while they slept.
-    claimed: HashSet<u64>,
-}
-
-/// Stops every reader between two frames and holds them there.
-///
-/// Most readers of a busy service sleep in poll on their socket, waiting
-/// for the next request. A freeze does not wake them (on these hosts each
-/// wake-up costs 50-200 µs, and 128 of them filled the pause): a sleeping
-/// reader has nothing half-handled, so it is parked where it sleeps. If its
-/// socket wakes it while frozen it parks properly, without reading.
-pub(super) struct Gate {
-    frozen: AtomicBool,
-    /// Written when the readers must leave (handed off): wakes the ones
-    /// asleep in poll.
-    wake: EventFd,
-    state: Mutex<GateState>,
-    /// Every reader parked (or one ended): wakes the freezer. Separate from
-    /// `fate_changed` so parking readers do not wake each other.
-    all_parked: Condvar,
-    /// Thawed or handed off: wakes the parked readers.
-    fate_changed: Condvar,
-}
-
-/// What a reader that slept in poll does next.
-pub(super) enum Woken {
-    /// Read its socket, with its buffer as it left it.
-    Read,
-    /// Leave without touching the socket (another process serves it).
-    Leave,
-}
-
-impl Gate {
-    pub fn new() -> std::io::Result<Self> {
-        Ok(Gate {
-            frozen: AtomicBool::new(false),
-            wake: EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC)?,
-            state: Mutex::new(GateState {
-                fate: Fate::Running,
-                readers: 0,
-                parked: HashMap::new(),
-                asleep: HashMap::new(),
-                claimed: HashSet::new(),
-            }),
-            all_parked: Condvar::new(),
-            fate_changed: Condvar::new(),
-        })
-    }
-
-    pub fn is_frozen(&self) -> bool {
-        self.frozen.load(Ordering::Acquire)
-    }
-
-    pub fn handed_off(&self) -> bool {
-        lock(&self.state).fate == Fate::HandedOff
-    }
-
-    fn reader_started(&self) {
-        lock(&self.state).readers += 1;
-    }
-
-    fn reader_ended(&self) {
-        lock(&self.state).readers -= 1;
-        self.all_parked.notify_all();
-    }
-
-    /// Stops the readers: the sleeping ones count as parked at once, the
-    /// others park at their next frame boundary.
-    pub fn close(&self) {
-        let mut st = lock(&self.state);
-        st.fate = Fate::Frozen;
-        self.frozen.store(true, Ordering::Release);
-        let asleep = std::mem::take(&mut st.asleep);
-        for (id, buf) in asleep {
-            st.claimed.insert(id);
-            st.parked.insert(id, buf);
-        }
-    }
-
-    /// Waits until every reader is parked between frames.
-    pub fn wait_parked(&self, timeout: Duration) -> Result<(), usize> {
-        let mut st = lock(&self.state);
-        let deadline = Instant::now() + timeout;
-        while st.parked.len() < st.readers {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(st.readers - st.parked.len());
-            }
-            st = self
-                .all_parked
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        Ok(())
-    }
-
-    /// What each parked reader had not handled, by connection id.
-    pub fn pending(&self) -> HashMap<u64, Vec<u8>> {
-        lock(&self.state).parked.clone()
-    }
-
-    /// Frozen readers go on where they stopped; the ones parked asleep
-    /// sleep on (a handed-off gate stays so).
-    pub fn thaw(&self) {
-        let mut st = lock(&self.state);
-        if st.fate != Fate::Frozen {
-            return;
-        }
-        st.fate = Fate::Running;
-        self.frozen.store(false, Ordering::Release);
-        let claimed = std::mem::take(&mut st.claimed);
-        for id in claimed {
-            if let Some(buf) = st.parked.remove(&id) {
-                st.asleep.insert(id, buf);
-            }
-        }
-        self.fate_changed.notify_all();
-    }
-
-    /// Readers leave without touching their sockets (the ones asleep in
-    /// poll are woken for it).
-    pub fn hand_off(&self) {
-        lock(&self.state).fate = Fate::HandedOff;
-        let _ = self.wake.write(1);
-        self.fate_changed.notify_all();
-    }
-
-    /// Called by a reader at the gate: parks with what it has not handled;
-    /// gives it back when thawed, None when handed off.
-    fn park(&self, id: u64, buf: Vec<u8>) -> Option<Vec<u8>> {
-        let mut st = lock(&self.state);
-        st.parked.insert(id, buf);
-        if st.parked.len() >= st.readers {
-            self.all_parked.notify_all();
-        }
-        while st.fate == Fate::Frozen {
-            st = self
-                .fate_changed
-                .wait(st)
-                .unwrap_or_else(|e| e.into_inner());
-        }
-        let buf = st.parked.remove(&id).unwrap_or_default();
-        (st.fate == Fate::Running).then_some(buf)
-    }
-
-    /// A reader with nothing to handle but the partial frame `buf` is
-    /// about to sleep in poll: false if the gate is closed (park instead).
-    fn sleep(&self, id: u64, buf: &[u8]) -> bool {
-        let mut st = lock(&self.state);
-        if st.fate != Fate::Running {
-            return false;
-        }
-        st.asleep.insert(id, buf.to_vec());
-        true
-    }
-
-    /// A reader woke from poll. If a freeze parked it while it slept, it
-    /// stays parked (without reading) until thawed or handed off.
-    fn woke(&self, id: u64) -> Woken {
-        let mut st = lock(&self.state);
-        loop {
-            if st.asleep.remove(&id).is_some() {
-                return Woken::Read;
-            }
-            match st.fate {
-                Fate::HandedOff => {
-                    st.parked.remove(&id);
-                    st.claimed.remove(&id);
-                    return Woken::Leave;
-                }
-                // Parked asleep by the freeze: still counted as parked.
-                Fate::Frozen if st.claimed.contains(&id) => {}
-                // Neither asleep nor claimed: nothing to wait for.
-                _ => return Woken::Read,
-            }
-            st = self
-                .fate_changed
-                .wait(st)
-                .unwrap_or_else(|e| e.into_inner());
-        }
-    }
 }
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
@@ -696,62 +495,4 @@ impl ServiceDevice {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Write;
-    use std::os::unix::net::UnixStream;
-    use std::sync::atomic::AtomicUsize;
-
-    /// A reader as `read_requests` sleeps: announce, poll the socket and the
-    /// gate's eventfd, then ask the gate what to do; counts its wake-ups.
-    fn sleeper(gate: Arc<Gate>, id: u64, sock: UnixStream, woke: Arc<AtomicUsize>) -> Woken {
-        assert!(gate.sleep(id, b"half"));
-        let _ = wait_readable(sock.as_fd(), &gate.wake, -1);
-        woke.fetch_add(1, Ordering::SeqCst);
-        gate.woke(id)
-    }
-
-    #[test]
-    fn a_freeze_parks_sleeping_readers_without_waking_them() {
-        let gate = Arc::new(Gate::new().unwrap());
-        let woke = Arc::new(AtomicUsize::new(0));
-        let mut peers = Vec::new();
-        let mut readers = Vec::new();
-        for id in 1..=8u64 {
-            let (a, b) = UnixStream::pair().unwrap();
-            peers.push(b);
-            gate.reader_started();
-            let (g, w) = (gate.clone(), woke.clone());
-            readers.push(std::thread::spawn(move || sleeper(g, id, a, w)));
-        }
-        // Every reader announced its sleep (the test's sleeper does so first).
-        while lock(&gate.state).asleep.len() < 8 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        gate.close();
-        gate.wait_parked(Duration::from_secs(5)).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(woke.load(Ordering::SeqCst), 0, "no reader was woken");
-        let pending = gate.pending();
-        assert_eq!(pending.len(), 8);
-        assert!(pending.values().all(|b| b == b"half"));
-        // A client writes while frozen: its reader wakes but stays parked.
-        peers[0].write_all(b"x").unwrap();
-        while woke.load(Ordering::SeqCst) < 1 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(!readers[0].is_finished(), "it waits for the gate, unread");
-        // Thawed: that reader reads; the others sleep on.
-        gate.thaw();
-        let first = readers.remove(0).join().unwrap();
-        assert!(matches!(first, Woken::Read));
-        assert_eq!(lock(&gate.state).asleep.len(), 7);
-        // Frozen again and handed off: the sleepers are woken to leave.
-        gate.close();
-        gate.hand_off();
-        for r in readers {
-            assert!(matches!(r.join().unwrap(), Woken::Leave));
-        }
-    }
-}
+mod tests;
