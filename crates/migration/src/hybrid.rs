@@ -1,31 +1,72 @@
 //! Hybrid: precopy's rounds while they converge; once they have run for
-//! `--postcopy-after` without converging, postcopy takes over from the
-//! paused VM (`postcopy::switch`), so the migration ends in bounded time
-//! however fast the guest dirties memory.
+//! `--postcopy-after` without converging, the rounds hand over and
+//! postcopy takes over from the paused VM (`postcopy::switch`), so the
+//! migration ends in bounded time however fast the guest dirties memory.
 
 use std::time::Instant;
 
 use crate::error::MigrationError;
 use crate::options::PostcopyAfter;
-use crate::precopy::Rounds;
+use crate::paused::Outcome;
+use crate::postcopy;
+use crate::precopy::{HandOver, Rounds};
 use crate::session::SourceSession;
+use crate::stats::Progress;
 
 /// The hybrid mode on the source.
 pub(crate) struct Hybrid;
 
 impl Rounds for Hybrid {
     fn begin(&mut self, s: &mut SourceSession) -> Result<(), MigrationError> {
-        crate::postcopy::require(s)
+        postcopy::require(s)
     }
 
-    fn switch_due(&self, s: &SourceSession, rounds_done: u32) -> Option<String> {
+    /// Its rounds go to the destination's memory, which commits nothing
+    /// else at Complete (until it switches: then postcopy sends).
+    fn sends_in_place(&self) -> bool {
+        true
+    }
+
+    fn commits_nothing_at_complete(&self) -> bool {
+        true
+    }
+
+    fn hand_over_due(&self, s: &SourceSession, rounds_done: u32, dirty: u64) -> Option<String> {
         let after = s.opts.postcopy_after;
-        postcopy_due(after, rounds_done, s.t_start).then(|| match after {
+        let why = postcopy_due(after, rounds_done, s.t_start).then(|| match after {
             PostcopyAfter::Rounds(n) => format!("{n} dirty rounds"),
             PostcopyAfter::Secs(x) => format!("{x} s"),
             PostcopyAfter::Either(n, _) if rounds_done > n => format!("{n} dirty rounds"),
             PostcopyAfter::Either(_, x) => format!("its {x} s deadline"),
-        })
+        })?;
+        Some(format!(
+            "not converged after {why} ({dirty} pages dirty): switched to postcopy"
+        ))
+    }
+
+    /// The switch: drop ahead what the destination can, pause, and let
+    /// postcopy send the rest.
+    fn hand_over(
+        &mut self,
+        s: &mut SourceSession,
+        mut h: HandOver,
+        progress: &dyn Fn(&Progress),
+    ) -> Result<Outcome, MigrationError> {
+        // The pages dirtied since they were sent are dropped ahead of the
+        // pause, where the destination can (v17).
+        let dropped_ahead = if s.version >= crate::protocol::VERSION_DROP_AHEAD {
+            postcopy::drop_ahead(s, &mut h.runs)?
+        } else {
+            0
+        };
+        let round = h.round;
+        // (The dirty log goes off once the VM runs there: postcopy::switch.)
+        let (pending, mut stats) = h.pause(s)?;
+        let paused = postcopy::switch(s, &mut stats, pending, round, progress)?;
+        if let Some(p) = stats.postcopy.as_mut() {
+            p.dropped_ahead_pages = dropped_ahead;
+        }
+        Ok(postcopy::outcome(stats, paused))
     }
 }
 

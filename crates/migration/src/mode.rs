@@ -1,12 +1,14 @@
 //! The mode trait on each side: what a migration mode adds to the shared
 //! session and data paths. The entry points pick one object from the
 //! options (source) or from the plan message that arrives (destination),
-//! and the loops below never ask which mode they run.
+//! and the loops below never ask which mode they run: precopy's round loop
+//! asks its [`Rounds`](crate::precopy::Rounds) hooks, and a mode that ends
+//! the rounds early (hybrid) takes the migration over from there.
 //!
 //! | mode | source | destination |
 //! |---|---|---|
 //! | precopy | `precopy.rs` (the round loop every copy mode shares) | session defaults |
-//! | hybrid | `hybrid.rs` (the rounds, then postcopy if they do not converge) | `postcopy/destination/` once a PostcopyPlan arrives |
+//! | hybrid | `hybrid.rs` (the rounds; if they do not converge, its switch to postcopy) | `postcopy/destination/` once a PostcopyPlan arrives |
 //! | postcopy | `postcopy/mod.rs` (its own run: pause, switch, serve) | `postcopy/destination/` |
 //! | split | `split/source.rs` (rounds routed per chunk) | `split/destination.rs` once a SplitPlan arrives |
 //! | gather | `split/gather.rs` (servers pulled first, then rounds) | `split/destination.rs` once a GatherPlan arrives |

@@ -7,7 +7,8 @@
 //!
 //! The round loop serves every copy mode through its [`Rounds`] hooks
 //! (hybrid, split and gather live in their own files); [`Precopy`] is the
-//! mode with none.
+//! mode with none but its answers. The loop ends converged (this file
+//! stops and copies) or handed over to the mode (hybrid's switch).
 
 use crate::compress::Backend;
 use crate::dirty::{dirty_runs, first_round, sample_pages};
@@ -15,7 +16,6 @@ use crate::encoded::CodecSetup;
 use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::mode::SourceMode;
-use crate::options::Mode;
 use crate::paused::Outcome;
 use crate::protocol::Kind;
 use crate::ranges::{
@@ -37,10 +37,10 @@ pub(crate) type SendRound<'s> =
     dyn FnMut(&[GpaPages], &[GpaPages]) -> Result<(RoundStats, Vec<u64>), MigrationError> + 's;
 
 /// What a copy mode adds to the round loop. The defaults are plain
-/// precopy's.
+/// precopy's but for the answers that save work: a mode opts in to those.
 pub(crate) trait Rounds {
     /// Once the session is open, before the bulk streams (split places
-    /// its chunks; hybrid checks the destination can do postcopy).
+    /// its chunks; hybrid checks the destination can take its switch).
     fn begin(&mut self, _s: &mut SourceSession) -> Result<(), MigrationError> {
         Ok(())
     }
@@ -49,6 +49,20 @@ pub(crate) trait Rounds {
     /// the destination to pull the memory servers' part).
     fn streams_open(&mut self, _s: &mut SourceSession) -> Result<(), MigrationError> {
         Ok(())
+    }
+
+    /// Whether every page sent lands in the destination's memory (not
+    /// split's or gather's): then a page unchanged since it went need not
+    /// go again, and a hole the VMM wrote here is zero there already.
+    fn sends_in_place(&self) -> bool {
+        false
+    }
+
+    /// Whether Complete commits nothing elsewhere (split's stores,
+    /// gather's pager): then the state may go before the last round (v15)
+    /// and the last round's ack be read after Complete.
+    fn commits_nothing_at_complete(&self) -> bool {
+        false
     }
 
     /// Round 0's known-zero ranges, as this mode sends them (gather: only
@@ -69,10 +83,21 @@ pub(crate) trait Rounds {
         send(runs, holes)
     }
 
-    /// After a dirty round that did not converge: why to switch to
-    /// postcopy now (hybrid), or None to go on copying.
-    fn switch_due(&self, _s: &SourceSession, _rounds_done: u32) -> Option<String> {
+    /// After a dirty round that left `dirty` pages, unconverged: why the
+    /// mode takes over now (hybrid's switch), as the convergence note.
+    fn hand_over_due(&self, _s: &SourceSession, _rounds_done: u32, _dirty: u64) -> Option<String> {
         None
+    }
+
+    /// The rounds ended because [`Rounds::hand_over_due`] said so: the
+    /// mode takes the migration from here, the VM still running.
+    fn hand_over(
+        &mut self,
+        _s: &mut SourceSession,
+        _h: HandOver,
+        _progress: &dyn Fn(&Progress),
+    ) -> Result<Outcome, MigrationError> {
+        Err(MigrationError::Internal("nothing takes over".into()))
     }
 
     /// The per-page hashes for Verify where this side's memory does not
@@ -94,22 +119,102 @@ impl<R: Rounds> SourceMode for R {
         backend: &Backend,
         progress: &dyn Fn(&Progress),
     ) -> Result<Outcome, MigrationError> {
-        run(s, backend, progress, self)
+        let c = open(s, backend, self)?;
+        match rounds(s, c, progress, self)? {
+            RoundsEnd::Converged(mut c) => {
+                last_round(s, &mut c, progress, self)?;
+                finish(s, c, progress, self)
+            }
+            RoundsEnd::HandOver(h) => self.hand_over(s, h, progress),
+        }
     }
 }
 
-/// Plain precopy: the round loop with no hooks.
+/// Plain precopy: the round loop with no hooks but its answers.
 pub(crate) struct Precopy;
 
-impl Rounds for Precopy {}
+impl Rounds for Precopy {
+    fn sends_in_place(&self) -> bool {
+        true
+    }
 
-/// Runs the copy rounds of `mode` over a session it opens.
-pub(crate) fn run<M: Rounds + ?Sized>(
+    fn commits_nothing_at_complete(&self) -> bool {
+        true
+    }
+}
+
+/// How the round loop ended (the convergence note says why).
+enum RoundsEnd {
+    /// What is left fits the downtime, or the rounds ran out: stop and copy.
+    Converged(Copying),
+    /// The mode ended the rounds unconverged and takes over.
+    HandOver(HandOver),
+}
+
+/// What the rounds carry from piece to piece of the run.
+struct Copying {
+    stats: MigrationStats,
+    sender: PageSender,
+    compressed: bool,
+    /// The pages dirtied since they last went.
+    runs: Vec<GpaPages>,
+    /// The next round's number.
+    round: u32,
+    /// The vCPU time auto-converge takes away (%).
+    throttle: u32,
+    /// The link's rate, from the latest round long enough to measure it: a
+    /// short round's pages fit the socket buffers and read as several times
+    /// the link (1.5 GB/s on a 1 Gbit link; 0.17 GB/s for 60 ms), which made
+    /// a remainder seem to fit the downtime when it took twice as long.
+    bandwidth: f64,
+}
+
+impl Copying {
+    /// Where the migration stands, for the caller.
+    fn progress(&self, phase: Phase, remaining_pages: u64, throughput: f64) -> Progress {
+        Progress {
+            round: self.round,
+            remaining_pages,
+            throughput,
+            bytes: self.stats.bytes,
+            phase,
+            ..Default::default()
+        }
+    }
+}
+
+/// Where the rounds stopped unconverged, for the mode that takes over.
+pub(crate) struct HandOver {
+    /// The pages dirtied since they last went (the VM still runs).
+    pub(crate) runs: Vec<GpaPages>,
+    /// The round that would have come next.
+    pub(crate) round: u32,
+    c: Copying,
+}
+
+impl HandOver {
+    /// Pauses the VM and returns every page not sent since (all the VMM
+    /// wrote, holes too), with the figures so far: the pause's part
+    /// counted, the throttle lifted, the encoding's figures added.
+    pub(crate) fn pause(
+        self,
+        s: &mut SourceSession,
+    ) -> Result<(Vec<GpaPages>, MigrationStats), MigrationError> {
+        let mut c = self.c;
+        let (last, _) = pause(s, &mut c.stats, self.runs, false)?;
+        let _ = s.vm.throttle(0);
+        c.stats.downtime_parts.last_round = s.lap_ms();
+        add_encoding(&mut c.stats, &c.sender, c.compressed);
+        Ok((last, c.stats))
+    }
+}
+
+/// Opens the session and the bulk streams, and sets up the sender.
+fn open<M: Rounds + ?Sized>(
     s: &mut SourceSession,
     backend: &Backend,
-    progress: &dyn Fn(&Progress),
     mode: &mut M,
-) -> Result<Outcome, MigrationError> {
+) -> Result<Copying, MigrationError> {
     let opts = s.opts;
     let copt = &opts.compression;
     s.open()?;
@@ -142,7 +247,7 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     } else {
         Vec::new()
     };
-    let mut sender = PageSender::new(
+    let sender = PageSender::new(
         copt,
         backend,
         compressed,
@@ -159,179 +264,202 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     // only a copy mode's rounds (hybrid's before it switches) know what
     // lies there.
     .skipping_unchanged(
-        matches!(opts.mode, Mode::Precopy | Mode::Hybrid)
+        mode.sends_in_place()
             .then(|| std::sync::Arc::new(crate::unchanged::SentContent::new(&s.regions))),
     );
+    Ok(Copying {
+        stats,
+        sender,
+        compressed,
+        runs: Vec::new(),
+        round: 0,
+        throttle: 0,
+        bandwidth: 0.0,
+    })
+}
 
+/// Copies round after round, from the full copy on, until what is left
+/// fits the downtime, the rounds run out, or the mode takes over.
+fn rounds<M: Rounds + ?Sized>(
+    s: &mut SourceSession,
+    mut c: Copying,
+    progress: &dyn Fn(&Progress),
+    mode: &mut M,
+) -> Result<RoundsEnd, MigrationError> {
+    let (opts, vm) = (s.opts, s.vm);
     s.start_dirty_log()?;
-    let (mut runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    let (runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    c.runs = runs;
     let mut holes = mode.holes(holes);
-    let mut round = 0u32;
-    // The link's rate, from the latest round long enough to measure it: a
-    // short round's pages fit the socket buffers and read as several times
-    // the link (1.5 GB/s on a 1 Gbit link; 0.17 GB/s for 60 ms), which
-    // made a remainder look as if it fit the downtime when it took twice
-    // as long.
-    let mut bandwidth = 0.0f64;
-    let mut throttle = 0u32;
-    let switch = loop {
-        s.tel.round_began(round, total_pages(&runs));
-        progress(&Progress {
-            round,
-            remaining_pages: total_pages(&runs),
-            throughput: 0.0,
-            bytes: stats.bytes,
-            phase: Phase::Copy,
-            ..Default::default()
-        });
-        let (mut rs, frames) = {
-            let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
-            let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
-                sender.send_round(regions, bulk, runs, holes, round, None, cpu)
-            };
-            mode.send_round(regions, &runs, &holes, &mut send)?
-        };
-        s.barrier(round, frames)?;
-        let bitmaps = vm
-            .take_dirty()
-            .map_err(MigrationError::vm("read dirty log"))?;
-        let (mut next, mut dirty) = dirty_runs(&s.regions, &bitmaps);
-        let missed = s.take_missed();
-        if !missed.is_empty() {
-            // References the destination could not resolve go again, as data.
-            if let Some(offer) = &s.shared {
-                offer.withdraw(&missed);
-            }
-            stats.shared_missed += total_pages(&missed);
-            next = union_runs(next.into_iter().chain(missed));
-            dirty = total_pages(&next);
-        }
-        rs.dirty_rate = (dirty * PAGE) as f64 / rs.secs;
-        rs.throttle_pct = throttle;
-        if rs.secs >= RATE_ROUND_SECS || bandwidth == 0.0 {
-            bandwidth = rs.throughput.max(1.0);
-        }
-        tracing::debug!(round, pages = rs.pages, dirty, secs = rs.secs, "round sent");
-        // Auto-converge (after the full copy): when the guest dirtied more
-        // than half of what the round could send and, at that ratio, the
-        // rounds left would not bring it under the downtime, take away
-        // more vCPU time, 20% at first, then 10% more each round, up to 99%.
-        // Only what the guest changes costs the link: a dirty page whose
-        // bytes are those last sent costs a hash (a kv store's reads dirty
-        // ~90% of its pages so), and counting it would throttle a guest
-        // the rounds keep up with.
-        let changed = changed_share(&rs);
-        let tuning = &opts.auto_converge_tuning;
-        let fits_pause = (opts.downtime_ms / 1e3 * bandwidth / (PAGE + PAGE_META) as f64) as u64;
-        let rounds_left = opts.max_rounds.saturating_sub(round);
-        if opts.auto_converge
-            && round >= 1
-            && tuning.triggered(
-                rs.dirty_rate * changed,
-                rs.throughput,
-                (dirty as f64 * changed).ceil() as u64,
-                fits_pause,
-                rounds_left,
-            )
-        {
-            throttle = tuning.next(throttle);
-            vm.throttle(throttle)
-                .map_err(MigrationError::vm("throttle"))?;
-            tracing::info!(throttle, "auto-converge throttles the vCPUs");
-        }
-        s.tel.set_dirty(rs.dirty_rate, throttle);
-        add_round(&mut stats, rs);
-        runs = next;
+    let hand_over = loop {
+        let dirty = round(s, &mut c, &holes, progress, mode)?;
         holes.clear();
-        round += 1;
-        let expected_ms = (dirty * (PAGE + PAGE_META)) as f64 / bandwidth * 1e3;
+        let expected_ms = (dirty * (PAGE + PAGE_META)) as f64 / c.bandwidth * 1e3;
         if expected_ms <= opts.downtime_ms {
-            stats.converged = format!("remainder of {dirty} pages fits {:.1} ms", opts.downtime_ms);
+            c.stats.converged =
+                format!("remainder of {dirty} pages fits {:.1} ms", opts.downtime_ms);
             break false;
         }
-        if let Some(why) = mode.switch_due(s, round) {
-            stats.converged =
-                format!("not converged after {why} ({dirty} pages dirty): switched to postcopy");
+        if let Some(why) = mode.hand_over_due(s, c.round, dirty) {
+            c.stats.converged = why;
             break true;
         }
-        if round > opts.max_rounds {
-            stats.converged = format!(
+        if c.round > opts.max_rounds {
+            c.stats.converged = format!(
                 "max rounds ({}) reached with {dirty} pages dirty",
                 opts.max_rounds
             );
             break false;
         }
     };
-    tracing::info!(rounds = round, converged = %stats.converged, "precopy converged");
-    // A switch drops the pages dirtied since they were sent ahead of the
-    // pause, where the destination can (v17).
-    let dropped_ahead = if switch && s.version >= crate::protocol::VERSION_DROP_AHEAD {
-        crate::postcopy::drop_ahead(s, &mut runs)?
+    tracing::info!(rounds = c.round, converged = %c.stats.converged, "precopy converged");
+    Ok(if hand_over {
+        let (runs, round) = (std::mem::take(&mut c.runs), c.round);
+        RoundsEnd::HandOver(HandOver { runs, round, c })
     } else {
-        0
-    };
+        RoundsEnd::Converged(c)
+    })
+}
 
-    // Stop and copy.
+/// Sends a round (`c.runs`; `holes` as known zeros), reads what the guest
+/// dirtied meanwhile into `c.runs`, and measures; returns the dirty pages.
+fn round<M: Rounds + ?Sized>(
+    s: &mut SourceSession,
+    c: &mut Copying,
+    holes: &[GpaPages],
+    progress: &dyn Fn(&Progress),
+    mode: &mut M,
+) -> Result<u64, MigrationError> {
+    let round = c.round;
+    s.tel.round_began(round, total_pages(&c.runs));
+    progress(&c.progress(Phase::Copy, total_pages(&c.runs), 0.0));
+    let (mut rs, frames) = {
+        let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
+        let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
+            c.sender
+                .send_round(regions, bulk, runs, holes, round, None, cpu)
+        };
+        mode.send_round(regions, &c.runs, holes, &mut send)?
+    };
+    s.barrier(round, frames)?;
+    let bitmaps =
+        s.vm.take_dirty()
+            .map_err(MigrationError::vm("read dirty log"))?;
+    let (mut next, mut dirty) = dirty_runs(&s.regions, &bitmaps);
+    let missed = s.take_missed();
+    if !missed.is_empty() {
+        // References the destination could not resolve go again, as data.
+        if let Some(offer) = &s.shared {
+            offer.withdraw(&missed);
+        }
+        c.stats.shared_missed += total_pages(&missed);
+        next = union_runs(next.into_iter().chain(missed));
+        dirty = total_pages(&next);
+    }
+    rs.dirty_rate = (dirty * PAGE) as f64 / rs.secs;
+    rs.throttle_pct = c.throttle;
+    if rs.secs >= RATE_ROUND_SECS || c.bandwidth == 0.0 {
+        c.bandwidth = rs.throughput.max(1.0);
+    }
+    tracing::debug!(round, pages = rs.pages, dirty, secs = rs.secs, "round sent");
+    // Auto-converge (after the full copy): when the guest dirtied more than
+    // half of what the round could send and, at that ratio, the rounds left
+    // would not bring it under the downtime, take away more vCPU time, 20%
+    // at first, then 10% more each round, up to 99%. Only what the guest
+    // changes costs the link: a dirty page whose bytes are those last sent
+    // costs a hash (a kv store's reads dirty ~90% of its pages so), and
+    // counting it would throttle a guest the rounds keep up with.
+    let changed = changed_share(&rs);
+    let (opts, vm) = (s.opts, s.vm);
+    let tuning = &opts.auto_converge_tuning;
+    let fits_pause = (opts.downtime_ms / 1e3 * c.bandwidth / (PAGE + PAGE_META) as f64) as u64;
+    let rounds_left = opts.max_rounds.saturating_sub(round);
+    if opts.auto_converge
+        && round >= 1
+        && tuning.triggered(
+            rs.dirty_rate * changed,
+            rs.throughput,
+            (dirty as f64 * changed).ceil() as u64,
+            fits_pause,
+            rounds_left,
+        )
+    {
+        c.throttle = tuning.next(c.throttle);
+        vm.throttle(c.throttle)
+            .map_err(MigrationError::vm("throttle"))?;
+        tracing::info!(throttle = c.throttle, "auto-converge throttles the vCPUs");
+    }
+    s.tel.set_dirty(rs.dirty_rate, c.throttle);
+    add_round(&mut c.stats, rs);
+    c.runs = next;
+    c.round += 1;
+    Ok(dirty)
+}
+
+/// Pauses the VM and reads what is left to send: `runs`, the dirty log's
+/// last read, and what the VMM wrote itself (the service ring); with
+/// `written_holes`, the written pages that are holes here come apart.
+fn pause(
+    s: &mut SourceSession,
+    stats: &mut MigrationStats,
+    runs: Vec<GpaPages>,
+    written_holes: bool,
+) -> Result<(Vec<GpaPages>, Vec<GpaPages>), MigrationError> {
     s.pause()?;
     stats.downtime_parts.pause = s.lap_ms();
-    let bitmaps = vm
-        .take_dirty()
-        .map_err(MigrationError::vm("read dirty log"))?;
+    let bitmaps =
+        s.vm.take_dirty()
+            .map_err(MigrationError::vm("read dirty log"))?;
     let (mut last, _) = dirty_runs(&s.regions, &bitmaps);
     last.extend(runs);
-    // What the VMM wrote itself (the service ring) goes too, except, in a
-    // copy mode, its holes: reading a hole allocates it (about 10 µs a page
-    // on these machines, 5 ms for a mostly empty 2 MiB ring), and a hole
-    // at the source is zero at the destination already. Split, gather and
-    // a switch to postcopy keep every written page.
-    let written = vm.host_written_ranges();
-    let (written, written_holes) = if matches!(opts.mode, Mode::Precopy | Mode::Hybrid) && !switch {
-        split_holes(&s.regions, vm, &written)
+    // Reading a hole allocates it (about 10 µs a page on these machines,
+    // 5 ms for a mostly empty 2 MiB ring), and a hole at the source is
+    // zero at the destination already where the pages land in place.
+    // Split, gather and a mode taking over keep every written page.
+    let written = s.vm.host_written_ranges();
+    let (written, holes) = if written_holes {
+        split_holes(&s.regions, s.vm, &written)
     } else {
         (written.iter().map(GpaBytes::pages).collect(), Vec::new())
     };
     last.extend(written);
     let last: Vec<GpaPages> = union_runs(last);
     // Pages dirtied by the guest hold data: a hole left is one nobody wrote.
-    let written_holes = subtract_runs(&written_holes, &last);
-    if switch {
-        // (The dirty log goes off once the VM runs there: postcopy::switch.)
-        let _ = vm.throttle(0);
-        stats.downtime_parts.last_round = s.lap_ms();
-        add_encoding(&mut stats, &sender, compressed);
-        let paused = crate::postcopy::switch(s, &mut stats, last, round, progress)?;
-        if let Some(p) = stats.postcopy.as_mut() {
-            p.dropped_ahead_pages = dropped_ahead;
-        }
-        return Ok(crate::postcopy::outcome(stats, paused));
-    }
+    let holes = subtract_runs(&holes, &last);
+    Ok((last, holes))
+}
+
+/// Stops and copies: pauses the VM, sends the state (first, from v15),
+/// the last round, and the state (after it, before v15).
+fn last_round<M: Rounds + ?Sized>(
+    s: &mut SourceSession,
+    c: &mut Copying,
+    progress: &dyn Fn(&Progress),
+    mode: &mut M,
+) -> Result<(), MigrationError> {
+    let runs = std::mem::take(&mut c.runs);
+    let (last, written_holes) = pause(s, &mut c.stats, runs, mode.sends_in_place())?;
     // From v15 the state goes first, so the destination restores it
     // while the last round arrives; a copy mode that commits elsewhere at
     // Complete (split, gather) keeps the old order.
-    let state_first = s.version >= crate::protocol::VERSION_EARLY_STATE
-        && matches!(opts.mode, Mode::Precopy | Mode::Hybrid);
+    let state_first =
+        s.version >= crate::protocol::VERSION_EARLY_STATE && mode.commits_nothing_at_complete();
     if state_first {
-        send_state(s, &mut stats)?;
+        send_state(s, &mut c.stats)?;
         if s.send_clients_early()? {
-            stats.downtime_parts.clients = s.lap_ms();
+            c.stats.downtime_parts.clients = s.lap_ms();
         }
         s.ctl()?.flush()?;
     }
-    let remaining = total_pages(&last);
+    let (round, remaining) = (c.round, total_pages(&last));
     s.tel.round_began(round, remaining);
-    progress(&Progress {
-        round,
-        remaining_pages: remaining,
-        throughput: bandwidth,
-        bytes: stats.bytes,
-        phase: Phase::StopAndCopy,
-        ..Default::default()
-    });
+    progress(&c.progress(Phase::StopAndCopy, remaining, c.bandwidth));
     let (rs, frames) = {
         let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
         let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
             let bytes = Some(total_pages(runs) * PAGE);
-            sender.send_round(regions, bulk, runs, holes, round, bytes, cpu)
+            c.sender
+                .send_round(regions, bulk, runs, holes, round, bytes, cpu)
         };
         mode.send_round(regions, &last, &written_holes, &mut send)?
     };
@@ -339,35 +467,39 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     // less in the pause), except by a copy mode that commits state
     // elsewhere at Complete (split's stores, gather's pager): its last round
     // must be known applied before it commits.
-    if matches!(opts.mode, Mode::Precopy | Mode::Hybrid) {
+    if mode.commits_nothing_at_complete() {
         s.last_round_done(round, frames)?;
     } else {
         s.barrier(round, frames)?;
     }
-    add_round(&mut stats, rs);
-    stats.downtime_parts.last_round = s.lap_ms();
-
+    add_round(&mut c.stats, rs);
+    c.stats.downtime_parts.last_round = s.lap_ms();
     // (Saving the state on a thread of its own while the last round went
     // out was tried: on 2 cores it made the pause longer, 1.55 ms against
     // 1.29 for an idle 1 GiB VM.)
     if !state_first {
-        send_state(s, &mut stats)?;
+        send_state(s, &mut c.stats)?;
     }
-    if opts.verify {
+    Ok(())
+}
+
+/// Verifies where asked (in the pause), commits, sends Complete (the VM
+/// starts there) and counts the figures; then checks this side's memory
+/// against what was sent, where hashed.
+fn finish<M: Rounds + ?Sized>(
+    s: &mut SourceSession,
+    mut c: Copying,
+    progress: &dyn Fn(&Progress),
+    mode: &mut M,
+) -> Result<Outcome, MigrationError> {
+    if s.opts.verify {
         if s.sent_hashes.is_none() {
             s.relax(); // hashes all of memory (here or in the mode)
         }
-        progress(&Progress {
-            round,
-            remaining_pages: 0,
-            throughput: bandwidth,
-            bytes: stats.bytes,
-            phase: Phase::Verify,
-            ..Default::default()
-        });
+        progress(&c.progress(Phase::Verify, 0, c.bandwidth));
         let (pages, bytes) = match (&s.sent_hashes, mode.hashes(s)) {
             // What was sent against what landed, by digest; memory itself
-            // is checked once the VM runs there (below).
+            // is checked once the VM runs there (`finish`).
             (Some(sent), _) => {
                 let body = postcard::to_stdvec(&sent.digests())
                     .map_err(|e| MigrationError::Internal(e.to_string()))?;
@@ -380,14 +512,14 @@ pub(crate) fn run<M: Rounds + ?Sized>(
             }
             (None, None) => s.send_verify()?,
         };
-        stats.verified_pages = pages;
-        stats.bytes += bytes;
+        c.stats.verified_pages = pages;
+        c.stats.bytes += bytes;
     }
-    stats.downtime_parts.verify = s.lap_ms();
-    mode.commit(&mut stats);
+    c.stats.downtime_parts.verify = s.lap_ms();
+    mode.commit(&mut c.stats);
     let report = s.complete(SourcePhase::Done)?;
     let ms = s.lap_ms();
-    s.note_started(&mut stats, &report, ms);
+    s.note_started(&mut c.stats, &report, ms);
     // Outside the downtime: the log was read for the last time in the
     // pause, and a VM that never runs here again needs it off only to free
     // its bitmaps (switching it off rewrites the memory slots). The move
@@ -395,35 +527,31 @@ pub(crate) fn run<M: Rounds + ?Sized>(
     if let Err(e) = s.stop_dirty_log() {
         tracing::warn!(error = %e, "the VM moved; stopping its dirty log here failed");
     }
-    stats.destination_cpu_s = report.cpu_s;
-    add_encoding(&mut stats, &sender, compressed);
-    stats.source_cpu_s = s.cpu_secs();
-    stats.downtime_ms = s.downtime_ms();
+    c.stats.destination_cpu_s = report.cpu_s;
+    add_encoding(&mut c.stats, &c.sender, c.compressed);
+    c.stats.source_cpu_s = s.cpu_secs();
+    c.stats.downtime_ms = s.downtime_ms();
     if let Some(sent) = s.sent_hashes.clone() {
         // This side's memory has not changed since the pause: each page
         // must still be what it last sent. The VM already runs there, so
         // this costs no downtime.
         let t = std::time::Instant::now();
-        let checked = sent.check_memory(&s.regions, |i| vm.data_ranges(i));
-        stats.verify_after_ms = t.elapsed().as_secs_f64() * 1e3;
-        stats.verified_pages = checked.map_err(|m| MigrationError::VerifyAfterSwitch {
+        let checked = sent.check_memory(&s.regions, |i| s.vm.data_ranges(i));
+        c.stats.verify_after_ms = t.elapsed().as_secs_f64() * 1e3;
+        c.stats.verified_pages = checked.map_err(|m| MigrationError::VerifyAfterSwitch {
             bad: m.bad,
             total: m.total,
             first: m.first,
         })?;
     }
-    stats.total_secs = secs(s.t_start.elapsed());
+    c.stats.total_secs = secs(s.t_start.elapsed());
     // With the destination's service: clients that stay are forwarded
     // from now on, not after the destination's timeline came back.
     progress(&Progress {
-        round,
-        remaining_pages: 0,
-        throughput: bandwidth,
-        bytes: stats.bytes,
-        phase: Phase::Done,
-        destination_service: stats.destination_service.clone(),
+        destination_service: c.stats.destination_service.clone(),
+        ..c.progress(Phase::Done, 0, c.bandwidth)
     });
-    Ok(Outcome::Done(stats))
+    Ok(Outcome::Done(c.stats))
 }
 
 /// Sends the VM's state and counts it: its bytes, and its part of the
