@@ -64,9 +64,32 @@ pub struct Request<'a> {
     pub replicas: u32,
 }
 
+/// How the chunks that do not fit the main host are dealt to the servers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// Each chunk to the servers with the most room still free, so the
+    /// fullest fills last (a registry's standing servers share the load).
+    Evenly,
+    /// Each chunk to the servers that had the most room to begin with,
+    /// while they have room: as few servers as can hold the rest (a drain
+    /// starts one for the VM on each host used, and each is one more
+    /// process that can fail).
+    Fewest,
+}
+
 /// Picks the main host and deals the chunks that do not fit it to the
-/// memory servers.
+/// memory servers, evenly.
 pub fn place(hosts: &[HostEntry], req: &Request<'_>) -> Result<Placement, PlacementError> {
+    place_with(hosts, req, Fill::Evenly)
+}
+
+/// Picks the main host and deals the chunks that do not fit it to the
+/// memory servers as `fill` says.
+pub fn place_with(
+    hosts: &[HostEntry],
+    req: &Request<'_>,
+    fill: Fill,
+) -> Result<Placement, PlacementError> {
     let vmms: Vec<&HostEntry> = hosts.iter().filter(|h| h.kind == HostKind::Vmm).collect();
     let main =
         match req.main {
@@ -98,12 +121,16 @@ pub fn place(hosts: &[HostEntry], req: &Request<'_>) -> Result<Placement, Placem
             )
         })
         .collect();
+    let room: Vec<u64> = subs.iter().map(|s| s.1).collect();
     let replicas = req.replicas.max(1) as usize;
     let mut missing = 0;
     for _ in 0..rest {
         // The `replicas` servers with the most chunks still free.
         let mut order: Vec<usize> = (0..subs.len()).filter(|&i| subs[i].1 > 0).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(subs[i].1));
+        match fill {
+            Fill::Evenly => order.sort_by_key(|&i| std::cmp::Reverse(subs[i].1)),
+            Fill::Fewest => order.sort_by_key(|&i| std::cmp::Reverse(room[i])),
+        }
         if order.len() < replicas {
             missing += 1;
             continue;
@@ -193,6 +220,30 @@ mod tests {
         assert_eq!(p.subs[0].chunks, 150);
         r.main = Some("v9:1");
         assert!(matches!(place(&hosts, &r), Err(PlacementError::NoMain(_))));
+    }
+
+    #[test]
+    fn fewest_fills_the_roomiest_servers_first_and_evenly_spreads() {
+        let hosts = vec![
+            host("m", HostKind::Vmm, 0),
+            host("s1", HostKind::Memserver, 100),
+            host("s2", HostKind::Memserver, 60),
+            host("s3", HostKind::Memserver, 80),
+        ];
+        let chunks = |p: &Placement| -> Vec<(String, u64)> {
+            p.subs.iter().map(|s| (s.name.clone(), s.chunks)).collect()
+        };
+        let r = req(130, 1);
+        let few = place_with(&hosts, &r, Fill::Fewest).unwrap();
+        assert_eq!(chunks(&few), [("s1".into(), 100), ("s3".into(), 30)]);
+        let even = place(&hosts, &r).unwrap();
+        assert_eq!(even.subs.len(), 3, "{even:?}");
+        // Two copies: the two roomiest for as long as both have room.
+        let few = place_with(&hosts, &req(90, 2), Fill::Fewest).unwrap();
+        assert_eq!(
+            chunks(&few),
+            [("s1".into(), 90), ("s2".into(), 10), ("s3".into(), 80)]
+        );
     }
 
     #[test]

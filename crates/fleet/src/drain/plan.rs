@@ -73,7 +73,8 @@ fn server_room(mem: u64) -> u64 {
 /// A split of a `mem`-byte VM needing `vcpus` vCPUs over `room`, or None
 /// if the hosts together lack the room: the main host is the one with the
 /// most memory free, and the registry's placement deals the rest out to
-/// memory servers on the others, the roomiest first.
+/// memory servers on the others, filling the roomiest first (as few
+/// servers as hold it).
 fn plan_split(mem: u64, vcpus: u32, room: &[Room]) -> Option<(usize, PlannedSplit)> {
     let (main, m) = room
         .iter()
@@ -97,7 +98,7 @@ fn plan_split(mem: u64, vcpus: u32, room: &[Room]) -> Option<(usize, PlannedSpli
                 .map(|(_, r)| entry(r, HostKind::Memserver, server_room(r.mem))),
         )
         .collect();
-    let placed = placement::place(
+    let placed = placement::place_with(
         &hosts,
         &placement::Request {
             chunks: mem.div_ceil(SPLIT_UNIT),
@@ -106,6 +107,7 @@ fn plan_split(mem: u64, vcpus: u32, room: &[Room]) -> Option<(usize, PlannedSpli
             main_budget: Some(main_budget),
             replicas: 1,
         },
+        placement::Fill::Fewest,
     )
     .ok()?;
     let stores: Vec<(String, u64)> = placed
@@ -366,6 +368,31 @@ mod tests {
             p.unplaced
         );
     }
+    #[test]
+    fn a_split_starts_as_few_memory_servers_as_hold_the_rest() {
+        // The rest (512 MiB) fits h3's room alone: h4 gets no server, though
+        // it has room too.
+        let source = host("h1", 0, 0, vec![vm("big", 1536, 2)]);
+        let others = [
+            host("h2", 1024, 4, vec![]),
+            host("h3", 768, 4, vec![]),
+            host("h4", 700, 4, vec![]),
+        ];
+        let p = plan(&source, &others, &DrainOptions::default());
+        let sp = p.moves[0].split.as_ref().unwrap();
+        assert_eq!(sp.stores.len(), 1, "{sp:?}");
+        assert_eq!(sp.stores[0].0, "h3");
+        // Each server's capacity fits its host's free memory.
+        let source = host("h1", 0, 0, vec![vm("big", 2048, 2)]);
+        let p = plan(&source, &others, &DrainOptions::default());
+        let sp = p.moves[0].split.as_ref().unwrap();
+        let hosts: Vec<&str> = sp.stores.iter().map(|s| s.0.as_str()).collect();
+        assert_eq!(hosts, ["h3", "h4"], "{sp:?}");
+        assert!(sp.stores[0].1 <= 768 << 20 && sp.stores[1].1 <= 700 << 20);
+        let held: u64 = sp.stores.iter().map(|s| s.1).sum::<u64>();
+        assert!(held + sp.main_budget >= 2048 << 20, "{sp:?}");
+    }
+
     #[test]
     fn a_vm_that_dirties_more_than_half_its_share_of_the_link_goes_by_postcopy() {
         let mut fast = vm("fast", 256, 1);
