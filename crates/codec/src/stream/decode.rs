@@ -18,8 +18,8 @@ use crate::{rle, superfasthash, xbzrle};
 /// for the chunks a dedup page references.
 const REFS_AHEAD: usize = 2;
 
-/// The mirror of [`StreamEncoder`]: decodes a batch and updates its caches
-/// exactly as the encoder did.
+/// The mirror of [`StreamEncoder`](super::StreamEncoder): decodes a batch
+/// and updates its caches exactly as the encoder did.
 pub struct StreamDecoder {
     sizes: CacheSizes,
     xbzrle: Option<PageCache>,
