@@ -1,6 +1,7 @@
-//! ferry's migration wire protocol. This code speaks versions 1 to 9
-//! ([`VERSION_MIN`]..=[`VERSION_MAX`]); docs/protocol.md is the full text,
-//! with every message's body and the rules for adding a version.
+//! ferry's migration wire protocol. This code speaks versions 1 to 17
+//! ([`VERSION_MIN`]..=[`VERSION_MAX`]; `version.rs` says what each one
+//! added); docs/protocol.md is the full text, with every message's body and
+//! the rules for adding a version.
 //!
 //! A migration is a few connections, all opened by the source, each
 //! starting with a `Hello` that names its role; every message is one frame
@@ -8,17 +9,20 @@
 //!
 //! ```text
 //! source                                            destination
-//!  control  Hello{1..=8, Control, session, streams} ──▶
+//!  control  Hello{MIN..=MAX, Control, session, streams} ──▶
 //!                                                   ◀──  HelloAck{version}  or Abort
-//!  control  Layout, ClientsPlan, TimelineAsk         ──▶  checked against the waiting VM
+//!  control  [Token], Layout                          ──▶  admitted, checked against the waiting VM
+//!  control  ClientsPlan, TimelineAsk, HashAsk,       ──▶  each from the version that added it;
+//!           SwitchAhead, ShareAsk, AnswersAsk        ◀──  some are answered (ClientsAnswer, ...)
 //!  bulk i   Hello{Bulk(i), session}, one per stream  ──▶
-//!  bulk i   Pages / Encoded / ZeroRanges             ──▶  written into guest memory
+//!  bulk i   Pages / Encoded / ZeroRanges / SharedPages ──▶  written into guest memory
 //!  control  RoundDone{round, frames per stream}      ──▶  waits for them all
 //!                                                   ◀──  RoundAck
-//!  ... rounds; then precopy pauses the VM and sends the last pages, or
-//!  postcopy sends PostcopyPlan and opens the demand connection:
+//!  ... rounds; then precopy pauses the VM and sends State (from v15
+//!  before its last round) and the last pages, or postcopy sends
+//!  PostcopyPlan and opens the demand connection:
 //!  demand   Hello{Demand, session}                   ──▶
-//!  control  State, [Verify], Complete                ──▶  restores, starts the vCPUs
+//!  control  [State], [Verify or VerifyDigests], Complete ──▶  restores, starts the vCPUs
 //!                                                   ◀──  Started
 //!  postcopy only, after Started:
 //!  demand   Pages{p and its neighbours}              ◀──  PageRequest{p}: a vCPU waits on p
@@ -37,7 +41,9 @@
 //! - `error.rs`: [`ProtocolError`].
 //!
 //! Also on the wire, beside this module: `encoded.rs` (v2's compressed
-//! batches), `checksum.rs` (the frames' CRC-32C).
+//! batches), `checksum.rs` (the frames' CRC-32C), and the bodies the modes
+//! define beside their code (`shared/`, `memserver/`, `split/`); every
+//! kind is numbered in `kind.rs`.
 
 mod error;
 pub(crate) mod frame;
