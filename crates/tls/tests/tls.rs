@@ -3,10 +3,10 @@
 //! past a cipher's record limit, and each kind of stranger refused with a
 //! reason on both ends.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,31 +14,7 @@ use ferry_tls::pki::{self, Validity};
 use ferry_tls::{Credentials, Handshake, TlsError, TlsSocket};
 use rustls::pki_types::ServerName;
 
-fn scratch(what: &str) -> PathBuf {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "ferry-tls-{what}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-/// A CA and one host certificate for `name` at 127.0.0.1.
-fn fleet(name: &str, validity: Validity) -> (PathBuf, PathBuf) {
-    let ca = scratch("ca");
-    pki::init_ca(&ca, "test fleet", Validity::days(1)).unwrap();
-    let host = scratch(name);
-    pki::issue(&ca, name, &host, &["127.0.0.1".into()], validity).unwrap();
-    (ca, host)
-}
-
-fn issue(ca: &Path, name: &str, validity: Validity) -> PathBuf {
-    let host = scratch(name);
-    pki::issue(ca, name, &host, &["127.0.0.1".into()], validity).unwrap();
-    host
-}
+use common::{fleet, issue, limited, pattern, scratch};
 
 /// Handshakes a client with `client` credentials against a server with
 /// `server` credentials; both ends' results.
@@ -61,18 +37,6 @@ fn pair(
         Duration::from_secs(5),
     );
     (accept.join().unwrap(), c)
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// Sends `data` from `a` to `b` and `b`'s own data back at the same time,
@@ -140,20 +104,10 @@ fn two_hosts_of_a_fleet_exchange_data_both_ways_on_two_threads_a_side() {
 fn keys_are_renewed_before_a_ciphers_record_limit() {
     // A cipher that may seal only 64 records per key: 8 MiB is 512 records,
     // which rustls refuses to send under one key (EncryptExhausted).
-    let mut p = rustls::crypto::ring::default_provider();
-    // (Without TLS 1.2 compiled in, every suite is a TLS 1.3 one.)
-    let rustls::SupportedCipherSuite::Tls13(base) =
-        rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256;
-    let small = rustls::Tls13CipherSuite {
-        common: rustls::crypto::CipherSuiteCommon {
-            confidentiality_limit: 64,
-            ..base.common
-        },
-        ..*base
-    };
-    let small: &'static rustls::Tls13CipherSuite = Box::leak(Box::new(small));
-    p.cipher_suites = vec![rustls::SupportedCipherSuite::Tls13(small)];
-    let p = Arc::new(p);
+    let p = limited(
+        rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256,
+        64,
+    );
     let (ca, a) = fleet("host-a", Validity::days(1));
     let b = issue(&ca, "host-b", Validity::days(1));
     let (ca_, cb) = (
@@ -161,7 +115,16 @@ fn keys_are_renewed_before_a_ciphers_record_limit() {
         Credentials::load_with(&b, p).unwrap(),
     );
     let (s, c) = pair(&ca_, &cb);
-    both_ways(s.unwrap(), c.unwrap(), 8 << 20);
+    let (s, c) = (s.unwrap(), c.unwrap());
+    let (s2, c2) = (s.try_clone().unwrap(), c.try_clone().unwrap());
+    both_ways(s, c, 8 << 20);
+    // 8 MiB is at least 512 records of at most 16 KiB, a new key before
+    // each 32 more: at least 15 key updates each way, each one followed by
+    // the other end.
+    let (ss, sf) = s2.key_updates();
+    let (cs, cf) = c2.key_updates();
+    assert!(ss >= 15 && cs >= 15, "sent {ss} and {cs}");
+    assert_eq!((sf, cf), (cs, ss));
 }
 
 fn refused(r: Result<TlsSocket, TlsError>) -> String {
