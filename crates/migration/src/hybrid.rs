@@ -54,7 +54,7 @@ impl Rounds for Hybrid {
     ) -> Result<Outcome, MigrationError> {
         // The pages dirtied since they were sent are dropped ahead of the
         // pause, where the destination can (v17).
-        let dropped_ahead = if s.version >= crate::protocol::VERSION_DROP_AHEAD {
+        let dropped_ahead = if s.caps().drop_ahead() {
             postcopy::drop_ahead(s, &mut h.runs)?
         } else {
             0

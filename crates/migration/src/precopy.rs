@@ -219,7 +219,7 @@ fn open<M: Rounds + ?Sized>(
     let copt = &opts.compression;
     s.open()?;
     mode.begin(s)?;
-    let compressed = copt.enabled() && s.version >= 2;
+    let compressed = copt.enabled() && s.caps().compressed_streams();
     let mut stats = MigrationStats {
         mode: opts.mode,
         ..Default::default()
@@ -231,7 +231,7 @@ fn open<M: Rounds + ?Sized>(
     if copt.enabled() && !compressed {
         stats.compression.note = Some(format!(
             "the destination speaks protocol v{}, compression needs v2: sent raw",
-            s.version
+            s.caps().version()
         ));
     }
     let setup = compressed.then(|| CodecSetup {
@@ -257,7 +257,7 @@ fn open<M: Rounds + ?Sized>(
     )
     .sharing_link(opts.share_link)
     .watched_by(s.tel.clone())
-    .sealing(s.version >= crate::protocol::VERSION_SEALED_PAGES)
+    .sealing(s.caps().sealed_pages())
     .hashing(s.sent_hashes.clone())
     .sharing(s.shared.clone())
     // Split and gather send pages elsewhere than the destination's memory:
@@ -442,8 +442,7 @@ fn last_round<M: Rounds + ?Sized>(
     // From v15 the state goes first, so the destination restores it
     // while the last round arrives; a copy mode that commits elsewhere at
     // Complete (split, gather) keeps the old order.
-    let state_first =
-        s.version >= crate::protocol::VERSION_EARLY_STATE && mode.commits_nothing_at_complete();
+    let state_first = s.caps().early_state() && mode.commits_nothing_at_complete();
     if state_first {
         send_state(s, &mut c.stats)?;
         if s.send_clients_early()? {

@@ -253,7 +253,7 @@ impl Served<'_> {
             return Err(StoreError::NotStore(format!("{:?}", hello.role)).into());
         }
         let version = protocol::negotiate(hello)?;
-        if version < protocol::VERSION_TRUST {
+        if !crate::protocol::Caps::of(version).trust() {
             return Err(StoreError::TooOld {
                 need: protocol::VERSION_TRUST,
                 min: hello.version_min,

@@ -48,10 +48,10 @@ use crate::error::MigrationError;
 
 /// Refuses a destination too old for postcopy before anything changed.
 pub(crate) fn require(s: &SourceSession) -> Result<(), MigrationError> {
-    if s.version < protocol::VERSION_POSTCOPY {
+    if !s.caps().postcopy() {
         return Err(MigrationError::Unsupported(format!(
             "the destination speaks protocol v{}; {} needs v{} (a newer ferry there)",
-            s.version,
+            s.caps().version(),
             s.opts.mode,
             protocol::VERSION_POSTCOPY
         )));
@@ -223,7 +223,7 @@ fn net_feed(
         net: at,
         plan: protocol::StandbyPlan {
             session: s.id(),
-            version: s.version,
+            version: s.caps().version(),
             started_unix_s: s.start_unix_s(),
             destination: s.to().to_string(),
             layout: s.regions.iter().map(|r| (r.gpa(), r.size())).collect(),
@@ -359,7 +359,7 @@ fn follow(
         )
         .hot_first(s.vm.access_history().as_ref())
         .yielding(s.bulk.len(), opts.bandwidth)
-        .sealing(s.version >= protocol::VERSION_SEALED_PAGES);
+        .sealing(s.caps().sealed_pages());
         if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
             out.net_copies.store(true, Ordering::Release);
         }
@@ -431,7 +431,7 @@ fn follow(
                 );
                 return Ok(None);
             }
-            Err(e) if e.is_link_break() && s.version >= protocol::VERSION_RESUME => {
+            Err(e) if e.is_link_break() && s.caps().resume() => {
                 next = Err(e.to_string());
             }
             Err(e) => {

@@ -227,7 +227,7 @@ fn run(
     let mut c = Conn::open(&feed.net, feed.timeout, &hello)?;
     c.flush()?;
     let version: u16 = c.recv(Kind::HelloAck)?;
-    if version < protocol::VERSION_STANDBY {
+    if !crate::protocol::Caps::of(version).standby() {
         return Err(ProtocolError::Version {
             min: protocol::VERSION_STANDBY,
             max: version,

@@ -7,7 +7,8 @@
 //! is the base protocol (precopy: Hello, Layout, Pages, ZeroRanges, rounds,
 //! State, Verify, Complete, Started, Abort); v2 added compressed bulk
 //! streams (Codec, Encoded: `crate::encoded`), which a source uses only
-//! with a v2 peer (precopy.rs checks `version >= 2`; it has no constant).
+//! with a v2 peer. A session holds the agreed version as its [`Caps`],
+//! which the engine asks by name (`caps.early_state()`), never by number.
 
 use super::{Hello, ProtocolError};
 
@@ -83,6 +84,73 @@ pub const VERSION_ANSWERS_FOLLOW: u16 = 16;
 /// for the pause).
 pub const VERSION_DROP_AHEAD: u16 = 17;
 
+/// What a session may use, decided once from the version both sides
+/// agreed on: the modes ask it by name, never by number, so a feature's
+/// version is written once, here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps(u16);
+
+/// `name() -> bool`: the agreed version is at least `version`.
+macro_rules! caps {
+    ($($(#[$doc:meta])* $name:ident = $version:expr;)*) => {
+        impl Caps {
+            $(
+                $(#[$doc])*
+                pub const fn $name(self) -> bool {
+                    self.0 >= $version
+                }
+            )*
+        }
+    };
+}
+
+impl Caps {
+    /// The capabilities of protocol version `version`.
+    pub const fn of(version: u16) -> Caps {
+        Caps(version)
+    }
+
+    /// The version they come from (for messages and the records).
+    pub const fn version(self) -> u16 {
+        self.0
+    }
+}
+
+caps! {
+    /// Compressed bulk streams (Codec, Encoded), v2.
+    compressed_streams = 2;
+    /// Postcopy (the switch, demand and push).
+    postcopy = VERSION_POSTCOPY;
+    /// A paused postcopy resumed on a new link.
+    resume = VERSION_RESUME;
+    /// The VM's clients move with it (ClientsPlan, Started's report).
+    clients = VERSION_CLIENTS;
+    /// The destination's timeline comes back.
+    timeline = VERSION_TIMELINE;
+    /// Memory servers (stores).
+    store = VERSION_STORE;
+    /// Split and gather.
+    split = VERSION_SPLIT;
+    /// A one-time token and owner secrets (admission).
+    trust = VERSION_TRUST;
+    /// Pages sealed by TLS, without their own checksum.
+    sealed_pages = VERSION_SEALED_PAGES;
+    /// The postcopy safety net's standby.
+    standby = VERSION_STANDBY;
+    /// Verification of what landed, hashed outside the pause.
+    landed_hashes = VERSION_LANDED_HASHES;
+    /// The destination readies a switch at the opening (SwitchReady).
+    switch_ahead = VERSION_SWITCH_AHEAD;
+    /// Pages the destination's host already holds (SharedPages).
+    shared_pages = VERSION_SHARED_PAGES;
+    /// State (and the clients) before the last round.
+    early_state = VERSION_EARLY_STATE;
+    /// The clients' answers follow the VM.
+    answers_follow = VERSION_ANSWERS_FOLLOW;
+    /// Pages dropped ahead of a postcopy switch.
+    drop_ahead = VERSION_DROP_AHEAD;
+}
+
 /// Picks the version both sides speak, or says why there is none.
 pub fn negotiate(h: &Hello) -> Result<u16, ProtocolError> {
     let v = h.version_max.min(VERSION_MAX);
@@ -130,6 +198,41 @@ mod tests {
             negotiate(&hello(VERSION_MAX, VERSION_MAX + 5)).unwrap(),
             VERSION_MAX
         );
+    }
+
+    #[test]
+    fn each_capability_starts_at_its_version_and_stays() {
+        let at = |v: u16| Caps::of(v);
+        assert!(!at(1).compressed_streams() && at(2).compressed_streams());
+        assert!(!at(VERSION_POSTCOPY - 1).postcopy() && at(VERSION_POSTCOPY).postcopy());
+        assert!(!at(VERSION_TRUST - 1).trust() && at(VERSION_TRUST).trust());
+        assert!(!at(VERSION_EARLY_STATE - 1).early_state());
+        assert!(at(VERSION_EARLY_STATE).early_state());
+        assert!(!at(VERSION_MAX - 1).drop_ahead() && at(VERSION_MAX).drop_ahead());
+        // The newest version has every capability, the oldest none.
+        let all = |c: Caps| {
+            [
+                c.compressed_streams(),
+                c.postcopy(),
+                c.resume(),
+                c.clients(),
+                c.timeline(),
+                c.store(),
+                c.split(),
+                c.trust(),
+                c.sealed_pages(),
+                c.standby(),
+                c.landed_hashes(),
+                c.switch_ahead(),
+                c.shared_pages(),
+                c.early_state(),
+                c.answers_follow(),
+                c.drop_ahead(),
+            ]
+        };
+        assert!(all(at(VERSION_MAX)).iter().all(|x| *x));
+        assert!(all(at(VERSION_MIN)).iter().all(|x| !*x));
+        assert_eq!(at(13).version(), 13);
     }
 
     #[test]

@@ -139,7 +139,7 @@ fn opening(c: &mut Conn, hello: &Hello, rules: &Admission, mine: &Layout) -> Res
     c.set_timeouts(Some(ADMISSION_TIMEOUT))
         .map_err(|e| e.to_string())?;
     let version = protocol::negotiate(hello).map_err(|e| e.to_string())?;
-    if rules.token.is_some() && version < protocol::VERSION_TRUST {
+    if rules.token.is_some() && !crate::protocol::Caps::of(version).trust() {
         return Err(format!(
             "this destination demands a migration token (protocol v{}); the source speaks v{version}",
             protocol::VERSION_TRUST
@@ -158,7 +158,7 @@ fn opening(c: &mut Conn, hello: &Hello, rules: &Admission, mine: &Layout) -> Res
         }
         e => e.to_string(),
     };
-    if version >= protocol::VERSION_TRUST {
+    if crate::protocol::Caps::of(version).trust() {
         let token: Option<String> = recv_by(c, Kind::Token, deadline).map_err(late)?;
         if let Some(want) = &rules.token {
             let want = crate::options::MigrationToken(want.clone());

@@ -79,8 +79,8 @@ pub(crate) struct DestSession<'a> {
     timeout: Duration,
     ctl: Conn,
     hello: Hello,
-    /// The protocol version agreed on.
-    pub(crate) version: u16,
+    /// What the agreed protocol version lets this session use.
+    pub(crate) caps: crate::protocol::Caps,
     /// Where this side stands (checked transitions, `state.rs`).
     phase: DestPhase,
     /// This side agreed to take the VM's clients over.
@@ -124,7 +124,7 @@ impl<'a> DestSession<'a> {
             timeout,
             ctl: won.conn,
             hello: won.hello,
-            version: won.version,
+            caps: crate::protocol::Caps::of(won.version),
             phase: DestPhase::Waiting,
             clients_agreed: false,
             tel: Telemetry::new(),
@@ -162,7 +162,7 @@ impl<'a> DestSession<'a> {
         }
         self.ctl
             .count_into(self.tel.link(&Role::Control.link_name()));
-        if self.version >= protocol::VERSION_CLIENTS {
+        if self.caps.clients() {
             let plan: Option<ClientsPlan> = self.ctl.recv(Kind::ClientsPlan)?;
             if let Some(plan) = plan {
                 let answer = match vm.prepare_clients(&plan) {
@@ -174,15 +174,15 @@ impl<'a> DestSession<'a> {
                 self.ctl.send(Kind::ClientsAnswer, &answer)?;
             }
         }
-        if self.version >= protocol::VERSION_TIMELINE {
+        if self.caps.timeline() {
             let tail: u32 = self.ctl.recv(Kind::TimelineAsk)?;
             // A source may ask for a long tail; this side bounds it.
             self.timeline_tail = Some(Duration::from_millis(u64::from(tail.min(60_000))));
         }
-        if self.version >= protocol::VERSION_LANDED_HASHES {
+        if self.caps.landed_hashes() {
             self.hash_landed = self.ctl.recv(Kind::HashAsk)?;
         }
-        if self.version >= protocol::VERSION_SWITCH_AHEAD {
+        if self.caps.switch_ahead() {
             let ahead: bool = self.ctl.recv(Kind::SwitchAhead)?;
             if ahead {
                 // No page has landed yet: nothing given back here is data.
@@ -193,13 +193,13 @@ impl<'a> DestSession<'a> {
                 self.ctl.send(Kind::SwitchReady, &released)?;
             }
         }
-        if self.version >= protocol::VERSION_SHARED_PAGES {
+        if self.caps.shared_pages() {
             let ask: bool = self.ctl.recv(Kind::ShareAsk)?;
             if ask {
                 self.offer_shared(vm)?;
             }
         }
-        if self.version >= protocol::VERSION_ANSWERS_FOLLOW {
+        if self.caps.answers_follow() {
             let token: Option<[u8; 16]> = self.ctl.recv(Kind::AnswersAsk)?;
             if let Some(token) = token {
                 let held = !self.clients_agreed && vm.hold_answers(token);
@@ -209,8 +209,11 @@ impl<'a> DestSession<'a> {
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;
-        self.tel.event("open", format!("v{}", self.version));
-        tracing::info!(version = self.version, "incoming migration session open");
+        self.tel.event("open", format!("v{}", self.caps.version()));
+        tracing::info!(
+            version = self.caps.version(),
+            "incoming migration session open"
+        );
         Ok(())
     }
 
@@ -363,7 +366,7 @@ impl<'a> DestSession<'a> {
                     // No reference comes after: the last round was applied
                     // (or, from v15, is the last round, which sends none).
                     rx.stop_sharing();
-                    if self.version >= protocol::VERSION_EARLY_STATE {
+                    if self.caps.early_state() {
                         // Restored now, while the rest arrives: the state
                         // touches no guest memory, and restoring it again
                         // (a second State) replaces it whole.
@@ -387,7 +390,7 @@ impl<'a> DestSession<'a> {
                         }
                         .into());
                     }
-                    if self.version >= protocol::VERSION_EARLY_STATE {
+                    if self.caps.early_state() {
                         // Restored now, parked: they go live only as the
                         // VM starts, so the last round may still land.
                         let t = Instant::now();
@@ -474,7 +477,7 @@ impl<'a> DestSession<'a> {
                         verify_ms: stats.verify_ms,
                         clients: stats.clients.clone(),
                     };
-                    if self.version >= protocol::VERSION_CLIENTS {
+                    if self.caps.clients() {
                         self.ctl.send(Kind::Started, &report)?;
                     } else {
                         let v1 = StartedReportV1 {

@@ -14,7 +14,7 @@ use crate::error::MigrationError;
 use crate::memory::RegionView;
 use crate::options::MigrateOptions;
 use crate::paused::{Outcome, Resumable};
-use crate::protocol::{self, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
+use crate::protocol::{self, Caps, Hello, Kind, ProtocolError, Role, RoundDone, HEADER};
 use crate::ranges::GpaPages;
 use crate::stats::{thread_cpu_secs, CpuMeter, StartedReport};
 use crate::telemetry::{LivePhase, Telemetry};
@@ -33,8 +33,8 @@ pub(crate) struct SourceSession<'a> {
     pub(crate) regions: Vec<RegionView>,
     ctl: Option<Conn>,
     pub(crate) bulk: Vec<Conn>,
-    /// The protocol version agreed on.
-    pub(crate) version: u16,
+    /// What the agreed protocol version lets this session use.
+    caps: Caps,
     id: u64,
     /// Where the migration stands, and what it holds on the VM.
     state: SourceState,
@@ -109,7 +109,7 @@ impl<'a> SourceSession<'a> {
             regions: vm.regions(),
             ctl: None,
             bulk: Vec::new(),
-            version: 0,
+            caps: Caps::default(),
             id: session_id(),
             state: SourceState::new(),
             clients_move: false,
@@ -139,7 +139,7 @@ impl<'a> SourceSession<'a> {
     ) -> Self {
         let mut s = SourceSession::new(vm, to, opts);
         s.id = r.id;
-        s.version = r.version;
+        s.caps = Caps::of(r.version);
         s.t_start = r.t_start;
         s.state = SourceState::resumed();
         s
@@ -149,9 +149,14 @@ impl<'a> SourceSession<'a> {
     pub(crate) fn resumable(&self) -> Resumable {
         Resumable {
             id: self.id,
-            version: self.version,
+            version: self.caps.version(),
             t_start: self.t_start,
         }
+    }
+
+    /// What the agreed protocol version lets this session use.
+    pub(crate) fn caps(&self) -> Caps {
+        self.caps
     }
 
     /// The session id (every connection of the session carries it).
@@ -212,7 +217,7 @@ impl<'a> SourceSession<'a> {
         ));
         ctl.flush()?;
         let version: u16 = ctl.recv(Kind::HelloAck)?;
-        if version < protocol::VERSION_RESUME {
+        if !Caps::of(version).resume() {
             return Err(MigrationError::Unsupported(format!(
                 "the destination resumed with protocol v{version}; resuming needs v{}",
                 protocol::VERSION_RESUME
@@ -255,19 +260,19 @@ impl<'a> SourceSession<'a> {
             Role::Control,
         ));
         ctl.flush()?;
-        self.version = ctl.recv(Kind::HelloAck)?;
-        if self.version >= protocol::VERSION_TRUST {
+        self.caps = Caps::of(ctl.recv(Kind::HelloAck)?);
+        if self.caps.trust() {
             let token = self.opts.token.clone();
             self.ctl()?.send(Kind::Token, &token)?;
         }
         let layout = super::layout_of(&self.regions, self.vm.vcpus());
         self.ctl()?.send(Kind::Layout, &layout)?;
         self.plan_clients()?;
-        if self.version >= protocol::VERSION_TIMELINE {
+        if self.caps.timeline() {
             let tail = self.opts.timeline_tail_ms;
             self.ctl()?.send(Kind::TimelineAsk, &tail)?;
         }
-        if self.version >= protocol::VERSION_LANDED_HASHES {
+        if self.caps.landed_hashes() {
             // Only a precopy compares hashes taken as pages go and land;
             // the other modes hash memory when they verify.
             let hash = self.opts.verify && self.opts.mode == crate::options::Mode::Precopy;
@@ -277,7 +282,7 @@ impl<'a> SourceSession<'a> {
                 self.sent_hashes = Some(std::sync::Arc::new(table));
             }
         }
-        if self.version >= protocol::VERSION_SWITCH_AHEAD {
+        if self.caps.switch_ahead() {
             use crate::options::Mode;
             // These modes need the pages still to come missing at the
             // destination when they switch; it makes them so now, while the
@@ -292,7 +297,7 @@ impl<'a> SourceSession<'a> {
                 );
             }
         }
-        if self.version >= protocol::VERSION_SHARED_PAGES {
+        if self.caps.shared_pages() {
             use crate::options::Mode;
             // Only the copy rounds send references (a miss goes again in
             // the next round); postcopy and split pages have no next round.
@@ -307,15 +312,15 @@ impl<'a> SourceSession<'a> {
                 self.shared = Some(std::sync::Arc::new(offer));
             }
         }
-        if self.version >= protocol::VERSION_ANSWERS_FOLLOW {
+        if self.caps.answers_follow() {
             self.ask_answers_held()?;
         }
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
         self.tel.set_phase(self.state.phase().live());
         self.tel
-            .event("open", format!("{} v{}", self.to, self.version));
-        tracing::info!(to = %self.to, version = self.version, "migration session open");
+            .event("open", format!("{} v{}", self.to, self.caps.version()));
+        tracing::info!(to = %self.to, version = self.caps.version(), "migration session open");
         Ok(())
     }
 
@@ -323,7 +328,7 @@ impl<'a> SourceSession<'a> {
     /// (v5), and tells the VM the answer.
     fn plan_clients(&mut self) -> Result<(), MigrationError> {
         let plan = self.vm.clients_plan();
-        let answer = if self.version >= protocol::VERSION_CLIENTS {
+        let answer = if self.caps.clients() {
             self.ctl()?.send(Kind::ClientsPlan, &plan)?;
             if plan.is_none() {
                 return Ok(());
@@ -332,7 +337,7 @@ impl<'a> SourceSession<'a> {
         } else if plan.is_some() {
             ClientsAnswer::Stay(format!(
                 "the destination speaks protocol v{}; moving clients needs v{}",
-                self.version,
+                self.caps.version(),
                 protocol::VERSION_CLIENTS
             ))
         } else {
@@ -584,7 +589,7 @@ impl<'a> SourceSession<'a> {
     /// Returns whether they went (the downtime's clients part is then the
     /// caller's lap).
     pub(crate) fn send_clients_early(&mut self) -> Result<bool, MigrationError> {
-        if !self.clients_move || self.version < protocol::VERSION_EARLY_STATE {
+        if !self.clients_move || !self.caps.early_state() {
             return Ok(false);
         }
         self.send_clients()?;
@@ -640,12 +645,12 @@ impl<'a> SourceSession<'a> {
             c.shutdown();
         }
         self.bulk.clear();
-        if self.version < protocol::VERSION_TIMELINE {
+        if !self.caps.timeline() {
             self.tel.event(
                 "timeline",
                 format!(
                     "the destination speaks protocol v{}: it sends no timeline",
-                    self.version
+                    self.caps.version()
                 ),
             );
             return;
@@ -689,7 +694,7 @@ impl<'a> SourceSession<'a> {
             self.send_clients()?;
             self.clients_ms = t.elapsed().as_secs_f64() * 1e3;
         }
-        let version = self.version;
+        let version = self.caps.version();
         self.enter(SourcePhase::Completing)?;
         let unacked = self.unacked.take();
         self.ctl()?.send_frame(Kind::Complete, &[])?;
@@ -740,7 +745,7 @@ impl<'a> SourceSession<'a> {
             }
             Err(e) => return Err(MigrationError::InDoubt(e.to_string())),
         };
-        let report: StartedReport = if version >= protocol::VERSION_CLIENTS {
+        let report: StartedReport = if Caps::of(version).clients() {
             protocol::decode(&frame, Kind::Started)?
         } else {
             let v1: crate::stats::StartedReportV1 = protocol::decode(&frame, Kind::Started)?;

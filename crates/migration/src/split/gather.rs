@@ -37,10 +37,10 @@ impl Gather {
     /// to pull the servers' chunks.
     pub(crate) fn open(s: &mut SourceSession) -> Result<Self, MigrationError> {
         // v9: the plan carries the stores' secrets.
-        if s.version < protocol::VERSION_TRUST {
+        if !s.caps().trust() {
             return Err(MigrationError::Unsupported(format!(
                 "the destination speaks protocol v{}; gather needs v{}",
-                s.version,
+                s.caps().version(),
                 protocol::VERSION_TRUST
             )));
         }

@@ -36,10 +36,10 @@ impl Router {
     pub(crate) fn open(s: &mut SourceSession) -> Result<Self, MigrationError> {
         // v9: the plan carries the stores' secrets, and memory servers
         // serve v9 clients only.
-        if s.version < protocol::VERSION_TRUST {
+        if !s.caps().trust() {
             return Err(MigrationError::Unsupported(format!(
                 "the main host speaks protocol v{}; split needs v{} (a newer ferry there)",
-                s.version,
+                s.caps().version(),
                 protocol::VERSION_TRUST
             )));
         }

@@ -329,7 +329,7 @@ fn admit(c: &mut Conn, hello: &Hello) -> Result<StandbyPlan, MigrationError> {
         )));
     }
     let version = protocol::negotiate(hello)?;
-    if version < protocol::VERSION_STANDBY {
+    if !crate::protocol::Caps::of(version).standby() {
         return Err(MigrationError::Unsupported(format!(
             "a standby needs protocol v{}; the source speaks v{version}",
             protocol::VERSION_STANDBY

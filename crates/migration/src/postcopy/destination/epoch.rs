@@ -181,7 +181,7 @@ impl PostcopyDestination<'_> {
     /// connections; then the waiting faults are asked for again.
     fn resume_with(&mut self, c: &mut Conn, h: &protocol::Hello) -> Result<(), MigrationError> {
         let version = protocol::negotiate(h)?;
-        if version < protocol::VERSION_RESUME {
+        if !crate::protocol::Caps::of(version).resume() {
             return Err(MigrationError::Unsupported(format!(
                 "resuming needs protocol v{}, the source speaks v{version}",
                 protocol::VERSION_RESUME
