@@ -164,7 +164,9 @@ impl Try<'_> {
             mode: Some(self.report.mode),
         };
         let (standby, ready) = std::thread::scope(|sc| {
-            let starting = want_net.then(|| sc.spawn(|| start_standby(sh, &hosts, &third, vm)));
+            let starting = want_net.then(|| {
+                sc.spawn(|| start_standby(&sh.fleet, &sh.standbys, &sh.planned, &hosts, &third, vm))
+            });
             let ready = dest.receive(&receive);
             let standby = starting.and_then(|t| t.join().ok()).flatten();
             (standby, ready)

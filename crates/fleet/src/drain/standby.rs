@@ -6,9 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::mover::Shared;
 use crate::api::{HostInfo, Request, VmInfo};
-use crate::claims::StandbyClaims;
+use crate::claims::{Claim, StandbyClaims};
 use crate::fleet::Fleet;
 
 /// Third hosts tried for a move's standby.
@@ -19,18 +18,20 @@ pub(crate) const STANDBY_TRIES: usize = 2;
 /// address. None when none can: the move then goes without one, as the
 /// report says.
 pub(crate) fn start_standby(
-    sh: &Shared,
+    fleet: &Fleet,
+    claims: &Arc<StandbyClaims>,
+    planned: &[Claim],
     hosts: &[HostInfo],
     third: &[String],
     vm: &VmInfo,
 ) -> Option<StandbyAt> {
     let (name, bytes) = (vm.spec.name.as_str(), vm.spec.mem_bytes);
     for h in third {
-        if !sh.standbys.claim(hosts, &sh.planned, h, name, bytes) {
+        if !claims.claim(hosts, planned, h, name, bytes) {
             tracing::warn!("drain: no standby on {h} for {name}: its room was claimed meanwhile");
             continue;
         }
-        let started = sh.fleet.agent(h).and_then(|a| {
+        let started = fleet.agent(h).and_then(|a| {
             let r = a.store(&Request::Standby {
                 vm: name.into(),
                 bytes,
@@ -43,11 +44,11 @@ pub(crate) fn start_standby(
                     agent,
                     host: h.clone(),
                     addr,
-                    claims: sh.standbys.clone(),
+                    claims: claims.clone(),
                 })
             }
             Err(e) => {
-                sh.standbys.release(h, name);
+                claims.release(h, name);
                 tracing::warn!("drain: no standby on {h} for {name}: {e}");
             }
         }
