@@ -32,8 +32,8 @@ impl Rounds for Hybrid {
     }
 
     fn hand_over_due(&self, s: &SourceSession, rounds_done: u32, dirty: u64) -> Option<String> {
-        let after = s.opts.postcopy_after;
-        let why = postcopy_due(after, rounds_done, s.t_start).then(|| match after {
+        let after = s.opts().postcopy_after;
+        let why = postcopy_due(after, rounds_done, s.started_at()).then(|| match after {
             PostcopyAfter::Rounds(n) => format!("{n} dirty rounds"),
             PostcopyAfter::Secs(x) => format!("{x} s"),
             PostcopyAfter::Either(n, _) if rounds_done > n => format!("{n} dirty rounds"),

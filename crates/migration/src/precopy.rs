@@ -202,7 +202,7 @@ impl HandOver {
     ) -> Result<(Vec<GpaPages>, MigrationStats), MigrationError> {
         let mut c = self.c;
         let (last, _) = pause(s, &mut c.stats, self.runs, false)?;
-        let _ = s.vm.throttle(0);
+        let _ = s.vm().throttle(0);
         c.stats.downtime_parts.last_round = s.lap_ms();
         add_encoding(&mut c.stats, &c.sender, c.compressed);
         Ok((last, c.stats))
@@ -215,7 +215,7 @@ fn open<M: Rounds + ?Sized>(
     backend: &Backend,
     mode: &mut M,
 ) -> Result<Copying, MigrationError> {
-    let opts = s.opts;
+    let opts = s.opts();
     let copt = &opts.compression;
     s.open()?;
     mode.begin(s)?;
@@ -241,9 +241,9 @@ fn open<M: Rounds + ?Sized>(
     });
     s.open_bulk(setup.as_ref())?;
     mode.streams_open(s)?;
-    let vm = s.vm;
+    let vm = s.vm();
     let sample = if compressed {
-        sample_pages(&s.regions, |i| vm.data_ranges(i), 256)
+        sample_pages(s.regions(), |i| vm.data_ranges(i), 256)
     } else {
         Vec::new()
     };
@@ -251,21 +251,21 @@ fn open<M: Rounds + ?Sized>(
         copt,
         backend,
         compressed,
-        s.bulk.len(),
+        s.streams(),
         opts.bandwidth,
         &sample,
     )
     .sharing_link(opts.share_link)
-    .watched_by(s.tel.clone())
+    .watched_by(s.tel().clone())
     .sealing(s.caps().sealed_pages())
-    .hashing(s.sent_hashes.clone())
-    .sharing(s.shared.clone())
+    .hashing(s.sent_hashes().cloned())
+    .sharing(s.shared().cloned())
     // Split and gather send pages elsewhere than the destination's memory:
     // only a copy mode's rounds (hybrid's before it switches) know what
     // lies there.
     .skipping_unchanged(
         mode.sends_in_place()
-            .then(|| std::sync::Arc::new(crate::unchanged::SentContent::new(&s.regions))),
+            .then(|| std::sync::Arc::new(crate::unchanged::SentContent::new(s.regions()))),
     );
     Ok(Copying {
         stats,
@@ -286,9 +286,9 @@ fn rounds<M: Rounds + ?Sized>(
     progress: &dyn Fn(&Progress),
     mode: &mut M,
 ) -> Result<RoundsEnd, MigrationError> {
-    let (opts, vm) = (s.opts, s.vm);
+    let (opts, vm) = (s.opts(), s.vm());
     s.start_dirty_log()?;
-    let (runs, holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    let (runs, holes) = first_round(s.regions(), |i| vm.data_ranges(i));
     c.runs = runs;
     let mut holes = mode.holes(holes);
     let hand_over = loop {
@@ -331,10 +331,10 @@ fn round<M: Rounds + ?Sized>(
     mode: &mut M,
 ) -> Result<u64, MigrationError> {
     let round = c.round;
-    s.tel.round_began(round, total_pages(&c.runs));
+    s.tel().round_began(round, total_pages(&c.runs));
     progress(&c.progress(Phase::Copy, total_pages(&c.runs), 0.0));
     let (mut rs, frames) = {
-        let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
+        let (regions, bulk, cpu) = s.sending_parts();
         let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
             c.sender
                 .send_round(regions, bulk, runs, holes, round, None, cpu)
@@ -342,14 +342,12 @@ fn round<M: Rounds + ?Sized>(
         mode.send_round(regions, &c.runs, holes, &mut send)?
     };
     s.barrier(round, frames)?;
-    let bitmaps =
-        s.vm.take_dirty()
-            .map_err(MigrationError::vm("read dirty log"))?;
-    let (mut next, mut dirty) = dirty_runs(&s.regions, &bitmaps);
+    let bitmaps = s.take_dirty()?;
+    let (mut next, mut dirty) = dirty_runs(s.regions(), &bitmaps);
     let missed = s.take_missed();
     if !missed.is_empty() {
         // References the destination could not resolve go again, as data.
-        if let Some(offer) = &s.shared {
+        if let Some(offer) = s.shared() {
             offer.withdraw(&missed);
         }
         c.stats.shared_missed += total_pages(&missed);
@@ -370,7 +368,7 @@ fn round<M: Rounds + ?Sized>(
     // costs a hash (a kv store's reads dirty ~90% of its pages so), and
     // counting it would throttle a guest the rounds keep up with.
     let changed = changed_share(&rs);
-    let (opts, vm) = (s.opts, s.vm);
+    let (opts, vm) = (s.opts(), s.vm());
     let tuning = &opts.auto_converge_tuning;
     let fits_pause = (opts.downtime_ms / 1e3 * c.bandwidth / (PAGE + PAGE_META) as f64) as u64;
     let rounds_left = opts.max_rounds.saturating_sub(round);
@@ -389,7 +387,7 @@ fn round<M: Rounds + ?Sized>(
             .map_err(MigrationError::vm("throttle"))?;
         tracing::info!(throttle = c.throttle, "auto-converge throttles the vCPUs");
     }
-    s.tel.set_dirty(rs.dirty_rate, c.throttle);
+    s.tel().set_dirty(rs.dirty_rate, c.throttle);
     add_round(&mut c.stats, rs);
     c.runs = next;
     c.round += 1;
@@ -407,18 +405,16 @@ fn pause(
 ) -> Result<(Vec<GpaPages>, Vec<GpaPages>), MigrationError> {
     s.pause()?;
     stats.downtime_parts.pause = s.lap_ms();
-    let bitmaps =
-        s.vm.take_dirty()
-            .map_err(MigrationError::vm("read dirty log"))?;
-    let (mut last, _) = dirty_runs(&s.regions, &bitmaps);
+    let bitmaps = s.take_dirty()?;
+    let (mut last, _) = dirty_runs(s.regions(), &bitmaps);
     last.extend(runs);
     // Reading a hole allocates it (about 10 µs a page on these machines,
     // 5 ms for a mostly empty 2 MiB ring), and a hole at the source is
     // zero at the destination already where the pages land in place.
     // Split, gather and a mode taking over keep every written page.
-    let written = s.vm.host_written_ranges();
+    let written = s.vm().host_written_ranges();
     let (written, holes) = if written_holes {
-        split_holes(&s.regions, s.vm, &written)
+        split_holes(s.regions(), s.vm(), &written)
     } else {
         (written.iter().map(GpaBytes::pages).collect(), Vec::new())
     };
@@ -451,10 +447,10 @@ fn last_round<M: Rounds + ?Sized>(
         s.ctl()?.flush()?;
     }
     let (round, remaining) = (c.round, total_pages(&last));
-    s.tel.round_began(round, remaining);
+    s.tel().round_began(round, remaining);
     progress(&c.progress(Phase::StopAndCopy, remaining, c.bandwidth));
     let (rs, frames) = {
-        let (regions, bulk, cpu) = (&s.regions, &mut s.bulk, &s.cpu);
+        let (regions, bulk, cpu) = s.sending_parts();
         let mut send = |runs: &[GpaPages], holes: &[GpaPages]| {
             let bytes = Some(total_pages(runs) * PAGE);
             c.sender
@@ -491,12 +487,12 @@ fn finish<M: Rounds + ?Sized>(
     progress: &dyn Fn(&Progress),
     mode: &mut M,
 ) -> Result<Outcome, MigrationError> {
-    if s.opts.verify {
-        if s.sent_hashes.is_none() {
+    if s.opts().verify {
+        if s.sent_hashes().is_none() {
             s.relax(); // hashes all of memory (here or in the mode)
         }
         progress(&c.progress(Phase::Verify, 0, c.bandwidth));
-        let (pages, bytes) = match (&s.sent_hashes, mode.hashes(s)) {
+        let (pages, bytes) = match (s.sent_hashes(), mode.hashes(s)) {
             // What was sent against what landed, by digest; memory itself
             // is checked once the VM runs there (`finish`).
             (Some(sent), _) => {
@@ -530,12 +526,12 @@ fn finish<M: Rounds + ?Sized>(
     add_encoding(&mut c.stats, &c.sender, c.compressed);
     c.stats.source_cpu_s = s.cpu_secs();
     c.stats.downtime_ms = s.downtime_ms();
-    if let Some(sent) = s.sent_hashes.clone() {
+    if let Some(sent) = s.sent_hashes().cloned() {
         // This side's memory has not changed since the pause: each page
         // must still be what it last sent. The VM already runs there, so
         // this costs no downtime.
         let t = std::time::Instant::now();
-        let checked = sent.check_memory(&s.regions, |i| s.vm.data_ranges(i));
+        let checked = sent.check_memory(s.regions(), |i| s.vm().data_ranges(i));
         c.stats.verify_after_ms = t.elapsed().as_secs_f64() * 1e3;
         c.stats.verified_pages = checked.map_err(|m| MigrationError::VerifyAfterSwitch {
             bad: m.bad,
@@ -543,7 +539,7 @@ fn finish<M: Rounds + ?Sized>(
             first: m.first,
         })?;
     }
-    c.stats.total_secs = secs(s.t_start.elapsed());
+    c.stats.total_secs = secs(s.started_at().elapsed());
     // With the destination's service: clients that stay are forwarded
     // from now on, not after the destination's timeline came back.
     progress(&Progress {

@@ -55,10 +55,8 @@ pub(crate) fn drop_ahead(
             .into());
         }
         dropped = union_runs(dropped.into_iter().chain(batch));
-        let bitmaps =
-            s.vm.take_dirty()
-                .map_err(MigrationError::vm("read dirty log"))?;
-        let (dirtied, _) = dirty_runs(&s.regions, &bitmaps);
+        let bitmaps = s.take_dirty()?;
+        let (dirtied, _) = dirty_runs(s.regions(), &bitmaps);
         batch = subtract_runs(&dirtied, &dropped);
         *pending = union_runs(pending.drain(..).chain(dirtied));
     }
@@ -67,6 +65,6 @@ pub(crate) fn drop_ahead(
         pages,
         "the destination dropped dirtied pages ahead of the pause"
     );
-    s.tel.event("dropped_ahead", pages.to_string());
+    s.tel().event("dropped_ahead", pages.to_string());
     Ok(pages)
 }

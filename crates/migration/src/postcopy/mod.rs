@@ -52,7 +52,7 @@ pub(crate) fn require(s: &SourceSession) -> Result<(), MigrationError> {
         return Err(MigrationError::Unsupported(format!(
             "the destination speaks protocol v{}; {} needs v{} (a newer ferry there)",
             s.caps().version(),
-            s.opts.mode,
+            s.opts().mode,
             protocol::VERSION_POSTCOPY
         )));
     }
@@ -91,15 +91,15 @@ pub(crate) fn run(
     require(s)?;
     s.open_bulk(None)?;
     let mut stats = MigrationStats {
-        mode: s.opts.mode,
+        mode: s.opts().mode,
         converged: "postcopy: no precopy rounds".into(),
         ..Default::default()
     };
     stats.compression.asked = "none".into();
     s.pause()?;
     stats.downtime_parts.pause = s.lap_ms();
-    let vm = s.vm;
-    let (data, _holes) = first_round(&s.regions, |i| vm.data_ranges(i));
+    let vm = s.vm();
+    let (data, _holes) = first_round(s.regions(), |i| vm.data_ranges(i));
     let mut pending = data;
     pending.extend(vm.host_written_ranges().iter().map(GpaBytes::pages));
     let paused = switch(s, &mut stats, union_runs(pending), 0, progress)?;
@@ -117,7 +117,7 @@ pub(crate) fn switch(
     round: u32,
     progress: &dyn Fn(&Progress),
 ) -> Result<Option<Box<PausedPostcopy>>, MigrationError> {
-    let opts = s.opts;
+    let opts = s.opts();
     let pending_pages = total_pages(&pending);
     progress(&Progress {
         round,
@@ -127,7 +127,7 @@ pub(crate) fn switch(
         phase: Phase::StopAndCopy,
         ..Default::default()
     });
-    let guest_apf_base = s.vm.guest_apf_count();
+    let guest_apf_base = s.vm().guest_apf_count();
     for (share, last) in protocol::run_frames(&pending) {
         let plan = PostcopyPlan {
             pending: share.to_vec(),
@@ -148,7 +148,7 @@ pub(crate) fn switch(
     // Started moves the session to Switched: from there a failure never
     // resumes the VM here.
     let report = s.complete(SourcePhase::Switched)?;
-    s.tel.set_remaining_pages(pending_pages);
+    s.tel().set_remaining_pages(pending_pages);
     let ms = s.lap_ms();
     s.note_started(stats, &report, ms);
     // Outside the downtime, as precopy does: the log was read for the last
@@ -176,7 +176,7 @@ pub(crate) fn switch(
     stats.postcopy = Some(PostcopyStats {
         switch_at_s: s
             .paused_at()
-            .map_or(0.0, |t| secs(t.saturating_duration_since(s.t_start))),
+            .map_or(0.0, |t| secs(t.saturating_duration_since(s.started_at()))),
         pending_pages,
         ..Default::default()
     });
@@ -218,7 +218,7 @@ fn net_feed(
     pending: &[GpaPages],
     round: u32,
 ) -> net::NetFeed {
-    let vm = s.vm;
+    let vm = s.vm();
     net::NetFeed {
         net: at,
         plan: protocol::StandbyPlan {
@@ -226,23 +226,23 @@ fn net_feed(
             version: s.caps().version(),
             started_unix_s: s.start_unix_s(),
             destination: s.to().to_string(),
-            layout: s.regions.iter().map(|r| (r.gpa(), r.size())).collect(),
+            layout: s.regions().iter().map(|r| (r.gpa(), r.size())).collect(),
             round,
-            prefetch: s.opts.prefetch,
-            streams: s.opts.streams.max(1),
+            prefetch: s.opts().prefetch,
+            streams: s.opts().streams.max(1),
             pending_pages: total_pages(pending),
-            verify: s.opts.verify,
+            verify: s.opts().verify,
         },
-        regions: s.regions.clone(),
+        regions: s.regions().to_vec(),
         pending: pending.to_vec(),
         verify: s
-            .opts
+            .opts()
             .verify
-            .then(|| (0..s.regions.len()).map(|i| vm.data_ranges(i)).collect()),
-        timeout: s.opts.timeout(),
-        tel: s.tel.clone(),
-        finishes: s.opts.net_finishes,
-        bandwidth: s.opts.bandwidth,
+            .then(|| (0..s.regions().len()).map(|i| vm.data_ranges(i)).collect()),
+        timeout: s.opts().timeout(),
+        tel: s.tel().clone(),
+        finishes: s.opts().net_finishes,
+        bandwidth: s.opts().bandwidth,
     }
 }
 
@@ -277,13 +277,13 @@ fn follow(
     mut relay: Option<&net::Net>,
     progress: &dyn Fn(&Progress),
 ) -> Result<Option<Box<PausedPostcopy>>, MigrationError> {
-    let opts = s.opts;
+    let opts = s.opts();
     loop {
         let (pending, demand) = match next {
             Ok(connected) => connected,
             Err(reason) => {
                 if epoch.paused_since.is_none() {
-                    s.tel.event("link_broken", reason.clone());
+                    s.tel().event("link_broken", reason.clone());
                     s.link_broken(true);
                     tracing::warn!(
                         %reason,
@@ -306,7 +306,7 @@ fn follow(
                         post.pauses += 1;
                         post.paused_s += secs(since.elapsed());
                         epoch.paused_since = None;
-                        s.tel.event(
+                        s.tel().event(
                             "resumed",
                             format!("{} pages missing", total_pages(&connected.0)),
                         );
@@ -351,14 +351,14 @@ fn follow(
         // at once, one resumed inside it holds for the rest.
         let push_from = epoch.t_post + std::time::Duration::from_millis(opts.push_delay_ms);
         let out = source::SourcePages::new(
-            s.regions.clone(),
+            s.regions().to_vec(),
             &pending,
             opts.prefetch,
             opts.bandwidth,
             push_from,
         )
-        .hot_first(s.vm.access_history().as_ref())
-        .yielding(s.bulk.len(), opts.bandwidth)
+        .hot_first(s.vm().access_history().as_ref())
+        .yielding(s.streams(), opts.bandwidth)
         .sealing(s.caps().sealed_pages());
         if relay.is_some_and(|n| n.state() == net::NetState::Copying) {
             out.net_copies.store(true, Ordering::Release);
@@ -456,8 +456,8 @@ fn finished(
     let post = stats.postcopy.get_or_insert_with(Default::default);
     post.secs = secs(epoch.t_post.elapsed());
     stats.source_cpu_s += s.cpu_secs();
-    stats.total_secs = secs(s.t_start.elapsed());
-    s.tel.event("finished", note);
+    stats.total_secs = secs(s.started_at().elapsed());
+    s.tel().event("finished", note);
     progress(&Progress {
         round: epoch.round,
         bytes: stats.bytes,
@@ -491,7 +491,7 @@ fn serve(
     relay: Option<&net::Net>,
     progress: &dyn Fn(&Progress),
 ) -> Result<Served, MigrationError> {
-    let opts = s.opts;
+    let opts = s.opts();
     let t0 = Instant::now();
     let hold_until = t0 + opts.timeout() / 2;
     // The demand connection idles for as long as no vCPU faults; it ends
@@ -499,14 +499,14 @@ fn serve(
     let _ = demand.set_read_timeout(None);
     let demand_sock = demand.closer().map_err(ProtocolError::Io)?;
     let bulk_socks = s
-        .bulk
+        .bulk()
         .iter()
         .map(Conn::closer)
         .collect::<Result<Vec<_>, _>>()
         .map_err(ProtocolError::Io)?;
-    let vm = s.vm;
-    let regions = s.regions.clone();
-    let mut bulk = std::mem::take(&mut s.bulk);
+    let vm = s.vm();
+    let regions = s.regions().to_vec();
+    let mut bulk = s.take_bulk();
     std::thread::scope(|sc| -> Result<_, MigrationError> {
         let demand_thread = sc.spawn(move || out.serve_demand(&mut demand));
         let hasher = opts.verify.then(|| {

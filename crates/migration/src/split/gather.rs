@@ -44,14 +44,14 @@ impl Gather {
                 protocol::VERSION_TRUST
             )));
         }
-        let pager = s.vm.pager().ok_or_else(|| {
+        let pager = s.vm().pager().ok_or_else(|| {
             MigrationError::Unsupported(
                 "this VM is not split (no memory server holds its pages): migrate it with --mode precopy"
                     .into(),
             )
         })?;
         let snap = pager.begin_gather();
-        let map = ChunkMap::new(&s.regions, snap.chunk_pages);
+        let map = ChunkMap::new(s.regions(), snap.chunk_pages);
         let mut g = Gather {
             pager,
             stats: GatherStats {
@@ -88,7 +88,7 @@ impl Gather {
         let g = self;
         g.stats.pulled_pages = s.ctl()?.recv(Kind::GatherReady)?;
         g.stats.pull_secs = g.t_plan.elapsed().as_secs_f64();
-        s.tel.event(
+        s.tel().event(
             "gather_pulled",
             format!(
                 "{} pages from {} memory servers",
@@ -114,15 +114,15 @@ impl Gather {
         // meanwhile is hashed from its server (the same bytes: the VM is
         // paused), never from a hole read before it arrived.
         let now = self.pager.places();
-        let vm = s.vm;
-        let mut out = crate::session::hashes(&s.regions, |i| vm.data_ranges(i));
+        let vm = s.vm();
+        let mut out = crate::session::hashes(s.regions(), |i| vm.data_ranges(i));
         let open = |i: usize| StoreOpen {
             vm: self.snap.vm.clone(),
-            regions: s.regions.iter().map(|r| (r.gpa(), r.size())).collect(),
+            regions: s.regions().iter().map(|r| (r.gpa(), r.size())).collect(),
             reserve_pages: 0,
             secret: self.snap.secrets[i].clone(),
         };
-        let mut stores = super::open_stores(&self.snap.servers, s.opts.timeout(), open)
+        let mut stores = super::open_stores(&self.snap.servers, s.opts().timeout(), open)
             .into_iter()
             .map(|r| r.map(|(c, _)| c))
             .collect::<Result<Vec<_>, _>>()?;

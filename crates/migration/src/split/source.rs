@@ -43,12 +43,12 @@ impl Router {
                 protocol::VERSION_TRUST
             )));
         }
-        let sp = &s.opts.split;
-        let map = ChunkMap::new(&s.regions, sp.chunk_pages);
-        let history = s.vm.access_history();
+        let sp = &s.opts().split;
+        let map = ChunkMap::new(s.regions(), sp.chunk_pages);
+        let history = s.vm().access_history();
         let scores = chunk_scores(&map, history.as_ref(), sp.rank);
-        let vm = s.vm;
-        let (data, _) = crate::dirty::first_round(&s.regions, |i| vm.data_ranges(i));
+        let vm = s.vm();
+        let (data, _) = crate::dirty::first_round(s.regions(), |i| vm.data_ranges(i));
         let data_pages = map.pages_per_chunk(&data);
         let budget = sp.main_budget / (map.chunk_pages() * crate::ranges::PAGE);
         let placed = place(&scores, &data_pages, budget, sp.subs.len(), sp.replicas);
@@ -69,9 +69,9 @@ impl Router {
         // could do nothing with it anyway.
         let vm_id = format!("{:016x}", s.id());
         let secrets = StoreSecret::random_each(sp.subs.len()).map_err(StoreError::Random)?;
-        let layout: Vec<(u64, u64)> = s.regions.iter().map(|r| (r.gpa(), r.size())).collect();
+        let layout: Vec<(u64, u64)> = s.regions().iter().map(|r| (r.gpa(), r.size())).collect();
         let mine = |i: usize, c: usize| places[c] == i as u16 + 1 || mirrors[c] == i as u16 + 1;
-        let opened = super::open_stores(&sp.subs, s.opts.timeout(), |i| StoreOpen {
+        let opened = super::open_stores(&sp.subs, s.opts().timeout(), |i| StoreOpen {
             vm: vm_id.clone(),
             regions: layout.clone(),
             reserve_pages: (0..map.chunks())
@@ -118,7 +118,7 @@ impl Router {
             secrets,
         };
         s.ctl()?.send(Kind::SplitPlan, &plan)?;
-        s.tel.event(
+        s.tel().event(
             "split_plan",
             format!(
                 "{main_chunks} of {} chunks on the main host, the rest on {} servers ({} copies)",
