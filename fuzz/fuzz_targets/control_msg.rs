@@ -18,9 +18,9 @@ use ferry_migration::protocol::{
     self, Frame, Hello, Kind, Layout, PostcopyPlan, PostcopyResume, RoundDone,
 };
 use ferry_migration::split::{ChunkMap, GatherPlan, SplitPlan};
-use ferry_migration::stats::{FaultReport, StartedReport};
+use ferry_migration::{FaultReport, StartedReport};
 use ferry_migration::telemetry::{unpack_lines, MAX_TIMELINE_BYTES};
-use ferry_migration::vm::{ClientsAnswer, ClientsPlan};
+use ferry_migration::{ClientsAnswer, ClientsPlan};
 use ferry_migration::GpaPages;
 use ferry_vmm::devices::service::ServiceDevice;
 use ferry_vmm::vstate::persist;

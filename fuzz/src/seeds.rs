@@ -12,8 +12,8 @@ use ferry_migration::protocol::{
     VERSION_STORE,
 };
 use ferry_migration::split::{GatherPlan, SplitPlan};
-use ferry_migration::stats::{FaultReport, StartedReport};
-use ferry_migration::vm::{ClientsAnswer, ClientsPlan};
+use ferry_migration::{FaultReport, StartedReport};
+use ferry_migration::{ClientsAnswer, ClientsPlan};
 use ferry_migration::GpaPages;
 
 use crate::codec::CACHES;

@@ -26,8 +26,8 @@
 
 pub(crate) mod batch;
 pub mod checksum;
-pub mod compress;
-pub mod destination;
+pub(crate) mod compress;
+pub(crate) mod destination;
 pub(crate) mod dirty;
 pub mod encoded;
 mod error;
@@ -41,28 +41,28 @@ pub(crate) mod mode;
 pub mod options;
 pub(crate) mod pacer;
 pub mod pagein;
-pub mod pager;
-pub mod paused;
+pub(crate) mod pager;
+pub(crate) mod paused;
 pub(crate) mod postcopy;
 pub(crate) mod precopy;
 pub mod priority;
 pub mod protocol;
-pub mod random;
+pub(crate) mod random;
 pub mod ranges;
 pub(crate) mod receiver;
 pub(crate) mod sender;
 pub(crate) mod session;
 pub mod shared;
 pub mod sink;
-pub mod source;
+pub(crate) mod source;
 pub mod split;
 pub mod standby;
-pub mod stats;
+pub(crate) mod stats;
 pub mod telemetry;
 pub mod transport;
 pub(crate) mod unchanged;
 pub(crate) mod verify;
-pub mod vm;
+pub(crate) mod vm;
 mod vm_error;
 
 pub use compress::{Backend, BatchEncoder};
@@ -80,7 +80,7 @@ pub use source::{migrate, resume};
 pub use stats::{
     ClientsOutcome, CompressionStats, DestinationStats, DowntimeParts, FaultBin, FaultReport,
     GatherStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
-    SplitServerStats, SplitStats,
+    SplitServerStats, SplitStats, StartedReport,
 };
 pub use transport::{Endpoint, Listener};
 pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, DestinationVm, MigratableVm, PageStore};

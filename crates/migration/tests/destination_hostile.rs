@@ -11,7 +11,7 @@ use common::fake_vm::FakeVm;
 use ferry_migration::protocol::{self, Hello, Kind, PostcopyPlan, Role};
 use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
-use ferry_migration::{destination, Endpoint, Listener, MigrateOptions};
+use ferry_migration::{Endpoint, Listener, MigrateOptions};
 
 const PAGE: u64 = 4096;
 const LAYOUT: &[(u64, u64)] = &[(0, 256 * PAGE), (1 << 32, 128 * PAGE)];
@@ -71,7 +71,7 @@ fn lie(frames: Vec<PostcopyPlan>) -> (String, String) {
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let at = listener.endpoint();
     let (said, derr) = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, T));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, T));
         let (mut c, _bulk) = hand_made_source(&at);
         for f in &frames {
             if protocol::send(c.writer(), Kind::PostcopyPlan, f).is_err() {
@@ -126,7 +126,7 @@ fn after_a_lying_source_the_destination_takes_a_real_one() {
     let at = listener.endpoint();
     let t0 = Instant::now();
     std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, T));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, T));
         let opts = MigrateOptions {
             verify: true,
             ..MigrateOptions::default()
@@ -150,7 +150,7 @@ fn digests_that_deny_what_landed_are_refused_before_the_vm_starts() {
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let at = listener.endpoint();
     let (said, derr) = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, T));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, T));
         let (mut c, mut b) = hand_made_source_hashing(&at, true);
         let data = vec![0x42u8; PAGE as usize];
         protocol::write_frame_parts(

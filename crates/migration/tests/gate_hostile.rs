@@ -20,7 +20,7 @@ use common::fake_vm::FakeVm;
 use common::logs;
 use ferry_migration::protocol::{self, Hello, Kind, Layout, Role};
 use ferry_migration::transport::{Admission, Conn, ADMISSION_TIMEOUT};
-use ferry_migration::{destination, Backend, Endpoint, Listener, MigrateOptions, MigrationToken};
+use ferry_migration::{Backend, Endpoint, Listener, MigrateOptions, MigrationToken};
 use ferry_tls::pki::{self, Validity};
 use ferry_tls::rustls;
 use ferry_tls::rustls::pki_types::pem::PemObject;
@@ -171,7 +171,7 @@ fn strangers_then_the_source(
     let d = {
         let dst = dst.clone();
         std::thread::spawn(move || {
-            let _ = done_tx.send(destination::receive(&*dst, &listener, T).map(|_| ()));
+            let _ = done_tx.send(ferry_migration::receive(&*dst, &listener, T).map(|_| ()));
         })
     };
     let src = FakeVm::new(LAYOUT).with_fill(fill);
@@ -514,7 +514,7 @@ fn bulk_streams_are_kept_for_a_source_being_admitted_and_strays_are_refused() {
     {
         let dst = dst.clone();
         std::thread::spawn(move || {
-            let _ = done_tx.send(destination::receive(&*dst, &listener, T).map(|_| ()));
+            let _ = done_tx.send(ferry_migration::receive(&*dst, &listener, T).map(|_| ()));
         });
     }
     // A stray bulk stream, no source being admitted: refused at once.

@@ -8,8 +8,8 @@ mod common;
 
 use common::fake_vm::FakeVm;
 use ferry_migration::{
-    destination, Backend, ClientsAnswer, ClientsPlan, DestinationStats, Endpoint, GpaBytes,
-    Listener, MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress,
+    Backend, ClientsAnswer, ClientsPlan, DestinationStats, Endpoint, GpaBytes, Listener,
+    MigrateOptions, MigrationError, MigrationStats, OffsetBytes, Progress,
 };
 
 const PAGE: usize = 4096;
@@ -59,7 +59,7 @@ fn migrate_whole(
     opts: &MigrateOptions,
 ) -> (MigrationStats, DestinationStats) {
     std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(dst, listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(dst, listener, Duration::from_secs(10)));
         let st = migrate(src, addr, opts, &|_| {}).unwrap();
         (st, d.join().unwrap().unwrap())
     })
@@ -155,7 +155,7 @@ fn a_page_the_dirty_log_missed_fails_verification_after_the_switch() {
         ..Default::default()
     };
     let (r, d) = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, Duration::from_secs(10)));
         (migrate(&src, &addr, &opts, &|_| {}), d.join().unwrap())
     });
     let e = r.unwrap_err();
@@ -223,7 +223,7 @@ fn a_mismatched_source_is_refused_untouched_and_the_destination_waits_for_the_ri
     let (listener, addr) = listen(Via::Tcp);
     let before = src.bytes(0);
     let (err, stats) = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
         // The wrong source did not end the wait: the right one gets in.
         let st = migrate(&right, &addr, &MigrateOptions::default(), &|_| {}).unwrap();
@@ -333,7 +333,7 @@ fn migrate_compressed_via(compress: &str, pipeline: bool, via: Via) -> Migration
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, Duration::from_secs(10)));
         let st = migrate(&src, &addr, &opts, &|_| {});
         let got = d.join().unwrap();
         let st = st.unwrap_or_else(|e| panic!("{compress} pipeline={pipeline}: {e}"));
@@ -397,7 +397,7 @@ fn no_confirmation_after_complete_keeps_the_source_paused() {
         ..Default::default()
     };
     let err = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &opts, &|_| {}).unwrap_err();
         let _ = d.join();
         e
@@ -484,7 +484,7 @@ fn a_failed_client_restore_aborts_at_once_and_the_source_resumes() {
     let (listener, addr) = listen(Via::Tcp);
     let t = std::time::Instant::now();
     let err = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, Duration::from_secs(10)));
         let e = migrate(&src, &addr, &MigrateOptions::default(), &|_| {}).unwrap_err();
         assert!(d.join().unwrap().is_err());
         e

@@ -14,8 +14,8 @@ use std::time::Duration;
 use common::fake_vm::FakeVm;
 use ferry_migration::memserver::MemServer;
 use ferry_migration::{
-    destination, AccessHistory, Backend, Endpoint, Listener, MigrateOptions, MigrationStats, Mode,
-    Rank, SplitOptions,
+    AccessHistory, Backend, Endpoint, Listener, MigrateOptions, MigrationStats, Mode, Rank,
+    SplitOptions,
 };
 
 const PAGE: usize = 4096;
@@ -157,7 +157,7 @@ fn move_vm(subs: Vec<Endpoint>, rank: Rank, replicas: u8) -> (FakeVm, FakeVm, Mi
     let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap()).unwrap();
     let to = listener.endpoint();
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&dst, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&dst, &listener, Duration::from_secs(10)));
         let st = ferry_migration::migrate(&src, &to, &opts, &Backend::cpu(), &|_| {});
         d.join().unwrap().unwrap();
         common::done(st.unwrap())
@@ -435,7 +435,7 @@ fn gather_brings_a_split_vm_back_whole_while_it_pages() {
         ..Default::default()
     };
     let stats = std::thread::scope(|s| {
-        let d = s.spawn(|| destination::receive(&whole, &listener, Duration::from_secs(10)));
+        let d = s.spawn(|| ferry_migration::receive(&whole, &listener, Duration::from_secs(10)));
         let st = ferry_migration::migrate(&main, &to, &opts, &Backend::cpu(), &|_| {});
         d.join().unwrap().unwrap();
         common::done(st.unwrap())

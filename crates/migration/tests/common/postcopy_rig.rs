@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::fake_vm::FakeVm;
-use ferry_migration::{destination, Backend, Listener, MigrateOptions, MigrationStats};
+use ferry_migration::{Backend, Listener, MigrateOptions, MigrationStats};
 
 pub const PAGE: usize = 4096;
 pub const LAYOUT: &[(u64, u64)] = &[(0, 512 * PAGE as u64), (0x1_0000_0000, 256 * PAGE as u64)];
@@ -194,7 +194,12 @@ pub fn run_from(
     };
     let (stats, istats) = std::thread::scope(|s| {
         let d = s.spawn(|| {
-            destination::receive_with_reconnect(&dst, &listener, Duration::from_secs(10), reconnect)
+            ferry_migration::receive_with_reconnect(
+                &dst,
+                &listener,
+                Duration::from_secs(10),
+                reconnect,
+            )
         });
         let st = ferry_migration::migrate(&src, &to, opts, &Backend::cpu(), &|_| {});
         (super::done(st.unwrap()), d.join().unwrap().unwrap())
