@@ -38,4 +38,12 @@ if ! command -v etcd >/dev/null; then
   # its own, so that one is not needed.
   { systemctl disable --now etcd >/dev/null 2>&1 || service etcd stop >/dev/null 2>&1; } || true
 fi
+# The TLS record layer's interop tests talk to the openssl binary (they
+# skip, saying so, without it).
+if ! command -v openssl >/dev/null; then
+  echo "setup: installing openssl (the TLS interop tests)"
+  { apt-get install -y -qq openssl >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq openssl >/dev/null 2>&1; }; } \
+    || echo "setup: could not install openssl; the openssl interop tests will skip"
+fi
 cargo --version

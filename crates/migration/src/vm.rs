@@ -2,8 +2,9 @@
 //! implement on plain memory). Errors come back whole ([`VmOpError`]).
 //!
 //! - [`MigratableVm`]: a running VM that can be migrated away (the source).
-//! - [`PageStore`]: memory that receives pages, and nothing else: what a
-//!   memory server implements.
+//! - [`PageStore`]: memory that receives pages, and nothing else: the page
+//!   part of a destination (defined with the landing seam, `sink/store.rs`;
+//!   a memory server lands pages through a `PageSink` of its own instead).
 //! - [`DestinationVm`]: a destination VM: a page store plus vCPUs to restore
 //!   and start.
 
