@@ -14,11 +14,11 @@ use ferry_fleet::agent::{Agent, AgentOptions};
 use ferry_fleet::drain::{self, defaults, Drain, DrainOptions};
 
 mod print;
-use print::{print_plan, print_summary, DrainProgress};
 use ferry_fleet::fleet::Fleet;
 use ferry_fleet::VmSpec;
 use ferry_migration::Mode;
 use ferry_vmm::boot::layout::parse_size;
+use print::{print_plan, print_summary, DrainProgress};
 use serde_json::json;
 
 use crate::format;

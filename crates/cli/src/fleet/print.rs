@@ -191,4 +191,3 @@ pub(super) fn print_summary(r: &drain::DrainReport) {
         if r.cancelled { " (cancelled)" } else { "" }
     );
 }
-
