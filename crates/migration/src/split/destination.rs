@@ -47,13 +47,14 @@ impl<'a> SplitDestination<'a> {
     }
 
     /// Takes the plan: checks it against this VM and opens the stores.
-    pub(crate) fn on_plan(&mut self, f: &Frame) -> Result<(), MigrationError> {
+    pub(crate) fn on_plan(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         if self.vm.memory_fds().is_none() {
             return Err(MigrationError::Unsupported(
                 "this VMM cannot page memory from memory servers (split)".into(),
             ));
         }
         let plan: SplitPlan = protocol::decode(f, Kind::SplitPlan)?;
+        super::check_servers(Kind::SplitPlan, &plan.servers, !ctl.writer().is_tcp())?;
         let regions = self.vm.regions();
         plan.check(&ChunkMap::new(&regions, plan.chunk_pages))
             .map_err(MigrationError::Mismatch)?;
@@ -85,6 +86,7 @@ impl<'a> SplitDestination<'a> {
     /// main host sends anything, then says GatherReady (pages pulled).
     pub(crate) fn on_gather(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         let plan: super::GatherPlan = protocol::decode(f, Kind::GatherPlan)?;
+        super::check_servers(Kind::GatherPlan, &plan.servers, !ctl.writer().is_tcp())?;
         if plan.pulls.len() != plan.servers.len() || plan.secrets.len() != plan.servers.len() {
             return Err(protocol::ProtocolError::Malformed {
                 kind: Kind::GatherPlan,
@@ -190,7 +192,7 @@ impl<'a> SplitDestination<'a> {
 impl DestinationMode for SplitDestination<'_> {
     fn on_message(&mut self, f: &Frame, ctl: &mut Conn) -> Result<(), MigrationError> {
         match f.kind {
-            Kind::SplitPlan => self.on_plan(f),
+            Kind::SplitPlan => self.on_plan(f, ctl),
             Kind::GatherPlan => self.on_gather(f, ctl),
             _ => Err(protocol::ProtocolError::Unexpected {
                 got: f.kind,

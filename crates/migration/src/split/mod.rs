@@ -49,6 +49,38 @@ pub struct GatherPlan {
     pub secrets: Vec<crate::memserver::StoreSecret>,
 }
 
+/// The most memory servers a split or gather plan may name: what a source
+/// may be given (`--sub`), and a bound on the connections and threads a
+/// peer's plan makes this host open.
+pub const MAX_SERVERS: usize = 255;
+
+/// Checks the memory servers a peer's plan names before any is reached: at
+/// most [`MAX_SERVERS`], and a Unix-domain socket only in a plan that came
+/// over one (a migration on this host): a remote source must not make this
+/// host write a store's opening (its VM id and secret) to a local socket of
+/// its choosing, outside TLS.
+pub(crate) fn check_servers(
+    kind: crate::protocol::Kind,
+    servers: &[Endpoint],
+    over_unix: bool,
+) -> Result<(), crate::protocol::ProtocolError> {
+    let bad = |reason: String| crate::protocol::ProtocolError::Malformed { kind, reason };
+    if servers.len() > MAX_SERVERS {
+        return Err(bad(format!(
+            "{} memory servers (at most {MAX_SERVERS})",
+            servers.len()
+        )));
+    }
+    if !over_unix {
+        if let Some(local) = servers.iter().find(|e| matches!(e, Endpoint::Unix(_))) {
+            return Err(bad(format!(
+                "memory server {local} is a local socket, and the plan came over the network"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Opens a store on every server at once (a connection each, in
 /// parallel), `open(i)` saying what to open on server `i`; the results in
 /// the servers' order, each error naming its server.
@@ -195,6 +227,24 @@ pub fn place(scores: &[u64], data: &[u64], budget: u64, servers: usize, replicas
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peers_plan_names_at_most_255_servers_and_no_local_socket_from_afar() {
+        use crate::protocol::Kind;
+        let tcp: Endpoint = "tcp:10.0.0.9:7400".parse().unwrap();
+        let unix: Endpoint = "unix:/run/x.sock".parse().unwrap();
+        check_servers(Kind::GatherPlan, &vec![tcp.clone(); MAX_SERVERS], false).unwrap();
+        // Found by a hostile source: a gather plan of 2,000 servers opened
+        // 2,000 threads and connections here.
+        let e = check_servers(Kind::GatherPlan, &vec![tcp.clone(); 2000], false).unwrap_err();
+        assert!(e.to_string().contains("2000 memory servers"), "{e}");
+        // And one naming a local socket had this host write the store's
+        // secret to it in cleartext.
+        let e = check_servers(Kind::SplitPlan, &[tcp.clone(), unix.clone()], false).unwrap_err();
+        assert!(e.to_string().contains("local socket"), "{e}");
+        // A migration on this host (over a Unix socket) may use one.
+        check_servers(Kind::SplitPlan, &[tcp, unix], true).unwrap();
+    }
     use crate::memory::RegionView;
     use crate::ranges::PAGE;
 
