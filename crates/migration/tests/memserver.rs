@@ -107,6 +107,40 @@ fn pages_round_trip_and_the_capacity_holds() {
 }
 
 #[test]
+fn a_reservation_left_unfilled_goes_back_when_its_last_connection_ends() {
+    // Found by a hostile fleet host: it opened a store under a VM id of its
+    // own, reserved all the free room and went; the room stayed taken and
+    // the next real reservation was refused.
+    common::secure();
+    let (srv, at) = common::mem_server(64);
+    let (mut greedy, ack) = StoreClient::open(&at, T, &open("greedy", 64)).unwrap();
+    assert_eq!(ack.free_pages, 0);
+    let e = StoreClient::open(&at, T, &open("real", 8))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("0 pages free"), "{e}");
+    // It fills 4 of its 64 pages, then disconnects without closing.
+    let gpas: Vec<u64> = (0..4u64).map(|i| i * 0x1000).collect();
+    greedy.put(&gpas, &vec![7u8; 4 * PAGE]).unwrap();
+    greedy.sync().unwrap();
+    drop(greedy);
+    let t0 = std::time::Instant::now();
+    while srv.free_pages() != 60 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(srv.free_pages(), 60, "the 60 unfilled pages are free again");
+    assert_eq!(
+        srv.vms(),
+        [("greedy".to_string(), 4)],
+        "what it holds stays"
+    );
+    let (real, ack) = StoreClient::open(&at, T, &open("real", 8)).unwrap();
+    assert_eq!(ack.free_pages, 52);
+    real.close().unwrap();
+}
+
+#[test]
 fn strangers_and_bad_frames_are_refused_and_the_server_lives_on() {
     common::secure();
     let (srv, at) = common::mem_server(16);

@@ -149,18 +149,30 @@ impl MemServer {
         }
     }
 
-    /// A connection of `store` ends: a store that holds and reserves
-    /// nothing and that no other connection uses is forgotten (whoever
-    /// opens it again makes it anew), so empty stores cannot pile up.
+    /// A connection of `store` ends. When it was the store's last, what it
+    /// reserved and did not fill goes back to the free room: a reservation
+    /// lives as long as a connection that may fill it (a peer that reserved
+    /// all the room and left would otherwise keep it from every other VM);
+    /// the pages it holds stay. A store left holding nothing is forgotten
+    /// (whoever opens it again makes it anew), so empty stores cannot pile
+    /// up.
     pub(super) fn release(&self, store: Arc<VmStore>, vm: &str) {
         let mut stores = self.stores.lock().unwrap_or_else(|e| e.into_inner());
-        let unused = stores.get(vm).is_some_and(|s| {
-            Arc::ptr_eq(s, &store)
-                && Arc::strong_count(s) == 2
-                && s.held() == 0
-                && s.reserved() == 0
-        });
-        if unused {
+        let last = stores
+            .get(vm)
+            .is_some_and(|s| Arc::ptr_eq(s, &store) && Arc::strong_count(s) == 2);
+        if !last {
+            return;
+        }
+        let gave = store.unreserve();
+        if gave > 0 {
+            tracing::info!(
+                vm,
+                pages = gave,
+                "memory server: an unfilled reservation given back"
+            );
+        }
+        if store.held() == 0 {
             stores.remove(vm);
         }
     }

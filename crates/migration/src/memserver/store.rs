@@ -206,6 +206,13 @@ impl VmStore {
         Ok(())
     }
 
+    /// Gives back what is reserved and not held yet; how many pages.
+    pub fn unreserve(&self) -> u64 {
+        let n = self.reserved.swap(0, Ordering::AcqRel);
+        self.capacity.give(n);
+        n
+    }
+
     /// The store's regions, as the engine's page code takes them.
     pub fn regions(&self) -> &[RegionView] {
         &self.views
