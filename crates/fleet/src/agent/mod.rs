@@ -9,6 +9,7 @@
 //! with a one-time token the destination's agent made for that move, and
 //! a waiting destination admits only the source host it was told of.
 
+mod handover;
 mod process;
 mod stores;
 mod vms;
@@ -27,7 +28,7 @@ use serde_json::{json, Value};
 
 use crate::api::{HostInfo, Request, MAX_LINE};
 use crate::reply::{
-    InfoReply, RatesReply, ReadyReply, SendReply, StartReply, StopReply, StoreReply, UpgradeReply,
+    InfoReply, RatesReply, ReadyReply, SendReply, StartReply, StopReply, StoreReply,
 };
 use crate::wire::{self, HANDSHAKE_WITHIN, REQUEST_WITHIN};
 use crate::FleetError;
@@ -399,26 +400,8 @@ impl Agent {
                 self.send(&name, &to, options, progress)
             }
             Request::Upgrade { name, binary } => {
-                let socket = self.vms.socket(&name)?;
                 let binary = binary.unwrap_or_else(|| self.opts.ferry.clone());
-                let reply = ControlClient::connect(&socket)
-                    .and_then(|mut c| {
-                        c.call(&Control::Handover {
-                            binary: Some(binary.display().to_string()),
-                            verify: false,
-                        })
-                    })
-                    .map_err(|e| FleetError::Vm {
-                        vm: name.clone(),
-                        reason: format!("handover failed: {e}"),
-                    })?;
-                self.vms.repid(&name)?;
-                let figures: UpgradeReply =
-                    serde_json::from_value(reply).map_err(|e| FleetError::Vm {
-                        vm: name.clone(),
-                        reason: format!("the handover's figures are not its own: {e}"),
-                    })?;
-                reply_of(figures)
+                reply_of(handover::handover(&self.vms, &name, &binary)?)
             }
         }
     }

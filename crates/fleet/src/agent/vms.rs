@@ -539,7 +539,7 @@ fn unanswered(rec: &Record, state: &str) -> VmInfo {
 }
 
 /// True if process `pid` exists (a zombie counts until it is reaped).
-fn process_alive(pid: u32) -> bool {
+pub(super) fn process_alive(pid: u32) -> bool {
     // SAFETY: kill with signal 0 sends nothing; it only checks that the
     // process exists.
     pid > 0 && unsafe { libc::kill(pid as i32, 0) } == 0
