@@ -407,6 +407,21 @@ fn pem(dir: &Path, f: &str) -> String {
     dir.join(f).to_str().unwrap().to_owned()
 }
 
+/// `openssl`'s arguments naming the credentials in `dir`, then `more`.
+fn openssl_args(dir: &Path, more: &[&str]) -> Vec<String> {
+    let own = [
+        "-cert".to_string(),
+        pem(dir, "cert.pem"),
+        "-key".to_string(),
+        pem(dir, "key.pem"),
+        "-CAfile".to_string(),
+        pem(dir, "ca.pem"),
+    ];
+    own.into_iter()
+        .chain(more.iter().map(|a| a.to_string()))
+        .collect()
+}
+
 #[test]
 fn ferry_as_client_and_openssl_s_server_exchange_data_across_key_updates() {
     if !have_openssl() {
@@ -416,30 +431,24 @@ fn ferry_as_client_and_openssl_s_server_exchange_data_across_key_updates() {
     let ours = issue(&ca, "ferry", Validity::days(1));
     let port = free_port().to_string();
     let accept = format!("127.0.0.1:{port}");
-    let (cert, key, cafile) = (
-        pem(&theirs, "cert.pem"),
-        pem(&theirs, "key.pem"),
-        pem(&theirs, "ca.pem"),
+    let args = openssl_args(
+        &theirs,
+        &[
+            "-Verify",
+            "1",
+            "-verify_return_error",
+            "-num_tickets",
+            "0",
+            "-naccept",
+            "1",
+        ],
     );
-    let mut o = Openssl::start(&[
-        "s_server",
-        "-tls1_3",
-        "-accept",
-        &accept,
-        "-cert",
-        &cert,
-        "-key",
-        &key,
-        "-CAfile",
-        &cafile,
-        "-Verify",
-        "1",
-        "-verify_return_error",
-        "-num_tickets",
-        "0",
-        "-naccept",
-        "1",
-    ]);
+    let mut o = Openssl::start(
+        &["s_server", "-tls1_3", "-accept", &accept]
+            .into_iter()
+            .chain(args.iter().map(String::as_str))
+            .collect::<Vec<_>>(),
+    );
     o.wait_for(b"ACCEPT");
     let ferry = Credentials::load_with(&ours, limited(cs::TLS13_AES_256_GCM_SHA384, 64)).unwrap();
     let at: std::net::SocketAddr = accept.parse().unwrap();
@@ -459,26 +468,16 @@ fn openssl_s_client_and_ferry_as_server_exchange_data_across_key_updates() {
     let theirs = issue(&ca, "openssl", Validity::days(1));
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let connect = l.local_addr().unwrap().to_string();
-    let (cert, key, cafile) = (
-        pem(&theirs, "cert.pem"),
-        pem(&theirs, "key.pem"),
-        pem(&theirs, "ca.pem"),
+    let args = openssl_args(
+        &theirs,
+        &["-verify_return_error", "-verify_ip", "127.0.0.1"],
     );
-    let mut o = Openssl::start(&[
-        "s_client",
-        "-tls1_3",
-        "-connect",
-        &connect,
-        "-cert",
-        &cert,
-        "-key",
-        &key,
-        "-CAfile",
-        &cafile,
-        "-verify_return_error",
-        "-verify_ip",
-        "127.0.0.1",
-    ]);
+    let mut o = Openssl::start(
+        &["s_client", "-tls1_3", "-connect", &connect]
+            .into_iter()
+            .chain(args.iter().map(String::as_str))
+            .collect::<Vec<_>>(),
+    );
     let ferry =
         Credentials::load_with(&ours, limited(cs::TLS13_CHACHA20_POLY1305_SHA256, 64)).unwrap();
     let tcp = l.accept().unwrap().0;
