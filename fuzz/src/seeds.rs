@@ -6,19 +6,17 @@
 
 use ferry_codec::{EncodedBatch, Method, StreamEncoder};
 use ferry_migration::encoded::{write_encoded, CodecSetup};
-use ferry_migration::memserver::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
-use ferry_migration::protocol::{
-    self, Hello, Kind, Layout, PostcopyPlan, PostcopyResume, Role, RoundDone, VERSION_MAX,
-    VERSION_STORE,
-};
-use ferry_migration::split::{GatherPlan, SplitPlan};
-use ferry_migration::{FaultReport, StartedReport};
-use ferry_migration::{ClientsAnswer, ClientsPlan};
+use ferry_migration::protocol::{self, Hello, Kind, Layout, Role, VERSION_MAX, VERSION_STORE};
 use ferry_migration::GpaPages;
 
 use crate::codec::CACHES;
 use crate::memory::LAYOUT;
 use crate::{frame, Input};
+
+mod messages;
+mod vm_state;
+use messages::messages;
+use vm_state::vm_state_bytes;
 
 /// One seed: its file name and bytes.
 pub type Seed = (String, Vec<u8>);
@@ -86,151 +84,6 @@ fn page_of(b: u8) -> Vec<u8> {
     (0..4096u32)
         .map(|i| (i as u8).wrapping_mul(b) ^ b)
         .collect()
-}
-
-/// Every control and memory-server message, one real value each, as
-/// (kind, body).
-fn messages() -> Vec<(Kind, Vec<u8>)> {
-    let runs = vec![GpaPages::new(0x1000, 3), GpaPages::new(0x10_0000, 1)];
-    let servers = vec!["tcp:10.0.0.2:7000".parse().expect("an endpoint")];
-    vec![
-        (Kind::Hello, enc(&hello(Role::Control, 1))),
-        (Kind::HelloAck, enc(&VERSION_MAX)),
-        (Kind::Layout, enc(&layout())),
-        (
-            Kind::RoundDone,
-            enc(&RoundDone {
-                round: 2,
-                frames: vec![10, 7],
-            }),
-        ),
-        (Kind::RoundAck, enc(&2u32)),
-        (Kind::Started, enc(&StartedReport::default())),
-        (
-            Kind::Codec,
-            enc(&CodecSetup {
-                xbzrle_bytes: 64 << 20,
-                dedup_bytes: 64 << 20,
-                shards: 2,
-            }),
-        ),
-        (
-            Kind::PostcopyPlan,
-            enc(&PostcopyPlan {
-                pending: runs.clone(),
-                last: true,
-                prefetch: 8,
-                verify: true,
-                guest_apf_base: Some(3),
-            }),
-        ),
-        (Kind::PageRequest, enc(&vec![0x3000u64, 0x10_1000])),
-        (Kind::Finished, enc(&FaultReport::default())),
-        (
-            Kind::PostcopyResume,
-            enc(&PostcopyResume {
-                missing: runs.clone(),
-                last: false,
-            }),
-        ),
-        (
-            Kind::ClientsPlan,
-            enc(&Some(ClientsPlan {
-                ip: "10.0.0.9".parse().expect("an address"),
-                port: 7001,
-                connections: 12,
-            })),
-        ),
-        (
-            Kind::ClientsAnswer,
-            enc(&ClientsAnswer::Stay("no service device".into())),
-        ),
-        (Kind::TimelineAsk, enc(&500u32)),
-        (Kind::HashAsk, enc(&true)),
-        (Kind::VerifyDigests, enc(&vec![0u64; 2])),
-        (Kind::SwitchAhead, enc(&true)),
-        (Kind::SwitchReady, enc(&(256u64 << 20))),
-        (Kind::ShareAsk, enc(&true)),
-        (
-            Kind::SharedOffer,
-            enc(&ferry_migration::protocol::SharedOffer {
-                seed: 7,
-                keys: vec![1, 5, 900],
-                last: true,
-            }),
-        ),
-        (Kind::SharedMissed, enc(&runs)),
-        (Kind::AnswersAsk, enc(&Some([7u8; 16]))),
-        (Kind::AnswersHeld, enc(&true)),
-        (
-            Kind::Timeline,
-            ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),
-        ),
-        (
-            Kind::StoreOpen,
-            enc(&StoreOpen {
-                vm: "vm-1".into(),
-                regions: LAYOUT.to_vec(),
-                reserve_pages: 8,
-                secret: ferry_migration::memserver::StoreSecret([7; 32]),
-            }),
-        ),
-        (
-            Kind::StoreAck,
-            enc(&StoreAck {
-                held_pages: 3,
-                free_pages: 100,
-                idle_secs: 300,
-            }),
-        ),
-        (Kind::StoreSync, enc(&7u64)),
-        (Kind::StoreDrop, enc(&runs)),
-        (
-            Kind::StoreHeld,
-            enc(&StoreHeld {
-                runs: runs.clone(),
-                last: true,
-            }),
-        ),
-        (
-            Kind::StoreFetch,
-            enc(&StoreFetch {
-                runs: runs.clone(),
-                drop: true,
-            }),
-        ),
-        (
-            Kind::SplitPlan,
-            enc(&SplitPlan {
-                vm: "vm-1".into(),
-                chunk_pages: 4,
-                servers: servers.clone(),
-                places: vec![0, 0, 1, 0, 1, 0, 0],
-                homes: vec![1; 7],
-                mirrors: vec![0; 7],
-                budget_chunks: 5,
-                rank: Default::default(),
-                secrets: vec![ferry_migration::memserver::StoreSecret([7; 32]); 2],
-            }),
-        ),
-        (
-            Kind::GatherPlan,
-            enc(&GatherPlan {
-                vm: "vm-1".into(),
-                secrets: vec![ferry_migration::memserver::StoreSecret([7; 32]); servers.len()],
-                servers,
-                pulls: vec![runs.clone()],
-            }),
-        ),
-        (Kind::GatherReady, enc(&12u64)),
-        (Kind::ZeroRanges, enc(&runs)),
-        (
-            Kind::Abort,
-            b"the destination VM has no service device".to_vec(),
-        ),
-        (Kind::Verify, Vec::new()),
-        (Kind::Complete, Vec::new()),
-    ]
 }
 
 /// A small timeline file, as `ferry report` reads it.
@@ -348,11 +201,23 @@ fn pages_seeds() -> Vec<Seed> {
     let key = xxhash_rust::xxh3::xxh3_64_with_seed(&theirs, 1);
     let mut shared = vec![4];
     shared.extend(enc(&vec![
-        Ref { gpa: 0x2000, key, id },
-        Ref { gpa: 0x3000, key, id: [9; 16] },
+        Ref {
+            gpa: 0x2000,
+            key,
+            id,
+        },
+        Ref {
+            gpa: 0x3000,
+            key,
+            id: [9; 16],
+        },
     ]));
     let mut shared_outside = vec![4];
-    shared_outside.extend(enc(&vec![Ref { gpa: 1 << 40, key, id }]));
+    shared_outside.extend(enc(&vec![Ref {
+        gpa: 1 << 40,
+        key,
+        id,
+    }]));
     // More misses than the target's memory has pages (28): refused.
     let mut shared_misses = vec![4];
     shared_misses.extend(enc(&(0..29)
@@ -573,58 +438,6 @@ fn memserver() -> Vec<Seed> {
     raw.u8(0).u8(1).u64(0).u64(1 << 30).u16(0);
     raw.u8(6);
     vec![named(t, "session", b.0), named(t, "raw-layout", raw.0)]
-}
-
-/// A VM state as the source sends it: a real one from KVM when this host
-/// can make a VM, else one made of the state's default parts.
-fn vm_state_bytes() -> Vec<u8> {
-    use ferry_vmm::vstate::persist;
-    let real = (|| -> Option<Vec<u8>> {
-        let vm = ferry_vmm::Vm::create(ferry_vmm::VmConfig::new(
-            16 << 20,
-            2,
-            "compute:tasks=1".parse().ok()?,
-        ))
-        .ok()?;
-        persist::encode(&vm.save_state().ok()?).ok()
-    })();
-    real.unwrap_or_else(|| {
-        let vcpu = persist::VcpuState {
-            id: 0,
-            regs: Default::default(),
-            sregs: Default::default(),
-            xsave: vec![0; 1024],
-            xcrs: Default::default(),
-            debugregs: Default::default(),
-            msrs: vec![kvm_msr(0x10, 12345), kvm_msr(0xc000_0080, 0x500)],
-            lapic: Default::default(),
-            events: Default::default(),
-            mp_state: Default::default(),
-        };
-        let state = ferry_vmm::VmState {
-            vcpus: vec![vcpu],
-            kvm: persist::KvmVmState {
-                irqchips: vec![Default::default(); 3],
-                pit: Default::default(),
-                clock: Default::default(),
-            },
-            service: Some(ferry_vmm::devices::service::ServiceState {
-                port: 7000,
-                next_conn: 5,
-                free_slots: (0..128).collect(),
-            }),
-            migrations: 1,
-        };
-        persist::encode(&state).expect("encodes")
-    })
-}
-
-fn kvm_msr(index: u32, data: u64) -> kvm_bindings::kvm_msr_entry {
-    kvm_bindings::kvm_msr_entry {
-        index,
-        data,
-        ..Default::default()
-    }
 }
 
 fn control_json() -> Vec<Seed> {
