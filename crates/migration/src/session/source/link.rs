@@ -53,9 +53,14 @@ impl SourceSession<'_> {
             self.ctl()?.send(Kind::TimelineAsk, &tail)?;
         }
         if self.caps.landed_hashes() {
-            // Only a precopy compares hashes taken as pages go and land;
-            // the other modes hash memory when they verify.
-            let hash = self.opts.verify && self.opts.mode == crate::options::Mode::Precopy;
+            // The copy modes compare hashes taken as pages go and land, so
+            // a verified move hashes nothing in the pause: a hybrid that
+            // converges verifies as a precopy does; one that switches
+            // leaves the tables unused and verifies as postcopy does, at
+            // its end. Split and gather land pages elsewhere, and postcopy
+            // sends each page once: they hash memory when they verify.
+            use crate::options::Mode;
+            let hash = self.opts.verify && matches!(self.opts.mode, Mode::Precopy | Mode::Hybrid);
             self.ctl()?.send(Kind::HashAsk, &hash)?;
             if hash {
                 let table = crate::verify::PageHashes::new(&self.regions);
