@@ -6,10 +6,15 @@
 //! answer is checked byte for byte against the seed it reports, and its
 //! checksum against the bytes. Each client writes only its own keys
 //! (key % C == client), so it also checks that it reads its own latest writes.
+//!
+//! The run ends at `--duration` whatever the VM does: connecting waits at
+//! most until then, and a request still unanswered [`END_GRACE`] after the
+//! end has its connection cut and is counted as unanswered. A refused or
+//! timed-out connection is counted as a failed connect, not as a request.
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, IsTerminal, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -61,7 +66,8 @@ pub struct LoadArgs {
     /// time since the Unix epoch) here as CSV (`ferry report --load` draws it).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
-    /// How long to wait for the guest to start serving.
+    /// How long to wait for the guest to start serving (for its VMM to
+    /// listen, then for the guest's kv workload to answer).
     #[arg(long, default_value = "30s", value_parser = format::parse_duration)]
     wait_ready: Duration,
     /// Print the summary as JSON.
@@ -83,19 +89,69 @@ struct Record {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Outcome {
     Ok,
-    /// Error status, broken connection or no answer.
+    /// Error status, broken connection or no answer within [`ANSWER_WAIT`].
     Error,
     /// Answer whose content or checksum is wrong.
     Wrong,
+    /// Still waiting for its answer [`END_GRACE`] after the run's end.
+    Unanswered,
 }
+
+/// How long a client waits for a connection to open.
+const CONNECT_WAIT: Duration = Duration::from_secs(5);
+/// How long a request waits for its answer before it counts as an error
+/// (and its connection is opened again).
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// How long after `--duration` the requests still in flight may take to be
+/// answered; then their connections are cut. A run ends at most this late.
+const END_GRACE: Duration = Duration::from_millis(500);
 
 struct Shared {
     stop: AtomicBool,
+    /// Set when the run cut the connections still waiting at its end.
+    cut: AtomicBool,
     sent: AtomicU64,
     /// Connections opened again after one broke.
     reconnects: AtomicU64,
+    /// Connection attempts refused or timed out.
+    connect_failures: AtomicU64,
     limit: u64,
     start: Instant,
+    /// When no client starts anything new (start + --duration).
+    end: Instant,
+    /// Each client's open connection, so the run's end can cut those still
+    /// waiting for an answer.
+    conns: Vec<Mutex<Option<TcpStream>>>,
+}
+
+impl Shared {
+    /// Time left until the end (zero once it passed).
+    fn left(&self) -> Duration {
+        self.end.saturating_duration_since(Instant::now())
+    }
+
+    /// Keeps a handle on client `id`'s connection (None: it has none);
+    /// false if the run already cut its connections (the client stops).
+    fn hold(&self, id: u64, conn: Option<&TcpStream>) -> bool {
+        let mut slot = self.conns[id as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *slot = conn.and_then(|c| c.try_clone().ok());
+        drop(slot);
+        // Read after storing: either the cut saw this connection, or this
+        // client sees the cut.
+        !self.cut.load(Ordering::SeqCst)
+    }
+
+    /// Cuts every connection still open: their clients' reads end now.
+    fn cut_all(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for slot in &self.conns {
+            if let Some(c) = slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+    }
 }
 
 struct ClientCfg {
@@ -108,10 +164,11 @@ struct ClientCfg {
     op: LoadOp,
 }
 
-fn connect(addr: SocketAddr) -> std::io::Result<(BufReader<TcpStream>, TcpStream)> {
-    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+fn connect(addr: SocketAddr, wait: Duration) -> std::io::Result<(BufReader<TcpStream>, TcpStream)> {
+    // connect_timeout refuses a zero wait.
+    let s = TcpStream::connect_timeout(&addr, wait.max(Duration::from_millis(1)))?;
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_read_timeout(Some(ANSWER_WAIT))?;
     let w = s.try_clone()?;
     Ok((BufReader::new(s), w))
 }
@@ -122,12 +179,43 @@ fn call(r: &mut BufReader<TcpStream>, w: &mut TcpStream, req: &Request) -> Resul
     Ok(Response::decode(&body)?)
 }
 
-/// Asks the guest for its table size until it serves.
+/// Asks the guest for its table size until it serves, at most `wait`.
 fn info(addr: SocketAddr, wait: Duration) -> Result<(u64, usize)> {
     let deadline = Instant::now() + wait;
-    let (mut r, mut w) = connect(addr).with_context(|| format!("cannot connect to {addr}"))?;
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    };
+    let (mut r, mut w) = loop {
+        match connect(addr, CONNECT_WAIT.min(left())) {
+            Ok(c) => break c,
+            // Nothing listens yet (a VMM just started): wait for it.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && Instant::now() + Duration::from_millis(100) < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(100))
+            }
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "cannot connect to {addr} (waited up to --wait-ready {:.1} s)",
+                        wait.as_secs_f64()
+                    )
+                })
+            }
+        }
+    };
     loop {
-        let resp = call(&mut r, &mut w, &Request::new(Op::Info, 0, 0, 0))?;
+        r.get_ref()
+            .set_read_timeout(Some(ANSWER_WAIT.min(left())))?;
+        let resp = call(&mut r, &mut w, &Request::new(Op::Info, 0, 0, 0)).with_context(|| {
+            format!(
+                "the VM at {addr} did not tell its table size within --wait-ready {:.1} s",
+                wait.as_secs_f64()
+            )
+        })?;
         match resp.status {
             Status::Ok => return Ok((resp.key, resp.seed as usize)),
             Status::NotReady if Instant::now() < deadline => {
@@ -157,20 +245,43 @@ impl Rng {
 fn client(addr: SocketAddr, cfg: ClientCfg, shared: Arc<Shared>, out: Arc<Mutex<Vec<Record>>>) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (cfg.id + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
     let mut written: HashMap<u64, u64> = HashMap::new();
-    let mut conn = connect(addr).ok();
+    let mut conn: Option<(BufReader<TcpStream>, TcpStream)> = None;
+    let mut opened = false;
     let mut next_send = Instant::now();
     let mut seq = 0u64;
     let own_keys = cfg.keys / cfg.clients + u64::from(cfg.id < cfg.keys % cfg.clients);
-    while !shared.stop.load(Ordering::Relaxed) {
-        if shared.sent.fetch_add(1, Ordering::Relaxed) >= shared.limit {
-            break;
+    while !shared.stop.load(Ordering::Relaxed) && !shared.left().is_zero() {
+        if conn.is_none() {
+            match connect(addr, CONNECT_WAIT.min(shared.left())) {
+                Ok(c) => {
+                    if !shared.hold(cfg.id, Some(&c.1)) {
+                        break;
+                    }
+                    if opened {
+                        shared.reconnects.fetch_add(1, Ordering::Relaxed);
+                    }
+                    opened = true;
+                    conn = Some(c);
+                }
+                Err(_) => {
+                    shared.connect_failures.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(50).min(shared.left()));
+                    continue;
+                }
+            }
         }
         if let Some(iv) = cfg.interval {
             let now = Instant::now();
             if next_send > now {
-                std::thread::sleep(next_send - now);
+                std::thread::sleep((next_send - now).min(shared.left()));
+                if shared.left().is_zero() {
+                    break;
+                }
             }
             next_send += iv;
+        }
+        if shared.sent.fetch_add(1, Ordering::Relaxed) >= shared.limit {
+            break;
         }
         seq += 1;
         let id = (cfg.id << 40) | seq;
@@ -198,20 +309,19 @@ fn client(addr: SocketAddr, cfg: ClientCfg, shared: Arc<Shared>, out: Arc<Mutex<
                 }
             }
         };
-        let sent_at = Instant::now();
-        let result = match conn.as_mut() {
-            Some((r, w)) => call(r, w, &req),
-            None => Err(anyhow::anyhow!("not connected")),
+        let Some((r, w)) = conn.as_mut() else {
+            break; // opened above
         };
+        let sent_at = Instant::now();
+        let result = call(r, w, &req);
         let latency = sent_at.elapsed();
         let outcome = match result {
+            // The run's end cut it while it waited.
+            Err(_) if shared.cut.load(Ordering::SeqCst) => Outcome::Unanswered,
             Err(_) => {
-                // Broken or refused connection: count it and reconnect.
-                shared.reconnects.fetch_add(1, Ordering::Relaxed);
-                conn = connect(addr).ok();
-                if conn.is_none() {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
+                // Broken, or no answer within ANSWER_WAIT: open another.
+                conn = None;
+                shared.hold(cfg.id, None);
                 Outcome::Error
             }
             Ok(resp) => check(&req, &resp, cfg.value_size, &mut written),
@@ -300,12 +410,17 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
         }
         keys = k;
     }
+    let start = Instant::now();
     let shared = Arc::new(Shared {
         stop: AtomicBool::new(false),
+        cut: AtomicBool::new(false),
         sent: AtomicU64::new(0),
         reconnects: AtomicU64::new(0),
+        connect_failures: AtomicU64::new(0),
         limit: args.requests.unwrap_or(u64::MAX),
-        start: Instant::now(),
+        start,
+        end: start + args.duration,
+        conns: (0..args.clients).map(|_| Mutex::new(None)).collect(),
     });
     let records: Vec<Arc<Mutex<Vec<Record>>>> = (0..args.clients)
         .map(|_| Arc::new(Mutex::new(Vec::new())))
@@ -355,6 +470,13 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
         }
     }
     shared.stop.store(true, Ordering::Relaxed);
+    // Requests in flight get END_GRACE to be answered; then their
+    // connections are cut, so no client outlives the run by more.
+    let grace = Instant::now() + END_GRACE;
+    while Instant::now() < grace && threads.iter().any(|t| !t.is_finished()) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    shared.cut_all();
     for t in threads {
         let _ = t.join();
     }
@@ -391,6 +513,7 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
                 Outcome::Ok => "ok",
                 Outcome::Error => "error",
                 Outcome::Wrong => "wrong",
+                Outcome::Unanswered => "unanswered",
             };
             writeln!(
                 f,
@@ -411,6 +534,8 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
     let count = |o: Outcome| all.iter().filter(|(_, r)| r.outcome == o).count();
     let by_op = |op: Op| all.iter().filter(|(_, r)| r.op == op as u8).count();
     let (errors, wrong) = (count(Outcome::Error), count(Outcome::Wrong));
+    let unanswered = count(Outcome::Unanswered);
+    let connect_failures = shared.connect_failures.load(Ordering::Relaxed);
     let summary = json!({
         "target": addr.to_string(),
         "clients": args.clients,
@@ -432,7 +557,10 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
         },
         "errors": errors,
         "wrong_values": wrong,
+        // Cut at the end, END_GRACE after --duration, still unanswered.
+        "unanswered": unanswered,
         "reconnects": shared.reconnects.load(Ordering::Relaxed),
+        "connect_failures": connect_failures,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -456,13 +584,16 @@ pub fn load(args: LoadArgs) -> Result<ExitCode> {
             l["p50"], l["p90"], l["p99"], l["max"]
         );
         println!(
-            "errors       {errors}   wrong values {wrong}   reconnects {}",
+            "errors       {errors}   wrong values {wrong}   unanswered at the end {unanswered}   \
+             reconnects {}   failed connects {connect_failures}",
             summary["reconnects"]
         );
     }
-    Ok(if errors == 0 && wrong == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(3)
-    })
+    Ok(
+        if errors == 0 && wrong == 0 && unanswered == 0 && connect_failures == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(3)
+        },
+    )
 }
