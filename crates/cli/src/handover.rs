@@ -28,6 +28,13 @@ pub struct HandoverArgs {
     json: bool,
 }
 
+impl HandoverArgs {
+    /// The VM's control socket.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+}
+
 pub fn handover(args: HandoverArgs) -> Result<ExitCode> {
     let binary = match &args.binary {
         Some(b) => Some(

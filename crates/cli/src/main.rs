@@ -115,6 +115,27 @@ enum Command {
     },
 }
 
+/// A command on which `--tls-dir` would change nothing, and why: it opens
+/// no link that speaks TLS itself (a VMM it asks opens its own, with the
+/// credentials it was started with).
+fn tls_dir_unused(cmd: &Command) -> Option<(&'static str, security::NoLink<'_>)> {
+    use security::NoLink;
+    match cmd {
+        // Placing a split from an etcds:// registry is its one link.
+        Command::Migrate(a) if !a.opens_a_link() => Some(("migrate", NoLink::Vmm(a.socket()))),
+        // The VMM starts the new process, with its own environment.
+        Command::Handover(a) => Some(("handover", NoLink::Vmm(a.socket()))),
+        Command::Status { socket, .. } => Some(("status", NoLink::Vmm(socket))),
+        Command::Ctl { socket, .. } => Some(("ctl", NoLink::Vmm(socket))),
+        Command::Load(_) => Some((
+            "load",
+            NoLink::Plain("its requests go to the VM's service device in plaintext"),
+        )),
+        Command::Report(_) => Some(("report", NoLink::Plain("it reads files and opens no link"))),
+        _ => None,
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -129,6 +150,12 @@ fn main() -> ExitCode {
         // Colours only for a person at a terminal, not in logs and pipes.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if cli.tls_dir.is_some() {
+        if let Some((name, why)) = tls_dir_unused(&cli.command) {
+            eprintln!("ferry: error: {}", security::tls_dir_refusal(name, why));
+            return ExitCode::from(2);
+        }
+    }
     security::install(cli.tls_dir, cli.insecure);
     let result = match cli.command {
         Command::Pki(cmd) => pki::pki(cmd),

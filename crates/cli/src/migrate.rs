@@ -190,6 +190,18 @@ pub struct MigrateArgs {
 }
 
 impl MigrateArgs {
+    /// The source VM's control socket.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    /// True if this command opens a link itself (not the VMM): a split
+    /// placed from the registry, which an `etcds://` registry answers over
+    /// mutual TLS with this host's credentials.
+    pub fn opens_a_link(&self) -> bool {
+        self.mode == Mode::Split && self.subs.is_empty() && !self.resume
+    }
+
     /// The engine's options, checked here so a bad value never reaches the VMM.
     fn options(&self) -> Result<MigrateOptions> {
         let base = MigrateOptions::default();

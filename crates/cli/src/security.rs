@@ -5,7 +5,7 @@
 //! environment so that a VMM this process starts (a handover's new
 //! process) makes the same one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use ferry_migration::transport::{self, Security};
 use ferry_tls::{Credentials, TLS_DIR_ENV};
@@ -80,6 +80,48 @@ pub fn fleet_credentials() -> anyhow::Result<Option<std::sync::Arc<Credentials>>
             "the fleet's agents speak mutual TLS and this host has no credentials: {e}"
         )),
     }
+}
+
+/// Why `--tls-dir` would change nothing on a command.
+pub enum NoLink<'a> {
+    /// It only talks to the VMM at this control socket, which opens every
+    /// link itself, with the credentials it was started with.
+    Vmm(&'a Path),
+    /// It opens no TLS link at all: what it does instead.
+    Plain(&'static str),
+}
+
+/// The refusal of `--tls-dir` on `ferry NAME` (a flag that changes
+/// nothing must not look as if it did): why, with what the VMM speaks
+/// instead (its status says), and what to do.
+pub fn tls_dir_refusal(name: &str, why: NoLink) -> String {
+    match why {
+        NoLink::Vmm(socket) => {
+            let started = match vmm_links(socket) {
+                Ok(l) => format!("started with {l}"),
+                Err(e) => format!("which ones it could not be asked: {e:#}"),
+            };
+            format!(
+                "--tls-dir has no effect on `ferry {name}`: the VMM at {} connects with its own \
+                 credentials ({started}); give --tls-dir (or {TLS_DIR_ENV}) to the `ferry run` \
+                 that starts a VMM, and drop it here",
+                socket.display()
+            )
+        }
+        NoLink::Plain(what) => {
+            format!("--tls-dir has no effect on `ferry {name}`: {what}; drop it")
+        }
+    }
+}
+
+/// What the VMM at `socket` says its links speak.
+fn vmm_links(socket: &Path) -> anyhow::Result<String> {
+    use ferry_vmm::control::{ControlClient, Request};
+    let s = ControlClient::connect(socket)?.call(&Request::Status)?;
+    Ok(s["links"]
+        .as_str()
+        .unwrap_or("settings it does not show (an older ferry)")
+        .to_string())
 }
 
 /// True if this process was started with `--insecure` (or its variable).

@@ -53,6 +53,9 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     );
     println!("migrations  {} incoming", s["migrations"]);
     println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
+    if let Some(l) = s["links"].as_str() {
+        println!("links       {l}");
+    }
     if let Some(w) = s["incoming"].as_object() {
         println!(
             "waiting     on {}{}{}{}",

@@ -1,6 +1,10 @@
 //! What `ferry` says is what happened (issue 56, item 5), each with an
 //! answer known in advance: `ferry load` ends at its duration whatever its
-//! target does and counts what it sent.
+//! target does and counts what it sent, and `--tls-dir` on a command that
+//! opens no link of its own is refused with the reason.
+
+mod common;
+use common::kvm_usable;
 
 use std::net::TcpListener;
 use std::process::{Command, Output};
@@ -135,4 +139,82 @@ fn load_waits_for_a_silent_guest_only_as_long_as_told() {
         stderr(&o)
     );
     assert!(stderr(&o).contains("cannot connect to"), "{}", stderr(&o));
+}
+
+/// `ferry migrate --tls-dir DIR` was accepted and changed nothing: the
+/// source VMM connects with its own credentials.
+#[test]
+fn tls_dir_on_a_command_that_opens_no_link_is_refused_with_the_reason() {
+    let dir = std::env::temp_dir().join(format!("ferry-figures-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap();
+    let none = dir.join("no-vm.sock");
+    let none = none.to_str().unwrap();
+    for (args, needle) in [
+        (
+            vec!["--tls-dir", d, "migrate", none, "--to", "tcp:127.0.0.1:1"],
+            "--tls-dir has no effect on `ferry migrate`: the VMM at",
+        ),
+        (
+            vec!["migrate", none, "--to", "tcp:127.0.0.1:1", "--tls-dir", d],
+            "connects with its own credentials",
+        ),
+        (
+            vec!["--tls-dir", d, "status", none],
+            "--tls-dir has no effect on `ferry status`",
+        ),
+        (
+            vec!["--tls-dir", d, "handover", none],
+            "to the `ferry run` that starts a VMM",
+        ),
+        (
+            vec!["--tls-dir", d, "load", "--target", "127.0.0.1:1"],
+            "service device in plaintext",
+        ),
+    ] {
+        let (o, _) = ferry(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+    }
+    // Where it is used (a split placed from a registry), it is accepted:
+    // the command goes on to fail for another reason.
+    let (o, _) = ferry(&[
+        "--tls-dir",
+        d,
+        "migrate",
+        none,
+        "--mode",
+        "split",
+        "--registry",
+        "dir:/nonexistent",
+    ]);
+    assert!(!stderr(&o).contains("no effect"), "{}", stderr(&o));
+
+    // With a VMM to ask, the refusal says what it was started with.
+    if kvm_usable() {
+        let sock = dir.join("vm.sock");
+        let sock = sock.to_str().unwrap();
+        let mut vm = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["--insecure", "run", "--control", sock, "--duration", "20s"])
+            .args(["--mem", "64M", "--quiet"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while !std::path::Path::new(sock).exists() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (o, _) = ferry(&["--tls-dir", d, "migrate", sock, "--to", "tcp:127.0.0.1:1"]);
+        let _ = vm.kill();
+        let _ = vm.wait();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains("own credentials (started with --insecure)"),
+            "{}",
+            stderr(&o)
+        );
+        eprintln!("{}", stderr(&o).trim());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

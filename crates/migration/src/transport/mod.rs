@@ -20,7 +20,7 @@ mod stream;
 pub use conn::{Closer, Conn, ConnReader, ConnWriter, Until};
 pub use listener::{Admission, Listener, ADMISSION_TIMEOUT};
 pub use owner_only::bind_owner_only;
-pub use security::{credentials, install, Security};
+pub use security::{credentials, describe, install, Security};
 #[cfg(test)]
 pub(crate) use stream::tls_pair;
 pub use stream::Stream;

@@ -74,6 +74,20 @@ pub fn credentials() -> Option<Arc<Credentials>> {
     }
 }
 
+/// What this process's TCP links speak, in the words of the flag that
+/// chose it (`--tls-dir DIR` for credentials from DIR, whichever way DIR
+/// was given; `--insecure`), or why they fail: `ferry status` shows it, and
+/// a command that opens no link of its own names it when it refuses
+/// `--tls-dir`.
+pub fn describe() -> String {
+    match INSTALLED.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        Some(Security::Tls(c)) => format!("--tls-dir {}", c.dir().display()),
+        Some(Security::Insecure) => "--insecure".into(),
+        Some(Security::Missing(e)) => format!("no credentials: {e}"),
+        None => "neither credentials nor --insecure".into(),
+    }
+}
+
 fn clone_err(e: &TlsError) -> TlsError {
     match e {
         TlsError::Missing { dir } => TlsError::Missing { dir: dir.clone() },

@@ -197,6 +197,8 @@ impl ControlHandler for VmControl {
                     "bytes": bytes, "running": running,
                 })),
                 "token": vm.waiting().and_then(|w| w.token),
+                // What this VMM's migration links speak (the flag that chose it).
+                "links": ferry_migration::transport::describe(),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),
