@@ -101,7 +101,10 @@ pub struct Telemetry {
     dirty_rate: AtomicU64,
     /// Auto-converge throttle in force (percent).
     throttle_pct: AtomicU32,
-    /// Page bytes sent or landed so far (all connections, payload).
+    /// Pages the source's rounds went through one by one so far, 4 KiB
+    /// each, whether sent with data, found zero, sent as a reference or
+    /// left out unchanged (round 0's holes known to be zero are not
+    /// counted): not the bytes that crossed, which the links count.
     processed_bytes: AtomicU64,
     links: Mutex<Vec<(String, Arc<LinkMeter>)>>,
     events: Mutex<Vec<Event>>,
@@ -145,7 +148,8 @@ pub struct TelemetrySnapshot {
     pub dirty_rate: u64,
     /// Throttle in force (percent).
     pub throttle_pct: u32,
-    /// Page bytes moved so far.
+    /// Pages gone through so far at 4 KiB each (see [`Telemetry`]'s
+    /// field): not bytes on the wire, which are the links' counts.
     pub processed_bytes: u64,
     /// Per connection: (name, bytes sent, bytes received).
     pub links: Vec<(String, u64, u64)>,
@@ -220,7 +224,8 @@ impl Telemetry {
         self.throttle_pct.store(throttle_pct, Ordering::Relaxed);
     }
 
-    /// `pages` more pages went out (or landed).
+    /// `pages` more pages were gone through (sent with data, as zero
+    /// ranges or references, or left out unchanged).
     pub fn add_pages(&self, pages: u64) {
         self.processed_bytes
             .fetch_add(pages * crate::protocol::PAGE as u64, Ordering::Relaxed);

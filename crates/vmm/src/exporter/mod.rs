@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ferry_migration::telemetry::LivePhase;
+use ferry_migration::telemetry::{LivePhase, Telemetry};
 
 use crate::vm::Vm;
 
@@ -110,9 +110,14 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
             &one(s.stats.responses.load(Ordering::Relaxed) as f64),
         );
     }
-    let Some(t) = vm.watch().latest() else {
-        return o;
-    };
+    if let Some(t) = vm.watch().latest() {
+        migration(&mut o, &t, rate);
+    }
+    o
+}
+
+/// The latest migration's figures, from its telemetry on this side.
+fn migration(o: &mut String, t: &Telemetry, rate: &RateMark) {
     let snap = t.snapshot();
     let phase = t.phase();
     let sent: u64 = snap.links.iter().map(|(_, s, _)| s).sum();
@@ -126,51 +131,57 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
         *last = Some((now, sent));
         r
     };
+    // What crossed: every byte this side wrote to or read from the
+    // migration's connections, as `ferry migrate`'s "on the wire" counts
+    // the source's pages and state (the control messages add a few KiB);
+    // not the guest memory the rounds went through (zero pages cross as
+    // ranges, unchanged ones not at all, compressed ones as less).
+    let crossed: u64 = snap.links.iter().map(|(_, s, r)| s + r).sum();
     let remaining = snap.remaining_pages * 4096;
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_data_total_bytes",
         "gauge",
         "Guest memory the migration covers.",
         &one(snap.total_bytes as f64),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_data_processed_bytes",
         "gauge",
-        "Page bytes sent (source) so far.",
-        &one(snap.processed_bytes as f64),
+        "Bytes that crossed the migration's connections so far, both ways.",
+        &one(crossed as f64),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_data_remaining_bytes",
         "gauge",
         "Page bytes left in the current round (source).",
         &one(remaining as f64),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_dirty_memory_rate_bytes",
         "gauge",
         "Guest dirty rate over the last precopy round (bytes/s).",
         &one(snap.dirty_rate as f64),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_memory_transfer_rate_bytes",
         "gauge",
         "Bytes/s sent on every connection since the previous scrape.",
         &one(transfer),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_round",
         "gauge",
         "Current precopy round (0 = the full copy).",
         &one(f64::from(snap.round)),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_throttle_percent",
         "gauge",
         "vCPU time auto-converge takes away.",
@@ -186,7 +197,7 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
         })
         .collect();
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_phase",
         "gauge",
         "1 for the phase the latest migration of this VM is in.",
@@ -197,21 +208,21 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
         LivePhase::Running | LivePhase::Switching | LivePhase::Postcopy | LivePhase::Paused
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migrations_in_running_phase",
         "gauge",
         "Migrations of this VM running now.",
         &one(f64::from(u8::from(running))),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_succeeded",
         "gauge",
         "1 if the latest migration succeeded.",
         &one(f64::from(u8::from(phase == LivePhase::Succeeded))),
     );
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_failed",
         "gauge",
         "1 if the latest migration failed.",
@@ -223,11 +234,52 @@ pub fn render(vm: &Vm, rate: &RateMark) -> String {
         .map(|(n, s, _)| (format!("{{link=\"{n}\"}}"), *s as f64))
         .collect();
     metric(
-        &mut o,
+        o,
         "ferry_vmi_migration_link_sent_bytes",
         "counter",
         "Bytes each connection of the latest migration sent.",
         &links,
     );
-    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str, name: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+    }
+
+    /// Issue 56: the counter grew to 77.7 MB while 46.9 MB crossed the
+    /// link; it counted guest pages gone through (zero and unchanged pages
+    /// at 4 KiB each), not bytes.
+    #[test]
+    fn processed_bytes_are_the_bytes_that_crossed() {
+        let t = Telemetry::new();
+        t.set_total_bytes(256 << 20);
+        t.round_began(0, 65536);
+        // 10,000 pages gone through: most went as zero ranges or compressed.
+        t.add_pages(10_000);
+        t.link("bulk0").sent.fetch_add(3_000_000, Ordering::Relaxed);
+        t.link("bulk1").sent.fetch_add(2_000_000, Ordering::Relaxed);
+        let control = t.link("control");
+        control.sent.fetch_add(1_234, Ordering::Relaxed);
+        control.received.fetch_add(566, Ordering::Relaxed);
+        let mut o = String::new();
+        migration(&mut o, &t, &Mutex::new(None));
+        assert_eq!(
+            value(&o, "ferry_vmi_migration_data_processed_bytes"),
+            5_001_800.0
+        );
+        assert_eq!(
+            value(&o, "ferry_vmi_migration_data_remaining_bytes"),
+            ((65536 - 10_000) * 4096) as f64
+        );
+        assert_eq!(
+            value(&o, "ferry_vmi_migration_link_sent_bytes{link=\"bulk0\"}"),
+            3_000_000.0
+        );
+    }
 }
