@@ -379,6 +379,23 @@ pub struct HostInfo {
     /// The memory servers it runs for split VMs.
     #[serde(default)]
     pub stores: Vec<StoreInfo>,
+    /// VMs it sent away lately (the newest last), and what their moves
+    /// verified: a drain that died mid-move reads it when it resumes.
+    #[serde(default)]
+    pub sent: Vec<SentVm>,
+}
+
+/// A VM an agent sent away, as its move ended.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SentVm {
+    /// The VM.
+    pub vm: String,
+    /// Where it went.
+    pub to: String,
+    /// The move was asked to compare every page's hash.
+    pub verify: bool,
+    /// Pages whose hashes matched end to end (0 without `verify`).
+    pub verified_pages: u64,
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_registry::Registry;
 
+use crate::api::SentVm;
 use crate::drain::{MoveReport, MoveState};
 use crate::fleet::Fleet;
 use crate::FleetError;
@@ -229,6 +230,9 @@ pub fn settle(
 ) -> Result<Vec<String>, FleetError> {
     let deadline = Instant::now() + wait;
     let mut notes = Vec::new();
+    // What the drained host's agent says its sends verified (a drain that
+    // died mid-move never heard).
+    let sent_by_source = || fleet.host(&prev.host).map(|h| h.sent).unwrap_or_default();
     for m in prev
         .moves
         .iter()
@@ -271,15 +275,21 @@ pub fn settle(
             let runs = copies.iter().find(|(_, st)| st != "waiting");
             match runs {
                 Some((h, _)) => {
+                    // Only a VM that left the drained host has a move to tell.
+                    let verified = if *h == prev.host {
+                        String::new()
+                    } else {
+                        verification(&sent_by_source(), &m.vm)
+                    };
                     for (w, _) in copies.iter().filter(|(_, st)| st == "waiting") {
                         fleet.agent(w)?.stop(&m.vm)?;
                         notes.push(format!(
-                            "{}: runs on {h}; the VMM left waiting for it on {w} stopped",
+                            "{}: runs on {h}{verified}; the VMM left waiting for it on {w} stopped",
                             m.vm
                         ));
                     }
                     if !copies.iter().any(|(_, st)| st == "waiting") {
-                        notes.push(format!("{}: runs on {h}", m.vm));
+                        notes.push(format!("{}: runs on {h}{verified}", m.vm));
                     }
                 }
                 // Only a waiting copy, or none: nothing here may touch it.
@@ -292,6 +302,19 @@ pub fn settle(
         }
     }
     Ok(notes)
+}
+
+/// What the source's agent recorded of VM `vm`'s move, as a note: its
+/// latest send of the VM.
+fn verification(sent: &[SentVm], vm: &str) -> String {
+    match sent.iter().rev().find(|s| s.vm == vm) {
+        Some(s) if s.verify => format!(
+            " (its move verified {} pages, as its source's agent recorded)",
+            s.verified_pages
+        ),
+        Some(_) => " (its move was not verified)".into(),
+        None => " (its source's agent has no record of the move's verification)".into(),
+    }
 }
 
 #[cfg(test)]
@@ -337,6 +360,25 @@ mod tests {
         assert!(!j.beat(), "a new drain starts uncancelled");
         j.end();
         assert!(all(&*reg).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_resumed_drain_tells_what_a_move_it_did_not_see_end_verified() {
+        let sent = |vm: &str, verify, pages| SentVm {
+            vm: vm.into(),
+            to: "tcp:10.77.0.2:7100".into(),
+            verify,
+            verified_pages: pages,
+        };
+        let log = [
+            sent("web", false, 0),
+            sent("db", true, 9),
+            sent("web", true, 65_536),
+        ];
+        // The latest send of the VM counts.
+        assert!(verification(&log, "web").contains("verified 65536 pages"));
+        assert!(verification(&log[..1], "web").contains("not verified"));
+        assert!(verification(&log, "cache").contains("no record"));
     }
 
     #[test]

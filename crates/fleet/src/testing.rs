@@ -37,5 +37,6 @@ pub(crate) fn host(name: &str, free_mib: u64, free_vcpus: u32, vms: Vec<VmInfo>)
         link_bps: 0,
         vms,
         stores: Vec::new(),
+        sent: Vec::new(),
     }
 }

@@ -26,7 +26,7 @@ use ferry_tls::{Connection, Credentials};
 use ferry_vmm::control::{ControlClient, MigrateRequest, Request as Control};
 use serde_json::{json, Value};
 
-use crate::api::{HostInfo, Request, MAX_LINE};
+use crate::api::{HostInfo, Request, SentVm, MAX_LINE};
 use crate::reply::{
     InfoReply, RatesReply, ReadyReply, SendReply, StartReply, StopReply, StoreReply,
 };
@@ -69,6 +69,8 @@ pub struct Agent {
     /// server): one admission at a time, so two cannot both take the last
     /// of it, and the VMs' and stores' books are read in one order.
     admit: std::sync::Mutex<()>,
+    /// The VMs sent away lately, newest last (at most [`SENT_KEPT`]).
+    sent: std::sync::Mutex<std::collections::VecDeque<SentVm>>,
     advert: Advertisement,
     local: SocketAddr,
 }
@@ -115,6 +117,7 @@ impl Agent {
             vms,
             stores,
             admit: std::sync::Mutex::new(()),
+            sent: Default::default(),
             advert,
             local,
         });
@@ -150,6 +153,13 @@ impl Agent {
             link_bps: self.opts.link_bps,
             vms,
             stores,
+            sent: self
+                .sent
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned()
+                .collect(),
         }
     }
 
@@ -439,6 +449,7 @@ impl Agent {
     ) -> Result<Value, FleetError> {
         let socket = self.vms.socket(name)?;
         let _sending = self.vms.sending(name)?;
+        let (verify_asked, to_named) = (options.verify, to.to_string());
         let to: Endpoint = to
             .parse()
             .map_err(|e| FleetError::Refused(format!("destination {to}: {e}")))?;
@@ -464,6 +475,18 @@ impl Agent {
         let forwarded = reply
             .as_ref()
             .is_ok_and(|r| r.stats.clients.as_ref().is_some_and(|c| !c.moved));
+        if let Ok(r) = &reply {
+            let mut sent = self.sent.lock().unwrap_or_else(|p| p.into_inner());
+            if sent.len() == SENT_KEPT {
+                sent.pop_front();
+            }
+            sent.push_back(SentVm {
+                vm: name.into(),
+                to: to_named,
+                verify: verify_asked,
+                verified_pages: r.stats.verified_pages,
+            });
+        }
         if forwarded {
             self.vms.forwarding(name);
         } else {
@@ -475,6 +498,9 @@ impl Agent {
         reply_of(reply?)
     }
 }
+
+/// How many of its latest sends an agent lists.
+const SENT_KEPT: usize = 64;
 
 /// Runs `agent` until `stop`, keeping its books every second.
 pub fn run_until(agent: &Agent, stop: &AtomicBool) {

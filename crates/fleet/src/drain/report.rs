@@ -133,6 +133,11 @@ pub struct DrainReport {
     pub emptied_secs: f64,
     /// True if it was cancelled before every move started.
     pub cancelled: bool,
+    /// How the moves a dead drain of this host left in flight were settled
+    /// before this one planned (a line per VM: where it runs, and what its
+    /// move verified, as its source's agent recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub settled: Vec<String>,
 }
 
 impl DrainReport {

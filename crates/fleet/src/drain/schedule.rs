@@ -161,6 +161,7 @@ pub fn run(
         secs: t0.elapsed().as_secs_f64(),
         emptied_secs: emptied.as_secs_f64(),
         cancelled,
+        settled: Vec::new(),
     })
 }
 
