@@ -434,10 +434,6 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
     // end one way or the other), then the plan is made from where the VMs
     // are now.
     let (session, resumed) = Drain::begin(&fleet, &a.host, drain::session::SETTLE_WITHIN)?;
-    let settled = resumed
-        .as_ref()
-        .map(|r| r.notes.clone())
-        .unwrap_or_default();
     if let (Some(r), false) = (resumed, a.fleet.json) {
         eprintln!(
             "resuming the drain of {} that {} started (it stopped renewing its record)",
@@ -453,8 +449,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
     }
     let cancel = stop_flag()?;
     let mut progress = DrainProgress::new(!a.fleet.json);
-    let mut report = session.run(plan, &opts, &cancel, &mut |moves| progress.show(moves))?;
-    report.settled = settled;
+    let report = session.run(plan, &opts, &cancel, &mut |moves| progress.show(moves))?;
     if a.fleet.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

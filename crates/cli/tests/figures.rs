@@ -48,24 +48,7 @@ fn refusing_address() -> String {
 #[test]
 fn load_ends_at_its_duration_when_nothing_answers() {
     let target = silent_listener();
-    let (o, took) = ferry(&[
-        "load",
-        "--target",
-        &target,
-        "--op",
-        "echo",
-        "--clients",
-        "4",
-        "--duration",
-        "2s",
-        "--json",
-        "--quiet",
-    ]);
-    assert!(
-        took < Duration::from_secs(3),
-        "a 2 s load ran {took:?}: {}",
-        stderr(&o)
-    );
+    let (o, took) = two_second_load(&target, "echo");
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     // Each client sent one request and waited for it to the end.
@@ -77,17 +60,15 @@ fn load_ends_at_its_duration_when_nothing_answers() {
     eprintln!("silent target: 2 s load ended after {took:?}");
 }
 
-/// A refused connection is a failed connect, not a request: nothing was
-/// sent.
-#[test]
-fn load_against_a_refusing_address_ends_on_time_and_sends_nothing() {
-    let target = refusing_address();
+/// `ferry load --duration 2s` of 4 clients doing `op` against `target`,
+/// which must end within 3 s; what it printed and how long it took.
+fn two_second_load(target: &str, op: &str) -> (Output, Duration) {
     let (o, took) = ferry(&[
         "load",
         "--target",
-        &target,
+        target,
         "--op",
-        "nop",
+        op,
         "--clients",
         "4",
         "--duration",
@@ -100,6 +81,15 @@ fn load_against_a_refusing_address_ends_on_time_and_sends_nothing() {
         "a 2 s load ran {took:?}: {}",
         stderr(&o)
     );
+    (o, took)
+}
+
+/// A refused connection is a failed connect, not a request: nothing was
+/// sent.
+#[test]
+fn load_against_a_refusing_address_ends_on_time_and_sends_nothing() {
+    let target = refusing_address();
+    let (o, took) = two_second_load(&target, "nop");
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["requests"], 0, "{v}");

@@ -72,13 +72,16 @@ impl AgentClient {
         self.ask(&Request::Stop { name: name.into() }, &mut |_| {})
     }
 
-    /// A memory server (`Request::Store`) or standby (`Request::Standby`).
-    pub fn store(&self, req: &Request) -> Result<StoreReply, FleetError> {
-        self.expect(
-            req,
-            matches!(req, Request::Store { .. } | Request::Standby { .. }),
-        )?;
-        self.ask(req, &mut |_| {})
+    /// Starts a memory server of `bytes` here for split VM `vm`'s pages.
+    pub fn store(&self, vm: &str, bytes: u64) -> Result<StoreReply, FleetError> {
+        let vm = vm.into();
+        self.ask(&Request::Store { vm, bytes }, &mut |_| {})
+    }
+
+    /// Starts a postcopy standby here for VM `vm`'s move (at most `bytes`).
+    pub fn standby(&self, vm: &str, bytes: u64) -> Result<StoreReply, FleetError> {
+        let vm = vm.into();
+        self.ask(&Request::Standby { vm, bytes }, &mut |_| {})
     }
 
     /// A waiting VMM for a VM on its way here (`Request::Receive`).

@@ -231,8 +231,8 @@ pub fn settle(
     let deadline = Instant::now() + wait;
     let mut notes = Vec::new();
     // What the drained host's agent says its sends verified (a drain that
-    // died mid-move never heard).
-    let sent_by_source = || fleet.host(&prev.host).map(|h| h.sent).unwrap_or_default();
+    // died mid-move never heard): asked once, when a VM is found moved.
+    let mut sent_by_source: Option<Vec<SentVm>> = None;
     for m in prev
         .moves
         .iter()
@@ -279,7 +279,10 @@ pub fn settle(
                     let verified = if *h == prev.host {
                         String::new()
                     } else {
-                        verification(&sent_by_source(), &m.vm)
+                        let sent = sent_by_source.get_or_insert_with(|| {
+                            fleet.host(&prev.host).map(|h| h.sent).unwrap_or_default()
+                        });
+                        verification(sent, &m.vm)
                     };
                     for (w, _) in copies.iter().filter(|(_, st)| st == "waiting") {
                         fleet.agent(w)?.stop(&m.vm)?;

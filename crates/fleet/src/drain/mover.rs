@@ -68,12 +68,10 @@ pub(crate) fn run_try(
 ) {
     let t0 = Instant::now();
     if let Err(e) = report.advance(MoveState::Preparing) {
-        let _ = tx.send(Event::Ended(
-            k,
-            report,
-            Some(Failure::Gone(e.to_string()).outcome("")),
-        ));
-        return;
+        // The scheduler starts only waiting moves (as `end` does for its
+        // last step: said, not hidden).
+        tracing::error!("drain: {}: {e}", report.vm);
+        report.state = MoveState::Preparing;
     }
     let _ = tx.send(Event::Update(k, report.clone()));
     let Some(vm) = vm else {
@@ -124,10 +122,7 @@ impl Try<'_> {
         self.dest = Some(dest.clone());
         for (host, bytes) in self.report.split.iter().flat_map(|sp| sp.stores.clone()) {
             let started = sh.fleet.agent(&host).and_then(|a| {
-                let r = a.store(&Request::Store {
-                    vm: vm.spec.name.clone(),
-                    bytes,
-                })?;
+                let r = a.store(&vm.spec.name, bytes)?;
                 Ok((a, r.addr))
             });
             let s = started.map_err(|e| format!("a memory server on {host}: {e}"))?;

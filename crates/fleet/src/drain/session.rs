@@ -53,6 +53,8 @@ pub struct Drain {
     fleet: Fleet,
     host: String,
     journal: Arc<Journal>,
+    /// How a dead drain's moves were settled at begin (for the report).
+    settled: Vec<String>,
 }
 
 /// A drain that died before this one, and how its moves were settled.
@@ -73,17 +75,21 @@ impl Drain {
         settle: Duration,
     ) -> Result<(Drain, Option<Resumed>), FleetError> {
         let (journal, before) = Journal::begin(fleet.registry().clone(), host)?;
-        let drain = Drain {
-            fleet: fleet.clone(),
-            host: host.into(),
-            journal: Arc::new(journal),
-        };
         let resumed = match before {
             Some(record) => {
                 let notes = journal::settle(fleet, &record, settle)?;
                 Some(Resumed { record, notes })
             }
             None => None,
+        };
+        let drain = Drain {
+            fleet: fleet.clone(),
+            host: host.into(),
+            journal: Arc::new(journal),
+            settled: resumed
+                .as_ref()
+                .map(|r| r.notes.clone())
+                .unwrap_or_default(),
         };
         Ok((drain, resumed))
     }
@@ -127,6 +133,9 @@ impl Drain {
         if let Ok(j) = Arc::try_unwrap(self.journal) {
             j.end();
         }
-        report
+        report.map(|r| DrainReport {
+            settled: self.settled,
+            ..r
+        })
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::api::{HostInfo, Request, VmInfo};
+use crate::api::{HostInfo, VmInfo};
 use crate::claims::{Claim, StandbyClaims};
 use crate::fleet::Fleet;
 
@@ -32,10 +32,7 @@ pub(crate) fn start_standby(
             continue;
         }
         let started = fleet.agent(h).and_then(|a| {
-            let r = a.store(&Request::Standby {
-                vm: name.into(),
-                bytes,
-            })?;
+            let r = a.standby(name, bytes)?;
             Ok((a, r.addr))
         });
         match started {
