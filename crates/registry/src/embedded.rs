@@ -199,6 +199,73 @@ impl Registry for Embedded {
         out.sort();
         Ok(out)
     }
+
+    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, u64)>, RegistryError> {
+        Ok(self.get_record(key)?.map(|v| {
+            let version = version_of(&v);
+            (v, version)
+        }))
+    }
+
+    fn put_if_version(&self, key: &str, value: &[u8], version: u64) -> Result<bool, RegistryError> {
+        crate::check_key(key)?;
+        if value.len() > crate::MAX_RECORD {
+            return Err(RegistryError::BadKey(key.into()));
+        }
+        std::fs::create_dir_all(self.records_dir()).map_err(|e| self.err(e))?;
+        // Every compare-and-swap on this machine takes the one lock; a plain
+        // put does not need it (its rename is atomic).
+        let _lock = self.cas_lock()?;
+        let now = self.get_versioned(key)?.map_or(0, |(_, v)| v);
+        if now != version {
+            return Ok(false);
+        }
+        self.write_file(&self.records_dir().join(escape(key)), value)?;
+        Ok(true)
+    }
+}
+
+/// A record's version in the embedded registry: a 64-bit hash of its bytes
+/// (FNV-1a), never 0. Two different values with the same hash would make a
+/// swap succeed that should not; ownership records carry a random holder
+/// id and a time, so that takes a 2^-64 chance.
+fn version_of(value: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in value {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h.max(1)
+}
+
+/// An exclusive `flock` on the records' lock file, released when dropped.
+struct CasLock(std::fs::File);
+
+impl Drop for CasLock {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the fd is the open file's own; unlocking cannot fail in a
+        // way that matters (closing the file releases the lock anyway).
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl Embedded {
+    fn cas_lock(&self) -> Result<CasLock, RegistryError> {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.records_dir().join(".cas.lock"))
+            .map_err(|e| self.err(e))?;
+        // SAFETY: flock on an fd this function owns; it blocks until no other
+        // process holds the lock, and has no memory effects.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(self.err(std::io::Error::last_os_error()));
+        }
+        Ok(CasLock(f))
+    }
 }
 
 /// `name` with anything but [A-Za-z0-9._-] (and a leading '.') spelled as
@@ -311,6 +378,16 @@ mod tests {
             assert!(r.put_record(bad, b"v").is_err(), "{bad:?}");
         }
         r.put_record(".hidden/../../x", b"v").unwrap_err();
+        // Compare-and-swap: only against the version read.
+        assert!(r.put_if_version("cas/a", b"1", 0).unwrap());
+        assert!(!r.put_if_version("cas/a", b"x", 0).unwrap(), "it exists");
+        let (v, ver) = r.get_versioned("cas/a").unwrap().unwrap();
+        assert_eq!(v, b"1");
+        assert_ne!(ver, 0);
+        assert!(r.put_if_version("cas/a", b"2", ver).unwrap());
+        assert!(!r.put_if_version("cas/a", b"3", ver).unwrap(), "stale");
+        assert_eq!(r.get_record("cas/a").unwrap().as_deref(), Some(&b"2"[..]));
+        assert!(r.put_if_version("../x", b"v", 0).is_err());
         assert!(r
             .put_record("big", &vec![0u8; crate::MAX_RECORD + 1])
             .is_err());

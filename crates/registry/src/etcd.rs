@@ -259,6 +259,54 @@ impl Registry for Etcd {
         )?;
         records_of_range(&v)
     }
+
+    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, u64)>, RegistryError> {
+        crate::check_key(key)?;
+        let v = self.call(
+            "/v3/kv/range",
+            json!({"key": B64.encode(format!("{RECORDS}{key}"))}),
+        )?;
+        let Some(kv) = v["kvs"].as_array().and_then(|a| a.first()) else {
+            return Ok(None);
+        };
+        let value = records_of_range(&v)?
+            .into_iter()
+            .next()
+            .map(|(_, v)| v)
+            .unwrap_or_default();
+        // etcd's revision of the key's last change: never 0 for a key that
+        // exists (the gateway writes 64-bit numbers as strings).
+        let rev = number(&kv["mod_revision"])
+            .filter(|r| *r > 0)
+            .ok_or_else(|| self.err(format!("record {key} came without its revision")))?;
+        Ok(Some((value, rev)))
+    }
+
+    fn put_if_version(&self, key: &str, value: &[u8], version: u64) -> Result<bool, RegistryError> {
+        crate::check_key(key)?;
+        if value.len() > crate::MAX_RECORD {
+            return Err(RegistryError::BadKey(key.into()));
+        }
+        let k = B64.encode(format!("{RECORDS}{key}"));
+        // A key that does not exist compares with mod_revision 0.
+        let v = self.call(
+            "/v3/kv/txn",
+            json!({
+                "compare": [{"key": k, "target": "MOD", "result": "EQUAL",
+                             "mod_revision": version.to_string()}],
+                "success": [{"request_put": {"key": k, "value": B64.encode(value)}}],
+            }),
+        )?;
+        // The gateway leaves false out of its answer.
+        Ok(v["succeeded"].as_bool().unwrap_or(false))
+    }
+}
+
+/// A 64-bit number as etcd's gateway writes it (a string, or a number).
+fn number(v: &Value) -> Option<u64> {
+    v.as_str()
+        .and_then(|s| s.parse().ok())
+        .or_else(|| v.as_u64())
 }
 
 /// The records in a `/v3/kv/range` answer: (key without the records'

@@ -13,11 +13,14 @@
 //!   under a lease that a keep-alive thread renews; over mutual TLS with
 //!   the host's fleet certificate (`etcds://`) or plaintext (`etcd://`).
 //! - [`placement`]: from the hosts to a main host and sub-hosts.
+//! - [`ownership`]: which one process may run each VM (an epoch changed
+//!   only by compare-and-swap), the fence against two running copies.
 
 pub mod embedded;
 pub mod etcd;
 mod http;
 mod link;
+pub mod ownership;
 pub mod placement;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -150,6 +153,13 @@ pub trait Registry: Send + Sync {
     fn delete_record(&self, key: &str) -> Result<(), RegistryError>;
     /// Every record whose key starts with `prefix`, by key.
     fn records(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, RegistryError>;
+    /// The record under `key` with its version: a number that changes with
+    /// every write of it and is never 0.
+    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, u64)>, RegistryError>;
+    /// Compare-and-swap: writes `value` under `key` only if the record's
+    /// version is still `version` (0: only if there is no record). False
+    /// if it changed meanwhile: nothing was written.
+    fn put_if_version(&self, key: &str, value: &[u8], version: u64) -> Result<bool, RegistryError>;
 }
 
 /// The largest record a registry stores or reads back.

@@ -187,6 +187,24 @@ fn etcd_over_mutual_tls_serves_fleet_hosts_and_refuses_strangers() {
     assert_eq!(fleet.get_record("drains/h1").unwrap(), None);
     assert_eq!(names(&*fleet), ["memserver@a"]);
 
+    // Compare-and-swap (an etcd transaction on the key's revision), and the
+    // ownership rule over it: a destination and a source racing for one
+    // claim, many times; exactly one wins each time.
+    assert!(fleet.put_if_version("cas/a", b"1", 0).unwrap());
+    assert!(
+        !fleet.put_if_version("cas/a", b"x", 0).unwrap(),
+        "it exists"
+    );
+    let (v, rev) = fleet.get_versioned("cas/a").unwrap().unwrap();
+    assert_eq!((v.as_slice(), rev > 0), (&b"1"[..], true));
+    assert!(fleet.put_if_version("cas/a", b"2", rev).unwrap());
+    assert!(!fleet.put_if_version("cas/a", b"3", rev).unwrap(), "stale");
+    assert_eq!(
+        fleet.get_record("cas/a").unwrap().as_deref(),
+        Some(&b"2"[..])
+    );
+    ownership_race(fleet.clone());
+
     // A certificate from another CA: etcd refuses it, and nothing it tried
     // to write is there.
     let stranger = open(&tls_addr, &tmp.join("x"));
@@ -244,4 +262,32 @@ fn etcd_over_mutual_tls_serves_fleet_hosts_and_refuses_strangers() {
     assert!(names(&*fleet).is_empty());
     drop(_etcd);
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// A source and a destination racing for the same claim over `r` (the
+/// take-back against the take-over of every mode's switch): each round
+/// exactly one wins, and the record names the winner.
+fn ownership_race(r: Arc<dyn Registry>) {
+    use ferry_registry::ownership::{Holder, Owners, Step};
+    let owners = Owners::new(r);
+    let src = Holder::this_process("h1");
+    let mut c = owners.step("vm-race", &Step::Boot, &src).unwrap();
+    for round in 0..20 {
+        let dst = Holder::this_process("h2");
+        let (o1, o2) = (owners.clone(), owners.clone());
+        let (f1, f2, s, d) = (c.clone(), c.clone(), c.holder.clone(), dst.clone());
+        let back = std::thread::spawn(move || o1.step("vm-race", &Step::TakeBack(f1), &s));
+        let over = std::thread::spawn(move || o2.step("vm-race", &Step::TakeOver(f2), &d));
+        let (back, over) = (back.join().unwrap(), over.join().unwrap());
+        assert!(
+            back.is_ok() != over.is_ok(),
+            "round {round}: {back:?} {over:?}"
+        );
+        let won = back.or(over).unwrap();
+        assert_eq!(won.epoch, c.epoch + 1);
+        let rec = owners.record("vm-race").unwrap().unwrap();
+        assert_eq!(rec.holder.as_ref(), Some(&won.holder));
+        c = won;
+    }
+    owners.step("vm-race", &Step::Release(c), &src).ok();
 }
