@@ -64,6 +64,12 @@ pub enum Suite {
     /// holding the same 512 MiB data set moved one after another, with and
     /// without sharing: bytes on the wire, time, downtime.
     Share,
+    /// Random faults (kills, stops, link cuts, blackholes, slow links, a
+    /// host dying) over precopy, postcopy, hybrid, handover and postcopy
+    /// with its standby, each VM audited after by a witness outside ferry
+    /// (two copies never run at once, one runs at the end); `--smoke` is
+    /// a fixed-seed 20-trial run.
+    Chaos,
 }
 
 #[derive(clap::Args)]
@@ -100,6 +106,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Drain => "drain.py",
         Suite::Prealloc => "prealloc.py",
         Suite::Share => "share.py",
+        Suite::Chaos => "chaos.py",
     });
     if !script.exists() {
         bail!(
