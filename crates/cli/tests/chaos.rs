@@ -72,5 +72,9 @@ fn chaos_smoke_finds_no_second_copy_and_no_lost_vm() {
         "too many harness errors: {errors:?}"
     );
     let ok = trials.iter().filter(|t| t["outcome"] == "one-copy").count();
-    assert!(ok * 2 >= trials.len(), "{ok} of {} trials ended with one copy", trials.len());
+    assert!(
+        ok * 2 >= trials.len(),
+        "{ok} of {} trials ended with one copy",
+        trials.len()
+    );
 }
