@@ -73,6 +73,19 @@ pub enum MigrationError {
     /// may not run the VM. The source keeps it paused.
     #[error("the destination got everything but did not confirm the start ({0}); the VM stays paused here: resume it only if the destination did not start it")]
     InDoubt(String),
+    /// The owner fence refused the move (docs/safety.md): the destination
+    /// may not take the VM, or the two sides do not fence alike.
+    #[error("ownership: {0}")]
+    Fence(String),
+    /// Complete went out, the switch then failed, and the registry says the
+    /// destination took the VM: it runs there, never again here.
+    #[error("the switch failed ({error}), but the registry says the destination took the VM ({holder}): it runs there, and nothing here runs it again")]
+    HandedOver {
+        /// What failed.
+        error: String,
+        /// Who holds the VM, as the registry says.
+        holder: String,
+    },
     /// Postcopy failed after the VM started at the destination (source
     /// side): the source keeps the VM paused with all its memory.
     #[error("postcopy broke after the VM started at the destination: {reason}. {unsent} of {pending} pending pages had not been sent, and the destination had not confirmed the rest; the VM stays paused here with all its memory: do not resume it here while the destination runs it")]

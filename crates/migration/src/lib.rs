@@ -83,4 +83,7 @@ pub use stats::{
     SplitServerStats, SplitStats, StartedReport,
 };
 pub use transport::{Endpoint, Listener};
-pub use vm::{AccessHistory, ClientsAnswer, ClientsPlan, DestinationVm, MigratableVm, PageStore};
+pub use vm::{
+    AccessHistory, ClientsAnswer, ClientsPlan, DestinationVm, MigratableVm, OwnerFence, PageStore,
+    TakeBackAnswer,
+};

@@ -48,8 +48,45 @@ pub enum ClientsAnswer {
     Stay(String),
 }
 
+/// The VM's owner fence (docs/safety.md): the one process the registry
+/// says holds the VM may run it. The VMM implements it over the registry;
+/// the engine calls it at the switch and when a switch fails.
+pub trait OwnerFence: Send + Sync {
+    /// The claim this process holds, encoded for the destination (≤ 4 KiB);
+    /// None if it holds none (then it must not run the VM).
+    fn claim(&self) -> Option<Vec<u8>>;
+    /// Destination: takes the VM from the source's `claim` before the
+    /// guest's first instruction here; waits while the registry does not
+    /// answer. Err: why it may not run the VM (the switch is refused).
+    fn take_over(&self, claim: &[u8]) -> Result<String, String>;
+    /// Source: Complete goes out; from now on the VM runs here only after a
+    /// take-back says it never left.
+    fn completing(&self);
+    /// Source: the destination said it started the VM.
+    fn handed(&self);
+    /// Source, after Complete went out and the switch failed: may the VM
+    /// run here again?
+    fn take_back(&self) -> TakeBackAnswer;
+}
+
+/// A source's take-back after a failed switch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TakeBackAnswer {
+    /// The destination never took the VM: it may run here again (why).
+    Back(String),
+    /// Another process holds it: it never runs here again (who).
+    Gone(String),
+    /// The registry did not answer: it stays paused here; the VMM resumes
+    /// it by itself if the registry later says it never left (why).
+    Unknown(String),
+}
+
 /// A running VM that can be migrated away.
 pub trait MigratableVm: Send + Sync {
+    /// Its owner fence, if the VM is fenced through a registry.
+    fn fence(&self) -> Option<std::sync::Arc<dyn OwnerFence>> {
+        None
+    }
     /// Guest RAM regions.
     fn regions(&self) -> Vec<RegionView>;
     /// Number of vCPUs.
@@ -156,6 +193,11 @@ pub trait MigratableVm: Send + Sync {
 pub trait DestinationVm: PageStore {
     /// Number of vCPUs.
     fn vcpus(&self) -> u32;
+    /// Its owner fence, if this VMM fences its VM through a registry: then
+    /// it takes the VM only from a source's claim.
+    fn fence(&self) -> Option<std::sync::Arc<dyn OwnerFence>> {
+        None
+    }
     /// A source was admitted: from now on guest memory is the migration's
     /// (whatever else touched it while the VM waited must stop now).
     fn admitted(&self) {}

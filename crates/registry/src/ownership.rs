@@ -32,7 +32,7 @@ mod tests;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use fence::{Fence, FenceStatus, TakeBack};
+pub use fence::{Fence, FenceStatus, Hooks, TakeBack};
 
 use crate::{Registry, RegistryError};
 

@@ -18,6 +18,7 @@ pub mod handover;
 pub mod hostnet;
 pub mod metrics;
 pub mod migration;
+pub mod owner;
 pub mod share;
 pub mod timeline;
 pub mod vm;

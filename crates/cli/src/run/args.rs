@@ -94,10 +94,19 @@ pub struct RunArgs {
     /// arrives.
     #[arg(long, requires = "incoming")]
     pub(super) advertise: bool,
-    /// The host registry for --advertise: etcds://HOST:PORT (TLS), etcd://HOST:PORT or dir:PATH
-    /// (default: this machine's).
-    #[arg(long, requires = "advertise")]
+    /// The host registry for --advertise, --vm-name and --fenced: etcds://HOST:PORT (TLS),
+    /// etcd://HOST:PORT or dir:PATH (default: this machine's).
+    #[arg(long)]
     pub(super) registry: Option<String>,
+    /// Fence this VM through the registry under NAME (docs/safety.md): its vCPUs run only
+    /// while this process holds the VM's epoch there, so no second copy can run; a VM
+    /// another process holds is refused
+    #[arg(long, conflicts_with = "incoming", value_name = "NAME")]
+    pub(super) vm_name: Option<String>,
+    /// With --incoming: take only a VM fenced through the registry, from its source's claim,
+    /// before its first instruction here (the source runs with --vm-name)
+    #[arg(long, requires = "incoming")]
+    pub(super) fenced: bool,
     /// With --advertise: guest memory offered to a split VM (default: all
     /// of --mem).
     #[arg(long, requires = "advertise", value_parser = parse_offer)]

@@ -155,6 +155,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
             );
         }
     }
+    let owner = fence(&vm, &args)?;
     let received = match &args.incoming {
         None => {
             vm.start()?;
@@ -176,5 +177,51 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     if let Some(got) = &received {
         summary_extra.insert("received".into(), serde_json::to_value(got)?);
     }
-    drive(&vm, &front, timeline, t_create, t_start, summary_extra)
+    let ended = drive(&vm, &front, timeline, t_create, t_start, summary_extra);
+    if let Some(o) = owner {
+        // Stopped here (not moved away): nobody runs it now.
+        o.release();
+    }
+    ended
+}
+
+/// Fences the VM through the registry (`--vm-name`, `--fenced`): a fresh
+/// VM takes its name's epoch now, before its first instruction, or the run
+/// ends saying who holds it.
+fn fence(vm: &Arc<Vm>, args: &RunArgs) -> Result<Option<Arc<ferry_vmm::owner::Owner>>> {
+    if args.vm_name.is_none() && !args.fenced {
+        if args.registry.is_some() && !args.advertise {
+            bail!("--registry is for --advertise, --vm-name or --fenced");
+        }
+        return Ok(None);
+    }
+    let registry = ferry_registry::open(
+        args.registry.as_deref(),
+        crate::security::credentials_for_registry(args.registry.as_deref())?,
+    )?;
+    let owner = ferry_vmm::owner::Owner::new(registry.clone(), &host_name(), vm);
+    vm.set_owner(owner.clone());
+    if let Some(name) = &args.vm_name {
+        let claim = owner
+            .boot(name)
+            .with_context(|| format!("cannot take VM {name} in {}", registry.describe()))?;
+        tracing::info!(vm = %name, epoch = claim.epoch, "holds the VM");
+    }
+    Ok(Some(owner))
+}
+
+/// This host's name for the registry: $FERRY_HOST, else the system's.
+pub(crate) fn host_name() -> String {
+    if let Ok(h) = std::env::var("FERRY_HOST") {
+        return h;
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    if r == 0 && end > 0 {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown".into()
+    }
 }

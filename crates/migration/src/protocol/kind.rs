@@ -150,6 +150,11 @@ pub enum Kind {
     /// v17, the destination's answer to a DropAhead's last frame (`u64`):
     /// the pages it dropped.
     DroppedAhead = 51,
+    /// v18, source to destination after AnswersAsk (or AnswersHeld): the
+    /// ownership claim the source holds (`Option<Vec<u8>>`, ≤ 4 KiB, the
+    /// VMM's own encoding), which the destination takes the VM from before
+    /// its first instruction there; None: the source runs unfenced.
+    Owner = 52,
 }
 
 impl Kind {
@@ -208,6 +213,7 @@ impl Kind {
             49 => StandbyTakeOver,
             50 => DropAhead,
             51 => DroppedAhead,
+            52 => Owner,
             _ => return None,
         })
     }
@@ -267,6 +273,7 @@ pub(super) fn kind_name(k: Kind) -> &'static str {
         Kind::StandbyTakeOver => "StandbyTakeOver",
         Kind::DropAhead => "DropAhead",
         Kind::DroppedAhead => "DroppedAhead",
+        Kind::Owner => "Owner",
     }
 }
 
@@ -279,19 +286,19 @@ mod tests {
         let known: Vec<(u16, Kind)> = (0..=u16::MAX)
             .filter_map(|v| Kind::from_u16(v).map(|k| (v, k)))
             .collect();
-        // 1..=51, no gaps, each the enum's own discriminant.
-        assert_eq!(known.len(), 51);
+        // 1..=52, no gaps, each the enum's own discriminant.
+        assert_eq!(known.len(), 52);
         for (i, (v, k)) in known.iter().enumerate() {
             assert_eq!(*v, i as u16 + 1);
             assert_eq!(*k as u16, *v);
         }
         assert_eq!(Kind::from_u16(0), None);
-        assert_eq!(Kind::from_u16(52), None);
+        assert_eq!(Kind::from_u16(53), None);
     }
 
     #[test]
     fn names_match_the_kinds() {
-        for k in (1..=51).filter_map(Kind::from_u16) {
+        for k in (1..=52).filter_map(Kind::from_u16) {
             assert_eq!(kind_name(k), format!("{k:?}"));
         }
     }

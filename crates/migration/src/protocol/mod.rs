@@ -1,4 +1,4 @@
-//! ferry's migration wire protocol. This code speaks versions 1 to 17
+//! ferry's migration wire protocol. This code speaks versions 1 to 18
 //! ([`VERSION_MIN`]..=[`VERSION_MAX`]; `version.rs` says what each one
 //! added); docs/protocol.md is the full text, with every message's body and
 //! the rules for adding a version.
@@ -69,7 +69,7 @@ pub use pages::{
 };
 pub use version::{
     negotiate, Caps, VERSION_ANSWERS_FOLLOW, VERSION_CLIENTS, VERSION_DROP_AHEAD,
-    VERSION_EARLY_STATE, VERSION_LANDED_HASHES, VERSION_MAX, VERSION_MIN, VERSION_POSTCOPY,
-    VERSION_RESUME, VERSION_SEALED_PAGES, VERSION_SHARED_PAGES, VERSION_SPLIT, VERSION_STANDBY,
-    VERSION_STORE, VERSION_SWITCH_AHEAD, VERSION_TIMELINE, VERSION_TRUST,
+    VERSION_EARLY_STATE, VERSION_LANDED_HASHES, VERSION_MAX, VERSION_MIN, VERSION_OWNER,
+    VERSION_POSTCOPY, VERSION_RESUME, VERSION_SEALED_PAGES, VERSION_SHARED_PAGES, VERSION_SPLIT,
+    VERSION_STANDBY, VERSION_STORE, VERSION_SWITCH_AHEAD, VERSION_TIMELINE, VERSION_TRUST,
 };

@@ -15,7 +15,7 @@ use super::{Hello, ProtocolError};
 /// Oldest protocol version this build speaks.
 pub const VERSION_MIN: u16 = 1;
 /// Newest protocol version this build speaks.
-pub const VERSION_MAX: u16 = 17;
+pub const VERSION_MAX: u16 = 18;
 /// The first version with postcopy (PostcopyPlan, PageRequest, Finished).
 pub const VERSION_POSTCOPY: u16 = 3;
 /// The first version where a postcopy survives a broken link (Resume
@@ -83,6 +83,11 @@ pub const VERSION_ANSWERS_FOLLOW: u16 = 16;
 /// punched in guest memory, ~4 µs, and a kv guest left ~25,000 of them
 /// for the pause).
 pub const VERSION_DROP_AHEAD: u16 = 17;
+/// The first version where the source names the ownership claim it holds
+/// (Owner, after AnswersAsk) and a fenced destination takes the VM from
+/// exactly that claim, through the registry, before its first instruction
+/// there (docs/safety.md): a VM never runs twice.
+pub const VERSION_OWNER: u16 = 18;
 
 /// What a session may use, decided once from the version both sides
 /// agreed on: the modes ask it by name, never by number, so a feature's
@@ -149,6 +154,8 @@ caps! {
     answers_follow = VERSION_ANSWERS_FOLLOW;
     /// Pages dropped ahead of a postcopy switch.
     drop_ahead = VERSION_DROP_AHEAD;
+    /// The source's ownership claim (Owner).
+    owner = VERSION_OWNER;
 }
 
 /// Picks the version both sides speak, or says why there is none.
@@ -180,7 +187,8 @@ mod tests {
 
     #[test]
     fn overlapping_ranges_pick_the_highest_common_version() {
-        assert_eq!(negotiate(&hello(1, 17)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 18)).unwrap(), VERSION_MAX);
+        assert_eq!(negotiate(&hello(1, 17)).unwrap(), VERSION_DROP_AHEAD);
         assert_eq!(negotiate(&hello(1, 16)).unwrap(), VERSION_ANSWERS_FOLLOW);
         assert_eq!(negotiate(&hello(1, 15)).unwrap(), VERSION_EARLY_STATE);
         assert_eq!(negotiate(&hello(1, 13)).unwrap(), VERSION_SWITCH_AHEAD);

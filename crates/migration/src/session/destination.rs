@@ -93,6 +93,8 @@ pub(crate) struct DestSession<'a> {
     hash_landed: bool,
     /// This host's other VMs' pages, offered to the source (v14).
     shared: Option<std::sync::Arc<crate::shared::SiblingIndex>>,
+    /// The ownership claim the source holds (v18), taken over at Complete.
+    owner_claim: Option<Vec<u8>>,
 }
 
 impl<'a> DestSession<'a> {
@@ -131,6 +133,7 @@ impl<'a> DestSession<'a> {
             timeline_tail: None,
             hash_landed: false,
             shared: None,
+            owner_claim: None,
         })
     }
 
@@ -206,6 +209,12 @@ impl<'a> DestSession<'a> {
                 self.ctl.send(Kind::AnswersHeld, &held)?;
             }
         }
+        self.owner_claim = if self.caps.owner() {
+            self.ctl.recv(Kind::Owner)?
+        } else {
+            None
+        };
+        super::owner::check_claim(self.owner_claim.as_deref(), vm.fence().is_some(), self.caps)?;
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;
@@ -214,6 +223,23 @@ impl<'a> DestSession<'a> {
             version = self.caps.version(),
             "incoming migration session open"
         );
+        Ok(())
+    }
+
+    /// Takes the VM from the source's claim before its first instruction
+    /// here, if this VMM fences its VM (it waits while the registry does not
+    /// answer: the VM runs nowhere meanwhile, and that is the safe side).
+    pub(crate) fn take_ownership(&mut self, vm: &dyn DestinationVm) -> Result<(), MigrationError> {
+        let (Some(fence), Some(claim)) = (vm.fence(), self.owner_claim.as_deref()) else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let held = fence.take_over(claim).map_err(MigrationError::Fence)?;
+        self.tel.event(
+            "owner",
+            format!("{held} ({:.1} ms)", t.elapsed().as_secs_f64() * 1e3),
+        );
+        tracing::info!(%held, "took the VM's ownership");
         Ok(())
     }
 
@@ -461,6 +487,7 @@ impl<'a> DestSession<'a> {
                     }
                     let clients_ms = t.elapsed().as_secs_f64() * 1e3 - state_ms;
                     mode.before_start(stats.rounds)?;
+                    self.take_ownership(vm)?;
                     vm.start().map_err(MigrationError::vm("start"))?;
                     self.enter(DestPhase::Started)?;
                     stats.restore_ms = t.elapsed().as_secs_f64() * 1e3;

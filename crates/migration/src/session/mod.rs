@@ -6,6 +6,7 @@
 
 mod admission;
 pub(crate) mod destination;
+mod owner;
 pub(crate) mod source;
 pub(crate) mod state;
 

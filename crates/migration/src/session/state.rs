@@ -113,6 +113,9 @@ pub(crate) enum Left {
     /// Paused here, waiting for `ferry migrate --resume` (postcopy whose
     /// link broke): no Abort, the destination waits for this session.
     PausedResumable,
+    /// Paused here for good: the switch failed after Complete, and the
+    /// registry says the destination took the VM (it runs there).
+    Handed,
 }
 
 /// What the source does on a failure: the safety rule as data.

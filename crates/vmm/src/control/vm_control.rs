@@ -199,6 +199,8 @@ impl ControlHandler for VmControl {
                 "token": vm.waiting().and_then(|w| w.token),
                 // What this VMM's migration links speak (the flag that chose it).
                 "links": ferry_migration::transport::describe(),
+                // Who may run the VM, by the registry (fenced VMs only).
+                "owner": vm.owner().and_then(|o| o.status()),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),
@@ -222,6 +224,13 @@ impl ControlHandler for VmControl {
             // clients may be held, or checkpointed for a move.
             // A VMM waiting for its incoming migration: nothing here may
             // run, and its service stays held while pages land.
+            Request::Resume if vm.fence_forbids().is_some() => Err(format!(
+                "the owner fence forbids running the VM here: {}",
+                vm.fence_forbids().unwrap_or_default()
+            )),
+            Request::MigrateResume { .. } if destination_lost(vm).is_some() => {
+                Err(destination_lost(vm).unwrap_or_default())
+            }
             Request::Resume if !vm.has_started() => Err(
                 "the VM has not started here: it waits for its incoming migration".into(),
             ),
@@ -451,6 +460,24 @@ fn dump_pages(vm: &Vm, path: &str) -> Result<Value, String> {
     }
     w.flush().map_err(|e| format!("cannot write {path}: {e}"))?;
     Ok(json!({ "path": path, "pages": pages, "zero_pages_skipped": zero }))
+}
+
+/// A paused postcopy's destination that holds the VM and stopped renewing
+/// its claim: it seems dead, and the VM's newest state with it (what a
+/// resume cannot bring back, said plainly).
+fn destination_lost(vm: &Vm) -> Option<String> {
+    let st = vm.owner()?.status()?;
+    (st.state == "handed" && st.holder_lapsed).then(|| {
+        format!(
+            "the destination that took VM {} (epoch {}, {}) stopped renewing its claim: it seems \
+             dead, and the VM's newest state (what it ran since the switch) died with it. This \
+             host keeps the state from the switch, paused; docs/safety.md says why ferry does not \
+             run it again by itself",
+            st.vm,
+            st.epoch.unwrap_or(0),
+            st.holder.as_deref().unwrap_or("unknown")
+        )
+    })
 }
 
 #[cfg(test)]

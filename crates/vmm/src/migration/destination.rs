@@ -42,6 +42,10 @@ impl PageStore for Vm {
 }
 
 impl DestinationVm for Vm {
+    fn fence(&self) -> Option<std::sync::Arc<dyn ferry_migration::OwnerFence>> {
+        self.owner()
+            .map(|o| o.clone() as std::sync::Arc<dyn ferry_migration::OwnerFence>)
+    }
     fn vcpus(&self) -> u32 {
         self.config().vcpus
     }

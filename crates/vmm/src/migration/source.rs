@@ -14,6 +14,10 @@ use crate::vstate::dirty::Consumer;
 use crate::vstate::persist;
 
 impl MigratableVm for Vm {
+    fn fence(&self) -> Option<std::sync::Arc<dyn ferry_migration::OwnerFence>> {
+        self.owner()
+            .map(|o| o.clone() as std::sync::Arc<dyn ferry_migration::OwnerFence>)
+    }
     fn regions(&self) -> Vec<RegionView> {
         super::views(self)
     }

@@ -165,6 +165,7 @@ impl Vm {
             access: AccessSlot::default(),
             waiting: Mutex::new(None),
             sharing: Mutex::new(None),
+            owner: std::sync::OnceLock::new(),
             vm_fd,
             _kvm: kvm,
             host_info,

@@ -65,6 +65,9 @@ pub enum VmError {
     /// The operation needs a VM in another state.
     #[error("the VM is {0}")]
     WrongState(&'static str),
+    /// The owner fence forbids running the VM here (docs/safety.md).
+    #[error("this VMM may not run the VM: {0}")]
+    Fenced(String),
     /// Saving or restoring state failed.
     #[error(transparent)]
     Persist(#[from] PersistError),

@@ -21,6 +21,9 @@ impl Vm {
     /// threads may have been started parked already
     /// ([`prepare_incoming`](Self::prepare_incoming)): they are only let go.
     pub fn start(&self) -> Result<(), VmError> {
+        if let Some(why) = self.fence_forbids() {
+            return Err(VmError::Fenced(why));
+        }
         let t = Instant::now();
         let prepared = self.prepared();
         let staged = prepared || self.service().is_some_and(|s| s.clients_moving_in());

@@ -76,6 +76,9 @@ pub struct Vm {
     /// Where this VM shares its RAM with the host's other VMs, and finds
     /// theirs (`--share-pages`, `crate::share`).
     sharing: Mutex<Option<crate::share::Published>>,
+    /// The owner fence, when the VM is fenced through a registry
+    /// (`crate::owner`): the vCPUs run only while it holds the VM.
+    owner: std::sync::OnceLock<Arc<crate::owner::Owner>>,
     // Fields drop in order: vCPU fds above, then the VM, then the memory it maps.
     vm_fd: Arc<VmFd>,
     _kvm: Kvm,
@@ -97,6 +100,30 @@ pub struct Waiting {
 }
 
 impl Vm {
+    /// Fences this VM through a registry from now on (once).
+    pub fn set_owner(&self, owner: Arc<crate::owner::Owner>) {
+        let _ = self.owner.set(owner);
+    }
+
+    /// Its owner fence, if it is fenced.
+    pub fn owner(&self) -> Option<&Arc<crate::owner::Owner>> {
+        self.owner.get()
+    }
+
+    /// Why the vCPUs may not run now, by the owner fence (None: they may,
+    /// or the VM is not fenced).
+    pub fn fence_forbids(&self) -> Option<String> {
+        self.owner.get().and_then(|o| o.why_not_run())
+    }
+
+    /// The fence found the VM's claim gone: the vCPUs stop here at once.
+    pub fn fenced_off(&self, why: &str) {
+        tracing::error!("{why}: the vCPUs stop here");
+        if let Err(e) = self.pause() {
+            tracing::error!("cannot pause the VM that lost its claim: {e}");
+        }
+    }
+
     /// Says where and how this VM waits for its migration (None: it does
     /// not wait any more).
     pub fn set_waiting(&self, w: Option<Waiting>) {

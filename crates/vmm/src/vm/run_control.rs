@@ -76,6 +76,9 @@ impl Vm {
                 "not started: it waits for its state (an incoming migration)",
             ));
         }
+        if let Some(why) = self.fence_forbids() {
+            return Err(VmError::Fenced(why));
+        }
         let _c = self.shared.lock();
         match self.shared.requested() {
             RunState::Stopped => Err(VmError::WrongState("stopped")),

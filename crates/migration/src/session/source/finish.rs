@@ -9,8 +9,9 @@ use super::SourceSession;
 use crate::error::MigrationError;
 use crate::paused::Outcome;
 use crate::protocol::{self, Caps, Kind, ProtocolError, HEADER};
-use crate::session::state::{Left, SourcePhase};
+use crate::session::state::{Cleanup, Left, SourcePhase};
 use crate::stats::StartedReport;
+use crate::vm::TakeBackAnswer;
 
 /// How long the paused source polls for the destination's answers to
 /// Complete before it blocks in read(2), when it could not take real time.
@@ -79,6 +80,9 @@ impl SourceSession<'_> {
         }
         let version = self.caps.version();
         self.enter(SourcePhase::Completing)?;
+        if let Some(f) = self.vm.fence() {
+            f.completing();
+        }
         let unacked = self.unacked.take();
         self.ctl()?.send_frame(Kind::Complete, &[])?;
         // Still at real time: it sleeps in read, and a real-time thread
@@ -142,6 +146,9 @@ impl SourceSession<'_> {
             c.detail = note.clone();
         }
         self.enter(then)?;
+        if let Some(f) = self.vm.fence() {
+            f.handed();
+        }
         tracing::info!(service = ?report.service, "destination started the VM");
         self.tel.event("started", "the VM runs at the destination");
         Ok(report)
@@ -254,13 +261,14 @@ impl SourceSession<'_> {
                     Left::PausedInDoubt => {
                         tracing::warn!(error = %e, "migration in doubt; the VM stays paused")
                     }
-                    Left::PausedSwitched | Left::PausedResumable => {
+                    Left::PausedSwitched | Left::PausedResumable | Left::Handed => {
                         tracing::error!(error = %e, "postcopy broke after the switch; the VM stays paused here with all its memory")
                     }
                 }
                 c
             }
         };
+        let c = self.fenced(c, &mut result);
         self.tel.set_phase(c.live());
         if c.unthrottle {
             let _ = self.vm.throttle(0);
@@ -275,5 +283,62 @@ impl SourceSession<'_> {
             ctl.abort(&e.to_string());
         }
         result
+    }
+
+    /// With an owner fence, a source that sent Complete resumes only if the
+    /// registry says the destination never took the VM (a peer's Abort is
+    /// not enough: it could come from a destination that took it and then
+    /// failed); the registry also settles what was in doubt.
+    fn fenced(&mut self, c: Cleanup, result: &mut Result<Outcome, MigrationError>) -> Cleanup {
+        let Some(fence) = self.vm.fence() else {
+            return c;
+        };
+        let after_complete = self.state.phase() == SourcePhase::Completing;
+        if !after_complete || !(c.resume || c.left == Left::PausedInDoubt) {
+            return c;
+        }
+        let error = match &*result {
+            Err(e) => e.to_string(),
+            Ok(_) => return c,
+        };
+        match fence.take_back() {
+            TakeBackAnswer::Back(why) => {
+                tracing::warn!(%why, "the destination never took the VM: it runs here again");
+                self.tel.event("owner", format!("taken back: {why}"));
+                Cleanup {
+                    left: Left::RunsHere,
+                    unthrottle: true,
+                    stop_dirty_log: true,
+                    resume: true,
+                    abort_peer: true,
+                }
+            }
+            TakeBackAnswer::Gone(holder) => {
+                tracing::warn!(%holder, "the switch failed but the destination holds the VM");
+                self.tel
+                    .event("owner", format!("held by the destination: {holder}"));
+                *result = Err(MigrationError::HandedOver { error, holder });
+                Cleanup {
+                    left: Left::Handed,
+                    unthrottle: false,
+                    stop_dirty_log: true,
+                    resume: false,
+                    abort_peer: false,
+                }
+            }
+            TakeBackAnswer::Unknown(why) => {
+                self.tel.event("owner", format!("in doubt: {why}"));
+                *result = Err(MigrationError::InDoubt(format!(
+                    "{error}; and the registry did not answer ({why}): this VMM resumes the VM by \
+                     itself if the registry says the destination never took it"
+                )));
+                Cleanup {
+                    left: Left::PausedInDoubt,
+                    resume: false,
+                    abort_peer: false,
+                    ..c
+                }
+            }
+        }
     }
 }

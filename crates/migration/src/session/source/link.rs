@@ -100,12 +100,38 @@ impl SourceSession<'_> {
         if self.caps.answers_follow() {
             self.ask_answers_held()?;
         }
+        self.send_owner_claim()?;
         let total: u64 = self.regions.iter().map(|r| r.size()).sum();
         self.tel.set_total_bytes(total);
         self.tel.set_phase(self.state.phase().live());
         self.tel
             .event("open", format!("{} v{}", self.to, self.caps.version()));
         tracing::info!(to = %self.to, version = self.caps.version(), "migration session open");
+        Ok(())
+    }
+
+    /// Names the ownership claim this process holds (v18), so the
+    /// destination takes the VM from exactly it. A fenced VM is not sent to
+    /// a destination that cannot take it that way, nor sent at all by a
+    /// process that does not hold it.
+    fn send_owner_claim(&mut self) -> Result<(), MigrationError> {
+        let claim = match self.vm.fence() {
+            None => None,
+            Some(f) => Some(f.claim().ok_or_else(|| {
+                MigrationError::Fence(
+                    "this process does not hold the VM in the registry: it may not move it".into(),
+                )
+            })?),
+        };
+        if self.caps.owner() {
+            self.ctl()?.send(Kind::Owner, &claim)?;
+        } else if claim.is_some() {
+            return Err(MigrationError::Fence(format!(
+                "the destination speaks protocol v{}, which cannot take a fenced VM from its \
+                 claim: upgrade it",
+                self.caps.version()
+            )));
+        }
         Ok(())
     }
 

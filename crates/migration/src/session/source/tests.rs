@@ -17,7 +17,7 @@ use crate::ranges::{GpaBytes, GpaPages};
 use crate::session::state::SourcePhase;
 use crate::stats::{MigrationStats, StartedReport};
 use crate::transport::{Conn, Endpoint, Stream};
-use crate::vm::MigratableVm;
+use crate::vm::{MigratableVm, OwnerFence, TakeBackAnswer};
 
 const MEM: usize = 1 << 20;
 
@@ -27,6 +27,7 @@ struct Vm {
     paused: AtomicBool,
     resumed: AtomicU32,
     dirty_log: AtomicBool,
+    fence: Option<Arc<Fence>>,
 }
 
 impl Vm {
@@ -36,6 +37,7 @@ impl Vm {
             paused: AtomicBool::new(false),
             resumed: AtomicU32::new(0),
             dirty_log: AtomicBool::new(false),
+            fence: None,
         }
     }
 
@@ -44,7 +46,50 @@ impl Vm {
     }
 }
 
+/// An owner fence whose take-back answers as told, recording the calls.
+struct Fence {
+    answer: TakeBackAnswer,
+    calls: std::sync::Mutex<Vec<&'static str>>,
+}
+
+impl Fence {
+    fn new(answer: TakeBackAnswer) -> Arc<Fence> {
+        Arc::new(Fence {
+            answer,
+            calls: Default::default(),
+        })
+    }
+    fn calls(&self) -> Vec<&'static str> {
+        self.calls.lock().unwrap().clone()
+    }
+    fn call(&self, what: &'static str) {
+        self.calls.lock().unwrap().push(what);
+    }
+}
+
+impl OwnerFence for Fence {
+    fn claim(&self) -> Option<Vec<u8>> {
+        Some(b"claim".to_vec())
+    }
+    fn take_over(&self, _claim: &[u8]) -> Result<String, String> {
+        Err("a source does not take over".into())
+    }
+    fn completing(&self) {
+        self.call("completing");
+    }
+    fn handed(&self) {
+        self.call("handed");
+    }
+    fn take_back(&self) -> TakeBackAnswer {
+        self.call("take_back");
+        self.answer.clone()
+    }
+}
+
 impl MigratableVm for Vm {
+    fn fence(&self) -> Option<Arc<dyn OwnerFence>> {
+        self.fence.clone().map(|f| f as Arc<dyn OwnerFence>)
+    }
     fn regions(&self) -> Vec<RegionView> {
         // SAFETY: `mem` is this VM's own buffer, alive as long as the VM,
         // which outlives every session in these tests; nothing here copies
@@ -197,7 +242,12 @@ fn started_ends_the_move_and_the_vm_stays_paused_here_for_good() {
 /// closes without a word); the VM after `conclude`, its error, and what
 /// the destination heard after its answer.
 fn completed_then(answer: Option<Kind>) -> (Vm, String, Vec<Kind>) {
-    let (vm, to, opts) = (Vm::new(), to(), MigrateOptions::default());
+    completed_with(Vm::new(), answer)
+}
+
+/// [`completed_then`] with this `vm` (and its fence, if any).
+fn completed_with(vm: Vm, answer: Option<Kind>) -> (Vm, String, Vec<Kind>) {
+    let (to, opts) = (to(), MigrateOptions::default());
     let (err, heard) = {
         let (mut s, mut peer) = session(&vm, &to, &opts);
         s.pause().unwrap();
@@ -278,5 +328,91 @@ fn a_failure_before_complete_resumes_the_vm_and_tells_the_destination() {
     let (s, _peer) = session(&vm, &to, &opts);
     let _ = s.conclude(Err(MigrationError::Internal("no".into())));
     assert_eq!(vm.resumed.load(Ordering::SeqCst), 0);
+    assert!(vm.runs());
+}
+
+/// A fenced source: whatever the destination answered to Complete, the VM
+/// runs here again only if the registry gives it back; if the registry
+/// says the destination holds it, it never runs here again and the
+/// destination is not told to abort (it runs the VM); if the registry is
+/// silent, it stays paused in doubt.
+#[test]
+fn a_fenced_source_resumes_after_complete_only_if_the_registry_gives_the_vm_back() {
+    for answer in [Some(Kind::Abort), Some(Kind::RoundAck), None] {
+        let back = TakeBackAnswer::Back("epoch 3".into());
+        let gone = TakeBackAnswer::Gone("pid 9 on h2".into());
+        let unknown = TakeBackAnswer::Unknown("etcd down".into());
+        for (take_back, runs) in [
+            (back, true),
+            (gone.clone(), false),
+            (unknown.clone(), false),
+        ] {
+            let fence = Fence::new(take_back.clone());
+            let vm = Vm {
+                fence: Some(fence.clone()),
+                ..Vm::new()
+            };
+            let (vm, err, heard) = completed_with(vm, answer);
+            let case = format!("{answer:?} then {take_back:?}: {err}");
+            assert_eq!(fence.calls(), ["completing", "take_back"], "{case}");
+            assert_eq!(vm.runs(), runs, "{case}");
+            assert_eq!(vm.resumed.load(Ordering::SeqCst), u32::from(runs), "{case}");
+            assert!(!vm.dirty_log.load(Ordering::SeqCst), "{case}");
+            if take_back == gone {
+                assert!(
+                    err.contains("pid 9 on h2") && err.contains("runs there"),
+                    "{case}"
+                );
+            }
+            if take_back == unknown {
+                assert!(
+                    err.contains("etcd down") && err.contains("by itself"),
+                    "{case}"
+                );
+            }
+            if answer.is_some() {
+                // Only a VM taken back here tells the destination to abort.
+                assert_eq!(heard.contains(&Kind::Abort), runs, "{case}: {heard:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_fenced_source_hands_over_at_started_and_needs_no_take_back_before_complete() {
+    let fence = Fence::new(TakeBackAnswer::Back("never asked".into()));
+    let vm = Vm {
+        fence: Some(fence.clone()),
+        ..Vm::new()
+    };
+    let (to, opts) = (to(), MigrateOptions::default());
+    {
+        let (mut s, mut peer) = session(&vm, &to, &opts);
+        s.pause().unwrap();
+        let dest = std::thread::spawn(move || {
+            peer.read_frame().unwrap(); // Complete
+            peer.send(Kind::Started, &StartedReport::default()).unwrap();
+            peer.flush().unwrap();
+            peer
+        });
+        s.complete(SourcePhase::Done).unwrap();
+        let _peer = dest.join().unwrap();
+        s.conclude(done()).unwrap();
+    }
+    assert_eq!(fence.calls(), ["completing", "handed"]);
+    assert!(!vm.runs());
+    // Failing before Complete: the VM never left, so it resumes without
+    // asking the registry.
+    let fence = Fence::new(TakeBackAnswer::Gone("never asked".into()));
+    let vm = Vm {
+        fence: Some(fence.clone()),
+        ..Vm::new()
+    };
+    {
+        let (mut s, _peer) = session(&vm, &to, &opts);
+        s.pause().unwrap();
+        let _ = s.conclude(Err(MigrationError::Internal("a round failed".into())));
+    }
+    assert!(fence.calls().is_empty());
     assert!(vm.runs());
 }
