@@ -44,7 +44,7 @@ end), paused (no copy runs, one is paused past the bound), lost (no process
 of the VM left), error (the harness failed).
 
 Each trial's schedule comes from random.Random("SEED:K"): `--seed S --trial
-K` replays trial K (with the same --ops/--faults). Every trial takes the
+K` replays trial K (with the same --ops, --faults and --stop-max). Every trial takes the
 lab's lock (/tmp/ferry-lab.lock, flock) for itself, so other lab users get
 in between trials: do not run this under flock(1) on that file.
 
@@ -75,7 +75,9 @@ import benchlib
 from benchlib import in_host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = ["precopy", "postcopy", "hybrid", "handover", "postcopy-net"]
+OPS = ["precopy", "postcopy", "hybrid", "handover", "postcopy-net", "drain", "upgrade"]
+MIGRATE_OPS = ("precopy", "postcopy", "hybrid", "postcopy-net")
+AGENT_OPS = ("drain", "upgrade")
 FAULTS = ["kill", "stop", "cut", "blackhole", "slow", "host"]
 HOSTS = {"h1": "ferry-h1", "h2": "ferry-h2", "h3": "ferry-h3"}
 ADDR = {"h1": "10.77.0.1", "h2": "10.77.0.2", "h3": "10.77.0.3"}
@@ -91,13 +93,17 @@ PROC_TARGETS = {
     "hybrid": ["src", "dst", "cmd"],
     "postcopy-net": ["src", "dst", "cmd", "standby"],
     "handover": ["src", "new", "cmd"],
+    "drain": ["src", "dst", "cmd", "a1", "a2"],
+    "upgrade": ["src", "new", "cmd", "a1"],
 }
 HOST_TARGETS = {
     "precopy": ["h1", "h2"], "postcopy": ["h1", "h2"], "hybrid": ["h1", "h2"],
     "postcopy-net": ["h1", "h2", "h3"], "handover": ["h1"],
+    "drain": ["h1", "h2", "h3"], "upgrade": ["h1", "h3"],
 }
 # When faults may land, seconds after the command starts.
-WINDOW = {"precopy": 4.0, "postcopy": 4.0, "hybrid": 5.0, "postcopy-net": 5.0, "handover": 0.4}
+WINDOW = {"precopy": 4.0, "postcopy": 4.0, "hybrid": 5.0, "postcopy-net": 5.0, "handover": 0.4,
+          "drain": 6.0, "upgrade": 1.0}
 GT_FIELD = 43  # /proc/PID/stat: guest_time
 OVERLAP_STEPS, OVERLAP_WINDOW = 3, 10
 NEAR_SWITCH_S = 0.05
@@ -190,7 +196,9 @@ class Witness(threading.Thread):
         if "--control" in args:
             sock = args[args.index("--control") + 1]
             if sock.startswith(self.under):
-                return {"vm": vm_of_socket(sock), "role": self.roles.get(sock, "vmm"), "sock": sock}
+                # an agent's VMM: its state directory names its host
+                role = self.roles.get(sock) or ("src" if "/ferry-h1/" in sock else "dst")
+                return {"vm": vm_of_socket(sock), "role": role, "sock": sock}
             return None
         if "--adopt-fd" in args:
             g = guest_time(pid)
@@ -349,10 +357,11 @@ class Faults(threading.Thread):
 
     def pids_of(self, target):
         tr = self.trial
-        if target == "new":
+        if target in ("new", "dst", "src") and target not in tr.procs:
+            # a VMM the harness did not start (a handover's new one, an agent's)
             deadline = time.monotonic() + 3
             while time.monotonic() < deadline:
-                new = [p["pid"] for p in tr.witness.of_vm(tr.vm) if p["role"] == "new" and p["gone"] is None]
+                new = [p["pid"] for p in tr.witness.of_vm(tr.vm) if p["role"] == target and p["gone"] is None]
                 if new:
                     return new
                 time.sleep(0.005)
@@ -465,6 +474,8 @@ class Trial:
         self.procs = {}
         self.witness = Witness(self.dir)
         self.notes = []
+        self.src_sock = self.sock("src")
+        self.registry = f"dir:{self.dir}/registry"
 
     def sock(self, role):
         return os.path.join(self.dir, f"{self.vm}@{role}.sock")
@@ -478,8 +489,9 @@ class Trial:
 
     def vmm(self, role, host, *extra):
         self.witness.role_for(self.sock(role), role)
+        out = open(os.path.join(self.dir, f"{role}.out"), "w")
         p = self.spawn(role, host, "run", "--mem", MEM, "--vcpus", "1", "--workload", WORKLOAD,
-                       "--control", self.sock(role), "--quiet", "--json", *extra)
+                       "--control", self.sock(role), "--quiet", "--json", *extra, out=out)
         self.witness.add(p.pid, self.vm, role, self.sock(role))
         return p
 
@@ -511,7 +523,7 @@ class Trial:
         """Until the fill (workload 1) is done: its pages are the move."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            s = self.status(self.sock("src"))
+            s = self.status(self.src_sock)
             try:
                 if s["metrics"]["workloads"][1]["tasks_done"] >= 1:
                     return
@@ -520,9 +532,39 @@ class Trial:
             time.sleep(0.1)
         raise RuntimeError("the fill never finished")
 
+    def agent(self, n):
+        host = f"ferry-h{n}"
+        p = self.spawn(f"a{n}", host, "agent", "--name", host, "--listen", f"10.77.0.{n}:7700",
+                       "--registry", self.registry, "--mem", "2G", "--state-dir", f"{self.dir}/{host}", "--json",
+                       out=subprocess.PIPE)
+        if not p.stdout.readline():
+            raise RuntimeError(f"the agent of {host} did not start: {self.tail(f'a{n}')}")
+
+    def op(self, *args, timeout=60):
+        out = benchlib.sh(*in_host("ferry-h3", self.ferry, *args, "--registry", self.registry, "--json"),
+                          check=False, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"ferry {' '.join(args)}: {out.stderr.strip()[-300:]}")
+        return json.loads(out.stdout) if out.stdout.strip() else None
+
+    def start_agents(self):
+        """An agent on each host; the VM started on ferry-h1 through its agent."""
+        for n in (1, 2, 3):
+            self.agent(n)
+        self.op("vm", "start", self.vm, "--host", "ferry-h1", "--mem", MEM, "--workload", WORKLOAD)
+        for h in self.op("vm", "list") or []:
+            for vm in h.get("host", {}).get("vms", []):
+                if vm["spec"]["name"] == self.vm:
+                    self.src_sock = vm["socket"]
+                    self.witness.role_for(vm["socket"], "src")
+                    self.witness.add(vm["pid"], self.vm, "src", vm["socket"])
+        self.wait_filled()
+
     def start(self):
         op = self.plan["op"]
         self.witness.start()
+        if op in AGENT_OPS:
+            return self.start_agents()
         if op != "handover":
             self.vmm("dst", "ferry-h2", "--incoming", "tcp:10.77.0.2:7401")
         if op == "postcopy-net":
@@ -533,6 +575,10 @@ class Trial:
 
     def command(self):
         op = self.plan["op"]
+        if op == "drain":
+            return ("drain", "ferry-h1", "--verify", "--bandwidth", BANDWIDTH, "--registry", self.registry, "--json")
+        if op == "upgrade":
+            return ("upgrade", "ferry-h1", "--registry", self.registry, "--json")
         if op == "handover":
             return ("handover", self.sock("src"), "--verify", "--json")
         args = ["migrate", self.sock("src"), "--to", "tcp:10.77.0.2:7401", "--verify", "--json",
@@ -554,7 +600,7 @@ class Trial:
         out = open(out_path, "w")
         t0 = time.monotonic()
         faults.t0 = t0
-        self.spawn("cmd", "ferry-h1", *self.command(), out=out)
+        self.spawn("cmd", "ferry-h3" if self.plan["op"] in AGENT_OPS else "ferry-h1", *self.command(), out=out)
         faults.start()
         faults.ended.wait()
         t_end = time.monotonic()
@@ -572,9 +618,18 @@ class Trial:
         except ValueError:
             report = None
         self.operator()
-        result = self.audit(t_end)
+        result = self.audit(t_end, lambda: self.unsurvivable(faults))
         self.witness.stop()
         result.update(self.classify(faults, result, report, cmd_rc))
+        if result["outcome"] == "one-copy" and result["running"] == ["dst"] and not result["verified"]:
+            # The command's report is gone (killed) or the standby verified
+            # (--net-finishes): the destination says what it verified.
+            got = self.dst_verified()
+            if got is not None:
+                result["verified"] = got == int(MEM[:-1]) * 256
+                result["verified_by"] = "destination"
+        elif result["verified"]:
+            result["verified_by"] = "command"
         result["fault_log"] = [{k: (round(v - t0, 3) if k == "t" else v) for k, v in e.items()}
                                for e in faults.log]
         result["cmd_rc"] = cmd_rc
@@ -586,7 +641,7 @@ class Trial:
     def operator(self):
         """What the docs tell an operator to do: a postcopy paused on a broken
         link is continued with `ferry migrate --resume` (once)."""
-        if self.plan["op"] == "handover" or self.procs["src"].poll() is not None:
+        if self.plan["op"] not in MIGRATE_OPS or self.procs["src"].poll() is not None:
             return
         s = self.status(self.sock("src"))
         if s and isinstance(s.get("postcopy_paused"), str):
@@ -595,9 +650,11 @@ class Trial:
             self.notes.append(f"operator: ferry migrate --resume exited {r.returncode}"
                               + (f" ({r.stderr.strip()[-200:]})" if r.returncode else ""))
 
-    def audit(self, t_end):
+    def audit(self, t_end, excused):
         """Waits (at most `bound` s) until exactly one copy runs and its
-        workload counts; says what runs where."""
+        workload counts; says what runs where. Stops early when no copy can
+        run again, or when none has run for 5 s and the faults include a
+        documented unsurvivable case (`excused()`)."""
         deadline = t_end + self.bound
         stable_since = None
         while True:
@@ -608,7 +665,7 @@ class Trial:
                     return {"running": [running[0]["role"]], "audit_s": round(time.monotonic() - t_end, 2)}
             else:
                 stable_since = None
-            if not running and self.nothing_left():
+            if not running and (self.nothing_left() or (time.monotonic() > t_end + 5 and excused())):
                 break
             if time.monotonic() > deadline:
                 break
@@ -626,6 +683,19 @@ class Trial:
                 states[p["role"]] += " (never ran)"
         return {"running": [p["role"] for p in running], "alive": states,
                 "audit_s": round(time.monotonic() - t_end, 2)}
+
+    def dst_verified(self):
+        """Ends the destination's run (`ferry ctl quit`) and returns the pages
+        its summary says it verified (received.verified_pages), or None."""
+        if "dst" not in self.procs:
+            return None
+        benchlib.sh(*in_host("ferry-h2", self.ferry, "ctl", self.sock("dst"), "quit"), check=False, timeout=10)
+        try:
+            self.procs["dst"].wait(timeout=10)
+            text = open(os.path.join(self.dir, "dst.out")).read()
+            return json.loads(text)["received"]["verified_pages"]
+        except (subprocess.TimeoutExpired, OSError, ValueError, KeyError, TypeError):
+            return None
 
     def nothing_left(self):
         """No process of the VM holds a copy that could run again: every one
@@ -653,7 +723,7 @@ class Trial:
         op = self.plan["op"]
         viol = [v for v in self.witness.violations if v[1] == self.vm]
         pages = int(MEM[:-1]) * 256
-        verified = bool(report) and report.get("verified_pages") == pages
+        verified = report_verified(report) == pages
         out = {"verified": verified, "max_overlap": self.witness.max_overlap.get(self.vm, 0),
                "moved": None}
         if report and "downtime_ms" in report:
@@ -683,13 +753,16 @@ class Trial:
         op = self.plan["op"]
         dest_roles = ("new",) if op == "handover" else ("dst",)
         t_sw = self.witness.first_run(self.vm, dest_roles)
-        killed = []  # (role, t)
+        role_of = {p["pid"]: p["role"] for p in self.witness.of_vm(self.vm)}
+        standby = self.procs.get("standby")
+        if standby:
+            role_of[standby.pid] = "standby"
+        killed = []  # (role, t): each process a kill or a host's death ended
         for e in faults.log:
             if e.get("kind") == "kill" and e.get("pids"):
                 killed.append((e["target"], e["t"]))
             if e.get("kind") == "host":
-                roles = {"h1": ["src", "cmd", "new"], "h2": ["dst"], "h3": ["standby"]}[e["target"]]
-                killed += [(r, e["t"]) for r in roles]
+                killed += [(role_of[pid], e["t"]) for pid in e.get("pids", []) if pid in role_of]
         standby_hit = any(r == "standby" for r, _ in killed) or any(
             e.get("kind") == "stop" and e.get("target") == "standby" for e in faults.log)
 
@@ -732,6 +805,18 @@ class Trial:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def report_verified(report):
+    """The pages a command's --json report says were verified, or None."""
+    try:
+        if "moves" in report:  # ferry drain
+            return report["moves"][0].get("verified_pages")
+        if "vms" in report:  # ferry upgrade
+            return (report["vms"][0].get("handover") or {}).get("verified_pages")
+        return report.get("verified_pages")
+    except (TypeError, AttributeError, IndexError, KeyError):
+        return None
+
+
 class LabLock:
     """The lab's lock, taken per trial (other users of the lab get in between)."""
 
@@ -751,9 +836,9 @@ class LabLock:
 
 
 def run_trial(a, seed, k, plan, tmp):
-    t_start = time.time()
     rec = {"seed": seed, "trial": k, "op": plan["op"], "faults": plan["faults"], "opts": plan["opts"]}
     with LabLock(a.lock):
+        t_start = time.time()
         up = benchlib.sh(a.ferry, "lab", "up", "3", check=False)
         if up.returncode != 0:
             rec.update(outcome="error", why=f"cannot build the lab: {up.stderr.strip()}")
