@@ -353,6 +353,8 @@ class Faults(threading.Thread):
         self.schedule, self.trial = schedule, trial
         self.log = []
         self.ended = threading.Event()
+        self.shaped = collections.defaultdict(list)  # host -> qdiscs in force, latest last
+        self.cuts = collections.Counter()  # host -> cuts in force
         self.t0 = None
 
     def pids_of(self, target):
@@ -413,6 +415,7 @@ class Faults(threading.Thread):
             return None
         if kind == "host":
             shape(target, *BLACKHOLE)  # a dead host answers nothing
+            self.shaped[target].insert(0, BLACKHOLE)  # for good
             pids = procs_in_host(HOSTS[target])
             for pid in pids:
                 try:
@@ -421,17 +424,32 @@ class Faults(threading.Thread):
                     pass
             self.note(f, pids=pids)
             return None
+        # Link faults of one host may overlap: each ends only its own part.
         if kind == "cut":
             benchlib.sh(*in_host(HOSTS[target], "ip", "link", "set", "eth0", "down"), check=False)
+            self.cuts[target] += 1
             self.note(f)
-            return (time.monotonic() + dur, lambda: (
-                benchlib.sh(*in_host(HOSTS[target], "ip", "link", "set", "eth0", "up"), check=False),
-                self.note({"kind": "restore", "target": target})))
+
+            def mend():
+                self.cuts[target] -= 1
+                if self.cuts[target] == 0:
+                    benchlib.sh(*in_host(HOSTS[target], "ip", "link", "set", "eth0", "up"), check=False)
+                self.note({"kind": "restore", "target": target})
+            return (time.monotonic() + dur, mend)
         if kind in ("blackhole", "slow"):
-            shape(target, *(BLACKHOLE if kind == "blackhole" else SLOW))
+            q = BLACKHOLE if kind == "blackhole" else SLOW
+            shape(target, *q)
+            self.shaped[target].append(q)
             self.note(f)
-            return (time.monotonic() + dur, lambda: (unshape(target),
-                                                     self.note({"kind": "restore", "target": target})))
+
+            def unshaped():
+                self.shaped[target].remove(q)
+                if self.shaped[target]:
+                    shape(target, *self.shaped[target][-1])
+                else:
+                    unshape(target)
+                self.note({"kind": "restore", "target": target})
+            return (time.monotonic() + dur, unshaped)
         raise ValueError(f"unknown fault {kind}")
 
 
@@ -439,11 +457,14 @@ class Faults(threading.Thread):
 
 def schedule_of(seed, k, ops, faults, stop_max):
     """Trial k's operation, options and faults, from random.Random(f"{seed}:{k}").
-    The first fault's kind and the operation go round the lists (so every
+    The operation and the first fault's kind go round the lists (so every
     operation x fault cell fills evenly); the rest is drawn."""
     rng = random.Random(f"{seed}:{k}")
-    op = ops[k % len(ops)]
-    first = faults[(k // len(ops)) % len(faults)]
+    # Every (operation, first fault) pair once per len(ops) x len(faults)
+    # trials, the operations in turn and the faults varied from the start.
+    cell = k % (len(ops) * len(faults))
+    op = ops[cell % len(ops)]
+    first = faults[(cell // len(ops) + cell % len(ops)) % len(faults)]
     kinds = [first] + ([rng.choice(faults)] if rng.random() < 0.3 else [])
     sched = []
     for kind in kinds:
@@ -1027,6 +1048,9 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ferry-chaos-")
     ks = [a.trial] if a.trial is not None else list(range(a.first, a.first + a.trials))
     new = []
+    stopping = []
+    # SIGTERM: finish the trial under way, then write what was measured.
+    signal.signal(signal.SIGTERM, lambda *_: (stopping.append(1), log("SIGTERM: stopping after this trial")))
     try:
         if not a.no_self_test and a.trial is None:
             st = self_test(a, tmp)
@@ -1034,6 +1058,8 @@ def main():
             data["self_tests"].append(st)
             log(f"witness self-test: {st}")
         for k in ks:
+            if stopping:
+                break
             plan = schedule_of(a.seed, k, ops, faults, a.stop_max)
             log(f"trial {k} (seed {a.seed}): {plan['op']}: {'; '.join(map(fault_text, plan['faults']))}")
             rec = run_trial(a, a.seed, k, plan, tmp)
