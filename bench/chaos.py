@@ -772,7 +772,7 @@ class Trial:
     def unsurvivable(self, faults):
         """The documented unsurvivable case among this trial's faults, or None."""
         op = self.plan["op"]
-        dest_roles = ("new",) if op == "handover" else ("dst",)
+        dest_roles = ("new",) if op in ("handover", "upgrade") else ("dst",)
         t_sw = self.witness.first_run(self.vm, dest_roles)
         role_of = {p["pid"]: p["role"] for p in self.witness.of_vm(self.vm)}
         standby = self.procs.get("standby")
