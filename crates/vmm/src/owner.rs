@@ -117,6 +117,12 @@ impl Owner {
     pub fn fence(&self) -> Option<&Arc<Fence>> {
         self.fence.get()
     }
+
+    /// The registry, as `ferry_registry::open` takes it (a handover's new
+    /// process opens the same one).
+    pub fn registry(&self) -> String {
+        self.owners.describe()
+    }
 }
 
 impl OwnerFence for Owner {
@@ -168,5 +174,21 @@ impl OwnerFence for Owner {
             }
             TakeBack::Unknown(why) => TakeBackAnswer::Unknown(why),
         }
+    }
+}
+
+/// This host's name for the registry: $FERRY_HOST, else the system's.
+pub fn host_name() -> String {
+    if let Ok(h) = std::env::var("FERRY_HOST") {
+        return h;
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    if r == 0 && end > 0 {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown".into()
     }
 }

@@ -50,8 +50,14 @@ pub(super) fn adopt(fd: i32) -> Result<ExitCode> {
     // it from here: `ferry handover` passed it for this purpose alone.
     let sock = std::os::unix::net::UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
     let quiet = Arc::new(AtomicBool::new(true));
-    let taken = ferry_vmm::handover::take_over(sock, Some(console_sink(quiet.clone())))
-        .context("handover failed; the VM keeps running in the old VMM")?;
+    let open_registry = |addr: &str| {
+        crate::security::credentials_for_registry(Some(addr))
+            .map_err(|e| e.to_string())
+            .and_then(|tls| ferry_registry::open(Some(addr), tls).map_err(|e| e.to_string()))
+    };
+    let taken =
+        ferry_vmm::handover::take_over(sock, Some(console_sink(quiet.clone())), &open_registry)
+            .context("handover failed; the VM keeps running in the old VMM")?;
     let mut front: Carried = serde_json::from_str(&taken.run).unwrap_or_default();
     quiet.store(front.quiet, Ordering::Relaxed);
     let vm = taken.vm.clone();
@@ -129,6 +135,10 @@ pub(super) fn adopt(fd: i32) -> Result<ExitCode> {
         }),
     );
     let code = drive(&vm, &front, timeline, Instant::now(), t_start, extra);
+    if let Some(o) = vm.owner() {
+        // Stopped here (not moved on): nobody runs it now.
+        o.release();
+    }
     drop(server);
     code
 }

@@ -199,7 +199,7 @@ fn fence(vm: &Arc<Vm>, args: &RunArgs) -> Result<Option<Arc<ferry_vmm::owner::Ow
         args.registry.as_deref(),
         crate::security::credentials_for_registry(args.registry.as_deref())?,
     )?;
-    let owner = ferry_vmm::owner::Owner::new(registry.clone(), &host_name(), vm);
+    let owner = ferry_vmm::owner::Owner::new(registry.clone(), &ferry_vmm::owner::host_name(), vm);
     vm.set_owner(owner.clone());
     if let Some(name) = &args.vm_name {
         let claim = owner
@@ -208,20 +208,4 @@ fn fence(vm: &Arc<Vm>, args: &RunArgs) -> Result<Option<Arc<ferry_vmm::owner::Ow
         tracing::info!(vm = %name, epoch = claim.epoch, "holds the VM");
     }
     Ok(Some(owner))
-}
-
-/// This host's name for the registry: $FERRY_HOST, else the system's.
-pub(crate) fn host_name() -> String {
-    if let Ok(h) = std::env::var("FERRY_HOST") {
-        return h;
-    }
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    if r == 0 && end > 0 {
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "unknown".into()
-    }
 }

@@ -54,6 +54,7 @@ struct Offered {
 pub fn take_over(
     sock: UnixStream,
     console: Option<ConsoleSink>,
+    open_registry: &OpenRegistry,
 ) -> Result<TakenOver, HandoverError> {
     let mut sock = sock;
     sock.write_all(
@@ -75,7 +76,7 @@ pub fn take_over(
     stall_before("ready");
     wire::send(&mut sock, &Message::Ready { build_ms }, &[])?;
 
-    let vm = offered.vm;
+    let vm = Arc::new(offered.vm);
     // From here to the resume the VM is paused or about to be: each
     // wakeup on this thread is downtime.
     let mut urgent = Urgent::enter(super::HANDOVER_PRIORITY);
@@ -92,23 +93,30 @@ pub fn take_over(
     };
     stall_before("restored");
     let go = wire::send(&mut sock, &Message::Restored, &[])
-        .and_then(|_| wire::recv(&mut sock, 0))
-        .and_then(|(m, _, _)| match m {
-            Message::Go => Ok(()),
-            Message::Abort { reason } => Err(HandoverError::Aborted(reason)),
-            m => Err(HandoverError::Protocol(format!(
-                "expected Go, got {}",
-                m.name()
-            ))),
-        });
-    if let Err(e) = go {
+        .and_then(|_| await_go(&mut sock, &vm, open_registry));
+    let claim = match go {
+        Ok(claim) => claim,
+        Err(e) => {
+            if let Some(s) = vm.service() {
+                s.hand_off();
+            }
+            return Err(e);
+        }
+    };
+    // Committed: the VM is ours, once the registry says so (fenced).
+    if let Err(e) = take_ownership(&vm, claim.as_deref()) {
         if let Some(s) = vm.service() {
             s.hand_off();
         }
+        let _ = wire::send(
+            &mut sock,
+            &Message::Abort {
+                reason: e.to_string(),
+            },
+            &[],
+        );
         return Err(e);
     }
-
-    // Committed: the VM is ours.
     vm.resume()?;
     let resumed_at = monotonic_ns();
     drop(urgent);
@@ -134,7 +142,7 @@ pub fn take_over(
         &[],
     );
     Ok(TakenOver {
-        vm: Arc::new(vm),
+        vm,
         control: offered.control,
         run: offered.run,
         from_pid: offered.from_pid,
@@ -142,6 +150,54 @@ pub fn take_over(
         build_ms,
         connections,
     })
+}
+
+/// Opens a registry by its address (the CLI's, with this host's
+/// credentials for `etcds://`).
+pub type OpenRegistry = dyn Fn(&str) -> Result<Arc<dyn ferry_registry::Registry>, String>;
+
+/// Waits for Go; a fenced VM's claim (Owner) comes first, and the VM is
+/// fenced here through the same registry. Returns the claim.
+fn await_go(
+    sock: &mut UnixStream,
+    vm: &Arc<Vm>,
+    open_registry: &OpenRegistry,
+) -> Result<Option<Vec<u8>>, HandoverError> {
+    let mut claim = None;
+    loop {
+        match wire::recv(sock, 0)?.0 {
+            Message::Go => return Ok(claim),
+            Message::Owner { registry, claim: c } if claim.is_none() => {
+                let reg = open_registry(&registry).map_err(HandoverError::Fenced)?;
+                vm.set_owner(crate::owner::Owner::new(
+                    reg,
+                    &crate::owner::host_name(),
+                    vm,
+                ));
+                claim = Some(c);
+            }
+            Message::Abort { reason } => return Err(HandoverError::Aborted(reason)),
+            m => {
+                return Err(HandoverError::Protocol(format!(
+                    "expected Go, got {}",
+                    m.name()
+                )))
+            }
+        }
+    }
+}
+
+/// Takes the VM from the old process's claim (a fenced VM) before its
+/// vCPUs run here.
+fn take_ownership(vm: &Vm, claim: Option<&[u8]>) -> Result<(), HandoverError> {
+    use ferry_migration::OwnerFence;
+    let (Some(owner), Some(claim)) = (vm.owner(), claim) else {
+        return Ok(());
+    };
+    owner
+        .take_over(claim)
+        .map(|held| tracing::info!(%held, "took the VM's ownership"))
+        .map_err(HandoverError::Fenced)
 }
 
 /// Tells the old process why this one gives up; returns the error.

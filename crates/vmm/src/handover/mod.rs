@@ -106,6 +106,14 @@ pub enum HandoverError {
     /// Saving or decoding the VM state failed.
     #[error(transparent)]
     Persist(#[from] crate::vstate::persist::PersistError),
+    /// The owner fence: the new process may not take the VM, or cannot
+    /// reach the registry it is fenced through.
+    #[error("ownership: {0}")]
+    Fenced(String),
+    /// After `Go` the new process did not confirm it runs the VM, and the
+    /// registry says it never took it: the VM runs here again.
+    #[error("the new VMM did not take the VM ({0}); the registry says it never did, so it runs here again")]
+    TakenBack(String),
     /// After the commit point the new process did not confirm it runs the
     /// VM. The old process does not run it again either way.
     #[error("the new VMM (pid {pid}) took the VM and then did not confirm it runs it: {reason}")]

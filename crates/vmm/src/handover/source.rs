@@ -262,25 +262,46 @@ pub fn hand_over(
         return Err(e);
     }
 
-    // The commit point: from Go on the VM belongs to the new process, and
-    // so do the clients and the control socket's path, at once.
-    let go = peer.send(&Message::Go, &[]);
-    if let Some(s) = service {
-        s.hand_off();
+    // A fenced VM: the new process takes it from this claim at Go, before
+    // its vCPUs run; until the registry says it did, the VM stays this
+    // process's to take back.
+    let fence = vm.owner().and_then(|o| o.fence().cloned());
+    if let Some(f) = &fence {
+        let sent = owner_message(vm).and_then(|m| peer.send(&m, &[]));
+        if let Err(e) = sent {
+            peer.abandon(&e);
+            give_back_here(vm, plan);
+            return Err(e);
+        }
+        f.completing();
     }
-    if let Some(c) = &plan.control {
-        c.retire();
+    // The commit point: from Go on the VM belongs to the new process, and
+    // so do the clients and the control socket's path, at once. A fenced
+    // VM's are let go once the new process runs it (or holds it, by the
+    // registry): a take-back needs them here.
+    let go = peer.send(&Message::Go, &[]);
+    if fence.is_none() {
+        let_go(vm, plan);
     }
     let committed =
         go.and_then(|_| peer.expect("Running", "confirm it runs the VM", RUNNING_TIMEOUT));
+    let committed = match (committed, &fence) {
+        (Ok(m), Some(f)) => {
+            f.handed();
+            let_go(vm, plan);
+            Ok(m)
+        }
+        (Err(e), Some(f)) => Err(settle_by_registry(vm, plan, f, &mut peer, stats.new_pid, e)),
+        (r, None) => r.map_err(|e| HandoverError::InDoubt {
+            pid: stats.new_pid,
+            reason: e.to_string(),
+        }),
+    };
     let Message::Running {
         resumed_at_ns,
         serving_at_ns,
         cpu_s,
-    } = committed.map_err(|e| HandoverError::InDoubt {
-        pid: stats.new_pid,
-        reason: e.to_string(),
-    })?
+    } = committed?
     else {
         unreachable!("expect() returns the message asked for");
     };
@@ -298,6 +319,88 @@ pub fn hand_over(
         stats.new_pid, stats.downtime_ms
     ));
     Ok(stats)
+}
+
+/// The clients and the control socket's path go to the new process.
+fn let_go(vm: &Vm, plan: &HandoverPlan) {
+    if let Some(s) = vm.service() {
+        s.hand_off();
+    }
+    if let Some(c) = &plan.control {
+        c.retire();
+    }
+}
+
+/// A handover that failed before the VM left: it runs here again, with its
+/// clients and control socket.
+fn give_back_here(vm: &Vm, plan: &HandoverPlan) {
+    let service = vm.service();
+    if let Some(s) = service {
+        s.thaw();
+    }
+    let _ = vm.resume();
+    if let Some(s) = service {
+        s.release();
+    }
+    if let Some(c) = &plan.control {
+        c.accept_again();
+    }
+}
+
+/// The claim the new process takes the VM from, and where.
+fn owner_message(vm: &Vm) -> Result<Message, HandoverError> {
+    use ferry_migration::OwnerFence;
+    let owner = vm
+        .owner()
+        .ok_or_else(|| HandoverError::Fenced("the VM is not fenced".into()))?;
+    let claim = owner
+        .claim()
+        .ok_or_else(|| HandoverError::Fenced("this process does not hold the VM".into()))?;
+    Ok(Message::Owner {
+        registry: owner.registry(),
+        claim,
+    })
+}
+
+/// After Go the new process did not confirm it runs a fenced VM: the
+/// registry says who holds it. Never taken: the new process is ended and
+/// the VM runs here again. Taken: it is the new process's (gone or not),
+/// never again this one's. No answer: in doubt, the fence's keeper goes on
+/// asking and resumes the VM if the answer is "never taken".
+fn settle_by_registry(
+    vm: &Vm,
+    plan: &HandoverPlan,
+    fence: &ferry_registry::ownership::Fence,
+    peer: &mut Peer,
+    pid: u32,
+    e: HandoverError,
+) -> HandoverError {
+    use ferry_registry::ownership::TakeBack;
+    match fence.take_back(crate::owner::TAKE_BACK_PATIENCE) {
+        TakeBack::Back(_) => {
+            peer.abandon(&e);
+            give_back_here(vm, plan);
+            HandoverError::TakenBack(e.to_string())
+        }
+        TakeBack::Gone(rec) => {
+            let_go(vm, plan);
+            HandoverError::InDoubt {
+                pid,
+                reason: format!(
+                    "{e}; the registry says it holds the VM ({})",
+                    rec.map(|r| r.describe())
+                        .unwrap_or_else(|| "no record".into())
+                ),
+            }
+        }
+        TakeBack::Unknown(why) => HandoverError::InDoubt {
+            pid,
+            reason: format!(
+                "{e}; and the registry did not answer ({why}): the VM stays paused here and \
+                 resumes by itself if the registry says the new VMM never took it"
+            ),
+        },
+    }
 }
 
 /// Hello, Offer (memory and listeners), Ready.

@@ -142,6 +142,17 @@ pub enum Message {
         /// The reason, for the other side's report.
         reason: String,
     },
+    /// Old → new, after `Restored` and before `Go`, for a VM fenced through
+    /// a registry (docs/safety.md): the new process takes the VM from this
+    /// claim at `Go`, before it resumes the vCPUs (or answers Abort). Last
+    /// among the variants, so a process of the first handover version reads
+    /// the rest as before (and refuses this, before `Go`).
+    Owner {
+        /// The registry, as `ferry_registry::open` takes it.
+        registry: String,
+        /// The claim (the VMM's encoding, ≤ 4 KiB).
+        claim: Vec<u8>,
+    },
 }
 
 impl Message {
@@ -156,6 +167,7 @@ impl Message {
             Message::Go => "Go",
             Message::Running { .. } => "Running",
             Message::Abort { .. } => "Abort",
+            Message::Owner { .. } => "Owner",
         }
     }
 }
