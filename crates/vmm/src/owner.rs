@@ -141,8 +141,12 @@ impl OwnerFence for Owner {
         let from: Claim = serde_json::from_slice(claim)
             .map_err(|e| format!("the source's claim does not decode: {e}"))?;
         let fence = self.fence_for(&from.vm).map_err(|e| e.to_string())?;
+        stall_at("before");
         match fence.take_over(&from, TAKE_OVER_PATIENCE) {
-            Ok(c) => Ok(format!("VM {} at epoch {}", c.vm, c.epoch)),
+            Ok(c) => {
+                stall_at("taken");
+                Ok(format!("VM {} at epoch {}", c.vm, c.epoch))
+            }
             Err(e) => Err(format!(
                 "this destination may not run VM {} (from epoch {} held by {}): {e}",
                 from.vm, from.epoch, from.holder
@@ -190,5 +194,17 @@ pub fn host_name() -> String {
         String::from_utf8_lossy(&buf[..end]).into_owned()
     } else {
         "unknown".into()
+    }
+}
+
+/// Test hook: `FERRY_OWNER_STALL=before|taken` stalls a destination (or a
+/// handover's new VMM) just before, or just after, it takes the VM in the
+/// registry, so a test can kill it there.
+fn stall_at(step: &str) {
+    if std::env::var("FERRY_OWNER_STALL").is_ok_and(|s| s == step) {
+        eprintln!("ferry: FERRY_OWNER_STALL={step}: stalling the take-over here");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
     }
 }
