@@ -809,9 +809,11 @@ class Trial:
     def keep_logs(self, where):
         """Copies the trial's logs to `where` (kept for a trial worth a look)."""
         os.makedirs(where, exist_ok=True)
-        for f in os.listdir(self.dir):
-            if f.endswith((".log", ".out")):
-                shutil.copy(os.path.join(self.dir, f), where)
+        for d, _, files in os.walk(self.dir):
+            for f in files:
+                if f.endswith((".log", ".out", ".json")):  # the agents' VMM logs and records too
+                    rel = os.path.relpath(os.path.join(d, f), self.dir).replace("/", "_")
+                    shutil.copy(os.path.join(d, f), os.path.join(where, rel))
 
     def cleanup(self):
         self.witness.stop()
