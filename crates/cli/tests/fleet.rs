@@ -211,6 +211,17 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
     assert!(on_h1.iter().all(|v| v.2 == "running"), "{on_h1:?}");
     let e = op(reg, &["vm", "start", "web", "--host", "ferry-h2"]).unwrap_err();
     assert!(e.contains("runs on ferry-h1 already"), "{e}");
+    // Every VM an agent runs is fenced through the fleet's registry under
+    // its name (docs/safety.md).
+    for (name, _, _, socket) in &on_h1 {
+        let owner = &wait_status(socket)["owner"];
+        assert_eq!(
+            (owner["vm"].as_str(), owner["state"].as_str()),
+            (Some(name.as_str()), Some("holding")),
+            "{owner}"
+        );
+        assert_eq!(owner["epoch"], 1, "{owner}");
+    }
     let before: Vec<(String, u64)> = on_h1
         .iter()
         .map(|(n, _, _, s)| (n.clone(), progress(&wait_status(s))))
@@ -244,6 +255,15 @@ fn a_host_is_drained_through_its_agents_and_upgraded_in_place_and_no_vm_is_lost(
     let on_h2 = vms_on(reg, "ferry-h2");
     assert_eq!(on_h2.len(), 3, "no VM lost or doubled: {on_h2:?}");
     still_counting(&on_h2, &before);
+    // Each arrived VM took its claim from its source's, one epoch on.
+    for (_, _, _, socket) in &on_h2 {
+        let owner = &wait_status(socket)["owner"];
+        assert_eq!(
+            (owner["state"].as_str(), owner["epoch"].as_u64()),
+            (Some("holding"), Some(2)),
+            "{owner}"
+        );
+    }
 
     // ferry-h2's agent dies under its VMs: they run on, and its next start
     // adopts them.

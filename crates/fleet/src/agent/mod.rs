@@ -86,7 +86,8 @@ impl Agent {
             )));
         }
         let vms = Vms::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?
-            .sharing(opts.share_pages);
+            .sharing(opts.share_pages)
+            .fenced(registry.describe(), &opts.name);
         let stores = Stores::adopt(&opts.state_dir, opts.ferry.clone(), opts.listen.ip())?;
         let listener = TcpListener::bind(opts.listen)
             .map_err(FleetError::io(format!("cannot listen on {}", opts.listen)))?;

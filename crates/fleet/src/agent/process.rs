@@ -8,8 +8,14 @@ use std::process::{Child, Command, Stdio};
 
 use crate::FleetError;
 
-/// Starts `ferry ARGS` detached, its output appended to `log`.
-pub fn spawn_detached(ferry: &Path, args: &[String], log: &Path) -> Result<Child, FleetError> {
+/// Starts `ferry ARGS` detached, with `env` added to its environment, its
+/// output appended to `log`.
+pub fn spawn_detached(
+    ferry: &Path,
+    args: &[String],
+    env: &[(&str, &str)],
+    log: &Path,
+) -> Result<Child, FleetError> {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -20,6 +26,7 @@ pub fn spawn_detached(ferry: &Path, args: &[String], log: &Path) -> Result<Child
         .map_err(FleetError::io(format!("{}", log.display())))?;
     let mut cmd = Command::new(ferry);
     cmd.args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err));

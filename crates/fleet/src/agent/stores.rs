@@ -141,7 +141,7 @@ impl Stores {
             ]
         };
         let what = if standby { "standby" } else { "memory server" };
-        let mut child = super::process::spawn_detached(&self.ferry, &args, &log)?;
+        let mut child = super::process::spawn_detached(&self.ferry, &args, &[], &log)?;
         let deadline = Instant::now() + READY_WITHIN;
         while TcpStream::connect_timeout(&at, Duration::from_millis(200)).is_err() {
             if let Ok(Some(code)) = child.try_wait() {

@@ -55,6 +55,22 @@ pub struct Vms {
     sending: Mutex<std::collections::BTreeSet<String>>,
     /// New VMMs run with `--share-pages`.
     share_pages: bool,
+    /// Its VMs are fenced through this registry (docs/safety.md), and
+    /// their holder named after this host.
+    fence: Option<Fencing>,
+}
+
+/// Where an agent's VMs are fenced, and the host name they hold them as.
+#[derive(Clone, Debug)]
+struct Fencing {
+    registry: String,
+    host: String,
+}
+
+/// A VMM whose status says the registry gives its VM to another process,
+/// and that is no paused postcopy's source (which may still serve pages).
+fn lost_its_claim(status: &Value) -> bool {
+    status["owner"]["state"] == "handed" && status["postcopy_paused"].is_null()
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -83,6 +99,19 @@ impl Vms {
                 continue;
             };
             match status(&rec.socket) {
+                Ok(s) if lost_its_claim(&s) => {
+                    // A copy the registry says another process holds (it
+                    // stopped itself): not this host's VM any more.
+                    tracing::warn!(
+                        "agent: VM {} (pid {}) no longer holds its claim ({}); its VMM is stopped",
+                        rec.spec.name,
+                        rec.pid,
+                        s["owner"]
+                    );
+                    let _ = ControlClient::connect(&rec.socket)
+                        .and_then(|mut c| c.call(&Control::Quit));
+                    let _ = std::fs::remove_file(&path);
+                }
                 Ok(s) => {
                     let mut rec = rec;
                     rec.pid = s["pid"].as_u64().unwrap_or(0) as u32;
@@ -113,12 +142,24 @@ impl Vms {
             children: Mutex::new(Vec::new()),
             sending: Mutex::new(Default::default()),
             share_pages: false,
+            fence: None,
         })
     }
 
     /// Whether the VMMs it starts from now on run with `--share-pages`.
     pub fn sharing(mut self, on: bool) -> Self {
         self.share_pages = on;
+        self
+    }
+
+    /// Fences the VMs it starts from now on through `registry` (as
+    /// `ferry run --registry` takes it), holding them as `host`: a fresh
+    /// VM under its name, an arriving one from its source's claim.
+    pub fn fenced(mut self, registry: String, host: &str) -> Self {
+        self.fence = Some(Fencing {
+            registry,
+            host: host.into(),
+        });
         self
     }
 
@@ -236,8 +277,18 @@ impl Vms {
         if self.share_pages {
             args.push("--share-pages".into());
         }
+        let mut env = Vec::new();
+        if let Some(f) = &self.fence {
+            if arriving {
+                args.push("--fenced".into());
+            } else {
+                args.extend(["--vm-name".into(), spec.name.clone()]);
+            }
+            args.extend(["--registry".into(), f.registry.clone()]);
+            env.push(("FERRY_HOST", f.host.as_str()));
+        }
         args.extend(extra.iter().cloned());
-        let mut child = super::process::spawn_detached(&self.ferry, &args, &log)?;
+        let mut child = super::process::spawn_detached(&self.ferry, &args, &env, &log)?;
         let pid = child.id();
         let deadline = Instant::now() + READY_WITHIN;
         loop {

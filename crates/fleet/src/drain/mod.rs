@@ -32,7 +32,7 @@ mod schedule;
 pub mod session;
 mod standby;
 
-pub use moves::{Cleanup, MoveState, Outcome, Seen};
+pub use moves::{Cleanup, Holds, MoveState, Outcome, Seen};
 pub use plan::{plan, Plan, PlannedMove, PlannedSplit};
 pub use report::{DrainReport, MoveReport};
 pub use schedule::{room_on_link, run};

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use ferry_migration::{MigrationToken, Mode, Phase};
 
-use super::moves::{Cleanup, Failure, MoveState, Outcome, Seen};
+use super::moves::{Cleanup, Failure, Holds, MoveState, Outcome, Seen};
 use super::report::MoveReport;
 use super::standby::{start_standby, HostsSeen, StandbyAt, STANDBY_TRIES};
 use super::DrainOptions;
@@ -221,7 +221,26 @@ impl Try<'_> {
             Err(e) => Err(Failure::Moving {
                 error: e.to_string(),
                 seen: self.seen_at_destination(),
+                holds: self.held_by(),
             }),
+        }
+    }
+
+    /// Who the registry says holds the VM: its owner record's holder is a
+    /// process on the source's host or the destination's (agents name their
+    /// VMMs' holders after their host). Asked after the source's answer,
+    /// which comes once its own take-back (if the switch failed after
+    /// Complete) has settled.
+    fn held_by(&self) -> Holds {
+        let owners = ferry_registry::ownership::Owners::new(self.sh.fleet.registry().clone());
+        let to = self.report.to.as_str();
+        match owners.record(&self.vm.spec.name) {
+            Ok(Some(r)) => match r.holder.as_ref().map(|h| h.host.as_str()) {
+                Some(h) if h == to => Holds::Destination,
+                Some(h) if h == self.sh.from => Holds::Source,
+                _ => Holds::Unknown,
+            },
+            _ => Holds::Unknown,
         }
     }
 

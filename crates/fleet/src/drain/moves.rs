@@ -15,7 +15,9 @@
 //! source, and anything else (a VMM that does not answer, an agent that
 //! does not answer, no copy listed) means nobody knows where the newest
 //! copy is, so every copy, the standby's included, is left alone and the
-//! move is not retried.
+//! move is not retried. Above both stands the registry's owner record of a
+//! fenced VM ([`Holds`], docs/safety.md): the host whose process holds the
+//! VM is where it runs, whatever an agent says or fails to say.
 
 /// Where a move stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -153,13 +155,26 @@ pub enum Failure {
     /// send.
     Preparing(String),
     /// The source's send failed or its answer was lost; the destination's
-    /// agent then said `seen`.
+    /// agent then said `seen`, and the registry `holds`.
     Moving {
         /// The source's error.
         error: String,
         /// What the destination said.
         seen: Seen,
+        /// Who the registry says holds the VM.
+        holds: Holds,
     },
+}
+
+/// Who holds a VM by the registry's owner record (docs/safety.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holds {
+    /// A process on the destination: it took the VM at the switch.
+    Destination,
+    /// A process on the source: the destination never took it.
+    Source,
+    /// Nobody said (an unfenced VM, an unreachable registry, another host).
+    Unknown,
 }
 
 /// What a failed try leaves where, and what the drain does next.
@@ -205,7 +220,35 @@ impl Failure {
                 retry: true,
                 note: e.clone(),
             },
-            Failure::Moving { error, seen } => match seen {
+            Failure::Moving {
+                error,
+                holds: Holds::Destination,
+                ..
+            } => Outcome {
+                state: MoveState::Done,
+                vm_at: VmAt::Destination,
+                cleanup: Cleanup::default(),
+                retry: false,
+                note: format!("{error}; the registry says {to} holds the VM: it runs there"),
+            },
+            // The destination never took it (and never will: its take-over
+            // starts from a claim the source's take-back moved on), so
+            // whatever its agent says, what was started for the move goes.
+            Failure::Moving {
+                error,
+                holds: Holds::Source,
+                seen,
+            } if *seen != Seen::Waiting => Outcome {
+                state: MoveState::Failed,
+                vm_at: VmAt::Source,
+                cleanup: Cleanup {
+                    waiting_vmm: matches!(seen, Seen::NotListed | Seen::NoAnswer(_)),
+                    ..all
+                },
+                retry: true,
+                note: format!("{error}; the registry says the source still holds the VM"),
+            },
+            Failure::Moving { error, seen, .. } => match seen {
                 // Stopping the VMM there would lose the VM; its memory
                 // servers and standby serve it.
                 Seen::Arrived(state) => Outcome {
@@ -309,11 +352,53 @@ mod tests {
     }
 
     #[test]
+    fn the_registry_decides_a_failed_send_whatever_the_destination_says() {
+        let moving = |seen: Seen, holds: Holds| {
+            Failure::Moving {
+                error: "link reset".into(),
+                seen,
+                holds,
+            }
+            .outcome("h2")
+        };
+        let all_seen = [
+            Seen::from_state("running"),
+            Seen::Waiting,
+            Seen::Unresponsive,
+            Seen::NotListed,
+            Seen::NoAnswer("connection refused".into()),
+        ];
+        for seen in all_seen.clone() {
+            // Held at the destination: done, nothing there touched.
+            let o = moving(seen.clone(), Holds::Destination);
+            assert_eq!((o.state, o.vm_at), (Done, VmAt::Destination), "{seen:?}");
+            assert_eq!(o.cleanup, Cleanup::default());
+            assert!(!o.retry && o.note.contains("h2 holds the VM"), "{}", o.note);
+            assert!(Moving.may_go_to(o.state));
+            // Held at the source: it runs there, the move may go elsewhere.
+            let o = moving(seen.clone(), Holds::Source);
+            assert_eq!((o.state, o.vm_at), (Failed, VmAt::Source), "{seen:?}");
+            assert!(o.retry && o.cleanup.stores && o.cleanup.standby, "{seen:?}");
+            assert!(Moving.may_go_to(o.state));
+        }
+        // A VMM that does not answer is not stopped (it cannot run the VM
+        // without its claim); one that waits, or is not there, is.
+        assert!(
+            !moving(Seen::Unresponsive, Holds::Source)
+                .cleanup
+                .waiting_vmm
+        );
+        assert!(moving(Seen::Waiting, Holds::Source).cleanup.waiting_vmm);
+        assert!(moving(Seen::NotListed, Holds::Source).cleanup.waiting_vmm);
+    }
+
+    #[test]
     fn a_failed_send_is_decided_by_what_the_destination_holds() {
         let moving = |seen: Seen| {
             Failure::Moving {
                 error: "link reset".into(),
                 seen,
+                holds: Holds::Unknown,
             }
             .outcome("h2")
         };
