@@ -925,7 +925,7 @@ OUTCOMES = ["one-copy", "unsurvivable", "violation", "lost", "paused", "error"]
 
 def table(trials, ops, faults):
     lines = ["| operation | first fault | trials | one copy (verified) | unsurvivable | violation | lost | "
-             "paused past bound | harness error | command hung |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "paused past bound | harness error | command still running at the cap |", "|---|---|---|---|---|---|---|---|---|---|"]
     for op in ops:
         for fk in faults:
             ts = [t for t in trials if t["op"] == op and t["faults"][0]["kind"] == fk]
