@@ -65,10 +65,10 @@ pub enum Suite {
     /// without sharing: bytes on the wire, time, downtime.
     Share,
     /// Random faults (kills, stops, link cuts, blackholes, slow links, a
-    /// host dying) over precopy, postcopy, hybrid, handover and postcopy
-    /// with its standby, each VM audited after by a witness outside ferry
-    /// (two copies never run at once, one runs at the end); `--smoke` is
-    /// a fixed-seed 20-trial run.
+    /// host dying) over precopy, postcopy, hybrid, handover, postcopy with
+    /// its standby, drain and upgrade, each VM audited after by a witness
+    /// outside ferry (two copies never run at once, one runs at the end);
+    /// `--smoke` is a fixed-seed 20-trial run.
     Chaos,
 }
 
