@@ -137,6 +137,7 @@ fn tls_dir_unused(cmd: &Command) -> Option<(&'static str, security::NoLink<'_>)>
 }
 
 fn main() -> ExitCode {
+    quiet_on_closed_stdout();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -192,4 +193,24 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// A reader that went away (`ferry migrate --json | head`) ends the command
+/// as it ends other Unix tools, quietly with status 141 (SIGPIPE), instead of
+/// a panic: SIGPIPE itself stays ignored, so a VMM or a client writing to a
+/// socket whose peer died gets an error it handles, not a kill.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to std") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
 }

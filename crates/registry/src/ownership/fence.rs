@@ -351,8 +351,19 @@ impl Fence {
                     (self.hooks.resume)();
                 }
             }
-            State::Handed(_) => {
+            State::Handed(before) => {
                 if let Ok(Some(r)) = self.owners.record(&self.vm) {
+                    let was_lapsed = before.as_ref().is_some_and(OwnerRecord::lapsed);
+                    if r.lapsed() && !was_lapsed && r.holder.as_ref() != Some(&self.me) {
+                        // Said once, as it happens: the VM's newest state
+                        // may have died with its holder.
+                        tracing::error!(
+                            vm = %self.vm,
+                            "{}: its holder stopped renewing; if it is dead, the VM's newest \
+                             state died with it (docs/safety.md)",
+                            r.describe()
+                        );
+                    }
                     let mut s = self.state();
                     if matches!(&*s, State::Handed(_)) {
                         *s = State::Handed(Some(r));
