@@ -654,6 +654,11 @@ class Trial:
         result["fault_log"] = [{k: (round(v - t0, 3) if k == "t" else v) for k, v in e.items()}
                                for e in faults.log]
         result["cmd_rc"] = cmd_rc
+        # What the witness saw of each process of the VM (s from the command's start).
+        rel = lambda x: None if x is None else round(x - t0, 3)  # noqa: E731
+        result["witness"] = [{"role": p["role"], "pid": p["pid"], "seen": rel(p["seen"]),
+                              "first_run": rel(p["first_run"]), "last_run": rel(p["last_run"]),
+                              "gone": rel(p["gone"])} for p in self.witness.of_vm(self.vm)]
         if cmd_rc != 0:
             result["cmd_error"] = self.tail("cmd", 400)
         result["notes"] = self.notes
