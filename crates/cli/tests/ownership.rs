@@ -209,13 +209,12 @@ fn a_destination_that_cannot_take_the_vm_gives_it_back() {
         &[],
     );
     assert!(runs(&src));
-    // A destination fenced through another registry: it finds no claim to
-    // take, refuses the switch after Complete, and the source asks its own
-    // registry before it runs the VM again.
-    let inc = dir.join("dst.in").display().to_string();
-    let (_dst, _) = vmm(
+    // A destination fenced through another registry finds no claim to
+    // take: it refuses at the opening, before anything moves.
+    let inc = dir.join("other.in").display().to_string();
+    let (_other, _) = vmm(
         &dir,
-        "dst",
+        "other",
         &[
             "--incoming",
             &format!("unix:{inc}"),
@@ -231,6 +230,39 @@ fn a_destination_that_cannot_take_the_vm_gives_it_back() {
     let o = ferry(&["migrate", &src, "--to", &format!("unix:{inc}")]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("no record"), "{err}");
+    assert!(runs(&src), "it never left: {}", log(&dir, "src"));
+    assert_eq!(status(&src)["owner"]["epoch"], 1);
+    // A destination killed after Complete, before it took the VM: the
+    // source's take-back wins, and it runs here again.
+    let inc = dir.join("dst.in").display().to_string();
+    let (mut dst, _) = vmm(
+        &dir,
+        "dst",
+        &[
+            "--incoming",
+            &format!("unix:{inc}"),
+            "--fenced",
+            "--registry",
+            &registry(&reg),
+        ],
+        &[("FERRY_OWNER_STALL", "before")],
+    );
+    wait_for("the destination listens", Duration::from_secs(10), || {
+        Path::new(&inc).exists()
+    });
+    let to = format!("unix:{inc}");
+    let src2 = src.clone();
+    let mig = std::thread::spawn(move || ferry(&["migrate", &src2, "--to", &to]));
+    wait_for(
+        "the destination got Complete",
+        Duration::from_secs(30),
+        || log(&dir, "dst").contains("stalling the take-over"),
+    );
+    assert_eq!(status(&src)["state"], "paused", "paused at the switch");
+    let _ = dst.0.kill();
+    let _ = dst.0.wait();
+    let o = mig.join().unwrap();
+    assert!(!o.status.success());
     assert!(runs(&src), "taken back, it runs here: {}", log(&dir, "src"));
     let st = status(&src);
     assert_eq!(st["owner"]["state"], "holding");

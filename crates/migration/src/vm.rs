@@ -55,6 +55,12 @@ pub trait OwnerFence: Send + Sync {
     /// The claim this process holds, encoded for the destination (≤ 4 KiB);
     /// None if it holds none (then it must not run the VM).
     fn claim(&self) -> Option<Vec<u8>>;
+    /// Destination, at the opening: may the VM come from the source's
+    /// `claim` (Err: why not, and nothing moves)? What it reads makes the
+    /// take-over at the switch one compare-and-swap.
+    fn expect(&self, _claim: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
     /// Destination: takes the VM from the source's `claim` before the
     /// guest's first instruction here; waits while the registry does not
     /// answer. Err: why it may not run the VM (the switch is refused).

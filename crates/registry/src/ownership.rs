@@ -3,15 +3,19 @@
 //! believe they hold it.
 //!
 //! The record `owners/<vm>` says the VM's epoch, the process that holds it
-//! (host, pid and a random id of that process) and when the holder last
-//! renewed it. The rule ([`decide`]), one step each:
+//! (host, pid and a random id of that process) and when it took it; it
+//! changes only at a step, so a destination may read it at a migration's
+//! opening and take the VM at the switch with one compare-and-swap. The
+//! holder's sign of life is another record, `owners-alive/<vm>` (its id and
+//! the time), written every [`RENEW_EVERY`]. The rule ([`decide`]), one step
+//! each:
 //!
 //! | step | allowed when the record is | writes |
 //! |---|---|---|
 //! | `Boot` (a fresh VM starts) | absent, or released | epoch + 1, held by me |
 //! | `TakeOver` (a destination, before the guest's first instruction) | the source's exact claim | epoch + 1, held by me |
 //! | `TakeBack` (a source that sent Complete, before it resumes) | still its own claim | epoch + 1, held by me |
-//! | `Renew` (the holder, every second) | still its own claim | the same, renewed now |
+//! | `Renew` (the holder, every second) | still its own claim | nothing (its sign of life) |
 //! | `Release` (the holder stops the VM) | still its own claim | epoch + 1, held by none |
 //!
 //! A step whose write landed but whose answer was lost finds the record
@@ -20,10 +24,10 @@
 //! claim cannot both win: each writes only against the version it read.
 //! A holder that finds its claim gone must stop its copy ([`Fence`]).
 //!
-//! `renewed` is the holder's wall clock; it only ever tells an operator or
-//! a source that a holder seems dead (its renewals stopped), and is never
-//! the reason anyone takes the VM: nothing here takes a VM from a holder
-//! that stopped renewing (docs/safety.md says why).
+//! The sign of life is the holder's wall clock; it only ever tells an
+//! operator or a source that a holder seems dead (its renewals stopped), and
+//! is never the reason anyone takes the VM: nothing here takes a VM from a
+//! holder that stopped renewing (docs/safety.md says why).
 
 mod fence;
 #[cfg(test)]
@@ -79,21 +83,12 @@ pub struct OwnerRecord {
     pub epoch: u64,
     /// Who holds it (None: released, nobody runs it).
     pub holder: Option<Holder>,
-    /// The holder's last renewal, seconds since 1970 by its clock.
-    pub renewed: f64,
+    /// When the step that wrote it was taken, seconds since 1970 by the
+    /// writer's clock.
+    pub since: f64,
 }
 
 impl OwnerRecord {
-    /// Seconds since the holder's last renewal, by this host's clock.
-    pub fn silent_for(&self) -> f64 {
-        (now() - self.renewed).max(0.0)
-    }
-
-    /// True if its holder has not renewed for [`OWNER_TTL`].
-    pub fn lapsed(&self) -> bool {
-        self.holder.is_some() && self.silent_for() > OWNER_TTL.as_secs_f64()
-    }
-
     fn held_by(&self, h: &Holder) -> bool {
         self.holder.as_ref() == Some(h)
     }
@@ -101,15 +96,32 @@ impl OwnerRecord {
     /// One line for messages.
     pub fn describe(&self) -> String {
         match &self.holder {
-            Some(h) => format!(
-                "VM {} is held at epoch {} by {h} (renewed {:.1} s ago)",
-                self.vm,
-                self.epoch,
-                self.silent_for()
-            ),
+            Some(h) => format!("VM {} is held at epoch {} by {h}", self.vm, self.epoch),
             None => format!("VM {} is released (epoch {})", self.vm, self.epoch),
         }
     }
+}
+
+/// A holder's sign of life (`owners-alive/<vm>`), written every
+/// [`RENEW_EVERY`] while it holds the VM.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Alive {
+    /// The holder's id.
+    pub id: u64,
+    /// When, by its clock.
+    pub renewed: f64,
+}
+
+/// Seconds the holder of `rec` has been silent, by this host's clock: since
+/// its last sign of life, or since it took the VM if it gave none yet.
+/// None for a released VM.
+pub fn silent_for(rec: &OwnerRecord, alive: Option<&Alive>) -> Option<f64> {
+    let h = rec.holder.as_ref()?;
+    let last = match alive {
+        Some(a) if a.id == h.id => a.renewed.max(rec.since),
+        _ => rec.since,
+    };
+    Some((now() - last).max(0.0))
 }
 
 /// What a process holds: the VM at an epoch. It travels to a migration's
@@ -179,7 +191,7 @@ pub fn decide(vm: &str, step: &Step, now: Option<&OwnerRecord>, me: &Holder, t: 
         vm: vm.into(),
         epoch,
         holder: Some(me.clone()),
-        renewed: t,
+        since: t,
     };
     let claim = |epoch| Claim {
         vm: vm.into(),
@@ -217,7 +229,7 @@ pub fn decide(vm: &str, step: &Step, now: Option<&OwnerRecord>, me: &Holder, t: 
         }
         Step::Renew(c) => {
             if is(c) && c.holder == *me {
-                Decision::Write(mine(c.epoch))
+                Decision::Already(c.clone())
             } else {
                 Decision::Refuse(Refusal::Moved(rec.clone()))
             }
@@ -289,6 +301,13 @@ fn key(vm: &str) -> String {
     format!("owners/{vm}")
 }
 
+fn alive_key(vm: &str) -> String {
+    format!("owners-alive/{vm}")
+}
+
+/// A record read, with its version: what a step may start from.
+pub type Read = (OwnerRecord, u64);
+
 impl Owners {
     /// The owners kept in `registry`.
     pub fn new(registry: Arc<dyn Registry>) -> Owners {
@@ -301,7 +320,7 @@ impl Owners {
     }
 
     /// The record of `vm`, with its version.
-    fn read(&self, vm: &str) -> Result<Option<(OwnerRecord, u64)>, OwnershipError> {
+    pub fn read(&self, vm: &str) -> Result<Option<Read>, OwnershipError> {
         check_vm_name(vm)?;
         let Some((bytes, version)) = self
             .registry
@@ -333,8 +352,25 @@ impl Owners {
     /// against the version read; a write that lost a race reads again. The
     /// claim held afterwards.
     pub fn step(&self, vm: &str, step: &Step, me: &Holder) -> Result<Claim, OwnershipError> {
+        self.step_from(vm, step, me, None)
+    }
+
+    /// [`Owners::step`], its first try starting from `read` (a record read
+    /// earlier: the switch then costs one compare-and-swap if nothing
+    /// changed since; if something did, the swap fails and the step reads
+    /// again).
+    pub fn step_from(
+        &self,
+        vm: &str,
+        step: &Step,
+        me: &Holder,
+        mut read: Option<Read>,
+    ) -> Result<Claim, OwnershipError> {
         for _ in 0..16 {
-            let now = self.read(vm)?;
+            let now = match read.take() {
+                Some(r) => Some(r),
+                None => self.read(vm)?,
+            };
             let version = now.as_ref().map_or(0, |(_, v)| *v);
             match decide(vm, step, now.as_ref().map(|(r, _)| r), me, self::now()) {
                 Decision::Already(c) => return Ok(c),
@@ -361,10 +397,45 @@ impl Owners {
         Err(OwnershipError::Busy(vm.into()))
     }
 
+    /// The holder's sign of life: `claim` is still the record (else the
+    /// refusal says whose it is), and `owners-alive/<vm>` says it lives.
+    pub fn renew(&self, claim: &Claim, me: &Holder) -> Result<(), OwnershipError> {
+        self.step(&claim.vm, &Step::Renew(claim.clone()), me)?;
+        let body = serde_json::to_vec(&Alive {
+            id: me.id,
+            renewed: now(),
+        })
+        .unwrap_or_default();
+        self.registry
+            .put_record(&alive_key(&claim.vm), &body)
+            .map_err(OwnershipError::Unreachable)
+    }
+
+    /// The sign of life of `vm`'s holder, if any.
+    pub fn alive(&self, vm: &str) -> Result<Option<Alive>, OwnershipError> {
+        check_vm_name(vm)?;
+        let Some(b) = self
+            .registry
+            .get_record(&alive_key(vm))
+            .map_err(OwnershipError::Unreachable)?
+        else {
+            return Ok(None);
+        };
+        Ok(serde_json::from_slice(&b).ok())
+    }
+
+    /// True if `rec`'s holder has been silent for longer than
+    /// [`OWNER_TTL`] (it seems dead).
+    pub fn lapsed(&self, rec: &OwnerRecord) -> bool {
+        let alive = self.alive(&rec.vm).ok().flatten();
+        silent_for(rec, alive.as_ref()).is_some_and(|s| s > OWNER_TTL.as_secs_f64())
+    }
+
     /// Removes the record of `vm` whoever holds it: the operator's last
     /// resort when its holder is surely dead (`ferry owners release`).
     pub fn forget(&self, vm: &str) -> Result<(), OwnershipError> {
         check_vm_name(vm)?;
+        let _ = self.registry.delete_record(&alive_key(vm));
         self.registry
             .delete_record(&key(vm))
             .map_err(OwnershipError::Unreachable)

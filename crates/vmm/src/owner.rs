@@ -131,15 +131,19 @@ impl OwnerFence for Owner {
         serde_json::to_vec(&c).ok()
     }
 
+    fn expect(&self, claim: &[u8]) -> Result<(), String> {
+        let from = decode_claim(claim)?;
+        let fence = self.fence_for(&from.vm).map_err(|e| e.to_string())?;
+        fence.expect(&from).map_err(|e| {
+            format!(
+                "this destination may not take VM {} from epoch {} held by {}: {e}",
+                from.vm, from.epoch, from.holder
+            )
+        })
+    }
+
     fn take_over(&self, claim: &[u8]) -> Result<String, String> {
-        if claim.len() > MAX_CLAIM {
-            return Err(format!(
-                "a claim of {} bytes is over the limit",
-                claim.len()
-            ));
-        }
-        let from: Claim = serde_json::from_slice(claim)
-            .map_err(|e| format!("the source's claim does not decode: {e}"))?;
+        let from = decode_claim(claim)?;
         let fence = self.fence_for(&from.vm).map_err(|e| e.to_string())?;
         stall_at("before");
         match fence.take_over(&from, TAKE_OVER_PATIENCE) {
@@ -179,6 +183,17 @@ impl OwnerFence for Owner {
             TakeBack::Unknown(why) => TakeBackAnswer::Unknown(why),
         }
     }
+}
+
+/// A source's claim, as it came (hostile until checked by the registry).
+fn decode_claim(claim: &[u8]) -> Result<Claim, String> {
+    if claim.len() > MAX_CLAIM {
+        return Err(format!(
+            "a claim of {} bytes is over the limit",
+            claim.len()
+        ));
+    }
+    serde_json::from_slice(claim).map_err(|e| format!("the source's claim does not decode: {e}"))
 }
 
 /// This host's name for the registry: $FERRY_HOST, else the system's.

@@ -215,6 +215,9 @@ impl<'a> DestSession<'a> {
             None
         };
         super::owner::check_claim(self.owner_claim.as_deref(), vm.fence().is_some(), self.caps)?;
+        if let (Some(fence), Some(claim)) = (vm.fence(), self.owner_claim.as_deref()) {
+            fence.expect(claim).map_err(MigrationError::Fence)?;
+        }
         self.tel
             .set_total_bytes(regions.iter().map(|r| r.size()).sum());
         self.enter(DestPhase::Receiving)?;

@@ -22,7 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::{Claim, Holder, OwnerRecord, Owners, OwnershipError, Refusal, Step, RENEW_EVERY};
+use super::{
+    decide, Claim, Decision, Holder, OwnerRecord, Owners, OwnershipError, Read, Refusal, Step,
+    RENEW_EVERY,
+};
 
 /// What the fence does to the VM of its process.
 pub struct Hooks {
@@ -88,6 +91,11 @@ pub struct Fence {
     state: Mutex<State>,
     hooks: Hooks,
     unreachable: Mutex<Option<String>>,
+    /// The record as a destination read it at the opening (the switch
+    /// starts its take-over from it).
+    expected: Mutex<Option<Read>>,
+    /// Another process holds the VM and has been silent past the TTL.
+    holder_lapsed: AtomicBool,
     quit: AtomicBool,
 }
 
@@ -111,6 +119,8 @@ impl Fence {
             state: Mutex::new(State::Unheld),
             hooks,
             unreachable: Mutex::new(None),
+            expected: Mutex::new(None),
+            holder_lapsed: AtomicBool::new(false),
             quit: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&fence);
@@ -168,6 +178,26 @@ impl Fence {
         Ok(c)
     }
 
+    /// A destination, at a migration's opening: checks that the registry
+    /// gives the VM to `from` now (so a source whose claim is stale is
+    /// refused before anything moves) and keeps what it read, so the
+    /// take-over at the switch is one compare-and-swap.
+    pub fn expect(&self, from: &Claim) -> Result<(), OwnershipError> {
+        let read = self.owners.read(&self.vm)?;
+        let now = read.as_ref().map(|(r, _)| r);
+        if let Decision::Refuse(r) = decide(
+            &self.vm,
+            &Step::TakeOver(from.clone()),
+            now,
+            &self.me,
+            super::now(),
+        ) {
+            return Err(OwnershipError::Refused(r));
+        }
+        *self.expected.lock().unwrap_or_else(|p| p.into_inner()) = read;
+        Ok(())
+    }
+
     /// A destination takes the VM from the source's claim `from`, before
     /// the guest's first instruction here. While the registry does not
     /// answer it retries, for as long as `patience` (the outcome of a try
@@ -177,7 +207,12 @@ impl Fence {
         if from.vm != self.vm {
             return Err(OwnershipError::Refused(Refusal::Missing));
         }
-        let c = self.retrying(&Step::TakeOver(from.clone()), patience)?;
+        let read = self
+            .expected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let c = self.retrying(&Step::TakeOver(from.clone()), patience, read)?;
         *self.state() = State::Holding(c.clone());
         Ok(c)
     }
@@ -209,7 +244,7 @@ impl Fence {
             State::Handed(r) => return TakeBack::Gone(r.clone()),
             State::Unheld | State::Released => return TakeBack::Gone(None),
         };
-        match self.retrying(&Step::TakeBack(claim.clone()), patience) {
+        match self.retrying(&Step::TakeBack(claim.clone()), patience, None) {
             Ok(c) => {
                 *self.state() = State::Holding(c.clone());
                 TakeBack::Back(c)
@@ -260,7 +295,7 @@ impl Fence {
                 r.as_ref().map(|r| r.epoch),
                 r.as_ref()
                     .and_then(|r| r.holder.as_ref().map(|h| h.to_string())),
-                r.as_ref().is_some_and(OwnerRecord::lapsed),
+                self.holder_lapsed.load(Ordering::Relaxed),
             ),
             State::Released => ("released", None, None, false),
         };
@@ -281,11 +316,16 @@ impl Fence {
     }
 
     /// Takes `step`, retrying while the registry does not answer.
-    fn retrying(&self, step: &Step, patience: Duration) -> Result<Claim, OwnershipError> {
+    fn retrying(
+        &self,
+        step: &Step,
+        patience: Duration,
+        mut read: Option<Read>,
+    ) -> Result<Claim, OwnershipError> {
         let deadline = Instant::now() + patience;
         let mut said = Instant::now();
         loop {
-            match self.owners.step(&self.vm, step, &self.me) {
+            match self.owners.step_from(&self.vm, step, &self.me, read.take()) {
                 Err(e @ (OwnershipError::Unreachable(_) | OwnershipError::Busy(_))) => {
                     self.note_unreachable(Some(e.to_string()));
                     if Instant::now() >= deadline {
@@ -319,7 +359,7 @@ impl Fence {
     fn tick(&self) {
         let state = self.state().clone();
         match state {
-            State::Holding(c) => match self.owners.step(&self.vm, &Step::Renew(c), &self.me) {
+            State::Holding(c) => match self.owners.renew(&c, &self.me) {
                 Ok(_) => self.note_unreachable(None),
                 Err(OwnershipError::Refused(r)) => {
                     let rec = match &r {
@@ -351,10 +391,11 @@ impl Fence {
                     (self.hooks.resume)();
                 }
             }
-            State::Handed(before) => {
+            State::Handed(_) => {
                 if let Ok(Some(r)) = self.owners.record(&self.vm) {
-                    let was_lapsed = before.as_ref().is_some_and(OwnerRecord::lapsed);
-                    if r.lapsed() && !was_lapsed && r.holder.as_ref() != Some(&self.me) {
+                    let lapsed = r.holder.as_ref() != Some(&self.me) && self.owners.lapsed(&r);
+                    let was_lapsed = self.holder_lapsed.swap(lapsed, Ordering::Relaxed);
+                    if lapsed && !was_lapsed {
                         // Said once, as it happens: the VM's newest state
                         // may have died with its holder.
                         tracing::error!(

@@ -24,7 +24,7 @@ fn held(epoch: u64, h: &Holder) -> OwnerRecord {
         vm: "vm1".into(),
         epoch,
         holder: Some(h.clone()),
-        renewed: 10.0,
+        since: 10.0,
     }
 }
 
@@ -60,9 +60,9 @@ fn boot_takes_only_a_vm_nobody_holds() {
     );
     // Held by a live holder, or by one that stopped renewing: refused
     // (nothing takes a VM from a silent holder).
-    for renewed in [now(), 0.0] {
+    for since in [now(), 0.0] {
         let r = OwnerRecord {
-            renewed,
+            since,
             ..held(3, &b)
         };
         assert!(matches!(
@@ -180,16 +180,17 @@ fn a_step_whose_answer_was_lost_is_found_done_when_retried() {
 #[test]
 fn a_holder_whose_claim_moved_on_must_stop() {
     let (old, new) = (holder("h1", 1), holder("h1", 9));
-    // Renewing its own claim is allowed, and keeps the epoch.
+    // Renewing its own claim is allowed, and writes nothing to the record
+    // (a destination's read at the opening stays good for the switch).
     assert_eq!(
-        epoch_written(&decide(
+        decide(
             "vm1",
             &Step::Renew(claim(4, &old)),
             Some(&held(4, &old)),
             &old,
             2.0
-        )),
-        Some((4, Some(old.clone())))
+        ),
+        Decision::Already(claim(4, &old))
     );
     // A handover's new process took it: the old one's renewal is refused.
     for rec in [Some(held(5, &new)), None] {

@@ -169,11 +169,14 @@ fn await_go(
             Message::Go => return Ok(claim),
             Message::Owner { registry, claim: c } if claim.is_none() => {
                 let reg = open_registry(&registry).map_err(HandoverError::Fenced)?;
-                vm.set_owner(crate::owner::Owner::new(
-                    reg,
-                    &crate::owner::host_name(),
-                    vm,
-                ));
+                let owner = crate::owner::Owner::new(reg, &crate::owner::host_name(), vm);
+                vm.set_owner(owner.clone());
+                {
+                    use ferry_migration::OwnerFence;
+                    // Refused now, before Go, if the claim is stale; and
+                    // the take-over at Go is one compare-and-swap.
+                    owner.expect(&c).map_err(HandoverError::Fenced)?;
+                }
                 claim = Some(c);
             }
             Message::Abort { reason } => return Err(HandoverError::Aborted(reason)),
