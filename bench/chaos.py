@@ -107,6 +107,7 @@ WINDOW = {"precopy": 4.0, "postcopy": 4.0, "hybrid": 5.0, "postcopy-net": 5.0, "
 GT_FIELD = 43  # /proc/PID/stat: guest_time
 OVERLAP_STEPS, OVERLAP_WINDOW = 3, 10
 NEAR_SWITCH_S = 0.05
+EXEC_SETTLE_S = 0.02
 
 
 def log(*a):
@@ -174,7 +175,8 @@ class Witness(threading.Thread):
         self.lock = threading.Lock()
         self.procs = {}  # pid -> {vm, role, last, first_run, last_run, gone, sock}
         self.seen = set()
-        self.pending = {}  # pid -> first seen (an adopting VMM not yet attributed)
+        self.pending = {}  # pid -> first seen (not attributed yet)
+        self.waiting = False
         self.windows = collections.defaultdict(lambda: collections.deque(maxlen=OVERLAP_WINDOW))
         self.violations = []  # (t, vm, pids)
         self.max_overlap = collections.Counter()
@@ -188,7 +190,7 @@ class Witness(threading.Thread):
     def _attribute(self, pid, t):
         argv = cmdline(pid)
         if not argv or argv == [b""] or (os.path.basename(argv[0]) == b"ip" and b"netns" in argv):
-            self.pending.setdefault(pid, t)  # not yet exec'd into what it runs
+            self.waiting = True  # not yet exec'd into what it runs
             return None
         if len(argv) < 2 or b"ferry" not in os.path.basename(argv[0]) or b"run" not in argv[1:2]:
             return None
@@ -208,7 +210,7 @@ class Witness(threading.Thread):
             sock = held_control_socket(pid, self.under)
             if sock:
                 return {"vm": vm_of_socket(sock), "role": "new", "sock": sock}
-            self.pending.setdefault(pid, t)
+            self.waiting = True  # its parent gone, its control socket not yet held
         return None
 
     def _scan(self, t):
@@ -216,20 +218,24 @@ class Witness(threading.Thread):
             pids = {int(x) for x in os.listdir("/proc") if x.isdigit()}
         except OSError:
             return
+        # A new process is looked at once it is EXEC_SETTLE_S old: a child
+        # forked but not yet exec'd shows its parent's command line (an
+        # agent's, or the VMM a handover starts from).
         for pid in pids - self.seen:
             self.seen.add(pid)
-            a = self._attribute(pid, t)
-            if a:
-                self._track(pid, a, t)
+            self.pending.setdefault(pid, t)
         for pid, t0 in list(self.pending.items()):
-            if pid in self.procs:
+            if pid in self.procs or pid not in pids:
                 self.pending.pop(pid)
                 continue
+            if t - t0 < EXEC_SETTLE_S:
+                continue
+            self.waiting = False
             a = self._attribute(pid, t)
             if a:
                 self.pending.pop(pid)
                 self._track(pid, a, t)
-            elif t - t0 > 5 or pid not in pids:
+            elif t - t0 > (5 if self.waiting else EXEC_SETTLE_S + 0.5):
                 self.pending.pop(pid)
 
     def add(self, pid, vm, role, sock):
@@ -246,6 +252,9 @@ class Witness(threading.Thread):
                                "last_run": None, "gone": None if g else t, "seen": t}
 
     def run(self):
+        # What ran before the trial is none of its VMMs (those the harness
+        # starts are added by `add`).
+        self.seen |= {int(x) for x in os.listdir("/proc") if x.isdigit()} - set(self.procs)
         while not self.stop_flag:
             t = time.monotonic()
             self._scan(t)
