@@ -658,6 +658,12 @@ class Trial:
             if got is not None:
                 result["verified"] = got == int(MEM[:-1]) * 256
                 result["verified_by"] = "destination"
+            why = self.unsurvivable(faults)
+            if not result["verified"] and why and self.plan["op"] in ("postcopy", "hybrid", "postcopy-net"):
+                # It ran, but without the pages only its killed source held:
+                # it waits for them (and loses the VM at its reconnect timeout).
+                result["outcome"] = "unsurvivable"
+                result["why"] = why + "; the destination ran on, unverified, without the pages only the source held"
         elif result["verified"]:
             result["verified_by"] = "command"
         result["fault_log"] = [{k: (round(v - t0, 3) if k == "t" else v) for k, v in e.items()}
