@@ -15,7 +15,7 @@
 use ferry_codec::{EncodedBatch, Method, StreamEncoder};
 use ferry_fuzz::codec::CACHES;
 use ferry_fuzz::{frame, init, kind_of, Input, Memory, Peer};
-use ferry_migration::encoded::{write_encoded, CodecSetup};
+use ferry_migration::fuzzing::{write_encoded, CodecSetup};
 use ferry_migration::protocol::{self, Kind};
 use ferry_migration::sink::DirectSink;
 use ferry_migration::GpaPages;

@@ -12,16 +12,16 @@
 #![no_main]
 
 use ferry_fuzz::{init, kind_of, postcard_round_trip, Memory};
-use ferry_migration::encoded::{CodecSetup, MAX_CACHE_BYTES, MAX_SHARDS};
+use ferry_migration::fuzzing::{CodecSetup, MAX_CACHE_BYTES, MAX_SHARDS};
 use ferry_migration::memserver::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 use ferry_migration::protocol::{
     self, Frame, Hello, Kind, Layout, PostcopyPlan, PostcopyResume, RoundDone,
 };
 use ferry_migration::split::{ChunkMap, GatherPlan, SplitPlan};
-use ferry_migration::{FaultReport, StartedReport};
 use ferry_migration::telemetry::{unpack_lines, MAX_TIMELINE_BYTES};
-use ferry_migration::{ClientsAnswer, ClientsPlan};
 use ferry_migration::GpaPages;
+use ferry_migration::{ClientsAnswer, ClientsPlan};
+use ferry_migration::{FaultReport, StartedReport};
 use ferry_vmm::devices::service::ServiceDevice;
 use ferry_vmm::vstate::persist;
 use ferry_vmm::VmState;
@@ -80,6 +80,9 @@ fuzz_target!(|data: &[u8]| {
             let _ = decode::<bool>(&f);
         }
         Kind::AnswersAsk => drop(decode::<Option<[u8; 16]>>(&f)),
+        // The claim's bytes are the VMM's to judge (ferry_vmm::owner); the
+        // destination checks their size before anything reads them.
+        Kind::Owner => drop(decode::<Option<Vec<u8>>>(&f)),
         Kind::SharedOffer => drop(decode::<ferry_migration::protocol::SharedOffer>(&f)),
         Kind::SharedMissed => drop(decode::<Vec<ferry_migration::GpaPages>>(&f)),
         Kind::VerifyDigests => {

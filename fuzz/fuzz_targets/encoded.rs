@@ -12,7 +12,7 @@
 use ferry_codec::{EncodedBatch, StreamDecoder};
 use ferry_fuzz::codec::CACHES;
 use ferry_fuzz::{init, Input, Memory};
-use ferry_migration::encoded::{parse_encoded, write_encoded};
+use ferry_migration::fuzzing::{parse_encoded, write_encoded};
 use ferry_migration::protocol::{self, Kind};
 use ferry_migration::sink::DirectSink;
 use libfuzzer_sys::fuzz_target;

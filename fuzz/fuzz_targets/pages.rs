@@ -26,7 +26,7 @@
 use std::sync::OnceLock;
 
 use ferry_fuzz::{init, Memory, Peer};
-use ferry_migration::shared::SiblingIndex;
+use ferry_migration::fuzzing::SiblingIndex;
 use ferry_migration::protocol::{self, Header, Kind};
 use ferry_migration::sink::DirectSink;
 use ferry_migration::GpaPages;
@@ -54,8 +54,8 @@ fn pages(memory: &Memory, check: Check, body: &[u8]) {
     let regions = memory.views();
     let sink = DirectSink::new(memory);
     let crc = match check {
-        Check::Honest => ferry_migration::checksum::crc32c(body),
-        Check::Wrong => ferry_migration::checksum::crc32c(body) ^ 1,
+        Check::Honest => ferry_migration::fuzzing::crc32c(body),
+        Check::Wrong => ferry_migration::fuzzing::crc32c(body) ^ 1,
         Check::Sealed => 0,
     };
     let h = Header {
@@ -66,7 +66,7 @@ fn pages(memory: &Memory, check: Check, body: &[u8]) {
     };
     let (mut conn, peer) = Peer::connect(body.to_vec());
     let (mut scratch, mut buf) = (Vec::new(), Vec::new());
-    let landed = ferry_migration::pagein::read_pages(
+    let landed = ferry_migration::fuzzing::read_pages(
         conn.reader(),
         &h,
         &regions,
@@ -83,7 +83,10 @@ fn pages(memory: &Memory, check: Check, body: &[u8]) {
     match landed {
         Ok(n) => {
             let (gpas, data) = decoded.expect("read_pages took a body decode_pages refuses");
-            assert!(check == Check::Honest, "pages landed under a wrong or no checksum");
+            assert!(
+                check == Check::Honest,
+                "pages landed under a wrong or no checksum"
+            );
             assert_eq!(n as usize, gpas.len());
             // The last copy of a page repeated in the frame wins.
             for (i, &g) in gpas.iter().enumerate().rev() {
@@ -211,20 +214,41 @@ fn shared_pages(memory: &Memory, body: &[u8]) {
     match result {
         Ok((landed, missed)) => {
             let refs = refs.expect("landed a body that does not decode");
-            assert!(refs.len() <= protocol::MAX_BATCH, "an over-long frame landed");
-            assert!(refs.iter().all(|r| in_memory(r.gpa)), "a page outside memory landed");
+            assert!(
+                refs.len() <= protocol::MAX_BATCH,
+                "an over-long frame landed"
+            );
+            assert!(
+                refs.iter().all(|r| in_memory(r.gpa)),
+                "a page outside memory landed"
+            );
             let resolves = |r: &Ref| theirs.iter().find(|t| t.0 == r.key && t.1 == r.id);
-            assert_eq!(landed as usize, refs.iter().filter(|r| resolves(r).is_some()).count());
+            assert_eq!(
+                landed as usize,
+                refs.iter().filter(|r| resolves(r).is_some()).count()
+            );
             let missed_pages: u64 = missed.iter().map(|r| r.pages).sum();
-            let mut want_missed: Vec<u64> =
-                refs.iter().filter(|r| resolves(r).is_none()).map(|r| r.gpa).collect();
+            let mut want_missed: Vec<u64> = refs
+                .iter()
+                .filter(|r| resolves(r).is_none())
+                .map(|r| r.gpa)
+                .collect();
             want_missed.sort_unstable();
             want_missed.dedup();
-            assert_eq!(missed_pages as usize, want_missed.len(), "missed pages miscounted");
+            assert_eq!(
+                missed_pages as usize,
+                want_missed.len(),
+                "missed pages miscounted"
+            );
             for (k, g) in memory.page_addrs().iter().enumerate() {
                 let page = &after[k * 4096..][..4096];
                 // The last reference to a page that resolves wins.
-                match refs.iter().rev().filter(|r| r.gpa == *g).find_map(|r| resolves(r)) {
+                match refs
+                    .iter()
+                    .rev()
+                    .filter(|r| r.gpa == *g)
+                    .find_map(|r| resolves(r))
+                {
                     Some(t) => assert!(page == &t.2[..], "page {g:#x} is not the page named"),
                     None => assert!(page == &before[k * 4096..][..4096], "page {g:#x} changed"),
                 }

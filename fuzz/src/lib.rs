@@ -42,7 +42,7 @@ pub fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
 
 /// The message kinds in wire order (1..=49), for a byte that picks one.
 pub fn kind_of(b: u8) -> Kind {
-    const KINDS: [Kind; 51] = [
+    const KINDS: [Kind; 52] = [
         Kind::Hello,
         Kind::HelloAck,
         Kind::Layout,
@@ -94,6 +94,7 @@ pub fn kind_of(b: u8) -> Kind {
         Kind::StandbyTakeOver,
         Kind::DropAhead,
         Kind::DroppedAhead,
+        Kind::Owner,
     ];
     KINDS[usize::from(b) % KINDS.len()]
 }

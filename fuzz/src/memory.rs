@@ -3,8 +3,8 @@
 //! ([`DirectSink`](ferry_migration::sink::DirectSink)) and are read back
 //! with the engine's own bounds-checked copies.
 
-use ferry_migration::memory::RegionView;
 use ferry_migration::sink::PageStore;
+use ferry_migration::RegionView;
 use ferry_migration::{GpaPages, VmOpError};
 
 /// The layout most targets use: 16 pages at 0, 8 pages at 1 MiB, and 4

@@ -5,7 +5,7 @@
 //! committed, and regenerated when a message changes.
 
 use ferry_codec::{EncodedBatch, Method, StreamEncoder};
-use ferry_migration::encoded::{write_encoded, CodecSetup};
+use ferry_migration::fuzzing::{write_encoded, CodecSetup};
 use ferry_migration::protocol::{self, Hello, Kind, Layout, Role, VERSION_MAX, VERSION_STORE};
 use ferry_migration::GpaPages;
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use ferry_migration::standby::Standby;
+use ferry_migration::Standby;
 use ferry_migration::{Endpoint, Listener};
 use serde_json::json;
 

@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_main, Criterion, Throughput};
-use ferry_migration::checksum::{combine, crc32c};
+use ferry_migration::fuzzing::{combine, crc32c};
 
 fn checksum(c: &mut Criterion) {
     let page: Vec<u8> = (0u32..4096)

@@ -18,6 +18,12 @@ use crate::receiver::Received;
 use crate::sink::PageSink;
 use crate::transport::{Conn, ConnReader};
 
+pub use crate::checksum::{combine, crc32c};
+pub use crate::encoded::{parse_encoded, write_encoded, CodecSetup, MAX_CACHE_BYTES, MAX_SHARDS};
+pub use crate::pagein::read_pages;
+pub use crate::ranges::total_pages;
+pub use crate::shared::SiblingIndex;
+
 /// Pages a destination's bulk stream landed: (pages, zero pages).
 pub type Landed = (u64, u64);
 

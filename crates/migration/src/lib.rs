@@ -25,22 +25,22 @@
 //!   [`ranges`]; the VMM's side: [`vm`].
 
 pub(crate) mod batch;
-pub mod checksum;
+pub(crate) mod checksum;
 pub(crate) mod compress;
 pub(crate) mod destination;
 pub(crate) mod dirty;
-pub mod encoded;
+pub(crate) mod encoded;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub(crate) mod governor;
 pub(crate) mod hybrid;
-pub mod memory;
+pub(crate) mod memory;
 pub mod memserver;
 pub(crate) mod mode;
 pub mod options;
 pub(crate) mod pacer;
-pub mod pagein;
+pub(crate) mod pagein;
 pub(crate) mod pager;
 pub(crate) mod paused;
 pub(crate) mod postcopy;
@@ -48,15 +48,15 @@ pub(crate) mod precopy;
 pub mod priority;
 pub mod protocol;
 pub(crate) mod random;
-pub mod ranges;
+pub(crate) mod ranges;
 pub(crate) mod receiver;
 pub(crate) mod sender;
 pub(crate) mod session;
-pub mod shared;
+pub(crate) mod shared;
 pub mod sink;
 pub(crate) mod source;
 pub mod split;
-pub mod standby;
+pub(crate) mod standby;
 pub(crate) mod stats;
 pub mod telemetry;
 pub mod transport;
@@ -68,7 +68,7 @@ mod vm_error;
 pub use compress::{Backend, BatchEncoder};
 pub use destination::{receive, receive_with_reconnect};
 pub use error::{MigrationError, VmOpError};
-pub use memory::RegionView;
+pub use memory::{compare_page_hashes, memory_hashes, HashMismatch, RegionView};
 pub use options::{
     BackendKind, Compress, CompressOptions, MigrateOptions, MigrationToken, Mode, PostcopyAfter,
     Rank, SplitOptions,
@@ -77,6 +77,7 @@ pub use paused::{Outcome, PausedPostcopy};
 pub use protocol::ProtocolError;
 pub use ranges::{GpaBytes, GpaPages, OffsetBytes};
 pub use source::{migrate, resume};
+pub use standby::Standby;
 pub use stats::{
     ClientsOutcome, CompressionStats, DestinationStats, DowntimeParts, FaultBin, FaultReport,
     GatherStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,

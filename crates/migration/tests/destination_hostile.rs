@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::fake_vm::FakeVm;
 use ferry_migration::protocol::{self, Hello, Kind, PostcopyPlan, Role};
-use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
+use ferry_migration::GpaPages;
 use ferry_migration::{Endpoint, Listener, MigrateOptions};
 
 const PAGE: u64 = 4096;

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use ferry_migration::memserver::{StoreClient, StoreOpen, StoreSecret};
 use ferry_migration::protocol::{self, Hello, Kind, Role};
-use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
+use ferry_migration::GpaPages;
 
 const PAGE: usize = 4096;
 const T: Duration = Duration::from_secs(5);

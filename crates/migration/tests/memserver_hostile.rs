@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use common::store_peer::*;
 use ferry_migration::memserver::{Limits, StoreAck, StoreClient, StoreFetch, StoreHeld, StoreOpen};
 use ferry_migration::protocol::{self, Hello, Kind, Role};
-use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
+use ferry_migration::GpaPages;
 
 #[test]
 fn a_fetch_of_2_40_pages_is_refused_before_anything_is_allocated() {
@@ -306,5 +306,5 @@ fn a_lying_memory_server_cannot_make_its_client_list_without_end() {
     let (_srv, at, _) = server(1024, Limits::default());
     let mut owner = owner_puts(&at);
     let runs = owner.list().unwrap();
-    assert_eq!(ferry_migration::ranges::total_pages(&runs), 60);
+    assert_eq!(ferry_migration::fuzzing::total_pages(&runs), 60);
 }

@@ -250,7 +250,7 @@ fn a_corrupt_frame_never_lands_in_registered_memory() {
         let (mut r, _) = conn.into_parts();
         let h = ferry_migration::protocol::read_header(&mut r).unwrap();
         let (mut s1, mut s2) = (Vec::new(), Vec::new());
-        ferry_migration::pagein::read_pages(&mut r, &h, &[view], &sink, &mut s1, &mut s2)
+        ferry_migration::fuzzing::read_pages(&mut r, &h, &[view], &sink, &mut s1, &mut s2)
     };
     let mut bad = frame.clone();
     *bad.last_mut().unwrap() ^= 1;

@@ -1,7 +1,7 @@
 //! One real value of every control and memory-server message, encoded as
 //! ferry encodes it: the seeds of the targets that read control frames.
 
-use ferry_migration::encoded::CodecSetup;
+use ferry_migration::fuzzing::CodecSetup;
 use ferry_migration::memserver::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 use ferry_migration::protocol::{Kind, PostcopyPlan, PostcopyResume, Role, RoundDone, VERSION_MAX};
 use ferry_migration::split::{GatherPlan, SplitPlan};
@@ -85,6 +85,12 @@ pub(super) fn messages() -> Vec<(Kind, Vec<u8>)> {
         (Kind::SharedMissed, enc(&runs)),
         (Kind::AnswersAsk, enc(&Some([7u8; 16]))),
         (Kind::AnswersHeld, enc(&true)),
+        (
+            Kind::Owner,
+            enc(&Some(
+                br#"{"vm":"web","epoch":3,"holder":{"host":"h1","pid":7,"id":9}}"#.to_vec(),
+            )),
+        ),
         (
             Kind::Timeline,
             ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),

@@ -216,7 +216,8 @@ mod tests {
         assert!(!at(VERSION_TRUST - 1).trust() && at(VERSION_TRUST).trust());
         assert!(!at(VERSION_EARLY_STATE - 1).early_state());
         assert!(at(VERSION_EARLY_STATE).early_state());
-        assert!(!at(VERSION_MAX - 1).drop_ahead() && at(VERSION_MAX).drop_ahead());
+        assert!(!at(VERSION_DROP_AHEAD - 1).drop_ahead() && at(VERSION_DROP_AHEAD).drop_ahead());
+        assert!(!at(VERSION_MAX - 1).owner() && at(VERSION_MAX).owner());
         // The newest version has every capability, the oldest none.
         let all = |c: Caps| {
             [
@@ -236,6 +237,7 @@ mod tests {
                 c.early_state(),
                 c.answers_follow(),
                 c.drop_ahead(),
+                c.owner(),
             ]
         };
         assert!(all(at(VERSION_MAX)).iter().all(|x| *x));
@@ -284,6 +286,7 @@ mod tests {
             VERSION_EARLY_STATE,
             VERSION_ANSWERS_FOLLOW,
             VERSION_DROP_AHEAD,
+            VERSION_OWNER,
         ];
         assert!(features.windows(2).all(|w| w[0] < w[1]), "{features:?}");
         assert!(features

@@ -112,4 +112,6 @@ pub fn send_opening_hashing(
     c.send(Kind::ShareAsk, &false).unwrap();
     // No clients stay behind with requests in flight: nothing to hold.
     c.send(Kind::AnswersAsk, &None::<[u8; 16]>).unwrap();
+    // An unfenced VM: no ownership claim (v18).
+    c.send(Kind::Owner, &None::<Vec<u8>>).unwrap();
 }

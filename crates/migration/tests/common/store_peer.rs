@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use ferry_migration::memserver::{MemServer, StoreAck, StoreClient, StoreOpen, StoreSecret};
 use ferry_migration::protocol::{self, Hello, Kind, Role};
-use ferry_migration::ranges::GpaPages;
 use ferry_migration::transport::Conn;
+use ferry_migration::GpaPages;
 use ferry_migration::{Endpoint, Listener};
 
 pub const PAGE: usize = 4096;

@@ -345,9 +345,9 @@ fn restore(
 /// `--verify`: this process's view of guest memory against the old one's.
 fn compare(vm: &Vm, theirs: &[u64]) -> Result<(), HandoverError> {
     let regions = crate::migration::views(vm);
-    ferry_migration::memory::compare_page_hashes(
+    ferry_migration::compare_page_hashes(
         &regions,
-        &ferry_migration::memory::memory_hashes(&regions, |i| crate::migration::data_ranges(vm, i)),
+        &ferry_migration::memory_hashes(&regions, |i| crate::migration::data_ranges(vm, i)),
         theirs.iter().copied(),
     )
     .map(|_| ())

@@ -186,7 +186,7 @@ pub struct HandoverStats {
 
 /// Per-page hashes of the VM's guest memory as this process maps it.
 fn memory_hashes(vm: &crate::vm::Vm) -> Vec<u64> {
-    ferry_migration::memory::memory_hashes(&crate::migration::views(vm), |i| {
+    ferry_migration::memory_hashes(&crate::migration::views(vm), |i| {
         crate::migration::data_ranges(vm, i)
     })
 }

@@ -87,7 +87,7 @@ fn a_tls_record_where_a_frame_starts_says_the_peer_speaks_tls() {
 
 #[test]
 fn an_unknown_kind_is_refused() {
-    for raw in [0u16, 52, 99, u16::MAX] {
+    for raw in [0u16, 53, 99, u16::MAX] {
         let mut wire = frame(Kind::Hello, b"hi");
         wire[4..6].copy_from_slice(&raw.to_le_bytes());
         assert!(
