@@ -23,11 +23,33 @@ pub fn in_host(host: &str, args: &[&str]) -> Command {
 /// binaries one after another).
 pub struct Lab {
     _serial: std::sync::MutexGuard<'static, ()>,
+    /// The lab's lock, held for the test: `bench/chaos.py` and other lab
+    /// users on this machine take it too (closing the file releases it).
+    _lock: std::fs::File,
 }
 impl Drop for Lab {
     fn drop(&mut self) {
         let _ = Command::new(ferry()).args(["lab", "down"]).output();
     }
+}
+
+/// Where every user of the lab's namespaces takes turns (flock).
+pub const LAB_LOCK: &str = "/tmp/ferry-lab.lock";
+
+/// Waits for the lab's lock and holds it while the file lives.
+fn lab_lock() -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(LAB_LOCK)
+        .unwrap();
+    // SAFETY: flock on an fd this function owns; it blocks until the lock
+    // is free and has no memory effects.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(r, 0, "flock {LAB_LOCK}: {}", std::io::Error::last_os_error());
+    f
 }
 
 /// Brings up three lab hosts, or says why it cannot and returns None.
@@ -39,6 +61,7 @@ pub fn lab_up() -> Option<Lab> {
 pub fn lab_up_n(n: u32) -> Option<Lab> {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lock = lab_lock();
     let up = Command::new(ferry())
         .args(["lab", "up", &n.to_string()])
         .output()
@@ -50,7 +73,10 @@ pub fn lab_up_n(n: u32) -> Option<Lab> {
         );
         return None;
     }
-    Some(Lab { _serial: guard })
+    Some(Lab {
+        _serial: guard,
+        _lock: lock,
+    })
 }
 
 /// A real etcd on lab host ferry-h3 (10.77.0.3:2379) over mutual TLS: its
