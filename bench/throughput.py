@@ -102,7 +102,7 @@ def migrate_once(ferry, mem, mib, prealloc, tmp, streams=1, env=None, flags=()):
     threading.Thread(target=dst.stderr.read, daemon=True).start()
     time.sleep(1.5 + mib / 150)  # fill writes ~150 MiB/s at worst
     streams = ["--streams", str(streams)] if streams else []
-    out = subprocess.run([ferry, *flags, "migrate", src_sock, "--to", f"tcp:127.0.0.1:{port}", *streams,
+    out = subprocess.run([ferry, "migrate", src_sock, "--to", f"tcp:127.0.0.1:{port}", *streams,
                           "--json"], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         benchlib.reap(src, dst)

@@ -112,7 +112,7 @@ def migrate_once(ferry, env, security, mem, workload, settle, extra=(), full=Fal
                 break
             time.sleep(0.2)
         time.sleep(settle)
-        out = subprocess.run([ferry, *flags, "migrate", src, "--to", f"tcp:127.0.0.1:{port}",
+        out = subprocess.run([ferry, "migrate", src, "--to", f"tcp:127.0.0.1:{port}",
                               "--json", "--no-timeline", *extra],
                              env=env, capture_output=True, text=True, timeout=300)
         if out.returncode != 0:

@@ -157,6 +157,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // The flag, not FERRY_INSECURE=1 (an environment's setting for every
+    // command it runs).
+    if cli.insecure && std::env::var_os("FERRY_INSECURE").is_none() {
+        if let Some((name, why)) = tls_dir_unused(&cli.command) {
+            eprintln!("ferry: error: {}", security::insecure_refusal(name, why));
+            return ExitCode::from(2);
+        }
+    }
     security::install(cli.tls_dir, cli.insecure);
     let result = match cli.command {
         Command::Pki(cmd) => pki::pki(cmd),

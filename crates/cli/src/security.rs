@@ -95,6 +95,21 @@ pub enum NoLink<'a> {
 /// nothing must not look as if it did): why, with what the VMM speaks
 /// instead (its status says), and what to do.
 pub fn tls_dir_refusal(name: &str, why: NoLink) -> String {
+    refusal(
+        "--tls-dir",
+        &format!("--tls-dir (or {TLS_DIR_ENV})"),
+        name,
+        why,
+    )
+}
+
+/// The same for `--insecure` given on the command line (FERRY_INSECURE=1
+/// in the environment is for every command, and not refused).
+pub fn insecure_refusal(name: &str, why: NoLink) -> String {
+    refusal("--insecure", "--insecure", name, why)
+}
+
+fn refusal(flag: &str, give: &str, name: &str, why: NoLink) -> String {
     match why {
         NoLink::Vmm(socket) => {
             let started = match vmm_links(socket) {
@@ -102,14 +117,14 @@ pub fn tls_dir_refusal(name: &str, why: NoLink) -> String {
                 Err(e) => format!("which ones it could not be asked: {e:#}"),
             };
             format!(
-                "--tls-dir has no effect on `ferry {name}`: the VMM at {} connects with its own \
-                 credentials ({started}); give --tls-dir (or {TLS_DIR_ENV}) to the `ferry run` \
-                 that starts a VMM, and drop it here",
+                "{flag} has no effect on `ferry {name}`: the VMM at {} connects with its own \
+                 credentials ({started}); give {give} to the `ferry run` that starts a VMM, and \
+                 drop it here",
                 socket.display()
             )
         }
         NoLink::Plain(what) => {
-            format!("--tls-dir has no effect on `ferry {name}`: {what}; drop it")
+            format!("{flag} has no effect on `ferry {name}`: {what}; drop it")
         }
     }
 }

@@ -161,6 +161,15 @@ fn tls_dir_on_a_command_that_opens_no_link_is_refused_with_the_reason() {
             vec!["--tls-dir", d, "load", "--target", "127.0.0.1:1"],
             "service device in plaintext",
         ),
+        // --insecure likewise: the VMM's links are as it was started.
+        (
+            vec!["--insecure", "migrate", none, "--to", "tcp:127.0.0.1:1"],
+            "--insecure has no effect on `ferry migrate`: the VMM at",
+        ),
+        (
+            vec!["migrate", none, "--to", "tcp:127.0.0.1:1", "--insecure"],
+            "give --insecure to the `ferry run` that starts a VMM",
+        ),
     ] {
         let (o, _) = ferry(&args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));

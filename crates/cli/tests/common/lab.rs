@@ -48,7 +48,12 @@ fn lab_lock() -> std::fs::File {
     // SAFETY: flock on an fd this function owns; it blocks until the lock
     // is free and has no memory effects.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-    assert_eq!(r, 0, "flock {LAB_LOCK}: {}", std::io::Error::last_os_error());
+    assert_eq!(
+        r,
+        0,
+        "flock {LAB_LOCK}: {}",
+        std::io::Error::last_os_error()
+    );
     f
 }
 
