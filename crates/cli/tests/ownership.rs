@@ -41,15 +41,7 @@ fn log(dir: &Path, name: &str) -> String {
 
 /// `ferry status --json --metrics`, once it answers.
 fn status(sock: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let o = ferry(&["status", sock, "--json", "--metrics"]);
-        if o.status.success() {
-            return serde_json::from_slice(&o.stdout).unwrap();
-        }
-        assert!(Instant::now() < deadline, "no VM answered on {sock}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_status(sock)
 }
 
 fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
@@ -93,6 +85,39 @@ fn setup(name: &str) -> Option<(PathBuf, Scratch, std::sync::MutexGuard<'static,
 
 const WORK: &str = "dirty:rate=8,wss=16";
 
+/// A fresh VM named `vm`, fenced through `reg`.
+fn fenced_vm(dir: &Path, vm: &str, reg: &Path, env: &[(&str, &str)]) -> (Reaper, String) {
+    let r = registry(reg);
+    vmm(
+        dir,
+        "src",
+        &["--workload", WORK, "--vm-name", vm, "--registry", &r],
+        env,
+    )
+}
+
+/// A fenced destination `name` waiting on a Unix socket of its own,
+/// through `reg`, once it listens: the process and where to migrate to.
+fn fenced_destination(
+    dir: &Path,
+    name: &str,
+    reg: &Path,
+    env: &[(&str, &str)],
+) -> (Reaper, String) {
+    let inc = dir.join(format!("{name}.in")).display().to_string();
+    let to = format!("unix:{inc}");
+    let (p, _) = vmm(
+        dir,
+        name,
+        &["--incoming", &to, "--fenced", "--registry", &registry(reg)],
+        env,
+    );
+    wait_for("the destination listens", Duration::from_secs(10), || {
+        Path::new(&inc).exists()
+    });
+    (p, to)
+}
+
 #[test]
 fn a_fenced_vm_moves_and_a_second_copy_is_refused() {
     let Some((dir, _s, _g)) = setup("ferry-own-move") else {
@@ -100,12 +125,7 @@ fn a_fenced_vm_moves_and_a_second_copy_is_refused() {
     };
     let reg = dir.join("reg");
     let r = registry(&reg);
-    let (_src, src) = vmm(
-        &dir,
-        "src",
-        &["--workload", WORK, "--vm-name", "web", "--registry", &r],
-        &[],
-    );
+    let (_src, src) = fenced_vm(&dir, "web", &reg, &[]);
     assert!(runs(&src), "{}", log(&dir, "src"));
     let rec = record(&reg, "web");
     assert_eq!(rec["epoch"], 1);
@@ -144,31 +164,9 @@ fn a_fenced_vm_moves_and_a_second_copy_is_refused() {
     assert!(!o.status.success() && err.contains("fenced"), "{err}");
     assert!(runs(&src), "the source runs on after the refusal");
     // A fenced destination takes it from the source's claim.
-    let fenced_in = dir.join("dst.in").display().to_string();
-    let (_dst, dst) = vmm(
-        &dir,
-        "dst",
-        &[
-            "--incoming",
-            &format!("unix:{fenced_in}"),
-            "--fenced",
-            "--registry",
-            &r,
-        ],
-        &[],
-    );
-    wait_for(
-        "the fenced destination listens",
-        Duration::from_secs(10),
-        || Path::new(&fenced_in).exists(),
-    );
-    let o = ferry(&[
-        "migrate",
-        &src,
-        "--to",
-        &format!("unix:{fenced_in}"),
-        "--verify",
-    ]);
+    let (_dst, to) = fenced_destination(&dir, "dst", &reg, &[]);
+    let dst = dir.join("dst.sock").display().to_string();
+    let o = ferry(&["migrate", &src, "--to", &to, "--verify"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(runs(&dst), "{}", log(&dir, "dst"));
     let rec = record(&reg, "web");
@@ -186,7 +184,8 @@ fn a_fenced_vm_moves_and_a_second_copy_is_refused() {
         (rec["epoch"].clone(), rec["holder"]["pid"].clone()),
         (3.into(), st["pid"].clone())
     );
-    assert!(runs(&dst));
+    assert!(runs(&dst)); // The new process is no child of this test: ended through its socket.
+    let _ = ferry(&["ctl", &dst, "quit"]);
 }
 
 #[test]
@@ -195,62 +194,19 @@ fn a_destination_that_cannot_take_the_vm_gives_it_back() {
         return;
     };
     let (reg, other) = (dir.join("reg"), dir.join("other-reg"));
-    let (_src, src) = vmm(
-        &dir,
-        "src",
-        &[
-            "--workload",
-            WORK,
-            "--vm-name",
-            "db",
-            "--registry",
-            &registry(&reg),
-        ],
-        &[],
-    );
+    let (_src, src) = fenced_vm(&dir, "db", &reg, &[]);
     assert!(runs(&src));
     // A destination fenced through another registry finds no claim to
     // take: it refuses at the opening, before anything moves.
-    let inc = dir.join("other.in").display().to_string();
-    let (_other, _) = vmm(
-        &dir,
-        "other",
-        &[
-            "--incoming",
-            &format!("unix:{inc}"),
-            "--fenced",
-            "--registry",
-            &registry(&other),
-        ],
-        &[],
-    );
-    wait_for("the destination listens", Duration::from_secs(10), || {
-        Path::new(&inc).exists()
-    });
-    let o = ferry(&["migrate", &src, "--to", &format!("unix:{inc}")]);
+    let (_other, to) = fenced_destination(&dir, "other", &other, &[]);
+    let o = ferry(&["migrate", &src, "--to", &to]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("no record"), "{err}");
     assert!(runs(&src), "it never left: {}", log(&dir, "src"));
     assert_eq!(status(&src)["owner"]["epoch"], 1);
     // A destination killed after Complete, before it took the VM: the
     // source's take-back wins, and it runs here again.
-    let inc = dir.join("dst.in").display().to_string();
-    let (mut dst, _) = vmm(
-        &dir,
-        "dst",
-        &[
-            "--incoming",
-            &format!("unix:{inc}"),
-            "--fenced",
-            "--registry",
-            &registry(&reg),
-        ],
-        &[("FERRY_OWNER_STALL", "before")],
-    );
-    wait_for("the destination listens", Duration::from_secs(10), || {
-        Path::new(&inc).exists()
-    });
-    let to = format!("unix:{inc}");
+    let (mut dst, to) = fenced_destination(&dir, "dst", &reg, &[("FERRY_OWNER_STALL", "before")]);
     let src2 = src.clone();
     let mig = std::thread::spawn(move || ferry(&["migrate", &src2, "--to", &to]));
     wait_for(
@@ -280,31 +236,9 @@ fn a_destination_killed_after_taking_the_vm_is_not_run_over_and_the_loss_is_said
         return;
     };
     let reg = dir.join("reg");
-    let r = registry(&reg);
-    let (_src, src) = vmm(
-        &dir,
-        "src",
-        &["--workload", WORK, "--vm-name", "app", "--registry", &r],
-        &[],
-    );
+    let (_src, src) = fenced_vm(&dir, "app", &reg, &[]);
     assert!(runs(&src));
-    let inc = dir.join("dst.in").display().to_string();
-    let (mut dst, _) = vmm(
-        &dir,
-        "dst",
-        &[
-            "--incoming",
-            &format!("unix:{inc}"),
-            "--fenced",
-            "--registry",
-            &r,
-        ],
-        &[("FERRY_OWNER_STALL", "taken")],
-    );
-    wait_for("the destination listens", Duration::from_secs(10), || {
-        Path::new(&inc).exists()
-    });
-    let to = format!("unix:{inc}");
+    let (mut dst, to) = fenced_destination(&dir, "dst", &reg, &[("FERRY_OWNER_STALL", "taken")]);
     let src2 = src.clone();
     let mig = std::thread::spawn(move || ferry(&["migrate", &src2, "--to", &to]));
     wait_for(
@@ -343,19 +277,7 @@ fn a_copy_whose_claim_is_taken_stops() {
         return;
     };
     let reg = dir.join("reg");
-    let (_src, src) = vmm(
-        &dir,
-        "src",
-        &[
-            "--workload",
-            WORK,
-            "--vm-name",
-            "cache",
-            "--registry",
-            &registry(&reg),
-        ],
-        &[],
-    );
+    let (_src, src) = fenced_vm(&dir, "cache", &reg, &[]);
     assert!(runs(&src));
     // Another process takes the VM behind this one's back (the record
     // rewritten whole, as a stray holder would).
@@ -390,19 +312,7 @@ fn a_handover_whose_new_vmm_dies_before_taking_the_vm_leaves_it_running_here() {
     let reg = dir.join("reg");
     // Its new VMMs stall at Go, before they take the VM (the hook is in
     // the old VMM's environment, which the new one inherits).
-    let (_src, src) = vmm(
-        &dir,
-        "src",
-        &[
-            "--workload",
-            WORK,
-            "--vm-name",
-            "web",
-            "--registry",
-            &registry(&reg),
-        ],
-        &[("FERRY_OWNER_STALL", "before")],
-    );
+    let (_src, src) = fenced_vm(&dir, "web", &reg, &[("FERRY_OWNER_STALL", "before")]);
     assert!(runs(&src));
     let pid = status(&src)["pid"].clone();
     // The new VMM stalls at Go, before it takes the VM: killed there.

@@ -80,9 +80,11 @@ impl Peer {
         self.child.id()
     }
 
-    /// How the process ended, if it did (waiting a moment for it).
+    /// How the process ended, if it did (waiting up to a second for it: its
+    /// socket closes as it exits, and on a busy host the exit itself can
+    /// take a few hundred ms more to be seen).
     fn exit_note(&mut self) -> String {
-        for _ in 0..20 {
+        for _ in 0..100 {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return format!(" (it exited: {status})");
             }
@@ -247,18 +249,7 @@ pub fn hand_over(
     });
     if let Err(e) = sent {
         peer.abandon(&e);
-        if let Some(s) = service {
-            s.thaw();
-        }
-        // Resumes only if this process paused it (pause may have failed and
-        // resumed it already); the service device is released either way.
-        let _ = vm.resume();
-        if let Some(s) = service {
-            s.release();
-        }
-        if let Some(c) = &plan.control {
-            c.accept_again();
-        }
+        give_back_here(vm, plan);
         return Err(e);
     }
 
@@ -338,6 +329,8 @@ fn give_back_here(vm: &Vm, plan: &HandoverPlan) {
     if let Some(s) = service {
         s.thaw();
     }
+    // Resumes only if this process paused it (pause may have failed and
+    // resumed it already); the service device is released either way.
     let _ = vm.resume();
     if let Some(s) = service {
         s.release();
