@@ -416,3 +416,34 @@ fn a_fenced_source_hands_over_at_started_and_needs_no_take_back_before_complete(
     assert!(fence.calls().is_empty());
     assert!(vm.runs());
 }
+
+/// Postcopy and hybrid after their switch: the destination runs the VM, so
+/// a failure then (a broken link, the destination gone) never asks for the
+/// VM back — it stays paused here with its memory, whatever the registry
+/// could say.
+#[test]
+fn a_fenced_source_after_a_postcopy_switch_never_takes_the_vm_back() {
+    let fence = Fence::new(TakeBackAnswer::Back("would be wrong".into()));
+    let vm = Vm {
+        fence: Some(fence.clone()),
+        ..Vm::new()
+    };
+    let (to, opts) = (to(), MigrateOptions::default());
+    {
+        let (mut s, mut peer) = session(&vm, &to, &opts);
+        s.pause().unwrap();
+        let dest = std::thread::spawn(move || {
+            peer.read_frame().unwrap(); // Complete
+            peer.send(Kind::Started, &StartedReport::default()).unwrap();
+            peer.flush().unwrap();
+            peer
+        });
+        s.complete(SourcePhase::Switched).unwrap();
+        let _peer = dest.join().unwrap();
+        let r = s.conclude(Err(MigrationError::Internal("the push failed".into())));
+        assert!(r.is_err());
+    }
+    assert_eq!(fence.calls(), ["completing", "handed"]);
+    assert!(!vm.runs());
+    assert_eq!(vm.resumed.load(Ordering::SeqCst), 0);
+}
