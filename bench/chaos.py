@@ -43,6 +43,19 @@ killed after the switch), violation (two copies ran at once, or run at the
 end), paused (no copy runs, one is paused past the bound), lost (no process
 of the VM left), error (the harness failed).
 
+Fencing (docs/safety.md): by default a direct operation's source runs with
+`--vm-name chaos-vm --registry dir:<the trial's registry>` and its
+destination with `--fenced --registry <the same>` (`--unfenced`: neither;
+agents fence their VMs themselves, under the fleet name). The audit reads
+each live VMM's `owner` (ferry status) and the registry's record
+(records/owners%2F<name>): a running copy that is not the record's holder
+is noted; a source paused beside the running destination that says
+owner.state = handed is fine; when no copy runs and the record names a
+dead holder, the trial is "unsurvivable" only for the cases the docs name
+(the destination or a handover's new VMM killed after it took the VM; the
+source killed while it held the only running copy), and "lost" otherwise.
+The witness stays the judge of two copies.
+
 Each trial's schedule comes from random.Random("SEED:K"): `--seed S --trial
 K` replays trial K (with the same --ops, --faults and --stop-max). Every trial takes the
 lab's lock (/tmp/ferry-lab.lock, flock) for itself, so other lab users get
@@ -53,7 +66,7 @@ taken as is); --append adds this run's trials to the file's.
 
 Usage: python3 bench/chaos.py [--trials 20] [--seed S] [--trial K]
        [--ops precopy,postcopy,...] [--faults kill,stop,...] [--smoke]
-       [--bound 60] [--stop-max 60] [--out chaos] [--append]
+       [--bound 60] [--stop-max 60] [--out chaos] [--append] [--unfenced]
 """
 import argparse
 import collections
@@ -108,6 +121,11 @@ GT_FIELD = 43  # /proc/PID/stat: guest_time
 OVERLAP_STEPS, OVERLAP_WINDOW = 3, 10
 NEAR_SWITCH_S = 0.05
 EXEC_SETTLE_S = 0.02
+# The registry name of a direct operation's VM (fenced: --vm-name / --fenced,
+# through the trial's own embedded registry); an agent's VM is fenced under
+# its fleet name (vmK).
+FENCE_NAME = "chaos-vm"
+HANDED_WAIT_S = 10  # how long the audit lets a source that sent Complete find out it handed the VM
 
 
 def log(*a):
@@ -497,8 +515,9 @@ def schedule_of(seed, k, ops, faults, stop_max):
 # ---------------------------------------------------------------- trials
 
 class Trial:
-    def __init__(self, ferry, seed, k, plan, bound, tmp):
+    def __init__(self, ferry, seed, k, plan, bound, tmp, fenced=True):
         self.ferry, self.seed, self.k, self.plan, self.bound = ferry, seed, k, plan, bound
+        self.fenced = fenced or plan["op"] in AGENT_OPS  # agents fence their VMs themselves
         self.dir = tempfile.mkdtemp(prefix=f"t{k}-", dir=tmp)
         self.vm = f"vm{k}"
         self.procs = {}
@@ -506,20 +525,26 @@ class Trial:
         self.notes = []
         self.src_sock = self.sock("src")
         self.registry = f"dir:{self.dir}/registry"
+        self.fence_name = self.vm if plan["op"] in AGENT_OPS else FENCE_NAME
 
     def sock(self, role):
         return os.path.join(self.dir, f"{self.vm}@{role}.sock")
 
     def spawn(self, role, host, *args, out=subprocess.DEVNULL):
         err = open(os.path.join(self.dir, f"{role}.log"), "w")
-        p = subprocess.Popen(in_host(host, self.ferry, *args), stdout=out, stderr=err, text=True,
-                             env={k: v for k, v in os.environ.items() if k not in ("FERRY_TLS_DIR", "FERRY_INSECURE")})
+        env = {k: v for k, v in os.environ.items() if k not in ("FERRY_TLS_DIR", "FERRY_INSECURE")}
+        env["FERRY_HOST"] = host  # the holder's host in the owner record
+        p = subprocess.Popen(in_host(host, self.ferry, *args), stdout=out, stderr=err, text=True, env=env)
         self.procs[role] = p
         return p
 
     def vmm(self, role, host, *extra):
         self.witness.role_for(self.sock(role), role)
         out = open(os.path.join(self.dir, f"{role}.out"), "w")
+        if self.fenced and role == "src":
+            extra += ("--vm-name", FENCE_NAME, "--registry", self.registry)
+        if self.fenced and role == "dst":
+            extra += ("--fenced", "--registry", self.registry)
         p = self.spawn(role, host, "run", "--mem", MEM, "--vcpus", "1", "--workload", WORKLOAD,
                        "--control", self.sock(role), "--quiet", "--json", *extra, out=out)
         self.witness.add(p.pid, self.vm, role, self.sock(role))
@@ -649,8 +674,12 @@ class Trial:
             report = None
         self.operator()
         result = self.audit(t_end, lambda: self.unsurvivable(faults))
+        if self.fenced:
+            result["ownership"] = self.ownership(result, t_end)
         self.witness.stop()
         result.update(self.classify(faults, result, report, cmd_rc))
+        self.judge_ownership(faults, result, result)
+        self.registry_says(result)
         if result["outcome"] == "one-copy" and result["running"] == ["dst"] and not result["verified"]:
             # The command's report is gone (killed) or the standby verified
             # (--net-finishes): the destination says what it verified.
@@ -666,6 +695,8 @@ class Trial:
                 result["why"] = why + "; the destination ran on, unverified, without the pages only the source held"
         elif result["verified"]:
             result["verified_by"] = "command"
+        if result.get("fence_notes"):
+            self.notes = self.notes + result["fence_notes"]
         result["fault_log"] = [{k: (round(v - t0, 3) if k == "t" else v) for k, v in e.items()}
                                for e in faults.log]
         result["cmd_rc"] = cmd_rc
@@ -718,12 +749,161 @@ class Trial:
             s = self.status(p["sock"], host="ferry-h2" if p["role"] == "dst" else "ferry-h1")
             if s and s.get("pid") == p["pid"]:
                 states[p["role"]] = str(s.get("state")) + (" (postcopy paused)" if s.get("postcopy_paused") else "")
+                o = s.get("owner")
+                if isinstance(o, dict):
+                    states[p["role"]] += (f" (owner {o.get('state')}, epoch {o.get('epoch')}"
+                                          + (f", holder {o.get('holder')}" if o.get("holder") else "")
+                                          + (", holder lapsed" if o.get("holder_lapsed") else "")
+                                          + (f", registry unreachable: {o.get('unreachable')}" if o.get("unreachable") else "")
+                                          + ")")
             else:
                 states[p["role"]] = "no answer" + (f" (pid {s.get('pid')} answers)" if s else "")
             if p["first_run"] is None:
                 states[p["role"]] += " (never ran)"
         return {"running": [p["role"] for p in running], "alive": states,
                 "audit_s": round(time.monotonic() - t_end, 2)}
+
+    def record(self, kind):
+        """The trial's registry record `kind/<the VM's name>` (owners: {vm,
+        epoch, holder: {host, pid, id}, since}; owners-alive: {id, renewed}),
+        read straight from the embedded registry's directory, or None."""
+        path = os.path.join(self.registry[len("dir:"):], "records", f"{kind}%2F{self.fence_name}")
+        try:
+            return json.loads(open(path).read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            return {"unreadable": repr(e)}
+
+    def owner_of(self, p):
+        """What the VMM `p` says of its VM's ownership (`ferry status`'s
+        owner), or None when another process answers on its socket."""
+        s = self.status(p["sock"], host="ferry-h2" if p["role"] == "dst" else "ferry-h1")
+        if not s:
+            return {"answer": "none"}
+        if s.get("pid") != p["pid"]:
+            return {"answer": f"pid {s.get('pid')} answers"}
+        return {"state": s.get("state"), "postcopy_paused": bool(s.get("postcopy_paused")), "owner": s.get("owner")}
+
+    def ownership(self, result, t_end):
+        """The audit's view of the fence: each live VMM's owner (status), the
+        registry's record and the holder's sign of life. A source that sent
+        Complete beside a running destination is given up to HANDED_WAIT_S
+        (within the bound) to learn from the registry that it handed the VM."""
+        def look():
+            owners = {}
+            for p in self.witness.of_vm(self.vm):
+                if p["gone"] is None:
+                    owners[f"{p['role']}:{p['pid']}"] = self.owner_of(p)
+            return owners, self.record("owners"), self.record("owners-alive")
+
+        def src_in_doubt(owners):
+            return any(k.startswith("src:") and ((o.get("owner") or {}).get("state") in ("in-doubt", "holding"))
+                       for k, o in owners.items())
+
+        t_look = time.monotonic()
+        owners, rec, alive = look()
+        deadline = min(t_look + HANDED_WAIT_S, t_end + self.bound)
+        moved = len(result["running"]) == 1 and result["running"][0] != "src"
+        while moved and src_in_doubt(owners) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            owners, rec, alive = look()
+        out = {"record": rec, "alive": alive, "owners": owners, "looked_s": round(time.monotonic() - t_end, 2)}
+        holder = (rec or {}).get("holder")
+        if holder:
+            pid = holder.get("pid")
+            procs = {p["pid"]: p for p in self.witness.of_vm(self.vm)}
+            out["holder_role"] = procs[pid]["role"] if pid in procs else "unknown"
+            g = guest_time(pid) if isinstance(pid, int) else None
+            out["holder_alive"] = g is not None and any(b"ferry" in a for a in cmdline(pid)[:1])
+        return out
+
+    def killed_pids(self, faults):
+        """pid -> the fault that ended it (a kill or its host's death)."""
+        out = {}
+        for e in faults.log:
+            if e.get("kind") in ("kill", "host"):
+                for pid in e.get("pids", []):
+                    out.setdefault(pid, e)
+        return out
+
+    def judge_ownership(self, faults, result, out):
+        """What the registry's record and each VMM's owner say, against the
+        witness's outcome `out` (modified in place). The witness stays the
+        judge of two copies; the registry explains who held the VM, and turns
+        "no copy runs" into "unsurvivable as documented" only where
+        docs/safety.md names the case."""
+        own = result.get("ownership")
+        if not own:
+            return
+        rec = own.get("record") or {}
+        holder = rec.get("holder") or {}
+        notes = out.setdefault("fence_notes", [])
+        if rec.get("unreadable"):
+            notes.append(f"registry record unreadable: {rec['unreadable']}")
+        owners = own.get("owners", {})
+        if out["outcome"] == "one-copy":
+            role = result["running"][0]
+            run = [p for p in self.witness.running(self.vm, 5.0) if p["role"] == role] or \
+                  [p for p in self.witness.of_vm(self.vm) if p["role"] == role and p["gone"] is None]
+            pid = run[0]["pid"] if run else None
+            if holder.get("pid") != pid:
+                notes.append(f"FENCE: the running copy ({role}, pid {pid}) is not the registry's holder "
+                             f"({holder or 'none'}, epoch {rec.get('epoch')})")
+            o = (owners.get(f"{role}:{pid}") or {}).get("owner") or {}
+            if o.get("state") not in (None, "holding"):
+                notes.append(f"FENCE: the running copy ({role}) says owner.state={o.get('state')}")
+            for k, v in owners.items():
+                if not k.startswith("src:") or role == "src":
+                    continue
+                st = (v.get("owner") or {}).get("state")
+                if st == "handed":
+                    out["src_handed"] = True  # paused beside the running destination, and says so: fine
+                elif v.get("answer"):
+                    notes.append(f"the source ({k}) is alive beside the running copy; its socket: {v['answer']}")
+                else:
+                    notes.append(f"the source ({k}) is alive beside the running copy, "
+                                 f"{v.get('state')}, owner.state={st} {own['looked_s']} s after the faults")
+            return
+        if out["outcome"] == "violation":
+            return
+        # No copy runs.
+        killed = self.killed_pids(faults)
+        hpid, hrole = holder.get("pid"), own.get("holder_role")
+        epoch = rec.get("epoch")
+        if not rec:
+            out["registry"] = "no owner record"
+            return
+        if not holder:
+            out["registry"] = f"released at epoch {epoch}: nobody holds the VM"
+            return
+        if own.get("holder_alive"):
+            out["registry"] = f"held by the {hrole} (pid {hpid}, epoch {epoch}), alive"
+            return
+        how = killed.get(hpid)
+        if how and hrole in ("dst", "new"):
+            out["outcome"] = "unsurvivable"
+            out["why"] = (f"docs/safety.md cannot-survive 1: the {'new VMM' if hrole == 'new' else 'destination'} "
+                          f"took the VM (the registry: pid {hpid} holds epoch {epoch}) and was killed "
+                          f"({how['kind']} {how['target']}): the VM's newest state died with it")
+        elif how and hrole == "src":
+            out["outcome"] = "unsurvivable"
+            n = 3 if how["kind"] == "host" else 2
+            out["why"] = (f"docs/safety.md cannot-survive {n}: the source held the VM's only running copy "
+                          f"(the registry: pid {hpid}, epoch {epoch}) and was killed ({how['kind']} {how['target']})"
+                          + ("" if self.witness.first_run(self.vm, ("dst", "new")) is None
+                             else "; a destination had run it before"))
+        else:
+            out["outcome"] = "lost"
+            out["why"] = (f"the registry says the {hrole} (pid {hpid}, epoch {epoch}) holds the VM, but that "
+                          "process is gone and no fault killed it" if not how else
+                          f"the registry says the {hrole} (pid {hpid}, epoch {epoch}) holds the VM; it was killed "
+                          f"({how['kind']} {how['target']}), a case docs/safety.md does not name")
+        out["registry"] = f"held by the {hrole} (pid {hpid}, epoch {epoch}), dead"
+
+    def registry_says(self, out):
+        if out.get("registry") and out.get("why") and "the registry" not in out["why"]:
+            out["why"] += f" (the registry: {out['registry']})"
 
     def dst_verified(self):
         """Ends the destination's run (`ferry ctl quit`) and returns the pages
@@ -886,7 +1066,8 @@ def run_trial(a, seed, k, plan, tmp):
         if up.returncode != 0:
             rec.update(outcome="error", why=f"cannot build the lab: {up.stderr.strip()}")
             return rec
-        trial = Trial(a.ferry, seed, k, plan, a.bound, tmp)
+        trial = Trial(a.ferry, seed, k, plan, a.bound, tmp, fenced=not a.unfenced)
+        rec["fenced"] = trial.fenced
         try:
             rec.update(trial.run(a.cmd_cap))
         except Exception as e:  # noqa: BLE001 - a harness error is an outcome
@@ -966,6 +1147,11 @@ def hung(ts):
     return sum(1 for t in ts if any("still ran" in n for n in t.get("notes", [])))
 
 
+def binary_of(build):
+    """The binary part of a run's build ("binary NAME sha256 H built T")."""
+    return build.split(", binary ", 1)[1] if ", binary " in build else build or "unknown build"
+
+
 def fault_text(f):
     d = f" {f['dur']}s" if "dur" in f else ""
     return f"{f['kind']} {f['target']} @{f['at']}s{d}"
@@ -982,24 +1168,42 @@ def write(a, data):
     lines = ["# Chaos: random faults over ferry's operations, audited by a witness outside ferry", "",
              "Runs (each: its command, build, seed, trials):", ""]
     lines += [f"- `{r['command']}`: build {r['build']}, seed {r['seed']}, {r['trials']} trials, "
-              f"bound {r['bound']} s, stops/link faults up to {r['stop_max']} s" for r in runs]
+              f"bound {r['bound']} s, stops/link faults up to {r['stop_max']} s"
+              + ("" if "fenced" not in r else ", fenced" if r["fenced"] else ", unfenced (agents fence theirs)")
+              for r in runs]
     lines += ["", "Witness: guest_time (/proc/PID/stat field 43) of every VMM of the VM, sampled every 10 ms; "
               f"a violation is two processes advancing together in {OVERLAP_STEPS} of {OVERLAP_WINDOW} "
               "consecutive samples. Self-test (two VMMs of one VM on purpose): "
               + ", ".join(f"{'flagged' if s['two_flagged'] else 'NOT flagged'}, one alone "
                           f"{'flagged' if s['one_alone_flagged'] else 'not flagged'}"
                           for s in data["self_tests"]) + ".", "",
-             "Trials by operation and first fault (a trial may carry a second, drawn fault):", ""]
-    lines += table(trials, ops, faults)
-    lines += ["", f"Totals: {len(trials)} trials, {c['violation']} two-copy violations, {c['lost']} lost, "
-              f"{c['paused']} paused past the bound, {c['unsurvivable']} unsurvivable as documented, "
-              f"{c['error']} harness errors.", ""]
+             "Trials by operation and first fault (a trial may carry a second, drawn fault), "
+             "one table per ferry binary (newest first):", ""]
+    builds = collections.OrderedDict()
+    for t in trials:
+        builds.setdefault(binary_of(t.get("build", "")), []).append(t)
+    for b, ts in reversed(builds.items()):
+        c = collections.Counter(t["outcome"] for t in ts)
+        fenced = collections.Counter(bool(t.get("fenced")) for t in ts)
+        seeds = sorted({t["seed"] for t in ts})
+        handed = sum(1 for t in ts if t.get("src_handed"))
+        lines += [f"### {b}", "",
+                  f"Seeds {', '.join(map(str, seeds))}; "
+                  + (f"{fenced[True]} trials fenced (direct operations with --vm-name/--fenced through the "
+                     f"trial's registry; agents fence theirs), {fenced[False]} unfenced." if fenced[True]
+                     else "before ownership fencing."), ""]
+        lines += table(ts, ops, faults)
+        lines += ["", f"Totals: {len(ts)} trials, {c['violation']} two-copy violations, {c['lost']} lost, "
+                  f"{c['paused']} paused past the bound, {c['unsurvivable']} unsurvivable as documented, "
+                  f"{c['error']} harness errors."
+                  + (f" A source left paused beside the running destination said it had handed the VM "
+                     f"(owner.state = handed) in {handed} trials." if fenced[True] else ""), ""]
     bad = [t for t in trials if t["outcome"] != "one-copy" or t.get("notes")]
     if bad:
         lines += ["Every trial not ending with one running copy, or with notes (replay: `ferry bench chaos --seed S --trial K "
                   "--ops OP`):", "", "| seed | trial | op | faults | outcome | why |", "|---|---|---|---|---|---|"]
         for t in bad:
-            lines.append(f"| {t['seed']} | {t['trial']} | {t['op']} | {'; '.join(map(fault_text, t['faults']))} | "
+            lines.append(f"| {t['seed']} | {t['trial']} | {t['op']}{'' if t.get('fenced') or 'fenced' not in t else ' (unfenced)'} | {'; '.join(map(fault_text, t['faults']))} | "
                          f"{t['outcome']} | {'; '.join(([t['why']] if t.get('why') else []) + t.get('notes', [])).replace('|', '/')[:400]} |")
         lines.append("")
     benchlib.write_md(path + ".md", lines)
@@ -1041,6 +1245,8 @@ def main():
     ap.add_argument("--logs", default="/tmp/ferry-chaos-logs",
                     help="where the logs of trials not ending with one copy are kept")
     ap.add_argument("--keep-logs", action="store_true", help="keep every trial's logs")
+    ap.add_argument("--unfenced", action="store_true",
+                    help="start the direct operations' VMMs without --vm-name/--fenced (agents fence theirs anyway)")
     a = ap.parse_args()
     if a.smoke:
         a.seed = 1 if a.seed is None else a.seed
@@ -1093,7 +1299,8 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
         data["trials"] += new
         data["runs"].append({"command": command, "build": build, "seed": a.seed, "trials": len(new),
-                             "bound": a.bound, "stop_max": a.stop_max, "ops": ops, "faults": faults})
+                             "bound": a.bound, "stop_max": a.stop_max, "ops": ops, "faults": faults,
+                             "fenced": not a.unfenced})
         lines = write(a, data)
         print("\n".join(lines))
 
