@@ -306,6 +306,12 @@ impl Governor {
         }
     }
 
+    /// The best rate the streams sent at over a rate window (bytes/s).
+    #[cfg(test)]
+    pub(crate) fn best_rate(&self) -> f64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).best
+    }
+
     /// True while the streams are held below their rate (a queue was seen
     /// and has not gone, or the slow start has not met the path's rate).
     pub(crate) fn capped(&self) -> bool {

@@ -541,6 +541,21 @@ fn serve(
                     Some(net::NetState::Copying) if Instant::now() >= hold_until => {
                         out.net_copies.store(false, Ordering::Release);
                     }
+                    // A copy that stopped moving (its standby stopped, its
+                    // link cut) is given up: the push holds for it no
+                    // longer, and it competes with the push no more.
+                    Some(net::NetState::Copying)
+                        if out.net_copies.load(Ordering::Acquire)
+                            && relay.is_some_and(|n| n.stalled(net::STALL)) =>
+                    {
+                        let why = format!(
+                            "its copy did not move for {} s while the push waited for it",
+                            net::STALL.as_secs()
+                        );
+                        relay.inspect(|n| n.drop_stalled(&why));
+                        s.tel().event("safety_net_lost", why);
+                        out.net_copies.store(false, Ordering::Release);
+                    }
                     _ => {}
                 }
                 if last_progress.elapsed() >= Duration::from_millis(50) {

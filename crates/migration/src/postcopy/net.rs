@@ -30,7 +30,7 @@ use crate::memory::RegionView;
 use crate::protocol::{self, Hello, Kind, ProtocolError, Role, StandbyPlan, MAX_BATCH};
 use crate::ranges::{GpaPages, OffsetBytes};
 use crate::telemetry::Telemetry;
-use crate::transport::{Conn, Endpoint};
+use crate::transport::{Closer, Conn, Endpoint};
 
 /// How often the source tells its standby it lives (and a standby that
 /// was handed a move tells its source).
@@ -38,6 +38,18 @@ pub(crate) const BEAT: Duration = Duration::from_secs(1);
 /// A standby finishing a move it was handed says nothing for this long: it
 /// is gone (it may wait up to a minute for the destination to take it).
 pub(crate) const HANDED_SILENCE: Duration = Duration::from_secs(90);
+/// A push that waits for the net (`--net-finishes`) waits no longer than
+/// this for a copy that stopped moving (a standby stopped, its link cut
+/// or blackholed): the net is dropped and the source pushes itself.
+pub(crate) const STALL: Duration = Duration::from_secs(3);
+/// Reaching the standby takes at most this long (at most the session
+/// timeout): a standby's host that is gone costs the feed no more.
+const CONNECT_WITHIN: Duration = Duration::from_secs(5);
+/// The move is over: the feed has this long to say so to its standby
+/// (Complete) and end; past it, its link is cut (a standby that stalls
+/// would otherwise keep the feed, and the move's end, waiting for a
+/// write or read timeout: up to a minute).
+const END_GRACE: Duration = Duration::from_secs(2);
 
 /// What the feeding thread needs, taken from the session at the switch.
 pub(crate) struct NetFeed {
@@ -77,6 +89,10 @@ pub(crate) struct Net {
     hand_over: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     sent: Arc<Sent>,
+    /// Cuts the link to the standby once the feed has opened it.
+    link: Arc<std::sync::Mutex<Option<Closer>>>,
+    /// When the feed started ([`Sent::moved_ms`] counts from it).
+    t0: Instant,
 }
 
 /// What the feed did, for the move's figures.
@@ -90,8 +106,20 @@ pub(crate) struct Sent {
     pub(crate) lost: AtomicBool,
     /// The standby said it finished the move it was handed.
     pub(crate) finished: AtomicBool,
+    /// When the copy last moved (ms after the feed started): connected,
+    /// a batch written, Complete sent, StandbyHeld read.
+    moved_ms: AtomicU64,
     /// Why the feed failed.
     why_lost: std::sync::Mutex<Option<String>>,
+}
+
+impl Sent {
+    /// The feed failed for `why` (the first reason stays).
+    fn lose(&self, why: String) {
+        let mut w = self.why_lost.lock().unwrap_or_else(|p| p.into_inner());
+        w.get_or_insert(why);
+        self.lost.store(true, Ordering::Release);
+    }
 }
 
 impl Net {
@@ -103,16 +131,30 @@ impl Net {
         let (st, rel, hand) = (stop.clone(), release.clone(), hand_over.clone());
         let sent = Arc::new(Sent::default());
         let sent2 = sent.clone();
+        let link: Arc<std::sync::Mutex<Option<Closer>>> = Arc::default();
+        let link2 = link.clone();
+        let t0 = Instant::now();
         let thread = std::thread::Builder::new()
             .name("safety-net".into())
             .spawn(move || {
                 let tel = feed.tel.clone();
                 let net = feed.net.to_string();
-                if let Err(e) = run(feed, &st, &rel, &hand, &sent2) {
-                    *sent2.why_lost.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-                    sent2.lost.store(true, Ordering::Release);
-                    tracing::warn!(%net, error = %e, "the postcopy safety net failed: the move goes on without it");
-                    tel.event("safety_net_lost", format!("{net}: {e}"));
+                let feeding = Feeding {
+                    stop: &st,
+                    release: &rel,
+                    hand_over: &hand,
+                    sent: &sent2,
+                    link: &link2,
+                    t0,
+                };
+                if let Err(e) = run(feed, &feeding) {
+                    // A net dropped as stalled said so already.
+                    let dropped = sent2.lost.load(Ordering::Acquire);
+                    sent2.lose(e.to_string());
+                    if !dropped {
+                        tracing::warn!(%net, error = %e, "the postcopy safety net failed: the move goes on without it");
+                        tel.event("safety_net_lost", format!("{net}: {e}"));
+                    }
                 }
             })
             .ok();
@@ -122,6 +164,28 @@ impl Net {
             hand_over,
             thread,
             sent,
+            link,
+            t0,
+        }
+    }
+
+    /// True while the copy is under way but has not moved for `within`
+    /// (its standby or the link to it stalls).
+    pub(crate) fn stalled(&self, within: Duration) -> bool {
+        let moved = Duration::from_millis(self.sent.moved_ms.load(Ordering::Acquire));
+        self.state() == NetState::Copying && self.t0.elapsed().saturating_sub(moved) >= within
+    }
+
+    /// Gives the net up now (`why`: its copy stalled): its link is cut,
+    /// the feed ends, and the move goes on without it ([`NetState::Lost`]).
+    pub(crate) fn drop_stalled(&self, why: &str) {
+        self.sent.lose(why.to_string());
+        tracing::warn!(
+            why,
+            "the postcopy safety net stalls: dropped; the source finishes the move itself"
+        );
+        if let Some(c) = self.link.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            c.shutdown();
         }
     }
 
@@ -137,12 +201,13 @@ impl Net {
         self.sent.bytes.load(Ordering::Relaxed)
     }
 
-    /// Where the copy stands.
+    /// Where the copy stands (a net that failed is lost, armed before or
+    /// not).
     pub(crate) fn state(&self) -> NetState {
-        if self.sent.armed.load(Ordering::Acquire) {
-            NetState::Armed
-        } else if self.sent.lost.load(Ordering::Acquire) || self.thread.is_none() {
+        if self.sent.lost.load(Ordering::Acquire) || self.thread.is_none() {
             NetState::Lost
+        } else if self.sent.armed.load(Ordering::Acquire) {
+            NetState::Armed
         } else {
             NetState::Copying
         }
@@ -189,11 +254,25 @@ impl Net {
         self.sent.clone()
     }
 
+    /// Stops the feed: it has [`END_GRACE`] to end by itself (releasing
+    /// its standby), then its link is cut, so a standby that stalls never
+    /// holds up the move's end.
     fn end(&mut self) {
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let Some(t) = self.thread.take() else {
+            return;
+        };
+        let deadline = Instant::now() + END_GRACE;
+        while !t.is_finished() {
+            if Instant::now() >= deadline {
+                // (Again each time: the feed may open its link meanwhile.)
+                if let Some(c) = self.link.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    c.shutdown();
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
+        let _ = t.join();
     }
 }
 
@@ -203,13 +282,26 @@ impl Drop for Net {
     }
 }
 
-fn run(
-    feed: NetFeed,
-    stop: &AtomicBool,
-    release: &AtomicBool,
-    hand_over: &AtomicBool,
-    sent: &Sent,
-) -> Result<(), MigrationError> {
+/// What the feeding thread shares with its [`Net`].
+struct Feeding<'a> {
+    stop: &'a AtomicBool,
+    release: &'a AtomicBool,
+    hand_over: &'a AtomicBool,
+    sent: &'a Sent,
+    link: &'a std::sync::Mutex<Option<Closer>>,
+    t0: Instant,
+}
+
+impl Feeding<'_> {
+    /// The copy moved just now.
+    fn moved(&self) {
+        let ms = u64::try_from(self.t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.sent.moved_ms.store(ms, Ordering::Release);
+    }
+}
+
+fn run(feed: NetFeed, f: &Feeding<'_>) -> Result<(), MigrationError> {
+    let (stop, release, hand_over, sent) = (f.stop, f.release, f.hand_over, f.sent);
     // A net that finishes the move is the source's only bulk sender.
     if feed.finishes {
         crate::priority::background();
@@ -224,7 +316,15 @@ fn run(
         session: feed.plan.session,
         streams: 1,
     };
-    let mut c = Conn::open(&feed.net, feed.timeout, &hello)?;
+    let mut c = Conn::open(&feed.net, feed.timeout.min(CONNECT_WITHIN), &hello)?;
+    c.set_timeouts(Some(feed.timeout))
+        .map_err(ProtocolError::Io)?;
+    *f.link.lock().unwrap_or_else(|p| p.into_inner()) = c.closer().ok();
+    if stop.load(Ordering::Acquire) || sent.lost.load(Ordering::Acquire) {
+        // The move ended (or gave the net up) while this connected.
+        return Ok(());
+    }
+    f.moved();
     c.flush()?;
     let version: u16 = c.recv(Kind::HelloAck)?;
     if !crate::protocol::Caps::of(version).standby() {
@@ -254,6 +354,7 @@ fn run(
             + b.write_zeros(c.writer())?;
         bytes += n;
         sent.bytes.fetch_add(n, Ordering::Relaxed);
+        f.moved();
         pacer.pace(bytes, c.writer()).map_err(ProtocolError::Io)?;
     }
     if let Some(ranges) = &feed.verify {
@@ -262,9 +363,14 @@ fn run(
         protocol::write_frame(c.writer(), Kind::Verify, &body).map_err(ProtocolError::Io)?;
     }
     c.send_frame(Kind::Complete, &[])?;
+    f.moved();
     // The standby answers once it holds every page.
     let _ = c.set_read_timeout(Some(feed.timeout.max(Duration::from_secs(60))));
     c.recv::<u64>(Kind::StandbyHeld)?;
+    if sent.lost.load(Ordering::Acquire) {
+        // Dropped as stalled meanwhile: the push has gone on without it.
+        return Ok(());
+    }
     sent.armed.store(true, Ordering::Release);
     let secs = t0.elapsed().as_secs_f64();
     tracing::info!(net = %feed.net, pages = feed.plan.pending_pages, bytes, secs, "postcopy safety net armed: a third host holds every page the destination lacks");

@@ -326,10 +326,6 @@ impl SourcePages {
         // steers it. Set either way: a hybrid's rounds may have left a
         // `--share-link` cap on this connection.
         conn.writer().pace_packets(self.fixed_share);
-        if let Some(g) = &self.governor {
-            // A slow start's first cap, before the first batch.
-            conn.writer().steer(g, 0, self.fixed_share);
-        }
         while Instant::now() < self.push_from || self.net_copies.load(Ordering::Acquire) {
             if self.halt.load(Ordering::Acquire) {
                 // The demand connection ended first: like a pusher whose
@@ -341,6 +337,16 @@ impl SourcePages {
                 return Ok(0);
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Some(g) = &self.governor {
+            // A slow start's first cap, before the first batch; and the
+            // governor's first rate window opens now, as the push starts
+            // sending. Opened before a hold (`--push-delay`, a net that
+            // copies first), it took the hold for time spent sending: a
+            // 512 KiB first batch after a 5 s hold read as ~100 KB/s, the
+            // cap fell to 89 KB/s, and the rest of the push crawled (a
+            // 64 MiB VM's move did not end once its standby failed).
+            conn.writer().steer(g, 0, self.fixed_share);
         }
         let cpu0 = crate::stats::thread_cpu_secs();
         let (mut batch, mut b) = (Vec::new(), PageBatch::default());
@@ -464,6 +470,46 @@ mod tests {
         assert_eq!(out.pushed_zero_pages.load(Ordering::Relaxed), 1);
         drop(conn);
         reader.join().unwrap()
+    }
+
+    #[test]
+    fn a_held_push_measures_its_rate_from_when_it_starts_sending() {
+        // A push held for a while (a net copying first, `--push-delay`)
+        // sends one batch once released: its governor measures that batch
+        // over the time it took to send, not over the hold (which read as
+        // a crawl, and capped the rest of the push to it).
+        let n = 128u64;
+        let mut mem = vec![1u8; n as usize * PAGE];
+        // SAFETY: `mem` outlives the push and nothing else touches it.
+        let regions = vec![unsafe { RegionView::new(0, mem.len() as u64, mem.as_mut_ptr()) }];
+        let out = SourcePages::new(regions, &[GpaPages::new(0, n)], 0, None, Instant::now())
+            .yielding(1, None);
+        out.net_copies.store(true, Ordering::Release);
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let drain = std::thread::spawn(move || {
+            std::io::copy(&mut b, &mut std::io::sink()).unwrap();
+        });
+        let mut conn = Conn::new(Stream::tcp(a), Some(Duration::from_secs(5))).unwrap();
+        let hold = Duration::from_secs(2);
+        std::thread::scope(|sc| {
+            let pusher = sc.spawn(|| out.push(&mut conn));
+            std::thread::sleep(hold);
+            out.net_copies.store(false, Ordering::Release);
+            pusher.join().unwrap().unwrap();
+        });
+        drop(conn);
+        drain.join().unwrap();
+        assert_eq!(out.pushed_pages.load(Ordering::Relaxed), n);
+        let best = out.governor.as_ref().unwrap().best_rate();
+        let over_the_hold = (n as usize * PAGE) as f64 / hold.as_secs_f64();
+        // No rate window closed yet (0), or one over the sending alone.
+        assert!(
+            best == 0.0 || best > 4.0 * over_the_hold,
+            "{best} B/s: the hold ({over_the_hold} B/s) was taken for sending time"
+        );
+        drop(mem);
     }
 
     #[test]

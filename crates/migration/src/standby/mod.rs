@@ -49,6 +49,13 @@ use image::Image;
 
 /// No beat for this long: the source is gone.
 pub const SILENCE: Duration = Duration::from_secs(4);
+/// While a source copies its pages here, it may stall this long (a link
+/// slowed or cut for a while, its process stopped) before its copy is
+/// given up. The connection came with the accept loop's 200 ms, which
+/// dropped a copy at its first stall ("operation would block"). The
+/// source gives the copy up sooner if its push waits for it
+/// (postcopy/net.rs).
+const INTAKE_SILENCE: Duration = Duration::from_millis(crate::options::defaults::TIMEOUT_MS);
 /// VMs held at once; one more is refused.
 pub const MAX_HELD: usize = 16;
 /// How long a taken-over move keeps reconnecting to its destination.
@@ -205,7 +212,8 @@ impl Standby {
             _room,
         } = intake(c, hello, &self.room)?;
         tracing::info!(session = plan.session, %to, pages, "standby: holding what the destination lacks");
-        let _ = c.set_read_timeout(Some(SILENCE));
+        // (Writes too: a beat to a source that stalls waits no longer.)
+        let _ = c.set_timeouts(Some(SILENCE));
         // Why this host takes the move over, and whether it was asked to.
         let (lost, handed) = loop {
             match protocol::read_frame(c.reader()) {
@@ -288,6 +296,35 @@ pub(crate) fn intake(
     hello: &Hello,
     room: &Arc<Room>,
 ) -> Result<Intake, MigrationError> {
+    c.set_timeouts(Some(INTAKE_SILENCE))
+        .map_err(ProtocolError::Io)?;
+    intake_within(c, hello, room).map_err(|e| timed_out(e, INTAKE_SILENCE))
+}
+
+/// A read or write that timed out (the socket's EAGAIN, shown as
+/// "operation would block") said as what it is.
+fn timed_out(e: MigrationError, within: Duration) -> MigrationError {
+    match e {
+        MigrationError::Protocol(ProtocolError::Io(io))
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            ProtocolError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the source's copy stalled: nothing moved for {:.0} s",
+                    within.as_secs_f64()
+                ),
+            ))
+            .into()
+        }
+        e => e,
+    }
+}
+
+fn intake_within(c: &mut Conn, hello: &Hello, room: &Arc<Room>) -> Result<Intake, MigrationError> {
     let plan = admit(c, hello)?;
     let to: Endpoint = plan
         .destination
