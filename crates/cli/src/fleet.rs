@@ -510,6 +510,13 @@ pub fn upgrade(a: UpgradeArgs) -> Result<ExitCode> {
     let failed = reports.iter().filter(|r| r.error.is_some()).count();
     if json {
         println!("{}", json!({"host": a.host, "vms": reports}));
+        // (A person reads why on stderr, as each VM fails, without --json.)
+        if let Some(e) = reports.iter().find_map(|r| r.error.as_ref()) {
+            eprintln!(
+                "ferry: error: upgrade {}: {failed} VM(s) not upgraded: {e}",
+                a.host
+            );
+        }
     } else {
         let worst = reports
             .iter()

@@ -50,9 +50,28 @@ impl Fleet {
         Ok(a)
     }
 
-    /// The agent of host `name`.
+    /// The agent of host `name`: [`FleetError::HostDown`] if the registry
+    /// lists the host dead (it registered once, its lease lapsed).
     pub fn agent(&self, name: &str) -> Result<AgentClient, FleetError> {
         let agents = self.agents()?;
+        if !agents.iter().any(|h| h.name == name) {
+            if let Some((_, addr)) = self.dead_hosts()?.into_iter().find(|(h, _)| h == name) {
+                return Err(FleetError::HostDown {
+                    host: name.into(),
+                    reason: format!(
+                        "the registry ({}) lists it dead: its agent{} holds no lease (killed, \
+                         stopped, or cut off); its VMs may still run, but nothing can reach them \
+                         until its agent is back",
+                        self.describe(),
+                        if addr.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (last at {addr})")
+                        }
+                    ),
+                });
+            }
+        }
         let e = agents.iter().find(|h| h.name == name).ok_or_else(|| {
             let known: Vec<&str> = agents.iter().map(|h| h.name.as_str()).collect();
             FleetError::Plan(format!(

@@ -83,6 +83,15 @@ pub enum FleetError {
     /// No host of that name, or no room anywhere.
     #[error("{0}")]
     Plan(String),
+    /// A host the operation needs is down: the registry lists it dead
+    /// (its agent holds no lease), or its agent does not answer.
+    #[error("host {host}: {reason}")]
+    HostDown {
+        /// The host.
+        host: String,
+        /// How it is known to be down.
+        reason: String,
+    },
 }
 
 impl FleetError {

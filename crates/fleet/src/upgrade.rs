@@ -6,6 +6,12 @@
 //! growing, if they grew before) before the next starts: the health check.
 //! A handover that fails leaves the VM with its old process (the
 //! handover's commit point), and the upgrade stops there.
+//!
+//! A host that is down is no host with nothing to upgrade: one the
+//! registry lists dead, or whose agent does not answer, fails the upgrade
+//! ([`FleetError::HostDown`]), as `ferry drain` of it does; an agent that
+//! stops answering partway fails the VM it was to hand over next (and the
+//! upgrade stops there), never leaving it out of the report.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -47,7 +53,9 @@ pub fn run(
     update: &mut dyn FnMut(&UpgradeReport),
 ) -> Result<Vec<UpgradeReport>, FleetError> {
     let agent = fleet.agent(host)?;
-    let before = agent.info()?;
+    let before = agent
+        .info()
+        .map_err(|e| down(host, e, "no VM was upgraded"))?;
     let names: Vec<String> = before
         .vms
         .iter()
@@ -79,6 +87,31 @@ pub fn run(
     Ok(out)
 }
 
+/// A failed call to `host`'s agent: one whose link failed (the agent
+/// does not answer) says the host is down, `then` telling what it left
+/// undone; any other error (the agent answered with one) stays as it is.
+fn down(host: &str, e: FleetError, then: &str) -> FleetError {
+    match e {
+        FleetError::Link { agent, reason } => FleetError::HostDown {
+            host: host.into(),
+            reason: format!("its agent at {agent} does not answer ({reason}); {then}"),
+        },
+        e => e,
+    }
+}
+
+/// VM `name` in what `host`'s agent answered: None if it no longer lists
+/// it (stopped or moved meanwhile). An agent that did not answer is no
+/// VM gone: the VM may well run on, not upgraded (the error says so).
+fn listed(
+    answer: Result<crate::api::HostInfo, FleetError>,
+    host: &str,
+    name: &str,
+) -> Result<Option<crate::api::VmInfo>, FleetError> {
+    let h = answer.map_err(|e| down(host, e, "the VM was not handed over"))?;
+    Ok(h.vms.into_iter().find(|v| v.spec.name == name))
+}
+
 /// Hands VM `name` over and checks it; None if it is gone meanwhile.
 fn one(
     fleet: &Fleet,
@@ -87,27 +120,10 @@ fn one(
     name: &str,
     binary: Option<PathBuf>,
 ) -> Option<UpgradeReport> {
-    // As it is now: its counters just before its handover, read twice to
-    // see whether its guest is counting at all (a workload that finished
-    // stands still, healthy).
-    let find = || -> Option<crate::api::VmInfo> {
-        agent
-            .info()
-            .ok()?
-            .vms
-            .into_iter()
-            .find(|v| v.spec.name == name)
-    };
-    let first = find()?;
-    std::thread::sleep(Duration::from_millis(300));
-    let mut vm = find()?;
-    if vm.progress <= first.progress {
-        vm.progress = None; // not counting: only its process is checked
-    }
     let t = Instant::now();
     let mut r = UpgradeReport {
         vm: name.into(),
-        old_pid: vm.pid,
+        old_pid: 0,
         new_pid: 0,
         downtime_ms: None,
         copied_bytes: 0,
@@ -115,6 +131,33 @@ fn one(
         error: None,
         handover: None,
     };
+    // As it is now: its counters just before its handover, read twice to
+    // see whether its guest is counting at all (a workload that finished
+    // stands still, healthy).
+    let find = || listed(agent.info(), host, name);
+    let seen = find().and_then(|first| {
+        let Some(first) = first else {
+            return Ok(None);
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(find()?.map(|now| (first, now)))
+    });
+    let vm = match seen {
+        Ok(Some((first, now))) if now.progress > first.progress => now,
+        // Not counting: only its process is checked.
+        Ok(Some((_, now))) => crate::api::VmInfo {
+            progress: None,
+            ..now
+        },
+        Ok(None) => return None,
+        Err(e) => {
+            r.error = Some(e.to_string());
+            r.secs = t.elapsed().as_secs_f64();
+            return Some(r);
+        }
+    };
+    r.old_pid = vm.pid;
+    let t = Instant::now();
     match agent.upgrade(name, binary) {
         Ok(reply) => {
             r.downtime_ms = Some(reply.stats.downtime_ms);
@@ -125,7 +168,10 @@ fn one(
                 Err(e) => r.error = Some(e),
             }
         }
-        Err(e) => r.error = Some(e.to_string()),
+        Err(e) => {
+            let then = "whether the VM was handed over is unknown until its agent answers again";
+            r.error = Some(down(host, e, then).to_string());
+        }
     }
     r.secs = t.elapsed().as_secs_f64();
     Some(r)
@@ -157,5 +203,117 @@ fn healthy(fleet: &Fleet, host: &str, before: &crate::api::VmInfo) -> Result<u32
             return Err(format!("after the handover the VM is {last}"));
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+    use std::sync::Arc;
+
+    use ferry_registry::{HostEntry, HostKind, Registry};
+
+    use super::*;
+    use crate::testing;
+
+    fn fleet(tag: &str) -> (Fleet, Arc<dyn Registry>) {
+        let dir = std::env::temp_dir().join(format!("ferry-upgrade-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let reg = ferry_registry::open(Some(&format!("dir:{}", dir.display())), None).unwrap();
+        (Fleet::new(reg.clone(), None), reg)
+    }
+
+    /// `host`'s agent registered at `addr`, its lease alive.
+    fn live(reg: &Arc<dyn Registry>, host: &str, addr: &str) {
+        let e = HostEntry {
+            name: host.into(),
+            kind: HostKind::Agent,
+            addr: addr.into(),
+            capacity: 4 << 30,
+            free: 4 << 30,
+            agent: None,
+        };
+        reg.advertise(&e, Duration::from_secs(60)).unwrap();
+        let known = serde_json::json!({ "addr": addr }).to_string();
+        reg.put_record(&crate::fleet::known_key(host), known.as_bytes())
+            .unwrap();
+    }
+
+    /// An agent (plaintext) that answers `answers` info requests with a
+    /// host running VM `vm`, then is gone (its port refuses).
+    fn agent_dying_after(answers: usize, host: &str, vm: &str) -> String {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let info = testing::host(host, 1024, 4, vec![testing::vm(vm, 256, 1)]);
+        std::thread::spawn(move || {
+            for _ in 0..answers {
+                let (c, _) = l.accept().unwrap();
+                let mut line = String::new();
+                BufReader::new(&c).read_line(&mut line).unwrap();
+                assert!(line.contains("info"), "{line}");
+                let reply = serde_json::json!({ "ok": true, "host": info });
+                writeln!(&c, "{reply}").unwrap();
+            }
+            // Dropped: the agent is dead.
+        });
+        addr
+    }
+
+    fn upgrade(fleet: &Fleet, host: &str) -> Result<Vec<UpgradeReport>, FleetError> {
+        run(fleet, host, None, 1, &mut |_| {})
+    }
+
+    #[test]
+    fn a_host_the_registry_lists_dead_is_not_upgraded_it_fails_naming_it() {
+        let (fleet, reg) = fleet("dead");
+        // Registered once (its record stays), no lease now.
+        let known = serde_json::json!({ "addr": "127.0.0.1:9" }).to_string();
+        reg.put_record(&crate::fleet::known_key("ferry-h1"), known.as_bytes())
+            .unwrap();
+        match upgrade(&fleet, "ferry-h1") {
+            Err(FleetError::HostDown { host, reason }) => {
+                assert_eq!(host, "ferry-h1");
+                assert!(reason.contains("lists it dead"), "{reason}");
+                assert!(reason.contains("127.0.0.1:9"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_host_whose_agent_does_not_answer_is_not_upgraded_it_fails_naming_it() {
+        let (fleet, reg) = fleet("silent");
+        // Its lease has not lapsed yet; its agent is gone.
+        live(&reg, "ferry-h1", &agent_dying_after(0, "ferry-h1", "vm1"));
+        std::thread::sleep(Duration::from_millis(50));
+        let e = upgrade(&fleet, "ferry-h1").unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(&e, FleetError::HostDown { host, .. } if host == "ferry-h1"),
+            "{e:?}"
+        );
+        assert!(text.contains("does not answer"), "{text}");
+        assert!(text.contains("no VM was upgraded"), "{text}");
+    }
+
+    #[test]
+    fn an_agent_that_dies_mid_upgrade_fails_the_vm_it_was_to_hand_over() {
+        let (fleet, reg) = fleet("dying");
+        // It lists vm1 twice (the upgrade's look at the host, the VM's
+        // first reading), then dies before the second reading: the VM is
+        // not left out of the report as if it had gone (the upgrade
+        // printed {"vms":[]} and exited 0), it failed.
+        live(&reg, "ferry-h1", &agent_dying_after(2, "ferry-h1", "vm1"));
+        let reports = upgrade(&fleet, "ferry-h1").unwrap();
+        assert_eq!(reports.len(), 1, "{reports:?}");
+        let r = &reports[0];
+        assert_eq!(r.vm, "vm1");
+        assert_eq!(r.new_pid, 0, "never handed over");
+        assert!(r.downtime_ms.is_none() && r.handover.is_none(), "{r:?}");
+        let e = r.error.as_deref().expect("the VM failed");
+        assert!(e.contains("host ferry-h1"), "{e}");
+        assert!(e.contains("does not answer"), "{e}");
+        assert!(e.contains("not handed over"), "{e}");
     }
 }
