@@ -883,7 +883,8 @@ class Trial:
         how = killed.get(hpid)
         if how and hrole in ("dst", "new"):
             out["outcome"] = "unsurvivable"
-            out["why"] = (f"docs/safety.md cannot-survive 1: the {'new VMM' if hrole == 'new' else 'destination'} "
+            out["why"] = (f"docs/safety.md cannot-survive {'1 and 3' if how['kind'] == 'host' else '1'}: "
+                          f"the {'new VMM' if hrole == 'new' else 'destination'} "
                           f"took the VM (the registry: pid {hpid} holds epoch {epoch}) and was killed "
                           f"({how['kind']} {how['target']}): the VM's newest state died with it")
         elif how and hrole == "src":
