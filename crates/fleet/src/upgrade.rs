@@ -139,6 +139,7 @@ fn one(
         let Some(first) = first else {
             return Ok(None);
         };
+        r.old_pid = first.pid;
         std::thread::sleep(Duration::from_millis(300));
         Ok(find()?.map(|now| (first, now)))
     });
@@ -309,7 +310,7 @@ mod tests {
         assert_eq!(reports.len(), 1, "{reports:?}");
         let r = &reports[0];
         assert_eq!(r.vm, "vm1");
-        assert_eq!(r.new_pid, 0, "never handed over");
+        assert_eq!((r.old_pid, r.new_pid), (1, 0), "never handed over");
         assert!(r.downtime_ms.is_none() && r.handover.is_none(), "{r:?}");
         let e = r.error.as_deref().expect("the VM failed");
         assert!(e.contains("host ferry-h1"), "{e}");

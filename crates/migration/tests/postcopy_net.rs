@@ -93,11 +93,13 @@ impl StallingRelay {
 
 /// A postcopy from the rig's source to its destination with a safety net
 /// on a standby behind a relay that stalls after `before` bytes for
-/// `stall`. Returns the move's figures and how long it took.
+/// `stall`, the push within `bandwidth`. Returns the move's figures and
+/// how long it took.
 fn stalled_net(
     finishes: bool,
     before: u64,
     stall: Duration,
+    bandwidth: Option<f64>,
 ) -> (ferry_migration::MigrationStats, Duration) {
     common::secure();
     let standby = Standby::new(1 << 30);
@@ -115,6 +117,7 @@ fn stalled_net(
         verify: true,
         safety_net: Some(Endpoint::Tcp(relay.at)),
         net_finishes: finishes,
+        bandwidth,
         // (The default: the push holds for a net that copies at most
         // half of it, 15 s.)
         // ~3 MB pending: about 3 s of push.
@@ -190,7 +193,10 @@ fn a_standby_that_stalls_mid_copy_is_dropped_and_the_source_finishes_the_move() 
     // move (3 s) and pushes every page itself; without it the push never
     // waited, and the move's end does not wait on the stalled link either.
     for finishes in [true, false] {
-        let (stats, took) = stalled_net(finishes, 8 << 10, Duration::from_secs(20));
+        // Without --net-finishes nothing holds the push: paced to last
+        // ~3 s, the move is still under way when the net's link stalls.
+        let bandwidth = (!finishes).then_some(1e6);
+        let (stats, took) = stalled_net(finishes, 8 << 10, Duration::from_secs(20), bandwidth);
         let p = stats.postcopy.unwrap();
         // The destination never took the source for gone (it did when the
         // push crawled after a hold), and the move ended in bounded time.

@@ -355,7 +355,9 @@ fn run(feed: NetFeed, f: &Feeding<'_>) -> Result<(), MigrationError> {
         bytes += n;
         sent.bytes.fetch_add(n, Ordering::Relaxed);
         f.moved();
+        // (Sleeping within `--bandwidth` is no stall.)
         pacer.pace(bytes, c.writer()).map_err(ProtocolError::Io)?;
+        f.moved();
     }
     if let Some(ranges) = &feed.verify {
         let hashes = crate::session::hashes(&feed.regions, |i| ranges[i].clone());
