@@ -204,13 +204,15 @@ impl Standby {
     /// One source: take its plan and pages, stand by, and take over if it
     /// falls silent before saying the move is done.
     fn hold(&self, c: &mut Conn, hello: &Hello) -> Result<(), MigrationError> {
+        c.set_timeouts(Some(INTAKE_SILENCE))
+            .map_err(ProtocolError::Io)?;
         let Intake {
             plan,
             to,
             image,
             pages,
             _room,
-        } = intake(c, hello, &self.room)?;
+        } = intake(c, hello, &self.room).map_err(|e| timed_out(e, INTAKE_SILENCE))?;
         tracing::info!(session = plan.session, %to, pages, "standby: holding what the destination lacks");
         // (Writes too: a beat to a source that stalls waits no longer.)
         let _ = c.set_timeouts(Some(SILENCE));
@@ -278,29 +280,6 @@ impl Standby {
     }
 }
 
-/// What a source handed over: its plan, the destination, the memory.
-pub(crate) struct Intake {
-    pub(crate) plan: StandbyPlan,
-    pub(crate) to: Endpoint,
-    image: Image,
-    /// Pages with data held.
-    pub(crate) pages: u64,
-    _room: Taken,
-}
-
-/// Everything a source sends before the standby stands by, checked: its
-/// Hello, the plan (destination, layout), the pages and hashes; answered
-/// with StandbyHeld.
-pub(crate) fn intake(
-    c: &mut Conn,
-    hello: &Hello,
-    room: &Arc<Room>,
-) -> Result<Intake, MigrationError> {
-    c.set_timeouts(Some(INTAKE_SILENCE))
-        .map_err(ProtocolError::Io)?;
-    intake_within(c, hello, room).map_err(|e| timed_out(e, INTAKE_SILENCE))
-}
-
 /// A read or write that timed out (the socket's EAGAIN, shown as
 /// "operation would block") said as what it is.
 fn timed_out(e: MigrationError, within: Duration) -> MigrationError {
@@ -324,7 +303,24 @@ fn timed_out(e: MigrationError, within: Duration) -> MigrationError {
     }
 }
 
-fn intake_within(c: &mut Conn, hello: &Hello, room: &Arc<Room>) -> Result<Intake, MigrationError> {
+/// What a source handed over: its plan, the destination, the memory.
+pub(crate) struct Intake {
+    pub(crate) plan: StandbyPlan,
+    pub(crate) to: Endpoint,
+    image: Image,
+    /// Pages with data held.
+    pub(crate) pages: u64,
+    _room: Taken,
+}
+
+/// Everything a source sends before the standby stands by, checked: its
+/// Hello, the plan (destination, layout), the pages and hashes; answered
+/// with StandbyHeld.
+pub(crate) fn intake(
+    c: &mut Conn,
+    hello: &Hello,
+    room: &Arc<Room>,
+) -> Result<Intake, MigrationError> {
     let plan = admit(c, hello)?;
     let to: Endpoint = plan
         .destination
