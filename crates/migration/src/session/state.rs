@@ -249,6 +249,32 @@ impl SourceState {
         }
     }
 
+    /// A fenced source whose switch failed after Complete took its VM back
+    /// in the registry: it runs here again, as before the migration, and the
+    /// destination is told.
+    pub(crate) fn on_taken_back(&self) -> Cleanup {
+        Cleanup {
+            left: Left::RunsHere,
+            unthrottle: true,
+            stop_dirty_log: true,
+            resume: true,
+            abort_peer: true,
+        }
+    }
+
+    /// A fenced source whose switch failed after Complete finds the
+    /// destination holding the VM: it stays paused here for good, and the
+    /// destination (which runs it) is not told to abort.
+    pub(crate) fn on_handed(&self) -> Cleanup {
+        Cleanup {
+            left: Left::Handed,
+            unthrottle: false,
+            stop_dirty_log: true,
+            resume: false,
+            abort_peer: false,
+        }
+    }
+
     /// What a failure with `e` in the current phase must leave behind.
     pub(crate) fn on_failure(&self, e: &MigrationError) -> Cleanup {
         let keep = |left| Cleanup {

@@ -96,7 +96,6 @@ pub struct Fence {
     expected: Mutex<Option<Read>>,
     /// Another process holds the VM and has been silent past the TTL.
     holder_lapsed: AtomicBool,
-    quit: AtomicBool,
 }
 
 /// How long a retried step waits between tries.
@@ -121,7 +120,6 @@ impl Fence {
             unreachable: Mutex::new(None),
             expected: Mutex::new(None),
             holder_lapsed: AtomicBool::new(false),
-            quit: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&fence);
         std::thread::Builder::new()
@@ -310,11 +308,6 @@ impl Fence {
         }
     }
 
-    /// The record as the registry has it now (None: none, or unreachable).
-    pub fn record(&self) -> Option<OwnerRecord> {
-        self.owners.record(&self.vm).ok().flatten()
-    }
-
     /// Takes `step`, retrying while the registry does not answer.
     fn retrying(
         &self,
@@ -416,20 +409,12 @@ impl Fence {
     }
 }
 
-impl Drop for Fence {
-    fn drop(&mut self) {
-        self.quit.store(true, Ordering::Relaxed);
-    }
-}
-
-/// The keeper: a tick every [`RENEW_EVERY`] while the fence lives.
+/// The keeper: a tick every [`RENEW_EVERY`] while the fence lives (once
+/// it is dropped, the weak reference no longer upgrades).
 fn keep(fence: Weak<Fence>) {
     loop {
         std::thread::sleep(RENEW_EVERY);
         let Some(f) = fence.upgrade() else { return };
-        if f.quit.load(Ordering::Relaxed) {
-            return;
-        }
         f.tick();
     }
 }

@@ -305,26 +305,14 @@ impl SourceSession<'_> {
             TakeBackAnswer::Back(why) => {
                 tracing::warn!(%why, "the destination never took the VM: it runs here again");
                 self.tel.event("owner", format!("taken back: {why}"));
-                Cleanup {
-                    left: Left::RunsHere,
-                    unthrottle: true,
-                    stop_dirty_log: true,
-                    resume: true,
-                    abort_peer: true,
-                }
+                self.state.on_taken_back()
             }
             TakeBackAnswer::Gone(holder) => {
                 tracing::warn!(%holder, "the switch failed but the destination holds the VM");
                 self.tel
                     .event("owner", format!("held by the destination: {holder}"));
                 *result = Err(MigrationError::HandedOver { error, holder });
-                Cleanup {
-                    left: Left::Handed,
-                    unthrottle: false,
-                    stop_dirty_log: true,
-                    resume: false,
-                    abort_peer: false,
-                }
+                self.state.on_handed()
             }
             TakeBackAnswer::Unknown(why) => {
                 self.tel.event("owner", format!("in doubt: {why}"));
