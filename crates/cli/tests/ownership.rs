@@ -3,8 +3,10 @@
 //! directory: a fenced VM moves and a second copy is refused; a destination
 //! that cannot take the VM gives it back to its source; a destination killed
 //! right after it took the VM is never run over by its source, which says
-//! so; a copy whose claim is taken stops; a handover whose new VMM dies
-//! before it takes the VM leaves it running in the old one.
+//! so; a postcopy whose destination dies after taking the VM ends within
+//! seconds and says the VM is lost; a copy whose claim is taken stops; a
+//! handover whose new VMM dies before it takes the VM leaves it running in
+//! the old one.
 
 mod common;
 use common::{ferry, kvm_usable, Reaper, Scratch};
@@ -269,6 +271,64 @@ fn a_destination_killed_after_taking_the_vm_is_not_run_over_and_the_loss_is_said
         Duration::from_secs(15),
         || status(&src)["owner"]["holder_lapsed"] == true,
     );
+}
+
+#[test]
+fn a_postcopy_whose_destination_dies_after_taking_the_vm_ends_and_says_the_vm_is_lost() {
+    let Some((dir, _s, _g)) = setup("ferry-own-postcopy") else {
+        return;
+    };
+    let reg = dir.join("reg");
+    let (_src, src) = fenced_vm(&dir, "db", &reg, &[]);
+    assert!(runs(&src));
+    let (mut dst, to) = fenced_destination(&dir, "dst", &reg, &[]);
+    let src2 = src.clone();
+    // The push held back: the move stays open, only faulted pages cross.
+    let mig = std::thread::spawn(move || {
+        let t = Instant::now();
+        let o = ferry(&[
+            "migrate",
+            &src2,
+            "--to",
+            &to,
+            "--mode",
+            "postcopy",
+            "--push-delay",
+            "20s",
+        ]);
+        (o, t.elapsed())
+    });
+    wait_for(
+        "the destination took the VM",
+        Duration::from_secs(30),
+        || record(&reg, "db")["epoch"] == 2,
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = Instant::now();
+    let _ = dst.0.kill();
+    let _ = dst.0.wait();
+    let (o, _) = mig.join().unwrap();
+    let ended = killed.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr);
+    // Not the reconnect timeout (30 s): the refused port and the lapsed
+    // claim together say the destination is dead, about the TTL after.
+    assert!(
+        ended < Duration::from_secs(20),
+        "ended {ended:?} after the kill: {err}"
+    );
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("stopped renewing") && err.contains("died with it"),
+        "{err}"
+    );
+    // The source never runs it, and stays resumable with every page.
+    let st = status(&src);
+    assert_eq!(st["state"], "paused", "{st}");
+    assert_eq!(st["owner"]["state"], "handed");
+    assert_eq!(st["owner"]["holder_lapsed"], true);
+    let o = ferry(&["ctl", &src, "resume"]);
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("ok") || !o.status.success());
+    assert_eq!(status(&src)["state"], "paused");
 }
 
 #[test]

@@ -73,6 +73,12 @@ pub trait OwnerFence: Send + Sync {
     /// Source, after Complete went out and the switch failed: may the VM
     /// run here again?
     fn take_back(&self) -> TakeBackAnswer;
+    /// Source, after handing the VM: Some(who and what it means) once the
+    /// process that holds it has stopped renewing its claim past the
+    /// registry's TTL (it seems dead, and the VM's newest state with it).
+    fn holder_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A source's take-back after a failed switch.

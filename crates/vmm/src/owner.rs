@@ -183,6 +183,15 @@ impl OwnerFence for Owner {
             TakeBack::Unknown(why) => TakeBackAnswer::Unknown(why),
         }
     }
+
+    fn holder_gone(&self) -> Option<String> {
+        let r = self.fence.get()?.lapsed_holder()?;
+        Some(format!(
+            "{} and it has stopped renewing its claim: if it is dead, the VM's newest state \
+             died with it and ferry cannot bring it back (docs/safety.md, cannot-survive 1)",
+            r.describe()
+        ))
+    }
 }
 
 /// A source's claim, as it came (hostile until checked by the registry).

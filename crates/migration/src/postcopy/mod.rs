@@ -335,13 +335,24 @@ fn follow(
                     }
                     Err(e) => {
                         s.drop_links();
+                        // What the registry knows of the destination is
+                        // the truth the operator needs most.
+                        let gone = match &e {
+                            MigrationError::Fence(_) => None,
+                            _ => s.vm().fence().and_then(|f| f.holder_gone()),
+                        };
+                        let reason = match gone {
+                            Some(gone) => format!("{reason}; reconnecting failed: {e}; {gone}"),
+                            None => format!("{reason}; reconnecting failed: {e}"),
+                        };
+                        tracing::error!(%reason, "postcopy stays paused");
                         return Ok(Some(Box::new(PausedPostcopy {
                             session: s.resumable(),
                             to: s.to().clone(),
                             opts: opts.clone(),
                             stats: stats.clone(),
                             epoch,
-                            reason: format!("{reason}; reconnecting failed: {e}"),
+                            reason,
                         })));
                     }
                 }

@@ -277,6 +277,17 @@ impl Fence {
         Ok(())
     }
 
+    /// A source that handed the VM: the holder's record when that holder
+    /// has stopped renewing past the TTL (it seems dead, and the VM's
+    /// newest state with it); None while it renews, or before the keeper
+    /// has looked.
+    pub fn lapsed_holder(&self) -> Option<OwnerRecord> {
+        match &*self.state() {
+            State::Handed(Some(r)) if self.holder_lapsed.load(Ordering::Relaxed) => Some(r.clone()),
+            _ => None,
+        }
+    }
+
     /// What `ferry status` shows.
     pub fn status(&self) -> FenceStatus {
         let unreachable = self

@@ -179,6 +179,20 @@ impl SourceSession<'_> {
                 Ok(r) => return Ok(r),
                 Err(e) if e.is_peer_abort() || !e.is_link_break() => return Err(e),
                 Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(e) if refused(&e) => {
+                    // Nobody listens there any more. If the registry also
+                    // says the destination that holds the VM stopped
+                    // renewing, it is dead: waiting out the timeout would
+                    // only hide that.
+                    if let Some(gone) = self.vm().fence().and_then(|f| f.holder_gone()) {
+                        return Err(MigrationError::Fence(format!(
+                            "the destination refuses connections ({e}); {gone}"
+                        )));
+                    }
+                    tracing::debug!(error = %e, "reconnect refused; retrying");
+                    self.drop_links();
+                    std::thread::sleep(Duration::from_millis(250));
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "reconnect failed; retrying");
                     self.drop_links();
@@ -217,4 +231,11 @@ impl SourceSession<'_> {
         self.open_bulk(None)?;
         Ok((missing, demand))
     }
+}
+
+/// A connect that the destination's host refused: no process listens on
+/// its port (a dead VMM), unlike a cut or silent link.
+fn refused(e: &MigrationError) -> bool {
+    matches!(e, MigrationError::Connect { source, .. }
+        if source.kind() == std::io::ErrorKind::ConnectionRefused)
 }
