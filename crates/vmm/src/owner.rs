@@ -2,10 +2,11 @@
 //! process runs the VM's vCPUs only while it holds the VM's epoch there.
 //! A fresh VM takes it at boot ([`Owner::boot`]); an incoming one takes it
 //! from its source's claim at the switch (the engine calls
-//! [`OwnerFence::take_over`]); [`Vm::start`](crate::Vm::start) and
-//! [`Vm::resume`](crate::Vm::resume) refuse to run a VM whose claim is not
-//! held here, and the fence's keeper pauses the vCPUs the moment it finds
-//! the claim gone.
+//! [`OwnerFence::take_over`]); the VM's start and resume refuse to run a
+//! VM whose claim is not held here, and the fence's keeper pauses the vCPUs
+//! the moment it finds the claim gone. The fence acts on the VM through
+//! [`Guarded`], which the VM implements: the VM knows its fence, the fence
+//! does not know the VM.
 
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
@@ -15,8 +16,6 @@ use ferry_registry::ownership::{
     Claim, Fence, FenceStatus, Holder, Owners, OwnershipError, TakeBack,
 };
 use ferry_registry::Registry;
-
-use crate::vm::Vm;
 
 /// How long a destination waits for the registry at the switch: the VM is
 /// paused on both sides meanwhile, and a destination that gave up while
@@ -29,11 +28,19 @@ pub const TAKE_BACK_PATIENCE: Duration = Duration::from_secs(30);
 /// 4 KiB; a claim is a VM name, an epoch and a holder).
 const MAX_CLAIM: usize = 4096;
 
+/// What the fence does to the VM it guards (`Vm` implements it).
+pub trait Guarded: Send + Sync {
+    /// The claim is gone: the vCPUs stop here at once.
+    fn halt(&self, why: &str);
+    /// The claim was taken back: the vCPUs run again.
+    fn run_again(&self) -> Result<(), String>;
+}
+
 /// This VMM's side of the ownership rule for its one VM.
 pub struct Owner {
     owners: Owners,
     me: Holder,
-    vm: Weak<Vm>,
+    vm: Weak<dyn Guarded>,
     /// Made at boot, or at the take-over (whose claim names the VM).
     fence: OnceLock<Arc<Fence>>,
     /// Serializes the fence's making.
@@ -43,11 +50,17 @@ pub struct Owner {
 impl Owner {
     /// The owner fence of `vm`, through `registry`, for this process on
     /// `host`.
-    pub fn new(registry: Arc<dyn Registry>, host: &str, vm: &Arc<Vm>) -> Arc<Owner> {
+    pub fn new<V: Guarded + 'static>(
+        registry: Arc<dyn Registry>,
+        host: &str,
+        vm: &Arc<V>,
+    ) -> Arc<Owner> {
+        // Weak: the VM holds its Owner, which must not keep the VM alive.
+        let vm: Weak<dyn Guarded> = Arc::downgrade(vm) as Weak<V>;
         Arc::new(Owner {
             owners: Owners::new(registry),
             me: Holder::this_process(host),
-            vm: Arc::downgrade(vm),
+            vm,
             fence: OnceLock::new(),
             making: Mutex::new(()),
         })
@@ -70,12 +83,12 @@ impl Owner {
         let hooks = ferry_registry::ownership::Hooks {
             stop: Box::new(move |why| {
                 if let Some(vm) = stop_vm.upgrade() {
-                    vm.fenced_off(why);
+                    vm.halt(why);
                 }
             }),
             resume: Box::new(move || {
                 if let Some(vm) = resume_vm.upgrade() {
-                    if let Err(e) = vm.resume() {
+                    if let Err(e) = vm.run_again() {
                         tracing::error!("cannot resume the VM taken back: {e}");
                     }
                 }

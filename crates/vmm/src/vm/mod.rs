@@ -116,14 +116,6 @@ impl Vm {
         self.owner.get().and_then(|o| o.why_not_run())
     }
 
-    /// The fence found the VM's claim gone: the vCPUs stop here at once.
-    pub fn fenced_off(&self, why: &str) {
-        tracing::error!("{why}: the vCPUs stop here");
-        if let Err(e) = self.pause() {
-            tracing::error!("cannot pause the VM that lost its claim: {e}");
-        }
-    }
-
     /// Says where and how this VM waits for its migration (None: it does
     /// not wait any more).
     pub fn set_waiting(&self, w: Option<Waiting>) {
@@ -289,6 +281,20 @@ impl Vm {
     /// The guest's most recent console lines.
     pub fn console_lines(&self) -> Vec<String> {
         self.shared.devices.serial.lines()
+    }
+}
+
+/// The owner fence acts on the VM through this (`crate::owner`).
+impl crate::owner::Guarded for Vm {
+    fn halt(&self, why: &str) {
+        tracing::error!("{why}: the vCPUs stop here");
+        if let Err(e) = self.pause() {
+            tracing::error!("cannot pause the VM that lost its claim: {e}");
+        }
+    }
+
+    fn run_again(&self) -> Result<(), String> {
+        self.resume().map_err(|e| e.to_string())
     }
 }
 
