@@ -1293,7 +1293,8 @@ fn a_source_killed_mid_postcopy_is_survived_from_the_safety_net() {
 /// once, to the standby, and hands over once the standby holds them. The
 /// migration succeeds, the source sent the destination far less than the
 /// VM's data (its faults), the standby finished the move with every page
-/// verified, and the workload goes on.
+/// verified (and said so to the source, whose report carries it), and the
+/// workload goes on.
 #[test]
 fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
     if !kvm_usable() {
@@ -1341,6 +1342,9 @@ fn a_postcopy_handed_to_its_standby_is_finished_from_there() {
     let post = &stats["postcopy"];
     assert_eq!(post["handed_over"], true, "{stats}");
     assert_eq!(post["safety_net_armed"], true, "{stats}");
+    // The standby told the source what the destination verified: the
+    // move's own report says it (a drain's report is made from it).
+    assert_eq!(stats["verified_pages"], 256 * 256, "{stats}");
     // The standby got the VM's 160 MiB of data; the destination only what
     // its vCPUs faulted on before the hand-over.
     let (to_net, to_dst) = (

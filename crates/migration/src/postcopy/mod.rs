@@ -409,9 +409,12 @@ fn follow(
                     "postcopy: handed over to the standby; this side waits for it to finish"
                 );
                 match n.hand_over(&waiting) {
-                    Ok(()) => {
+                    Ok(verified) => {
                         let post = stats.postcopy.get_or_insert_with(Default::default);
                         post.handed_over = true;
+                        if opts.verify {
+                            stats.verified_pages = verified.unwrap_or(0);
+                        }
                         finished(
                             s,
                             stats,

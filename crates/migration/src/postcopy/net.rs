@@ -96,7 +96,6 @@ pub(crate) struct Net {
 }
 
 /// What the feed did, for the move's figures.
-#[derive(Default)]
 pub(crate) struct Sent {
     /// Bytes written to the standby.
     pub(crate) bytes: AtomicU64,
@@ -106,6 +105,9 @@ pub(crate) struct Sent {
     pub(crate) lost: AtomicBool,
     /// The standby said it finished the move it was handed.
     pub(crate) finished: AtomicBool,
+    /// The pages the destination verified, as the standby that finished
+    /// the move said in its Complete ([`NOT_SAID`] if it did not).
+    pub(crate) verified: AtomicU64,
     /// When the copy last moved (ms after the feed started): connected,
     /// a batch written, Complete sent, StandbyHeld read.
     moved_ms: AtomicU64,
@@ -113,7 +115,30 @@ pub(crate) struct Sent {
     why_lost: std::sync::Mutex<Option<String>>,
 }
 
+/// `Sent::verified` before (or without) a standby's word on it.
+const NOT_SAID: u64 = u64::MAX;
+
+impl Default for Sent {
+    fn default() -> Sent {
+        Sent {
+            bytes: AtomicU64::new(0),
+            armed: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            verified: AtomicU64::new(NOT_SAID),
+            moved_ms: AtomicU64::new(0),
+            why_lost: std::sync::Mutex::new(None),
+        }
+    }
+}
+
 impl Sent {
+    /// What the standby that finished the move said the destination
+    /// verified (None: it did not say, e.g. an older standby).
+    pub(crate) fn verified(&self) -> Option<u64> {
+        Some(self.verified.load(Ordering::Acquire)).filter(|&v| v != NOT_SAID)
+    }
+
     /// The feed failed for `why` (the first reason stays).
     fn lose(&self, why: String) {
         let mut w = self.why_lost.lock().unwrap_or_else(|p| p.into_inner());
@@ -215,21 +240,22 @@ impl Net {
 
     /// This side has closed its links to the destination: the armed
     /// standby is told to resume the move at once, and this waits until it
-    /// says it finished (Ok) or fails or falls silent for
+    /// says it finished (Ok: the pages the destination verified, as the
+    /// standby said) or fails or falls silent for
     /// [`HANDED_SILENCE`] (Err: why; this side, which still holds every
     /// page, then resumes the move itself). `waiting` is called every
     /// 50 ms meanwhile.
-    pub(crate) fn hand_over(&self, waiting: &dyn Fn()) -> Result<(), String> {
+    pub(crate) fn hand_over(&self, waiting: &dyn Fn()) -> Result<Option<u64>, String> {
         self.hand_over.store(true, Ordering::Release);
         loop {
             if self.sent.finished.load(Ordering::Acquire) {
-                return Ok(());
+                return Ok(self.sent.verified());
             }
             let ended = self.thread.as_ref().is_none_or(JoinHandle::is_finished);
             if self.sent.lost.load(Ordering::Acquire) || ended {
                 // The thread sets `finished` before it ends.
                 if self.sent.finished.load(Ordering::Acquire) {
-                    return Ok(());
+                    return Ok(self.sent.verified());
                 }
                 let why = self.sent.why_lost.lock().unwrap_or_else(|p| p.into_inner());
                 return Err(why
@@ -402,7 +428,20 @@ fn run(feed: NetFeed, f: &Feeding<'_>) -> Result<(), MigrationError> {
             let f = protocol::read_frame(c.reader())?;
             match f.kind {
                 Kind::StandbyBeat => continue,
-                Kind::Complete => break,
+                Kind::Complete => {
+                    // Its body: the pages the destination verified (u64),
+                    // hostile like any count: at most the guest's pages.
+                    let pages: u64 = feed.regions.iter().map(|r| r.size() / 4096).sum();
+                    match <[u8; 8]>::try_from(f.body.as_slice()).map(u64::from_le_bytes) {
+                        Ok(v) if v <= pages => sent.verified.store(v, Ordering::Release),
+                        Ok(v) => tracing::warn!(
+                            net = %feed.net,
+                            "the standby says {v} pages were verified, more than the guest's {pages}: ignored"
+                        ),
+                        Err(_) => {} // an older standby says nothing
+                    }
+                    break;
+                }
                 k => {
                     return Err(ProtocolError::Unexpected {
                         got: k,

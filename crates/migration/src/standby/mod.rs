@@ -260,9 +260,11 @@ impl Standby {
             }
         };
         let result = take_over(&image, &plan, to, &lost, &beat);
-        if handed && result.is_ok() {
+        if let (true, Ok(verified)) = (handed, &result) {
+            // The source reports the move: it learns what was verified
+            // here (an older source ignores the body).
             let (c, _) = source.into_inner().unwrap_or_else(|p| p.into_inner());
-            let _ = c.send_frame(Kind::Complete, &[]);
+            let _ = c.send_frame(Kind::Complete, &verified.to_le_bytes());
         }
         match result {
             Ok(verified) => {
