@@ -945,9 +945,10 @@ class Trial:
         op = self.plan["op"]
         viol = [v for v in self.witness.violations if v[1] == self.vm]
         pages = int(MEM[:-1]) * 256
-        verified = report_verified(report) == pages
-        out = {"verified": verified, "max_overlap": self.witness.max_overlap.get(self.vm, 0),
-               "moved": None}
+        said = report_verified(report)
+        verified = said == pages
+        out = {"verified": verified, "verified_pages": said,
+               "max_overlap": self.witness.max_overlap.get(self.vm, 0), "moved": None}
         if report and "downtime_ms" in report:
             out["downtime_ms"] = report.get("downtime_ms")
         if viol or len(result["running"]) >= 2:
