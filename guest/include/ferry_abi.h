@@ -21,11 +21,13 @@
  *   0xD000_0000  service doorbell (MMIO, no memory behind it)
  *   0xD000_1000  host info page (VMM -> guest, struct ferry_host_info): VMM memory,
  *                not RAM; shares the doorbell's 2 MiB mapping (user, uncached)
+ *   0xD000_2000  virtio-mmio register windows of the disks, 4 KiB each (MMIO, no memory
+ *                behind them; same 2 MiB mapping, so CPL3 drivers reach them)
  */
 #ifndef FERRY_ABI_H
 #define FERRY_ABI_H
 
-#define FERRY_ABI_VERSION 2
+#define FERRY_ABI_VERSION 3
 
 #define FERRY_BOOT_INFO_GPA 0x1000UL
 #define FERRY_GDT_GPA 0x2000UL
@@ -44,6 +46,12 @@
  * PVM ignores IOPL for CPL3 code. */
 #define FERRY_SVC_DOORBELL_GPA 0xD0000000UL
 #define FERRY_HOST_INFO_GPA 0xD0001000UL
+/* Disk i's virtio-mmio window (virtio 1.x, docs/disks.md). */
+#define FERRY_BLK_MMIO_GPA 0xD0002000UL
+#define FERRY_BLK_MMIO_STRIDE 0x1000UL
+/* The disk workload's counters (struct ferry_disk_metrics), in the metrics
+ * area after struct ferry_metrics. */
+#define FERRY_DISK_METRICS_GPA (FERRY_METRICS_GPA + 0x2000UL)
 #define FERRY_LOW_RAM_MAX 0xC0000000UL /* RAM above this continues at 4 GiB */
 #define FERRY_HIGH_RAM_BASE 0x100000000UL
 
@@ -88,6 +96,21 @@ enum ferry_workload_kind {
   FERRY_WL_SORT = 5,     /* p0 bytes of 64-bit keys */
   FERRY_WL_FILL = 6,     /* p0 content (fill_content), p1 bytes (0 = whole arena share) */
   FERRY_WL_KV = 7,       /* p0 workers, p1 keys, p2 value bytes */
+  FERRY_WL_DISK = 8,     /* p0 mode (ferry_disk_mode), p1 block bytes, p2 queue depth,
+                          * p3 bytes of disk used, p4 rate B/s (0 = max), p5 disk index */
+};
+enum ferry_disk_mode {
+  FERRY_DISK_RANDWRITE = 0, /* random writes for ever */
+  FERRY_DISK_RANDREAD = 1,  /* write every block once, then random reads, each checked */
+  FERRY_DISK_SEQWRITE = 2,  /* write every block once, read each back and check it, done */
+  FERRY_DISK_MIXED = 3,     /* write every block once, then random reads and writes 1:1 */
+};
+enum ferry_disk_phase {
+  FERRY_DISK_SETUP = 0,
+  FERRY_DISK_FILL = 1,   /* writing every block once, in order */
+  FERRY_DISK_RUN = 2,    /* random I/O */
+  FERRY_DISK_VERIFY = 3, /* seqwrite: reading every block back */
+  FERRY_DISK_DONE = 4,
 };
 enum ferry_dirty_pattern { FERRY_PAT_SEQ = 0, FERRY_PAT_RANDOM = 1, FERRY_PAT_HOTCOLD = 2 };
 enum ferry_content { FERRY_CONTENT_RANDOM = 0, FERRY_CONTENT_ZERO = 1, FERRY_CONTENT_TEXT = 2 };
@@ -135,6 +158,42 @@ struct ferry_host_info {
   ferry_u64 migrations;
   ferry_u64 reserved[7];
 };
+
+/* Disk workload counters: written by the guest, read by the VMM (no exits). A
+ * block is bad when what a read returns is not what the guest last wrote there:
+ * lost (no stamp: never written, overwritten by someone else, or zeroed), foreign
+ * (another disk's or another block's stamp), stale (an older generation: a lost
+ * write), torn (stamp right, checksum wrong: a partial or corrupted write). */
+struct ferry_disk_metrics {
+  ferry_u64 magic;          /* FERRY_DISK_MAGIC once set up */
+  ferry_u64 tag;            /* this workload's disk tag, in every stamp */
+  ferry_u64 block_bytes;
+  ferry_u64 blocks;         /* blocks of the disk it uses */
+  ferry_u64 phase;          /* enum ferry_disk_phase */
+  ferry_u64 blocks_written; /* writes completed OK */
+  ferry_u64 blocks_read;    /* reads completed OK */
+  ferry_u64 blocks_checked; /* reads whose block had a known generation and was checked */
+  ferry_u64 bad_blocks;     /* checked and wrong: the sum of the four below */
+  ferry_u64 bad_lost;
+  ferry_u64 bad_foreign;
+  ferry_u64 bad_stale;
+  ferry_u64 bad_torn;
+  ferry_u64 io_errors;      /* requests the device failed */
+  ferry_u64 ops;            /* requests completed */
+  ferry_u64 lat_tsc_sum;    /* submit to completion, summed over ops */
+  ferry_u64 lat_tsc_max;
+  ferry_u64 first_bad_lba;  /* 1 + lba of the first bad block, 0 if none */
+  ferry_u64 capacity;       /* the disk's size in bytes as the device reported it */
+  ferry_u64 reserved[13];
+}; /* 256 bytes */
+#define FERRY_DISK_MAGIC 0x314b534459525246ULL /* "FRRYDSK1" little-endian */
+
+/* The stamp at the start of every block the disk workload writes; the rest of
+ * the block is ferry_value(lba, generation ^ tag). */
+#define FERRY_BLK_STAMP_MAGIC 0x31304b4c42595246ULL /* "FRYBLK01" little-endian */
+struct ferry_blk_stamp {
+  ferry_u64 magic, tag, lba, generation, checksum;
+}; /* 40 bytes; checksum = ferry_blk_checksum(...) */
 
 /* Metrics: written by the guest, read by the VMM every 10 ms without exits.
  * Every field is a naturally aligned 64-bit word written with plain stores. */
@@ -307,6 +366,14 @@ static inline void ferry_value(unsigned char *out, ferry_u64 len, ferry_u64 key,
     else
       for (ferry_u64 b = 0; i + b < len; b++) out[i + b] = (unsigned char)(w >> (8 * b));
   }
+}
+
+/* The checksum of a stamped block of `len` bytes: over the bytes after the
+ * stamp, mixed with the stamp's own fields. */
+static inline ferry_u64 ferry_blk_checksum(const unsigned char *block, ferry_u64 len, ferry_u64 tag,
+                                           ferry_u64 lba, ferry_u64 generation) {
+  ferry_u64 h = ferry_csum(block + sizeof(struct ferry_blk_stamp), len - sizeof(struct ferry_blk_stamp));
+  return h ^ (tag * 0x9E3779B97F4A7C15ULL) ^ (lba * 0xC2B2AE3D27D4EB4FULL) ^ (generation + 1);
 }
 
 #define FERRY_METRICS_OFF_CPU 64

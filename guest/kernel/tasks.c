@@ -140,6 +140,12 @@ void tasks_create(void) {
       for (u32 i = 0; i < n; i++) task_new(w, i, n, wl_kv)->mem[0] = table;
       break;
     }
+    case FERRY_WL_DISK: {
+      struct task_ctx *x = task_new(w, 0, 1, wl_disk);
+      x->mem[0] = arena_alloc(disk_mem_size(p[1], p[2], p[3]), "disk");
+      x->mem[1] = arena_alloc(2 * PAGE_SIZE, "disk state");
+      break;
+    }
     default:
       panic("unknown workload kind %u", wl->kind);
     }

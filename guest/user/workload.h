@@ -32,6 +32,12 @@ void wl_compute(struct task_ctx *t);
 void wl_sort(struct task_ctx *t);
 void wl_fill(struct task_ctx *t);
 void wl_kv(struct task_ctx *t);
+void wl_disk(struct task_ctx *t);
+
+/* disk workload memory: virtqueue (3 pages), headers (1 page), qd buffers, a u32 per block. */
+static inline u64 disk_mem_size(u64 bs, u64 qd, u64 bytes) {
+  return 4 * PAGE_SIZE + qd * bs + (bytes / bs) * 4;
+}
 
 /* kv table entry: a lock word, the seed of the value's content, the value. */
 static inline u64 kv_entry_size(u64 value_bytes) { return (16 + value_bytes + 7) & ~7UL; }

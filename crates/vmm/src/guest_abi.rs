@@ -3,7 +3,7 @@
 //! compiles that header and checks that every offset and constant agrees.
 
 /// Version of this contract; the guest refuses boot info of another version.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
 /// Boot info page (VMM → guest).
 pub const BOOT_INFO_GPA: u64 = 0x1000;
@@ -43,6 +43,82 @@ pub const SVC_MAGIC: u64 = 0x3156_5359_5252_4546;
 pub const SVC_DOORBELL_GPA: u64 = 0xD000_0000;
 /// Host info page: VMM memory (not guest RAM, never migrated) the guest reads.
 pub const HOST_INFO_GPA: u64 = 0xD000_1000;
+/// Disk 0's virtio-mmio register window (disk i: [`BLK_MMIO_STRIDE`] × i on).
+pub const BLK_MMIO_GPA: u64 = 0xD000_2000;
+/// Bytes between two disks' windows.
+pub const BLK_MMIO_STRIDE: u64 = 0x1000;
+/// The disk workload's counters ([`DiskMetrics`]), after the metrics page.
+pub const DISK_METRICS_GPA: u64 = METRICS_GPA + 0x2000;
+/// [`DiskMetrics::magic`] once the disk workload is set up.
+pub const DISK_MAGIC: u64 = 0x314b_5344_5952_5246;
+/// The magic of a block stamp ([`BlkStamp`]).
+pub const BLK_STAMP_MAGIC: u64 = 0x3130_4b4c_4259_5246;
+
+/// The disk workload's counters (see `struct ferry_disk_metrics`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[allow(missing_docs)]
+pub struct DiskMetrics {
+    pub magic: u64,
+    pub tag: u64,
+    pub block_bytes: u64,
+    pub blocks: u64,
+    pub phase: u64,
+    pub blocks_written: u64,
+    pub blocks_read: u64,
+    pub blocks_checked: u64,
+    pub bad_blocks: u64,
+    pub bad_lost: u64,
+    pub bad_foreign: u64,
+    pub bad_stale: u64,
+    pub bad_torn: u64,
+    pub io_errors: u64,
+    pub ops: u64,
+    pub lat_tsc_sum: u64,
+    pub lat_tsc_max: u64,
+    pub first_bad_lba: u64,
+    pub capacity: u64,
+    #[serde(skip)]
+    pub reserved: [u64; 13],
+}
+
+impl DiskMetrics {
+    /// Number of 64-bit words.
+    pub const WORDS: usize = std::mem::size_of::<DiskMetrics>() / 8;
+}
+
+/// The stamp at the start of every block the disk workload writes (see
+/// `struct ferry_blk_stamp`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct BlkStamp {
+    pub magic: u64,
+    pub tag: u64,
+    pub lba: u64,
+    pub generation: u64,
+    pub checksum: u64,
+}
+
+/// Modes of the disk workload (its `p[0]`).
+#[allow(missing_docs)]
+pub mod disk_mode {
+    pub const RANDWRITE: u64 = 0;
+    pub const RANDREAD: u64 = 1;
+    pub const SEQWRITE: u64 = 2;
+    pub const MIXED: u64 = 3;
+}
+
+/// Phases of the disk workload ([`DiskMetrics::phase`]).
+#[allow(missing_docs)]
+pub mod disk_phase {
+    pub const SETUP: u64 = 0;
+    pub const FILL: u64 = 1;
+    pub const RUN: u64 = 2;
+    pub const VERIFY: u64 = 3;
+    pub const DONE: u64 = 4;
+}
+
 /// Vector the VMM raises when it posts a request to parked workers.
 pub const VEC_SVC: u32 = 0x41;
 
@@ -146,6 +222,7 @@ pub mod kind {
     pub const SORT: u32 = 5;
     pub const FILL: u32 = 6;
     pub const KV: u32 = 7;
+    pub const DISK: u32 = 8;
 }
 
 /// When memtouch's timed pass starts (its `p[2]`).
@@ -316,6 +393,12 @@ const _: () = assert!(HOST_INFO_GPA >> 21 == SVC_DOORBELL_GPA >> 21);
 const _: () = assert!(HOST_INFO_GPA > SVC_DOORBELL_GPA && HOST_INFO_GPA.is_multiple_of(4096));
 const _: () = assert!(HOST_INFO_GPA >= LOW_RAM_MAX && HOST_INFO_GPA < HIGH_RAM_BASE);
 const _: () = assert!(std::mem::size_of::<HostInfo>() <= 4096);
+// The disk counters sit after the metrics page, inside its area.
+const _: () = assert!(METRICS_GPA + std::mem::size_of::<Metrics>() as u64 <= DISK_METRICS_GPA);
+const _: () = assert!(
+    DISK_METRICS_GPA + std::mem::size_of::<DiskMetrics>() as u64 <= METRICS_GPA + METRICS_SIZE
+);
+const _: () = assert!(BLK_MMIO_GPA >> 21 == SVC_DOORBELL_GPA >> 21 && BLK_MMIO_GPA > HOST_INFO_GPA);
 
 #[cfg(test)]
 mod tests {
@@ -375,6 +458,16 @@ int main(void) {
   P(offsetof(struct ferry_svc_slot, data)); P(sizeof(struct ferry_svc_slot));
   P(sizeof(struct ferry_svc_request)); P(sizeof(struct ferry_svc_response));
   P(offsetof(struct ferry_svc_response, checksum));
+  P(FERRY_BLK_MMIO_GPA); P(FERRY_BLK_MMIO_STRIDE); P(FERRY_DISK_METRICS_GPA); P(FERRY_DISK_MAGIC);
+  P(FERRY_BLK_STAMP_MAGIC); P(FERRY_WL_DISK); P(FERRY_DISK_SEQWRITE); P(FERRY_DISK_MIXED);
+  P(FERRY_DISK_RUN); P(FERRY_DISK_DONE); P(sizeof(struct ferry_disk_metrics));
+  P(offsetof(struct ferry_disk_metrics, bad_blocks)); P(offsetof(struct ferry_disk_metrics, capacity));
+  P(sizeof(struct ferry_blk_stamp));
+  {
+    unsigned char b[4096];
+    for (int i = 0; i < 4096; i++) b[i] = (unsigned char)(i * 7);
+    P(ferry_blk_checksum(b, sizeof b, 3, 5, 9));
+  }
   {
     unsigned char v[100];
     ferry_value(v, sizeof v, 5, 7);
@@ -578,6 +671,36 @@ int main(void) {
             ),
             ("ferry_csum(v, 0)", wire::csum(&[])),
             ("v[99]", wire::value(100, 5, 7)[99] as u64),
+            ("FERRY_BLK_MMIO_GPA", BLK_MMIO_GPA),
+            ("FERRY_BLK_MMIO_STRIDE", BLK_MMIO_STRIDE),
+            ("FERRY_DISK_METRICS_GPA", DISK_METRICS_GPA),
+            ("FERRY_DISK_MAGIC", DISK_MAGIC),
+            ("FERRY_BLK_STAMP_MAGIC", BLK_STAMP_MAGIC),
+            ("FERRY_WL_DISK", kind::DISK as u64),
+            ("FERRY_DISK_SEQWRITE", disk_mode::SEQWRITE),
+            ("FERRY_DISK_MIXED", disk_mode::MIXED),
+            ("FERRY_DISK_RUN", disk_phase::RUN),
+            ("FERRY_DISK_DONE", disk_phase::DONE),
+            (
+                "sizeof(struct ferry_disk_metrics)",
+                size_of::<DiskMetrics>() as u64,
+            ),
+            (
+                "offsetof(struct ferry_disk_metrics, bad_blocks)",
+                offset_of!(DiskMetrics, bad_blocks) as u64,
+            ),
+            (
+                "offsetof(struct ferry_disk_metrics, capacity)",
+                offset_of!(DiskMetrics, capacity) as u64,
+            ),
+            (
+                "sizeof(struct ferry_blk_stamp)",
+                size_of::<BlkStamp>() as u64,
+            ),
+            ("ferry_blk_checksum(b, sizeof b, 3, 5, 9)", {
+                let b: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+                crate::workload::disk::blk_checksum(&b, 3, 5, 9)
+            }),
         ];
         for (name, rust) in expect {
             assert_eq!(c.get(name), Some(rust), "{name}: C and Rust disagree");

@@ -65,6 +65,16 @@ pub struct RunArgs {
     /// (TCP_REPAIR) and this VMM exits. Needs CAP_NET_ADMIN.
     #[arg(long)]
     pub(super) vm_address: Option<std::net::Ipv4Addr>,
+    /// Give the VM a virtio-blk disk backed by a raw image file:
+    /// PATH[,size=SIZE][,create] (repeatable, up to 4; `create` makes a
+    /// sparse file of SIZE). A VM with a disk cannot migrate or be handed
+    /// over yet (docs/disks.md).
+    #[arg(
+        long = "disk",
+        value_name = "PATH[,size=SIZE][,create]",
+        conflicts_with = "incoming"
+    )]
+    pub(super) disks: Vec<ferry_vmm::devices::block::DiskSpec>,
     /// Serve Prometheus metrics (migration progress named like KubeVirt's,
     /// and the guest's counters) at http://ADDR/metrics (port 0 picks one).
     #[arg(long)]

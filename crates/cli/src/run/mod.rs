@@ -64,6 +64,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     config.console = (!quiet).then(|| console_sink(Arc::new(AtomicBool::new(false))));
     config.serve = args.serve;
     config.vm_address = args.vm_address;
+    config.disks = args.disks.clone();
     // An incoming VM's RAM is under the migration's userfaultfd.
     if args.incoming.is_none() {
         config.access = access_config(

@@ -111,6 +111,49 @@ pub fn metrics_json(vm: &Vm) -> Result<Value, String> {
     }))
 }
 
+/// The disk workload's own check (None without one, or before it set
+/// up): what it wrote and read, what it checked, what was bad, and its
+/// requests per second since it started.
+pub fn disk_check_json(vm: &Vm) -> Option<Value> {
+    let index = vm
+        .config()
+        .workloads
+        .0
+        .iter()
+        .position(|w| matches!(w, crate::workload::Workload::Disk(_)))?;
+    let d = crate::workload::disk::read_metrics(vm.memory())?;
+    let m = vm.metrics().ok()?;
+    let ms = m
+        .tasks()
+        .iter()
+        .find(|t| t.workload == index as u64)
+        .and_then(|t| m.task_ms(t))
+        .unwrap_or(0.0);
+    let tsc_khz = vm.tsc_khz().max(1) as f64;
+    let phase = match d.phase {
+        crate::guest_abi::disk_phase::FILL => "fill",
+        crate::guest_abi::disk_phase::RUN => "run",
+        crate::guest_abi::disk_phase::VERIFY => "verify",
+        crate::guest_abi::disk_phase::DONE => "done",
+        _ => "setup",
+    };
+    let mut v = serde_json::to_value(d).ok()?;
+    v["phase"] = json!(phase);
+    v["iops"] = json!(if ms > 0.0 {
+        d.ops as f64 / (ms / 1000.0)
+    } else {
+        0.0
+    });
+    v["latency_us_mean"] = json!(if d.ops > 0 {
+        d.lat_tsc_sum as f64 / d.ops as f64 / tsc_khz * 1000.0
+    } else {
+        0.0
+    });
+    v["latency_us_max"] = json!(d.lat_tsc_max as f64 / tsc_khz * 1000.0);
+    v["ms"] = json!(ms);
+    Some(v)
+}
+
 /// An effect that waits for one connection's reply: set by the thread
 /// that handles the request, taken only by that thread once its reply is
 /// written. (Each connection is served on a thread of its own.)
@@ -201,6 +244,8 @@ impl ControlHandler for VmControl {
                 "links": ferry_migration::transport::describe(),
                 // Who may run the VM, by the registry (fenced VMs only).
                 "owner": vm.owner().and_then(|o| o.status()),
+                "disks": vm.disks().iter().map(|d| d.info()).collect::<Vec<_>>(),
+                "disk_check": disk_check_json(vm),
             })),
             Request::Metrics => metrics_json(vm).map(|m| json!({ "metrics": m })),
             Request::Dump { path } => dump_pages(vm, &path),

@@ -1,7 +1,8 @@
-//! Devices on the guest's I/O buses: the console and exit port (port I/O)
-//! and the service device's doorbell (MMIO); and the host info page the
-//! guest reads (memory, no exits).
+//! Devices on the guest's I/O buses: the console and exit port (port I/O),
+//! the service device's doorbell and the virtio-blk disks (MMIO); and the
+//! host info page the guest reads (memory, no exits).
 
+pub mod block;
 pub mod host_info;
 pub mod serial;
 pub mod service;
@@ -29,6 +30,8 @@ pub struct Devices {
     pub serial: Serial,
     /// The service device, if the VM serves requests.
     pub service: Option<Arc<ServiceDevice>>,
+    /// The VM's disks, in `--disk` order.
+    pub disks: Vec<Arc<block::BlockDevice>>,
     unknown_accesses: AtomicU64,
 }
 
@@ -38,8 +41,15 @@ impl Devices {
         Devices {
             serial: Serial::new(console),
             service,
+            disks: Vec::new(),
             unknown_accesses: AtomicU64::new(0),
         }
+    }
+
+    /// The same devices with these disks.
+    pub fn with_disks(mut self, disks: Vec<Arc<block::BlockDevice>>) -> Self {
+        self.disks = disks;
+        self
     }
 
     /// Handles an `out` from the guest.
@@ -61,8 +71,23 @@ impl Devices {
     pub fn mmio_write(&self, addr: u64, data: &[u8]) {
         match (addr, &self.service) {
             (SVC_DOORBELL_GPA, Some(s)) => s.doorbell(le_u32(data)),
-            _ => {
+            _ => match self.disks.iter().find(|d| d.owns(addr)) {
+                Some(d) => d.mmio_write(addr, data),
+                None => {
+                    self.unknown_accesses.fetch_add(1, Ordering::Relaxed);
+                }
+            },
+        }
+    }
+
+    /// Handles a guest load from an address with no RAM behind it; nothing
+    /// there reads as all ones, like an empty bus.
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        match self.disks.iter().find(|d| d.owns(addr)) {
+            Some(d) => d.mmio_read(addr, data),
+            None => {
                 self.unknown_accesses.fetch_add(1, Ordering::Relaxed);
+                data.fill(0xff);
             }
         }
     }

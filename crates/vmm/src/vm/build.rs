@@ -15,6 +15,7 @@ use super::{Vm, VmConfig, VmError};
 use crate::access::AccessSlot;
 use crate::boot::loader::load_kernel;
 use crate::boot::setup;
+use crate::devices::block::BlockDevice;
 use crate::devices::host_info::HostInfoPage;
 use crate::devices::service::ServiceDevice;
 use crate::devices::Devices;
@@ -137,10 +138,26 @@ impl Vm {
             )?),
             (None, None, _) => None,
         };
+        let disks = config
+            .disks
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| BlockDevice::new(i, spec, memory.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(d) = config.workloads.disk() {
+            let have = disks[d.disk as usize].info().size;
+            if d.mib << 20 > have {
+                return Err(VmError::DiskTooSmall {
+                    index: d.disk,
+                    need: d.mib << 20,
+                    have,
+                });
+            }
+        }
         let shared = Arc::new(VmShared::new(
             config.vcpus,
             msr_indices,
-            Devices::new(config.console.clone(), service),
+            Devices::new(config.console.clone(), service).with_disks(disks),
         ));
         let dirty = Arc::new(DirtyLog::new(Box::new(KvmLog::new(
             vm_fd.clone(),

@@ -47,6 +47,8 @@ pub struct VmConfig {
     /// Track page accesses while the VM runs (split migration ranks
     /// memory by them); `None` = off.
     pub access: Option<AccessConfig>,
+    /// Virtio-blk disks, in order (docs/disks.md).
+    pub disks: Vec<crate::devices::block::DiskSpec>,
 }
 
 impl VmConfig {
@@ -65,6 +67,7 @@ impl VmConfig {
             serve: None,
             vm_address: None,
             access: None,
+            disks: Vec::new(),
         }
     }
 
@@ -99,6 +102,17 @@ impl VmConfig {
         let layout = MemoryLayout::for_size(self.mem_bytes)?;
         self.workloads
             .check_fits(self.vcpus, layout.arena_bytes())?;
+        if self.disks.len() > crate::devices::block::MAX_DISKS {
+            return Err(VmError::Disk(crate::devices::block::BlockError::TooMany));
+        }
+        if let Some(d) = self.workloads.disk() {
+            if d.disk as usize >= self.disks.len() {
+                return Err(VmError::NoDisk {
+                    index: d.disk,
+                    disks: self.disks.len(),
+                });
+            }
+        }
         Ok(layout)
     }
 }

@@ -83,4 +83,25 @@ pub enum VmError {
     /// The host info page could not be set up.
     #[error(transparent)]
     HostInfo(#[from] HostInfoError),
+    /// A disk could not be attached.
+    #[error(transparent)]
+    Disk(#[from] crate::devices::block::BlockError),
+    /// The disk workload names a disk the VM does not have.
+    #[error("the disk workload uses disk {index} but the VM has {disks} disk(s): add --disk PATH")]
+    NoDisk {
+        /// The disk it names.
+        index: u32,
+        /// Disks the VM has.
+        disks: usize,
+    },
+    /// The disk workload needs more of its disk than there is.
+    #[error("the disk workload uses {need} bytes of disk {index}, which holds only {have}")]
+    DiskTooSmall {
+        /// The disk.
+        index: u32,
+        /// Bytes it uses.
+        need: u64,
+        /// Bytes the disk holds.
+        have: u64,
+    },
 }

@@ -273,6 +273,11 @@ impl Vm {
         self.shared.devices.service.as_ref()
     }
 
+    /// The VM's virtio-blk disks.
+    pub fn disks(&self) -> &[Arc<crate::devices::block::BlockDevice>] {
+        &self.shared.devices.disks
+    }
+
     /// The KVM VM.
     pub fn vm_fd(&self) -> &Arc<VmFd> {
         &self.vm_fd

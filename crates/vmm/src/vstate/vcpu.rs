@@ -97,8 +97,8 @@ pub fn run_loop(mut vcpu: VcpuFd, id: u32, shared: Arc<VmShared>) -> VcpuFd {
                 shared.devices.pio_read(port, data);
                 None
             }
-            Ok(VcpuExit::MmioRead(_, data)) => {
-                data.fill(0xff);
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                shared.devices.mmio_read(addr, data);
                 None
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {

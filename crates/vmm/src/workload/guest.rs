@@ -56,6 +56,10 @@ impl Workload {
                 p[2] = *value;
                 kind::KV
             }
+            Workload::Disk(d) => {
+                p[..6].copy_from_slice(&d.params());
+                kind::DISK
+            }
         };
         guest_abi::Workload {
             kind,

@@ -9,8 +9,11 @@
 //! (parsing with its errors, and display), [`guest`] their encoding for
 //! the guest.
 
+pub mod disk;
 pub mod guest;
 pub mod text;
+
+pub use disk::{DiskMode, DiskWorkload};
 
 use crate::guest_abi;
 
@@ -39,7 +42,14 @@ Workloads (join several with '+', e.g. memtouch:tasks=4,mib=8+compute):
   kv[:workers=G,keys=K,value=B]
                              G worker tasks serve GET/SET on K values of B bytes from the
                              service device (--serve); drive it with `ferry load`
-                             (defaults: workers=4 keys=65536 value=1024)";
+                             (defaults: workers=4 keys=65536 value=1024)
+  disk[:rw=randwrite|randread|seqwrite|mixed,bs=BYTES,qd=N,mib=M,rate=MiB/s,disk=I]
+                             drives virtio-blk disk I (--disk) from one task with N requests
+                             in flight over its first M MiB, stamping every block written and
+                             checking every block read (bad blocks counted, never hidden);
+                             seqwrite writes M MiB once, reads it back and ends; randread
+                             and mixed write every block once first
+                             (defaults: rw=mixed bs=4096 qd=8 mib=64, no rate limit, disk=0)";
 
 /// Page-choice pattern of the `dirty` workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,6 +141,8 @@ pub enum Workload {
         /// Bytes per value.
         value: u64,
     },
+    /// Drives a disk and checks every block it reads.
+    Disk(DiskWorkload),
     /// Fills memory with known content.
     Fill {
         /// Content class.
@@ -197,6 +209,9 @@ pub enum SpecError {
     /// Two kv workloads would share one service ring.
     #[error("at most one kv workload per VM (it owns the service device)")]
     TwoServers,
+    /// Two disk workloads would share one counters page.
+    #[error("at most one disk workload per VM")]
+    TwoDisks,
     /// The workloads do not fit in guest memory.
     #[error(
         "the workloads need {need_mib} MiB of guest memory but only {have_mib} MiB are free \
@@ -213,13 +228,21 @@ pub enum SpecError {
 /// Largest kv value: a GET response must fit one service ring slot.
 pub const MAX_KV_VALUE: u64 = 8192;
 
+/// A size in bytes with an optional k/M/G suffix (binary), as the disk
+/// workload's `bs` takes it (`4k`, `64k`, `4096`).
+fn disk_size(text: &str) -> Option<u64> {
+    crate::devices::block::spec::parse_size(text)
+}
+
 /// Bytes of one kv table entry (lock, seed, value), as the guest lays it out.
 pub fn kv_entry_size(value: u64) -> u64 {
     (16 + value + 7) & !7
 }
 
 /// Names of all workloads, for error messages.
-pub const NAMES: &[&str] = &["idle", "dirty", "memtouch", "compute", "sort", "fill", "kv"];
+pub const NAMES: &[&str] = &[
+    "idle", "dirty", "memtouch", "compute", "sort", "fill", "kv", "disk",
+];
 
 /// A list of workloads run together, as given on the command line.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -236,12 +259,21 @@ impl Workload {
             Workload::Sort { .. } => "sort",
             Workload::Fill { .. } => "fill",
             Workload::Kv { .. } => "kv",
+            Workload::Disk(_) => "disk",
         }
     }
 
     /// True for workloads whose tasks finish by themselves (the run can end then).
     pub fn finishes(&self) -> bool {
-        matches!(self, Workload::Memtouch { .. } | Workload::Sort { .. })
+        matches!(
+            self,
+            Workload::Memtouch { .. }
+                | Workload::Sort { .. }
+                | Workload::Disk(DiskWorkload {
+                    mode: DiskMode::SeqWrite,
+                    ..
+                })
+        )
     }
 
     /// Tasks this workload runs on a VM with `vcpus` vCPUs.
@@ -253,7 +285,7 @@ impl Workload {
             }
             Workload::Memtouch { tasks, .. } => *tasks as u64,
             Workload::Kv { workers, .. } => *workers as u64,
-            Workload::Sort { .. } | Workload::Fill { .. } => 1,
+            Workload::Sort { .. } | Workload::Fill { .. } | Workload::Disk(_) => 1,
         }
     }
 
@@ -266,6 +298,7 @@ impl Workload {
             Workload::Sort { mib } => 2 * mib * MIB,
             Workload::Fill { mib, .. } => mib.unwrap_or(0) * MIB,
             Workload::Kv { keys, value, .. } => keys * kv_entry_size(*value),
+            Workload::Disk(d) => d.arena_bytes(),
             Workload::Idle | Workload::Compute { .. } => 0,
         }
     }
@@ -304,6 +337,14 @@ impl WorkloadSet {
     /// True if a workload serves requests (and so needs the service device).
     pub fn serves(&self) -> bool {
         self.0.iter().any(|w| matches!(w, Workload::Kv { .. }))
+    }
+
+    /// The disk workload, if there is one.
+    pub fn disk(&self) -> Option<&DiskWorkload> {
+        self.0.iter().find_map(|w| match w {
+            Workload::Disk(d) => Some(d),
+            _ => None,
+        })
     }
 
     /// True if every workload finishes by itself.

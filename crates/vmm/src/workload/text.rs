@@ -20,6 +20,7 @@ fn params_of(workload: &str) -> &'static [&'static str] {
         "sort" => &["mib"],
         "fill" => &["content", "mib"],
         "kv" => &["workers", "keys", "value"],
+        "disk" => super::disk::PARAMS,
         _ => &[],
     }
 }
@@ -74,6 +75,7 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
             keys: 65536,
             value: 1024,
         },
+        "disk" => Workload::Disk(super::DiskWorkload::default()),
         _ => Workload::Fill {
             content: FillContent::Mixed,
             mib: None,
@@ -171,6 +173,7 @@ fn parse_one(text: &str) -> Result<Workload, SpecError> {
             (Workload::Kv { value: v, .. }, "value") => {
                 *v = parse_num(workload, param, value, 8, MAX_KV_VALUE, "8 to 8192 bytes")?
             }
+            (Workload::Disk(d), _) => d.set(param, value)?,
             (Workload::Fill { mib, .. }, "mib") => {
                 *mib = Some(parse_num(
                     workload,
@@ -212,6 +215,14 @@ impl FromStr for WorkloadSet {
             > 1
         {
             return Err(SpecError::TwoServers);
+        }
+        if list
+            .iter()
+            .filter(|w| matches!(w, Workload::Disk(_)))
+            .count()
+            > 1
+        {
+            return Err(SpecError::TwoDisks);
         }
         Ok(WorkloadSet(list))
     }
@@ -265,6 +276,7 @@ impl fmt::Display for Workload {
             } => {
                 write!(f, "kv:workers={workers},keys={keys},value={value}")
             }
+            Workload::Disk(d) => write!(f, "{d}"),
             Workload::Fill { content, mib } => {
                 let c = match content {
                     FillContent::Best => "best",

@@ -1,0 +1,264 @@
+//! A virtio-blk disk (virtio 1.x, split virtqueue, virtio-mmio transport),
+//! as a standard guest driver would use it, backed by a local raw image.
+//!
+//! One responsibility per file: `mmio.rs` the transport's registers and
+//! status/feature handshake, `queue.rs` the virtqueue and the I/O threads,
+//! `request.rs` parsing and checking one request, `backend.rs` the image
+//! file, `memory.rs` guest RAM as rust-vmm's crates see it, `spec.rs` the
+//! `--disk` text. This file ties them into a [`BlockDevice`] at its MMIO
+//! window.
+//!
+//! rust-vmm's `virtio-queue` walks the split rings (it bounds every chain
+//! by the queue size, follows `next` indices only inside the table and
+//! checks the avail index), `virtio-bindings` gives the spec's constants,
+//! and `vm-memory` is the view of guest RAM they need: an adapter over
+//! ferry's memfd mappings costs a few lines (`memory.rs`), so nothing here
+//! walks rings by hand.
+//!
+//! Interrupts: the device sets InterruptStatus for every used buffer but
+//! injects nothing yet; ferry's test guest drives the queue from CPL3 and
+//! polls the used ring (guest/user/vblk.c), which is how its service ring
+//! works too. A guest that needs an interrupt line is later work.
+//!
+//! Not built yet: migration of a disk (a VM with one refuses `migrate` and
+//! `handover`, see docs/disks.md), and device writes into guest RAM are not
+//! in KVM's dirty log (they will have to be before RAM can move under a
+//! running disk).
+
+pub mod backend;
+pub mod memory;
+pub mod mmio;
+pub mod queue;
+pub mod request;
+pub mod spec;
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ferry_memory::GuestMemory;
+use virtio_bindings::virtio_blk as vb;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+
+pub use backend::{BackendError, RawFile};
+pub use spec::{DiskSpec, DiskSpecError};
+
+use mmio::{Action, Transport};
+use queue::{BlockStats, Job, Shared, IO_THREADS};
+use request::{MAX_DATA, MAX_SEGS};
+
+/// Guest address of disk 0's register window; disk `i` is `i` windows on.
+pub const MMIO_BASE: u64 = crate::guest_abi::BLK_MMIO_GPA;
+/// Most disks a VM has (their windows share the doorbell's 2 MiB page).
+pub const MAX_DISKS: usize = 4;
+
+/// Why a disk could not be attached.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    /// The image.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// Guest memory could not be described to the virtio crates.
+    #[error("virtio-blk: {0}")]
+    Memory(#[from] memory::AdaptError),
+    /// An I/O thread could not start.
+    #[error("virtio-blk: cannot start an I/O thread: {0}")]
+    Thread(std::io::Error),
+    /// More disks than windows.
+    #[error("at most {MAX_DISKS} disks per VM")]
+    TooMany,
+}
+
+/// A disk as `ferry status` shows it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct DiskInfo {
+    /// Which disk (its window is MMIO_BASE + index × 4 KiB).
+    pub index: usize,
+    /// `raw`: a local image file.
+    pub backend: String,
+    /// The image.
+    pub path: String,
+    /// Bytes.
+    pub size: u64,
+    /// True if aligned requests bypass the host's page cache.
+    pub direct_io: bool,
+    /// Read requests done.
+    pub reads: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Write requests done.
+    pub writes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// Flushes.
+    pub flushes: u64,
+    /// Discards and write-zeroes.
+    pub zeroes: u64,
+    /// Requests the backend failed.
+    pub io_errors: u64,
+    /// Malformed requests refused.
+    pub bad_requests: u64,
+    /// Times the queue was found broken.
+    pub broken: u64,
+    /// The driver finished set-up and the device runs.
+    pub live: bool,
+}
+
+/// One virtio-blk device.
+pub struct BlockDevice {
+    index: usize,
+    transport: Mutex<Transport>,
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<Sender<Job>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The features the device offers.
+pub fn features() -> u64 {
+    (1u64 << VIRTIO_F_VERSION_1)
+        | (1 << vb::VIRTIO_BLK_F_SIZE_MAX)
+        | (1 << vb::VIRTIO_BLK_F_SEG_MAX)
+        | (1 << vb::VIRTIO_BLK_F_FLUSH)
+        | (1 << vb::VIRTIO_BLK_F_DISCARD)
+        | (1 << vb::VIRTIO_BLK_F_WRITE_ZEROES)
+}
+
+/// `struct virtio_blk_config` for a disk of `capacity` sectors.
+fn config_space(capacity: u64) -> Vec<u8> {
+    let mut c = vec![0u8; 60];
+    let put32 =
+        |c: &mut Vec<u8>, at: usize, v: u32| c[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    c[0..8].copy_from_slice(&capacity.to_le_bytes());
+    put32(&mut c, 8, MAX_DATA as u32); // size_max
+    put32(&mut c, 12, MAX_SEGS as u32); // seg_max
+    put32(&mut c, 20, 512); // blk_size
+    c[34..36].copy_from_slice(&1u16.to_le_bytes()); // num_queues
+    let max_sectors = u32::try_from(capacity).unwrap_or(u32::MAX);
+    put32(&mut c, 36, max_sectors); // max_discard_sectors
+    put32(&mut c, 40, 1); // max_discard_seg
+    put32(&mut c, 44, 1); // discard_sector_alignment
+    put32(&mut c, 48, max_sectors); // max_write_zeroes_sectors
+    put32(&mut c, 52, 1); // max_write_zeroes_seg
+    c[56] = 1; // write_zeroes_may_unmap
+    c
+}
+
+impl BlockDevice {
+    /// Opens disk `index`'s image and starts its I/O threads.
+    pub fn new(
+        index: usize,
+        spec: &DiskSpec,
+        memory: Arc<GuestMemory>,
+    ) -> Result<Arc<Self>, BlockError> {
+        if index >= MAX_DISKS {
+            return Err(BlockError::TooMany);
+        }
+        let backend = RawFile::open(spec)?;
+        let ram = memory::GuestRam::new(memory)?;
+        let shared = Arc::new(Shared::new(ram, backend, &format!("ferry-disk{index}")));
+        let transport = Transport::new(features(), config_space(shared.capacity()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let rx = Arc::new(Mutex::new(rx));
+        for k in 0..IO_THREADS {
+            let (s, r) = (shared.clone(), rx.clone());
+            std::thread::Builder::new()
+                .name(format!("blk{index}-io{k}"))
+                .spawn(move || queue::io_thread(s, r))
+                .map_err(BlockError::Thread)?;
+        }
+        Ok(Arc::new(BlockDevice {
+            index,
+            transport: Mutex::new(transport),
+            shared,
+            jobs: Mutex::new(Some(tx)),
+        }))
+    }
+
+    /// The guest address of this device's register window.
+    pub fn base(&self) -> u64 {
+        MMIO_BASE + self.index as u64 * mmio::WINDOW
+    }
+
+    /// True if `addr` is in this device's window.
+    pub fn owns(&self, addr: u64) -> bool {
+        (self.base()..self.base() + mmio::WINDOW).contains(&addr)
+    }
+
+    fn transport(&self) -> MutexGuard<'_, Transport> {
+        let mut t = lock(&self.transport);
+        if self.shared.broken.load(Ordering::SeqCst) {
+            t.set_needs_reset();
+        }
+        t
+    }
+
+    /// A guest load from the window.
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        let mut t = self.transport();
+        let q = lock(&self.shared.queue);
+        let irq = self.shared.interrupt.load(Ordering::SeqCst);
+        t.read(&q, irq, addr - self.base(), data);
+    }
+
+    /// A guest store to the window.
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) {
+        let offset = addr - self.base();
+        let mut t = self.transport();
+        if offset == mmio::reg::STATUS && data.iter().all(|b| *b == 0) {
+            // A reset: nothing in flight may touch guest memory after it.
+            self.shared.quiesce();
+        }
+        if offset == mmio::reg::INTERRUPT_ACK && data.len() == 4 {
+            let bits = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+            self.shared.interrupt.fetch_and(!bits, Ordering::SeqCst);
+        }
+        let action = {
+            let mut q = lock(&self.shared.queue);
+            t.write(&mut q, offset, data)
+        };
+        match action {
+            Action::Notify(0) if t.live() => {
+                drop(t);
+                if let Some(jobs) = lock(&self.jobs).as_ref() {
+                    self.shared.drain(jobs);
+                }
+            }
+            Action::Notify(_) | Action::None | Action::Reset => {}
+        }
+    }
+
+    /// Its figures for `ferry status`.
+    pub fn info(&self) -> DiskInfo {
+        let s: &BlockStats = &self.shared.stats;
+        let b = &self.shared.backend;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        DiskInfo {
+            index: self.index,
+            backend: "raw".into(),
+            path: b.path().display().to_string(),
+            size: b.size(),
+            direct_io: b.direct(),
+            reads: get(&s.reads),
+            read_bytes: get(&s.read_bytes),
+            writes: get(&s.writes),
+            write_bytes: get(&s.write_bytes),
+            flushes: get(&s.flushes),
+            zeroes: get(&s.zeroes),
+            io_errors: get(&s.io_errors),
+            bad_requests: get(&s.bad_requests),
+            broken: get(&s.broken),
+            live: lock(&self.transport).live(),
+        }
+    }
+
+    /// Stops the I/O threads once the jobs queued are done.
+    pub fn shutdown(&self) {
+        lock(&self.jobs).take();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,299 @@
+//! The request queue: taking chains off the split virtqueue (rust-vmm's
+//! `virtio-queue` walks the rings and bounds each chain by the queue size),
+//! handing each parsed request to a small pool of I/O threads so a vCPU
+//! never waits for the disk, and putting finished ones on the used ring.
+//!
+//! ```text
+//! vCPU: QueueNotify ─▶ pop chains ─▶ parse ─▶ job ─▶ I/O thread: pread/pwrite/fdatasync
+//!                          │ refused: IOERR now          │ status byte, used ring ◀┘
+//! ```
+//! A reset (device status 0) bumps the epoch and waits for the jobs in
+//! flight: no job of an earlier epoch writes to guest memory or the used
+//! ring after the driver was told the device is reset.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+use super::backend::{HostSeg, RawFile};
+use super::memory::GuestRam;
+use super::request::{self, status, Op, Request, ID_BYTES};
+use super::spec::SECTOR;
+
+/// I/O threads per disk: requests in flight at once against the file.
+pub const IO_THREADS: usize = 4;
+/// The queue size the device offers (QueueNumMax).
+pub const QUEUE_MAX: u16 = 256;
+
+/// What the device did, for `ferry status`.
+#[derive(Debug, Default)]
+pub struct BlockStats {
+    /// Read requests done.
+    pub reads: AtomicU64,
+    /// Bytes read.
+    pub read_bytes: AtomicU64,
+    /// Write requests done.
+    pub writes: AtomicU64,
+    /// Bytes written.
+    pub write_bytes: AtomicU64,
+    /// Flushes done.
+    pub flushes: AtomicU64,
+    /// Discards and write-zeroes done.
+    pub zeroes: AtomicU64,
+    /// Requests the backend failed (the guest got IOERR).
+    pub io_errors: AtomicU64,
+    /// Malformed requests refused (IOERR, or dropped with no status byte).
+    pub bad_requests: AtomicU64,
+    /// Request types the device does not do (UNSUPP).
+    pub unsupported: AtomicU64,
+    /// Times the queue itself was broken (the device then needs a reset).
+    pub broken: AtomicU64,
+}
+
+/// One request on its way through an I/O thread.
+pub struct Job {
+    head: u16,
+    epoch: u64,
+    req: Request,
+}
+
+/// What the device's threads share.
+pub struct Shared {
+    pub(super) ram: GuestRam,
+    pub(super) backend: RawFile,
+    pub(super) queue: Mutex<Queue>,
+    /// InterruptStatus (bit 0: used buffer).
+    pub(super) interrupt: AtomicU32,
+    /// Set when the queue is found broken; the transport then reports
+    /// DEVICE_NEEDS_RESET.
+    pub(super) broken: AtomicBool,
+    epoch: AtomicU64,
+    inflight: Mutex<u64>,
+    idle: Condvar,
+    id: [u8; ID_BYTES],
+    pub(super) stats: BlockStats,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// State for a device over `backend`, its id string `id`.
+    pub fn new(ram: GuestRam, backend: RawFile, id: &str) -> Self {
+        let mut idb = [0u8; ID_BYTES];
+        let n = id.len().min(ID_BYTES);
+        idb[..n].copy_from_slice(&id.as_bytes()[..n]);
+        Shared {
+            ram,
+            backend,
+            // QUEUE_MAX is a power of two: Queue::new cannot refuse it.
+            queue: Mutex::new(Queue::new(QUEUE_MAX).unwrap_or_else(|_| unreachable!())),
+            interrupt: AtomicU32::new(0),
+            broken: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            inflight: Mutex::new(0),
+            idle: Condvar::new(),
+            id: idb,
+            stats: BlockStats::default(),
+        }
+    }
+
+    /// Capacity in sectors.
+    pub fn capacity(&self) -> u64 {
+        self.backend.size() / SECTOR
+    }
+
+    /// Starts a new epoch and waits until no job of the old one runs.
+    pub fn quiesce(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        let mut n = lock(&self.inflight);
+        while *n > 0 {
+            n = self.idle.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+        self.interrupt.store(0, Ordering::SeqCst);
+        self.broken.store(false, Ordering::SeqCst);
+    }
+
+    /// Takes every available chain off the queue (on the notifying vCPU):
+    /// refused ones are answered at once, the rest go to `jobs`.
+    pub fn drain(&self, jobs: &Sender<Job>) {
+        let mem = self.ram.mem();
+        let epoch = self.epoch.load(Ordering::SeqCst);
+        loop {
+            let mut chains = Vec::new();
+            {
+                let mut q = lock(&self.queue);
+                if !q.ready() || !q.is_valid(mem) {
+                    self.mark_broken("the queue's rings are not in guest RAM");
+                    return;
+                }
+                match q.iter(mem) {
+                    Ok(it) => chains.extend(it.take(usize::from(QUEUE_MAX))),
+                    Err(e) => {
+                        self.mark_broken(&format!("the available ring is invalid: {e}"));
+                        return;
+                    }
+                }
+            }
+            if chains.is_empty() {
+                return;
+            }
+            for chain in chains {
+                let head = chain.head_index();
+                match request::parse(chain, mem, self.capacity()) {
+                    Ok(req) => {
+                        *lock(&self.inflight) += 1;
+                        let job = Job { head, epoch, req };
+                        if let Err(back) = jobs.send(job) {
+                            // No I/O threads (the device is going away).
+                            let job = back.0;
+                            self.finish(
+                                job.head,
+                                job.epoch,
+                                Some(job.req.status),
+                                status::IOERR,
+                                0,
+                            );
+                        }
+                    }
+                    Err(refused) => {
+                        self.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(head, why = %refused.why, "virtio-blk request refused");
+                        *lock(&self.inflight) += 1;
+                        self.finish(head, epoch, refused.status, status::IOERR, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    fn mark_broken(&self, why: &str) {
+        if !self.broken.swap(true, Ordering::SeqCst) {
+            self.stats.broken.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("virtio-blk device needs a reset: {why}");
+        }
+    }
+
+    /// Runs one job on an I/O thread.
+    pub fn run(&self, job: Job) {
+        if job.epoch != self.epoch.load(Ordering::SeqCst) {
+            self.finish(job.head, job.epoch, None, 0, 0);
+            return;
+        }
+        let (st, written) = self.execute(&job.req);
+        self.finish(job.head, job.epoch, Some(job.req.status), st, written);
+    }
+
+    /// Does a request against the backend: its status and the data bytes
+    /// it wrote into guest memory.
+    fn execute(&self, req: &Request) -> (u8, u32) {
+        let s = &self.stats;
+        let offset = req.sector * SECTOR;
+        let result = match req.op {
+            Op::Read => self.backend.read(offset, &req.data).map(|_| {
+                s.reads.fetch_add(1, Ordering::Relaxed);
+                s.read_bytes.fetch_add(req.len, Ordering::Relaxed);
+                req.len as u32
+            }),
+            Op::Write => self.backend.write(offset, &req.data).map(|_| {
+                s.writes.fetch_add(1, Ordering::Relaxed);
+                s.write_bytes.fetch_add(req.len, Ordering::Relaxed);
+                0
+            }),
+            Op::Flush => self.backend.flush().map(|_| {
+                s.flushes.fetch_add(1, Ordering::Relaxed);
+                0
+            }),
+            Op::GetId => {
+                copy_into(&req.data, &self.id);
+                Ok(ID_BYTES as u32)
+            }
+            Op::Zero {
+                zero,
+                sector,
+                sectors,
+            } => {
+                let (at, len) = (sector * SECTOR, sectors * SECTOR);
+                let r = if zero {
+                    self.backend.write_zeroes(at, len)
+                } else {
+                    self.backend.discard(at, len)
+                };
+                r.map(|_| {
+                    s.zeroes.fetch_add(1, Ordering::Relaxed);
+                    0
+                })
+            }
+            Op::Unsupported(_) => {
+                s.unsupported.fetch_add(1, Ordering::Relaxed);
+                return (status::UNSUPP, 0);
+            }
+        };
+        match result {
+            Ok(n) => (status::OK, n),
+            Err(e) => {
+                s.io_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(op = ?req.op, sector = req.sector, "virtio-blk I/O error: {e}");
+                (status::IOERR, 0)
+            }
+        }
+    }
+
+    /// Writes the status byte and puts `head` on the used ring (unless the
+    /// device was reset since the job started), then counts it done.
+    fn finish(&self, head: u16, epoch: u64, at: Option<GuestAddress>, st: u8, written: u32) {
+        let mem = self.ram.mem();
+        {
+            let mut q = lock(&self.queue);
+            if epoch == self.epoch.load(Ordering::SeqCst) && q.ready() {
+                let mut used = written;
+                if let Some(at) = at {
+                    if mem.write_obj(st, at).is_ok() {
+                        used += 1;
+                    }
+                }
+                match q.add_used(mem, head, used) {
+                    Ok(()) => {
+                        self.interrupt.fetch_or(1, Ordering::SeqCst);
+                    }
+                    Err(e) => self.mark_broken(&format!("cannot write the used ring: {e}")),
+                }
+            }
+        }
+        let mut n = lock(&self.inflight);
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.idle.notify_all();
+        }
+    }
+}
+
+/// Copies `src` into the guest segments `dst`, in order, as far as they reach.
+fn copy_into(dst: &[HostSeg], src: &[u8]) {
+    let mut at = 0;
+    for s in dst {
+        let n = s.len.min(src.len() - at);
+        // SAFETY: `s` is live guest RAM of `s.len` bytes (checked when the
+        // request was parsed); `n` is within both.
+        unsafe { std::ptr::copy_nonoverlapping(src[at..].as_ptr(), s.ptr, n) };
+        at += n;
+        if at == src.len() {
+            break;
+        }
+    }
+}
+
+/// An I/O thread: runs jobs until the device drops its sender.
+pub fn io_thread(shared: Arc<Shared>, jobs: Arc<Mutex<Receiver<Job>>>) {
+    loop {
+        let job = lock(&jobs).recv();
+        match job {
+            Ok(job) => shared.run(job),
+            Err(_) => return,
+        }
+    }
+}
