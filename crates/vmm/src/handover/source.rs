@@ -195,6 +195,9 @@ pub fn hand_over(
             }
         )));
     }
+    if let Some(why) = crate::devices::block::why_not_move(vm.disks()) {
+        return Err(HandoverError::NotNow(why));
+    }
     let t0 = Instant::now();
     let cpu0 = cpu_secs(libc::CLOCK_THREAD_CPUTIME_ID);
     let mut peer = Peer::spawn(&plan.binary)?;

@@ -191,6 +191,11 @@ pub fn migrate(
             state.name()
         )));
     }
+    if let Some(why) = crate::devices::block::why_not_move(vm.disks()) {
+        return Err(MigrationError::Unsupported(format!(
+            "cannot migrate: {why}"
+        )));
+    }
     if let Some(s) = vm.service() {
         s.forget_follow(); // an earlier attempt's agreement is not this one's
     }

@@ -260,5 +260,22 @@ impl BlockDevice {
     }
 }
 
+/// Why a VM with these disks may not move to another VMM process or host
+/// now (None: it has none). Disk migration is not built yet: the image
+/// stays behind, and writes the guest made after a copy of it would be
+/// lost, so a migration or handover is refused before anything starts.
+pub fn why_not_move(disks: &[Arc<BlockDevice>]) -> Option<String> {
+    if disks.is_empty() {
+        return None;
+    }
+    let paths: Vec<String> = disks.iter().map(|d| d.info().path).collect();
+    Some(format!(
+        "the VM has {} virtio-blk disk(s) ({}), and disk migration is not built yet: \
+         moving the VM now could lose writes its guest made, so nothing was started (docs/disks.md)",
+        disks.len(),
+        paths.join(", ")
+    ))
+}
+
 #[cfg(test)]
 mod tests;
