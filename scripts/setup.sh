@@ -46,4 +46,12 @@ if ! command -v openssl >/dev/null; then
     || { apt-get update -qq && apt-get install -y -qq openssl >/dev/null 2>&1; }; } \
     || echo "setup: could not install openssl; the openssl interop tests will skip"
 fi
+# The NBD client's tests talk to real NBD servers (qemu-utils' qemu-nbd and
+# nbdkit); they skip, saying so, without them.
+if ! command -v qemu-nbd >/dev/null || ! command -v nbdkit >/dev/null; then
+  echo "setup: installing qemu-utils and nbdkit (the NBD client's tests)"
+  { apt-get install -y -qq qemu-utils nbdkit >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq qemu-utils nbdkit >/dev/null 2>&1; }; } \
+    || echo "setup: could not install qemu-utils and nbdkit; the NBD client's tests will skip"
+fi
 cargo --version

@@ -14,6 +14,7 @@ use crate::memory::LAYOUT;
 use crate::{frame, Input};
 
 mod messages;
+mod nbd;
 mod vm_state;
 use messages::messages;
 use vm_state::vm_state_bytes;
@@ -610,5 +611,6 @@ pub fn all() -> Vec<Seed> {
     out.extend(timeline());
     out.extend(registry());
     out.extend(agent_api());
+    out.extend(nbd::nbd_server());
     out
 }
