@@ -53,6 +53,29 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     );
     println!("migrations  {} incoming", s["migrations"]);
     println!("uptime      {:.1} s", s["uptime_s"].as_f64().unwrap_or(0.0));
+    for d in s["disks"].as_array().into_iter().flatten() {
+        let b = |k: &str| crate::format::bytes(d[k].as_f64().unwrap_or(0.0));
+        println!(
+            "disk {}      {} {} ({}): read {} in {} requests, written {} in {}",
+            d["index"],
+            d["backend"].as_str().unwrap_or("?"),
+            d["path"].as_str().unwrap_or("?"),
+            b("size"),
+            b("read_bytes"),
+            d["reads"],
+            b("write_bytes"),
+            d["writes"]
+        );
+    }
+    if let Some(c) = s["disk_check"].as_object() {
+        println!(
+            "disk check  {} phase, {} blocks checked, {} bad, {:.0} IOPS",
+            c["phase"].as_str().unwrap_or("?"),
+            c["blocks_checked"],
+            c["bad_blocks"],
+            c["iops"].as_f64().unwrap_or(0.0)
+        );
+    }
     if let Some(l) = s["links"].as_str() {
         println!("links       {l}");
     }

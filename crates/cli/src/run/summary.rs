@@ -76,6 +76,8 @@ pub(super) fn summary_json(
         "workloads": workloads,
         "kernel": last.cpu_totals(),
         "service": vm.service().map(|s| service_json(s)),
+        "disks": vm.disks().iter().map(|d| d.info()).collect::<Vec<_>>(),
+        "disk_check": ferry_vmm::control::vm_control::disk_check_json(vm),
         "split": vm.pager_stats(),
         "access": vm.access().status(),
     })
@@ -155,6 +157,30 @@ pub(super) fn print_summary(vm: &Vm, s: &serde_json::Value, exit: &VmExit) {
             "service      {}: {} connections, {} requests to the guest, {} answered, {} echoes, {} bad frames",
             svc["address"].as_str().unwrap_or(""),
             svc["connections"], svc["posted"], svc["responses"], svc["echoes"], svc["bad_frames"]
+        );
+    }
+    for d in s["disks"].as_array().into_iter().flatten() {
+        println!(
+            "disk {}       {} ({}, {}): {} read in {} requests, {} written in {}, {} flushes, {} I/O errors, {} bad requests",
+            d["index"],
+            d["path"].as_str().unwrap_or(""),
+            format::bytes(f(&d["size"])),
+            if d["direct_io"] == true { "O_DIRECT" } else { "buffered" },
+            format::bytes(f(&d["read_bytes"])),
+            d["reads"],
+            format::bytes(f(&d["write_bytes"])),
+            d["writes"],
+            d["flushes"],
+            d["io_errors"],
+            d["bad_requests"]
+        );
+    }
+    if let Some(c) = s["disk_check"].as_object() {
+        println!(
+            "disk check   {} blocks written, {} checked, {} bad (lost {}, foreign {}, stale {}, torn {}), {:.0} IOPS, mean latency {:.0} µs",
+            c["blocks_written"], c["blocks_checked"], c["bad_blocks"], c["bad_lost"],
+            c["bad_foreign"], c["bad_stale"], c["bad_torn"],
+            c["iops"].as_f64().unwrap_or(0.0), c["latency_us_mean"].as_f64().unwrap_or(0.0)
         );
     }
     if let Some(line) = crate::status::access_line(&s["access"]) {
