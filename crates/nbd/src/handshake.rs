@@ -195,14 +195,7 @@ mod tests {
         b
     }
 
-    fn reply(opt: u32, kind: u32, data: &[u8]) -> Vec<u8> {
-        let mut b = wire::OPTION_REPLY_MAGIC.to_be_bytes().to_vec();
-        b.extend_from_slice(&opt.to_be_bytes());
-        b.extend_from_slice(&kind.to_be_bytes());
-        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        b.extend_from_slice(data);
-        b
-    }
+    use crate::wire::server_option_reply as reply;
 
     fn export_info(size: u64, flags: u16) -> Vec<u8> {
         let mut d = vec![0, 0];

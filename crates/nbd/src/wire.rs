@@ -178,6 +178,17 @@ pub fn option_reply(b: &[u8; 20]) -> Result<(u32, u32, u32), NbdError> {
     Ok((opt, kind, len))
 }
 
+/// An option reply as a server writes it (for tests and fuzz seeds that
+/// play the server).
+pub fn server_option_reply(opt: u32, kind: u32, data: &[u8]) -> Vec<u8> {
+    let mut b = OPTION_REPLY_MAGIC.to_be_bytes().to_vec();
+    b.extend_from_slice(&opt.to_be_bytes());
+    b.extend_from_slice(&kind.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    b
+}
+
 /// What an export is, from GO's INFO replies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExportInfo {

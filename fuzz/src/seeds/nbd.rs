@@ -3,14 +3,7 @@
 
 use ferry_nbd::wire;
 
-fn reply(opt: u32, kind: u32, data: &[u8]) -> Vec<u8> {
-    let mut b = wire::OPTION_REPLY_MAGIC.to_be_bytes().to_vec();
-    b.extend_from_slice(&opt.to_be_bytes());
-    b.extend_from_slice(&kind.to_be_bytes());
-    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    b.extend_from_slice(data);
-    b
-}
+use wire::server_option_reply as reply;
 
 /// A server's whole transcript; `tls`: STARTTLS is answered first.
 fn transcript(tls: bool, block: bool, error: u32) -> Vec<u8> {
