@@ -65,9 +65,13 @@ void vblk_push(struct vblk *d, u16 head) {
   d->avail[1] = d->avail_idx;
 }
 
-void vblk_kick(struct vblk *d) {
+int vblk_kick(struct vblk *d) {
+  /* The index store before the flags load (the device does the reverse:
+   * clears NO_NOTIFY, fences, reads the index), so one side sees the other. */
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  if (*(volatile u16 *)d->used & VRING_USED_F_NO_NOTIFY) return 0; /* it is looking anyway */
   wr(d, R_QUEUE_NOTIFY, 0); /* an MMIO exit: the device takes what is available */
+  return 1;
 }
 
 int vblk_reap(struct vblk *d, u16 *head) {

@@ -17,6 +17,7 @@
 
 #define VRING_DESC_F_NEXT 1
 #define VRING_DESC_F_WRITE 2
+#define VRING_USED_F_NO_NOTIFY 1
 
 struct vring_desc {
   u64 addr;
@@ -44,8 +45,10 @@ struct vblk {
 int vblk_init(struct vblk *d, u64 base, u64 mem, u16 want_qsize);
 /* Makes descriptor chain `head` available (no notify yet). */
 void vblk_push(struct vblk *d, u16 head);
-/* Tells the device to look at the available ring. */
-void vblk_kick(struct vblk *d);
+/* Tells the device to look at the available ring, unless it said it looks
+ * anyway (VRING_USED_F_NO_NOTIFY while it has requests in flight). Returns 1
+ * if it rang the doorbell. */
+int vblk_kick(struct vblk *d);
 /* Takes one completed chain: 1 and its head in *head, or 0 if none. */
 int vblk_reap(struct vblk *d, u16 *head);
 

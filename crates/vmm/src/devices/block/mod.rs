@@ -33,7 +33,6 @@ pub mod request;
 pub mod spec;
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferry_memory::GuestMemory;
@@ -44,7 +43,7 @@ pub use backend::{BackendError, RawFile};
 pub use spec::{DiskSpec, DiskSpecError};
 
 use mmio::{Action, Transport};
-use queue::{BlockStats, Job, Shared, IO_THREADS};
+use queue::{BlockStats, Shared, IO_THREADS};
 use request::{MAX_DATA, MAX_SEGS};
 
 /// Guest address of disk 0's register window; disk `i` is `i` windows on.
@@ -109,7 +108,6 @@ pub struct BlockDevice {
     index: usize,
     transport: Mutex<Transport>,
     shared: Arc<Shared>,
-    jobs: Mutex<Option<Sender<Job>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -158,10 +156,10 @@ impl BlockDevice {
         }
         let backend = RawFile::open(spec)?;
         let ram = memory::GuestRam::new(memory)?;
-        let shared = Arc::new(Shared::new(ram, backend, &format!("ferry-disk{index}")));
-        let transport = Transport::new(features(), config_space(shared.capacity()));
         let (tx, rx) = std::sync::mpsc::channel();
         let rx = Arc::new(Mutex::new(rx));
+        let shared = Arc::new(Shared::new(ram, backend, &format!("ferry-disk{index}"), tx));
+        let transport = Transport::new(features(), config_space(shared.capacity()));
         for k in 0..IO_THREADS {
             let (s, r) = (shared.clone(), rx.clone());
             std::thread::Builder::new()
@@ -173,7 +171,6 @@ impl BlockDevice {
             index,
             transport: Mutex::new(transport),
             shared,
-            jobs: Mutex::new(Some(tx)),
         }))
     }
 
@@ -222,9 +219,7 @@ impl BlockDevice {
         match action {
             Action::Notify(0) if t.live() => {
                 drop(t);
-                if let Some(jobs) = lock(&self.jobs).as_ref() {
-                    self.shared.drain(jobs);
-                }
+                self.shared.drain(false);
             }
             Action::Notify(_) | Action::None | Action::Reset => {}
         }
@@ -256,7 +251,14 @@ impl BlockDevice {
 
     /// Stops the I/O threads once the jobs queued are done.
     pub fn shutdown(&self) {
-        lock(&self.jobs).take();
+        self.shared.shutdown();
+    }
+}
+
+impl Drop for BlockDevice {
+    /// The I/O threads hold the shared state; they end with the device.
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 

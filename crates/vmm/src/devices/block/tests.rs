@@ -252,6 +252,13 @@ fn several_requests_in_flight_complete_each_once() {
     let mut ids: Vec<u32> = d.used(5).into_iter().map(|(id, _)| id).collect();
     ids.sort();
     assert_eq!(ids, vec![0, 3, 6, 9, 12]);
+    // Nothing left in flight: notifications are on again (else a driver
+    // that honours NO_NOTIFY would never ring again).
+    let t = Instant::now();
+    while d.byte(USED) & 1 != 0 {
+        assert!(t.elapsed() < Duration::from_secs(5), "NO_NOTIFY left set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let file = std::fs::read(&d.path).unwrap();
     for i in 0..5usize {
         assert!(file[i * 4096..(i + 1) * 4096]
