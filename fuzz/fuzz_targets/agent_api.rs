@@ -10,7 +10,7 @@
 //! they came (a client never trusts them as paths: it only prints them).
 #![no_main]
 
-use ferry_fleet::api::{check_name, parse_request, HostInfo, Request, MAX_FIELD, MAX_STORES};
+use ferry_fleet::{check_name, parse_request, HostInfo, Request, MAX_FIELD, MAX_STORES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -68,6 +68,9 @@ fuzz_target!(|data: &[u8]| {
     };
     if let Ok(h) = serde_json::from_value::<HostInfo>(v["host"].clone()) {
         let again = serde_json::to_value(&h).expect("a host writes as JSON");
-        assert_eq!(serde_json::from_value::<HostInfo>(again).expect("reads back"), h);
+        assert_eq!(
+            serde_json::from_value::<HostInfo>(again).expect("reads back"),
+            h
+        );
     }
 });

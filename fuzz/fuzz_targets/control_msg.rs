@@ -12,13 +12,12 @@
 #![no_main]
 
 use ferry_fuzz::{init, kind_of, postcard_round_trip, Memory};
+use ferry_migration::fuzzing::{unpack_lines, ChunkMap, GatherPlan, SplitPlan, MAX_TIMELINE_BYTES};
 use ferry_migration::fuzzing::{CodecSetup, MAX_CACHE_BYTES, MAX_SHARDS};
 use ferry_migration::memserver::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 use ferry_migration::protocol::{
     self, Frame, Hello, Kind, Layout, PostcopyPlan, PostcopyResume, RoundDone,
 };
-use ferry_migration::split::{ChunkMap, GatherPlan, SplitPlan};
-use ferry_migration::telemetry::{unpack_lines, MAX_TIMELINE_BYTES};
 use ferry_migration::GpaPages;
 use ferry_migration::{ClientsAnswer, ClientsPlan};
 use ferry_migration::{FaultReport, StartedReport};

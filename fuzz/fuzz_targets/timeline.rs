@@ -20,7 +20,7 @@
 mod data;
 
 use ferry_fuzz::Input;
-use ferry_migration::telemetry::unpack_lines;
+use ferry_migration::fuzzing::unpack_lines;
 use libfuzzer_sys::fuzz_target;
 
 fn exercise(run: &mut data::Run, load: Option<&str>) {

@@ -489,7 +489,7 @@ fn timeline() -> Vec<Seed> {
         .map(|l| format!("{l}\n"))
         .collect();
     let mut packed = vec![1];
-    packed.extend(ferry_migration::telemetry::pack_lines(peer.as_bytes()));
+    packed.extend(ferry_migration::fuzzing::pack_lines(peer.as_bytes()));
     let mut load = Bytes::default();
     load.u8(2).chunk(TIMELINE.as_bytes());
     load.0.extend_from_slice(

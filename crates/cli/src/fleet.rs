@@ -10,12 +10,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use ferry_fleet::agent::{Agent, AgentOptions};
-use ferry_fleet::drain::{self, defaults, Drain, DrainOptions};
+use ferry_fleet::drain::{self, defaults};
+use ferry_fleet::{Agent, AgentOptions, Drain, DrainOptions, Fleet, VmSpec};
 
 mod print;
-use ferry_fleet::fleet::Fleet;
-use ferry_fleet::VmSpec;
 use ferry_migration::Mode;
 use ferry_vmm::boot::layout::parse_size;
 use print::{print_plan, print_summary, DrainProgress};
@@ -224,7 +222,7 @@ fn stop_flag() -> Result<Arc<AtomicBool>> {
 
 /// Runs this host's agent until Ctrl-C or SIGTERM (its VMs run on).
 pub fn agent(a: AgentArgs) -> Result<ExitCode> {
-    ferry_fleet::api::check_name(&a.name)?;
+    ferry_fleet::check_name(&a.name)?;
     let registry = ferry_registry::open(
         a.registry.as_deref(),
         crate::security::credentials_for_registry(a.registry.as_deref())?,
@@ -270,7 +268,7 @@ pub fn agent(a: AgentArgs) -> Result<ExitCode> {
         );
     }
     let _ = std::io::stdout().flush();
-    ferry_fleet::agent::run_until(&agent, &stop);
+    ferry_fleet::run_until(&agent, &stop);
     eprintln!("ferry agent {}: stopping; its VMs run on", info.name);
     Ok(ExitCode::SUCCESS)
 }
@@ -433,7 +431,7 @@ pub fn drain(a: DrainArgs) -> Result<ExitCode> {
     // A drain of this host that died is settled first (its moves in flight
     // end one way or the other), then the plan is made from where the VMs
     // are now.
-    let (session, resumed) = Drain::begin(&fleet, &a.host, drain::session::SETTLE_WITHIN)?;
+    let (session, resumed) = Drain::begin(&fleet, &a.host, drain::SETTLE_WITHIN)?;
     if let (Some(r), false) = (resumed, a.fleet.json) {
         eprintln!(
             "resuming the drain of {} that {} started (it stopped renewing its record)",
@@ -492,7 +490,7 @@ pub fn upgrade(a: UpgradeArgs) -> Result<ExitCode> {
         .map(|b| std::fs::canonicalize(&b).with_context(|| format!("{}", b.display())))
         .transpose()?;
     let json = a.fleet.json;
-    let reports = ferry_fleet::upgrade::run(&fleet, &a.host, binary, a.parallel, &mut |r| {
+    let reports = ferry_fleet::upgrade(&fleet, &a.host, binary, a.parallel, &mut |r| {
         if !json {
             match &r.error {
                 None => eprintln!(

@@ -100,7 +100,7 @@ fn parse_duration_from(text: &str, zero: bool) -> Result<std::time::Duration, St
 
 /// A default given in milliseconds, written as a duration flag takes it
 /// (`30s`, `1500ms`): the help shows the engine's own default, spelled
-/// once in `ferry_migration::options::defaults`.
+/// once in `ferry_migration::defaults`.
 pub fn ms_arg(ms: u64) -> String {
     if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)

@@ -185,8 +185,8 @@ pub fn hosts(a: HostsArgs) -> Result<ExitCode> {
         crate::security::credentials_for_registry(a.registry.as_deref())?,
     )?;
     let hosts = registry.hosts()?;
-    let drains = ferry_fleet::journal::all(&*registry)?;
-    let dead = ferry_fleet::fleet::Fleet::new(registry.clone(), None).dead_hosts()?;
+    let drains = ferry_fleet::drains(&*registry)?;
+    let dead = ferry_fleet::Fleet::new(registry.clone(), None).dead_hosts()?;
     if a.json {
         if a.drains {
             let dead: Vec<_> = dead

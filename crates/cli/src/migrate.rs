@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use ferry_migration::options::{defaults, AutoConverge};
+use ferry_migration::{defaults, AutoConverge};
 use ferry_migration::{
     BackendKind, Compress, CompressOptions, Endpoint, MigrateOptions, MigrationStats, Mode,
     PostcopyAfter, Progress, Rank, SplitOptions,

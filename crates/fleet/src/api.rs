@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use ferry_migration::options::Mode;
+use ferry_migration::Mode;
 
 use crate::FleetError;
 
@@ -61,7 +61,7 @@ impl VmSpec {
 /// A send request that does not say leaves the link's queue to the VMs'
 /// own traffic, as `ferry migrate` does.
 fn share_link_default() -> bool {
-    ferry_migration::options::defaults::SHARE_LINK
+    ferry_migration::defaults::SHARE_LINK
 }
 
 /// Refuses a VM name that could not be a file name of its own.

@@ -1,41 +1,50 @@
 //! Fleet operations: what turns single migrations into running a fleet of
 //! hosts that do not trust the network between them.
 //!
-//! - [`agent`]: `ferry agent`, the one long-lived process per host beside
+//! - `agent/`: `ferry agent`, the one long-lived process per host beside
 //!   its VMMs. It registers the host under a lease (what it offers VMs),
 //!   starts VMs and waiting destinations when asked, moves and hands over
 //!   its VMs, and adopts the VMs already running after its own restart;
 //!   VMMs outlive it.
-//! - [`api`]: what an agent is asked, [`reply`] what it answers (typed,
-//!   decoded once in the client); [`wire`] carries both (a JSON line each
-//!   way over mutual TLS); [`client`] calls an agent.
-//! - [`fleet`]: the hosts the registry knows, and their agents.
+//! - `api.rs`: what an agent is asked, `reply.rs` what it answers (typed,
+//!   decoded once in the client); `wire.rs` carries both (a JSON line each
+//!   way over mutual TLS); `client.rs` calls an agent.
+//! - `fleet.rs`: the hosts the registry knows, and their agents.
 //! - [`drain`]: empties a host, as a session in rooms: plan, the moves'
 //!   phases and failure rule, the scheduler, standbys, the report, and a
-//!   [`drain::Drain`] that keeps its state in the registry ([`journal`]) so
-//!   a drain restarted after a crash resumes (`claims`: the room its moves
-//!   and standbys hold on each host); [`upgrade`]: hands every VM of a host
-//!   to a fresh VMM process.
+//!   [`Drain`] that keeps its state in the registry (`journal.rs`) so a
+//!   drain restarted after a crash resumes (`claims.rs`: the room its moves
+//!   and standbys hold on each host); `upgrade.rs`: hands every VM of a
+//!   host to a fresh VMM process.
+//!
+//! The front door is small: the root re-exports what the CLI and the fuzz
+//! targets use, and [`drain`] is public for its face alone (its defaults,
+//! `plan_now`, `cancel`, the plan and the reports); every room is private.
 //!
 //! docs/agent.md describes the API and the operations.
 
-pub mod agent;
-pub mod api;
+mod agent;
+mod api;
 mod claims;
-pub mod client;
+mod client;
 pub mod drain;
-pub mod fleet;
-pub mod journal;
-pub mod reply;
+mod fleet;
+mod journal;
+mod reply;
 #[cfg(test)]
 mod testing;
-pub mod upgrade;
+mod upgrade;
 mod wire;
 
-pub use api::{HostInfo, Request, VmInfo, VmSpec};
+pub use agent::{run_until, Agent, AgentOptions};
+pub use api::{
+    check_name, parse_request, HostInfo, Request, VmInfo, VmSpec, MAX_FIELD, MAX_STORES,
+};
 pub use client::AgentClient;
 pub use drain::{Drain, DrainOptions, DrainReport};
 pub use fleet::Fleet;
+pub use journal::{all as drains, DrainRecord};
+pub use upgrade::{run as upgrade, UpgradeReport};
 
 /// Why a fleet operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -23,6 +23,8 @@ pub use crate::encoded::{parse_encoded, write_encoded, CodecSetup, MAX_CACHE_BYT
 pub use crate::pagein::read_pages;
 pub use crate::ranges::total_pages;
 pub use crate::shared::SiblingIndex;
+pub use crate::split::{ChunkMap, GatherPlan, SplitPlan};
+pub use crate::telemetry::{pack_lines, unpack_lines, MAX_TIMELINE_BYTES};
 
 /// Pages a destination's bulk stream landed: (pages, zero pages).
 pub type Landed = (u64, u64);

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_memory::MemoryError;
-use ferry_migration::telemetry::{unix_now, Telemetry};
+use ferry_migration::{unix_now, Telemetry};
 use serde_json::{json, Value};
 
 use crate::devices::service::ServiceDevice;
@@ -86,8 +86,7 @@ impl Recorder {
         while !self.stop.load(Ordering::Relaxed) {
             // A destination may wait hours for its source: its timeline
             // starts when the source connects.
-            if self.side == "destination"
-                && self.tel.phase() == ferry_migration::telemetry::LivePhase::Pending
+            if self.side == "destination" && self.tel.phase() == ferry_migration::LivePhase::Pending
             {
                 std::thread::sleep(SAMPLE_EVERY);
                 next = Instant::now();
@@ -379,7 +378,7 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_migration::telemetry::LivePhase;
+    use ferry_migration::LivePhase;
 
     /// A VM as the timeline sees it, without KVM.
     struct Fake {

@@ -2,9 +2,9 @@
 //! ferry encodes it: the seeds of the targets that read control frames.
 
 use ferry_migration::fuzzing::CodecSetup;
+use ferry_migration::fuzzing::{GatherPlan, SplitPlan};
 use ferry_migration::memserver::{StoreAck, StoreFetch, StoreHeld, StoreOpen};
 use ferry_migration::protocol::{Kind, PostcopyPlan, PostcopyResume, Role, RoundDone, VERSION_MAX};
-use ferry_migration::split::{GatherPlan, SplitPlan};
 use ferry_migration::GpaPages;
 use ferry_migration::{ClientsAnswer, ClientsPlan, FaultReport, StartedReport};
 
@@ -93,7 +93,7 @@ pub(super) fn messages() -> Vec<(Kind, Vec<u8>)> {
         ),
         (
             Kind::Timeline,
-            ferry_migration::telemetry::pack_lines(TIMELINE.as_bytes()),
+            ferry_migration::fuzzing::pack_lines(TIMELINE.as_bytes()),
         ),
         (
             Kind::StoreOpen,

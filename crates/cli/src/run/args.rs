@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ferry_migration::options::defaults;
+use ferry_migration::defaults;
 use ferry_vmm::boot::layout::parse_size;
 use ferry_vmm::workload::WORKLOAD_HELP;
 use ferry_vmm::WorkloadSet;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use ferry_migration::options::defaults;
+use ferry_migration::defaults;
 use ferry_migration::{DestinationStats, Endpoint};
 use ferry_vmm::Vm;
 

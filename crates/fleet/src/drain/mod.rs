@@ -1,18 +1,18 @@
 //! `ferry drain HOST`: moves every VM off a host and never loses one.
 //!
 //! The drain is a session in the engine's image, in rooms:
-//! - [`plan`](mod@plan): where each VM goes and how (pure: hosts in, moves out;
+//! - `plan`: where each VM goes and how (pure: hosts in, moves out;
 //!   a VM no host can take whole is split by [`ferry_registry::placement`]).
-//! - [`moves`]: one move's phases (Waiting → Preparing → Moving → Done |
+//! - `moves`: one move's phases (Waiting → Preparing → Moving → Done |
 //!   Failed | LeftAlone), checked, and the failure rule as data: what a
 //!   failure at each phase leaves where, and what the drain may then do.
 //! - `mover`: one try at a move, through the agents.
 //! - `schedule`: runs the moves within the limits (`per_host`, `in_fleet`,
 //!   the link's room), retrying a failed move on another host.
 //! - `standby`: a postcopy move's standby on a third host.
-//! - [`report`]: what each move did, and the drain.
-//! - [`session`]: a [`Drain`] owns its record in the registry
-//!   ([`crate::journal`]) from begin (settling a dead drain's moves) through
+//! - `report`: what each move did, and the drain.
+//! - `session`: a [`Drain`] owns its record in the registry
+//!   (`crate::journal`) from begin (settling a dead drain's moves) through
 //!   heartbeat and cancel to end, so the CLI only parses and prints.
 //!
 //! A failed move leaves the VM running where it was (the engine's promise);
@@ -25,18 +25,17 @@ use ferry_migration::Mode;
 use crate::api::HostInfo;
 
 mod mover;
-pub mod moves;
-pub mod plan;
-pub mod report;
+mod moves;
+mod plan;
+mod report;
 mod schedule;
-pub mod session;
+mod session;
 mod standby;
 
-pub use moves::{Cleanup, Holds, MoveState, Outcome, Seen};
-pub use plan::{plan, Plan, PlannedMove, PlannedSplit};
+pub use moves::MoveState;
+pub use plan::{Plan, PlannedMove, PlannedSplit};
 pub use report::{DrainReport, MoveReport};
-pub use schedule::{room_on_link, run};
-pub use session::{cancel, plan_now, Drain};
+pub use session::{cancel, plan_now, Drain, SETTLE_WITHIN};
 
 /// Every default of a drain, in one place (the CLI's flags show these).
 pub mod defaults {
@@ -59,7 +58,7 @@ pub mod defaults {
     /// The standby finishes each move it stands by for.
     pub const NET_FINISHES: bool = true;
     /// Precopy rounds leave the link's queue to the VMs' own traffic.
-    pub const SHARE_LINK: bool = ferry_migration::options::defaults::SHARE_LINK;
+    pub const SHARE_LINK: bool = ferry_migration::defaults::SHARE_LINK;
 }
 
 /// How a drain runs.

@@ -16,12 +16,11 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ferry_memory::MemfdRegion;
-use ferry_migration::split::RemotePager;
-use ferry_migration::telemetry::Telemetry;
 use ferry_migration::{
     AccessHistory, ClientsAnswer, ClientsPlan, DestinationVm, GpaBytes, GpaPages, MigratableVm,
     OffsetBytes, PageStore, RegionView, VmOpError,
 };
+use ferry_migration::{RemotePager, Telemetry};
 
 const PAGE: usize = 4096;
 

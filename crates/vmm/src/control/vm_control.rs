@@ -428,7 +428,7 @@ fn header(vm: &Vm, what: &str, to: &str, mode: &str) -> Value {
     let c = vm.config();
     json!({
         "type": "header", "format": 1, "what": what, "mode": mode, "to": to,
-        "t": ferry_migration::telemetry::unix_now(),
+        "t": ferry_migration::unix_now(),
         "vm": {
             "mem_bytes": c.mem_bytes, "vcpus": c.vcpus,
             "workloads": c.workloads.0.iter().map(|w| w.to_string()).collect::<Vec<_>>(),

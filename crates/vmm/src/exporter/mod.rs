@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ferry_migration::telemetry::{LivePhase, Telemetry};
+use ferry_migration::{LivePhase, Telemetry};
 
 use crate::vm::Vm;
 

@@ -110,7 +110,7 @@ impl DestinationVm for Vm {
             .collect()
     }
 
-    fn adopt_pager(&self, pager: ferry_migration::split::RemotePager) -> Result<(), VmOpError> {
+    fn adopt_pager(&self, pager: ferry_migration::RemotePager) -> Result<(), VmOpError> {
         self.keep_pager(pager);
         Ok(())
     }
@@ -127,7 +127,7 @@ impl DestinationVm for Vm {
         super::guest_apf_count(self)
     }
 
-    fn telemetry(&self) -> Option<std::sync::Arc<ferry_migration::telemetry::Telemetry>> {
+    fn telemetry(&self) -> Option<std::sync::Arc<ferry_migration::Telemetry>> {
         self.watch().current().map(|r| r.telemetry().clone())
     }
 

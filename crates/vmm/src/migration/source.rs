@@ -22,7 +22,7 @@ impl MigratableVm for Vm {
         super::views(self)
     }
 
-    fn pager(&self) -> Option<std::sync::Arc<ferry_migration::split::RemotePager>> {
+    fn pager(&self) -> Option<std::sync::Arc<ferry_migration::RemotePager>> {
         Vm::pager(self)
     }
 
@@ -123,7 +123,7 @@ impl MigratableVm for Vm {
         super::guest_apf_count(self)
     }
 
-    fn telemetry(&self) -> Option<std::sync::Arc<ferry_migration::telemetry::Telemetry>> {
+    fn telemetry(&self) -> Option<std::sync::Arc<ferry_migration::Telemetry>> {
         self.watch().current().map(|r| r.telemetry().clone())
     }
 

@@ -63,9 +63,9 @@ pub struct Vm {
     /// The migration being recorded, if any (timeline and metrics).
     watch: Watch,
     /// A split VM's remote paging (on its main host), kept while it runs.
-    pager: Mutex<Option<Arc<ferry_migration::split::RemotePager>>>,
+    pager: Mutex<Option<Arc<ferry_migration::RemotePager>>>,
     /// Its last figures, once the VM stopped and the pager went.
-    pager_final: Mutex<Option<ferry_migration::split::PagerStats>>,
+    pager_final: Mutex<Option<ferry_migration::PagerStats>>,
     /// KVM's dirty log, shared by a migration and access tracking.
     dirty: Arc<DirtyLog>,
     /// Access tracking, when on.
@@ -205,7 +205,7 @@ impl Vm {
     /// If paging fails for good (a memory server died with the only copy
     /// of some pages), the vCPUs stop: the VM cannot run on without them,
     /// and `ferry status` says which server (the pager's failure).
-    pub fn keep_pager(&self, pager: ferry_migration::split::RemotePager) {
+    pub fn keep_pager(&self, pager: ferry_migration::RemotePager) {
         let shared = self.shared.clone();
         pager.on_failure(move |why| {
             tracing::error!(%why, "the VM stops: part of its memory is out of reach");
@@ -218,12 +218,12 @@ impl Vm {
     }
 
     /// A split VM's pager (gather reads from it).
-    pub fn pager(&self) -> Option<Arc<ferry_migration::split::RemotePager>> {
+    pub fn pager(&self) -> Option<Arc<ferry_migration::RemotePager>> {
         self.pager.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// What remote paging did, for a split VM on its main host.
-    pub fn pager_stats(&self) -> Option<ferry_migration::split::PagerStats> {
+    pub fn pager_stats(&self) -> Option<ferry_migration::PagerStats> {
         let live = self
             .pager
             .lock()
