@@ -63,7 +63,7 @@ impl Router {
                 }
             })
             .collect();
-        // The session id is random (session/source.rs): a stranger cannot
+        // The session id is random (session/source/mod.rs): a stranger cannot
         // guess the VM's id on the servers, and without its store's secret
         // (one per server, made here, handed to the main host in the plan)
         // could do nothing with it anyway.
