@@ -127,7 +127,7 @@ def main():
         f"{a.mib} MiB region, {a.secs:g} s per run, medians of {a.runs} alternated runs.",
         "",
         "Device: the guest's `disk` workload (one CPL3 task, qd requests in flight, a QueueNotify MMIO exit per "
-        "batch, completions polled) through ferry's virtio-blk device (4 I/O threads, pread/pwrite). "
+        "batch unless the device says NO_NOTIFY, completions polled) through ferry's virtio-blk device (4 I/O threads, pread/pwrite). "
         "Host: `guest/tools/disk_host.c`, qd threads each with one pread/pwrite in flight, on the same file.",
         "",
         "| mode | qd | device IOPS | host IOPS | device / host | device latency µs | host latency µs |",

@@ -69,7 +69,7 @@ pub enum BlockError {
 }
 
 /// A disk as `ferry status` shows it.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct DiskInfo {
     /// Which disk (its window is MMIO_BASE + index × 4 KiB).
     pub index: usize,
@@ -101,6 +101,13 @@ pub struct DiskInfo {
     pub broken: u64,
     /// The driver finished set-up and the device runs.
     pub live: bool,
+    /// Doorbells the driver rang (fewer than requests while the queue is
+    /// busy: the device then says NO_NOTIFY).
+    pub notifies: u64,
+    /// Mean µs from a request leaving the ring to an I/O thread starting it.
+    pub wait_us_mean: f64,
+    /// Mean µs a request spent in the backend.
+    pub io_us_mean: f64,
 }
 
 /// One virtio-blk device.
@@ -219,6 +226,7 @@ impl BlockDevice {
         match action {
             Action::Notify(0) if t.live() => {
                 drop(t);
+                self.shared.stats.notifies.fetch_add(1, Ordering::Relaxed);
                 self.shared.drain(false);
             }
             Action::Notify(_) | Action::None | Action::Reset => {}
@@ -246,6 +254,9 @@ impl BlockDevice {
             bad_requests: get(&s.bad_requests),
             broken: get(&s.broken),
             live: lock(&self.transport).live(),
+            notifies: get(&s.notifies),
+            wait_us_mean: get(&s.wait_ns) as f64 / get(&s.jobs).max(1) as f64 / 1000.0,
+            io_us_mean: get(&s.io_ns) as f64 / get(&s.jobs).max(1) as f64 / 1000.0,
         }
     }
 

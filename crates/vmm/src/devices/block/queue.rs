@@ -55,6 +55,15 @@ pub struct BlockStats {
     pub unsupported: AtomicU64,
     /// Times the queue itself was broken (the device then needs a reset).
     pub broken: AtomicU64,
+    /// Doorbells (QueueNotify writes) from the driver.
+    pub notifies: AtomicU64,
+    /// Requests run by an I/O thread, with the two sums below.
+    pub jobs: AtomicU64,
+    /// Nanoseconds from taking a request off the ring to an I/O thread
+    /// starting it, summed.
+    pub wait_ns: AtomicU64,
+    /// Nanoseconds in the backend (pread, pwrite, fdatasync, …), summed.
+    pub io_ns: AtomicU64,
 }
 
 /// One request on its way through an I/O thread.
@@ -62,6 +71,7 @@ pub struct Job {
     head: u16,
     epoch: u64,
     req: Request,
+    taken: std::time::Instant,
 }
 
 /// What the device's threads share.
@@ -181,7 +191,12 @@ impl Shared {
                 let head = chain.head_index();
                 match request::parse(chain, mem, self.capacity()) {
                     Ok(req) => {
-                        let job = Job { head, epoch, req };
+                        let job = Job {
+                            head,
+                            epoch,
+                            req,
+                            taken: std::time::Instant::now(),
+                        };
                         if keep && kept.is_none() {
                             kept = Some(job);
                             continue;
@@ -229,7 +244,14 @@ impl Shared {
             self.finish(job.head, job.epoch, None, 0, 0);
             return;
         }
+        let start = std::time::Instant::now();
         let (st, written) = self.execute(&job.req);
+        let s = &self.stats;
+        s.jobs.fetch_add(1, Ordering::Relaxed);
+        let ns = |d: std::time::Duration| d.as_nanos() as u64;
+        s.wait_ns
+            .fetch_add(ns(start - job.taken), Ordering::Relaxed);
+        s.io_ns.fetch_add(ns(start.elapsed()), Ordering::Relaxed);
         self.finish(job.head, job.epoch, Some(job.req.status), st, written);
     }
 
