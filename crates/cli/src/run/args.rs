@@ -65,13 +65,16 @@ pub struct RunArgs {
     /// (TCP_REPAIR) and this VMM exits. Needs CAP_NET_ADMIN.
     #[arg(long)]
     pub(super) vm_address: Option<std::net::Ipv4Addr>,
-    /// Give the VM a virtio-blk disk backed by a raw image file:
-    /// PATH[,size=SIZE][,create] (repeatable, up to 4; `create` makes a
-    /// sparse file of SIZE). A VM with a disk cannot migrate or be handed
-    /// over yet (docs/disks.md).
+    /// Give the VM a virtio-blk disk backed by a raw image file,
+    /// PATH[,size=SIZE][,create] (`create` makes a sparse file of SIZE), or
+    /// by an export of an NBD server on shared storage,
+    /// nbd://HOST[:PORT]/EXPORT, nbds://… (TLS with this host's
+    /// certificates) or nbd+unix:///EXPORT?socket=PATH (repeatable, up to
+    /// 4). A VM with a disk cannot migrate or be handed over yet
+    /// (docs/disks.md).
     #[arg(
         long = "disk",
-        value_name = "PATH[,size=SIZE][,create]",
+        value_name = "PATH[,size=SIZE][,create] | nbd://HOST/EXPORT",
         conflicts_with = "incoming"
     )]
     pub(super) disks: Vec<ferry_vmm::devices::block::DiskSpec>,

@@ -1,10 +1,11 @@
 //! A virtio-blk disk (virtio 1.x, split virtqueue, virtio-mmio transport),
-//! as a standard guest driver would use it, backed by a local raw image.
+//! as a standard guest driver would use it, backed by a local raw image or
+//! an NBD export on shared storage.
 //!
 //! One responsibility per file: `mmio.rs` the transport's registers and
 //! status/feature handshake, `queue.rs` the virtqueue and the I/O threads,
 //! `request.rs` parsing and checking one request, `backend.rs` the image
-//! file, `memory.rs` guest RAM as rust-vmm's crates see it, `spec.rs` the
+//! file and the choice of backend, `nbd.rs` an NBD export, `memory.rs` guest RAM as rust-vmm's crates see it, `spec.rs` the
 //! `--disk` text. This file ties them into a [`BlockDevice`] at its MMIO
 //! window.
 //!
@@ -28,6 +29,7 @@
 pub mod backend;
 pub mod memory;
 pub mod mmio;
+pub mod nbd;
 pub mod queue;
 pub mod request;
 pub mod spec;
@@ -39,8 +41,8 @@ use ferry_memory::GuestMemory;
 use virtio_bindings::virtio_blk as vb;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 
-pub use backend::{BackendError, RawFile};
-pub use spec::{DiskSpec, DiskSpecError};
+pub use backend::{Backend, BackendError, RawFile};
+pub use spec::{DiskSource, DiskSpec, DiskSpecError};
 
 use mmio::{Action, Transport};
 use queue::{BlockStats, Shared, IO_THREADS};
@@ -73,12 +75,14 @@ pub enum BlockError {
 pub struct DiskInfo {
     /// Which disk (its window is MMIO_BASE + index × 4 KiB).
     pub index: usize,
-    /// `raw`: a local image file.
+    /// `raw`: a local image file; `nbd`: an NBD export.
     pub backend: String,
-    /// The image.
+    /// The image, or the export's address.
     pub path: String,
     /// Bytes.
     pub size: u64,
+    /// Times the link to the NBD server was made again (0 for an image).
+    pub reconnects: u64,
     /// True if aligned requests bypass the host's page cache.
     pub direct_io: bool,
     /// Read requests done.
@@ -161,7 +165,7 @@ impl BlockDevice {
         if index >= MAX_DISKS {
             return Err(BlockError::TooMany);
         }
-        let backend = RawFile::open(spec)?;
+        let backend = Backend::open(spec)?;
         let ram = memory::GuestRam::new(memory)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let rx = Arc::new(Mutex::new(rx));
@@ -240,9 +244,10 @@ impl BlockDevice {
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         DiskInfo {
             index: self.index,
-            backend: "raw".into(),
-            path: b.path().display().to_string(),
+            backend: b.kind().into(),
+            path: b.describe(),
             size: b.size(),
+            reconnects: b.reconnects(),
             direct_io: b.direct(),
             reads: get(&s.reads),
             read_bytes: get(&s.read_bytes),

@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::backend::{HostSeg, RawFile};
+use super::backend::{Backend, HostSeg};
 use super::memory::GuestRam;
 use super::request::{self, status, Op, Request, ID_BYTES};
 use super::spec::SECTOR;
@@ -77,7 +77,7 @@ pub struct Job {
 /// What the device's threads share.
 pub struct Shared {
     pub(super) ram: GuestRam,
-    pub(super) backend: RawFile,
+    pub(super) backend: Backend,
     pub(super) queue: Mutex<Queue>,
     /// InterruptStatus (bit 0: used buffer).
     pub(super) interrupt: AtomicU32,
@@ -99,7 +99,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     /// State for a device over `backend`, its id string `id`.
-    pub fn new(ram: GuestRam, backend: RawFile, id: &str, jobs: Sender<Job>) -> Self {
+    pub fn new(ram: GuestRam, backend: Backend, id: &str, jobs: Sender<Job>) -> Self {
         let mut idb = [0u8; ID_BYTES];
         let n = id.len().min(ID_BYTES);
         idb[..n].copy_from_slice(&id.as_bytes()[..n]);

@@ -1,5 +1,7 @@
 //! The text form of a disk on the command line: `PATH[,size=SIZE][,create]`
-//! ([`DiskSpec`]), checked without touching the file.
+//! for a raw image, or an NBD address (`nbd://HOST[:PORT]/EXPORT`,
+//! `nbds://…`, `nbd+unix:///EXPORT?socket=PATH`) for shared storage
+//! ([`DiskSpec`]), checked without touching the file or the server.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -8,13 +10,31 @@ use std::str::FromStr;
 /// Bytes in one virtio-blk sector: sizes and offsets are counted in them.
 pub const SECTOR: u64 = 512;
 
+/// Where a disk's blocks live.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum DiskSource {
+    /// A raw image file on this host (a path with no comma in it).
+    Image(PathBuf),
+    /// An export of an NBD server (its address, as given; it parses).
+    Nbd(String),
+}
+
+impl fmt::Display for DiskSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DiskSource::Image(p) => write!(f, "{}", p.display()),
+            DiskSource::Nbd(uri) => f.write_str(uri),
+        }
+    }
+}
+
 /// A disk as given to `ferry run --disk`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DiskSpec {
-    /// The raw image file (a path with no comma in it).
-    pub path: PathBuf,
-    /// The disk's size; `None` = the file's length. A file shorter than
-    /// this is refused.
+    /// The image or the NBD export.
+    pub source: DiskSource,
+    /// The disk's size; `None` = the file's (or export's) length. One
+    /// shorter than this is refused.
     pub size: Option<u64>,
     /// Create the file (of `size` bytes, sparse) if it does not exist.
     pub create: bool,
@@ -35,6 +55,12 @@ pub enum DiskSpecError {
     /// `create` without a size.
     #[error("'create' needs a size: PATH,size=SIZE,create")]
     CreateWithoutSize,
+    /// `create` on an NBD export (the server makes its exports).
+    #[error("'create' is for image files; an NBD export is made by its server")]
+    CreateOnNbd,
+    /// An NBD address that does not parse.
+    #[error("{0}")]
+    BadNbd(String),
 }
 
 /// Parses `4096`, `64M`, `1G`, `2GiB` (binary multiples).
@@ -64,8 +90,14 @@ impl FromStr for DiskSpec {
         if path.is_empty() {
             return Err(DiskSpecError::NoPath);
         }
+        let source = if path.starts_with("nbd") && path.contains("://") {
+            ferry_nbd::NbdUri::parse(path).map_err(|e| DiskSpecError::BadNbd(e.to_string()))?;
+            DiskSource::Nbd(path.to_string())
+        } else {
+            DiskSource::Image(PathBuf::from(path))
+        };
         let mut spec = DiskSpec {
-            path: PathBuf::from(path),
+            source,
             size: None,
             create: false,
         };
@@ -81,6 +113,9 @@ impl FromStr for DiskSpec {
                 _ => return Err(DiskSpecError::UnknownOption(opt.into())),
             }
         }
+        if spec.create && matches!(spec.source, DiskSource::Nbd(_)) {
+            return Err(DiskSpecError::CreateOnNbd);
+        }
         if spec.create && spec.size.is_none() {
             return Err(DiskSpecError::CreateWithoutSize);
         }
@@ -90,7 +125,7 @@ impl FromStr for DiskSpec {
 
 impl fmt::Display for DiskSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.path.display())?;
+        write!(f, "{}", self.source)?;
         if let Some(s) = self.size {
             write!(f, ",size={s}")?;
         }
@@ -108,13 +143,18 @@ mod tests {
     #[test]
     fn specs_parse_and_print_back() {
         let s: DiskSpec = "/tmp/d.img,size=64M,create".parse().unwrap();
-        assert_eq!(s.path, PathBuf::from("/tmp/d.img"));
+        assert_eq!(s.source, DiskSource::Image(PathBuf::from("/tmp/d.img")));
         assert_eq!(s.size, Some(64 << 20));
         assert!(s.create);
         assert_eq!(s.to_string().parse::<DiskSpec>().unwrap(), s);
         let s: DiskSpec = "d.img".parse().unwrap();
         assert_eq!((s.size, s.create), (None, false));
         assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        let s: DiskSpec = "nbd://10.0.0.9/vm1,size=1G".parse().unwrap();
+        assert_eq!(s.source, DiskSource::Nbd("nbd://10.0.0.9/vm1".into()));
+        assert_eq!(s.to_string().parse::<DiskSpec>().unwrap(), s);
+        let s: DiskSpec = "nbd+unix:///d?socket=/run/n.sock".parse().unwrap();
+        assert_eq!(s.to_string(), "nbd+unix:///d?socket=/run/n.sock");
         assert_eq!(parse_size("4096"), Some(4096));
     }
 
@@ -137,5 +177,13 @@ mod tests {
             "d.img,ro".parse::<DiskSpec>(),
             Err(DiskSpecError::UnknownOption("ro".into()))
         );
+        assert_eq!(
+            "nbd://h/x,size=1M,create".parse::<DiskSpec>(),
+            Err(DiskSpecError::CreateOnNbd)
+        );
+        assert!(matches!(
+            "nbd://h:notaport/x".parse::<DiskSpec>(),
+            Err(DiskSpecError::BadNbd(_))
+        ));
     }
 }

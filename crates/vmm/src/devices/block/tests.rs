@@ -34,7 +34,7 @@ impl Driver {
         let path = std::env::temp_dir().join(format!("ferry-blkdev-{}-{name}", std::process::id()));
         let _ = std::fs::remove_file(&path);
         let spec = DiskSpec {
-            path: path.clone(),
+            source: super::spec::DiskSource::Image(path.clone()),
             size: Some(disk_bytes),
             create: true,
         };
