@@ -67,6 +67,7 @@ taken as is); --append adds this run's trials to the file's.
 Usage: python3 bench/chaos.py [--trials 20] [--seed S] [--trial K]
        [--ops precopy,postcopy,...] [--faults kill,stop,...] [--smoke]
        [--bound 60] [--stop-max 60] [--out chaos] [--append] [--unfenced]
+       [--registry dir|etcd]
 """
 import argparse
 import json
@@ -78,7 +79,7 @@ import sys
 import tempfile
 
 import benchlib
-from chaoslib.common import FAULTS, OPS, ROOT, log
+from chaoslib.common import FAULTS, OPS, REGISTRY_FAULTS, ROOT, log
 from chaoslib.faults import schedule_of
 from chaoslib.lab import run_trial, self_test
 from chaoslib.report import build_of, fault_text, write
@@ -92,7 +93,12 @@ def main():
     ap.add_argument("--first", type=int, default=0, help="the first trial's number")
     ap.add_argument("--trial", type=int, default=None, help="replay this trial of --seed alone")
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--faults", default=None,
+                    help=f"default: {','.join(FAULTS)} (and {','.join(REGISTRY_FAULTS)} with --registry etcd)")
+    ap.add_argument("--registry", choices=("dir", "etcd"), default="dir",
+                    help="dir: an embedded registry per trial (a directory); etcd: a real etcd per trial "
+                         "on its own lab host, ferry-h4 (etcd://10.77.0.4:2379), which registry-stop and "
+                         "registry-kill stop or kill, and link faults may cut off")
     ap.add_argument("--smoke", action="store_true",
                     help="fixed seed 1, 20 short trials (stops and link faults 0.5-3 s), the witness's self-test")
     ap.add_argument("--bound", type=float, default=60.0, help="a VM paused longer than this after the faults end")
@@ -119,13 +125,17 @@ def main():
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1, 10**6)
     a.ferry = os.path.abspath(a.ferry)
+    if a.faults is None:
+        a.faults = ",".join(FAULTS + (REGISTRY_FAULTS if a.registry == "etcd" else []))
     ops, faults = a.ops.split(","), a.faults.split(",")
     for o in ops:
         if o not in OPS:
             sys.exit(f"unknown operation {o} (known: {', '.join(OPS)})")
     for f in faults:
-        if f not in FAULTS:
-            sys.exit(f"unknown fault {f} (known: {', '.join(FAULTS)})")
+        if f not in FAULTS + REGISTRY_FAULTS:
+            sys.exit(f"unknown fault {f} (known: {', '.join(FAULTS + REGISTRY_FAULTS)})")
+        if f in REGISTRY_FAULTS and a.registry != "etcd":
+            sys.exit(f"fault {f} needs --registry etcd")
     if os.geteuid() != 0 or not os.access("/dev/kvm", os.R_OK | os.W_OK):
         sys.exit("SKIP: the chaos harness needs root (lab namespaces) and /dev/kvm")
     build = build_of(a.ferry)
@@ -149,7 +159,7 @@ def main():
         for k in ks:
             if stopping:
                 break
-            plan = schedule_of(a.seed, k, ops, faults, a.stop_max)
+            plan = schedule_of(a.seed, k, ops, faults, a.stop_max, a.registry)
             log(f"trial {k} (seed {a.seed}): {plan['op']}: {'; '.join(map(fault_text, plan['faults']))}")
             rec = run_trial(a, a.seed, k, plan, tmp)
             rec["build"] = build
@@ -161,7 +171,7 @@ def main():
         data["trials"] += new
         data["runs"].append({"command": command, "build": build, "seed": a.seed, "trials": len(new),
                              "bound": a.bound, "stop_max": a.stop_max, "ops": ops, "faults": faults,
-                             "fenced": not a.unfenced})
+                             "fenced": not a.unfenced, **({"registry": "etcd"} if a.registry == "etcd" else {})})
         lines = write(a, data)
         print("\n".join(lines))
 

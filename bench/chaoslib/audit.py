@@ -8,7 +8,8 @@ import time
 import benchlib
 from benchlib import in_host
 
-from .common import HANDED_WAIT_S, MEM, NEAR_SWITCH_S
+from . import registry, split
+from .common import HANDED_WAIT_S, MEM, NEAR_SWITCH_S, SPLIT_OPS
 from .witness import cmdline, guest_time
 
 
@@ -55,6 +56,10 @@ class Audit:
             s = self.status(p["sock"], host="ferry-h2" if p["role"] == "dst" else "ferry-h1")
             if s and s.get("pid") == p["pid"]:
                 states[p["role"]] = str(s.get("state")) + (" (postcopy paused)" if s.get("postcopy_paused") else "")
+                sp = s.get("split") or {}
+                if sp.get("failure") or sp.get("lost_servers"):
+                    states[p["role"]] += (f" (split: lost servers {sp.get('lost_servers')}, "
+                                          f"paging failure: {sp.get('failure')})")
                 o = s.get("owner")
                 if isinstance(o, dict):
                     states[p["role"]] += (f" (owner {o.get('state')}, epoch {o.get('epoch')}"
@@ -72,14 +77,8 @@ class Audit:
     def record(self, kind):
         """The trial's registry record `kind/<the VM's name>` (owners: {vm,
         epoch, holder: {host, pid, id}, since}; owners-alive: {id, renewed}),
-        read straight from the embedded registry's directory, or None."""
-        path = os.path.join(self.registry[len("dir:"):], "records", f"{kind}%2F{self.fence_name}")
-        try:
-            return json.loads(open(path).read())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            return {"unreadable": repr(e)}
+        read straight from the embedded registry's directory or from etcd, or None."""
+        return registry.record(self.registry, self.fence_name, kind)
 
     def owner_of(self, p):
         """What the VMM `p` says of its VM's ownership (`ferry status`'s
@@ -283,9 +282,9 @@ class Audit:
         dest_roles = ("new",) if op in ("handover", "upgrade") else ("dst",)
         t_sw = self.witness.first_run(self.vm, dest_roles)
         role_of = {p["pid"]: p["role"] for p in self.witness.of_vm(self.vm)}
-        standby = self.procs.get("standby")
-        if standby:
-            role_of[standby.pid] = "standby"
+        for r in ("standby",) + split.MEM_ROLES:
+            if self.procs.get(r):
+                role_of[self.procs[r].pid] = r
         killed = []  # (role, t): each process a kill or a host's death ended
         for e in faults.log:
             if e.get("kind") == "kill" and e.get("pids"):
@@ -312,5 +311,7 @@ class Audit:
                 return "the source of a postcopy without a safety net killed after the switch (pages only it held)"
             if role == "src" and after(t) and op == "postcopy-net" and standby_hit:
                 return "the source of a postcopy killed after the switch, its standby hit as well"
+        if op in SPLIT_OPS:
+            return split.pages_lost(self, killed, before, after)
         return None
 

@@ -11,7 +11,7 @@ import time
 import benchlib
 from benchlib import in_host
 
-from .common import HOST_TARGETS, HOSTS, PROC_TARGETS, WINDOW
+from .common import HOST_TARGETS, HOSTS, PROC_TARGETS, REGISTRY_HOST, SPLIT_OPS, WINDOW
 
 
 def procs_in_host(host):
@@ -84,7 +84,7 @@ class Faults(threading.Thread):
                     return new
                 time.sleep(0.005)
             return []
-        p = tr.procs.get(target)
+        p = tr.procs.get("mem0" if target == "mem" else target)  # mem: the first memory server
         return [p.pid] if p and p.poll() is None else []
 
     def run(self):
@@ -129,6 +129,30 @@ class Faults(threading.Thread):
                     self.note({"kind": "cont", "target": target}, pids=pids)
                 return (time.monotonic() + dur, cont)
             return None
+        if kind in ("registry-stop", "registry-kill"):
+            # The registry itself (--registry etcd): stopped (SIGCONT after
+            # the drawn time) or killed (restarted on its data dir after it).
+            pids = self.pids_of("etcd")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGSTOP if kind == "registry-stop" else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.note(f, pids=pids)
+
+            def back(pids=pids):
+                if kind == "registry-stop":
+                    for pid in pids:
+                        try:
+                            os.kill(pid, signal.SIGCONT)
+                        except ProcessLookupError:
+                            pass
+                    self.note({"kind": "cont", "target": target}, pids=pids)
+                elif pids and self.trial.procs["etcd"].poll() is not None:  # not restarted already
+                    self.trial.procs["etcd"].wait()
+                    pid = self.trial.etcd_start()
+                    self.note({"kind": "restart", "target": target}, pids=[pid])
+            return (time.monotonic() + dur, back)
         if kind == "host":
             shape(target, *BLACKHOLE)  # a dead host answers nothing
             self.shaped[target].insert(0, BLACKHOLE)  # for good
@@ -171,10 +195,12 @@ class Faults(threading.Thread):
 
 # ---------------------------------------------------------------- schedule
 
-def schedule_of(seed, k, ops, faults, stop_max):
+def schedule_of(seed, k, ops, faults, stop_max, registry="dir"):
     """Trial k's operation, options and faults, from random.Random(f"{seed}:{k}").
     The operation and the first fault's kind go round the lists (so every
-    operation x fault cell fills evenly); the rest is drawn."""
+    operation x fault cell fills evenly); the rest is drawn. With an etcd
+    registry, link faults may hit the registry's host too (a dir: trial's
+    draws are as they were before etcd)."""
     rng = random.Random(f"{seed}:{k}")
     # Every (operation, first fault) pair once per len(ops) x len(faults)
     # trials, the operations in turn and the faults varied from the start.
@@ -186,17 +212,23 @@ def schedule_of(seed, k, ops, faults, stop_max):
     for kind in kinds:
         if kind in ("kill", "stop"):
             target = rng.choice(PROC_TARGETS[op])
+        elif kind.startswith("registry-"):
+            target = "etcd"
+        elif registry == "etcd" and kind != "host":
+            target = rng.choice(HOST_TARGETS[op] + [REGISTRY_HOST])
         else:
             target = rng.choice(HOST_TARGETS[op])
-        if op == "handover" and kind in ("cut", "blackhole", "slow"):
+        if op == "handover" and kind in ("cut", "blackhole", "slow") and target != REGISTRY_HOST:
             target = "h1"
         f = {"kind": kind, "target": target, "at": round(rng.uniform(0, WINDOW[op]), 3)}
-        if kind in ("stop", "cut", "blackhole", "slow"):
+        if kind in ("stop", "cut", "blackhole", "slow", "registry-stop", "registry-kill"):
             # log-uniform in [0.5, stop_max] s
             f["dur"] = round(math.exp(rng.uniform(math.log(0.5), math.log(stop_max))), 2)
         sched.append(f)
     opts = {}
     if op == "postcopy-net":
         opts["net_finishes"] = rng.random() < 0.5
+    if op in SPLIT_OPS:
+        opts["replicas"] = 2 if rng.random() < 0.5 else 1
     return {"op": op, "faults": sched, "opts": opts}
 

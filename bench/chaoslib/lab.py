@@ -36,12 +36,15 @@ def run_trial(a, seed, k, plan, tmp):
     rec = {"seed": seed, "trial": k, "op": plan["op"], "faults": plan["faults"], "opts": plan["opts"]}
     with LabLock(a.lock):
         t_start = time.time()
-        up = benchlib.sh(a.ferry, "lab", "up", "3", check=False)
+        # --registry etcd: its own host, ferry-h4
+        up = benchlib.sh(a.ferry, "lab", "up", "4" if a.registry == "etcd" else "3", check=False)
         if up.returncode != 0:
             rec.update(outcome="error", why=f"cannot build the lab: {up.stderr.strip()}")
             return rec
-        trial = Trial(a.ferry, seed, k, plan, a.bound, tmp, fenced=not a.unfenced)
+        trial = Trial(a.ferry, seed, k, plan, a.bound, tmp, fenced=not a.unfenced, registry_kind=a.registry)
         rec["fenced"] = trial.fenced
+        if a.registry == "etcd":
+            rec["registry"] = "etcd"
         try:
             rec.update(trial.run(a.cmd_cap))
         except Exception as e:  # noqa: BLE001 - a harness error is an outcome

@@ -5,7 +5,7 @@ import time
 
 import benchlib
 
-from .common import FAULTS, OPS, OVERLAP_STEPS, OVERLAP_WINDOW, ROOT
+from .common import FAULTS, OPS, OVERLAP_STEPS, OVERLAP_WINDOW, REGISTRY_FAULTS, ROOT
 
 
 OUTCOMES = ["one-copy", "unsurvivable", "violation", "lost", "paused", "error"]
@@ -39,6 +39,13 @@ def binary_of(build):
     return build.split(", binary ", 1)[1] if ", binary " in build else build or "unknown build"
 
 
+def op_text(t):
+    """A trial's operation, with how it ran when not the default."""
+    return (t["op"] + ("" if t.get("fenced") or "fenced" not in t else " (unfenced)")
+            + (" (etcd)" if t.get("registry") == "etcd" else "")
+            + (f" (replicas {t['opts']['replicas']})" if (t.get("opts") or {}).get("replicas") else ""))
+
+
 def fault_text(f):
     d = f" {f['dur']}s" if "dur" in f else ""
     return f"{f['kind']} {f['target']} @{f['at']}s{d}"
@@ -48,7 +55,7 @@ def write(a, data):
     path = a.out if "/" in a.out else os.path.join(ROOT, "bench/results", a.out)
     trials = data["trials"]
     ops = [o for o in OPS if any(t["op"] == o for t in trials)]
-    faults = [f for f in FAULTS if any(t["faults"][0]["kind"] == f for t in trials)]
+    faults = [f for f in FAULTS + REGISTRY_FAULTS if any(t["faults"][0]["kind"] == f for t in trials)]
     benchlib.write_json(path + ".json", data, indent=1)
     c = collections.Counter(t["outcome"] for t in trials)
     runs = data["runs"]
@@ -57,6 +64,7 @@ def write(a, data):
     lines += [f"- `{r['command']}`: build {r['build']}, seed {r['seed']}, {r['trials']} trials, "
               f"bound {r['bound']} s, stops/link faults up to {r['stop_max']} s"
               + ("" if "fenced" not in r else ", fenced" if r["fenced"] else ", unfenced (agents fence theirs)")
+              + (", registry: a real etcd per trial (etcd://10.77.0.4:2379 on ferry-h4)" if r.get("registry") == "etcd" else "")
               for r in runs]
     lines += ["", "Witness: guest_time (/proc/PID/stat field 43) of every VMM of the VM, sampled every 10 ms; "
               f"a violation is two processes advancing together in {OVERLAP_STEPS} of {OVERLAP_WINDOW} "
@@ -90,7 +98,7 @@ def write(a, data):
         lines += ["Every trial not ending with one running copy, or with notes (replay: `ferry bench chaos --seed S --trial K "
                   "--ops OP`):", "", "| seed | trial | op | faults | outcome | why |", "|---|---|---|---|---|---|"]
         for t in bad:
-            lines.append(f"| {t['seed']} | {t['trial']} | {t['op']}{'' if t.get('fenced') or 'fenced' not in t else ' (unfenced)'} | {'; '.join(map(fault_text, t['faults']))} | "
+            lines.append(f"| {t['seed']} | {t['trial']} | {op_text(t)} | {'; '.join(map(fault_text, t['faults']))} | "
                          f"{t['outcome']} | {'; '.join(([t['why']] if t.get('why') else []) + t.get('notes', [])).replace('|', '/')[:400]} |")
         lines.append("")
     benchlib.write_md(path + ".md", lines)

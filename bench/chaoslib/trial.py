@@ -10,14 +10,15 @@ import time
 import benchlib
 from benchlib import in_host
 
+from . import registry, split
 from .audit import Audit
-from .common import (AGENT_OPS, BANDWIDTH, FENCE_NAME, MEM, MIGRATE_OPS, WORKLOAD)
+from .common import (AGENT_OPS, BANDWIDTH, FENCE_NAME, MEM, MIGRATE_OPS, SPLIT_OPS, WORKLOAD)
 from .faults import Faults
 from .witness import Witness
 
 
 class Trial(Audit):
-    def __init__(self, ferry, seed, k, plan, bound, tmp, fenced=True):
+    def __init__(self, ferry, seed, k, plan, bound, tmp, fenced=True, registry_kind="dir"):
         self.ferry, self.seed, self.k, self.plan, self.bound = ferry, seed, k, plan, bound
         self.fenced = fenced or plan["op"] in AGENT_OPS  # agents fence their VMs themselves
         self.dir = tempfile.mkdtemp(prefix=f"t{k}-", dir=tmp)
@@ -26,7 +27,8 @@ class Trial(Audit):
         self.witness = Witness(self.dir)
         self.notes = []
         self.src_sock = self.sock("src")
-        self.registry = f"dir:{self.dir}/registry"
+        self.registry_kind = registry_kind
+        self.registry = registry.address(registry_kind, self.dir)
         self.fence_name = self.vm if plan["op"] in AGENT_OPS else FENCE_NAME
 
     def sock(self, role):
@@ -40,12 +42,16 @@ class Trial(Audit):
         self.procs[role] = p
         return p
 
-    def vmm(self, role, host, *extra):
+    def vmm(self, role, host, *extra, fence=None):
+        """A VMM of the VM; fenced (unless --unfenced) as a fresh VM
+        (`fence="boot"`, the default for src) or as a destination
+        (`"take"`, the default for dst)."""
         self.witness.role_for(self.sock(role), role)
         out = open(os.path.join(self.dir, f"{role}.out"), "w")
-        if self.fenced and role == "src":
+        fence = fence or {"src": "boot", "dst": "take"}.get(role)
+        if self.fenced and fence == "boot":
             extra += ("--vm-name", FENCE_NAME, "--registry", self.registry)
-        if self.fenced and role == "dst":
+        if self.fenced and fence == "take":
             extra += ("--fenced", "--registry", self.registry)
         p = self.spawn(role, host, "run", "--mem", MEM, "--vcpus", "1", "--workload", WORKLOAD,
                        "--control", self.sock(role), "--quiet", "--json", *extra, out=out)
@@ -117,9 +123,20 @@ class Trial(Audit):
                     self.witness.add(vm["pid"], self.vm, "src", vm["socket"])
         self.wait_filled()
 
+    def etcd_start(self):
+        """(Re)starts the trial's etcd on its data dir; its pid."""
+        p = registry.etcd_spawn(os.path.join(self.dir, "etcd"), os.path.join(self.dir, "etcd.log"))
+        self.procs["etcd"] = p
+        return p.pid
+
     def start(self):
         op = self.plan["op"]
+        if self.registry_kind == "etcd":
+            self.etcd_start()
+            registry.etcd_ready(self.procs["etcd"])
         self.witness.start()
+        if op in SPLIT_OPS:
+            return split.start(self)
         if op in AGENT_OPS:
             return self.start_agents()
         if op != "handover":
@@ -157,7 +174,11 @@ class Trial(Audit):
         out = open(out_path, "w")
         t0 = time.monotonic()
         faults.t0 = t0
-        self.spawn("cmd", "ferry-h3" if self.plan["op"] in AGENT_OPS else "ferry-h1", *self.command(), out=out)
+        if self.plan["op"] in SPLIT_OPS:
+            cmd, host = split.command(self)
+        else:
+            cmd, host = self.command(), "ferry-h3" if self.plan["op"] in AGENT_OPS else "ferry-h1"
+        self.spawn("cmd", host, *cmd, out=out)
         faults.start()
         faults.ended.wait()
         t_end = time.monotonic()
@@ -182,6 +203,8 @@ class Trial(Audit):
         result.update(self.classify(faults, result, report, cmd_rc))
         self.judge_ownership(faults, result, result)
         self.registry_says(result)
+        if self.plan["op"] in SPLIT_OPS:
+            split.judge(self, faults, result)
         if result["outcome"] == "one-copy" and result["running"] == ["dst"] and not result["verified"]:
             # The command's report is gone (killed) or the standby verified
             # (--net-finishes): the destination says what it verified.
