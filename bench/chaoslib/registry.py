@@ -88,3 +88,25 @@ def record(registry, name, kind):
         return json.loads(base64.b64decode(kvs[0]["value"]))
     except (KeyError, ValueError) as e:
         return {"unreadable": repr(e)}
+
+
+def gone(fault_log):
+    """When the trial's processes could not reach the registry, from its
+    faults' log (seconds from the command's start): [from, to, how], `to`
+    None when it never came back (overlapping faults of one kind end with
+    the last of them, as the faults themselves do)."""
+    out, open_, depth = [], {}, {}
+    for e in fault_log:
+        kind, target, t = e.get("kind"), e.get("target"), e.get("t")
+        if kind in ("registry-stop", "registry-kill") and e.get("pids"):
+            open_.setdefault("etcd", (t, kind))
+        elif target == REGISTRY_HOST and kind in ("cut", "blackhole"):
+            open_.setdefault(REGISTRY_HOST, (t, f"{kind} {REGISTRY_HOST}"))
+            depth[REGISTRY_HOST] = depth.get(REGISTRY_HOST, 0) + 1
+        elif kind in ("cont", "restart", "restore") and target in open_:
+            depth[target] = depth.get(target, 1) - 1
+            if depth[target] <= 0:
+                t0, how = open_.pop(target)
+                out.append([t0, t, how])
+    out += [[t0, None, how] for t0, how in open_.values()]
+    return out

@@ -225,6 +225,8 @@ class Trial(Audit):
         result["fault_log"] = [{k: (round(v - t0, 3) if k == "t" else v) for k, v in e.items()}
                                for e in faults.log]
         result["cmd_rc"] = cmd_rc
+        if self.registry_kind == "etcd":
+            result["registry_gone"] = registry.gone(result["fault_log"])
         # What the witness saw of each process of the VM (s from the command's start).
         rel = lambda x: None if x is None else round(x - t0, 3)  # noqa: E731
         result["witness"] = [{"role": p["role"], "pid": p["pid"], "seen": rel(p["seen"]),
