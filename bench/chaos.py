@@ -8,15 +8,23 @@ two faults injected at random moments of it:
 
   operations  precopy, postcopy, hybrid (`ferry migrate --verify` from h1 to
               h2), handover (`ferry handover --verify` on h1), postcopy-net
-              (postcopy with the safety net's standby on h3)
+              (postcopy with the safety net's standby on h3), drain and
+              upgrade (agents on every host), split (`--mode split` to a
+              main host on h2 and two memory servers on h3), gather (a VM
+              split first without faults, then `--mode gather` to h1)
   faults      kill (SIGKILL), stop (SIGSTOP, SIGCONT after 0.5-60 s) of the
               source VMM, the destination VMM (a handover's new VMM), the
-              command (`ferry migrate` / `ferry handover`), the standby;
+              command (`ferry migrate` / `ferry handover`), the standby, a
+              memory server (mem), an agent;
               cut (the host's eth0 down), blackhole (every packet to and from
               the host dropped: tbf with a burst below one packet on both
               ends of its veth), slow (tbf 2 mbit on both ends), each for
               0.5-60 s; host (every process in the host's namespace
-              SIGKILLed at once, its link blackholed for good)
+              SIGKILLed at once, its link blackholed for good);
+              with --registry etcd (a real etcd per trial on ferry-h4):
+              registry-stop (SIGSTOP, SIGCONT after 0.5-60 s), registry-kill
+              (SIGKILL, restarted on its data dir after 0.5-60 s), and link
+              faults of ferry-h4
 
 The witness: a thread samples /proc/PID/stat field 43 (guest_time: time the
 kernel accounted to the process's vCPUs in guest mode, in clock ticks)
@@ -39,7 +47,8 @@ reported every page verified), unsurvivable (not running, and the faults
 include a case the docs name: a process holding the only copy killed -- the
 source before the switch, the destination or a handover's new VMM after
 it started the VM -- or the source of a postcopy without a safety net
-killed after the switch), violation (two copies ran at once, or run at the
+killed after the switch, or a memory server with the only copy of some
+of a split VM's pages), violation (two copies ran at once, or run at the
 end), paused (no copy runs, one is paused past the bound), lost (no process
 of the VM left), error (the harness failed).
 
