@@ -174,7 +174,7 @@ class Faults(threading.Thread):
                 self.cuts[target] -= 1
                 if self.cuts[target] == 0:
                     benchlib.sh(*in_host(HOSTS[target], "ip", "link", "set", "eth0", "up"), check=False)
-                self.note({"kind": "restore", "target": target})
+                self.note({"kind": "restore", "target": target}, of="cut")
             return (time.monotonic() + dur, mend)
         if kind in ("blackhole", "slow"):
             q = BLACKHOLE if kind == "blackhole" else SLOW
@@ -188,7 +188,7 @@ class Faults(threading.Thread):
                     shape(target, *self.shaped[target][-1])
                 else:
                     unshape(target)
-                self.note({"kind": "restore", "target": target})
+                self.note({"kind": "restore", "target": target}, of=kind)
             return (time.monotonic() + dur, unshaped)
         raise ValueError(f"unknown fault {kind}")
 

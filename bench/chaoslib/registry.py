@@ -93,20 +93,37 @@ def record(registry, name, kind):
 def gone(fault_log):
     """When the trial's processes could not reach the registry, from its
     faults' log (seconds from the command's start): [from, to, how], `to`
-    None when it never came back (overlapping faults of one kind end with
-    the last of them, as the faults themselves do)."""
-    out, open_, depth = [], {}, {}
+    None when it never came back. etcd is gone while it is stopped or dead
+    (a kill of a stopped etcd ends with its restart); the registry's host
+    while any cut or blackhole of it is in force."""
+    out = []
+    state = {"stopped": False, "dead": False, "links": 0}
+    since, how = None, []
     for e in fault_log:
         kind, target, t = e.get("kind"), e.get("target"), e.get("t")
-        if kind in ("registry-stop", "registry-kill") and e.get("pids"):
-            open_.setdefault("etcd", (t, kind))
+        was = state["stopped"] or state["dead"] or state["links"] > 0
+        if kind == "registry-stop" and e.get("pids"):
+            state["stopped"] = True
+        elif kind == "registry-kill" and e.get("pids"):
+            state["dead"], state["stopped"] = True, False
+        elif kind == "cont" and target == "etcd":
+            state["stopped"] = False
+        elif kind == "restart" and target == "etcd":
+            state["dead"] = False
         elif target == REGISTRY_HOST and kind in ("cut", "blackhole"):
-            open_.setdefault(REGISTRY_HOST, (t, f"{kind} {REGISTRY_HOST}"))
-            depth[REGISTRY_HOST] = depth.get(REGISTRY_HOST, 0) + 1
-        elif kind in ("cont", "restart", "restore") and target in open_:
-            depth[target] = depth.get(target, 1) - 1
-            if depth[target] <= 0:
-                t0, how = open_.pop(target)
-                out.append([t0, t, how])
-    out += [[t0, None, how] for t0, how in open_.values()]
+            state["links"] += 1
+        elif (target == REGISTRY_HOST and kind == "restore" and e.get("of", "cut") in ("cut", "blackhole")
+              and state["links"] > 0):
+            state["links"] -= 1
+        else:
+            continue
+        now = state["stopped"] or state["dead"] or state["links"] > 0
+        if now and not was:
+            since, how = t, []
+        if now and kind not in ("cont", "restart", "restore"):
+            how.append(kind if target == "etcd" else f"{kind} {target}")
+        if was and not now:
+            out.append([since, t, ", ".join(how)])
+    if state["stopped"] or state["dead"] or state["links"] > 0:
+        out.append([since, None, ", ".join(how)])
     return out
