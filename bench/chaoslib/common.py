@@ -52,6 +52,10 @@ WINDOW = {"precopy": 4.0, "postcopy": 4.0, "hybrid": 5.0, "postcopy-net": 5.0, "
 # servers on ferry-h3 the rest (half the trials each chunk on both:
 # --replicas 2).
 MAIN_BUDGET = "48M"
+# A split VM's guest writes all over 64 MiB (more than its main host holds),
+# so it keeps paging from the servers after the switch: a server that dies
+# or stalls then is felt at once.
+SPLIT_WORKLOAD = "compute+fill:content=worst,mib=64+dirty:rate=8,wss=64,pattern=random"
 MEM_PORTS = (7501, 7502)
 GT_FIELD = 43  # /proc/PID/stat: guest_time
 OVERLAP_STEPS, OVERLAP_WINDOW = 3, 10

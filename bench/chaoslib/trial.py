@@ -12,7 +12,7 @@ from benchlib import in_host
 
 from . import registry, split
 from .audit import Audit
-from .common import (AGENT_OPS, BANDWIDTH, FENCE_NAME, MEM, MIGRATE_OPS, SPLIT_OPS, WORKLOAD)
+from .common import (AGENT_OPS, BANDWIDTH, FENCE_NAME, MEM, MIGRATE_OPS, SPLIT_OPS, SPLIT_WORKLOAD, WORKLOAD)
 from .faults import Faults
 from .witness import Witness
 
@@ -53,7 +53,8 @@ class Trial(Audit):
             extra += ("--vm-name", FENCE_NAME, "--registry", self.registry)
         if self.fenced and fence == "take":
             extra += ("--fenced", "--registry", self.registry)
-        p = self.spawn(role, host, "run", "--mem", MEM, "--vcpus", "1", "--workload", WORKLOAD,
+        workload = SPLIT_WORKLOAD if self.plan["op"] in SPLIT_OPS else WORKLOAD
+        p = self.spawn(role, host, "run", "--mem", MEM, "--vcpus", "1", "--workload", workload,
                        "--control", self.sock(role), "--quiet", "--json", *extra, out=out)
         self.witness.add(p.pid, self.vm, role, self.sock(role))
         return p
