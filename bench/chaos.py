@@ -88,7 +88,7 @@ import sys
 import tempfile
 
 import benchlib
-from chaoslib.common import FAULTS, OPS, REGISTRY_FAULTS, ROOT, log
+from chaoslib.common import DEFAULT_OPS, FAULTS, OPS, REGISTRY_FAULTS, ROOT, log
 from chaoslib.faults import schedule_of
 from chaoslib.lab import run_trial, self_test
 from chaoslib.report import build_of, fault_text, write
@@ -101,7 +101,8 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--first", type=int, default=0, help="the first trial's number")
     ap.add_argument("--trial", type=int, default=None, help="replay this trial of --seed alone")
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=None,
+                    help=f"default: {','.join(DEFAULT_OPS)} (--smoke: {','.join(OPS)})")
     ap.add_argument("--faults", default=None,
                     help=f"default: {','.join(FAULTS)} (and {','.join(REGISTRY_FAULTS)} with --registry etcd)")
     ap.add_argument("--registry", choices=("dir", "etcd"), default="dir",
@@ -109,7 +110,8 @@ def main():
                          "on its own lab host, ferry-h4 (etcd://10.77.0.4:2379), which registry-stop and "
                          "registry-kill stop or kill, and link faults may cut off")
     ap.add_argument("--smoke", action="store_true",
-                    help="fixed seed 1, 20 short trials (stops and link faults 0.5-3 s), the witness's self-test")
+                    help="fixed seed 1, 20 short trials over every operation (stops and link faults 0.5-3 s), "
+                         "the witness's self-test")
     ap.add_argument("--bound", type=float, default=60.0, help="a VM paused longer than this after the faults end")
     ap.add_argument("--stop-max", type=float, default=60.0, help="the longest SIGSTOP / link fault, s")
     ap.add_argument("--cmd-cap", type=float, default=120.0,
@@ -134,6 +136,8 @@ def main():
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1, 10**6)
     a.ferry = os.path.abspath(a.ferry)
+    if a.ops is None:
+        a.ops = ",".join(OPS if a.smoke else DEFAULT_OPS)
     if a.faults is None:
         a.faults = ",".join(FAULTS + (REGISTRY_FAULTS if a.registry == "etcd" else []))
     ops, faults = a.ops.split(","), a.faults.split(",")
