@@ -1,6 +1,7 @@
 //! The chaos smoke (issue 54 item 2): `ferry bench chaos --smoke` runs ~20
 //! fixed-seed trials of random faults over precopy, postcopy, hybrid,
-//! handover, postcopy with its standby, drain and upgrade on lab hosts,
+//! handover, postcopy with its standby, drain, upgrade, split and gather
+//! (memory servers) on lab hosts,
 //! and audits each VM with a witness outside ferry (the kernel's
 //! guest_time of every VMM process of the VM). No trial may end with two copies of a VM having run
 //! at once, nor with a VM lost outside the cases the docs name as

@@ -1,0 +1,1 @@
+"""The chaos harness's parts (bench/chaos.py is its entry point; docs/chaos.md)."""
