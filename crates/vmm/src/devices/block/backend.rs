@@ -203,67 +203,26 @@ impl RawFile {
 
     /// Reads the disk from `offset` into `segs`, in order.
     pub fn read(&self, offset: u64, segs: &[HostSeg]) -> io::Result<()> {
-        let f = self.file_for(offset, segs);
-        let mut at = offset;
-        for s in segs {
-            let mut done = 0usize;
-            while done < s.len {
-                // SAFETY: `s` is guest memory the request owns (HostSeg);
-                // the kernel writes at most `s.len - done` bytes after it.
-                let n = unsafe {
-                    libc::pread(
-                        f.as_raw_fd(),
-                        s.ptr.add(done).cast(),
-                        s.len - done,
-                        (at + done as u64) as libc::off_t,
-                    )
-                };
-                match n {
-                    n if n > 0 => done += n as usize,
-                    0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-                    _ => {
-                        let e = io::Error::last_os_error();
-                        if e.kind() != io::ErrorKind::Interrupted {
-                            return Err(e);
-                        }
-                    }
-                }
-            }
-            at += s.len as u64;
-        }
-        Ok(())
+        let fd = self.file_for(offset, segs).as_raw_fd();
+        transfer(
+            offset,
+            segs,
+            io::ErrorKind::UnexpectedEof,
+            |ptr, len, at| {
+                // SAFETY: `ptr` is guest memory the request owns (HostSeg); the
+                // kernel writes at most `len` bytes after it.
+                unsafe { libc::pread(fd, ptr.cast(), len, at) }
+            },
+        )
     }
 
     /// Writes `segs`, in order, to the disk from `offset`.
     pub fn write(&self, offset: u64, segs: &[HostSeg]) -> io::Result<()> {
-        let f = self.file_for(offset, segs);
-        let mut at = offset;
-        for s in segs {
-            let mut done = 0usize;
-            while done < s.len {
-                // SAFETY: as in `read`; the kernel only reads the bytes.
-                let n = unsafe {
-                    libc::pwrite(
-                        f.as_raw_fd(),
-                        s.ptr.add(done).cast(),
-                        s.len - done,
-                        (at + done as u64) as libc::off_t,
-                    )
-                };
-                match n {
-                    n if n > 0 => done += n as usize,
-                    0 => return Err(io::ErrorKind::WriteZero.into()),
-                    _ => {
-                        let e = io::Error::last_os_error();
-                        if e.kind() != io::ErrorKind::Interrupted {
-                            return Err(e);
-                        }
-                    }
-                }
-            }
-            at += s.len as u64;
-        }
-        Ok(())
+        let fd = self.file_for(offset, segs).as_raw_fd();
+        transfer(offset, segs, io::ErrorKind::WriteZero, |ptr, len, at| {
+            // SAFETY: as in `read`; the kernel only reads the bytes.
+            unsafe { libc::pwrite(fd, ptr.cast(), len, at) }
+        })
     }
 
     /// Makes every completed write durable.
@@ -364,6 +323,42 @@ fn block_device_size(f: &File) -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     Ok(size)
+}
+
+/// Moves `segs`, in order, from file offset `offset` on with `io` (one
+/// pread or pwrite: pointer, length, file offset; its return value),
+/// through short transfers and interrupted calls; a call that moves
+/// nothing is `none`.
+fn transfer(
+    offset: u64,
+    segs: &[HostSeg],
+    none: io::ErrorKind,
+    io: impl Fn(*mut u8, usize, libc::off_t) -> isize,
+) -> io::Result<()> {
+    let mut at = offset;
+    for s in segs {
+        let mut done = 0usize;
+        while done < s.len {
+            // (`done < s.len`: the pointer stays inside the segment.)
+            let n = io(
+                s.ptr.wrapping_add(done),
+                s.len - done,
+                (at + done as u64) as libc::off_t,
+            );
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(none.into()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        at += s.len as u64;
+    }
+    Ok(())
 }
 
 /// Where a disk's blocks live, as the device's queue sees it.
