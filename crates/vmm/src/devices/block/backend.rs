@@ -1,6 +1,6 @@
-//! The disk's backend ([`Backend`]): a local raw image file ([`RawFile`]),
-//! or an NBD export on shared storage (`nbd.rs`). Reads and writes of an
-//! image go straight
+//! A disk's local raw image file ([`RawFile`]), and what every backend
+//! shares (its errors, [`HostSeg`]); `backends.rs` chooses between it and
+//! an NBD export (`nbd.rs`). Reads and writes of an image go straight
 //! between the file and guest memory, with `O_DIRECT` where the file system
 //! allows it and the request is aligned for it (the host's page cache then
 //! holds no second copy of the guest's disk), buffered otherwise; flush is
@@ -16,7 +16,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use super::nbd::NbdDisk;
 use super::spec::{DiskSource, DiskSpec, SECTOR};
 
 /// Alignment (file offset, length and memory address) a request needs to
@@ -359,101 +358,6 @@ fn transfer(
         at += s.len as u64;
     }
     Ok(())
-}
-
-/// Where a disk's blocks live, as the device's queue sees it.
-pub enum Backend {
-    /// A raw image file on this host.
-    Raw(RawFile),
-    /// An NBD export.
-    Nbd(NbdDisk),
-}
-
-impl Backend {
-    /// Opens what `spec` names.
-    pub fn open(spec: &DiskSpec) -> Result<Self, BackendError> {
-        match &spec.source {
-            DiskSource::Image(_) => RawFile::open(spec).map(Backend::Raw),
-            DiskSource::Nbd(uri) => NbdDisk::open(uri, spec.size).map(Backend::Nbd),
-        }
-    }
-
-    /// `raw` or `nbd`, for status.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Backend::Raw(_) => "raw",
-            Backend::Nbd(_) => "nbd",
-        }
-    }
-
-    /// The image's path or the export's address.
-    pub fn describe(&self) -> String {
-        match self {
-            Backend::Raw(f) => f.path().display().to_string(),
-            Backend::Nbd(n) => n.describe(),
-        }
-    }
-
-    /// The disk's size in bytes.
-    pub fn size(&self) -> u64 {
-        match self {
-            Backend::Raw(f) => f.size(),
-            Backend::Nbd(n) => n.size(),
-        }
-    }
-
-    /// True if aligned requests go through `O_DIRECT` (images only).
-    pub fn direct(&self) -> bool {
-        matches!(self, Backend::Raw(f) if f.direct())
-    }
-
-    /// Times the link to an NBD server was made again (0 for an image).
-    pub fn reconnects(&self) -> u64 {
-        match self {
-            Backend::Raw(_) => 0,
-            Backend::Nbd(n) => n.reconnects(),
-        }
-    }
-
-    /// Reads the disk from `offset` into `segs`, in order.
-    pub fn read(&self, offset: u64, segs: &[HostSeg]) -> io::Result<()> {
-        match self {
-            Backend::Raw(f) => f.read(offset, segs),
-            Backend::Nbd(n) => n.read(offset, segs),
-        }
-    }
-
-    /// Writes `segs`, in order, to the disk from `offset`.
-    pub fn write(&self, offset: u64, segs: &[HostSeg]) -> io::Result<()> {
-        match self {
-            Backend::Raw(f) => f.write(offset, segs),
-            Backend::Nbd(n) => n.write(offset, segs),
-        }
-    }
-
-    /// Makes every completed write durable.
-    pub fn flush(&self) -> io::Result<()> {
-        match self {
-            Backend::Raw(f) => f.flush(),
-            Backend::Nbd(n) => n.flush(),
-        }
-    }
-
-    /// Zeroes `len` bytes from `offset`.
-    pub fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
-        match self {
-            Backend::Raw(f) => f.write_zeroes(offset, len),
-            Backend::Nbd(n) => n.write_zeroes(offset, len),
-        }
-    }
-
-    /// Discards `len` bytes from `offset`.
-    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        match self {
-            Backend::Raw(f) => f.discard(offset, len),
-            Backend::Nbd(n) => n.discard(offset, len),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! One responsibility per file: `mmio.rs` the transport's registers and
 //! status/feature handshake, `queue.rs` the virtqueue and the I/O threads,
 //! `request.rs` parsing and checking one request, `backend.rs` the image
-//! file and the choice of backend, `nbd.rs` an NBD export, `memory.rs` guest RAM as rust-vmm's crates see it, `spec.rs` the
+//! file, `nbd.rs` an NBD export, `backends.rs` the choice between them, `memory.rs` guest RAM as rust-vmm's crates see it, `spec.rs` the
 //! `--disk` text. This file ties them into a [`BlockDevice`] at its MMIO
 //! window.
 //!
@@ -27,6 +27,7 @@
 //! running disk).
 
 pub mod backend;
+pub mod backends;
 pub mod memory;
 pub mod mmio;
 pub mod nbd;
@@ -41,7 +42,8 @@ use ferry_memory::GuestMemory;
 use virtio_bindings::virtio_blk as vb;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 
-pub use backend::{Backend, BackendError, RawFile};
+pub use backend::{BackendError, RawFile};
+pub use backends::Backend;
 pub use spec::{DiskSource, DiskSpec, DiskSpecError};
 
 use mmio::{Action, Transport};

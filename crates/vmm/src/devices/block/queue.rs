@@ -22,7 +22,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::backend::{Backend, HostSeg};
+use super::backend::HostSeg;
+use super::backends::Backend;
 use super::memory::GuestRam;
 use super::request::{self, status, Op, Request, ID_BYTES};
 use super::spec::SECTOR;
