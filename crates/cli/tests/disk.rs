@@ -9,11 +9,10 @@ mod common;
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{ferry, kvm_usable, spawn_reaped, wait_status, Reaper, Scratch};
+use common::{disk_check, disk_status_until, ferry, kvm_usable, wait_status, Reaper, Scratch};
 use ferry_vmm::workload::disk::{check_block, BlockCheck};
-use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
 
@@ -22,42 +21,8 @@ fn start(dir: &Path, workload: &str) -> (Reaper, String, String) {
     let sock = dir.join("vm.sock").display().to_string();
     let image = dir.join("disk.img").display().to_string();
     let disk = format!("{image},size=64M,create");
-    let vm = spawn_reaped(&[
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        workload,
-        "--disk",
-        &disk,
-        "--control",
-        &sock,
-        "--duration",
-        "60s",
-    ]);
-    wait_status(&sock);
+    let vm = common::vm_with_disk(&sock, workload, &disk, 60);
     (vm, sock, image)
-}
-
-/// `ferry status --json` until `done` says so (within `secs`).
-fn status_until(sock: &str, secs: u64, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let s = wait_status(sock);
-        if done(&s) {
-            return s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not reached within {secs} s; last status: {}",
-            s["disk_check"]
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn check(s: &Value, field: &str) -> u64 {
-    s["disk_check"][field].as_u64().unwrap_or(0)
 }
 
 fn quit(sock: &str) {
@@ -72,16 +37,21 @@ fn the_disk_workload_checks_every_block_and_the_image_holds_its_stamps() {
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-mixed");
     let (mut vm, sock, image) = start(&dir, "disk:rw=mixed,bs=4k,qd=8,mib=8");
-    let first = status_until(&sock, 20, |s| check(s, "blocks_checked") > 500);
+    let first = disk_status_until(&sock, 20, |s| disk_check(s, "blocks_checked") > 500);
     std::thread::sleep(Duration::from_secs(2));
     let later = wait_status(&sock);
     let (c0, c1) = (
-        check(&first, "blocks_checked"),
-        check(&later, "blocks_checked"),
+        disk_check(&first, "blocks_checked"),
+        disk_check(&later, "blocks_checked"),
     );
     assert!(c1 > c0 + 500, "blocks_checked {c0} -> {c1} in 2 s");
-    assert_eq!(check(&later, "bad_blocks"), 0, "{}", later["disk_check"]);
-    assert_eq!(check(&later, "io_errors"), 0);
+    assert_eq!(
+        disk_check(&later, "bad_blocks"),
+        0,
+        "{}",
+        later["disk_check"]
+    );
+    assert_eq!(disk_check(&later, "io_errors"), 0);
     assert!(later["disk_check"]["iops"].as_f64().unwrap() > 100.0);
     let disk = &later["disks"][0];
     assert_eq!(disk["backend"], "raw");
@@ -89,7 +59,7 @@ fn the_disk_workload_checks_every_block_and_the_image_holds_its_stamps() {
     assert!(disk["write_bytes"].as_u64().unwrap() >= 8 * MIB, "{disk}");
     assert!(disk["read_bytes"].as_u64().unwrap() > 0, "{disk}");
     assert_eq!(disk["bad_requests"].as_u64(), Some(0));
-    let tag = check(&later, "tag");
+    let tag = disk_check(&later, "tag");
     quit(&sock);
     let _ = vm.0.wait();
     // Every block of the 8 MiB it uses was written at least once (the
@@ -117,21 +87,21 @@ fn a_block_corrupted_behind_the_guests_back_is_counted_bad() {
     let (dir, _scratch) = Scratch::new("ferry-disk-corrupt");
     // 1 MiB: 256 blocks, so random reads come back to the bad one soon.
     let (_vm, sock, image) = start(&dir, "disk:rw=randread,bs=4k,qd=4,mib=1");
-    let s = status_until(&sock, 20, |s| {
-        s["disk_check"]["phase"] == "run" && check(s, "blocks_checked") > 100
+    let s = disk_status_until(&sock, 20, |s| {
+        s["disk_check"]["phase"] == "run" && disk_check(s, "blocks_checked") > 100
     });
-    assert_eq!(check(&s, "bad_blocks"), 0, "{}", s["disk_check"]);
+    assert_eq!(disk_check(&s, "bad_blocks"), 0, "{}", s["disk_check"]);
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(&image)
         .unwrap();
     f.write_all_at(&[0x5a; 4096], 17 * 4096).unwrap();
     f.sync_data().unwrap();
-    let s = status_until(&sock, 20, |s| check(s, "bad_blocks") > 0);
-    assert_eq!(check(&s, "first_bad_lba"), 18, "{}", s["disk_check"]);
+    let s = disk_status_until(&sock, 20, |s| disk_check(s, "bad_blocks") > 0);
+    assert_eq!(disk_check(&s, "first_bad_lba"), 18, "{}", s["disk_check"]);
     assert_eq!(
-        check(&s, "bad_lost"),
-        check(&s, "bad_blocks"),
+        disk_check(&s, "bad_lost"),
+        disk_check(&s, "bad_blocks"),
         "{}",
         s["disk_check"]
     );
@@ -145,15 +115,15 @@ fn seqwrite_of_m_mib_writes_m_mib_and_reads_it_back() {
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-seq");
     let (_vm, sock, _image) = start(&dir, "disk:rw=seqwrite,bs=4k,qd=16,mib=4");
-    let s = status_until(&sock, 30, |s| s["disk_check"]["phase"] == "done");
+    let s = disk_status_until(&sock, 30, |s| s["disk_check"]["phase"] == "done");
     let d = &s["disks"][0];
     assert_eq!(d["write_bytes"].as_u64(), Some(4 * MIB), "{d}");
     assert_eq!(d["writes"].as_u64(), Some(1024), "{d}");
     assert_eq!(d["read_bytes"].as_u64(), Some(4 * MIB), "{d}");
     assert_eq!(d["reads"].as_u64(), Some(1024), "{d}");
-    assert_eq!(check(&s, "blocks_written"), 1024);
-    assert_eq!(check(&s, "blocks_checked"), 1024);
-    assert_eq!(check(&s, "bad_blocks"), 0);
+    assert_eq!(disk_check(&s, "blocks_written"), 1024);
+    assert_eq!(disk_check(&s, "blocks_checked"), 1024);
+    assert_eq!(disk_check(&s, "bad_blocks"), 0);
     assert_eq!(s["metrics"]["workloads"][0]["result"].as_u64(), Some(1));
     quit(&sock);
 }
@@ -165,7 +135,7 @@ fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-stay");
     let (_vm, sock, _image) = start(&dir, "disk:rw=randwrite,bs=4k,qd=4,mib=4");
-    status_until(&sock, 20, |s| check(s, "blocks_written") > 100);
+    disk_status_until(&sock, 20, |s| disk_check(s, "blocks_written") > 100);
     // Nothing listens there: a migration that started would fail to
     // connect; this one must be refused before that, with the reason.
     let to = format!("tcp:127.0.0.1:{}", common::free_port());
@@ -178,8 +148,10 @@ fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
     assert!(!o.status.success());
     assert!(err.contains("disk migration is not built yet"), "{err}");
     // The VM runs on here, writing.
-    let before = check(&wait_status(&sock), "blocks_written");
-    let s = status_until(&sock, 10, |s| check(s, "blocks_written") > before + 100);
+    let before = disk_check(&wait_status(&sock), "blocks_written");
+    let s = disk_status_until(&sock, 10, |s| {
+        disk_check(s, "blocks_written") > before + 100
+    });
     assert_eq!(s["state"], "running");
     assert_eq!(s["migrations"].as_u64(), Some(0));
     quit(&sock);

@@ -12,9 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ferry, kvm_usable, spawn_reaped, wait_status, Scratch};
+use common::{disk_check, disk_status_until, ferry, kvm_usable, wait_status, Scratch};
 use ferry_vmm::workload::disk::{check_block, BlockCheck};
-use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
 
@@ -65,27 +64,6 @@ fn serve(image: &Path, sock: &Path) -> Server {
     Server(child)
 }
 
-fn check(s: &Value, field: &str) -> u64 {
-    s["disk_check"][field].as_u64().unwrap_or(0)
-}
-
-fn status_until(sock: &str, secs: u64, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        let s = wait_status(sock);
-        if done(&s) {
-            return s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not reached within {secs} s; last: {} {}",
-            s["disk_check"],
-            s["disks"]
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// A 64 MiB image served by qemu-nbd, and a VM running `workload` on it.
 fn vm_on_nbd(dir: &Path, workload: &str) -> (common::Reaper, Server, String, PathBuf, PathBuf) {
     let image = dir.join("shared.img");
@@ -97,20 +75,7 @@ fn vm_on_nbd(dir: &Path, workload: &str) -> (common::Reaper, Server, String, Pat
     let server = serve(&image, &nbd_sock);
     let sock = dir.join("vm.sock").display().to_string();
     let disk = format!("nbd+unix:///disk?socket={}", nbd_sock.display());
-    let vm = spawn_reaped(&[
-        "run",
-        "--mem",
-        "256M",
-        "--workload",
-        workload,
-        "--disk",
-        &disk,
-        "--control",
-        &sock,
-        "--duration",
-        "90s",
-    ]);
-    wait_status(&sock);
+    let vm = common::vm_with_disk(&sock, workload, &disk, 90);
     (vm, server, sock, image, nbd_sock)
 }
 
@@ -121,17 +86,22 @@ fn a_vm_on_an_nbd_export_checks_every_block_and_the_image_holds_them() {
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-nbd");
     let (mut vm, _server, sock, image, _) = vm_on_nbd(&dir, "disk:rw=mixed,bs=4k,qd=8,mib=8");
-    let first = status_until(&sock, 30, |s| check(s, "blocks_checked") > 300);
+    let first = disk_status_until(&sock, 30, |s| disk_check(s, "blocks_checked") > 300);
     std::thread::sleep(Duration::from_secs(2));
     let later = wait_status(&sock);
-    assert!(check(&later, "blocks_checked") > check(&first, "blocks_checked"));
-    assert_eq!(check(&later, "bad_blocks"), 0, "{}", later["disk_check"]);
-    assert_eq!(check(&later, "io_errors"), 0);
+    assert!(disk_check(&later, "blocks_checked") > disk_check(&first, "blocks_checked"));
+    assert_eq!(
+        disk_check(&later, "bad_blocks"),
+        0,
+        "{}",
+        later["disk_check"]
+    );
+    assert_eq!(disk_check(&later, "io_errors"), 0);
     let d = &later["disks"][0];
     assert_eq!(d["backend"], "nbd", "{d}");
     assert_eq!(d["size"].as_u64(), Some(64 * MIB));
     assert!(d["write_bytes"].as_u64().unwrap() >= 8 * MIB, "{d}");
-    let tag = check(&later, "tag");
+    let tag = disk_check(&later, "tag");
     let o = ferry(&["ctl", &sock, "quit"]);
     assert!(o.status.success());
     let _ = vm.0.wait();
@@ -155,16 +125,27 @@ fn an_nbd_server_killed_and_started_again_under_a_running_vm_costs_a_wait() {
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-nbd-restart");
     let (_vm, server, sock, image, nbd_sock) = vm_on_nbd(&dir, "disk:rw=mixed,bs=4k,qd=4,mib=4");
-    status_until(&sock, 30, |s| check(s, "blocks_checked") > 200);
+    disk_status_until(&sock, 30, |s| disk_check(s, "blocks_checked") > 200);
     drop(server); // killed with the guest's requests in flight
     std::thread::sleep(Duration::from_secs(2));
     let during = wait_status(&sock);
     let _server = serve(&image, &nbd_sock);
-    let before = check(&during, "blocks_checked");
-    let after = status_until(&sock, 40, |s| {
-        check(s, "blocks_checked") > before + 200 && s["disks"][0]["reconnects"].as_u64() >= Some(1)
+    let before = disk_check(&during, "blocks_checked");
+    let after = disk_status_until(&sock, 40, |s| {
+        disk_check(s, "blocks_checked") > before + 200
+            && s["disks"][0]["reconnects"].as_u64() >= Some(1)
     });
-    assert_eq!(check(&after, "bad_blocks"), 0, "{}", after["disk_check"]);
-    assert_eq!(check(&after, "io_errors"), 0, "{}", after["disk_check"]);
+    assert_eq!(
+        disk_check(&after, "bad_blocks"),
+        0,
+        "{}",
+        after["disk_check"]
+    );
+    assert_eq!(
+        disk_check(&after, "io_errors"),
+        0,
+        "{}",
+        after["disk_check"]
+    );
     assert_eq!(after["state"], "running");
 }

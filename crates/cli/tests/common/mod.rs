@@ -180,6 +180,55 @@ pub fn spawn_reaped(args: &[&str]) -> Reaper {
     )
 }
 
+/// A 256 MiB VM with one disk (`--disk` `disk`) running `workload` for
+/// up to `secs`, its control socket at `sock`, once it answers.
+pub fn vm_with_disk(sock: &str, workload: &str, disk: &str, secs: u32) -> Reaper {
+    let duration = format!("{secs}s");
+    let vm = spawn_reaped(&[
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        workload,
+        "--disk",
+        disk,
+        "--control",
+        sock,
+        "--duration",
+        &duration,
+    ]);
+    wait_status(sock);
+    vm
+}
+
+/// A field of the guest disk workload's check in a status (0 if absent).
+pub fn disk_check(s: &serde_json::Value, field: &str) -> u64 {
+    s["disk_check"][field].as_u64().unwrap_or(0)
+}
+
+/// `ferry status --json` of the VM at `sock` until `done` says so (within
+/// `secs`; the last disk check and disks said if not).
+pub fn disk_status_until(
+    sock: &str,
+    secs: u64,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let s = wait_status(sock);
+        if done(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not reached within {secs} s; last: {} {}",
+            s["disk_check"],
+            s["disks"]
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// `ferry status --json --metrics` of the VM at `sock`, once it answers
 /// (within 10 s).
 pub fn wait_status(sock: &str) -> serde_json::Value {
