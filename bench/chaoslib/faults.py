@@ -60,6 +60,15 @@ BLACKHOLE = ("tbf", "rate", "8kbit", "burst", "200", "latency", "1ms")  # burst 
 SLOW = ("tbf", "rate", "2mbit", "burst", "16kb", "latency", "200ms")
 
 
+def signal_all(pids, sig):
+    """Sends `sig` to every pid of `pids` still alive."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 class Faults(threading.Thread):
     """Runs a trial's fault schedule: each fault at its offset from `t0`;
     records what each did and when (monotonic)."""
@@ -113,19 +122,11 @@ class Faults(threading.Thread):
         if kind in ("kill", "stop"):
             pids = self.pids_of(target)
             sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, sig)
             self.note(f, pids=pids)
             if kind == "stop" and pids:
                 def cont(pids=pids):
-                    for pid in pids:
-                        try:
-                            os.kill(pid, signal.SIGCONT)
-                        except ProcessLookupError:
-                            pass
+                    signal_all(pids, signal.SIGCONT)
                     self.note({"kind": "cont", "target": target}, pids=pids)
                 return (time.monotonic() + dur, cont)
             return None
@@ -133,20 +134,12 @@ class Faults(threading.Thread):
             # The registry itself (--registry etcd): stopped (SIGCONT after
             # the drawn time) or killed (restarted on its data dir after it).
             pids = self.pids_of("etcd")
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGSTOP if kind == "registry-stop" else signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, signal.SIGSTOP if kind == "registry-stop" else signal.SIGKILL)
             self.note(f, pids=pids)
 
             def back(pids=pids):
                 if kind == "registry-stop":
-                    for pid in pids:
-                        try:
-                            os.kill(pid, signal.SIGCONT)
-                        except ProcessLookupError:
-                            pass
+                    signal_all(pids, signal.SIGCONT)
                     self.note({"kind": "cont", "target": target}, pids=pids)
                 elif pids and self.trial.procs["etcd"].poll() is not None:  # not restarted already
                     self.trial.procs["etcd"].wait()
@@ -157,11 +150,7 @@ class Faults(threading.Thread):
             shape(target, *BLACKHOLE)  # a dead host answers nothing
             self.shaped[target].insert(0, BLACKHOLE)  # for good
             pids = procs_in_host(HOSTS[target])
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, signal.SIGKILL)
             self.note(f, pids=pids)
             return None
         # Link faults of one host may overlap: each ends only its own part.
