@@ -7,13 +7,11 @@
 
 mod common;
 
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{disk_check, disk_status_until, ferry, kvm_usable, wait_status, Scratch};
-use ferry_vmm::workload::disk::{check_block, BlockCheck};
 
 const MIB: u64 = 1 << 20;
 
@@ -106,16 +104,7 @@ fn a_vm_on_an_nbd_export_checks_every_block_and_the_image_holds_them() {
     assert!(o.status.success());
     let _ = vm.0.wait();
     // The server's image holds every block the guest wrote, stamped.
-    let f = std::fs::File::open(&image).unwrap();
-    let mut block = vec![0u8; 4096];
-    for lba in 0..(8 * MIB / 4096) {
-        f.read_exact_at(&mut block, lba * 4096).unwrap();
-        assert!(
-            matches!(check_block(&block, tag, lba), BlockCheck::Good { .. }),
-            "block {lba}: {:?}",
-            check_block(&block, tag, lba)
-        );
-    }
+    common::assert_image_stamped(&image, tag, 8);
 }
 
 #[test]

@@ -201,6 +201,24 @@ pub fn vm_with_disk(sock: &str, workload: &str, disk: &str, secs: u32) -> Reaper
     vm
 }
 
+/// Every 4 KiB block of the first `mib` MiB of `image` holds a good stamp
+/// of the disk workload tagged `tag` for its own block number, written at
+/// least once.
+pub fn assert_image_stamped(image: &std::path::Path, tag: u64, mib: u64) {
+    use ferry_vmm::workload::disk::{check_block, BlockCheck};
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(image).unwrap();
+    let mut block = vec![0u8; 4096];
+    for lba in 0..(mib << 20) / 4096 {
+        f.read_exact_at(&mut block, lba * 4096).unwrap();
+        assert!(
+            matches!(check_block(&block, tag, lba), BlockCheck::Good { generation } if generation >= 1),
+            "block {lba}: {:?}",
+            check_block(&block, tag, lba)
+        );
+    }
+}
+
 /// A field of the guest disk workload's check in a status (0 if absent).
 pub fn disk_check(s: &serde_json::Value, field: &str) -> u64 {
     s["disk_check"][field].as_u64().unwrap_or(0)
