@@ -102,7 +102,7 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
     if sp.is_object() {
         let n = |k: &str| sp[k].as_u64().unwrap_or(0);
         println!(
-            "split       {} of {} chunks here (budget {}); paged in {} chunks ({} pages), out {} ({} pages, {} clean: nothing sent); page-in p50 {:.0} µs, p99 {:.0} µs{}",
+            "split       {} of {} chunks here (budget {}); paged in {} chunks ({} pages), out {} ({} pages, {} clean: nothing sent); page-in p50 {:.0} µs, p99 {:.0} µs{}{}",
             n("resident_chunks"),
             n("chunks"),
             n("budget_chunks"),
@@ -113,6 +113,10 @@ pub fn status(socket: &Path, json: bool, metrics: bool) -> Result<ExitCode> {
             n("clean_drops"),
             sp["page_in_p50_us"].as_f64().unwrap_or(0.0),
             sp["page_in_p99_us"].as_f64().unwrap_or(0.0),
+            match n("reconnects") {
+                0 => String::new(),
+                r => format!("; {r} memory server reconnects"),
+            },
             match sp["failure"].as_str() {
                 Some(f) => format!("; FAILED: {f}"),
                 None => String::new(),

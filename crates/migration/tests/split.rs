@@ -81,12 +81,15 @@ fn usable() -> bool {
     common::uffd_usable(f, "split paging needs userfaultfd MISSING+WP on memfd")
 }
 
-/// A TCP relay in front of a memory server that can be cut for good: every
-/// connection through it ends and new ones are refused (the server died).
+/// A TCP relay in front of a memory server whose links can be broken:
+/// for a while (every connection through it ends, and new ones are closed
+/// at once until the break is over: a link down for a while) or for good
+/// (new connections are refused: the server died).
 struct Relay {
     at: Endpoint,
     live: Arc<Mutex<Vec<std::net::TcpStream>>>,
     dead: Arc<std::sync::atomic::AtomicBool>,
+    broken_until: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl Relay {
@@ -96,40 +99,72 @@ impl Relay {
             unreachable!()
         };
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
         let at = Endpoint::Tcp(l.local_addr().unwrap());
         let live: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (live2, dead2) = (live.clone(), dead.clone());
-        std::thread::spawn(move || {
-            for a in l.incoming() {
-                let Ok(a) = a else { return };
-                if dead2.load(std::sync::atomic::Ordering::SeqCst) {
-                    let _ = a.shutdown(Shutdown::Both);
+        let broken_until: Arc<Mutex<Option<std::time::Instant>>> = Arc::default();
+        let (live2, dead2, broken2) = (live.clone(), dead.clone(), broken_until.clone());
+        std::thread::spawn(move || loop {
+            // Dead: the listener goes, and connecting is refused.
+            if dead2.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            let a = match l.accept() {
+                Ok((a, _)) => a,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
                     continue;
                 }
-                let b = TcpStream::connect(to).unwrap();
-                live2
-                    .lock()
-                    .unwrap()
-                    .extend([a.try_clone().unwrap(), b.try_clone().unwrap()]);
-                for (mut from, mut into) in
-                    [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)]
-                {
-                    std::thread::spawn(move || {
-                        let _ = std::io::copy(&mut from, &mut into);
-                        let _ = into.shutdown(Shutdown::Write);
-                    });
-                }
+                Err(_) => return,
+            };
+            a.set_nonblocking(false).unwrap();
+            if broken2
+                .lock()
+                .unwrap()
+                .is_some_and(|t| std::time::Instant::now() < t)
+            {
+                let _ = a.shutdown(Shutdown::Both);
+                continue;
+            }
+            let b = TcpStream::connect(to).unwrap();
+            live2
+                .lock()
+                .unwrap()
+                .extend([a.try_clone().unwrap(), b.try_clone().unwrap()]);
+            for (mut from, mut into) in [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut into);
+                    let _ = into.shutdown(Shutdown::Write);
+                });
             }
         });
-        Relay { at, live, dead }
+        Relay {
+            at,
+            live,
+            dead,
+            broken_until,
+        }
     }
 
-    fn cut(&self) {
-        self.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    fn end_links(&self) {
         for s in self.live.lock().unwrap().drain(..) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+    }
+
+    /// Every link ends, and new ones are closed at once for `d`.
+    fn break_for(&self, d: Duration) {
+        *self.broken_until.lock().unwrap() = Some(std::time::Instant::now() + d);
+        self.end_links();
+    }
+
+    /// The server is gone: links end, new ones are refused.
+    fn cut(&self) {
+        self.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.end_links();
+        // The listener is dropped within one accept poll.
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -364,6 +399,41 @@ fn with_two_replicas_the_vm_survives_a_dead_memory_server() {
     assert_eq!(st.lost_servers, vec![relay.at.to_string()], "{st:?}");
     assert!(st.failure.is_none(), "{st:?}");
     assert!(st.page_ins > 0 && st.page_outs > 0, "{st:?}");
+}
+
+#[test]
+fn a_memory_server_cut_off_for_a_while_is_reconnected_not_lost() {
+    common::secure();
+    if !usable() {
+        return;
+    }
+    let (_s1, a1) = server();
+    let (_s2, a2) = server();
+    let relay = Relay::start(&a1);
+    let (src, dst, _) = move_vm(vec![relay.at.clone(), a2], Rank::Clock, 1);
+    // Every link to the first server ends, and it answers nothing for a
+    // second: without replicas, its chunks have no other copy.
+    relay.break_for(Duration::from_secs(1));
+    let t = std::time::Instant::now();
+    let seen = read_all(&dst)
+        .recv_timeout(Duration::from_secs(60))
+        .expect("every page came back once the server answered again");
+    for (gpa, b) in seen {
+        assert_eq!(b, src.byte(gpa, 17), "byte 17 of {gpa:#x}");
+    }
+    let st = dst.pager.lock().unwrap().as_ref().unwrap().stats();
+    assert!(st.lost_servers.is_empty(), "{st:?}");
+    assert!(st.failure.is_none(), "{st:?}");
+    assert!(st.reconnects >= 1, "{st:?}");
+    assert!(st.page_ins > 0, "{st:?}");
+    // The faults on its chunks waited out the break (and no more than the
+    // reconnect window).
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
 }
 
 #[test]

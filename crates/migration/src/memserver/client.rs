@@ -94,6 +94,18 @@ impl StoreClient {
         Ok(())
     }
 
+    /// Opens the connection again after one broke (the store and what it
+    /// holds outlive a connection: the same StoreOpen joins it), trying
+    /// for at most `within`; requests then go on as before.
+    pub fn reopen(&mut self, within: Duration) -> Result<(), MigrationError> {
+        let (conn, _) = Self::connect(&self.to, within.min(self.timeout), &self.open)?;
+        conn.set_timeouts(Some(self.timeout))
+            .map_err(protocol::ProtocolError::Io)?;
+        self.conn = conn;
+        self.last = Instant::now();
+        Ok(())
+    }
+
     /// The server's address.
     pub fn addr(&self) -> &str {
         &self.addr

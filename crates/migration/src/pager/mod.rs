@@ -313,6 +313,7 @@ impl RemotePager {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            reconnects: c.reconnects.load(Ordering::Relaxed),
             failure: self.failure(),
         }
     }

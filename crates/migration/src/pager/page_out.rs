@@ -184,19 +184,28 @@ impl Worker {
                 Vec::new()
             };
             let mut landed = 0;
-            for &server in servers {
-                let store = &mut self.stores[server];
-                let sent = if zero_runs.is_empty() {
-                    Ok(())
-                } else {
-                    store.drop_runs(&zero_runs)
+            for (k, &server) in servers.iter().enumerate() {
+                // Dropping and putting again is the same as once: a send
+                // cut short is sent again whole once the server answers.
+                let send = |store: &mut crate::memserver::StoreClient| {
+                    if !zero_runs.is_empty() {
+                        store.drop_runs(&zero_runs)?;
+                    }
+                    store.put(&gpas, data)?;
+                    store.sync()
                 };
-                match sent
-                    .and_then(|_| store.put(&gpas, data))
-                    .and_then(|_| store.sync())
-                {
+                match send(&mut self.stores[server]) {
                     Ok(_) => landed += 1,
-                    Err(e) => self.lose(server, &e.to_string()),
+                    Err(e) => {
+                        let mirrored =
+                            landed > 0 || servers[k + 1..].iter().any(|&s| !self.dead[s]);
+                        if self.recover(server, &e, mirrored) {
+                            match send(&mut self.stores[server]) {
+                                Ok(_) => landed += 1,
+                                Err(e) => self.lose(server, &e.to_string()),
+                            }
+                        }
+                    }
                 }
             }
             if landed == 0 {

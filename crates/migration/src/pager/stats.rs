@@ -55,6 +55,10 @@ pub struct PagerStats {
     /// Memory servers lost while paging (their chunks are served from
     /// their second copies, where there are any).
     pub lost_servers: Vec<String>,
+    /// Memory server connections opened again after one broke (a link down
+    /// for a while, a server stopped and continued): nothing was lost.
+    #[serde(default)]
+    pub reconnects: u64,
     /// Why paging stopped (a chunk with no copy left), if it did.
     pub failure: Option<String>,
 }
@@ -72,6 +76,7 @@ pub(super) struct Counters {
     pub(super) zero_fills: AtomicU64,
     pub(super) sampled: AtomicU64,
     pub(super) clean_drops: AtomicU64,
+    pub(super) reconnects: AtomicU64,
 }
 
 /// Keeps one page-in latency, in µs (the first [`LATENCY_SAMPLES`] only).

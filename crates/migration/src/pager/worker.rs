@@ -28,6 +28,16 @@ use super::Shared;
 /// How often the pager samples accesses and ages its chunks.
 pub(super) const PERIOD: Duration = Duration::from_secs(1);
 
+/// How long paging waits for a memory server whose connection broke to
+/// answer again before it counts as lost (a link down for a while, a
+/// server stopped and continued): the VM's faults on its chunks wait
+/// meanwhile, as they would on a slow link.
+pub(super) const RECOVER_WINDOW: Duration = Duration::from_secs(30);
+
+/// The same when another server holds a copy of what was asked: the VM
+/// goes on from that copy, not waiting long on this one.
+pub(super) const MIRRORED_WINDOW: Duration = Duration::from_secs(3);
+
 /// The pager thread's own state.
 pub(super) struct Worker {
     /// Fault handling: registration, write-protect, polling, events.
@@ -234,7 +244,22 @@ impl Worker {
                     self.clock.learn_refault(c, outs);
                     return self.keep_budget(c);
                 }
-                Err(e) => self.lose(server, &e.to_string()),
+                Err(e) => {
+                    // (Pages placed before the break count as brought on
+                    // the retry: nothing lands twice.)
+                    let mirrored = self.copies(c).iter().any(|&s| s != server && !self.dead[s]);
+                    if self.recover(server, &e, mirrored) {
+                        match self.page_in(c, gpa, server, t, write) {
+                            Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
+                            Ok(()) => {
+                                let outs = self.shared.counters.page_outs.load(Ordering::Relaxed);
+                                self.clock.learn_refault(c, outs);
+                                return self.keep_budget(c);
+                            }
+                            Err(e) => self.lose(server, &e.to_string()),
+                        }
+                    }
+                }
             }
         }
         self.parked.push(gpa);
@@ -256,6 +281,63 @@ impl Worker {
             .filter(|&s| s != ON_MAIN)
             .map(|s| usize::from(s) - 1)
             .collect()
+    }
+
+    /// A request to `server` failed with `e`: opens its connection again
+    /// (its store and the pages it holds outlive a connection) until it
+    /// answers, within [`RECOVER_WINDOW`], or [`MIRRORED_WINDOW`] when
+    /// another live server holds what was asked (`mirrored`: the VM need
+    /// not wait on this one). True if it answers again; else the server
+    /// is lost. A server that refuses the connection (nothing listens
+    /// there: it died) or that answered with an error is lost at once.
+    pub(super) fn recover(&mut self, server: usize, e: &MigrationError, mirrored: bool) -> bool {
+        if !e.is_link_break() {
+            self.lose(server, &e.to_string());
+            return false;
+        }
+        let window = if mirrored {
+            MIRRORED_WINDOW
+        } else {
+            RECOVER_WINDOW
+        };
+        let deadline = Instant::now() + window;
+        let mut pause = Duration::from_millis(100);
+        tracing::warn!(server = %self.servers[server], error = %e, "memory server connection broke: reconnecting");
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.shared.stop.load(Ordering::Acquire) {
+                self.lose(
+                    server,
+                    &format!("{e}; no answer again within {}s", window.as_secs()),
+                );
+                return false;
+            }
+            match self.stores[server].reopen(left) {
+                Ok(()) => {
+                    self.shared
+                        .counters
+                        .reconnects
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(server = %self.servers[server], "memory server answers again");
+                    return true;
+                }
+                Err(MigrationError::Connect { source, .. })
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+                {
+                    self.lose(
+                        server,
+                        &format!("{e}; then it refused a new connection: {source}"),
+                    );
+                    return false;
+                }
+                Err(_) => {
+                    std::thread::sleep(
+                        pause.min(deadline.saturating_duration_since(Instant::now())),
+                    );
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
     }
 
     /// A memory server failed: paging goes on with the other copies.
