@@ -22,7 +22,6 @@ use ferry_migration::GpaPages;
 use ferry_migration::{ClientsAnswer, ClientsPlan};
 use ferry_migration::{FaultReport, StartedReport};
 use ferry_vmm::devices::service::ServiceDevice;
-use ferry_vmm::vstate::persist;
 use ferry_vmm::VmState;
 use libfuzzer_sys::fuzz_target;
 
@@ -136,10 +135,10 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         Kind::State => {
-            if let Ok(state) = persist::decode::<VmState>(&f.body) {
-                let once = persist::encode(&state).expect("a decoded state encodes");
-                let again: VmState = persist::decode(&once).expect("and decodes");
-                assert_eq!(persist::encode(&again).expect("encodes"), once);
+            if let Ok(state) = VmState::decode(&f.body) {
+                let once = state.encode().expect("a decoded state encodes");
+                let again = VmState::decode(&once).expect("and decodes");
+                assert_eq!(again.encode().expect("encodes"), once);
             }
         }
         Kind::Timeline => {

@@ -1,8 +1,9 @@
 //! A VM's state from a source (the State message; also a handover's): the
 //! versioned envelope and its postcard `VmState` (every vCPU's registers,
 //! XSAVE, MSRs, LAPIC, events; the irqchips, PIT and clock; the service
-//! device's ring state; the migration count), decoded by
-//! `persist::decode` as the destination does, then each part's own check
+//! device's ring state; the migration count; after it, each disk's device
+//! state when there are disks), decoded by `VmState::decode` as the
+//! destination does, then each part's own check
 //! before KVM would take it (`persist::restore_parts`: the MSR list and
 //! the XSAVE region; `ServiceState::check`: the ring's slots).
 //!
@@ -19,16 +20,13 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     ferry_fuzz::init();
-    let Ok(state) = persist::decode::<VmState>(data) else {
+    let Ok(state) = VmState::decode(data) else {
         return;
     };
-    let once = persist::encode(&state).expect("a decoded state encodes");
-    let again: VmState = persist::decode(&once).expect("and decodes");
-    assert_eq!(
-        persist::encode(&again).expect("encodes"),
-        once,
-        "unstable encoding"
-    );
+    let once = state.encode().expect("a decoded state encodes");
+    let again = VmState::decode(&once).expect("and decodes");
+    assert_eq!(again.encode().expect("encodes"), once, "unstable encoding");
+    assert_eq!(again.disks, state.disks);
     for v in &state.vcpus {
         match persist::restore_parts(v) {
             Ok((msrs, xsave)) => {

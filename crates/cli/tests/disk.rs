@@ -126,7 +126,7 @@ fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
         return;
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-stay");
-    let (_vm, sock, _image) = start(&dir, "disk:rw=randwrite,bs=4k,qd=4,mib=4");
+    let (_vm, sock, image) = start(&dir, "disk:rw=randwrite,bs=4k,qd=4,mib=4");
     disk_status_until(&sock, 20, |s| disk_check(s, "blocks_written") > 100);
     // Nothing listens there: a migration that started would fail to
     // connect; this one must be refused before that, with the reason.
@@ -134,11 +134,19 @@ fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
     let o = ferry(&["migrate", &sock, "--to", &to]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
-    assert!(err.contains("disk migration is not built yet"), "{err}");
+    assert!(
+        err.contains("moving a local disk is not built yet"),
+        "{err}"
+    );
     let o = ferry(&["handover", &sock]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
-    assert!(err.contains("disk migration is not built yet"), "{err}");
+    assert!(err.contains("a handover does not carry disks yet"), "{err}");
+    // Nor does a destination take a local image.
+    let o = ferry(&["run", "--incoming", &to, "--disk", &image]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("a local image cannot move yet"), "{err}");
     // The VM runs on here, writing.
     let before = disk_check(&wait_status(&sock), "blocks_written");
     let s = disk_status_until(&sock, 10, |s| {

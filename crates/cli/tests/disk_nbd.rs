@@ -138,3 +138,98 @@ fn an_nbd_server_killed_and_started_again_under_a_running_vm_costs_a_wait() {
     );
     assert_eq!(after["state"], "running");
 }
+
+/// `ferry run --incoming` on `to` with the same disk and workload, once it
+/// listens (it says so on stderr).
+fn incoming(to: &str, sock: &str, workload: &str, disk: &str) -> common::Reaper {
+    use std::io::BufRead;
+    common::fleet();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args([
+            "run",
+            "--mem",
+            "256M",
+            "--workload",
+            workload,
+            "--disk",
+            disk,
+        ])
+        .args(["--incoming", to, "--control", sock, "--duration", "60s"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
+    let mut said = String::new();
+    loop {
+        let Some(Ok(line)) = lines.next() else {
+            panic!("the destination ended before it listened; it said:\n{said}");
+        };
+        if line.contains("waiting for an incoming migration") {
+            break;
+        }
+        said.push_str(&line);
+        said.push('\n');
+    }
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+    common::Reaper(c)
+}
+
+/// A VM on shared storage moves by precopy, postcopy and hybrid: the
+/// destination attaches the same export, the guest's requests in flight
+/// finish in the pause, its memory verifies (pages the device wrote
+/// included), and its own check of every block it reads after the move
+/// finds nothing lost, stale or torn; the server's image holds every block.
+#[test]
+fn a_vm_on_shared_nbd_storage_moves_in_every_mode_and_its_disk_checks_clean() {
+    if !kvm_usable() || !have_qemu_nbd() {
+        return;
+    }
+    let (dir, _scratch) = Scratch::new("ferry-disk-nbd-move");
+    let wl = "disk:rw=mixed,bs=4k,qd=8,mib=16";
+    let (_vm, _server, mut sock, image, nbd_sock) = vm_on_nbd(&dir, wl);
+    let disk = format!("nbd+unix:///disk?socket={}", nbd_sock.display());
+    disk_status_until(&sock, 30, |s| disk_check(s, "blocks_checked") > 300);
+    let mut tag = 0;
+    let mut vms = Vec::new();
+    for (i, mode) in ["precopy", "postcopy", "hybrid"].into_iter().enumerate() {
+        let to = format!("tcp:127.0.0.1:{}", common::free_port());
+        let dst_sock = dir.join(format!("dst{i}.sock")).display().to_string();
+        vms.push(incoming(&to, &dst_sock, wl, &disk));
+        let before = wait_status(&sock);
+        let o = ferry(&[
+            "migrate", &sock, "--to", &to, "--mode", mode, "--verify", "--json",
+        ]);
+        assert!(
+            o.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let stats: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(stats["verified_pages"], 256 * 256, "{mode}: {stats}");
+        sock = dst_sock;
+        // The guest goes on checking blocks there, on the same export.
+        let at = disk_check(&wait_status(&sock), "blocks_checked");
+        let after = disk_status_until(&sock, 30, |s| disk_check(s, "blocks_checked") > at + 300);
+        assert_eq!(after["state"], "running", "{mode}");
+        assert_eq!(after["migrations"].as_u64(), Some(i as u64 + 1), "{mode}");
+        for k in ["bad_blocks", "io_errors"] {
+            assert_eq!(disk_check(&after, k), 0, "{mode}: {}", after["disk_check"]);
+        }
+        assert!(
+            disk_check(&after, "blocks_checked") > disk_check(&before, "blocks_checked"),
+            "{mode}: the check's count moved with the VM"
+        );
+        let d = &after["disks"][0];
+        assert_eq!(d["backend"], "nbd", "{d}");
+        assert!(
+            d["reads"].as_u64() > Some(0),
+            "{mode}: the destination's device serves the guest: {d}"
+        );
+        tag = disk_check(&after, "tag");
+    }
+    let o = ferry(&["ctl", &sock, "quit"]);
+    assert!(o.status.success());
+    drop(vms);
+    common::assert_image_stamped(&image, tag, 16);
+}

@@ -504,3 +504,30 @@ fn memtouch_after_migrate_waits_for_the_move_and_times_from_it() {
         .iter()
         .any(|l| l.contains("after the move")));
 }
+
+/// Disks' device states ride after the rest of the state, only when there
+/// are disks: a state without them is what builds before disks wrote (and
+/// read); one with them is refused by a reader that knows no tail, never
+/// taken with its disks dropped.
+#[test]
+fn a_tail_is_carried_only_when_there_is_one() {
+    let head = vec![1u32, 2, 3];
+    let plain = persist::encode(&head).unwrap();
+    assert_eq!(
+        persist::encode_with_tail::<_, Vec<u8>>(&head, None).unwrap(),
+        plain
+    );
+    let (h, t) = persist::decode_with_tail::<Vec<u32>, Vec<u8>>(&plain).unwrap();
+    assert_eq!((h, t), (head.clone(), None));
+    let tailed = persist::encode_with_tail(&head, Some(&vec![9u8, 8])).unwrap();
+    let (h, t) = persist::decode_with_tail::<Vec<u32>, Vec<u8>>(&tailed).unwrap();
+    assert_eq!((h, t), (head, Some(vec![9, 8])));
+    assert!(matches!(
+        persist::decode::<Vec<u32>>(&tailed),
+        Err(PersistError::Decode(_))
+    ));
+    let mut long = tailed.clone();
+    long.push(0);
+    assert!(persist::decode_with_tail::<Vec<u32>, Vec<u8>>(&long).is_err());
+    assert!(persist::decode_with_tail::<Vec<u32>, Vec<u8>>(&tailed[..tailed.len() - 1]).is_err());
+}

@@ -70,12 +70,12 @@ pub struct RunArgs {
     /// by an export of an NBD server on shared storage,
     /// nbd://HOST[:PORT]/EXPORT, nbds://… (TLS with this host's
     /// certificates) or nbd+unix:///EXPORT?socket=PATH (repeatable, up to
-    /// 4). A VM with a disk cannot migrate or be handed over yet
-    /// (docs/disks.md).
+    /// 4). A VM whose disks are all NBD exports migrates: its destination
+    /// (--incoming) is given the same exports; a local image cannot move
+    /// yet, and no disk is handed over yet (docs/disks.md).
     #[arg(
         long = "disk",
-        value_name = "PATH[,size=SIZE][,create] | nbd://HOST/EXPORT",
-        conflicts_with = "incoming"
+        value_name = "PATH[,size=SIZE][,create] | nbd://HOST/EXPORT"
     )]
     pub(super) disks: Vec<ferry_vmm::devices::block::DiskSpec>,
     /// Serve Prometheus metrics (migration progress named like KubeVirt's,

@@ -65,6 +65,22 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     config.serve = args.serve;
     config.vm_address = args.vm_address;
     config.disks = args.disks.clone();
+    if args.incoming.is_some() {
+        use ferry_vmm::devices::block::DiskSource;
+        if let Some(d) = args
+            .disks
+            .iter()
+            .find(|d| matches!(d.source, DiskSource::Image(_)))
+        {
+            let DiskSource::Image(path) = &d.source else {
+                unreachable!()
+            };
+            bail!(
+                "--incoming with --disk {}: a VMM waiting for a migration takes only the source's disks on shared storage (nbd://…, the same exports); a local image cannot move yet (docs/disks.md)",
+                path.display()
+            );
+        }
+    }
     // An incoming VM's RAM is under the migration's userfaultfd.
     if args.incoming.is_none() {
         config.access = access_config(

@@ -16,7 +16,6 @@ use super::{cpu_secs, monotonic_ns, stall_before, HandoverError};
 use crate::devices::serial::ConsoleSink;
 use crate::devices::service::FrozenConn;
 use crate::vm::{Vm, VmConfig, VmState};
-use crate::vstate::persist;
 use ferry_migration::priority::Urgent;
 
 /// How long to wait for the old process's next message.
@@ -327,7 +326,7 @@ fn restore(
         urgent.relax();
         compare(vm, &theirs)?;
     }
-    let state: VmState = persist::decode(&state)?;
+    let state = VmState::decode(&state)?;
     vm.restore_state(&state)?;
     let adopted = match vm.service() {
         Some(s) => Some(s.adopt_connections(conns)?),

@@ -12,7 +12,6 @@ use super::wire::{self, Hello, Message, VmShape, CONNS_PER_MESSAGE};
 use super::MovingListener;
 use super::{cpu_secs, memory_hashes, monotonic_ns, HandoverError, HandoverStats};
 use crate::vm::{RunState, Vm};
-use crate::vstate::persist;
 use ferry_migration::priority::Urgent;
 
 /// How long the new process may take to start and say hello.
@@ -195,7 +194,7 @@ pub fn hand_over(
             }
         )));
     }
-    if let Some(why) = crate::devices::block::why_not_move(vm.disks()) {
+    if let Some(why) = crate::devices::block::why_not_hand_over(vm.disks()) {
         return Err(HandoverError::NotNow(why));
     }
     let t0 = Instant::now();
@@ -477,7 +476,7 @@ fn send_state(
         }
         None => Vec::new(),
     };
-    let state = persist::encode(&vm.save_state()?)?;
+    let state = vm.save_state()?.encode()?;
     stats.save_ms = t.elapsed().as_secs_f64() * 1e3;
     stats.state_bytes = state.len() as u64;
     stats.connections = conns.len();

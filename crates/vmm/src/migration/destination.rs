@@ -9,7 +9,6 @@ use ferry_migration::{
 };
 
 use crate::vm::{Vm, VmState};
-use crate::vstate::persist;
 
 impl PageStore for Vm {
     fn regions(&self) -> Vec<RegionView> {
@@ -91,7 +90,7 @@ impl DestinationVm for Vm {
     /// info page, so the guest can tell it runs here from its first
     /// instruction here on.
     fn restore_state(&self, state: &[u8]) -> Result<(), VmOpError> {
-        let state: VmState = persist::decode(state)?;
+        let state = VmState::decode(state)?;
         Vm::restore_state(self, &state)?;
         let n = self.count_incoming_migration()?;
         tracing::debug!(migrations = n, "guest told it was moved");

@@ -11,7 +11,11 @@ use ferry_migration::{
 
 use crate::vm::Vm;
 use crate::vstate::dirty::Consumer;
-use crate::vstate::persist;
+
+/// How long a pause waits for the disks' requests in flight: a backend
+/// stalled longer (an NBD server reconnecting) fails the migration, and
+/// the VM runs on here.
+const DISK_SETTLE: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl MigratableVm for Vm {
     fn fence(&self) -> Option<std::sync::Arc<dyn ferry_migration::OwnerFence>> {
@@ -73,6 +77,15 @@ impl MigratableVm for Vm {
                 .map(|_| s.pause_in_flight()),
             None => Vm::pause(self).map_err(VmOpError::from),
         };
+        // The disks: with the vCPUs stopped, the requests in flight finish
+        // (writing guest RAM and the used ring, all in the dirty log) and
+        // the backend flushes, before the last dirty pages and the state
+        // are taken. The disk itself stays where it is (shared storage).
+        let paused = paused.and_then(|_| {
+            self.disks()
+                .iter()
+                .try_for_each(|d| d.settle(DISK_SETTLE).map_err(VmOpError::from))
+        });
         if paused.is_err() {
             let _ = Vm::resume(self);
             // The engine resumes only a VM it paused: undo the hold here.
@@ -93,8 +106,7 @@ impl MigratableVm for Vm {
     }
 
     fn save_state(&self) -> Result<Vec<u8>, VmOpError> {
-        let state = Vm::save_state(self)?;
-        Ok(persist::encode(&state)?)
+        Ok(Vm::save_state(self)?.encode()?)
     }
 
     fn data_ranges(&self, index: usize) -> Vec<OffsetBytes> {
@@ -191,7 +203,7 @@ pub fn migrate(
             state.name()
         )));
     }
-    if let Some(why) = crate::devices::block::why_not_move(vm.disks()) {
+    if let Some(why) = crate::devices::block::why_not_migrate(vm.disks()) {
         return Err(MigrationError::Unsupported(format!(
             "cannot migrate: {why}"
         )));

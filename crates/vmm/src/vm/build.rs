@@ -138,11 +138,20 @@ impl Vm {
             )?),
             (None, None, _) => None,
         };
+        let dirty = Arc::new(DirtyLog::new(Box::new(KvmLog::new(
+            vm_fd.clone(),
+            memory.clone(),
+        ))));
+        // The disks' writes into guest RAM go into the dirty log beside the
+        // guest's own (KVM logs only those), so a migration sends them too.
+        let log = dirty.clone();
+        let marker: crate::devices::block::memory::WriteMarker =
+            Arc::new(move |region, first, pages| log.mark(region, first, pages));
         let disks = config
             .disks
             .iter()
             .enumerate()
-            .map(|(i, spec)| BlockDevice::new(i, spec, memory.clone()))
+            .map(|(i, spec)| BlockDevice::new(i, spec, memory.clone(), Some(marker.clone())))
             .collect::<Result<Vec<_>, _>>()?;
         if let Some(d) = config.workloads.disk() {
             let have = disks[d.disk as usize].info().size;
@@ -159,10 +168,6 @@ impl Vm {
             msr_indices,
             Devices::new(config.console.clone(), service).with_disks(disks),
         ));
-        let dirty = Arc::new(DirtyLog::new(Box::new(KvmLog::new(
-            vm_fd.clone(),
-            memory.clone(),
-        ))));
         Ok(Vm {
             config,
             layout,

@@ -77,6 +77,9 @@ pub enum VmError {
     /// The saved state has a service device and this VM has none.
     #[error("the saved state has a service device and this VM has none (give it a serve address or a kv workload)")]
     ServiceMissing,
+    /// A migrated disk's state does not fit this VM's disks.
+    #[error(transparent)]
+    DiskState(#[from] crate::devices::block::DiskStateError),
     /// This VM has a service device and the saved state has none.
     #[error("this VM has a service device and the saved state has none")]
     ServiceUnexpected,

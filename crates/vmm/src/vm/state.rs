@@ -10,6 +10,7 @@ use std::time::Duration;
 use kvm_ioctls::VcpuFd;
 
 use super::{RunState, Vm, VmError};
+use crate::devices::block::{DiskState, DiskStateError};
 use crate::vstate::persist::{self, KvmVmState, PersistError, VcpuState};
 use crate::vstate::run_control::Control;
 
@@ -24,6 +25,26 @@ pub struct VmState {
     pub service: Option<crate::devices::service::ServiceState>,
     /// Incoming migrations the guest had been told of (its host info page).
     pub migrations: u64,
+    /// Each disk's device state, in order (carried after the rest, only
+    /// when there are disks: see [`VmState::encode`]).
+    #[serde(skip)]
+    pub disks: Vec<DiskState>,
+}
+
+impl VmState {
+    /// The state as bytes: a VM without disks encodes as builds before
+    /// disks did, so they still take it.
+    pub fn encode(&self) -> Result<Vec<u8>, PersistError> {
+        persist::encode_with_tail(self, (!self.disks.is_empty()).then_some(&self.disks))
+    }
+
+    /// What [`encode`](Self::encode) wrote.
+    pub fn decode(bytes: &[u8]) -> Result<VmState, PersistError> {
+        let (mut state, disks): (VmState, Option<Vec<DiskState>>) =
+            persist::decode_with_tail(bytes)?;
+        state.disks = disks.unwrap_or_default();
+        Ok(state)
+    }
 }
 
 impl Vm {
@@ -48,6 +69,7 @@ impl Vm {
             kvm: persist::save_vm(&self.vm_fd)?,
             service: self.service().map(|s| s.state()),
             migrations: self.host_info.migrations(),
+            disks: self.disks().iter().map(|d| d.state()).collect(),
         })
     }
 
@@ -75,6 +97,17 @@ impl Vm {
             (None, None) => {}
             (Some(_), None) => return Err(VmError::ServiceMissing),
             (None, Some(_)) => return Err(VmError::ServiceUnexpected),
+        }
+        let disks = self.disks();
+        if state.disks.len() != disks.len() {
+            return Err(DiskStateError::Count {
+                theirs: state.disks.len(),
+                ours: disks.len(),
+            }
+            .into());
+        }
+        for (d, saved) in disks.iter().zip(&state.disks) {
+            d.restore(saved)?;
         }
         persist::restore_vm(&self.vm_fd, &state.kvm)?;
         if idle.len() == n {

@@ -247,6 +247,27 @@ impl DirtyLog {
         Ok(())
     }
 
+    /// Pages `first..first + pages` of region `region` were written by the
+    /// VMM itself (a device's DMA: KVM logs only the guest's own writes):
+    /// every interested consumer gets them with its next take. Nothing to
+    /// do while nobody is interested.
+    pub fn mark(&self, region: usize, first: u64, pages: u64) {
+        let mut pending = self.lock();
+        for p in pending.iter_mut().flatten() {
+            if p.len() <= region {
+                p.resize(region + 1, Vec::new());
+            }
+            let words = &mut p[region];
+            for page in first..first + pages {
+                let w = (page / 64) as usize;
+                if words.len() <= w {
+                    words.resize(w + 1, 0);
+                }
+                words[w] |= 1 << (page % 64);
+            }
+        }
+    }
+
     /// Whether `who` is interested now.
     pub fn is_started(&self, who: Consumer) -> bool {
         self.lock()[who.index()].is_some()
@@ -364,6 +385,26 @@ mod tests {
         assert!(pages(&log.take(Migration).unwrap()).is_empty());
         assert_eq!(pages(&log.take(Access).unwrap()), vec![6]);
         assert!(log.is_started(Access) && log.is_started(Migration));
+    }
+
+    #[test]
+    fn pages_the_vmm_wrote_reach_every_interested_consumer() {
+        use Consumer::{Access, Migration};
+        let fake = Arc::new(Fake::default());
+        let log = DirtyLog::new(Box::new(fake.clone()));
+        log.mark(0, 9, 1); // nobody listens: dropped
+        log.start(Migration).unwrap();
+        log.start(Access).unwrap();
+        log.mark(0, 62, 3); // across a word
+        fake.write(5);
+        assert_eq!(pages(&log.take(Migration).unwrap()), vec![5, 62, 63, 64]);
+        assert_eq!(pages(&log.take(Access).unwrap()), vec![5, 62, 63, 64]);
+        log.mark(1, 2, 1); // another region
+        let b = log.take(Migration).unwrap();
+        assert!(
+            pages(&b[..1].to_vec()).is_empty() && b[1][0] == 1 << 2,
+            "{b:?}"
+        );
     }
 
     /// A manual-protect log: bits stay set until cleared.

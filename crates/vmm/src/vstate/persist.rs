@@ -278,8 +278,45 @@ pub fn encode<T: serde::Serialize>(state: &T) -> Result<Vec<u8>, PersistError> {
     Ok(out)
 }
 
-/// Decodes what [`encode`] wrote; refuses other magic, versions or garbage.
-pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, PersistError> {
+/// [`encode`], with `tail` after the state when there is one: a state
+/// with no tail is byte for byte what `encode` writes, so builds that
+/// know no tail still take it (and refuse one with a tail, as trailing
+/// bytes, rather than drop what it carries).
+pub fn encode_with_tail<T: serde::Serialize, U: serde::Serialize>(
+    state: &T,
+    tail: Option<&U>,
+) -> Result<Vec<u8>, PersistError> {
+    let mut out = encode(state)?;
+    if let Some(tail) = tail {
+        let body = postcard::to_stdvec(tail).map_err(|e| PersistError::Decode(e.to_string()))?;
+        out.extend_from_slice(&body);
+    }
+    Ok(out)
+}
+
+/// Decodes what [`encode_with_tail`] wrote.
+pub fn decode_with_tail<T: serde::de::DeserializeOwned, U: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<(T, Option<U>), PersistError> {
+    let rest = envelope(bytes)?;
+    let (value, rest) =
+        postcard::take_from_bytes(rest).map_err(|e| PersistError::Decode(e.to_string()))?;
+    if rest.is_empty() {
+        return Ok((value, None));
+    }
+    let (tail, rest) =
+        postcard::take_from_bytes(rest).map_err(|e| PersistError::Decode(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(PersistError::Decode(format!(
+            "{} trailing bytes",
+            rest.len()
+        )));
+    }
+    Ok((value, Some(tail)))
+}
+
+/// The body of an envelope of this version.
+fn envelope(bytes: &[u8]) -> Result<&[u8], PersistError> {
     if bytes.len() < 12 || bytes[..8] != STATE_MAGIC.to_le_bytes() {
         return Err(PersistError::Envelope { found: 0 });
     }
@@ -287,8 +324,13 @@ pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Persist
     if version != STATE_VERSION {
         return Err(PersistError::Envelope { found: version });
     }
-    let (value, rest) =
-        postcard::take_from_bytes(&bytes[12..]).map_err(|e| PersistError::Decode(e.to_string()))?;
+    Ok(&bytes[12..])
+}
+
+/// Decodes what [`encode`] wrote; refuses other magic, versions or garbage.
+pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, PersistError> {
+    let (value, rest) = postcard::take_from_bytes(envelope(bytes)?)
+        .map_err(|e| PersistError::Decode(e.to_string()))?;
     if !rest.is_empty() {
         return Err(PersistError::Decode(format!(
             "{} trailing bytes",

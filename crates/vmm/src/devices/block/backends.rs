@@ -41,6 +41,16 @@ impl Backend {
         }
     }
 
+    /// What names the disk's blocks wherever the VM runs: an NBD export's
+    /// name (the same export, reached from any host); None for an image
+    /// on this host's own disk.
+    pub fn shared_name(&self) -> Option<&str> {
+        match self {
+            Backend::Raw(_) => None,
+            Backend::Nbd(n) => Some(n.export()),
+        }
+    }
+
     /// The disk's size in bytes.
     pub fn size(&self) -> u64 {
         match self {

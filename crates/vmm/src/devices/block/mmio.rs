@@ -68,6 +68,21 @@ pub enum Action {
     Reset,
 }
 
+/// The driver's side of the register file, as a migration carries it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransportState {
+    /// Device status.
+    pub status: u32,
+    /// Features the driver wrote.
+    pub driver_features: u64,
+    /// The selectors the driver last wrote.
+    pub device_features_sel: u32,
+    /// As above.
+    pub driver_features_sel: u32,
+    /// As above.
+    pub queue_sel: u32,
+}
+
 /// The register file of one virtio-mmio device with one queue.
 pub struct Transport {
     device_features: u64,
@@ -109,6 +124,35 @@ impl Transport {
     /// Features both sides agreed on.
     pub fn acked_features(&self) -> u64 {
         self.driver_features & self.device_features
+    }
+
+    /// What the driver set, for a migration.
+    pub fn state(&self) -> TransportState {
+        TransportState {
+            status: self.status,
+            driver_features: self.driver_features,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            queue_sel: self.queue_sel,
+        }
+    }
+
+    /// Takes a migrated driver's settings; refused when the driver had
+    /// agreed to a feature this device does not offer.
+    pub fn restore(&mut self, s: &TransportState) -> Result<(), String> {
+        let acked = s.driver_features & self.device_features;
+        if s.status & status::FEATURES_OK != 0 && acked != s.driver_features {
+            return Err(format!(
+                "the guest's driver uses features {:#x} this device does not offer",
+                s.driver_features & !self.device_features
+            ));
+        }
+        self.status = s.status;
+        self.driver_features = s.driver_features;
+        self.device_features_sel = s.device_features_sel;
+        self.driver_features_sel = s.driver_features_sel;
+        self.queue_sel = s.queue_sel;
+        Ok(())
     }
 
     /// Marks the device broken: it does nothing until the driver resets it.

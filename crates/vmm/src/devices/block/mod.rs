@@ -21,10 +21,12 @@
 //! polls the used ring (guest/user/vblk.c), which is how its service ring
 //! works too. A guest that needs an interrupt line is later work.
 //!
-//! Not built yet: migration of a disk (a VM with one refuses `migrate` and
-//! `handover`, see docs/disks.md), and device writes into guest RAM are not
-//! in KVM's dirty log (they will have to be before RAM can move under a
-//! running disk).
+//! Migration: a disk on shared storage (NBD) stays on its server; the
+//! pause settles the requests in flight ([`BlockDevice::settle`]), the
+//! device's state ([`DiskState`]) rides with the VM's, and every page the
+//! device writes into guest RAM reaches the dirty log through its
+//! [`memory::WriteMarker`]. A local image cannot move yet, and no disk is
+//! handed over yet (docs/disks.md).
 
 pub mod backend;
 pub mod backends;
@@ -46,9 +48,10 @@ pub use backend::{BackendError, RawFile};
 pub use backends::Backend;
 pub use spec::{DiskSource, DiskSpec, DiskSpecError};
 
-use mmio::{Action, Transport};
+use mmio::{Action, Transport, TransportState};
 use queue::{BlockStats, Shared, IO_THREADS};
 use request::{MAX_DATA, MAX_SEGS};
+use virtio_queue::{Queue, QueueState, QueueT};
 
 /// Guest address of disk 0's register window; disk `i` is `i` windows on.
 pub const MMIO_BASE: u64 = crate::guest_abi::BLK_MMIO_GPA;
@@ -70,6 +73,75 @@ pub enum BlockError {
     /// More disks than windows.
     #[error("at most {MAX_DISKS} disks per VM")]
     TooMany,
+}
+
+/// Why a migrated disk's state was refused here.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskStateError {
+    /// Not the disk the source had.
+    #[error("disk {index}: the source's disk is {theirs}, this VMM's is {ours}: start the destination with the same shared disks (docs/disks.md)")]
+    NotTheSame {
+        /// Which disk.
+        index: usize,
+        /// What the source had.
+        theirs: String,
+        /// What this VMM has.
+        ours: String,
+    },
+    /// The source's VM has another number of disks.
+    #[error("the source's VM has {theirs} disk(s), this VMM {ours}: start the destination with the same shared disks (docs/disks.md)")]
+    Count {
+        /// The source's.
+        theirs: usize,
+        /// Ours.
+        ours: usize,
+    },
+    /// The driver's settings or the queue cannot be taken.
+    #[error("disk {index}: the guest driver's state cannot be restored: {why}")]
+    Driver {
+        /// Which disk.
+        index: usize,
+        /// Why.
+        why: String,
+    },
+}
+
+/// The queue's registers and ring positions, as a migration carries them.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueRegs {
+    /// Entries the driver chose.
+    pub size: u16,
+    /// QueueReady.
+    pub ready: bool,
+    /// Guest addresses of the descriptor table, available and used rings.
+    pub desc: u64,
+    /// As above.
+    pub avail: u64,
+    /// As above.
+    pub used: u64,
+    /// The next available entry the device takes.
+    pub next_avail: u16,
+    /// The next used entry the device fills.
+    pub next_used: u16,
+}
+
+/// One disk's device state: which disk it is, what its driver set, where
+/// its queue stands. Taken with no request in flight (see
+/// [`BlockDevice::settle`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DiskState {
+    /// `nbd` (shared storage: the only kind that moves so far).
+    pub backend: String,
+    /// The export's name.
+    pub name: String,
+    /// Bytes.
+    pub size: u64,
+    /// The register file.
+    pub transport: TransportState,
+    /// The queue.
+    pub queue: QueueRegs,
+    /// InterruptStatus.
+    pub interrupt: u32,
 }
 
 /// A disk as `ferry status` shows it.
@@ -158,17 +230,19 @@ fn config_space(capacity: u64) -> Vec<u8> {
 }
 
 impl BlockDevice {
-    /// Opens disk `index`'s image and starts its I/O threads.
+    /// Opens disk `index`'s image and starts its I/O threads; `marker` is
+    /// told of every page the device writes into guest RAM.
     pub fn new(
         index: usize,
         spec: &DiskSpec,
         memory: Arc<GuestMemory>,
+        marker: Option<memory::WriteMarker>,
     ) -> Result<Arc<Self>, BlockError> {
         if index >= MAX_DISKS {
             return Err(BlockError::TooMany);
         }
         let backend = Backend::open(spec)?;
-        let ram = memory::GuestRam::new(memory)?;
+        let ram = memory::GuestRam::new(memory)?.with_marker(marker);
         let (tx, rx) = std::sync::mpsc::channel();
         let rx = Arc::new(Mutex::new(rx));
         let shared = Arc::new(Shared::new(ram, backend, &format!("ferry-disk{index}"), tx));
@@ -271,6 +345,98 @@ impl BlockDevice {
     pub fn shutdown(&self) {
         self.shared.shutdown();
     }
+
+    /// With the vCPUs paused: waits until no request is in flight (so the
+    /// device wrote all it will into guest RAM and the used ring), then
+    /// flushes the backend. An error if requests still run after
+    /// `timeout` or the flush fails: the VM must not move then.
+    pub fn settle(&self, timeout: std::time::Duration) -> Result<(), String> {
+        if !self.shared.settle(timeout) {
+            return Err(format!(
+                "disk {}: requests to {} still in flight after {} s",
+                self.index,
+                self.shared.backend.describe(),
+                timeout.as_secs()
+            ));
+        }
+        if lock(&self.transport).live() {
+            self.shared
+                .backend
+                .flush()
+                .map_err(|e| format!("disk {}: flush: {e}", self.index))?;
+        }
+        Ok(())
+    }
+
+    /// Its state for a migration (taken once [`settle`](Self::settle)d).
+    pub fn state(&self) -> DiskState {
+        let t = lock(&self.transport);
+        let q = lock(&self.shared.queue);
+        let b = &self.shared.backend;
+        DiskState {
+            backend: b.kind().into(),
+            name: b.shared_name().unwrap_or_default().into(),
+            size: b.size(),
+            transport: t.state(),
+            queue: QueueRegs {
+                size: q.size(),
+                ready: q.ready(),
+                desc: q.desc_table(),
+                avail: q.avail_ring(),
+                used: q.used_ring(),
+                next_avail: q.next_avail(),
+                next_used: q.next_used(),
+            },
+            interrupt: self.shared.interrupt.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Takes a migrated disk's state, into a VM that has not started:
+    /// only the same shared disk (kind, export name, size), with driver
+    /// settings this device accepts.
+    pub fn restore(&self, s: &DiskState) -> Result<(), DiskStateError> {
+        let b = &self.shared.backend;
+        let ours = DiskIdentity::of(b.kind(), b.shared_name().unwrap_or(""), b.size());
+        let theirs = DiskIdentity::of(&s.backend, &s.name, s.size);
+        if ours != theirs || b.shared_name().is_none() {
+            return Err(DiskStateError::NotTheSame {
+                index: self.index,
+                theirs: theirs.0,
+                ours: ours.0,
+            });
+        }
+        let driver = |why: String| DiskStateError::Driver {
+            index: self.index,
+            why,
+        };
+        let queue = Queue::try_from(QueueState {
+            max_size: queue::QUEUE_MAX,
+            next_avail: s.queue.next_avail,
+            next_used: s.queue.next_used,
+            event_idx_enabled: false,
+            size: s.queue.size,
+            ready: s.queue.ready,
+            desc_table: s.queue.desc,
+            avail_ring: s.queue.avail,
+            used_ring: s.queue.used,
+        })
+        .map_err(|e| driver(format!("queue: {e}")))?;
+        let mut t = lock(&self.transport);
+        t.restore(&s.transport).map_err(driver)?;
+        *lock(&self.shared.queue) = queue;
+        self.shared.interrupt.store(s.interrupt, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A disk as a migration names it: kind, export name, size.
+#[derive(PartialEq)]
+struct DiskIdentity(String);
+
+impl DiskIdentity {
+    fn of(kind: &str, name: &str, size: u64) -> Self {
+        DiskIdentity(format!("{kind} export {name:?} of {size} bytes"))
+    }
 }
 
 impl Drop for BlockDevice {
@@ -280,18 +446,39 @@ impl Drop for BlockDevice {
     }
 }
 
-/// Why a VM with these disks may not move to another VMM process or host
-/// now (None: it has none). Disk migration is not built yet: the image
-/// stays behind, and writes the guest made after a copy of it would be
-/// lost, so a migration or handover is refused before anything starts.
-pub fn why_not_move(disks: &[Arc<BlockDevice>]) -> Option<String> {
+/// Why a VM with these disks may not migrate to another host now (None:
+/// it may). A disk on shared storage (an NBD export) stays where it is and
+/// the destination attaches the same export; a local image would stay
+/// behind, and moving its blocks is not built yet: writes the guest made
+/// could be lost, so such a migration is refused before anything starts.
+pub fn why_not_migrate(disks: &[Arc<BlockDevice>]) -> Option<String> {
+    let local: Vec<String> = disks
+        .iter()
+        .filter(|d| d.shared.backend.shared_name().is_none())
+        .map(|d| d.info().path)
+        .collect();
+    if local.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "the VM has {} disk(s) on local images ({}), and moving a local disk is not built yet: \
+         migrating the VM now could lose writes its guest made, so nothing was started; disks on \
+         shared storage (nbd://) move (docs/disks.md)",
+        local.len(),
+        local.join(", ")
+    ))
+}
+
+/// Why a VM with these disks may not be handed to a new VMM process now
+/// (None: it has none): a handover does not carry disks yet.
+pub fn why_not_hand_over(disks: &[Arc<BlockDevice>]) -> Option<String> {
     if disks.is_empty() {
         return None;
     }
     let paths: Vec<String> = disks.iter().map(|d| d.info().path).collect();
     Some(format!(
-        "the VM has {} virtio-blk disk(s) ({}), and disk migration is not built yet: \
-         moving the VM now could lose writes its guest made, so nothing was started (docs/disks.md)",
+        "the VM has {} virtio-blk disk(s) ({}), and a handover does not carry disks yet: \
+         nothing was started (docs/disks.md)",
         disks.len(),
         paths.join(", ")
     ))

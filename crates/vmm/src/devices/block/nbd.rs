@@ -19,6 +19,7 @@ use super::spec::SECTOR;
 pub struct NbdDisk {
     client: Client,
     size: u64,
+    export: String,
 }
 
 impl NbdDisk {
@@ -64,12 +65,21 @@ impl NbdDisk {
         if size == 0 {
             return Err(err("the export holds no whole 512-byte sector".into()));
         }
-        Ok(NbdDisk { client, size })
+        Ok(NbdDisk {
+            client,
+            size,
+            export: parsed.export,
+        })
     }
 
     /// The disk's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The export's name on its server.
+    pub fn export(&self) -> &str {
+        &self.export
     }
 
     /// The export's address.

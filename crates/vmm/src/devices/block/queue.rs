@@ -162,7 +162,9 @@ impl Shared {
                     self.mark_broken("the queue's rings are not in guest RAM");
                     return kept;
                 }
-                if let Err(e) = q.disable_notification(mem) {
+                let flags = q.disable_notification(mem);
+                self.wrote_used_ring(&q);
+                if let Err(e) = flags {
                     self.mark_broken(&format!("cannot write the used ring's flags: {e}"));
                     return kept;
                 }
@@ -177,7 +179,9 @@ impl Shared {
                     if *lock(&self.inflight) > 0 || kept.is_some() {
                         return kept; // their completions look again
                     }
-                    match q.enable_notification(mem) {
+                    let flags = q.enable_notification(mem);
+                    self.wrote_used_ring(&q);
+                    match flags {
                         Ok(true) => continue, // made available meanwhile
                         Ok(false) => return kept,
                         Err(e) => {
@@ -232,6 +236,34 @@ impl Shared {
         lock(&self.jobs).take();
     }
 
+    /// The device wrote the used ring (an entry, its index or its flags):
+    /// a migration must send it again.
+    fn wrote_used_ring(&self, q: &Queue) {
+        self.ram.wrote(q.used_ring(), 6 + 8 * u64::from(q.size()));
+    }
+
+    /// Waits until no request is in flight, for at most `timeout`: with
+    /// the vCPUs paused nothing new comes, and every I/O thread that
+    /// finishes takes what was left on the ring, so this is the moment the
+    /// device has written everything it will into guest RAM. False if
+    /// requests still run at the timeout (a backend that stalls).
+    pub fn settle(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut n = lock(&self.inflight);
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            n = self
+                .idle
+                .wait_timeout(n, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
     fn mark_broken(&self, why: &str) {
         if !self.broken.swap(true, Ordering::SeqCst) {
             self.stats.broken.fetch_add(1, Ordering::Relaxed);
@@ -247,6 +279,13 @@ impl Shared {
         }
         let start = std::time::Instant::now();
         let (st, written) = self.execute(&job.req);
+        if matches!(job.req.op, Op::Read | Op::GetId) {
+            // Guest RAM the device wrote (all of it: a read that failed
+            // may have written part).
+            for seg in &job.req.data {
+                self.ram.wrote_host(seg.ptr, seg.len);
+            }
+        }
         let s = &self.stats;
         s.jobs.fetch_add(1, Ordering::Relaxed);
         let ns = |d: std::time::Duration| d.as_nanos() as u64;
@@ -321,10 +360,13 @@ impl Shared {
                 let mut used = written;
                 if let Some(at) = at {
                     if mem.write_obj(st, at).is_ok() {
+                        self.ram.wrote(at.0, 1);
                         used += 1;
                     }
                 }
-                match q.add_used(mem, head, used) {
+                let added = q.add_used(mem, head, used);
+                self.wrote_used_ring(&q);
+                match added {
                     Ok(()) => {
                         self.interrupt.fetch_or(1, Ordering::SeqCst);
                     }

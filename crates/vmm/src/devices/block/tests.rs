@@ -31,6 +31,10 @@ struct Driver {
 
 impl Driver {
     fn new(name: &str, disk_bytes: u64) -> Driver {
+        Driver::with_marker(name, disk_bytes, None)
+    }
+
+    fn with_marker(name: &str, disk_bytes: u64, marker: Option<memory::WriteMarker>) -> Driver {
         let path = std::env::temp_dir().join(format!("ferry-blkdev-{}-{name}", std::process::id()));
         let _ = std::fs::remove_file(&path);
         let spec = DiskSpec {
@@ -39,7 +43,7 @@ impl Driver {
             create: true,
         };
         let mem = Arc::new(GuestMemory::new(&[(0, RAM)]).unwrap());
-        let dev = BlockDevice::new(0, &spec, mem.clone()).unwrap();
+        let dev = BlockDevice::new(0, &spec, mem.clone(), marker).unwrap();
         let mut d = Driver {
             mem,
             dev,
@@ -372,4 +376,69 @@ fn a_broken_queue_needs_a_reset_and_recovers_after_one() {
     d.setup();
     assert_eq!(d.r(reg::STATUS) & dev_status::DEVICE_NEEDS_RESET, 0);
     assert_eq!(d.request(kind::OUT, 0, 0x30000, 512, false).0, status::OK);
+}
+
+#[test]
+fn every_page_the_device_writes_into_guest_ram_is_marked() {
+    let marked: Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>> = Arc::default();
+    let m = marked.clone();
+    let marker: memory::WriteMarker = Arc::new(move |region, first, pages| {
+        assert_eq!(region, 0);
+        m.lock().unwrap().extend(first..first + pages);
+    });
+    let mut d = Driver::with_marker("marked", 1 << 20, Some(marker));
+    marked.lock().unwrap().clear();
+    // A write: the device writes only the status byte and the used ring.
+    d.mem.write_bytes(0x30000, &[7u8; 8192]).unwrap();
+    assert_eq!(d.request(kind::OUT, 0, 0x30000, 8192, false).0, status::OK);
+    let got: Vec<u64> = std::mem::take(&mut *marked.lock().unwrap())
+        .into_iter()
+        .collect();
+    assert_eq!(got, vec![USED / 4096, 0x21000 / 4096], "{got:x?}");
+    // A read of two pages into 0x40000..0x42000 (and part of 0x42000).
+    assert_eq!(
+        d.request(kind::IN, 0, 0x40800, 8192, true),
+        (status::OK, 8193)
+    );
+    let got: Vec<u64> = std::mem::take(&mut *marked.lock().unwrap())
+        .into_iter()
+        .collect();
+    assert_eq!(
+        got,
+        vec![USED / 4096, 0x21000 / 4096, 0x40, 0x41, 0x42],
+        "{got:x?}"
+    );
+}
+
+#[test]
+fn a_migrated_state_is_taken_only_by_the_same_shared_disk() {
+    let mut d = Driver::new("state", 1 << 20);
+    assert_eq!(d.request(kind::OUT, 0, 0x30000, 512, false).0, status::OK);
+    d.dev.settle(Duration::from_secs(5)).unwrap();
+    let st = d.dev.state();
+    assert_eq!((st.backend.as_str(), st.size), ("raw", 1 << 20));
+    assert_eq!(
+        (
+            st.queue.size,
+            st.queue.ready,
+            st.queue.next_avail,
+            st.queue.next_used
+        ),
+        (QSIZE, true, 1, 1)
+    );
+    assert_eq!(
+        (st.queue.desc, st.queue.avail, st.queue.used),
+        (DESC, AVAIL, USED)
+    );
+    assert_ne!(st.transport.status & dev_status::DRIVER_OK, 0);
+    // A local image is not shared storage: nobody takes its state.
+    let other = Driver::new("state2", 1 << 20);
+    let e = other.dev.restore(&st).unwrap_err().to_string();
+    assert!(e.contains("same shared disks"), "{e}");
+    // Nor does a disk of another size or name.
+    let mut nbd = st.clone();
+    nbd.backend = "nbd".into();
+    nbd.name = "web".into();
+    let e = other.dev.restore(&nbd).unwrap_err().to_string();
+    assert!(e.contains(r#"export "web" of 1048576 bytes"#), "{e}");
 }
