@@ -96,6 +96,18 @@ impl Backend {
         }
     }
 
+    /// Before another VMM takes the disk over: what it must do so that
+    /// VMM reads every write this one finished. An NBD server whose
+    /// connections are coherent (multi-conn) needs nothing; any other is
+    /// flushed (the NBD spec promises nothing across connections without
+    /// it). An image is flushed.
+    pub fn hand_off(&self) -> io::Result<()> {
+        match self {
+            Backend::Nbd(n) if n.coherent() => Ok(()),
+            _ => self.flush(),
+        }
+    }
+
     /// Zeroes `len` bytes from `offset`.
     pub fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
         match self {

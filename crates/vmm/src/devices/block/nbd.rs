@@ -77,6 +77,13 @@ impl NbdDisk {
         self.size
     }
 
+    /// True if the server says its connections see each other's writes
+    /// (NBD_FLAG_CAN_MULTI_CONN): another VMM's connection reads what this
+    /// one wrote without a flush first.
+    pub fn coherent(&self) -> bool {
+        self.client.export().multi_conn
+    }
+
     /// The export's name on its server.
     pub fn export(&self) -> &str {
         &self.export

@@ -87,6 +87,10 @@ pub struct Shared {
     pub(super) broken: AtomicBool,
     epoch: AtomicU64,
     inflight: Mutex<u64>,
+    /// I/O threads between taking a job and leaving the ring after it
+    /// (they write the used ring's flags after the job's count is gone);
+    /// changed under `inflight`'s lock.
+    busy: AtomicU64,
     idle: Condvar,
     /// Where jobs go to the I/O threads (None once the device shuts down).
     jobs: Mutex<Option<Sender<Job>>>,
@@ -113,6 +117,7 @@ impl Shared {
             broken: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             inflight: Mutex::new(0),
+            busy: AtomicU64::new(0),
             idle: Condvar::new(),
             jobs: Mutex::new(Some(jobs)),
             id: idb,
@@ -242,15 +247,16 @@ impl Shared {
         self.ram.wrote(q.used_ring(), 6 + 8 * u64::from(q.size()));
     }
 
-    /// Waits until no request is in flight, for at most `timeout`: with
-    /// the vCPUs paused nothing new comes, and every I/O thread that
-    /// finishes takes what was left on the ring, so this is the moment the
-    /// device has written everything it will into guest RAM. False if
-    /// requests still run at the timeout (a backend that stalls).
+    /// Waits until no request is in flight and no I/O thread is still at
+    /// the ring, for at most `timeout`: with the vCPUs paused nothing new
+    /// comes, and every I/O thread that finishes takes what was left on
+    /// the ring, so this is the moment the device has written everything
+    /// it will into guest RAM. False if requests still run at the timeout
+    /// (a backend that stalls).
     pub fn settle(&self, timeout: std::time::Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         let mut n = lock(&self.inflight);
-        while *n > 0 {
+        while *n > 0 || self.busy.load(Ordering::SeqCst) > 0 {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 return false;
@@ -380,6 +386,21 @@ impl Shared {
             self.idle.notify_all();
         }
     }
+
+    /// An I/O thread took a job: it may write the ring until
+    /// [`left_ring`](Self::left_ring).
+    fn took_job(&self) {
+        let _n = lock(&self.inflight);
+        self.busy.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The I/O thread is done with the ring for now.
+    fn left_ring(&self) {
+        let n = lock(&self.inflight);
+        if self.busy.fetch_sub(1, Ordering::SeqCst) == 1 && *n == 0 {
+            self.idle.notify_all();
+        }
+    }
 }
 
 /// Copies `src` into the guest segments `dst`, in order, as far as they reach.
@@ -406,8 +427,10 @@ pub fn io_thread(shared: Arc<Shared>, jobs: Arc<Mutex<Receiver<Job>>>) {
         let Ok(job) = job else { return };
         let mut next = Some(job);
         while let Some(job) = next.take() {
+            shared.took_job();
             shared.run(job);
             next = shared.drain(true);
+            shared.left_ring();
         }
     }
 }
