@@ -77,6 +77,17 @@ def write(a, data):
     builds = collections.OrderedDict()
     for t in trials:
         builds.setdefault(binary_of(t.get("build", "")), []).append(t)
+    fenced_all = [t for t in trials if t.get("fenced")]
+    if fenced_all:
+        fc = collections.Counter(t["outcome"] for t in fenced_all)
+        lines += ["### Every fenced trial, all binaries together", "",
+                  f"{len(fenced_all)} of {len(trials)} trials ran with ownership fencing "
+                  f"({len([b for b, ts in builds.items() if any(t.get('fenced') for t in ts)])} binaries; "
+                  "the rest are the runs before it, below).", ""]
+        lines += table(fenced_all, ops, faults)
+        lines += ["", f"Totals: {len(fenced_all)} fenced trials, {fc['violation']} two-copy violations, "
+                  f"{fc['lost']} lost, {fc['paused']} paused past the bound, {fc['unsurvivable']} unsurvivable "
+                  f"as documented, {fc['error']} harness errors.", ""]
     for b, ts in reversed(builds.items()):
         c = collections.Counter(t["outcome"] for t in ts)
         fenced = collections.Counter(bool(t.get("fenced")) for t in ts)
