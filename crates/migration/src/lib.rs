@@ -94,8 +94,8 @@ pub use source::{migrate, resume};
 pub use split::{PagerStats, RemotePager};
 pub use standby::Standby;
 pub use stats::{
-    ClientsOutcome, CompressionStats, DestinationStats, DowntimeParts, FaultBin, FaultReport,
-    GatherStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
+    ClientsOutcome, CompressionStats, DestinationStats, DiskMove, DowntimeParts, FaultBin,
+    FaultReport, GatherStats, Latency, MigrationStats, Phase, PostcopyStats, Progress, RoundStats,
     SplitServerStats, SplitStats, StartedReport,
 };
 pub use telemetry::{unix_now, LivePhase, Telemetry};

@@ -105,6 +105,28 @@ pub struct MigrationStats {
     /// References the destination could not resolve (sent again).
     #[serde(default)]
     pub shared_missed: u64,
+    /// The VM's disks and how each moved (the VMM fills it in; empty
+    /// without disks).
+    #[serde(default)]
+    pub disks: Vec<DiskMove>,
+    /// Bytes of disk blocks sent (0 while every disk is on shared storage).
+    #[serde(default)]
+    pub disk_bytes: u64,
+}
+
+/// How one disk moved with its VM.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DiskMove {
+    /// Which disk.
+    pub index: usize,
+    /// `nbd` (shared storage) or `raw` (an image on the source host).
+    pub backend: String,
+    /// The export's address or the image's path.
+    pub path: String,
+    /// `shared`: it stayed on its server and the destination attached it.
+    pub how: String,
+    /// Bytes of its blocks sent.
+    pub bytes: u64,
 }
 
 /// What a gather pulled from the memory servers.

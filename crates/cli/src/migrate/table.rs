@@ -49,6 +49,19 @@ pub(super) fn print_table(to: &str, s: &MigrationStats) {
             format::bytes(s.shared_pages.saturating_sub(s.shared_missed) as f64 * 4096.0)
         );
     }
+    for d in &s.disks {
+        let how = match d.how.as_str() {
+            "shared" => "stayed on its shared storage, attached by the destination".to_string(),
+            other => other.to_string(),
+        };
+        println!(
+            "disk {}       {} {}: {how}; {} sent",
+            d.index,
+            d.backend,
+            d.path,
+            format::bytes(d.bytes as f64)
+        );
+    }
     if let Some(c) = &s.clients {
         if c.moved {
             println!(

@@ -235,6 +235,23 @@ pub fn migrate(
         }
     };
     settle_clients(vm, to, &mut stats);
+    // Every disk stayed on its shared storage (a local one was refused
+    // above): the destination attached the same export.
+    stats.disks = vm
+        .disks()
+        .iter()
+        .map(|d| {
+            let i = d.info();
+            ferry_migration::DiskMove {
+                index: i.index,
+                backend: i.backend,
+                path: i.path,
+                how: "shared".into(),
+                bytes: 0,
+            }
+        })
+        .collect();
+    stats.disk_bytes = stats.disks.iter().map(|d| d.bytes).sum();
     Ok(Outcome::Done(stats))
 }
 
