@@ -121,7 +121,7 @@ fn seqwrite_of_m_mib_writes_m_mib_and_reads_it_back() {
 }
 
 #[test]
-fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
+fn a_vm_with_a_local_disk_refuses_to_migrate() {
     if !kvm_usable() {
         return;
     }
@@ -138,10 +138,6 @@ fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
         err.contains("moving a local disk is not built yet"),
         "{err}"
     );
-    let o = ferry(&["handover", &sock]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
-    assert!(err.contains("a handover does not carry disks yet"), "{err}");
     // Nor does a destination take a local image.
     let o = ferry(&["run", "--incoming", &to, "--disk", &image]);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -155,4 +151,49 @@ fn a_vm_with_a_disk_refuses_to_migrate_or_be_handed_over() {
     assert_eq!(s["state"], "running");
     assert_eq!(s["migrations"].as_u64(), Some(0));
     quit(&sock);
+}
+
+/// A handover (same host) takes the disk with the VM: the new process opens
+/// the same image, the requests in flight finish in the pause, and the
+/// guest's driver goes on with the new process's device; its own check of
+/// every block it reads finds nothing lost, stale or torn.
+#[test]
+fn a_vm_with_a_local_disk_is_handed_over_with_it() {
+    if !kvm_usable() {
+        return;
+    }
+    let (dir, _scratch) = Scratch::new("ferry-disk-handover");
+    let (_vm, sock, image) = start(&dir, "disk:rw=mixed,bs=4k,qd=8,mib=8");
+    disk_status_until(&sock, 20, |s| disk_check(s, "blocks_checked") > 300);
+    for round in 0..2 {
+        let before = wait_status(&sock);
+        let o = ferry(&["handover", &sock, "--verify", "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let figures: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(figures["verified_pages"].as_u64() > Some(0), "{figures}");
+        let at = disk_check(&wait_status(&sock), "blocks_checked");
+        let after = disk_status_until(&sock, 20, |s| disk_check(s, "blocks_checked") > at + 300);
+        assert_eq!(after["state"], "running");
+        assert_ne!(
+            after["pid"], before["pid"],
+            "round {round}: another process runs it"
+        );
+        for k in ["bad_blocks", "io_errors"] {
+            assert_eq!(
+                disk_check(&after, k),
+                0,
+                "round {round}: {}",
+                after["disk_check"]
+            );
+        }
+        assert!(disk_check(&after, "blocks_checked") > disk_check(&before, "blocks_checked"));
+        let d = &after["disks"][0];
+        let canonical = std::fs::canonicalize(&image).unwrap();
+        assert_eq!(d["path"], canonical.display().to_string(), "{d}");
+        assert!(d["reads"].as_u64() > Some(0), "{d}");
+    }
+    let tag = disk_check(&wait_status(&sock), "tag");
+    quit(&sock);
+    std::thread::sleep(Duration::from_millis(300));
+    common::assert_image_stamped(Path::new(&image), tag, 8);
 }

@@ -219,7 +219,7 @@ fn receive_offer(
     sock: &mut UnixStream,
     console: Option<ConsoleSink>,
 ) -> Result<Offered, HandoverError> {
-    let (msg, fds, _) = wire::recv(sock, ferry_migration::transport::fds::MAX_FDS)?;
+    let (msg, fds, disks) = wire::recv_with_disks(sock, ferry_migration::transport::fds::MAX_FDS)?;
     let Message::Offer {
         shape,
         regions,
@@ -270,6 +270,7 @@ fn receive_offer(
     config.seed = shape.seed;
     config.kvm_path = shape.kvm_path;
     config.console = console;
+    config.disks = disks;
     let vm = Vm::build_adopting(config, memory, service_listener)?;
     Ok(Offered {
         vm,

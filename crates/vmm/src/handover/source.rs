@@ -144,16 +144,27 @@ impl Peer {
     /// Sends within SEND_TIMEOUT: a new process that stops reading must
     /// not keep the VM paused.
     fn send(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<(), HandoverError> {
+        self.send_with_disks(msg, fds, &[])
+    }
+
+    /// [`send`](Self::send), with the VM's disks after the message.
+    fn send_with_disks(
+        &mut self,
+        msg: &Message,
+        fds: &[BorrowedFd<'_>],
+        disks: &[String],
+    ) -> Result<(), HandoverError> {
         let _ = self.sock.set_write_timeout(Some(SEND_TIMEOUT));
-        self.bytes += wire::send(&mut self.sock, msg, fds).map_err(|e| match e {
-            HandoverError::Io(io) if io.kind() == std::io::ErrorKind::WouldBlock => {
-                HandoverError::TimedOut {
-                    step: "take a message",
-                    timeout: SEND_TIMEOUT,
+        self.bytes +=
+            wire::send_with_disks(&mut self.sock, msg, fds, disks).map_err(|e| match e {
+                HandoverError::Io(io) if io.kind() == std::io::ErrorKind::WouldBlock => {
+                    HandoverError::TimedOut {
+                        step: "take a message",
+                        timeout: SEND_TIMEOUT,
+                    }
                 }
-            }
-            e => e,
-        })?;
+                e => e,
+            })?;
         Ok(())
     }
 
@@ -174,6 +185,9 @@ impl Peer {
     }
 }
 
+/// How long the pause waits for the disks' requests in flight.
+const DISK_SETTLE: Duration = Duration::from_secs(5);
+
 /// Hands `vm` over to a new VMM process; on success the VM runs there and
 /// this process must let it go ([`Vm::finish_handed_over`]). On an error
 /// before the commit point the VM runs here as before; after it
@@ -193,9 +207,6 @@ pub fn hand_over(
                 RunState::Running => "running",
             }
         )));
-    }
-    if let Some(why) = crate::devices::block::why_not_hand_over(vm.disks()) {
-        return Err(HandoverError::NotNow(why));
     }
     let t0 = Instant::now();
     let cpu0 = cpu_secs(libc::CLOCK_THREAD_CPUTIME_ID);
@@ -450,7 +461,14 @@ fn offer(
         run: plan.run.clone(),
         from_pid: std::process::id(),
     };
-    peer.send(&msg, &fds)?;
+    // The new process opens the same disks (the same exports, the same
+    // images by their absolute paths) while it builds the VM.
+    let disks: Vec<String> = vm
+        .disks()
+        .iter()
+        .map(|d| d.spec_for_handover().to_string())
+        .collect();
+    peer.send_with_disks(&msg, &fds, &disks)?;
     match peer.expect("Ready", "build the VM", READY_TIMEOUT)? {
         Message::Ready { build_ms } => stats.build_ms = build_ms,
         _ => unreachable!("expect() returns the message asked for"),
@@ -469,6 +487,11 @@ fn send_state(
 ) -> Result<(), HandoverError> {
     let t = Instant::now();
     vm.pause()?;
+    // The disks' requests in flight finish and their writes become the
+    // new process's to read (its own connections, the same image).
+    for d in vm.disks() {
+        d.settle(DISK_SETTLE).map_err(HandoverError::NotNow)?;
+    }
     let conns = match vm.service() {
         Some(s) => {
             s.flush_answers(SERVICE_TIMEOUT)?;

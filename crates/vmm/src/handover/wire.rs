@@ -172,11 +172,29 @@ impl Message {
     }
 }
 
+/// Most bytes of one disk's spec in an offer's tail.
+pub const MAX_DISK_SPEC: usize = 4096;
+
 /// Sends one message with `fds`; returns the bytes written.
 pub fn send(
     sock: &mut UnixStream,
     msg: &Message,
     fds: &[BorrowedFd<'_>],
+) -> Result<u64, HandoverError> {
+    send_with_disks(sock, msg, fds, &[])
+}
+
+/// [`send`], with the VM's disks (their `--disk` specs) after the message
+/// when there are any. A message without disks is what earlier builds
+/// send; an earlier build that gets disks ignores them, builds the VM
+/// without them, and then refuses the state (whose disk part it does not
+/// know), so a handover to it fails before its commit point rather than
+/// lose a disk.
+pub fn send_with_disks(
+    sock: &mut UnixStream,
+    msg: &Message,
+    fds: &[BorrowedFd<'_>],
+    disks: &[String],
 ) -> Result<u64, HandoverError> {
     if fds.len() > MAX_FDS {
         return Err(HandoverError::Protocol(format!(
@@ -185,7 +203,13 @@ pub fn send(
             msg.name()
         )));
     }
-    let body = postcard::to_allocvec(msg).map_err(|e| HandoverError::Protocol(e.to_string()))?;
+    let mut body =
+        postcard::to_allocvec(msg).map_err(|e| HandoverError::Protocol(e.to_string()))?;
+    if !disks.is_empty() {
+        let tail =
+            postcard::to_allocvec(disks).map_err(|e| HandoverError::Protocol(e.to_string()))?;
+        body.extend_from_slice(&tail);
+    }
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
     let n = send_with_fds(sock, &frame, fds).map_err(HandoverError::from_io)?;
@@ -200,6 +224,55 @@ pub fn recv(
     sock: &mut UnixStream,
     max_fds: usize,
 ) -> Result<(Message, Vec<OwnedFd>, u64), HandoverError> {
+    let (body, fds) = recv_body(sock, max_fds)?;
+    let msg = postcard::from_bytes(&body)
+        .map_err(|e| HandoverError::Protocol(format!("undecodable message: {e}")))?;
+    Ok((msg, fds, 4 + body.len() as u64))
+}
+
+/// [`recv`] of a message that may carry the VM's disks after it
+/// ([`send_with_disks`]): at most [`crate::devices::block::MAX_DISKS`]
+/// specs of at most [`MAX_DISK_SPEC`] bytes, each one a `--disk` spec.
+pub fn recv_with_disks(
+    sock: &mut UnixStream,
+    max_fds: usize,
+) -> Result<(Message, Vec<OwnedFd>, Vec<crate::devices::block::DiskSpec>), HandoverError> {
+    let (body, fds) = recv_body(sock, max_fds)?;
+    let bad = |why: String| HandoverError::Protocol(format!("undecodable message: {why}"));
+    let (msg, rest) = postcard::take_from_bytes(&body).map_err(|e| bad(e.to_string()))?;
+    if rest.is_empty() {
+        return Ok((msg, fds, Vec::new()));
+    }
+    // The count first: a long list is refused before it is read.
+    let (count, _) = postcard::take_from_bytes::<u32>(rest).map_err(|e| bad(e.to_string()))?;
+    if count as usize > crate::devices::block::MAX_DISKS {
+        return Err(bad(format!(
+            "{count} disks (at most {})",
+            crate::devices::block::MAX_DISKS
+        )));
+    }
+    let (texts, rest): (Vec<String>, _) =
+        postcard::take_from_bytes(rest).map_err(|e| bad(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(bad(format!("{} bytes after the disks", rest.len())));
+    }
+    let disks = texts
+        .iter()
+        .map(|t| {
+            if t.len() > MAX_DISK_SPEC {
+                return Err(bad(format!("a disk spec of {} bytes", t.len())));
+            }
+            t.parse().map_err(|e| bad(format!("disk {t:?}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((msg, fds, disks))
+}
+
+/// One message's body and descriptors.
+fn recv_body(
+    sock: &mut UnixStream,
+    max_fds: usize,
+) -> Result<(Vec<u8>, Vec<OwnedFd>), HandoverError> {
     // Only the 4-byte prefix with recvmsg: the descriptors come with the
     // message's first byte, and the read must not run into the next message.
     let mut prefix = [0u8; 4];
@@ -217,9 +290,7 @@ pub fn recv(
     }
     let mut body = vec![0u8; len];
     sock.read_exact(&mut body).map_err(HandoverError::from_io)?;
-    let msg = postcard::from_bytes(&body)
-        .map_err(|e| HandoverError::Protocol(format!("undecodable message: {e}")))?;
-    Ok((msg, fds, 4 + len as u64))
+    Ok((body, fds))
 }
 
 #[cfg(test)]
@@ -249,6 +320,34 @@ mod tests {
         assert_eq!(recv(&mut b, 4).unwrap().0, Message::Go);
         drop(a);
         assert!(matches!(recv(&mut b, 4), Err(HandoverError::Closed(_))));
+    }
+
+    #[test]
+    fn disks_ride_after_a_message_and_an_earlier_reader_ignores_them() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let go = Message::Ready { build_ms: 2.0 };
+        let disks = vec![
+            "/var/lib/a.img,size=1048576".to_string(),
+            "nbd://10.0.0.3/web".into(),
+        ];
+        send_with_disks(&mut a, &go, &[], &disks).unwrap();
+        let (m, _, got) = recv_with_disks(&mut b, 4).unwrap();
+        assert_eq!(m, go);
+        let printed: Vec<String> = got.iter().map(|d| d.to_string()).collect();
+        assert_eq!(printed, disks);
+        // Without disks: the same bytes as before; a reader of disks gets none.
+        send(&mut a, &go, &[]).unwrap();
+        assert!(recv_with_disks(&mut b, 4).unwrap().2.is_empty());
+        // A reader that knows no disks (recv) takes the message and
+        // leaves them.
+        send_with_disks(&mut a, &go, &[], &disks).unwrap();
+        assert_eq!(recv(&mut b, 4).unwrap().0, go);
+        // Too many, a bad spec, garbage after: refused.
+        let five: Vec<String> = (0..5).map(|i| format!("/d{i}.img")).collect();
+        send_with_disks(&mut a, &go, &[], &five).unwrap();
+        assert!(recv_with_disks(&mut b, 4).is_err());
+        send_with_disks(&mut a, &go, &[], &["x.img,size=3".to_string()]).unwrap();
+        assert!(recv_with_disks(&mut b, 4).is_err());
     }
 
     #[test]

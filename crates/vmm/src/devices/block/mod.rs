@@ -25,8 +25,8 @@
 //! pause settles the requests in flight ([`BlockDevice::settle`]), the
 //! device's state ([`DiskState`]) rides with the VM's, and every page the
 //! device writes into guest RAM reaches the dirty log through its
-//! [`memory::WriteMarker`]. A local image cannot move yet, and no disk is
-//! handed over yet (docs/disks.md).
+//! [`memory::WriteMarker`]. A local image cannot migrate yet; a handover
+//! (same host) hands every disk over (docs/disks.md).
 
 pub mod backend;
 pub mod backends;
@@ -191,6 +191,8 @@ pub struct DiskInfo {
 /// One virtio-blk device.
 pub struct BlockDevice {
     index: usize,
+    /// What `--disk` said (a handover's new process opens the same).
+    spec: DiskSpec,
     transport: Mutex<Transport>,
     shared: Arc<Shared>,
 }
@@ -256,9 +258,27 @@ impl BlockDevice {
         }
         Ok(Arc::new(BlockDevice {
             index,
+            spec: spec.clone(),
             transport: Mutex::new(transport),
             shared,
         }))
+    }
+
+    /// The disk as another VMM process on this host opens it: the same
+    /// export, or the same image by its absolute path (a new process may
+    /// run elsewhere in the file tree), at its size, never created.
+    pub fn spec_for_handover(&self) -> DiskSpec {
+        let source = match &self.spec.source {
+            DiskSource::Image(p) => {
+                DiskSource::Image(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+            }
+            nbd => nbd.clone(),
+        };
+        DiskSpec {
+            source,
+            size: Some(self.shared.backend.size()),
+            create: false,
+        }
     }
 
     /// The guest address of this device's register window.
@@ -378,7 +398,7 @@ impl BlockDevice {
         let b = &self.shared.backend;
         DiskState {
             backend: b.kind().into(),
-            name: b.shared_name().unwrap_or_default().into(),
+            name: b.shared_name().map_or_else(|| b.describe(), str::to_string),
             size: b.size(),
             transport: t.state(),
             queue: QueueRegs {
@@ -394,14 +414,17 @@ impl BlockDevice {
         }
     }
 
-    /// Takes a migrated disk's state, into a VM that has not started:
-    /// only the same shared disk (kind, export name, size), with driver
-    /// settings this device accepts.
+    /// Takes a moved disk's state, into a VM that has not started: only
+    /// the same disk (kind, export name or image path, size), with driver
+    /// settings this device accepts. (A migration's destination has NBD
+    /// disks only, so a local image's state never fits there; a handover's
+    /// new process opened the same image.)
     pub fn restore(&self, s: &DiskState) -> Result<(), DiskStateError> {
         let b = &self.shared.backend;
-        let ours = DiskIdentity::of(b.kind(), b.shared_name().unwrap_or(""), b.size());
+        let name = b.shared_name().map_or_else(|| b.describe(), str::to_string);
+        let ours = DiskIdentity::of(b.kind(), &name, b.size());
         let theirs = DiskIdentity::of(&s.backend, &s.name, s.size);
-        if ours != theirs || b.shared_name().is_none() {
+        if ours != theirs {
             return Err(DiskStateError::NotTheSame {
                 index: self.index,
                 theirs: theirs.0,
@@ -469,21 +492,6 @@ pub fn why_not_migrate(disks: &[Arc<BlockDevice>]) -> Option<String> {
          shared storage (nbd://) move (docs/disks.md)",
         local.len(),
         local.join(", ")
-    ))
-}
-
-/// Why a VM with these disks may not be handed to a new VMM process now
-/// (None: it has none): a handover does not carry disks yet.
-pub fn why_not_hand_over(disks: &[Arc<BlockDevice>]) -> Option<String> {
-    if disks.is_empty() {
-        return None;
-    }
-    let paths: Vec<String> = disks.iter().map(|d| d.info().path).collect();
-    Some(format!(
-        "the VM has {} virtio-blk disk(s) ({}), and a handover does not carry disks yet: \
-         nothing was started (docs/disks.md)",
-        disks.len(),
-        paths.join(", ")
     ))
 }
 
