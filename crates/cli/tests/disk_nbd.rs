@@ -200,7 +200,9 @@ fn a_vm_on_shared_nbd_storage_moves_in_every_mode_and_its_disk_checks_clean() {
         // The last move ends with the table a person reads; the others
         // with --json.
         let json = mode != "hybrid";
+        let timeline = dir.join(format!("{mode}.jsonl")).display().to_string();
         let mut args = vec!["migrate", &sock, "--to", &to, "--mode", mode, "--verify"];
+        args.extend(["--timeline", &timeline]);
         if json {
             args.push("--json");
         }
@@ -229,6 +231,9 @@ fn a_vm_on_shared_nbd_storage_moves_in_every_mode_and_its_disk_checks_clean() {
                 "{table}"
             );
         }
+        // The timeline has each side's disk counters: the source's device
+        // worked before the switch, the destination's after.
+        assert_disk_io_on_both_sides(&timeline, mode);
         sock = dst_sock;
         // The guest goes on checking blocks there, on the same export.
         let at = disk_check(&wait_status(&sock), "blocks_checked");
@@ -254,4 +259,33 @@ fn a_vm_on_shared_nbd_storage_moves_in_every_mode_and_its_disk_checks_clean() {
     assert!(o.status.success());
     drop(vms);
     common::assert_image_stamped(&image, tag, 16);
+}
+
+/// In a migration's timeline, each side's samples carry the disk's counters
+/// ([reads, writes, bytes read, bytes written]), and the guest's I/O
+/// advanced them on the source (before the pause) and on the destination
+/// (once it ran the VM).
+fn assert_disk_io_on_both_sides(timeline: &str, mode: &str) {
+    let text = std::fs::read_to_string(timeline).unwrap();
+    for side in ["source", "destination"] {
+        let io: Vec<Vec<u64>> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["type"] == "sample" && v["side"] == side)
+            .filter_map(|v| serde_json::from_value(v["disks"][0].clone()).ok())
+            .collect();
+        assert!(
+            !io.is_empty(),
+            "{mode}: no {side} sample with disk counters"
+        );
+        let (first, last) = (&io[0], &io[io.len() - 1]);
+        assert_eq!(first.len(), 4, "{mode}: {first:?}");
+        assert!(
+            last[1] > first[1] && last[3] > first[3],
+            "{mode}: the {side}'s disk wrote nothing while recorded: {first:?} .. {last:?}"
+        );
+        assert!(io
+            .windows(2)
+            .all(|w| w[0].iter().zip(&w[1]).all(|(a, b)| a <= b)));
+    }
 }

@@ -43,6 +43,11 @@ pub trait Sampled: Sync {
     fn service(&self) -> Option<&Arc<ServiceDevice>>;
     /// The VM's migration watch.
     fn watch(&self) -> &Watch;
+    /// Per disk, what its device did so far: [reads, writes, bytes read,
+    /// bytes written] (none without disks).
+    fn disk_io(&self) -> Vec<[u64; 4]> {
+        Vec::new()
+    }
 }
 
 /// How often the timeline samples.
@@ -237,6 +242,10 @@ fn sample(side: &str, vm: &dyn Sampled, tel: &Telemetry, prev: &mut Prev, cpu: b
         });
         prev.answered = answered;
         prev.latency_ticks = ticks;
+    }
+    let disks = vm.disk_io();
+    if !disks.is_empty() {
+        v["disks"] = json!(disks);
     }
     if cpu {
         v["cpu_ms"] = json!(thread_cpu_ms());

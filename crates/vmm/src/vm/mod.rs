@@ -328,6 +328,10 @@ impl Sampled for Vm {
     fn watch(&self) -> &Watch {
         Vm::watch(self)
     }
+
+    fn disk_io(&self) -> Vec<[u64; 4]> {
+        self.disks().iter().map(|d| d.io_counters()).collect()
+    }
 }
 
 impl Drop for Vm {
