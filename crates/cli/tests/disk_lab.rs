@@ -17,18 +17,6 @@ use common::{disk_check, disk_status_until, kvm_usable, wait_status, Reaper, Scr
 const MIB: u64 = 1 << 20;
 const NBD: &str = "nbd://10.77.0.3:10809/disk";
 
-fn have_qemu_nbd() -> bool {
-    let ok = Command::new("qemu-nbd")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIPPED: qemu-nbd is not installed (scripts/setup.sh installs qemu-utils)");
-    }
-    ok
-}
-
 /// qemu-nbd on the storage host, serving `image` as `disk` on its TCP port.
 fn storage_host(image: &std::path::Path) -> Reaper {
     let server = Command::new("ip")
@@ -71,7 +59,7 @@ fn wait_for_socket(sock: &str) {
 
 #[test]
 fn a_vm_on_a_storage_hosts_nbd_export_moves_between_lab_hosts_and_its_disk_stays() {
-    if !kvm_usable() || !have_qemu_nbd() {
+    if !kvm_usable() || !common::have_qemu_nbd() {
         return;
     }
     let Some(_lab) = lab_up() else { return };

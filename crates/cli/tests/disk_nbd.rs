@@ -24,18 +24,6 @@ impl Drop for Server {
     }
 }
 
-fn have_qemu_nbd() -> bool {
-    let ok = Command::new("qemu-nbd")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIPPED: qemu-nbd is not installed (scripts/setup.sh installs qemu-utils)");
-    }
-    ok
-}
-
 /// qemu-nbd serving `image` as export `disk` on `sock`.
 fn serve(image: &Path, sock: &Path) -> Server {
     let _ = std::fs::remove_file(sock);
@@ -79,7 +67,7 @@ fn vm_on_nbd(dir: &Path, workload: &str) -> (common::Reaper, Server, String, Pat
 
 #[test]
 fn a_vm_on_an_nbd_export_checks_every_block_and_the_image_holds_them() {
-    if !kvm_usable() || !have_qemu_nbd() {
+    if !kvm_usable() || !common::have_qemu_nbd() {
         return;
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-nbd");
@@ -109,7 +97,7 @@ fn a_vm_on_an_nbd_export_checks_every_block_and_the_image_holds_them() {
 
 #[test]
 fn an_nbd_server_killed_and_started_again_under_a_running_vm_costs_a_wait() {
-    if !kvm_usable() || !have_qemu_nbd() {
+    if !kvm_usable() || !common::have_qemu_nbd() {
         return;
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-nbd-restart");
@@ -140,39 +128,23 @@ fn an_nbd_server_killed_and_started_again_under_a_running_vm_costs_a_wait() {
 }
 
 /// `ferry run --incoming` on `to` with the same disk and workload, once it
-/// listens (it says so on stderr).
+/// listens.
 fn incoming(to: &str, sock: &str, workload: &str, disk: &str) -> common::Reaper {
-    use std::io::BufRead;
-    common::fleet();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args([
-            "run",
-            "--mem",
-            "256M",
-            "--workload",
-            workload,
-            "--disk",
-            disk,
-        ])
-        .args(["--incoming", to, "--control", sock, "--duration", "60s"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
-    let mut said = String::new();
-    loop {
-        let Some(Ok(line)) = lines.next() else {
-            panic!("the destination ended before it listened; it said:\n{said}");
-        };
-        if line.contains("waiting for an incoming migration") {
-            break;
-        }
-        said.push_str(&line);
-        said.push('\n');
-    }
-    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
-    common::Reaper(c)
+    common::spawn_listening(&[
+        "run",
+        "--mem",
+        "256M",
+        "--workload",
+        workload,
+        "--disk",
+        disk,
+        "--incoming",
+        to,
+        "--control",
+        sock,
+        "--duration",
+        "60s",
+    ])
 }
 
 /// A VM on shared storage moves by precopy, postcopy and hybrid: the
@@ -182,7 +154,7 @@ fn incoming(to: &str, sock: &str, workload: &str, disk: &str) -> common::Reaper 
 /// finds nothing lost, stale or torn; the server's image holds every block.
 #[test]
 fn a_vm_on_shared_nbd_storage_moves_in_every_mode_and_its_disk_checks_clean() {
-    if !kvm_usable() || !have_qemu_nbd() {
+    if !kvm_usable() || !common::have_qemu_nbd() {
         return;
     }
     let (dir, _scratch) = Scratch::new("ferry-disk-nbd-move");

@@ -267,3 +267,44 @@ pub fn progress(status: &serde_json::Value) -> u64 {
         .as_u64()
         .unwrap()
 }
+
+/// True if qemu-nbd (qemu-utils) is here; else says the test is skipped.
+pub fn have_qemu_nbd() -> bool {
+    let ok = Command::new("qemu-nbd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: qemu-nbd is not installed (scripts/setup.sh installs qemu-utils)");
+    }
+    ok
+}
+
+/// Starts `ferry ARGS` (a `run --incoming`) and returns once it listens
+/// (it says so on stderr; probing the port instead could self-connect and
+/// steal it); the rest of its stderr is read and dropped.
+pub fn spawn_listening(args: &[&str]) -> Reaper {
+    use std::io::BufRead;
+    fleet();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
+    let mut said = String::new();
+    loop {
+        let Some(Ok(line)) = lines.next() else {
+            panic!("the destination ended before it listened; it said:\n{said}");
+        };
+        if line.contains("waiting for an incoming migration") {
+            break;
+        }
+        said.push_str(&line);
+        said.push('\n');
+    }
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+    Reaper(c)
+}

@@ -235,7 +235,18 @@ impl Worker {
             if self.dead[server] {
                 continue;
             }
-            match self.page_in(c, gpa, server, t, write) {
+            let mut got = self.page_in(c, gpa, server, t, write);
+            if let Err(e) = &got {
+                // Its connection broke: once it answers again, the same
+                // page-in again (pages placed before the break count as
+                // brought: nothing lands twice).
+                let mirrored = self.copies(c).iter().any(|&s| s != server && !self.dead[s]);
+                if !self.recover(server, e, mirrored) {
+                    continue;
+                }
+                got = self.page_in(c, gpa, server, t, write);
+            }
+            match got {
                 Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
                 Ok(()) => {
                     // (Both copies stay: the next page-out sends to both,
@@ -244,22 +255,7 @@ impl Worker {
                     self.clock.learn_refault(c, outs);
                     return self.keep_budget(c);
                 }
-                Err(e) => {
-                    // (Pages placed before the break count as brought on
-                    // the retry: nothing lands twice.)
-                    let mirrored = self.copies(c).iter().any(|&s| s != server && !self.dead[s]);
-                    if self.recover(server, &e, mirrored) {
-                        match self.page_in(c, gpa, server, t, write) {
-                            Ok(()) if self.shared.gathering.load(Ordering::SeqCst) => return Ok(()),
-                            Ok(()) => {
-                                let outs = self.shared.counters.page_outs.load(Ordering::Relaxed);
-                                self.clock.learn_refault(c, outs);
-                                return self.keep_budget(c);
-                            }
-                            Err(e) => self.lose(server, &e.to_string()),
-                        }
-                    }
-                }
+                Err(e) => self.lose(server, &e.to_string()),
             }
         }
         self.parked.push(gpa);
