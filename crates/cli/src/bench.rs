@@ -70,6 +70,11 @@ pub enum Suite {
     /// outside ferry (two copies never run at once, one runs at the end);
     /// `--smoke` is a fixed-seed 20-trial run.
     Chaos,
+    /// A VM doing mixed disk I/O on shared NBD storage (qemu-nbd on a third
+    /// lab host) moved by precopy, postcopy and hybrid across a shaped link
+    /// (100 Mbit by default) that its disk traffic shares: the guest's disk
+    /// MiB/s before, during and after the move, migration time, downtime.
+    Disk,
 }
 
 #[derive(clap::Args)]
@@ -107,6 +112,7 @@ pub fn bench(args: BenchArgs) -> Result<ExitCode> {
         Suite::Prealloc => "prealloc.py",
         Suite::Share => "share.py",
         Suite::Chaos => "chaos.py",
+        Suite::Disk => "disk_shared.py",
     });
     if !script.exists() {
         bail!(
