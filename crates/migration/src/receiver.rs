@@ -141,6 +141,19 @@ impl Received {
         self.stop.store(true, Ordering::Release);
     }
 
+    /// A count that grows while any bulk stream applies frames: while it
+    /// does, the source is sending, even if the control connection says
+    /// nothing for a long round.
+    pub(crate) fn progress(&self) -> u64 {
+        self.pages.load(Ordering::Relaxed)
+            + self.zero_pages.load(Ordering::Relaxed)
+            + self
+                .frames
+                .iter()
+                .map(|f| f.load(Ordering::Relaxed))
+                .sum::<u64>()
+    }
+
     /// Counts a frame as applied and wakes the control thread's barrier.
     fn applied(&self, idx: usize, cpu_mark: &mut f64) {
         // CPU is counted per frame: the Started report goes out before these

@@ -375,6 +375,12 @@ impl<'a> DestSession<'a> {
         // answers each round with a frame, which starves nothing.
         let mut urgent: Option<Urgent> = Some(Urgent::enter(PAUSE_PRIORITY));
         loop {
+            let tel = self.tel.clone();
+            await_control(&mut self.ctl, || {
+                // Bytes in on every connection, and what the streams applied.
+                let bytes: u64 = tel.snapshot().links.iter().map(|l| l.2).sum();
+                bytes + rx.progress()
+            })?;
             let f = protocol::read_frame(self.ctl.reader())?;
             match f.kind {
                 Kind::RoundDone => {
@@ -604,6 +610,38 @@ pub(crate) fn accept_bulk(
         .into_iter()
         .map(|c| c.ok_or(ProtocolError::Closed.into()))
         .collect()
+}
+
+/// Waits until the control connection's next frame starts. A round on a
+/// slow link may take longer than the step timeout, and the source says
+/// nothing on the control connection until it ends: silence there is a
+/// failure only once `progress` (bytes in on the other connections) stood
+/// still too, for a whole timeout (the connection's read timeout).
+/// Nothing is read past the frame's first bytes, so a timeout here leaves
+/// the stream as it was.
+fn await_control(ctl: &mut Conn, progress: impl Fn() -> u64) -> Result<(), MigrationError> {
+    use std::io::BufRead;
+    let mut seen = progress();
+    loop {
+        match ctl.reader().fill_buf() {
+            // Bytes, or the end (read_frame says which).
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                let now = progress();
+                if now == seen {
+                    return Err(ProtocolError::Io(e).into());
+                }
+                seen = now;
+            }
+            Err(e) => return Err(ProtocolError::Io(e).into()),
+        }
+    }
 }
 
 /// Decodes a RoundDone and checks that it counts frames for every bulk stream.
