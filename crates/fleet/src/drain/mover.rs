@@ -18,6 +18,7 @@ use crate::api::{Request, SplitSpec, VmInfo};
 use crate::claims::{Claim, StandbyClaims};
 use crate::fleet::Fleet;
 use crate::AgentClient;
+use crate::FleetError;
 
 /// What every move of a drain shares.
 pub(crate) struct Shared {
@@ -220,6 +221,7 @@ impl Try<'_> {
             // which.
             Err(e) => Err(Failure::Moving {
                 error: e.to_string(),
+                answered: !matches!(e, FleetError::Link { .. } | FleetError::Io { .. }),
                 seen: self.seen_at_destination(),
                 holds: self.held_by(),
             }),

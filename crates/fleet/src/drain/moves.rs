@@ -159,6 +159,10 @@ pub enum Failure {
     Moving {
         /// The source's error.
         error: String,
+        /// The source's agent answered (the move ended there, with its
+        /// take-back if the switch failed); false: its answer was lost (its
+        /// link broke, it died), and its VMM may still be sending.
+        answered: bool,
         /// What the destination said.
         seen: Seen,
         /// Who the registry says holds the VM.
@@ -234,10 +238,25 @@ impl Failure {
             // The destination never took it (and never will: its take-over
             // starts from a claim the source's take-back moved on), so
             // whatever its agent says, what was started for the move goes.
+            // No answer, and the destination still waits: the source's VMM
+            // may still be sending (a dead agent does not stop it), and the
+            // registry's "source" may be a moment before the switch. A
+            // VMM stopped now could be the one about to take the VM: nothing
+            // is stopped, and the VM is not tried elsewhere.
+            Failure::Moving {
+                error,
+                answered: false,
+                seen: Seen::Waiting,
+                ..
+            } => left_alone(format!(
+                "{error}; the source's agent gave no answer while {to}'s VMM still waits for the \
+                 VM: the move may still be running, so nothing is stopped"
+            )),
             Failure::Moving {
                 error,
                 holds: Holds::Source,
                 seen,
+                ..
             } if *seen != Seen::Waiting => Outcome {
                 state: MoveState::Failed,
                 vm_at: VmAt::Source,
@@ -356,6 +375,7 @@ mod tests {
         let moving = |seen: Seen, holds: Holds| {
             Failure::Moving {
                 error: "link reset".into(),
+                answered: true,
                 seen,
                 holds,
             }
@@ -392,11 +412,43 @@ mod tests {
         assert!(moving(Seen::NotListed, Holds::Source).cleanup.waiting_vmm);
     }
 
+    /// Chaos seed 227 trial 14: the source's agent killed mid-drain; the
+    /// drain read "held at the source, destination waiting" a moment before
+    /// the switch, stopped the waiting VMM later (it had taken the VM by
+    /// then, and the standby finished the move into it), and the VM was
+    /// gone. Without the source's answer, a waiting destination is left.
+    #[test]
+    fn without_the_sources_answer_a_waiting_destination_is_not_stopped() {
+        for holds in [Holds::Source, Holds::Unknown] {
+            let o = Failure::Moving {
+                error: "agent 10.77.0.1:7700: closed without answering send".into(),
+                answered: false,
+                seen: Seen::Waiting,
+                holds: holds.clone(),
+            }
+            .outcome("h2");
+            assert_eq!((o.state, o.vm_at), (LeftAlone, VmAt::Unknown), "{holds:?}");
+            assert_eq!(o.cleanup, Cleanup::default(), "{holds:?}");
+            assert!(!o.retry, "{holds:?}");
+            assert!(o.note.contains("may still be running"), "{}", o.note);
+        }
+        // Held at the destination: done, answer or not.
+        let o = Failure::Moving {
+            error: "closed without answering send".into(),
+            answered: false,
+            seen: Seen::Waiting,
+            holds: Holds::Destination,
+        }
+        .outcome("h2");
+        assert_eq!((o.state, o.vm_at), (Done, VmAt::Destination));
+    }
+
     #[test]
     fn a_failed_send_is_decided_by_what_the_destination_holds() {
         let moving = |seen: Seen| {
             Failure::Moving {
                 error: "link reset".into(),
+                answered: true,
                 seen,
                 holds: Holds::Unknown,
             }
