@@ -55,7 +55,6 @@ fn spawn_incoming_logged_env(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> (Child, std::sync::Arc<std::sync::Mutex<String>>) {
-    use std::io::BufRead;
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
         .envs(env.iter().copied())
@@ -63,18 +62,7 @@ fn spawn_incoming_logged_env(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
-    let mut said = String::new();
-    loop {
-        let Some(Ok(line)) = lines.next() else {
-            panic!("the destination ended before it listened; it said:\n{said}");
-        };
-        if line.contains("waiting for an incoming migration") {
-            break;
-        }
-        said.push_str(&line);
-        said.push('\n');
-    }
+    let lines = common::until_listening(&mut c);
     let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let l = log.clone();
     std::thread::spawn(move || {

@@ -285,7 +285,6 @@ pub fn have_qemu_nbd() -> bool {
 /// (it says so on stderr; probing the port instead could self-connect and
 /// steal it); the rest of its stderr is read and dropped.
 pub fn spawn_listening(args: &[&str]) -> Reaper {
-    use std::io::BufRead;
     fleet();
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
@@ -293,6 +292,17 @@ pub fn spawn_listening(args: &[&str]) -> Reaper {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let lines = until_listening(&mut c);
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+    Reaper(c)
+}
+
+/// Reads a `ferry run --incoming` child's stderr (piped) until it says it
+/// listens; the rest of its lines, for the caller to read or drop.
+pub fn until_listening(
+    c: &mut Child,
+) -> std::io::Lines<std::io::BufReader<std::process::ChildStderr>> {
+    use std::io::BufRead;
     let mut lines = std::io::BufReader::new(c.stderr.take().unwrap()).lines();
     let mut said = String::new();
     loop {
@@ -300,11 +310,9 @@ pub fn spawn_listening(args: &[&str]) -> Reaper {
             panic!("the destination ended before it listened; it said:\n{said}");
         };
         if line.contains("waiting for an incoming migration") {
-            break;
+            return lines;
         }
         said.push_str(&line);
         said.push('\n');
     }
-    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
-    Reaper(c)
 }
