@@ -1,5 +1,6 @@
 """What the benchmark drivers share: running ferry and the lab, waiting for
 VMMs, reading their reports, medians, and recording results."""
+import fcntl
 import os
 import sys
 
@@ -219,3 +220,22 @@ def write_md(path, lines):
     notes = kept_notes(path)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n" + notes)
+
+
+class LabLock:
+    """The lab's lock, held for one trial (`with LabLock(path):`; other users
+    of the lab get in between; no path: no lock)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        if self.path:
+            self.f = open(self.path, "a")
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.path:
+            fcntl.flock(self.f, fcntl.LOCK_UN)
+            self.f.close()

@@ -46,7 +46,6 @@ Usage: python3 bench/disk_shared.py [--runs 3] [--modes precopy,postcopy,hybrid]
        [--append] [--out bench/results/disk-shared]
 """
 import argparse
-import fcntl
 import json
 import os
 import platform
@@ -56,30 +55,12 @@ import threading
 import time
 
 import benchlib
-from benchlib import in_host, reap, sh
+from benchlib import LabLock, in_host, reap, sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC, DST, STORE = ("ferry-h1", "10.77.0.1"), ("ferry-h2", "10.77.0.2"), ("ferry-h3", "10.77.0.3")
 NBD = "nbd://10.77.0.3:10809/disk"
 MIB = 1 << 20
-
-
-class LabLock:
-    """The lab's lock for one trial (other lab users get in between)."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __enter__(self):
-        if self.path:
-            self.f = open(self.path, "a")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.path:
-            fcntl.flock(self.f, fcntl.LOCK_UN)
-            self.f.close()
 
 
 def disk_status(ferry, sock):

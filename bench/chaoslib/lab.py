@@ -1,5 +1,4 @@
 """Running trials on the lab: its lock, one trial, the witness's self-test."""
-import fcntl
 import os
 import shutil
 import subprocess
@@ -8,28 +7,10 @@ import time
 import traceback
 
 import benchlib
-from benchlib import in_host
+from benchlib import LabLock, in_host
 
 from .trial import Trial
 from .witness import Witness
-
-
-class LabLock:
-    """The lab's lock, taken per trial (other users of the lab get in between)."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __enter__(self):
-        if self.path:
-            self.f = open(self.path, "a")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.path:
-            fcntl.flock(self.f, fcntl.LOCK_UN)
-            self.f.close()
 
 
 def run_trial(a, seed, k, plan, tmp):
